@@ -1,0 +1,57 @@
+# One-command set-up: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv and install everything the project needs on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+HELM   := .tools/helm
+
+export TRITON_INTERPRET ?= 1
+export PYTHONUNBUFFERED := 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: all venv demo demo-admission test test-fast lint fmt helm bench-cpu clean
+
+all: test
+
+$(STAMP): pyproject.toml requirements-dev.txt setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned to the CPU build on disk, so nothing below pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(HELM): $(STAMP)
+	$(PY) scripts/get_helm.py $(HELM)
+
+helm: $(HELM)
+
+demo: $(STAMP)
+	$(PY) -m loraserve.runtime.demo
+
+demo-admission: $(STAMP)
+	$(PY) -m loraserve.operator.demo_admission
+
+test: $(STAMP) $(HELM)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .tools build dist *.egg-info .pytest_cache .ruff_cache
