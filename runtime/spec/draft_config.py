@@ -1,0 +1,112 @@
+"""The draft's own configuration, derived from the target's without touching it.
+
+A draft runs in the same process as the target but is a different model: its own path,
+its own load format, no LoRA pool (drafts never see adapters, which is what keeps one
+draft valid for every adapter). Everything else (dtype, device, context length, KV
+budget, graphs) follows the target, so the draft can hold every token the target holds.
+The target's :class:`RuntimeConfig` is deep-copied first and never mutated.
+"""
+
+from __future__ import annotations
+
+from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
+
+IMPLEMENTED = (SpecAlgorithm.NGRAM, SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3)
+"""Algorithms the speculative decoder runs (NEXTN resolves to EAGLE)."""
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative setting cannot run; ``field`` is its config path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def resolve_algorithm(algorithm: SpecAlgorithm | str) -> SpecAlgorithm:
+    """The algorithm that actually runs: NEXTN (a model's own next-n head) is EAGLE."""
+    algorithm = SpecAlgorithm(algorithm)
+    return SpecAlgorithm.EAGLE if algorithm is SpecAlgorithm.NEXTN else algorithm
+
+
+def validate_speculative(spec: SpeculativeConfig) -> SpecAlgorithm:
+    """Check the settings the decoder depends on; return the resolved algorithm.
+
+    Raises :class:`SpeculativeConfigError` naming the field and the fix.
+    """
+    try:
+        algorithm = resolve_algorithm(spec.algorithm)
+    except ValueError:
+        raise SpeculativeConfigError(
+            "speculative.algorithm", f"unknown speculative.algorithm {spec.algorithm!r}"
+        ) from None
+    if algorithm is SpecAlgorithm.NONE:
+        raise SpeculativeConfigError(
+            "speculative.algorithm", "speculative decoding is disabled (speculative.algorithm is NONE)"
+        )
+    if algorithm not in IMPLEMENTED:
+        names = ", ".join(a.value for a in (*IMPLEMENTED, SpecAlgorithm.NEXTN))
+        raise SpeculativeConfigError(
+            "speculative.algorithm",
+            f"speculative.algorithm {algorithm.value} is not implemented; use one of {names}",
+        )
+    if spec.top_k != 1:
+        raise SpeculativeConfigError(
+            "speculative.top_k", f"speculative.top_k must be 1 (chain drafts), got {spec.top_k}"
+        )
+    if spec.num_steps < 1:
+        raise SpeculativeConfigError(
+            "speculative.num_steps", f"speculative.num_steps must be >= 1, got {spec.num_steps}"
+        )
+    if spec.num_draft_tokens != spec.num_steps + 1:
+        raise SpeculativeConfigError(
+            "speculative.num_draft_tokens",
+            f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for "
+            f"chain drafts (the last committed token plus one draft per step), got {spec.num_draft_tokens}",
+        )
+    if RaggedVerify(spec.ragged_verify) is not RaggedVerify.STATIC:
+        raise SpeculativeConfigError(
+            "speculative.ragged_verify",
+            "speculative.ragged_verify must be 'static': every request verifies num_draft_tokens tokens, "
+            "so the batch's LoRA segments stay uniform",
+        )
+    if algorithm is SpecAlgorithm.NGRAM:
+        if spec.ngram_min < 1 or spec.ngram_max < spec.ngram_min:
+            raise SpeculativeConfigError(
+                "speculative.ngram_max",
+                f"need 1 <= speculative.ngram_min <= speculative.ngram_max, got "
+                f"{spec.ngram_min}..{spec.ngram_max}",
+            )
+    elif not spec.draft_model_path:
+        raise SpeculativeConfigError(
+            "speculative.draft_model_path",
+            f"speculative.algorithm {algorithm.value} needs speculative.draft_model_path "
+            "(a local directory with the draft's config.json and safetensors)",
+        )
+    return algorithm
+
+
+def build_draft_config(target: RuntimeConfig, *, context_length: int | None = None) -> RuntimeConfig:
+    """The draft model's own :class:`RuntimeConfig`; ``target`` is left untouched.
+
+    ``context_length``: the target's resolved context length (its model's maximum when
+    the configuration leaves it unset); the draft follows it so that every position the
+    target can reach, the draft can too.
+    """
+    validate_speculative(target.speculative)
+    draft = target.copy()
+    spec = draft.speculative
+    if spec.draft_model_path:
+        draft.model.path = spec.draft_model_path
+    draft.model.architecture = spec.draft_model_architecture
+    draft.model.revision = None
+    draft.model.served_name = None
+    draft.model.context_length = context_length if context_length is not None else target.model.context_length
+    if hasattr(draft.model, "load_format"):
+        draft.model.load_format = spec.draft_load_format
+    # No adapters in the draft: one draft serves every adapter, and its proposals must not
+    # depend on which adapters happen to be loaded.
+    draft.lora.enabled = False
+    draft.lora.adapters = {}
+    draft.lora.pinned = ()
+    return draft

@@ -1,0 +1,104 @@
+"""The draft's configuration is its own copy; bad speculative settings name their field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loraserve.runtime.config import RaggedVerify, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.spec.draft_config import (
+    SpeculativeConfigError,
+    build_draft_config,
+    resolve_algorithm,
+    validate_speculative,
+)
+
+
+def _target() -> RuntimeConfig:
+    config = RuntimeConfig()
+    config.model.path = "/models/target"
+    config.model.served_name = "base"
+    config.model.context_length = 4096
+    config.lora.adapters = {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    config.lora.pinned = ("sql",)
+    config.speculative.algorithm = SpecAlgorithm.EAGLE3
+    config.speculative.draft_model_path = "/models/eagle3"
+    config.speculative.draft_load_format = "dummy"
+    return config
+
+
+def test_target_is_unchanged_and_never_aliased():
+    target = _target()
+    before = target.to_dict()
+    draft = build_draft_config(target)
+    assert target.to_dict() == before
+    # Mutating every nested part of the draft leaves the target alone.
+    draft.lora.adapters["x"] = "/y"
+    draft.speculative.num_steps = 9
+    draft.scheduler.max_running_requests = 1
+    draft.model.path = "/elsewhere"
+    assert target.to_dict() == before
+    for part in dataclasses.fields(RuntimeConfig):
+        value = getattr(target, part.name)
+        if dataclasses.is_dataclass(value):
+            assert getattr(draft, part.name) is not value
+
+
+def test_draft_takes_its_own_model_and_no_adapters():
+    target = _target()
+    draft = build_draft_config(target, context_length=8192)
+    assert draft.model.path == target.speculative.draft_model_path
+    assert draft.model.served_name is None
+    assert draft.model.context_length == 8192
+    assert draft.model.dtype == target.model.dtype
+    assert draft.lora.enabled is False and draft.lora.adapters == {} and draft.lora.pinned == ()
+    assert target.lora.enabled is True
+    if hasattr(draft.model, "load_format"):
+        assert draft.model.load_format == "dummy"
+        assert target.model.load_format != "dummy"
+
+
+def test_context_length_follows_the_target_when_not_given():
+    target = _target()
+    assert build_draft_config(target).model.context_length == target.model.context_length
+
+
+def test_ngram_needs_no_draft_path():
+    target = _target()
+    target.speculative.algorithm = SpecAlgorithm.NGRAM
+    target.speculative.draft_model_path = None
+    assert validate_speculative(target.speculative) is SpecAlgorithm.NGRAM
+
+
+def test_nextn_resolves_to_eagle():
+    assert resolve_algorithm(SpecAlgorithm.NEXTN) is SpecAlgorithm.EAGLE
+    assert resolve_algorithm("EAGLE3") is SpecAlgorithm.EAGLE3
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"top_k": 4}, "speculative.top_k"),
+        ({"num_draft_tokens": 8}, "speculative.num_draft_tokens"),
+        ({"num_steps": 0, "num_draft_tokens": 1}, "speculative.num_steps"),
+        ({"ragged_verify": RaggedVerify.DYNAMIC}, "speculative.ragged_verify"),
+        ({"draft_model_path": None}, "speculative.draft_model_path"),
+        ({"algorithm": SpecAlgorithm.DFLASH}, "speculative.algorithm"),
+        ({"algorithm": SpecAlgorithm.NONE}, "speculative.algorithm"),
+        ({"algorithm": SpecAlgorithm.NGRAM, "ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max"),
+    ],
+)
+def test_bad_settings_name_the_field(change, field):
+    target = _target()
+    before = target.to_dict()
+    for key, value in change.items():
+        setattr(target.speculative, key, value)
+    with pytest.raises(SpeculativeConfigError, match=field.split(".")[1]) as err:
+        build_draft_config(target)
+    assert err.value.field == field
+    # Nothing was half-applied: every field not changed above is as it was.
+    after = target.to_dict()
+    for key in change:
+        after["speculative"][key] = before["speculative"][key]
+    assert after == before
