@@ -1,0 +1,479 @@
+"""Adapter sources: resolve a ``lora_path`` into a local directory the LoRA manager reads.
+
+Accepted sources:
+
+- a plain path or ``file:///abs/path``: used in place;
+- ``pvc://<claim>/<path>``: ``<pvc_root>/<claim>/<path>``, where the serving pod mounts
+  each claim under ``pvc_root`` (``--pvc-root``, default ``/mnt/pvc``);
+- ``https://...``: an archive (``.tar``, ``.tar.gz``, ``.tgz``) holding the adapter, or a
+  directory URL under which ``adapter_config.json`` and ``adapter_model.safetensors`` are
+  fetched;
+- ``s3://<bucket>/<key>``: the same two shapes, fetched over plain HTTP(S) from
+  ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (default
+  ``https://s3.<AWS_REGION>.amazonaws.com``, path-style), signed with AWS Signature V4 when
+  ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and ``AWS_SESSION_TOKEN``) are set,
+  anonymous otherwise;
+- ``hf://<org>/<repo>[/<subfolder>][@<revision>]``: the two files from
+  ``$HF_ENDPOINT/<org>/<repo>/resolve/<revision>/...`` (default ``https://huggingface.co``,
+  revision ``main``), with ``Authorization: Bearer $HF_TOKEN`` when set.
+
+Remote sources are downloaded into a fresh temporary directory inside the adapter cache,
+verified, then renamed into place, so a crash or a bad checksum never leaves a partial
+adapter where the manager could read it. The cached directory is keyed by the source (and
+digest), so loading the same source twice downloads once.
+
+Digest (``sha256``): one canonical value per adapter whatever the transport, the SHA-256
+of the ``sha256sum`` listing of the adapter's two files::
+
+    cd ADAPTER_DIR && sha256sum adapter_config.json adapter_model.safetensors | sha256sum
+
+i.e. over the text ``"<hex>  adapter_config.json\\n<hex>  adapter_model.safetensors\\n"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import hashlib
+import hmac
+import os
+import re
+import shutil
+import ssl
+import tarfile
+import tempfile
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+class SourceError(Exception):
+    """An adapter source could not be resolved.
+
+    ``field`` is the request field at fault (``lora_path`` or ``sha256``). ``transient``
+    is true for failures worth retrying (network errors, 5xx, throttling); false when the
+    source itself is wrong (bad URL, missing file, checksum mismatch, 4xx).
+    """
+
+    def __init__(self, message: str, *, field: str = "lora_path", transient: bool = False) -> None:
+        super().__init__(message)
+        self.field = field
+        self.transient = transient
+
+
+@dataclass
+class SourceSettings:
+    """Where adapters are cached and how remote sources are reached."""
+
+    cache_dir: Path = Path("/tmp/loraserve-adapters")
+    pvc_root: Path = Path("/mnt/pvc")
+    max_bytes: int = 16 << 30  # a download larger than this is refused
+    timeout_s: float = 600.0
+    ca_file: str | None = None  # extra CA bundle for https sources (a private CA)
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass(frozen=True)
+class ParsedSource:
+    """A source string, parsed: ``scheme`` is one of file, pvc, https, http, s3, hf."""
+
+    scheme: str
+    raw: str
+    path: str = ""  # file/pvc: a path; s3: the key; hf: the subfolder
+    bucket: str = ""  # s3 bucket / pvc claim / hf repo id
+    revision: str = "main"
+
+    @property
+    def is_remote(self) -> bool:
+        return self.scheme in ("https", "http", "s3", "hf")
+
+    @property
+    def is_archive(self) -> bool:
+        tail = (self.path or self.raw).lower().split("?", 1)[0]
+        return tail.endswith(ARCHIVE_SUFFIXES)
+
+
+def parse_source(source: str, *, allow_http: bool = False) -> ParsedSource:
+    """Parse ``lora_path``; raise :class:`SourceError` naming what is wrong and the fix."""
+    if not isinstance(source, str) or not source.strip():
+        raise SourceError(
+            "lora_path must be a non-empty string (a path or a pvc://, https://, s3://, hf:// URI)"
+        )
+    source = source.strip()
+    if "://" not in source:
+        return ParsedSource("file", source, path=source)
+    scheme, rest = source.split("://", 1)
+    scheme = scheme.lower()
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise SourceError(f"lora_path {source!r}: file:// URIs need an absolute path (file:///dir)")
+        return ParsedSource("file", source, path=urllib.parse.unquote(rest))
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        if not claim or not path.strip("/"):
+            raise SourceError(f"lora_path {source!r}: use pvc://<claim>/<path inside the volume>")
+        _check_relative(path, source)
+        return ParsedSource("pvc", source, path=path.strip("/"), bucket=claim)
+    if scheme in ("https", "http"):
+        if scheme == "http" and not allow_http:
+            raise SourceError(f"lora_path {source!r}: plain http is refused; use https://")
+        parsed = urllib.parse.urlsplit(source)
+        if not parsed.hostname:
+            raise SourceError(f"lora_path {source!r}: the URL has no host")
+        return ParsedSource(scheme, source, path=parsed.path)
+    if scheme == "s3":
+        bucket, _, key = rest.partition("/")
+        if not bucket or not key.strip("/"):
+            raise SourceError(f"lora_path {source!r}: use s3://<bucket>/<key or prefix>")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+            raise SourceError(f"lora_path {source!r}: {bucket!r} is not a valid S3 bucket name")
+        _check_relative(key, source)
+        return ParsedSource("s3", source, path=key.strip("/"), bucket=bucket)
+    if scheme == "hf":
+        repo_part, _, revision = rest.partition("@")
+        parts = [p for p in repo_part.split("/") if p]
+        if len(parts) < 2:
+            raise SourceError(f"lora_path {source!r}: use hf://<org>/<repo>[/<subfolder>][@<revision>]")
+        if "@" in rest and not revision:
+            raise SourceError(f"lora_path {source!r}: empty revision after '@'")
+        sub = "/".join(parts[2:])
+        _check_relative(sub, source)
+        return ParsedSource("hf", source, path=sub, bucket="/".join(parts[:2]), revision=revision or "main")
+    raise SourceError(
+        f"lora_path {source!r}: unsupported scheme {scheme!r}; use a path, file://, pvc://, https://, s3:// or hf://"
+    )
+
+
+def _check_relative(path: str, source: str) -> None:
+    if any(part == ".." for part in path.split("/")):
+        raise SourceError(f"lora_path {source!r}: '..' is not allowed in the path")
+
+
+def check_sha256(value: object) -> str | None:
+    """Normalise an optional digest; raise naming ``sha256`` when malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _SHA256_RE.match(value.lower()):
+        raise SourceError("sha256 must be 64 hexadecimal characters", field="sha256")
+    return value.lower()
+
+
+def adapter_digest(directory: str | Path) -> str:
+    """The canonical digest of an adapter directory (see the module docstring)."""
+    directory = Path(directory)
+    listing = []
+    for name in ADAPTER_FILES:
+        path = directory / name
+        if not path.is_file():
+            raise SourceError(f"adapter directory {str(directory)!r} has no {name}")
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        listing.append(f"{h.hexdigest()}  {name}\n")
+    return hashlib.sha256("".join(listing).encode()).hexdigest()
+
+
+def verify_digest(directory: Path, expected: str | None) -> None:
+    if expected is None:
+        return
+    actual = adapter_digest(directory)
+    if actual != expected:
+        raise SourceError(
+            f"sha256 mismatch: the adapter's digest is {actual}, the request expects {expected}. "
+            "Compute it with: sha256sum adapter_config.json adapter_model.safetensors | sha256sum",
+            field="sha256",
+        )
+
+
+def _check_adapter_dir(directory: Path, source: str) -> None:
+    missing = [n for n in ADAPTER_FILES if not (directory / n).is_file()]
+    if missing:
+        raise SourceError(f"lora_path {source!r}: {str(directory)!r} has no {', '.join(missing)}")
+
+
+async def resolve_source(source: str, settings: SourceSettings, *, sha256: str | None = None) -> Path:
+    """Return a local directory holding the adapter named by ``source``, verified.
+
+    Raises :class:`SourceError`. Local sources are used in place; remote ones land in the
+    cache atomically (see the module docstring).
+    """
+    sha256 = check_sha256(sha256)
+    allow_http = settings.env.get("LORASERVE_ALLOW_HTTP_SOURCES", "") == "1"
+    parsed = parse_source(source, allow_http=allow_http)
+    if parsed.scheme in ("file", "pvc"):
+        directory = _local_dir(parsed, settings)
+        _check_adapter_dir(directory, source)
+        await asyncio.to_thread(verify_digest, directory, sha256)
+        return directory
+    key = hashlib.sha256(f"{parsed.raw}\0{sha256 or ''}".encode()).hexdigest()[:24]
+    final = Path(settings.cache_dir) / key
+    if (final / ".complete").is_file():
+        await asyncio.to_thread(verify_digest, final, sha256)
+        return final
+    Path(settings.cache_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=settings.cache_dir))
+    try:
+        adapter_dir = await _download(parsed, tmp, settings)
+        _check_adapter_dir(adapter_dir, source)
+        await asyncio.to_thread(verify_digest, adapter_dir, sha256)
+        (adapter_dir / ".complete").write_text(source + "\n")
+        if final.exists():  # a stale, incomplete leftover
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(adapter_dir, final)
+        except OSError:
+            if not (final / ".complete").is_file():  # lost a race to nothing usable
+                raise
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _local_dir(parsed: ParsedSource, settings: SourceSettings) -> Path:
+    if parsed.scheme == "file":
+        directory = Path(parsed.path).expanduser()
+    else:
+        root = (Path(settings.pvc_root) / parsed.bucket).resolve()
+        directory = (root / parsed.path).resolve()
+        if root != directory and root not in directory.parents:
+            raise SourceError(f"lora_path {parsed.raw!r} points outside the volume's mount")
+        if not root.is_dir():
+            raise SourceError(
+                f"lora_path {parsed.raw!r}: volume {parsed.bucket!r} is not mounted at {str(root)!r}; "
+                "mount the claim there or set --pvc-root"
+            )
+    if not directory.is_dir():
+        raise SourceError(f"lora_path {parsed.raw!r}: directory {str(directory)!r} does not exist")
+    return directory
+
+
+# --- remote sources -------------------------------------------------------------------------
+
+
+@dataclass
+class _Fetch:
+    url: str
+    headers: dict[str, str]
+
+
+def s3_endpoint(env: Mapping[str, str]) -> str:
+    """The S3 endpoint: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or AWS for the region."""
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        return endpoint.rstrip("/")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return f"https://s3.{region}.amazonaws.com"
+
+
+def s3_request(
+    bucket: str, key: str, env: Mapping[str, str], *, now: _dt.datetime | None = None
+) -> tuple[str, dict[str, str]]:
+    """URL and headers of a GET for one object (path-style), SigV4-signed when keyed."""
+    endpoint = s3_endpoint(env)
+    quoted_key = urllib.parse.quote(key, safe="/-_.~")
+    url = f"{endpoint}/{bucket}/{quoted_key}"
+    access, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if not access or not secret:
+        return url, {}
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    headers = {"x-amz-content-sha256": "UNSIGNED-PAYLOAD"}
+    if env.get("AWS_SESSION_TOKEN"):
+        headers["x-amz-security-token"] = env["AWS_SESSION_TOKEN"]
+    headers = sigv4_sign("GET", url, headers, access, secret, region, "s3", now=now)
+    return url, headers
+
+
+def sigv4_sign(
+    method: str,
+    url: str,
+    headers: Mapping[str, str],
+    access_key: str,
+    secret_key: str,
+    region: str,
+    service: str,
+    *,
+    payload_hash: str | None = None,
+    now: _dt.datetime | None = None,
+) -> dict[str, str]:
+    """AWS Signature Version 4: return ``headers`` plus host, x-amz-date and Authorization.
+
+    ``payload_hash`` defaults to the ``x-amz-content-sha256`` header. Query parameters are
+    canonicalised (sorted, RFC 3986-encoded) as the specification requires.
+    """
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    date = now.strftime("%Y%m%d")
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc
+    out = {k: v for k, v in headers.items()}
+    out["host"] = host
+    out["x-amz-date"] = amz_date
+    if payload_hash is None:
+        payload_hash = out.get("x-amz-content-sha256", hashlib.sha256(b"").hexdigest())
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    canonical_query = "&".join(
+        f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}" for k, v in sorted(query)
+    )
+    lowered = {k.lower().strip(): " ".join(str(v).split()) for k, v in out.items()}
+    signed = sorted(lowered)
+    canonical_headers = "".join(f"{k}:{lowered[k]}\n" for k in signed)
+    signed_headers = ";".join(signed)
+    canonical_request = "\n".join(
+        [method, parts.path or "/", canonical_query, canonical_headers, signed_headers, payload_hash]
+    )
+    scope = f"{date}/{region}/{service}/aws4_request"
+    to_sign = "\n".join(
+        ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest()]
+    )
+    key = f"AWS4{secret_key}".encode()
+    for part in (date, region, service, "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    out["Authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={signed_headers}, Signature={signature}"
+    )
+    return out
+
+
+def hf_request(repo: str, revision: str, filename: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """URL and headers for one file of a Hugging Face repository at a revision."""
+    endpoint = (env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/{urllib.parse.quote(filename)}"
+    token = env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN")
+    return url, ({"Authorization": f"Bearer {token}"} if token else {})
+
+
+def _fetches(parsed: ParsedSource, env: Mapping[str, str]) -> list[tuple[str, _Fetch]]:
+    """(local file name, request) pairs for a remote source."""
+    if parsed.scheme in ("https", "http"):
+        if parsed.is_archive:
+            return [("archive", _Fetch(parsed.raw, {}))]
+        base = parsed.raw.split("?", 1)[0].rstrip("/")
+        return [(name, _Fetch(f"{base}/{name}", {})) for name in ADAPTER_FILES]
+    if parsed.scheme == "s3":
+        if parsed.is_archive:
+            url, headers = s3_request(parsed.bucket, parsed.path, env)
+            return [("archive", _Fetch(url, headers))]
+        out = []
+        for name in ADAPTER_FILES:
+            url, headers = s3_request(parsed.bucket, f"{parsed.path}/{name}", env)
+            out.append((name, _Fetch(url, headers)))
+        return out
+    if parsed.scheme == "hf":
+        out = []
+        for name in ADAPTER_FILES:
+            filename = f"{parsed.path}/{name}" if parsed.path else name
+            url, headers = hf_request(parsed.bucket, parsed.revision, filename, env)
+            out.append((name, _Fetch(url, headers)))
+        return out
+    raise AssertionError(parsed.scheme)
+
+
+async def _download(parsed: ParsedSource, tmp: Path, settings: SourceSettings) -> Path:
+    """Fetch a remote source into ``tmp``; return the directory holding the adapter files."""
+    timeout = aiohttp.ClientTimeout(total=settings.timeout_s, sock_connect=30)
+    files_dir = tmp / "files"
+    files_dir.mkdir()
+    connector = None
+    if settings.ca_file:
+        connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=settings.ca_file))
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=True, connector=connector) as session:
+        for name, fetch in _fetches(parsed, settings.env):
+            await _fetch_to(session, fetch, files_dir / name, parsed.raw, settings.max_bytes)
+    if (files_dir / "archive").is_file():
+        extracted = tmp / "extracted"
+        await asyncio.to_thread(
+            _safe_extract, files_dir / "archive", extracted, parsed.raw, settings.max_bytes
+        )
+        return _find_adapter_dir(extracted, parsed.raw)
+    return files_dir
+
+
+async def _fetch_to(
+    session: aiohttp.ClientSession, fetch: _Fetch, dest: Path, source: str, max_bytes: int
+) -> None:
+    shown = fetch.url.split("?", 1)[0]
+    try:
+        async with session.get(fetch.url, headers=fetch.headers, allow_redirects=True) as resp:
+            if resp.status != 200:
+                body = (await resp.content.read(512)).decode("utf-8", "replace").strip()
+                transient = resp.status >= 500 or resp.status in (408, 429)
+                hint = {
+                    401: "check the credentials",
+                    403: "check the credentials and the object's permissions",
+                    404: "check the path and revision",
+                }.get(resp.status, "")
+                raise SourceError(
+                    f"lora_path {source!r}: GET {shown} answered {resp.status}"
+                    + (f" ({hint})" if hint else "")
+                    + (f": {body[:200]}" if body else ""),
+                    transient=transient,
+                )
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                raise SourceError(
+                    f"lora_path {source!r}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit"
+                )
+            written = 0
+            with dest.open("wb") as f:
+                async for chunk in resp.content.iter_chunked(_CHUNK):
+                    written += len(chunk)
+                    if written > max_bytes:
+                        raise SourceError(f"lora_path {source!r}: {shown} exceeds the {max_bytes}-byte limit")
+                    f.write(chunk)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise SourceError(
+            f"lora_path {source!r}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
+        ) from exc
+
+
+def _safe_extract(archive: Path, dest: Path, source: str, max_bytes: int) -> None:
+    """Extract regular files and directories only, never outside ``dest``."""
+    dest.mkdir()
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            total = 0
+            members = []
+            for m in tar.getmembers():
+                if not (m.isfile() or m.isdir()):
+                    raise SourceError(
+                        f"lora_path {source!r}: the archive holds a link or device ({m.name!r}); refused"
+                    )
+                if m.name.startswith("/") or ".." in Path(m.name).parts:
+                    raise SourceError(
+                        f"lora_path {source!r}: the archive member {m.name!r} escapes the archive"
+                    )
+                total += m.size
+                if total > max_bytes:
+                    raise SourceError(
+                        f"lora_path {source!r}: the archive unpacks past the {max_bytes}-byte limit"
+                    )
+                members.append(m)
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise SourceError(f"lora_path {source!r}: not a readable tar archive: {exc}") from exc
+
+
+def _find_adapter_dir(root: Path, source: str) -> Path:
+    found = sorted({p.parent for p in root.rglob(ADAPTER_FILES[0])})
+    if not found:
+        raise SourceError(f"lora_path {source!r}: the archive holds no {ADAPTER_FILES[0]}")
+    if len(found) > 1:
+        rels = ", ".join(str(p.relative_to(root)) for p in found)
+        raise SourceError(f"lora_path {source!r}: the archive holds several adapters ({rels}); pack one")
+    return found[0]
+
+
+def resolve_source_sync(source: str, settings: SourceSettings, *, sha256: str | None = None) -> Path:
+    """:func:`resolve_source` for callers outside an event loop (start-up)."""
+    with contextlib.closing(asyncio.new_event_loop()) as loop:
+        return loop.run_until_complete(resolve_source(source, settings, sha256=sha256))
