@@ -1,0 +1,423 @@
+"""Typed models of the LoRAServe and Adapter custom resources (``loraserve.io/v1alpha1``).
+
+The CRDs in ``crds/`` are the API; these pydantic models mirror them field for field
+(camelCase aliases, the same defaults, enums and bounds, checked by the CRD tests) so that
+operator code reads a typed spec instead of nested dicts. Rules that span several fields
+live in the CRDs' CEL rules and in the compatibility policy (``loraserve.runtime.policy``),
+not here: a model here only says what each field is.
+
+Parse with :func:`parse_loraserve_spec` / :func:`parse_adapter_spec` (errors name the
+user's field, e.g. ``spec.lora.maxRank``) and write status with ``model.to_dict()``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from loraserve.runtime.config import DEFAULT_LORA_MODULES, LORA_MODULES, RaggedVerify, SpecAlgorithm
+
+GROUP = "loraserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+LORASERVE_KIND = "LoRAServe"
+LORASERVE_PLURAL = "loraserves"
+ADAPTER_KIND = "Adapter"
+ADAPTER_PLURAL = "adapters"
+
+SOURCE_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/\S+|/\S*|https://\S+|s3://[^/\s]+/\S+|hf://[^@\s]+(@[^@\s]+)?)$"
+"""Where model and adapter files come from: ``pvc://<claim>/<path>``, an absolute path in the
+pod, ``https://...``, ``s3://<bucket>/<key>`` or ``hf://<repo>[@<revision>]``."""
+
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+QUANTITY_PATTERN = r"^([1-9][0-9]*(\.[0-9]+)?|0\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[kMGTPE])?$"
+"""A positive Kubernetes quantity such as ``20Gi`` or ``500M``."""
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+SOURCE_MESSAGE = (
+    "must be pvc://<claim>/<path>, an absolute path, https://<url>, s3://<bucket>/<key> "
+    "or hf://<repo>[@<revision>]"
+)
+SHA256_MESSAGE = "must be 64 lowercase hex characters (the output of sha256sum)"
+
+
+def _matching(pattern: str, message: str):
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.match(value):
+            raise PydanticCustomError("value_format", message)
+        return value
+
+    return AfterValidator(check)
+
+
+SourceURI = Annotated[str, Field(max_length=2048), _matching(SOURCE_PATTERN, SOURCE_MESSAGE)]
+Sha256 = Annotated[str, _matching(SHA256_PATTERN, SHA256_MESSAGE)]
+
+
+class _Spec(BaseModel):
+    """Common configuration: camelCase names on the wire, snake_case in Python."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        # The API server prunes unknown fields; an operator older than its CRD must still
+        # read the fields it knows.
+        extra="ignore",
+        use_enum_values=False,
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, enums as values, unset optionals left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------- LoRAServe spec
+
+
+class ModelSpec(_Spec):
+    """The base (target) model every request runs on."""
+
+    source: SourceURI
+    revision: str | None = Field(default=None, max_length=256)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    context_length: int | None = Field(default=None, ge=1)
+    served_name: str | None = Field(default=None, max_length=256)
+    architecture: str | None = Field(default=None, max_length=128)
+
+
+class DraftModelSpec(_Spec):
+    """The speculative draft model (loaded without adapters)."""
+
+    source: SourceURI
+    revision: str | None = Field(default=None, max_length=256)
+    architecture: str | None = Field(default=None, max_length=128)
+
+
+class NgramSpec(_Spec):
+    """Prompt-lookup (NGRAM) matching window."""
+
+    min_match: int = Field(default=1, ge=1)
+    max_match: int = Field(default=4, ge=1)
+
+
+class SpeculativeSpec(_Spec):
+    """Speculative decoding: a draft proposes tokens, the target verifies with each adapter."""
+
+    algorithm: SpecAlgorithm = SpecAlgorithm.NONE
+    draft_model: DraftModelSpec | None = None
+    num_steps: int = Field(default=3, ge=1)
+    top_k: int = Field(default=1, ge=1)
+    num_draft_tokens: int | None = Field(default=None, ge=2)
+    adaptive: bool = False
+    ragged_verify: RaggedVerify = RaggedVerify.STATIC
+    draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
+
+
+class LoRASpec(_Spec):
+    """The LoRA adapter pool of each replica."""
+
+    enabled: bool = True
+    max_loras_per_batch: int = Field(default=8, ge=1)
+    max_loaded_loras: int = Field(default=32, ge=1)
+    max_rank: int = Field(default=64, ge=1)
+    target_modules: list[Literal[LORA_MODULES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(DEFAULT_LORA_MODULES), min_length=1, max_length=len(LORA_MODULES)
+    )
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    overlap_loading: bool = False
+
+
+class CudaGraphSpec(_Spec):
+    enabled: bool = False
+    max_batch_size: int = Field(default=64, ge=1)
+
+
+class EnvVar(_Spec):
+    """A container environment variable (``valueFrom`` as in a Pod spec)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class RuntimeSpec(_Spec):
+    """Knobs of the runtime process and its container."""
+
+    overlap_schedule: bool = False
+    two_batch_overlap: bool = False
+    cuda_graph: CudaGraphSpec = Field(default_factory=CudaGraphSpec)
+    max_running_requests: int = Field(default=64, ge=1)
+    max_total_tokens: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int = Field(default=2048, ge=1)
+    max_prefill_tokens: int = Field(default=8192, ge=1)
+    kv_memory_fraction: float = Field(default=0.85, gt=0, le=1)
+    image: str | None = Field(default=None, max_length=512)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    extra_args: list[str] = Field(default_factory=list, max_length=128)
+
+
+class ResourceRequirements(_Spec):
+    """Container resources beyond GPUs (GPUs come from ``spec.gpus``)."""
+
+    limits: dict[str, int | str] | None = None
+    requests: dict[str, int | str] | None = None
+
+
+class Toleration(_Spec):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(_Spec):
+    """Where replicas may run."""
+
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    affinity: dict[str, Any] | None = None
+    """A Pod ``affinity`` object, passed through as written."""
+
+
+class VolumeType(str, enum.Enum):
+    EMPTY_DIR = "EmptyDir"
+    PERSISTENT_VOLUME_CLAIM = "PersistentVolumeClaim"
+
+
+class _VolumeSpec(_Spec):
+    """A volume the runtime pod mounts: an existing claim, or a per-pod emptyDir."""
+
+    type: VolumeType = VolumeType.EMPTY_DIR
+    claim_name: str | None = Field(default=None, max_length=253)
+    """The existing PersistentVolumeClaim to mount (type PersistentVolumeClaim only)."""
+    mount_path: str
+    size: str | None = Field(default=None, pattern=QUANTITY_PATTERN, max_length=32)
+    """The emptyDir's sizeLimit (type EmptyDir only)."""
+    read_only: bool = False
+
+
+class ModelsVolumeSpec(_VolumeSpec):
+    mount_path: str = Field(default="/models", pattern=r"^/", max_length=1024)
+
+
+class AdaptersVolumeSpec(_VolumeSpec):
+    mount_path: str = Field(default="/adapters", pattern=r"^/", max_length=1024)
+
+
+class StorageSpec(_Spec):
+    """Volumes for base/draft model files and for adapter files."""
+
+    models: ModelsVolumeSpec = Field(default_factory=ModelsVolumeSpec)
+    adapters: AdaptersVolumeSpec = Field(default_factory=AdaptersVolumeSpec)
+
+
+class ServiceSpec(_Spec):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class LoRAServeSpec(_Spec):
+    """``LoRAServe.spec``: one base model, its speculative draft, its adapter pool."""
+
+    model: ModelSpec
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
+    lora: LoRASpec = Field(default_factory=LoRASpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    replicas: int = Field(default=1, ge=0)
+    gpus: int = Field(default=1, ge=0)
+    """GPUs per replica; also the tensor-parallel size. 0 runs on CPU."""
+    resources: ResourceRequirements | None = None
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+    admin_token_secret_name: str | None = Field(default=None, max_length=253)
+    """Secret (key ``token``) holding the bearer token of the runtime's admin API."""
+
+
+# --------------------------------------------------------------------------- LoRAServe status
+
+
+class ConditionType(str, enum.Enum):
+    COMPATIBLE = "Compatible"
+    PROGRESSING = "Progressing"
+    AVAILABLE = "Available"
+    DEGRADED = "Degraded"
+
+
+class ConditionStatus(str, enum.Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_Spec):
+    type: str
+    status: ConditionStatus
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class LoRAServePhase(str, enum.Enum):
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    RUNNING = "Running"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class EffectiveSpeculative(_Spec):
+    """What the runtime actually runs after policy resolution (e.g. NEXTN -> EAGLE)."""
+
+    algorithm: SpecAlgorithm
+    requested_algorithm: SpecAlgorithm | None = None
+    num_steps: int | None = None
+    top_k: int | None = None
+    num_draft_tokens: int | None = None
+    adaptive: bool | None = None
+    ragged_verify: RaggedVerify | None = None
+
+
+class LoRAServeStatus(_Spec):
+    observed_generation: int | None = None
+    phase: LoRAServePhase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    selector: str | None = None
+    """Label selector of the runtime pods, for the scale subresource."""
+    effective: EffectiveSpeculative | None = None
+    warnings: list[str] = Field(default_factory=list)
+    adapters: int | None = None
+
+
+# --------------------------------------------------------------------------- Adapter
+
+
+class PlacementMode(str, enum.Enum):
+    ALL = "All"
+    REPLICAS = "Replicas"
+
+
+class PlacementSpec(_Spec):
+    """On which replicas of the serve the adapter is loaded."""
+
+    mode: PlacementMode = PlacementMode.ALL
+    replicas: int | None = Field(default=None, ge=1)
+    """How many replicas load the adapter (mode Replicas only)."""
+
+
+class AdapterSpec(_Spec):
+    """``Adapter.spec``: one LoRA adapter served by one LoRAServe of the same namespace."""
+
+    serve: str = Field(min_length=1, max_length=253)
+    source: SourceURI
+    sha256: Sha256 | None = None
+    rank: int | None = Field(default=None, ge=1)
+    """Declared rank, checked against the serve now and against the file at load time."""
+    target_modules: list[Literal[LORA_MODULES]] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=len(LORA_MODULES)
+    )
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    pinned: bool = False
+    """Keep the adapter in a GPU slot even when idle."""
+
+
+class AdapterPodState(str, enum.Enum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    LOADED = "Loaded"
+    FAILED = "Failed"
+
+
+class AdapterPodStatus(_Spec):
+    pod: str
+    pod_ip: str | None = Field(default=None, alias="podIP")
+    state: AdapterPodState
+    message: str | None = None
+    time: str | None = None
+
+
+class AdapterPhase(str, enum.Enum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class AdapterStatus(_Spec):
+    observed_generation: int | None = None
+    phase: AdapterPhase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    rank: int | None = None
+    target_modules: list[str] | None = None
+    pods: list[AdapterPodStatus] = Field(default_factory=list)
+    loaded_replicas: int | None = None
+    warnings: list[str] = Field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class SpecError(ValueError):
+    """A resource's spec does not parse; ``problems`` name each field as the user wrote it."""
+
+    def __init__(self, kind: str, problems: list[str]) -> None:
+        self.kind = kind
+        self.problems = problems
+        super().__init__(f"invalid {kind}: " + "; ".join(problems))
+
+
+def _field_path(prefix: str, loc: tuple[int | str, ...]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.startswith(("literal[", "function-")):
+            continue  # pydantic's union-branch labels, not user fields
+        else:
+            path += f".{part}"
+    return path
+
+
+def _problems(error: ValidationError, prefix: str) -> list[str]:
+    return [f"{_field_path(prefix, tuple(e['loc']))}: {e['msg']}" for e in error.errors()]
+
+
+def parse_loraserve_spec(spec: dict[str, Any] | None) -> LoRAServeSpec:
+    """Parse ``LoRAServe.spec``; raises :class:`SpecError` naming every bad field."""
+    try:
+        return LoRAServeSpec.model_validate(spec or {})
+    except ValidationError as error:
+        raise SpecError(LORASERVE_KIND, _problems(error, "spec")) from None
+
+
+def parse_adapter_spec(spec: dict[str, Any] | None) -> AdapterSpec:
+    """Parse ``Adapter.spec``; raises :class:`SpecError` naming every bad field."""
+    try:
+        return AdapterSpec.model_validate(spec or {})
+    except ValidationError as error:
+        raise SpecError(ADAPTER_KIND, _problems(error, "spec")) from None
+
+
+def parse_loraserve_status(status: dict[str, Any] | None) -> LoRAServeStatus:
+    return LoRAServeStatus.model_validate(status or {})
+
+
+def parse_adapter_status(status: dict[str, Any] | None) -> AdapterStatus:
+    return AdapterStatus.model_validate(status or {})
