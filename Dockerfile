@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# One image for both processes of LoRAServe:
+#   loraserve-runtime   the serving process (GPU), started by the operator's Deployments
+#   loraserve-operator  the Kubernetes operator and its admission webhook (the Helm chart)
+# The base brings CUDA and a CUDA build of torch (with its triton); the project adds the rest.
+
+ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+
+FROM ${BASE_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY operator ./operator
+COPY runtime ./runtime
+COPY kernels ./kernels
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${BASE_IMAGE}
+ARG VERSION=0.1.0
+ARG UID=10001
+LABEL org.opencontainers.image.title="loraserve" \
+      org.opencontainers.image.description="Many LoRA adapters on one base model, with speculative decoding" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.loraserve.entrypoints="loraserve-runtime loraserve-operator"
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/cache \
+    TRITON_CACHE_DIR=/cache/triton \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor
+
+# torch is already in the base (CUDA build); pip keeps it because it satisfies torch>=2.4.
+COPY --from=build /wheels /wheels
+RUN set -eux; \
+    wheel="$(ls /wheels/loraserve-*.whl)"; \
+    python -m pip install --no-cache-dir "${wheel}[operator]"; \
+    rm -rf /wheels; \
+    command -v loraserve-runtime; \
+    command -v loraserve-operator; \
+    python -c "import loraserve.runtime, loraserve.kernels, loraserve.operator"
+
+# A fixed numeric non-root user, so Kubernetes can enforce runAsNonRoot; group 0 keeps
+# the image usable where the platform picks the user id (files stay group-writable).
+RUN set -eux; \
+    useradd --uid "${UID}" --gid 0 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin loraserve; \
+    mkdir -p /cache /models /adapters; \
+    chown -R "${UID}:0" /cache /models /adapters; \
+    chmod -R g=u /cache /models /adapters
+USER 10001
+WORKDIR /tmp
+
+# runtime API and metrics / operator webhook / operator health
+EXPOSE 8000 9443 8080
+
+# The runtime is the default; the chart runs the operator with `command: [loraserve-operator]`.
+ENTRYPOINT []
+CMD ["loraserve-runtime", "--help"]

@@ -1,0 +1,164 @@
+"""HTTP client for one runtime pod's admin API, as the operator uses it.
+
+The operator never moves adapter bytes: it asks a pod to load an adapter from a source URI
+(the runtime fetches and verifies it) and asks it what it holds. Every failure is raised
+as :class:`RuntimeCallError` carrying whether it is the adapter's fault (the runtime
+answered 4xx: bad rank, wrong shapes, checksum, missing file) or transient (connection
+refused, timeout, 5xx, 429, not ready yet), because the two are retried differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+# 4xx answers that describe the pod or the call, not the adapter: retrying may succeed.
+_TRANSIENT_4XX = frozenset({401, 403, 408, 425, 429})
+"""401/403: the token Secret and the pod disagree for a moment (a pod started before the
+Secret was mounted). 408/425/429: slow down."""
+
+
+class RuntimeCallError(Exception):
+    """An admin call to a runtime pod failed."""
+
+    def __init__(self, message: str, *, status: int | None = None, transient: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.transient = transient
+
+    @property
+    def adapter_fault(self) -> bool:
+        """The runtime rejected the adapter itself: retrying the same spec cannot help."""
+        return not self.transient
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """One adapter a pod reports in ``GET /v1/models``."""
+
+    name: str
+    source: str | None  # where it was loaded from, when the runtime says
+
+
+@dataclass(frozen=True)
+class PodModels:
+    """What one pod serves: the base model and its loaded adapters by name."""
+
+    base: str | None
+    adapters: dict[str, LoadedAdapter]
+
+
+def classify_status(status: int) -> bool:
+    """Whether an HTTP status from the admin API is transient (True) or the adapter's fault."""
+    if status >= 500:
+        return True
+    if 400 <= status < 500:
+        return status in _TRANSIENT_4XX
+    return True
+
+
+def error_message(status: int, body: str) -> str:
+    """The runtime's own message from an OpenAI-style error body, else the raw text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if data.get("message"):
+            return str(data["message"])
+    text = body.strip()
+    return f"HTTP {status}: {text[:500]}" if text else f"HTTP {status}"
+
+
+def parse_models(data: object) -> PodModels:
+    """Parse ``GET /v1/models``: entries with a ``parent`` are adapters, the rest base models."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise RuntimeCallError("GET /v1/models answered without a 'data' list", transient=True)
+    base: str | None = None
+    adapters: dict[str, LoadedAdapter] = {}
+    for entry in data["data"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        if entry.get("parent"):
+            root = entry.get("root")
+            adapters[entry["id"]] = LoadedAdapter(name=entry["id"], source=root if isinstance(root, str) else None)
+        elif base is None:
+            base = entry["id"]
+    return PodModels(base=base, adapters=adapters)
+
+
+class RuntimeClient:
+    """Admin calls to one runtime pod at ``base_url`` (``http://<podIP>:<port>``)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        token: str | None,
+        *,
+        request_timeout_s: float = 600.0,
+        probe_timeout_s: float = 10.0,
+    ) -> None:
+        self._session = session
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._request_timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+
+    async def _call(
+        self, method: str, path: str, *, body: dict | None = None, timeout: aiohttp.ClientTimeout
+    ) -> object:
+        url = self.base_url + path
+        try:
+            async with self._session.request(
+                method, url, json=body, headers=self._headers, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise RuntimeCallError(
+                        f"{method} {path}: {error_message(resp.status, text)}",
+                        status=resp.status,
+                        transient=classify_status(resp.status),
+                    )
+                try:
+                    return json.loads(text) if text else None
+                except ValueError:
+                    return text
+        except RuntimeCallError:
+            raise
+        except asyncio.TimeoutError:
+            raise RuntimeCallError(f"{method} {url}: no answer within {timeout.total:g} s", transient=True) from None
+        except aiohttp.ClientError as exc:
+            raise RuntimeCallError(f"{method} {url}: {exc}", transient=True) from None
+
+    async def models(self) -> PodModels:
+        """``GET /v1/models``: the base model and every adapter the pod holds."""
+        return parse_models(await self._call("GET", "/v1/models", timeout=self._probe_timeout))
+
+    async def load(self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False) -> None:
+        """``POST /v1/load_lora_adapter``; the runtime fetches ``source`` and checks ``sha256``."""
+        body: dict[str, object] = {"lora_name": name, "lora_path": source}
+        if sha256:
+            body["sha256"] = sha256
+        if pinned:
+            body["pinned"] = True
+        await self._call("POST", "/v1/load_lora_adapter", body=body, timeout=self._request_timeout)
+
+    async def unload(self, name: str) -> bool:
+        """``POST /v1/unload_lora_adapter``; False when the pod did not hold it."""
+        try:
+            await self._call("POST", "/v1/unload_lora_adapter", body={"lora_name": name}, timeout=self._probe_timeout)
+        except RuntimeCallError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
