@@ -12,13 +12,16 @@ export TRITON_INTERPRET ?= 1
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
+# The top-level folder operator/ would shadow the standard library's `operator` for any
+# `python -m` run from the repository root: never put the working directory on sys.path.
+export PYTHONSAFEPATH := 1
 
 .PHONY: all venv demo demo-admission test test-fast lint fmt helm bench-cpu clean
 
 all: test
 
 $(STAMP): pyproject.toml requirements-dev.txt setup.py
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -P -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned to the CPU build on disk, so nothing below pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
