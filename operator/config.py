@@ -34,6 +34,9 @@ class OperatorConfig:
     peering_name: str | None = None
     """kopf peering object name; None: standalone (one replica)."""
     peering_clusterwide: bool = True
+    peering_lifetime_s: int = 60
+    log_level: str = "info"
+    """debug, info or warning."""
     adapter_backoff_base_s: float = 5.0
     """Transient adapter-load failures wait ``base * 2**n`` seconds before try n+1."""
     adapter_backoff_cap_s: float = 300.0
@@ -73,6 +76,8 @@ class OperatorConfig:
             problems.append(
                 f"runtime_image_pull_policy must be Always, IfNotPresent or Never, got {self.runtime_image_pull_policy!r}"
             )
+        if self.log_level not in ("debug", "info", "warning"):
+            problems.append(f"log_level must be debug, info or warning, got {self.log_level!r}")
         if problems:
             raise ConfigError("; ".join(problems))
 

@@ -9,7 +9,6 @@ refused, timeout, 5xx, 429, not ready yet), because the two are retried differen
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 
@@ -135,7 +134,7 @@ class RuntimeClient:
                     return text
         except RuntimeCallError:
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RuntimeCallError(f"{method} {url}: no answer within {timeout.total:g} s", transient=True) from None
         except aiohttp.ClientError as exc:
             raise RuntimeCallError(f"{method} {url}: {exc}", transient=True) from None
