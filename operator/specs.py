@@ -192,7 +192,7 @@ class SchedulingSpec(_Spec):
     """A Pod ``affinity`` object, passed through as written."""
 
 
-class VolumeType(str, enum.Enum):
+class VolumeType(enum.StrEnum):
     EMPTY_DIR = "EmptyDir"
     PERSISTENT_VOLUME_CLAIM = "PersistentVolumeClaim"
 
@@ -250,14 +250,14 @@ class LoRAServeSpec(_Spec):
 # --------------------------------------------------------------------------- LoRAServe status
 
 
-class ConditionType(str, enum.Enum):
+class ConditionType(enum.StrEnum):
     COMPATIBLE = "Compatible"
     PROGRESSING = "Progressing"
     AVAILABLE = "Available"
     DEGRADED = "Degraded"
 
 
-class ConditionStatus(str, enum.Enum):
+class ConditionStatus(enum.StrEnum):
     TRUE = "True"
     FALSE = "False"
     UNKNOWN = "Unknown"
@@ -272,7 +272,7 @@ class Condition(_Spec):
     observed_generation: int | None = None
 
 
-class LoRAServePhase(str, enum.Enum):
+class LoRAServePhase(enum.StrEnum):
     PENDING = "Pending"
     PROGRESSING = "Progressing"
     RUNNING = "Running"
@@ -308,7 +308,7 @@ class LoRAServeStatus(_Spec):
 # --------------------------------------------------------------------------- Adapter
 
 
-class PlacementMode(str, enum.Enum):
+class PlacementMode(enum.StrEnum):
     ALL = "All"
     REPLICAS = "Replicas"
 
@@ -337,7 +337,7 @@ class AdapterSpec(_Spec):
     """Keep the adapter in a GPU slot even when idle."""
 
 
-class AdapterPodState(str, enum.Enum):
+class AdapterPodState(enum.StrEnum):
     PENDING = "Pending"
     LOADING = "Loading"
     LOADED = "Loaded"
@@ -352,7 +352,7 @@ class AdapterPodStatus(_Spec):
     time: str | None = None
 
 
-class AdapterPhase(str, enum.Enum):
+class AdapterPhase(enum.StrEnum):
     PENDING = "Pending"
     LOADING = "Loading"
     READY = "Ready"

@@ -1,0 +1,660 @@
+"""The one compatibility policy: is a :class:`RuntimeConfig` servable, and as what?
+
+Pure functions over the typed configuration, no I/O. The operator's admission webhook
+calls them on a LoRAServe translated to a ``RuntimeConfig``; the runtime calls the same
+functions at start-up. Each finding names a configuration field path
+(``lora.max_rank``); callers render it under their own names (the webhook as
+``spec.lora.maxRank``) with ``render(namer)``. Texts refer to other fields as
+``{lora.max_rank}`` so that they are renamed too.
+
+Every violation is collected (never stop at the first), with a reason, a fix and a kind:
+``incompatible`` (no runtime will run it) or ``unavailable`` (this runtime image does not
+implement it yet; see ``loraserve.runtime.capabilities``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .capabilities import CAPABILITIES, Capabilities
+from .config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+
+LORA_SPEC_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
+    {
+        SpecAlgorithm.NONE,
+        SpecAlgorithm.NGRAM,
+        SpecAlgorithm.STANDALONE,
+        SpecAlgorithm.EAGLE,
+        SpecAlgorithm.EAGLE3,
+        SpecAlgorithm.DFLASH,
+        SpecAlgorithm.DSPARK,
+    }
+)
+"""Effective algorithms whose adapter-free draft stays valid for every adapter."""
+
+TREE_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
+    {SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3}
+)
+"""Effective algorithms that can draft a tree (``top_k > 1``)."""
+
+FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantForCausalLM"})
+"""Draft architectures that run as FROZEN_KV_MTP when named under EAGLE or NEXTN."""
+
+EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+LARGE_RANK = 256
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+LORA_BACKENDS = ("auto", "triton", "torch")
+DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+_FIELD_REF = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)\}")
+
+
+class Kind(enum.StrEnum):
+    INCOMPATIBLE = "incompatible"
+    UNAVAILABLE = "unavailable"
+
+
+Namer = Callable[[str], str]
+
+
+def _same(path: str) -> str:
+    return path
+
+
+def _fill(text: str, name: Namer) -> str:
+    return _FIELD_REF.sub(lambda m: name(m.group(1)), text)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A configuration the runtime refuses. ``field`` is the one to change; ``related``
+    the other fields of the combination."""
+
+    rule: str
+    field: str
+    reason: str
+    fix: str
+    kind: Kind = Kind.INCOMPATIBLE
+    related: tuple[str, ...] = ()
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.field, *self.related)
+
+    def render(self, name: Namer = _same) -> str:
+        """``<field>: <reason>; fix: <fix>`` with every field path passed through ``name``."""
+        prefix = "not available in this runtime: " if self.kind is Kind.UNAVAILABLE else ""
+        return f"{name(self.field)}: {prefix}{_fill(self.reason, name)}; fix: {_fill(self.fix, name)}"
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+@dataclass(frozen=True)
+class PolicyWarning:
+    """A legal configuration with a cost worth knowing."""
+
+    rule: str
+    field: str
+    reason: str
+
+    def render(self, name: Namer = _same) -> str:
+        return f"{name(self.field)}: {_fill(self.reason, name)}"
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every violation and warning of one check, and the configuration that would run."""
+
+    violations: tuple[Violation, ...]
+    warnings: tuple[PolicyWarning, ...]
+    effective: RuntimeConfig | None = None
+    """The configuration after resolution (NEXTN as EAGLE...); None for adapter checks."""
+    resolution: str | None = None
+    """How the requested algorithm resolved, when it did (e.g. ``NEXTN resolves to EAGLE``)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def incompatible(self) -> tuple[Violation, ...]:
+        return tuple(v for v in self.violations if v.kind is Kind.INCOMPATIBLE)
+
+    @property
+    def unavailable(self) -> tuple[Violation, ...]:
+        return tuple(v for v in self.violations if v.kind is Kind.UNAVAILABLE)
+
+    def rules(self) -> set[str]:
+        return {v.rule for v in self.violations}
+
+    def warning_rules(self) -> set[str]:
+        return {w.rule for w in self.warnings}
+
+    def raise_for_violations(self) -> None:
+        """Raise :class:`PolicyError` listing every violation, if there is any."""
+        if self.violations:
+            raise PolicyError(self)
+
+
+class PolicyError(ValueError):
+    """A configuration the policy refuses; the message lists every violation."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        super().__init__("; ".join(v.render() for v in report.violations))
+
+
+@dataclass(frozen=True)
+class AdapterDeclaration:
+    """What is known of an adapter before (or after) its file is read."""
+
+    name: str
+    rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+    pinned: bool = False
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def resolve_algorithm(config: RuntimeConfig) -> tuple[SpecAlgorithm, str | None]:
+    """The algorithm that actually runs, and a note saying how it was resolved (or None).
+
+    NEXTN (a model's own next-n head) runs as EAGLE; EAGLE or NEXTN with a Gemma-4
+    assistant draft runs as FROZEN_KV_MTP. ``speculative.draft_model_architecture`` must
+    be known for the latter (the runtime reads it from the draft's config.json first).
+    """
+    spec = config.speculative
+    requested = SpecAlgorithm(spec.algorithm)
+    architecture = spec.draft_model_architecture
+    if requested in (SpecAlgorithm.EAGLE, SpecAlgorithm.NEXTN) and architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES:
+        return SpecAlgorithm.FROZEN_KV_MTP, (
+            f"{requested.value} with a Gemma-4 assistant draft ({architecture}) resolves to FROZEN_KV_MTP"
+        )
+    if requested is SpecAlgorithm.NEXTN:
+        return SpecAlgorithm.EAGLE, "NEXTN resolves to EAGLE (the model's next-n head drafts)"
+    return requested, None
+
+
+def effective_config(config: RuntimeConfig) -> tuple[RuntimeConfig, str | None]:
+    """A resolved copy of ``config`` (the input is never changed) and the resolution note."""
+    algorithm, note = resolve_algorithm(config)
+    effective = config.copy()
+    if SpecAlgorithm(config.speculative.algorithm) is SpecAlgorithm.NEXTN and not config.speculative.draft_model_path:
+        # NEXTN without a separate draft reads the next-n layers from the target checkpoint.
+        effective.speculative.draft_model_path = config.model.path
+    effective.speculative.algorithm = algorithm
+    return effective, note
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIES) -> Report:
+    """Judge a whole runtime configuration: every violation, every warning, the effective form."""
+    config, violations = _normalized(config)
+    effective, note = effective_config(config)
+    warnings: list[PolicyWarning] = []
+    violations += _basic(config)
+    violations += _speculative(config, effective, note)
+    violations += _lora(config, effective, note, capabilities)
+    violations += _cuda_graph(config)
+    violations += _availability(config, effective, note, capabilities)
+    warnings += _warnings(config, effective)
+    return Report(tuple(violations), tuple(warnings), effective, note)
+
+
+def _normalized(config: RuntimeConfig) -> tuple[RuntimeConfig, list[Violation]]:
+    """Enum fields as enums (a configuration built from flags may hold plain strings);
+    an unknown value is a violation, judged as the default for the remaining rules."""
+    config = config.copy()
+    spec = config.speculative
+    out: list[Violation] = []
+    try:
+        spec.algorithm = SpecAlgorithm(spec.algorithm)
+    except ValueError:
+        out += _one_of("speculative.algorithm", spec.algorithm, tuple(a.value for a in SpecAlgorithm), "algorithm")
+        spec.algorithm = SpecAlgorithm.NONE
+    try:
+        spec.ragged_verify = RaggedVerify(spec.ragged_verify)
+    except ValueError:
+        out += _one_of("speculative.ragged_verify", spec.ragged_verify, tuple(r.value for r in RaggedVerify), "ragged")
+        spec.ragged_verify = RaggedVerify.STATIC
+    return config, out
+
+
+def _at_least(path: str, value: int | float | None, minimum: int, rule: str) -> Iterable[Violation]:
+    if value is not None and value < minimum:
+        yield Violation(rule, path, f"must be at least {minimum}, got {value}", f"set {{{path}}} to {minimum} or more")
+
+
+def _one_of(path: str, value: object, allowed: tuple[str, ...], rule: str) -> Iterable[Violation]:
+    plain = value.value if isinstance(value, enum.Enum) else value
+    if plain not in allowed:
+        yield Violation(rule, path, f"unknown value {plain!r}", f"use one of {', '.join(allowed)}")
+
+
+def _basic(config: RuntimeConfig) -> list[Violation]:
+    out: list[Violation] = []
+    if not config.model.path:
+        out.append(Violation("model-required", "model.path", "the base model is not set", "name the base model"))
+    out += _one_of("model.dtype", config.model.dtype, DTYPES, "model-dtype")
+    out += _at_least("model.context_length", config.model.context_length, 1, "context-length")
+    out += _at_least("parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, 1, "tensor-parallel")
+    out += _one_of("device", config.device, DEVICES, "device")
+    out += _at_least("scheduler.max_running_requests", config.scheduler.max_running_requests, 1, "max-running")
+    out += _at_least("scheduler.max_total_tokens", config.scheduler.max_total_tokens, 1, "max-total-tokens")
+    out += _at_least("scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, 1, "chunked-prefill")
+    out += _at_least("scheduler.max_prefill_tokens", config.scheduler.max_prefill_tokens, 1, "max-prefill")
+    fraction = config.scheduler.kv_memory_fraction
+    if not 0 < fraction <= 1:
+        out.append(
+            Violation(
+                "kv-fraction", "scheduler.kv_memory_fraction", f"must be in (0, 1], got {fraction}",
+                "set {scheduler.kv_memory_fraction} to a fraction such as 0.85",
+            )
+        )
+    if not 1 <= config.server.port <= 65535:
+        out.append(Violation("port", "server.port", f"must be a TCP port, got {config.server.port}", "use 1-65535"))
+    out += _at_least("cuda_graph.max_bs", config.cuda_graph.max_bs, 1, "cuda-graph-bs")
+    if config.cuda_graph.enabled and config.device == "cpu":
+        out.append(
+            Violation(
+                "cuda-graph-cpu", "cuda_graph.enabled", "CUDA graphs need a GPU and this configuration runs on CPU",
+                "set {cuda_graph.enabled} to false, or run on a GPU", related=("device",),
+            )
+        )
+    lora = config.lora
+    out += _at_least("lora.max_loras_per_batch", lora.max_loras_per_batch, 1, "lora-slots")
+    out += _at_least("lora.max_loaded_loras", lora.max_loaded_loras, 1, "lora-cache")
+    out += _at_least("lora.max_rank", lora.max_rank, 1, "lora-rank")
+    if lora.max_loras_per_batch > lora.max_loaded_loras >= 1:
+        out.append(
+            Violation(
+                "lora-slots-cache", "lora.max_loras_per_batch",
+                f"{lora.max_loras_per_batch} GPU slots exceed the {lora.max_loaded_loras} adapters cached in host "
+                "memory ({lora.max_loaded_loras}); every adapter on the GPU is also cached on the host",
+                "lower {lora.max_loras_per_batch} or raise {lora.max_loaded_loras}",
+                related=("lora.max_loaded_loras",),
+            )
+        )
+    out += _modules("lora.target_modules", lora.target_modules, "lora-modules")
+    out += _one_of("lora.backend", lora.backend, LORA_BACKENDS, "lora-backend")
+    unknown_pinned = sorted(set(lora.pinned) - set(lora.adapters))
+    if unknown_pinned:
+        out.append(
+            Violation(
+                "lora-pinned-unknown", "lora.pinned", f"pinned adapters {', '.join(unknown_pinned)} are not loaded",
+                "pin only adapters listed in {lora.adapters}", related=("lora.adapters",),
+            )
+        )
+    if len(set(lora.pinned)) > lora.max_loras_per_batch:
+        out.append(
+            Violation(
+                "lora-pinned-slots", "lora.pinned",
+                f"{len(set(lora.pinned))} pinned adapters need more GPU slots than {{lora.max_loras_per_batch}} "
+                f"({lora.max_loras_per_batch})",
+                "pin fewer adapters or raise {lora.max_loras_per_batch}", related=("lora.max_loras_per_batch",),
+            )
+        )
+    if len(lora.adapters) > lora.max_loaded_loras:
+        out.append(
+            Violation(
+                "lora-preload-cache", "lora.adapters",
+                f"{len(lora.adapters)} start-up adapters exceed the host cache {{lora.max_loaded_loras}} "
+                f"({lora.max_loaded_loras})",
+                "load fewer adapters at start-up or raise {lora.max_loaded_loras}", related=("lora.max_loaded_loras",),
+            )
+        )
+    return out
+
+
+def _modules(path: str, modules: Iterable[str], rule: str) -> list[Violation]:
+    modules = tuple(modules)
+    out: list[Violation] = []
+    if not modules:
+        out.append(Violation(rule, path, "no target modules", f"list at least one of {', '.join(LORA_MODULES)}"))
+    unknown = sorted(set(modules) - set(LORA_MODULES))
+    if unknown:
+        out.append(
+            Violation(rule, path, f"unknown modules {', '.join(unknown)}", f"use modules from {', '.join(LORA_MODULES)}")
+        )
+    if len(set(modules)) != len(modules):
+        out.append(Violation(rule, path, "a module is listed twice", "list each module once"))
+    return out
+
+
+def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | None) -> list[Violation]:
+    spec = config.speculative
+    requested = SpecAlgorithm(spec.algorithm)
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    out: list[Violation] = []
+    if requested is SpecAlgorithm.NONE:
+        return out
+    if requested.needs_draft_model and not spec.draft_model_path:
+        out.append(
+            Violation(
+                "draft-required", "speculative.draft_model_path",
+                f"{requested.value} drafts with a separate model and none is set",
+                "set {speculative.draft_model_path} to the draft model", related=("speculative.algorithm",),
+            )
+        )
+    out += _one_of("speculative.draft_load_format", spec.draft_load_format, DRAFT_LOAD_FORMATS, "draft-load-format")
+    out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
+    out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
+    out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")
+    if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != spec.num_steps + 1:
+        out.append(
+            Violation(
+                "chain-draft-tokens", "speculative.num_draft_tokens",
+                f"a chain draft (top_k 1) verifies num_steps + 1 = {spec.num_steps + 1} tokens per request, "
+                f"got {spec.num_draft_tokens}",
+                f"set {{speculative.num_draft_tokens}} to {spec.num_steps + 1} (or leave it unset)",
+                related=("speculative.num_steps", "speculative.top_k"),
+            )
+        )
+    if spec.top_k > 1 and spec.num_steps >= 1:
+        most = 1 + spec.top_k + (spec.num_steps - 1) * spec.top_k**2
+        if not 2 <= spec.num_draft_tokens <= most:
+            out.append(
+                Violation(
+                    "tree-draft-tokens", "speculative.num_draft_tokens",
+                    f"a tree of top_k {spec.top_k} and num_steps {spec.num_steps} offers {most - 1} candidates, "
+                    f"so at most {most} tokens can be verified, got {spec.num_draft_tokens}",
+                    f"set {{speculative.num_draft_tokens}} between 2 and {most}",
+                    related=("speculative.top_k", "speculative.num_steps"),
+                )
+            )
+        if algorithm not in TREE_ALGORITHMS:
+            out.append(
+                Violation(
+                    "tree-algorithm", "speculative.top_k",
+                    f"{_named(algorithm, note)} drafts a chain, not a tree",
+                    "set {speculative.top_k} to 1, or use STANDALONE, EAGLE or EAGLE3",
+                    related=("speculative.algorithm",),
+                )
+            )
+    if algorithm is SpecAlgorithm.NGRAM and not 1 <= spec.ngram_min <= spec.ngram_max:
+        out.append(
+            Violation(
+                "ngram-window", "speculative.ngram_min",
+                f"the n-gram window {spec.ngram_min}..{spec.ngram_max} is empty",
+                "set 1 <= {speculative.ngram_min} <= {speculative.ngram_max}", related=("speculative.ngram_max",),
+            )
+        )
+    return out
+
+
+def _named(algorithm: SpecAlgorithm, note: str | None) -> str:
+    return f"{algorithm.value} ({note})" if note else algorithm.value
+
+
+def _lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | None, caps: Capabilities) -> list[Violation]:
+    if not config.lora.enabled:
+        return []
+    spec = config.speculative
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    out: list[Violation] = []
+    if algorithm not in LORA_SPEC_ALGORITHMS:
+        allowed = ", ".join(a.value for a in sorted(LORA_SPEC_ALGORITHMS - {SpecAlgorithm.NONE}, key=_order))
+        out.append(
+            Violation(
+                "lora-algorithm", "speculative.algorithm",
+                f"LoRA adapters cannot be served with speculative algorithm {_named(algorithm, note)}: its draft is "
+                "not independent of the target's adapter, so one adapter-free draft cannot stay lossless for "
+                "every adapter",
+                f"use one of {allowed} (or NONE), or set {{lora.enabled}} to false",
+                related=("lora.enabled", "speculative.draft_model_architecture") if note else ("lora.enabled",),
+            )
+        )
+    if algorithm is SpecAlgorithm.DSPARK and spec.ragged_verify is RaggedVerify.DYNAMIC:
+        out.append(
+            Violation(
+                "lora-dspark-ragged", "speculative.ragged_verify",
+                "DSPARK with LoRA needs static ragged verify: per-request verify lengths break the uniform-width "
+                "LoRA segment layout of target-verify",
+                "set {speculative.ragged_verify} to static", related=("speculative.algorithm", "lora.enabled"),
+            )
+        )
+    if spec.adaptive and algorithm is not SpecAlgorithm.NONE and not caps.lora_graph_width_rebuild:
+        out.append(
+            Violation(
+                "lora-adaptive", "speculative.adaptive",
+                "adaptive speculation changes the verify width at run time, and the runtime cannot rebuild its "
+                "LoRA graph metadata on a width change",
+                "set {speculative.adaptive} to false, or {lora.enabled} to false", related=("lora.enabled",),
+            )
+        )
+    if config.scheduler.overlap_schedule:
+        out.append(
+            Violation(
+                "lora-overlap-schedule", "scheduler.overlap_schedule",
+                "the overlap schedule prepares the next batch's adapter slots unordered against the forward in "
+                "flight, which may still read them",
+                "set {scheduler.overlap_schedule} to false, or {lora.enabled} to false", related=("lora.enabled",),
+            )
+        )
+    if config.scheduler.two_batch_overlap:
+        out.append(
+            Violation(
+                "lora-two-batch-overlap", "scheduler.two_batch_overlap",
+                "two-batch overlap splits a batch into micro-batches that the LoRA segment metadata does not follow",
+                "set {scheduler.two_batch_overlap} to false, or {lora.enabled} to false", related=("lora.enabled",),
+            )
+        )
+    if config.lora.overlap_loading:
+        out.append(
+            Violation(
+                "lora-overlap-loading", "lora.overlap_loading",
+                "overlapped adapter loading fails silently: a batch can run before its adapter's weights land",
+                "set {lora.overlap_loading} to false", related=("lora.enabled",),
+            )
+        )
+    return out
+
+
+def _cuda_graph(config: RuntimeConfig) -> list[Violation]:
+    spec = config.speculative
+    if not config.cuda_graph.enabled or SpecAlgorithm(spec.algorithm) is SpecAlgorithm.NONE:
+        return []
+    out: list[Violation] = []
+    if spec.ragged_verify is RaggedVerify.DYNAMIC:
+        out.append(
+            Violation(
+                "cuda-graph-ragged", "cuda_graph.enabled",
+                "CUDA graphs are captured for one verify width, and dynamic ragged verify gives each request its own",
+                "set {cuda_graph.enabled} to false or {speculative.ragged_verify} to static",
+                related=("speculative.ragged_verify",),
+            )
+        )
+    if spec.adaptive:
+        out.append(
+            Violation(
+                "cuda-graph-adaptive", "cuda_graph.enabled",
+                "CUDA graphs are captured for one verify width, and adaptive speculation changes it at run time",
+                "set {cuda_graph.enabled} to false or {speculative.adaptive} to false",
+                related=("speculative.adaptive",),
+            )
+        )
+    return out
+
+
+def _availability(
+    config: RuntimeConfig, effective: RuntimeConfig, note: str | None, caps: Capabilities
+) -> list[Violation]:
+    spec = config.speculative
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    out: list[Violation] = []
+    if not caps.implements(algorithm):
+        implemented = ", ".join(a.value for a in sorted(caps.algorithms, key=_order)) or "none"
+        out.append(
+            Violation(
+                "algorithm-unavailable", "speculative.algorithm",
+                f"speculative algorithm {_named(algorithm, note)}; this image implements {implemented}",
+                "choose an implemented algorithm, or upgrade the runtime image",
+                kind=Kind.UNAVAILABLE,
+            )
+        )
+    if algorithm is not SpecAlgorithm.NONE and spec.top_k > 1 and not caps.tree_drafts:
+        out.append(
+            Violation(
+                "tree-unavailable", "speculative.top_k", "tree drafts (top_k > 1)",
+                "set {speculative.top_k} to 1 (a chain draft)", kind=Kind.UNAVAILABLE,
+            )
+        )
+    if algorithm is not SpecAlgorithm.NONE and spec.ragged_verify is RaggedVerify.DYNAMIC and not caps.dynamic_ragged_verify:
+        out.append(
+            Violation(
+                "ragged-unavailable", "speculative.ragged_verify", "dynamic ragged verify",
+                "set {speculative.ragged_verify} to static", kind=Kind.UNAVAILABLE,
+            )
+        )
+    return out
+
+
+def _order(algorithm: SpecAlgorithm) -> int:
+    return list(SpecAlgorithm).index(algorithm)
+
+
+def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWarning]:
+    spec = config.speculative
+    requested = SpecAlgorithm(spec.algorithm)
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    out: list[PolicyWarning] = []
+    if config.lora.enabled and algorithm.is_eagle_family:
+        touched = [m for m in EMBEDDING_MODULES if m in config.lora.target_modules]
+        if touched:
+            out.append(
+                PolicyWarning(
+                    "eagle-embeddings", "lora.target_modules",
+                    f"adapters may change {' and '.join(touched)}, but the shared {algorithm.value} draft uses the "
+                    "base model's; the accept rate drops for such adapters (output is unaffected)",
+                )
+            )
+    if config.lora.enabled and config.lora.max_rank > LARGE_RANK:
+        out.append(
+            PolicyWarning(
+                "large-rank", "lora.max_rank",
+                f"max rank {config.lora.max_rank} reserves GPU memory for that rank in every one of the "
+                f"{config.lora.max_loras_per_batch} slots, whatever the adapters' own ranks",
+            )
+        )
+    if requested in (SpecAlgorithm.NONE, SpecAlgorithm.NGRAM) and spec.draft_model_path:
+        out.append(
+            PolicyWarning("draft-ignored", "speculative.draft_model_path", f"{requested.value} uses no draft model; it is ignored")
+        )
+    if requested is SpecAlgorithm.NONE and spec.adaptive:
+        out.append(PolicyWarning("adaptive-ignored", "speculative.adaptive", "ignored without speculative decoding"))
+    if not config.lora.enabled and config.lora.overlap_loading:
+        out.append(PolicyWarning("overlap-loading-ignored", "lora.overlap_loading", "ignored with LoRA disabled"))
+    if config.cuda_graph.enabled and config.cuda_graph.max_bs < config.scheduler.max_running_requests:
+        out.append(
+            PolicyWarning(
+                "cuda-graph-partial", "cuda_graph.max_bs",
+                f"batches above {config.cuda_graph.max_bs} requests run without CUDA graphs "
+                f"({{scheduler.max_running_requests}} is {config.scheduler.max_running_requests})",
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def check_adapter(
+    config: RuntimeConfig,
+    adapter: AdapterDeclaration,
+    *,
+    other_pinned: int = 0,
+) -> Report:
+    """Judge one adapter against the serve configuration it is meant for.
+
+    ``other_pinned``: how many other adapters of the same serve are pinned. Field paths
+    of the adapter are ``adapter.name``, ``adapter.serve``, ``adapter.rank``,
+    ``adapter.target_modules`` and ``adapter.pinned``; the serve's are the configuration's own.
+    """
+    effective, _ = effective_config(config)
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    lora = config.lora
+    violations: list[Violation] = []
+    warnings: list[PolicyWarning] = []
+    if not lora.enabled:
+        violations.append(
+            Violation(
+                "adapter-lora-disabled", "adapter.serve", "the serve has LoRA disabled",
+                "set {lora.enabled} to true on the serve, or serve this adapter elsewhere", related=("lora.enabled",),
+            )
+        )
+    if config.model.served_name and adapter.name == config.model.served_name:
+        violations.append(
+            Violation(
+                "adapter-name-clash", "adapter.name",
+                f"{adapter.name!r} is the base model's served name, so requests could not tell them apart",
+                "rename the adapter, or change {model.served_name}", related=("model.served_name",),
+            )
+        )
+    if adapter.rank is not None:
+        if adapter.rank < 1:
+            violations.append(
+                Violation("adapter-rank", "adapter.rank", f"must be at least 1, got {adapter.rank}", "use the adapter's rank")
+            )
+        elif adapter.rank > lora.max_rank:
+            violations.append(
+                Violation(
+                    "adapter-rank-too-large", "adapter.rank",
+                    f"rank {adapter.rank} exceeds the serve's {{lora.max_rank}} ({lora.max_rank})",
+                    f"raise {{lora.max_rank}} to at least {adapter.rank}, or use a lower-rank adapter",
+                    related=("lora.max_rank",),
+                )
+            )
+    if adapter.target_modules is not None:
+        modules = tuple(adapter.target_modules)
+        violations += _modules("adapter.target_modules", modules, "adapter-modules")
+        missing = [m for m in dict.fromkeys(modules) if m in LORA_MODULES and m not in lora.target_modules]
+        if missing:
+            violations.append(
+                Violation(
+                    "adapter-modules-not-served", "adapter.target_modules",
+                    f"targets {', '.join(missing)}, which the serve's {{lora.target_modules}} "
+                    f"({', '.join(lora.target_modules)}) does not wrap",
+                    f"add {', '.join(missing)} to {{lora.target_modules}}, or retrain without them",
+                    related=("lora.target_modules",),
+                )
+            )
+        touched = [m for m in EMBEDDING_MODULES if m in modules]
+        if touched and algorithm.is_eagle_family:
+            warnings.append(
+                PolicyWarning(
+                    "adapter-eagle-embeddings", "adapter.target_modules",
+                    f"this adapter changes {' and '.join(touched)}, but the shared {algorithm.value} draft uses the "
+                    "base model's; its accept rate drops (output is unaffected)",
+                )
+            )
+    if adapter.pinned:
+        pinned = other_pinned + 1
+        if pinned > lora.max_loras_per_batch:
+            violations.append(
+                Violation(
+                    "adapter-pinned-slots", "adapter.pinned",
+                    f"{pinned} pinned adapters would need more GPU slots than {{lora.max_loras_per_batch}} "
+                    f"({lora.max_loras_per_batch})",
+                    "unpin an adapter, or raise {lora.max_loras_per_batch}", related=("lora.max_loras_per_batch",),
+                )
+            )
+        elif pinned == lora.max_loras_per_batch:
+            warnings.append(
+                PolicyWarning(
+                    "adapter-pinned-all-slots", "adapter.pinned",
+                    f"pinned adapters now hold all {lora.max_loras_per_batch} GPU slots ({{lora.max_loras_per_batch}}); "
+                    "requests for unpinned adapters will wait",
+                )
+            )
+    return Report(tuple(violations), tuple(warnings))
