@@ -31,7 +31,9 @@ LORASERVE_PLURAL = "loraserves"
 ADAPTER_KIND = "Adapter"
 ADAPTER_PLURAL = "adapters"
 
-SOURCE_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/\S+|/\S*|https://\S+|s3://[^/\s]+/\S+|hf://[^@\s]+(@[^@\s]+)?)$"
+SOURCE_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/\S+|/\S*|https://\S+|s3://[^/\s]+/\S+|hf://[^@\s]+(@[^@\s]+)?)$"
+)
 """Where model and adapter files come from: ``pvc://<claim>/<path>``, an absolute path in the
 pod, ``https://...``, ``s3://<bucket>/<key>`` or ``hf://<repo>[@<revision>]``."""
 

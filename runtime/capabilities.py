@@ -45,6 +45,8 @@ class Capabilities:
 
 
 CAPABILITIES = Capabilities(
-    algorithms=frozenset(algorithm for algorithm, implemented in IMPLEMENTED_ALGORITHMS.items() if implemented),
+    algorithms=frozenset(
+        algorithm for algorithm, implemented in IMPLEMENTED_ALGORITHMS.items() if implemented
+    ),
 )
 """This image's capabilities; the default of every policy function."""

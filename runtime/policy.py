@@ -175,7 +175,10 @@ def resolve_algorithm(config: RuntimeConfig) -> tuple[SpecAlgorithm, str | None]
     spec = config.speculative
     requested = SpecAlgorithm(spec.algorithm)
     architecture = spec.draft_model_architecture
-    if requested in (SpecAlgorithm.EAGLE, SpecAlgorithm.NEXTN) and architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES:
+    if (
+        requested in (SpecAlgorithm.EAGLE, SpecAlgorithm.NEXTN)
+        and architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
+    ):
         return SpecAlgorithm.FROZEN_KV_MTP, (
             f"{requested.value} with a Gemma-4 assistant draft ({architecture}) resolves to FROZEN_KV_MTP"
         )
@@ -188,7 +191,10 @@ def effective_config(config: RuntimeConfig) -> tuple[RuntimeConfig, str | None]:
     """A resolved copy of ``config`` (the input is never changed) and the resolution note."""
     algorithm, note = resolve_algorithm(config)
     effective = config.copy()
-    if SpecAlgorithm(config.speculative.algorithm) is SpecAlgorithm.NEXTN and not config.speculative.draft_model_path:
+    if (
+        SpecAlgorithm(config.speculative.algorithm) is SpecAlgorithm.NEXTN
+        and not config.speculative.draft_model_path
+    ):
         # NEXTN without a separate draft reads the next-n layers from the target checkpoint.
         effective.speculative.draft_model_path = config.model.path
     effective.speculative.algorithm = algorithm
@@ -221,19 +227,25 @@ def _normalized(config: RuntimeConfig) -> tuple[RuntimeConfig, list[Violation]]:
     try:
         spec.algorithm = SpecAlgorithm(spec.algorithm)
     except ValueError:
-        out += _one_of("speculative.algorithm", spec.algorithm, tuple(a.value for a in SpecAlgorithm), "algorithm")
+        out += _one_of(
+            "speculative.algorithm", spec.algorithm, tuple(a.value for a in SpecAlgorithm), "algorithm"
+        )
         spec.algorithm = SpecAlgorithm.NONE
     try:
         spec.ragged_verify = RaggedVerify(spec.ragged_verify)
     except ValueError:
-        out += _one_of("speculative.ragged_verify", spec.ragged_verify, tuple(r.value for r in RaggedVerify), "ragged")
+        out += _one_of(
+            "speculative.ragged_verify", spec.ragged_verify, tuple(r.value for r in RaggedVerify), "ragged"
+        )
         spec.ragged_verify = RaggedVerify.STATIC
     return config, out
 
 
 def _at_least(path: str, value: int | float | None, minimum: int, rule: str) -> Iterable[Violation]:
     if value is not None and value < minimum:
-        yield Violation(rule, path, f"must be at least {minimum}, got {value}", f"set {{{path}}} to {minimum} or more")
+        yield Violation(
+            rule, path, f"must be at least {minimum}, got {value}", f"set {{{path}}} to {minimum} or more"
+        )
 
 
 def _one_of(path: str, value: object, allowed: tuple[str, ...], rule: str) -> Iterable[Violation]:
@@ -245,31 +257,46 @@ def _one_of(path: str, value: object, allowed: tuple[str, ...], rule: str) -> It
 def _basic(config: RuntimeConfig) -> list[Violation]:
     out: list[Violation] = []
     if not config.model.path:
-        out.append(Violation("model-required", "model.path", "the base model is not set", "name the base model"))
+        out.append(
+            Violation("model-required", "model.path", "the base model is not set", "name the base model")
+        )
     out += _one_of("model.dtype", config.model.dtype, DTYPES, "model-dtype")
     out += _at_least("model.context_length", config.model.context_length, 1, "context-length")
-    out += _at_least("parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, 1, "tensor-parallel")
+    out += _at_least(
+        "parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, 1, "tensor-parallel"
+    )
     out += _one_of("device", config.device, DEVICES, "device")
-    out += _at_least("scheduler.max_running_requests", config.scheduler.max_running_requests, 1, "max-running")
+    out += _at_least(
+        "scheduler.max_running_requests", config.scheduler.max_running_requests, 1, "max-running"
+    )
     out += _at_least("scheduler.max_total_tokens", config.scheduler.max_total_tokens, 1, "max-total-tokens")
-    out += _at_least("scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, 1, "chunked-prefill")
+    out += _at_least(
+        "scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, 1, "chunked-prefill"
+    )
     out += _at_least("scheduler.max_prefill_tokens", config.scheduler.max_prefill_tokens, 1, "max-prefill")
     fraction = config.scheduler.kv_memory_fraction
     if not 0 < fraction <= 1:
         out.append(
             Violation(
-                "kv-fraction", "scheduler.kv_memory_fraction", f"must be in (0, 1], got {fraction}",
+                "kv-fraction",
+                "scheduler.kv_memory_fraction",
+                f"must be in (0, 1], got {fraction}",
                 "set {scheduler.kv_memory_fraction} to a fraction such as 0.85",
             )
         )
     if not 1 <= config.server.port <= 65535:
-        out.append(Violation("port", "server.port", f"must be a TCP port, got {config.server.port}", "use 1-65535"))
+        out.append(
+            Violation("port", "server.port", f"must be a TCP port, got {config.server.port}", "use 1-65535")
+        )
     out += _at_least("cuda_graph.max_bs", config.cuda_graph.max_bs, 1, "cuda-graph-bs")
     if config.cuda_graph.enabled and config.device == "cpu":
         out.append(
             Violation(
-                "cuda-graph-cpu", "cuda_graph.enabled", "CUDA graphs need a GPU and this configuration runs on CPU",
-                "set {cuda_graph.enabled} to false, or run on a GPU", related=("device",),
+                "cuda-graph-cpu",
+                "cuda_graph.enabled",
+                "CUDA graphs need a GPU and this configuration runs on CPU",
+                "set {cuda_graph.enabled} to false, or run on a GPU",
+                related=("device",),
             )
         )
     lora = config.lora
@@ -279,7 +306,8 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
     if lora.max_loras_per_batch > lora.max_loaded_loras >= 1:
         out.append(
             Violation(
-                "lora-slots-cache", "lora.max_loras_per_batch",
+                "lora-slots-cache",
+                "lora.max_loras_per_batch",
                 f"{lora.max_loras_per_batch} GPU slots exceed the {lora.max_loaded_loras} adapters cached in host "
                 "memory ({lora.max_loaded_loras}); every adapter on the GPU is also cached on the host",
                 "lower {lora.max_loras_per_batch} or raise {lora.max_loaded_loras}",
@@ -292,26 +320,33 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
     if unknown_pinned:
         out.append(
             Violation(
-                "lora-pinned-unknown", "lora.pinned", f"pinned adapters {', '.join(unknown_pinned)} are not loaded",
-                "pin only adapters listed in {lora.adapters}", related=("lora.adapters",),
+                "lora-pinned-unknown",
+                "lora.pinned",
+                f"pinned adapters {', '.join(unknown_pinned)} are not loaded",
+                "pin only adapters listed in {lora.adapters}",
+                related=("lora.adapters",),
             )
         )
     if len(set(lora.pinned)) > lora.max_loras_per_batch:
         out.append(
             Violation(
-                "lora-pinned-slots", "lora.pinned",
+                "lora-pinned-slots",
+                "lora.pinned",
                 f"{len(set(lora.pinned))} pinned adapters need more GPU slots than {{lora.max_loras_per_batch}} "
                 f"({lora.max_loras_per_batch})",
-                "pin fewer adapters or raise {lora.max_loras_per_batch}", related=("lora.max_loras_per_batch",),
+                "pin fewer adapters or raise {lora.max_loras_per_batch}",
+                related=("lora.max_loras_per_batch",),
             )
         )
     if len(lora.adapters) > lora.max_loaded_loras:
         out.append(
             Violation(
-                "lora-preload-cache", "lora.adapters",
+                "lora-preload-cache",
+                "lora.adapters",
                 f"{len(lora.adapters)} start-up adapters exceed the host cache {{lora.max_loaded_loras}} "
                 f"({lora.max_loaded_loras})",
-                "load fewer adapters at start-up or raise {lora.max_loaded_loras}", related=("lora.max_loaded_loras",),
+                "load fewer adapters at start-up or raise {lora.max_loaded_loras}",
+                related=("lora.max_loaded_loras",),
             )
         )
     return out
@@ -321,11 +356,18 @@ def _modules(path: str, modules: Iterable[str], rule: str) -> list[Violation]:
     modules = tuple(modules)
     out: list[Violation] = []
     if not modules:
-        out.append(Violation(rule, path, "no target modules", f"list at least one of {', '.join(LORA_MODULES)}"))
+        out.append(
+            Violation(rule, path, "no target modules", f"list at least one of {', '.join(LORA_MODULES)}")
+        )
     unknown = sorted(set(modules) - set(LORA_MODULES))
     if unknown:
         out.append(
-            Violation(rule, path, f"unknown modules {', '.join(unknown)}", f"use modules from {', '.join(LORA_MODULES)}")
+            Violation(
+                rule,
+                path,
+                f"unknown modules {', '.join(unknown)}",
+                f"use modules from {', '.join(LORA_MODULES)}",
+            )
         )
     if len(set(modules)) != len(modules):
         out.append(Violation(rule, path, "a module is listed twice", "list each module once"))
@@ -342,19 +384,24 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     if requested.needs_draft_model and not spec.draft_model_path:
         out.append(
             Violation(
-                "draft-required", "speculative.draft_model_path",
+                "draft-required",
+                "speculative.draft_model_path",
                 f"{requested.value} drafts with a separate model and none is set",
-                "set {speculative.draft_model_path} to the draft model", related=("speculative.algorithm",),
+                "set {speculative.draft_model_path} to the draft model",
+                related=("speculative.algorithm",),
             )
         )
-    out += _one_of("speculative.draft_load_format", spec.draft_load_format, DRAFT_LOAD_FORMATS, "draft-load-format")
+    out += _one_of(
+        "speculative.draft_load_format", spec.draft_load_format, DRAFT_LOAD_FORMATS, "draft-load-format"
+    )
     out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
     out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
     out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")
     if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != spec.num_steps + 1:
         out.append(
             Violation(
-                "chain-draft-tokens", "speculative.num_draft_tokens",
+                "chain-draft-tokens",
+                "speculative.num_draft_tokens",
                 f"a chain draft (top_k 1) verifies num_steps + 1 = {spec.num_steps + 1} tokens per request, "
                 f"got {spec.num_draft_tokens}",
                 f"set {{speculative.num_draft_tokens}} to {spec.num_steps + 1} (or leave it unset)",
@@ -366,7 +413,8 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
         if not 2 <= spec.num_draft_tokens <= most:
             out.append(
                 Violation(
-                    "tree-draft-tokens", "speculative.num_draft_tokens",
+                    "tree-draft-tokens",
+                    "speculative.num_draft_tokens",
                     f"a tree of top_k {spec.top_k} and num_steps {spec.num_steps} offers {most - 1} candidates, "
                     f"so at most {most} tokens can be verified, got {spec.num_draft_tokens}",
                     f"set {{speculative.num_draft_tokens}} between 2 and {most}",
@@ -376,7 +424,8 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
         if algorithm not in TREE_ALGORITHMS:
             out.append(
                 Violation(
-                    "tree-algorithm", "speculative.top_k",
+                    "tree-algorithm",
+                    "speculative.top_k",
                     f"{_named(algorithm, note)} drafts a chain, not a tree",
                     "set {speculative.top_k} to 1, or use STANDALONE, EAGLE or EAGLE3",
                     related=("speculative.algorithm",),
@@ -385,9 +434,11 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     if algorithm is SpecAlgorithm.NGRAM and not 1 <= spec.ngram_min <= spec.ngram_max:
         out.append(
             Violation(
-                "ngram-window", "speculative.ngram_min",
+                "ngram-window",
+                "speculative.ngram_min",
                 f"the n-gram window {spec.ngram_min}..{spec.ngram_max} is empty",
-                "set 1 <= {speculative.ngram_min} <= {speculative.ngram_max}", related=("speculative.ngram_max",),
+                "set 1 <= {speculative.ngram_min} <= {speculative.ngram_max}",
+                related=("speculative.ngram_max",),
             )
         )
     return out
@@ -397,7 +448,9 @@ def _named(algorithm: SpecAlgorithm, note: str | None) -> str:
     return f"{algorithm.value} ({note})" if note else algorithm.value
 
 
-def _lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | None, caps: Capabilities) -> list[Violation]:
+def _lora(
+    config: RuntimeConfig, effective: RuntimeConfig, note: str | None, caps: Capabilities
+) -> list[Violation]:
     if not config.lora.enabled:
         return []
     spec = config.speculative
@@ -407,55 +460,68 @@ def _lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | None, cap
         allowed = ", ".join(a.value for a in sorted(LORA_SPEC_ALGORITHMS - {SpecAlgorithm.NONE}, key=_order))
         out.append(
             Violation(
-                "lora-algorithm", "speculative.algorithm",
+                "lora-algorithm",
+                "speculative.algorithm",
                 f"LoRA adapters cannot be served with speculative algorithm {_named(algorithm, note)}: its draft is "
                 "not independent of the target's adapter, so one adapter-free draft cannot stay lossless for "
                 "every adapter",
                 f"use one of {allowed} (or NONE), or set {{lora.enabled}} to false",
-                related=("lora.enabled", "speculative.draft_model_architecture") if note else ("lora.enabled",),
+                related=("lora.enabled", "speculative.draft_model_architecture")
+                if note
+                else ("lora.enabled",),
             )
         )
     if algorithm is SpecAlgorithm.DSPARK and spec.ragged_verify is RaggedVerify.DYNAMIC:
         out.append(
             Violation(
-                "lora-dspark-ragged", "speculative.ragged_verify",
+                "lora-dspark-ragged",
+                "speculative.ragged_verify",
                 "DSPARK with LoRA needs static ragged verify: per-request verify lengths break the uniform-width "
                 "LoRA segment layout of target-verify",
-                "set {speculative.ragged_verify} to static", related=("speculative.algorithm", "lora.enabled"),
+                "set {speculative.ragged_verify} to static",
+                related=("speculative.algorithm", "lora.enabled"),
             )
         )
     if spec.adaptive and algorithm is not SpecAlgorithm.NONE and not caps.lora_graph_width_rebuild:
         out.append(
             Violation(
-                "lora-adaptive", "speculative.adaptive",
+                "lora-adaptive",
+                "speculative.adaptive",
                 "adaptive speculation changes the verify width at run time, and the runtime cannot rebuild its "
                 "LoRA graph metadata on a width change",
-                "set {speculative.adaptive} to false, or {lora.enabled} to false", related=("lora.enabled",),
+                "set {speculative.adaptive} to false, or {lora.enabled} to false",
+                related=("lora.enabled",),
             )
         )
     if config.scheduler.overlap_schedule:
         out.append(
             Violation(
-                "lora-overlap-schedule", "scheduler.overlap_schedule",
+                "lora-overlap-schedule",
+                "scheduler.overlap_schedule",
                 "the overlap schedule prepares the next batch's adapter slots unordered against the forward in "
                 "flight, which may still read them",
-                "set {scheduler.overlap_schedule} to false, or {lora.enabled} to false", related=("lora.enabled",),
+                "set {scheduler.overlap_schedule} to false, or {lora.enabled} to false",
+                related=("lora.enabled",),
             )
         )
     if config.scheduler.two_batch_overlap:
         out.append(
             Violation(
-                "lora-two-batch-overlap", "scheduler.two_batch_overlap",
+                "lora-two-batch-overlap",
+                "scheduler.two_batch_overlap",
                 "two-batch overlap splits a batch into micro-batches that the LoRA segment metadata does not follow",
-                "set {scheduler.two_batch_overlap} to false, or {lora.enabled} to false", related=("lora.enabled",),
+                "set {scheduler.two_batch_overlap} to false, or {lora.enabled} to false",
+                related=("lora.enabled",),
             )
         )
     if config.lora.overlap_loading:
         out.append(
             Violation(
-                "lora-overlap-loading", "lora.overlap_loading",
+                "lora-overlap-loading",
+                "lora.overlap_loading",
                 "overlapped adapter loading fails silently: a batch can run before its adapter's weights land",
-                "set {lora.overlap_loading} to false", related=("lora.enabled",),
+                "set {lora.overlap_loading} to false",
+                related=("lora.enabled",),
             )
         )
     return out
@@ -469,7 +535,8 @@ def _cuda_graph(config: RuntimeConfig) -> list[Violation]:
     if spec.ragged_verify is RaggedVerify.DYNAMIC:
         out.append(
             Violation(
-                "cuda-graph-ragged", "cuda_graph.enabled",
+                "cuda-graph-ragged",
+                "cuda_graph.enabled",
                 "CUDA graphs are captured for one verify width, and dynamic ragged verify gives each request its own",
                 "set {cuda_graph.enabled} to false or {speculative.ragged_verify} to static",
                 related=("speculative.ragged_verify",),
@@ -478,7 +545,8 @@ def _cuda_graph(config: RuntimeConfig) -> list[Violation]:
     if spec.adaptive:
         out.append(
             Violation(
-                "cuda-graph-adaptive", "cuda_graph.enabled",
+                "cuda-graph-adaptive",
+                "cuda_graph.enabled",
                 "CUDA graphs are captured for one verify width, and adaptive speculation changes it at run time",
                 "set {cuda_graph.enabled} to false or {speculative.adaptive} to false",
                 related=("speculative.adaptive",),
@@ -497,7 +565,8 @@ def _availability(
         implemented = ", ".join(a.value for a in sorted(caps.algorithms, key=_order)) or "none"
         out.append(
             Violation(
-                "algorithm-unavailable", "speculative.algorithm",
+                "algorithm-unavailable",
+                "speculative.algorithm",
                 f"speculative algorithm {_named(algorithm, note)}; this image implements {implemented}",
                 "choose an implemented algorithm, or upgrade the runtime image",
                 kind=Kind.UNAVAILABLE,
@@ -506,15 +575,25 @@ def _availability(
     if algorithm is not SpecAlgorithm.NONE and spec.top_k > 1 and not caps.tree_drafts:
         out.append(
             Violation(
-                "tree-unavailable", "speculative.top_k", "tree drafts (top_k > 1)",
-                "set {speculative.top_k} to 1 (a chain draft)", kind=Kind.UNAVAILABLE,
+                "tree-unavailable",
+                "speculative.top_k",
+                "tree drafts (top_k > 1)",
+                "set {speculative.top_k} to 1 (a chain draft)",
+                kind=Kind.UNAVAILABLE,
             )
         )
-    if algorithm is not SpecAlgorithm.NONE and spec.ragged_verify is RaggedVerify.DYNAMIC and not caps.dynamic_ragged_verify:
+    if (
+        algorithm is not SpecAlgorithm.NONE
+        and spec.ragged_verify is RaggedVerify.DYNAMIC
+        and not caps.dynamic_ragged_verify
+    ):
         out.append(
             Violation(
-                "ragged-unavailable", "speculative.ragged_verify", "dynamic ragged verify",
-                "set {speculative.ragged_verify} to static", kind=Kind.UNAVAILABLE,
+                "ragged-unavailable",
+                "speculative.ragged_verify",
+                "dynamic ragged verify",
+                "set {speculative.ragged_verify} to static",
+                kind=Kind.UNAVAILABLE,
             )
         )
     return out
@@ -534,7 +613,8 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
         if touched:
             out.append(
                 PolicyWarning(
-                    "eagle-embeddings", "lora.target_modules",
+                    "eagle-embeddings",
+                    "lora.target_modules",
                     f"adapters may change {' and '.join(touched)}, but the shared {algorithm.value} draft uses the "
                     "base model's; the accept rate drops for such adapters (output is unaffected)",
                 )
@@ -542,23 +622,33 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
     if config.lora.enabled and config.lora.max_rank > LARGE_RANK:
         out.append(
             PolicyWarning(
-                "large-rank", "lora.max_rank",
+                "large-rank",
+                "lora.max_rank",
                 f"max rank {config.lora.max_rank} reserves GPU memory for that rank in every one of the "
                 f"{config.lora.max_loras_per_batch} slots, whatever the adapters' own ranks",
             )
         )
     if requested in (SpecAlgorithm.NONE, SpecAlgorithm.NGRAM) and spec.draft_model_path:
         out.append(
-            PolicyWarning("draft-ignored", "speculative.draft_model_path", f"{requested.value} uses no draft model; it is ignored")
+            PolicyWarning(
+                "draft-ignored",
+                "speculative.draft_model_path",
+                f"{requested.value} uses no draft model; it is ignored",
+            )
         )
     if requested is SpecAlgorithm.NONE and spec.adaptive:
-        out.append(PolicyWarning("adaptive-ignored", "speculative.adaptive", "ignored without speculative decoding"))
+        out.append(
+            PolicyWarning("adaptive-ignored", "speculative.adaptive", "ignored without speculative decoding")
+        )
     if not config.lora.enabled and config.lora.overlap_loading:
-        out.append(PolicyWarning("overlap-loading-ignored", "lora.overlap_loading", "ignored with LoRA disabled"))
+        out.append(
+            PolicyWarning("overlap-loading-ignored", "lora.overlap_loading", "ignored with LoRA disabled")
+        )
     if config.cuda_graph.enabled and config.cuda_graph.max_bs < config.scheduler.max_running_requests:
         out.append(
             PolicyWarning(
-                "cuda-graph-partial", "cuda_graph.max_bs",
+                "cuda-graph-partial",
+                "cuda_graph.max_bs",
                 f"batches above {config.cuda_graph.max_bs} requests run without CUDA graphs "
                 f"({{scheduler.max_running_requests}} is {config.scheduler.max_running_requests})",
             )
@@ -589,27 +679,38 @@ def check_adapter(
     if not lora.enabled:
         violations.append(
             Violation(
-                "adapter-lora-disabled", "adapter.serve", "the serve has LoRA disabled",
-                "set {lora.enabled} to true on the serve, or serve this adapter elsewhere", related=("lora.enabled",),
+                "adapter-lora-disabled",
+                "adapter.serve",
+                "the serve has LoRA disabled",
+                "set {lora.enabled} to true on the serve, or serve this adapter elsewhere",
+                related=("lora.enabled",),
             )
         )
     if config.model.served_name and adapter.name == config.model.served_name:
         violations.append(
             Violation(
-                "adapter-name-clash", "adapter.name",
+                "adapter-name-clash",
+                "adapter.name",
                 f"{adapter.name!r} is the base model's served name, so requests could not tell them apart",
-                "rename the adapter, or change {model.served_name}", related=("model.served_name",),
+                "rename the adapter, or change {model.served_name}",
+                related=("model.served_name",),
             )
         )
     if adapter.rank is not None:
         if adapter.rank < 1:
             violations.append(
-                Violation("adapter-rank", "adapter.rank", f"must be at least 1, got {adapter.rank}", "use the adapter's rank")
+                Violation(
+                    "adapter-rank",
+                    "adapter.rank",
+                    f"must be at least 1, got {adapter.rank}",
+                    "use the adapter's rank",
+                )
             )
         elif adapter.rank > lora.max_rank:
             violations.append(
                 Violation(
-                    "adapter-rank-too-large", "adapter.rank",
+                    "adapter-rank-too-large",
+                    "adapter.rank",
                     f"rank {adapter.rank} exceeds the serve's {{lora.max_rank}} ({lora.max_rank})",
                     f"raise {{lora.max_rank}} to at least {adapter.rank}, or use a lower-rank adapter",
                     related=("lora.max_rank",),
@@ -622,7 +723,8 @@ def check_adapter(
         if missing:
             violations.append(
                 Violation(
-                    "adapter-modules-not-served", "adapter.target_modules",
+                    "adapter-modules-not-served",
+                    "adapter.target_modules",
                     f"targets {', '.join(missing)}, which the serve's {{lora.target_modules}} "
                     f"({', '.join(lora.target_modules)}) does not wrap",
                     f"add {', '.join(missing)} to {{lora.target_modules}}, or retrain without them",
@@ -633,7 +735,8 @@ def check_adapter(
         if touched and algorithm.is_eagle_family:
             warnings.append(
                 PolicyWarning(
-                    "adapter-eagle-embeddings", "adapter.target_modules",
+                    "adapter-eagle-embeddings",
+                    "adapter.target_modules",
                     f"this adapter changes {' and '.join(touched)}, but the shared {algorithm.value} draft uses the "
                     "base model's; its accept rate drops (output is unaffected)",
                 )
@@ -643,16 +746,19 @@ def check_adapter(
         if pinned > lora.max_loras_per_batch:
             violations.append(
                 Violation(
-                    "adapter-pinned-slots", "adapter.pinned",
+                    "adapter-pinned-slots",
+                    "adapter.pinned",
                     f"{pinned} pinned adapters would need more GPU slots than {{lora.max_loras_per_batch}} "
                     f"({lora.max_loras_per_batch})",
-                    "unpin an adapter, or raise {lora.max_loras_per_batch}", related=("lora.max_loras_per_batch",),
+                    "unpin an adapter, or raise {lora.max_loras_per_batch}",
+                    related=("lora.max_loras_per_batch",),
                 )
             )
         elif pinned == lora.max_loras_per_batch:
             warnings.append(
                 PolicyWarning(
-                    "adapter-pinned-all-slots", "adapter.pinned",
+                    "adapter-pinned-all-slots",
+                    "adapter.pinned",
                     f"pinned adapters now hold all {lora.max_loras_per_batch} GPU slots ({{lora.max_loras_per_batch}}); "
                     "requests for unpinned adapters will wait",
                 )
