@@ -1,0 +1,103 @@
+"""Tiny EAGLE / EAGLE3 draft checkpoints with random weights, for tests and demos.
+
+The files follow :mod:`.eagle_format` exactly, so loading them exercises the same path
+as a trained draft. Shapes come from the target's config.json (the draft must share
+the target's hidden size and vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..model.arch import load_arch_config
+from .eagle_format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
+
+_COPIED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "hidden_act",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def build_eagle_draft(
+    dest: str | Path,
+    target_dir: str | Path,
+    *,
+    version: int = 1,
+    aux_layer_ids: Sequence[int] | None = None,
+    intermediate_size: int | None = None,
+    input_norm: bool = True,
+    fc_bias: bool = False,
+    seed: int = 0,
+    init_std: float = 0.05,
+    dtype: str = "float32",
+) -> Path:
+    """Write an EAGLE (``version=1``) or EAGLE3 (``version=3``) draft for ``target_dir``.
+
+    ``aux_layer_ids``: EAGLE3 feature streams (default: low, middle and high layers).
+    ``input_norm``: EAGLE only; False writes the original layout without the layer's
+    input norm.
+    """
+    architecture = {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(version)
+    if architecture is None:
+        raise ValueError(f"version must be 1 (EAGLE) or 3 (EAGLE3), got {version}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    target_dir = Path(target_dir)
+    target = load_arch_config(target_dir)
+    raw_target = json.loads((target_dir / "config.json").read_text())
+    raw = {key: raw_target[key] for key in _COPIED_KEYS if key in raw_target}
+    raw.update(
+        architectures=[architecture],
+        model_type="llama",
+        num_hidden_layers=1,
+        intermediate_size=int(intermediate_size or target.intermediate_size),
+        head_dim=target.head_dim,
+        target_hidden_size=target.hidden_size,
+        bias=fc_bias,
+        torch_dtype=dtype,
+        tie_word_embeddings=False,
+    )
+    if version == 3:
+        ids = (
+            list(aux_layer_ids) if aux_layer_ids is not None else list(default_aux_layers(target.num_layers))
+        )
+        raw["eagle_aux_hidden_state_layer_ids"] = ids
+    config = eagle_config_from_dict(raw)
+    config.check_target(target)
+
+    shapes = config.tensor_shapes()
+    if version == 1 and not input_norm:
+        del shapes[INPUT_NORM]
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(shapes.items()):
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape)
+        else:
+            tensor = torch.randn(shape, generator=generator) * init_std
+        tensors[name] = tensor.to(torch_dtype).contiguous()
+
+    from safetensors.torch import save_file
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -1,0 +1,226 @@
+"""The EAGLE / EAGLE3 draft checkpoint format: an HF-style directory, config + safetensors.
+
+``config.json`` is a Llama config for the draft's single decoder layer plus:
+
+- ``architectures``: ``["LlamaForCausalLMEagle"]`` (EAGLE, also serves NEXTN) or
+  ``["LlamaForCausalLMEagle3"]``;
+- ``target_hidden_size``: the target's hidden size (defaults to ``hidden_size``);
+- EAGLE3: ``eagle_aux_hidden_state_layer_ids`` (top level, or inside ``eagle_config``):
+  the target's residual streams that form the feature; entry ``i`` is the stream
+  entering target layer ``i`` (the output of layer ``i - 1``; ``num_layers`` is the final
+  stream before the model's norm).
+
+Tensors (an optional leading ``model.`` is ignored):
+
+==============================================  ==================================  ======
+name                                            shape                               which
+==============================================  ==================================  ======
+``fc.weight`` (``fc.bias`` if ``"bias": true``)  ``[H, 2H]`` / ``[H, n_aux * H_t]``   both
+``layers.0.input_layernorm.weight``             ``[H]``                             both [1]_
+``layers.0.hidden_norm.weight``                 ``[H]``                             EAGLE3
+``layers.0.self_attn.{q,k,v}_proj.weight``      ``[out, H]`` / ``[out, 2H]``        both
+``layers.0.self_attn.o_proj.weight``            ``[H, q]``                          both
+``layers.0.post_attention_layernorm.weight``    ``[H]``                             both
+``layers.0.mlp.{gate,up}_proj.weight``          ``[I, H]``                          both
+``layers.0.mlp.down_proj.weight``               ``[H, I]``                          both
+``norm.weight``                                 ``[H]``                             EAGLE3
+==============================================  ==================================  ======
+
+.. [1] optional for EAGLE: without it the fc output feeds attention directly, as in the
+   original EAGLE layout.
+
+Token embeddings and the LM head are never stored: the draft takes the target's BASE
+``embed_tokens`` and ``lm_head`` (no adapter), so it has the target's vocabulary and its
+``hidden_size`` must equal the target's.
+
+Semantics. EAGLE: the feature of position ``i`` is the target's final (normed) hidden
+state there; the draft input at position ``i`` is ``fc([embed(x[i+1]), feature[i]])``, its
+output is the predicted feature of position ``i + 1`` and ``lm_head(output)`` the
+distribution of ``x[i+2]``. EAGLE3: ``feature[i] = fc(concat of the aux layers' states)``;
+the layer attends over ``[input_layernorm(embed(x[i+1])), hidden_norm(feature[i])]``
+(hence q/k/v take ``2H``) with ``feature[i]`` as residual; logits are
+``lm_head(norm(output))``. On later draft steps the draft's own output is the feature.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..model.arch import ModelArchConfig, ModelConfigError, arch_from_dict
+
+INPUT_NORM = "layers.0.input_layernorm.weight"
+EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": 1, "LlamaForCausalLMEagle3": 3}
+
+
+@dataclass(frozen=True)
+class EagleDraftConfig:
+    """What an EAGLE-family draft head looks like."""
+
+    version: int  # 1: EAGLE (and NEXTN), 3: EAGLE3
+    layer: ModelArchConfig  # shapes of the single decoder layer (heads, rope, norms)
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # EAGLE3: target layers feeding the feature
+    fc_bias: bool
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def fc_in_features(self) -> int:
+        if self.version == 3:
+            return len(self.aux_layer_ids) * self.target_hidden_size
+        return 2 * self.hidden_size
+
+    @property
+    def attn_in_features(self) -> int:
+        return 2 * self.hidden_size if self.version == 3 else self.hidden_size
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its shape."""
+        h, q, kv, i = self.hidden_size, self.layer.q_size, self.layer.kv_size, self.layer.intermediate_size
+        a = self.attn_in_features
+        shapes: dict[str, tuple[int, ...]] = {
+            "fc.weight": (h, self.fc_in_features),
+            "layers.0.input_layernorm.weight": (h,),
+            "layers.0.self_attn.q_proj.weight": (q, a),
+            "layers.0.self_attn.k_proj.weight": (kv, a),
+            "layers.0.self_attn.v_proj.weight": (kv, a),
+            "layers.0.self_attn.o_proj.weight": (h, q),
+            "layers.0.post_attention_layernorm.weight": (h,),
+            "layers.0.mlp.gate_proj.weight": (i, h),
+            "layers.0.mlp.up_proj.weight": (i, h),
+            "layers.0.mlp.down_proj.weight": (h, i),
+        }
+        if self.fc_bias:
+            shapes["fc.bias"] = (h,)
+        if self.layer.attention_bias:
+            shapes["layers.0.self_attn.q_proj.bias"] = (q,)
+            shapes["layers.0.self_attn.k_proj.bias"] = (kv,)
+            shapes["layers.0.self_attn.v_proj.bias"] = (kv,)
+        if self.version == 3:
+            shapes["layers.0.hidden_norm.weight"] = (h,)
+            shapes["norm.weight"] = (h,)
+        return shapes
+
+    def check_target(self, target: ModelArchConfig) -> None:
+        """Raise :class:`ModelConfigError` unless this draft fits ``target``."""
+        if self.hidden_size != target.hidden_size:
+            raise ModelConfigError(
+                f"EAGLE draft hidden_size {self.hidden_size} must equal the target's {target.hidden_size}: "
+                "the draft uses the target's embeddings and lm_head"
+            )
+        if self.target_hidden_size != target.hidden_size:
+            raise ModelConfigError(
+                f"EAGLE draft target_hidden_size {self.target_hidden_size} does not match the target's "
+                f"hidden_size {target.hidden_size}: the draft was made for another model"
+            )
+        if self.layer.vocab_size != target.vocab_size:
+            raise ModelConfigError(
+                f"EAGLE draft vocab_size {self.layer.vocab_size} must equal the target's {target.vocab_size}"
+            )
+        for layer_id in self.aux_layer_ids:
+            if not 0 <= layer_id <= target.num_layers:
+                raise ModelConfigError(
+                    f"EAGLE3 draft eagle_aux_hidden_state_layer_ids names stream {layer_id}, but the target "
+                    f"has {target.num_layers} layers (streams 0..{target.num_layers})"
+                )
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """Low, middle and high residual streams (distinct, in range) for an EAGLE3 feature."""
+    picks = (2, num_target_layers // 2, num_target_layers - 3)
+    chosen: list[int] = []
+    for layer_id in picks:
+        layer_id = min(max(layer_id, 1), num_target_layers)
+        if layer_id not in chosen:
+            chosen.append(layer_id)
+    return tuple(sorted(chosen))
+
+
+def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = None) -> EagleDraftConfig:
+    """Parse an EAGLE draft's config.json."""
+    archs = raw.get("architectures") or []
+    architecture = architecture_override or (archs[0] if archs else None)
+    if architecture not in EAGLE_ARCHITECTURES:
+        raise ModelConfigError(
+            f"draft config.json architecture {architecture!r} is not an EAGLE draft: use one of "
+            f"{sorted(EAGLE_ARCHITECTURES)} (speculative.draft_model_architecture overrides config.json)"
+        )
+    version = EAGLE_ARCHITECTURES[architecture]
+    layer_raw = dict(raw, architectures=["LlamaForCausalLM"], num_hidden_layers=1)
+    layer = arch_from_dict(layer_raw)
+    target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
+    aux: tuple[int, ...] = ()
+    if version == 3:
+        nested = raw.get("eagle_config") or {}
+        ids = raw.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids"))
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            raise ModelConfigError(
+                "EAGLE3 draft config.json needs eagle_aux_hidden_state_layer_ids: a non-empty list of "
+                f"target layer indices, got {ids!r}"
+            )
+        aux = tuple(ids)
+    return EagleDraftConfig(
+        version=version,
+        layer=layer,
+        target_hidden_size=target_hidden,
+        aux_layer_ids=aux,
+        fc_bias=bool(raw.get("bias", False)),
+    )
+
+
+def load_eagle_config(path: str | Path, *, architecture_override: str | None = None) -> EagleDraftConfig:
+    """Read ``path/config.json`` of an EAGLE draft; local files only."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ModelConfigError(
+            f"{file} not found: speculative.draft_model_path must be a local EAGLE draft directory"
+        )
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{file} is not valid JSON: {exc}") from exc
+    return eagle_config_from_dict(raw, architecture_override=architecture_override)
+
+
+def load_eagle_tensors(path: str | Path, config: EagleDraftConfig) -> dict[str, torch.Tensor]:
+    """Read and check every tensor of an EAGLE draft (names and shapes)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"no *.safetensors files in EAGLE draft directory {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            tensors[name.removeprefix("model.")] = tensor
+    if "d2t" in tensors or "t2d" in tensors:
+        raise ModelConfigError(
+            f"EAGLE draft {path} has a reduced draft vocabulary (d2t/t2d); this format needs a draft "
+            "that predicts over the target's full vocabulary through the target's lm_head"
+        )
+    # Checkpoints that carry their own copy of the target's embeddings / head: the draft
+    # uses the target's base weights instead, so these are ignored.
+    for shared in ("embed_tokens.weight", "lm_head.weight"):
+        tensors.pop(shared, None)
+    expected = config.tensor_shapes()
+    if config.version == 1 and INPUT_NORM not in tensors:
+        del expected[INPUT_NORM]
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ModelConfigError(
+            f"EAGLE draft {path} does not match its config.json (version {config.version}): "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ModelConfigError(
+                f"EAGLE draft tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
+            )
+    return tensors

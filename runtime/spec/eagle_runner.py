@@ -1,0 +1,121 @@
+"""Runs an EAGLE / EAGLE3 draft head with its own single-layer KV cache.
+
+The draft's cache mirrors the target's token positions: entry ``i`` of a request holds
+the draft layer's K/V for the pair (feature of position ``i``, token ``i + 1``). It is a
+separate :class:`~loraserve.runtime.kv.KVCache` of one layer, sized to hold as many
+tokens as the target's, so the draft can never run out before the target does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..kv import KVCache
+from ..model.arch import ModelArchConfig
+from ..model.layers import build_attention_metadata
+from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
+from .eagle_model import EagleDraftModel
+
+
+class EagleDraftRunner:
+    """Loads a draft head next to its target and runs ragged or uniform batches of it."""
+
+    is_draft = True
+    lora = None  # drafts never carry adapters
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        target_arch: ModelArchConfig,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_total_tokens: int,
+        max_requests: int,
+        max_context_len: int,
+        architecture: str | None = None,
+    ):
+        self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
+        self.config.check_target(target_arch)
+        tensors = load_eagle_tensors(path, self.config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = EagleDraftModel(
+            self.config,
+            embed_weight=embed_weight,
+            lm_head_weight=lm_head_weight,
+            max_positions=max_context_len,
+            dtype=dtype,
+            device=self.device,
+            has_input_norm=INPUT_NORM in tensors,
+        )
+        self.model.load_weights(tensors)
+        self.model.eval()
+        layer = self.config.layer
+        self.kv = KVCache(
+            num_layers=1,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            dtype=dtype,
+            device=self.device,
+            max_total_tokens=max_total_tokens,
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+        )
+
+    @property
+    def version(self) -> int:
+        return self.config.version
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.config.aux_layer_ids
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        new_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """Append ``new_lens[i]`` pairs for request ``i``; returns the output features ``[T, H]``.
+
+        ``input_ids`` / ``features`` are flat in request order. On failure the cache is
+        left as it was.
+        """
+        lens = [int(n) for n in new_lens]
+        if input_ids.numel() != sum(lens) or features.shape[0] != sum(lens):
+            raise ValueError(
+                f"{input_ids.numel()} tokens and {features.shape[0]} features for new_lens summing to {sum(lens)}"
+            )
+        alloc = self.kv.allocate(request_ids, lens)
+        try:
+            uniform = len(set(lens)) == 1
+            meta = build_attention_metadata(
+                req_to_token=self.kv.req_to_token,
+                rows=alloc.rows,
+                prefix_lens=torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device),
+                out_cache_loc=alloc.out_cache_loc,
+                max_q=max(lens),
+                max_ctx=max(alloc.seq_lens),
+                groups=self.config.layer.num_heads // self.config.layer.num_kv_heads,
+                q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
+            )
+            return self.model(
+                input_ids.to(self.device),
+                features.to(device=self.device, dtype=self.dtype),
+                meta,
+                self.kv.k_buffers[0],
+                self.kv.v_buffers[0],
+            )
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
