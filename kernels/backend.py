@@ -18,6 +18,7 @@ output), so the LoRA delta is fused into the base result rather than materialise
 from __future__ import annotations
 
 import abc
+import itertools
 
 import torch
 
@@ -77,22 +78,19 @@ class LoRABackend(abc.ABC):
 
         ``A_emb``: ``[num_slots, vocab, max_rank]`` (PEFT's ``lora_embedding_A`` transposed,
         so a token's row is one contiguous gather); ``B_emb``: ``[num_slots, dim, max_rank]``.
-        A gather, not a GEMM: every backend shares this torch implementation.
+        The gathered rows are the shrink's result, so the backend's own ``expand`` finishes
+        the job: no host sync, safe under CUDA graphs. Rows of base-model requests gather
+        slot 0's row, which ``expand`` never reads.
         """
-        if ids.numel() == 0:
+        if ids.numel() == 0 or A_emb.shape[0] == 0:
             return
-        slots = info.token_slots.long()
-        active = slots >= 0
-        if not bool(active.any()):
-            return
-        rows = active.nonzero(as_tuple=True)[0]
-        s = slots[rows]
-        ranks = info.lora_ranks.long()[s]
-        xa = A_emb[s, ids[rows].long()].float()  # [n, R]
-        col = torch.arange(xa.shape[1], device=xa.device)
-        xa = xa * (col[None, :] < ranks[:, None])
-        delta = torch.einsum("nr,ndr->nd", xa, B_emb[s].float()) * info.scalings[s][:, None]
-        out.index_add_(0, rows, delta.to(out.dtype))
+        if ids.shape[0] != info.total_tokens:
+            raise ValueError(f"ids has {ids.shape[0]} rows but the batch info describes {info.total_tokens}")
+        if A_emb.shape[2] != B_emb.shape[2]:
+            raise ValueError(f"A_emb rank {A_emb.shape[2]} != B_emb rank {B_emb.shape[2]}")
+        slots = info.token_slots.long().clamp(min=0)
+        xa = A_emb[slots, ids.reshape(-1).long()]
+        self.expand(xa, B_emb, info, out, (0, out.shape[-1]))
 
 
 def check_shapes(
@@ -108,3 +106,37 @@ def check_shapes(
     if A.shape[1] % num_slices:
         raise ValueError(f"A's rank dim {A.shape[1]} is not divisible by {num_slices} slices")
     return A.shape[1] // num_slices, x.shape[1]
+
+
+def check_expand_shapes(
+    xa: torch.Tensor | tuple[int, ...],
+    B: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+) -> int:
+    """Validate expand inputs (``xa`` or its shape); returns ``max_rank``. Shared by the backends."""
+    xa_shape = tuple(xa.shape) if isinstance(xa, torch.Tensor) else tuple(xa)
+    if len(slice_offsets) < 2 or slice_offsets[0] != 0:
+        raise ValueError(f"slice_offsets must start at 0 and name at least one slice, got {slice_offsets}")
+    if any(b < a for a, b in itertools.pairwise(slice_offsets)):
+        raise ValueError(f"slice_offsets must be non-decreasing, got {slice_offsets}")
+    num_slices = len(slice_offsets) - 1
+    if B.dim() != 3:
+        raise ValueError(f"B must be [slots, out_total, max_rank], got shape {tuple(B.shape)}")
+    max_rank = B.shape[2]
+    if out.dim() != 2 or out.shape[0] != info.total_tokens:
+        raise ValueError(
+            f"out must be [{info.total_tokens}, out_total] for this batch, got shape {tuple(out.shape)}"
+        )
+    if B.shape[1] != slice_offsets[-1] or out.shape[1] != slice_offsets[-1]:
+        raise ValueError(
+            f"B {tuple(B.shape)} / out {tuple(out.shape)} do not match slices {slice_offsets}: "
+            f"both need {slice_offsets[-1]} output columns"
+        )
+    if xa_shape != (info.total_tokens, num_slices * max_rank):
+        raise ValueError(
+            f"xa must be [{info.total_tokens}, {num_slices}*{max_rank}] (tokens, slices*max_rank), "
+            f"got shape {xa_shape}"
+        )
+    return max_rank

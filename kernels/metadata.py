@@ -10,11 +10,21 @@ Row grouping: in decode and target-verify every request carries the same number 
 so requests that share an adapter are gathered into one segment through a permutation
 (sorted by slot). A tile then carries rows of one adapter instead of one request. Extend
 segments stay one per request (their lengths differ and rows are contiguous).
+
+Tiles: the kernels launch one program per *tile* of at most ``tile_m`` rows of one
+segment, read from a small table (row start, segment end, slot). Segments of the base
+model or of a rank-0 slot get no tile at all, so they cost no program. Under CUDA graphs
+the table has a fixed capacity and unused entries carry slot -1 (see
+:mod:`.graph_metadata`).
+
+Every device tensor of one batch is a view into one int32 buffer, filled on the host and
+sent with a single pinned, non-blocking copy.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +37,12 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill / chunked prefill: ragged per-request lengths
     DECODE = "decode"  # one token per request
     TARGET_VERIFY = "target_verify"  # exactly k draft tokens per request
+
+
+TILE_M_CHOICES: tuple[int, ...] = (16, 32, 64)
+"""Row-tile heights the kernels are built for (``tl.dot`` needs at least 16)."""
+
+_ALIGN = 4  # int32 entries: every section of the packed buffer starts 16-byte aligned
 
 
 def token_counts(
@@ -62,6 +78,30 @@ def token_counts(
     raise ValueError(f"unknown forward mode {mode!r}")
 
 
+def default_tile_m(mode: ForwardMode, max_segment_len: int) -> int:
+    """Row-tile height for a batch: 16 for decode/verify, the smallest fit for extend.
+
+    Decode and verify keep 16 so a CUDA graph captured once serves every replay; extend
+    grows the tile with its segments (fewer re-reads of each adapter's B) up to 64.
+    """
+    if mode is not ForwardMode.EXTEND:
+        return TILE_M_CHOICES[0]
+    for tile in TILE_M_CHOICES:
+        if max_segment_len <= tile:
+            return tile
+    return TILE_M_CHOICES[-1]
+
+
+def max_tiles(total_rows: int, num_segments: int, tile_m: int) -> int:
+    """Upper bound on tiles for ``total_rows`` rows cut into at most ``num_segments`` segments.
+
+    Each segment wastes at most one partial tile, and a tile holds at least one row.
+    """
+    if total_rows <= 0 or num_segments <= 0:
+        return 0
+    return min(total_rows, total_rows // tile_m + num_segments)
+
+
 @dataclass
 class LoRABatchInfo:
     """Segment layout of one batch, on the device the kernels run on.
@@ -70,6 +110,11 @@ class LoRABatchInfo:
     ``permutation`` when set, else the identity. Segment ``s`` uses adapter slot
     ``weight_indices[s]`` (-1: base model, no LoRA work). ``lora_ranks`` and ``scalings``
     are indexed by slot; a slot of rank 0 costs nothing.
+
+    ``tiles`` (int32 ``[3, num_tiles]``) is what the Triton kernels launch over: per tile
+    the start of its rows (an index into ``rows``), the end of its segment, and its slot
+    (-1: nothing to do). ``num_tiles`` is the launch size: the exact count for an eager
+    batch, the capacity for a CUDA-graph capture.
     """
 
     mode: ForwardMode
@@ -90,6 +135,10 @@ class LoRABatchInfo:
     weight_indices_cpu: list[int]
     permutation_cpu: list[int] | None
     lora_ranks_cpu: list[int]
+    tile_m: int = TILE_M_CHOICES[0]
+    num_tiles: int = 0
+    tiles: torch.Tensor | None = None  # int32 [3, num_tiles]: row start, segment end, slot
+    graph_capture: bool = False  # True: host counts are capture maxima, not this batch's
 
     def rows(self, segment: int) -> list[int]:
         """Row indices (into the batch's token rows) of one segment, host side."""
@@ -99,8 +148,119 @@ class LoRABatchInfo:
         return self.permutation_cpu[start:end]
 
 
-def _to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(list(values), dtype=dtype)
+@dataclass
+class HostLayout:
+    """The host-side description of one batch, before it is sent to the device."""
+
+    total_tokens: int
+    max_tokens_per_request: int
+    seg_indptr: list[int]
+    weight_indices: list[int]
+    permutation: list[int] | None
+    token_slots: list[int]
+    tiles: list[tuple[int, int, int]]  # (row start, segment end, slot)
+
+    @property
+    def seg_lens(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.seg_indptr)]
+
+
+def check_slots(slots: Sequence[int], lora_ranks: Sequence[int], scalings: Sequence[float]) -> None:
+    """Reject slot ids outside the pool and rank/scaling lists of different lengths."""
+    num_slots = len(lora_ranks)
+    if len(scalings) != num_slots:
+        raise ValueError(
+            f"{len(scalings)} scalings for {num_slots} slots: pass one scaling per pool slot"
+        )
+    for slot, rank in enumerate(lora_ranks):
+        if int(rank) < 0:
+            raise ValueError(f"lora_ranks[{slot}] is {rank}: ranks must be >= 0")
+    for i, slot in enumerate(slots):
+        if slot < -1 or slot >= num_slots:
+            raise ValueError(
+                f"request {i} names slot {slot}, but the pool has {num_slots} slots (use -1 for the base model)"
+            )
+
+
+def host_layout(
+    mode: ForwardMode,
+    slots: Sequence[int],
+    lora_ranks: Sequence[int],
+    *,
+    extend_lens: Sequence[int] | None = None,
+    num_draft_tokens: int | None = None,
+    group_by_slot: bool = True,
+    tile_m: int = TILE_M_CHOICES[0],
+) -> HostLayout:
+    """Segments, permutation and tile table of one batch, as host lists (pure)."""
+    bs = len(slots)
+    total, max_len = token_counts(mode, bs, extend_lens=extend_lens, num_draft_tokens=num_draft_tokens)
+    if mode is ForwardMode.EXTEND:
+        per_request = [int(n) for n in extend_lens]  # type: ignore[union-attr]
+    else:
+        per_request = [max_len] * bs
+
+    token_slots: list[int] = []
+    for slot, n in zip(slots, per_request, strict=True):
+        token_slots.extend([int(slot)] * n)
+
+    indptr = [0]
+    weights: list[int] = []
+    permutation: list[int] | None = None
+    if mode is not ForwardMode.EXTEND and group_by_slot and bs > 0:
+        width = max_len
+        order = sorted(range(bs), key=lambda i: slots[i])
+        permutation = []
+        for i in order:
+            if weights and weights[-1] == slots[i]:
+                indptr[-1] += width
+            else:
+                weights.append(int(slots[i]))
+                indptr.append(indptr[-1] + width)
+            permutation.extend(range(i * width, (i + 1) * width))
+    else:
+        for slot, n in zip(slots, per_request, strict=True):
+            if n == 0:
+                continue  # empty extend segments carry no rows
+            weights.append(int(slot))
+            indptr.append(indptr[-1] + n)
+
+    tiles: list[tuple[int, int, int]] = []
+    for seg, slot in enumerate(weights):
+        if slot < 0 or int(lora_ranks[slot]) == 0:
+            continue  # base-model and rank-0 segments cost no program
+        start, end = indptr[seg], indptr[seg + 1]
+        tiles.extend((row, end, slot) for row in range(start, end, tile_m))
+    return HostLayout(total, max_len, indptr, weights, permutation, token_slots, tiles)
+
+
+def pack_int32(sections: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Concatenate sections into one int32 host tensor, each section 16-byte aligned.
+
+    Returns the tensor and each section's ``(offset, length)``. A float32 section is
+    passed as a tensor and stored bit for bit.
+    """
+    parts: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for section in sections:
+        if isinstance(section, torch.Tensor):
+            part = section.reshape(-1).contiguous().view(torch.int32)
+        else:
+            part = torch.tensor(list(section), dtype=torch.int32)
+        length = part.numel()
+        pad = -length % _ALIGN
+        if pad:
+            part = torch.cat([part, torch.zeros(pad, dtype=torch.int32)])
+        parts.append(part)
+        spans.append((offset, length))
+        offset += length + pad
+    host = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    return host, spans
+
+
+def to_device_once(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy: pinned and non-blocking on CUDA, no copy at all on CPU."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
@@ -116,69 +276,109 @@ def build_batch_info(
     num_draft_tokens: int | None = None,
     group_by_slot: bool = True,
     device: torch.device | str = "cpu",
+    tile_m: int | None = None,
 ) -> LoRABatchInfo:
     """Build the segment layout for one batch.
 
     ``slots[i]`` is request i's adapter slot (-1: base model); ``lora_ranks`` and
     ``scalings`` describe every slot of the pool. For decode and target-verify with
     ``group_by_slot`` the requests are sorted by slot (stable) and each run of one slot
-    becomes one segment; otherwise each request is its own segment.
+    becomes one segment; otherwise each request is its own segment. ``tile_m`` (16, 32
+    or 64) overrides the row-tile height :func:`default_tile_m` picks.
     """
     device = torch.device(device)
-    bs = len(slots)
-    num_slots = len(lora_ranks)
-    for i, slot in enumerate(slots):
-        if slot < -1 or slot >= num_slots:
-            raise ValueError(f"request {i} names slot {slot}, but the pool has {num_slots} slots")
-    if len(scalings) != num_slots:
-        raise ValueError(f"{len(scalings)} scalings for {num_slots} slots")
-    total, max_len = token_counts(mode, bs, extend_lens=extend_lens, num_draft_tokens=num_draft_tokens)
+    check_slots(slots, lora_ranks, scalings)
+    # Counts first: they raise the mode-specific errors (missing k, bad extend_lens).
+    _, _ = token_counts(mode, len(slots), extend_lens=extend_lens, num_draft_tokens=num_draft_tokens)
     if mode is ForwardMode.EXTEND:
-        per_request = [int(n) for n in extend_lens]  # type: ignore[union-attr]
+        longest = max((int(n) for n in extend_lens), default=0)  # type: ignore[union-attr]
     else:
-        per_request = [max_len] * bs
+        longest = len(slots) * (num_draft_tokens or 1)
+    if tile_m is None:
+        tile_m = default_tile_m(mode, longest)
+    if tile_m not in TILE_M_CHOICES:
+        raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m}")
+    layout = host_layout(
+        mode,
+        slots,
+        lora_ranks,
+        extend_lens=extend_lens,
+        num_draft_tokens=num_draft_tokens,
+        group_by_slot=group_by_slot,
+        tile_m=tile_m,
+    )
+    return info_from_layout(mode, len(slots), layout, lora_ranks, scalings, tile_m, device)
 
-    token_slots: list[int] = []
-    for slot, n in zip(slots, per_request):
-        token_slots.extend([slot] * n)
 
-    indptr = [0]
-    weights: list[int] = []
-    permutation: list[int] | None = None
-    if mode is not ForwardMode.EXTEND and group_by_slot and bs > 0:
-        width = max_len
-        order = sorted(range(bs), key=lambda i: slots[i])
-        permutation = []
-        for i in order:
-            if weights and weights[-1] == slots[i]:
-                indptr[-1] += width
-            else:
-                weights.append(slots[i])
-                indptr.append(indptr[-1] + width)
-            permutation.extend(range(i * width, (i + 1) * width))
-    else:
-        for slot, n in zip(slots, per_request):
-            if n == 0:
-                continue  # empty extend segments carry no rows
-            weights.append(slot)
-            indptr.append(indptr[-1] + n)
-    seg_lens = [b - a for a, b in zip(indptr, indptr[1:])]
+def info_from_layout(
+    mode: ForwardMode,
+    batch_size: int,
+    layout: HostLayout,
+    lora_ranks: Sequence[int],
+    scalings: Sequence[float],
+    tile_m: int,
+    device: torch.device,
+) -> LoRABatchInfo:
+    """Send a host layout to ``device`` in one copy and wrap it as a :class:`LoRABatchInfo`."""
+    num_tiles = len(layout.tiles)
+    tile_table = [t[0] for t in layout.tiles] + [t[1] for t in layout.tiles] + [t[2] for t in layout.tiles]
+    seg_lens = layout.seg_lens
+    host, spans = pack_int32(
+        [
+            layout.seg_indptr,
+            seg_lens,
+            layout.weight_indices,
+            layout.permutation or [],
+            layout.token_slots,
+            [int(r) for r in lora_ranks],
+            torch.tensor(list(scalings), dtype=torch.float32),
+            tile_table,
+        ]
+    )
+    buf = to_device_once(host, device)
+    views = [buf[o : o + n] for o, n in spans]
     return LoRABatchInfo(
         mode=mode,
-        batch_size=bs,
-        total_tokens=total,
-        max_tokens_per_request=max_len,
-        num_segments=len(weights),
+        batch_size=batch_size,
+        total_tokens=layout.total_tokens,
+        max_tokens_per_request=layout.max_tokens_per_request,
+        num_segments=len(layout.weight_indices),
         max_segment_len=max(seg_lens, default=0),
-        seg_indptr=_to_device(indptr, torch.int32, device),
-        seg_lens=_to_device(seg_lens, torch.int32, device),
-        weight_indices=_to_device(weights, torch.int32, device),
-        permutation=None if permutation is None else _to_device(permutation, torch.int32, device),
-        token_slots=_to_device(token_slots, torch.int32, device),
-        lora_ranks=_to_device(lora_ranks, torch.int32, device),
-        scalings=_to_device(scalings, torch.float32, device),
-        seg_indptr_cpu=indptr,
-        weight_indices_cpu=weights,
-        permutation_cpu=permutation,
+        seg_indptr=views[0],
+        seg_lens=views[1],
+        weight_indices=views[2],
+        permutation=None if layout.permutation is None else views[3],
+        token_slots=views[4],
+        lora_ranks=views[5],
+        scalings=views[6].view(torch.float32),
+        seg_indptr_cpu=layout.seg_indptr,
+        weight_indices_cpu=layout.weight_indices,
+        permutation_cpu=layout.permutation,
         lora_ranks_cpu=[int(r) for r in lora_ranks],
+        tile_m=tile_m,
+        num_tiles=num_tiles,
+        tiles=views[7].view(3, num_tiles),
     )
+
+
+def ensure_tiles(info: LoRABatchInfo, tile_m: int | None = None) -> LoRABatchInfo:
+    """Return ``info`` with a tile table, building one from its host copies if it has none.
+
+    For a :class:`LoRABatchInfo` assembled by hand (without :func:`build_batch_info`).
+    """
+    if info.tiles is not None and (tile_m is None or tile_m == info.tile_m):
+        return info
+    tile_m = tile_m or default_tile_m(info.mode, info.max_segment_len)
+    tiles: list[tuple[int, int, int]] = []
+    for seg, slot in enumerate(info.weight_indices_cpu):
+        if slot < 0 or info.lora_ranks_cpu[slot] == 0:
+            continue
+        start, end = info.seg_indptr_cpu[seg], info.seg_indptr_cpu[seg + 1]
+        tiles.extend((row, end, slot) for row in range(start, end, tile_m))
+    table = torch.tensor(
+        [[t[0] for t in tiles], [t[1] for t in tiles], [t[2] for t in tiles]], dtype=torch.int32
+    ).reshape(3, len(tiles))
+    info.tiles = to_device_once(table, info.seg_indptr.device)
+    info.tile_m = tile_m
+    info.num_tiles = len(tiles)
+    return info

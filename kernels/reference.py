@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import LoRABackend, check_shapes
+from .backend import LoRABackend, check_expand_shapes, check_shapes
 from .metadata import LoRABatchInfo
 
 
@@ -37,11 +37,7 @@ class TorchLoRABackend(LoRABackend):
         slice_offsets: tuple[int, ...],
     ) -> None:
         num_slices = len(slice_offsets) - 1
-        max_rank = B.shape[2]
-        if xa.shape[1] != num_slices * max_rank:
-            raise ValueError(f"xa has {xa.shape[1]} columns, expected {num_slices}*{max_rank}")
-        if B.shape[1] != slice_offsets[-1] or out.shape[1] != slice_offsets[-1]:
-            raise ValueError(f"B {tuple(B.shape)} / out {tuple(out.shape)} do not match slices {slice_offsets}")
+        max_rank = check_expand_shapes(xa, B, info, out, slice_offsets)
         for seg in range(info.num_segments):
             slot = info.weight_indices_cpu[seg]
             rank = info.lora_ranks_cpu[slot] if slot >= 0 else 0

@@ -1,0 +1,244 @@
+"""LoRA batch metadata for CUDA-graph capture and replay.
+
+A captured graph replays fixed kernel launches with fixed pointers, so the metadata they
+read must live in buffers that never move, and the launch grids must be sized for the
+largest batch the graph can see. :class:`GraphLoRAMetadata` preallocates one int32 buffer
+on the device (plus a pinned host twin) for ``max_bs`` requests of ``width`` tokens each
+(width 1 for decode, ``k`` for target-verify: verify buffers are sized in tokens, not
+requests). Every captured batch size gets a :class:`LoRABatchInfo` whose tensors are
+views into that buffer and whose host counts are the capture's maxima; :meth:`update`
+rewrites the buffer in place before each replay with one non-blocking copy.
+
+A replay must use the width the graph was captured with: the token layout (and so every
+row index baked into the tile table) depends on it, so a different width raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from .metadata import (
+    TILE_M_CHOICES,
+    ForwardMode,
+    LoRABatchInfo,
+    check_slots,
+    host_layout,
+    max_tiles,
+    pack_int32,
+)
+
+_SECTIONS = ("seg_indptr", "seg_lens", "weight_indices", "permutation", "token_slots", "ranks", "scalings", "tiles")
+
+
+class GraphLoRAMetadata:
+    """Persistent, in-place-updated LoRA metadata shared by every captured batch size."""
+
+    def __init__(
+        self,
+        mode: ForwardMode,
+        max_bs: int,
+        num_slots: int,
+        *,
+        num_draft_tokens: int | None = None,
+        device: torch.device | str = "cuda",
+        tile_m: int = TILE_M_CHOICES[0],
+    ) -> None:
+        if mode is ForwardMode.EXTEND:
+            raise ValueError(
+                "CUDA-graph LoRA metadata covers decode and target-verify (fixed tokens per request); "
+                "run extend batches eagerly with build_batch_info"
+            )
+        if mode is ForwardMode.TARGET_VERIFY:
+            if num_draft_tokens is None or num_draft_tokens < 1:
+                raise ValueError(f"target-verify graphs need num_draft_tokens >= 1, got {num_draft_tokens}")
+            width = int(num_draft_tokens)
+        else:
+            width = 1
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if tile_m not in TILE_M_CHOICES:
+            raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m}")
+        self.mode = mode
+        self.width = width
+        self.max_bs = int(max_bs)
+        self.num_slots = int(num_slots)
+        self.tile_m = tile_m
+        self.device = torch.device(device)
+        self.max_tokens = self.max_bs * width
+        self.tile_capacity = max_tiles(self.max_tokens, self.max_bs, tile_m)
+
+        sizes = {
+            "seg_indptr": self.max_bs + 1,
+            "seg_lens": self.max_bs,
+            "weight_indices": self.max_bs,
+            "permutation": self.max_tokens,
+            "token_slots": self.max_tokens,
+            "ranks": self.num_slots,
+            "scalings": self.num_slots,
+            "tiles": 3 * self.tile_capacity,
+        }
+        template, spans = pack_int32([[0] * sizes[name] for name in _SECTIONS])
+        self._spans = dict(zip(_SECTIONS, spans, strict=True))
+        on_cuda = self.device.type == "cuda"
+        self._device_buf = torch.zeros_like(template, device=self.device)
+        # The host twin is pinned so the per-replay copy is asynchronous; on the CPU the
+        # device buffer is written directly.
+        self._host_buf = torch.zeros(template.shape, dtype=torch.int32, pin_memory=True) if on_cuda else self._device_buf
+        self._copy_done = torch.cuda.Event() if on_cuda else None
+        self._infos: dict[int, LoRABatchInfo] = {}
+        self._captured: set[int] = set()
+        self._ranks_cpu = [0] * self.num_slots
+        # A valid all-base-model layout, so a warm-up run before capture does no work.
+        self._write([], [0] * self.num_slots, [0.0] * self.num_slots, self.max_bs)
+
+    # -- views -------------------------------------------------------------------------
+
+    def _view(self, buf: torch.Tensor, name: str, length: int | None = None) -> torch.Tensor:
+        offset, size = self._spans[name]
+        return buf[offset : offset + (size if length is None else length)]
+
+    def _tiles_view(self, buf: torch.Tensor, capacity: int) -> torch.Tensor:
+        return self._view(buf, "tiles").view(3, self.tile_capacity)[:, :capacity]
+
+    def capacity(self, batch_size: int) -> int:
+        """Tile-table entries (and so shrink/expand programs per column block) for a batch size."""
+        return max_tiles(batch_size * self.width, batch_size, self.tile_m)
+
+    def capture_info(self, batch_size: int) -> LoRABatchInfo:
+        """The batch info to capture a graph with for ``batch_size`` requests (padded batches).
+
+        Its tensors view the persistent buffer and its host counts are maxima, so the
+        launches recorded with it stay valid for any :meth:`update` at this batch size.
+        """
+        info = self.info_for(batch_size)
+        self._captured.add(batch_size)
+        return info
+
+    def info_for(self, batch_size: int) -> LoRABatchInfo:
+        """The (cached) info over the persistent buffers for ``batch_size`` padded requests."""
+        if not 1 <= batch_size <= self.max_bs:
+            raise ValueError(f"batch_size must be in 1..{self.max_bs} (max_bs), got {batch_size}")
+        info = self._infos.get(batch_size)
+        if info is not None:
+            return info
+        tokens = batch_size * self.width
+        dev = self._device_buf
+        info = LoRABatchInfo(
+            mode=self.mode,
+            batch_size=batch_size,
+            total_tokens=tokens,
+            max_tokens_per_request=self.width,
+            num_segments=batch_size,
+            max_segment_len=tokens,
+            seg_indptr=self._view(dev, "seg_indptr", batch_size + 1),
+            seg_lens=self._view(dev, "seg_lens", batch_size),
+            weight_indices=self._view(dev, "weight_indices", batch_size),
+            permutation=self._view(dev, "permutation", tokens),
+            token_slots=self._view(dev, "token_slots", tokens),
+            lora_ranks=self._view(dev, "ranks"),
+            scalings=self._view(dev, "scalings").view(torch.float32),
+            seg_indptr_cpu=[0] * (batch_size + 1),
+            weight_indices_cpu=[-1] * batch_size,
+            permutation_cpu=list(range(tokens)),
+            lora_ranks_cpu=list(self._ranks_cpu),
+            tile_m=self.tile_m,
+            num_tiles=self.capacity(batch_size),
+            tiles=self._tiles_view(dev, self.capacity(batch_size)),
+            graph_capture=True,
+        )
+        self._infos[batch_size] = info
+        return info
+
+    # -- per-replay update ---------------------------------------------------------------
+
+    def padded_batch_size(self, real_bs: int) -> int:
+        """The smallest captured batch size that holds ``real_bs`` requests."""
+        fits = [bs for bs in self._captured if bs >= real_bs]
+        if not fits:
+            raise ValueError(
+                f"no captured batch size holds {real_bs} requests (captured: {sorted(self._captured)}); "
+                "capture one with capture_info() or run this batch eagerly"
+            )
+        return min(fits)
+
+    def update(
+        self,
+        slots: Sequence[int],
+        lora_ranks: Sequence[int],
+        scalings: Sequence[float],
+        *,
+        num_draft_tokens: int | None = None,
+        batch_size: int | None = None,
+    ) -> LoRABatchInfo:
+        """Write this step's layout into the persistent buffers; returns the info to replay.
+
+        ``slots`` holds the real requests; they are padded with base-model requests (slot
+        -1) up to ``batch_size`` (default: the smallest captured size that fits).
+        ``num_draft_tokens``, when given, must equal the width the graph was captured with.
+        """
+        if num_draft_tokens is not None and int(num_draft_tokens) != self.width:
+            raise ValueError(
+                f"this batch verifies {num_draft_tokens} tokens per request but the CUDA graph was "
+                f"captured for {self.width}: replay needs the captured width (capture one graph "
+                "per num_draft_tokens, or run the batch eagerly)"
+            )
+        if len(lora_ranks) != self.num_slots:
+            raise ValueError(f"{len(lora_ranks)} ranks for a pool of {self.num_slots} slots")
+        real_bs = len(slots)
+        if batch_size is None:
+            batch_size = self.padded_batch_size(real_bs)
+        if not real_bs <= batch_size <= self.max_bs:
+            raise ValueError(f"{real_bs} requests do not fit batch_size {batch_size} (max_bs {self.max_bs})")
+        indptr, weights, permutation = self._write(slots, lora_ranks, scalings, batch_size)
+        info = self.info_for(batch_size)
+        info.seg_indptr_cpu = indptr
+        info.weight_indices_cpu = weights
+        info.permutation_cpu = permutation
+        info.lora_ranks_cpu = list(self._ranks_cpu)
+        return info
+
+    def _write(
+        self, slots: Sequence[int], lora_ranks: Sequence[int], scalings: Sequence[float], batch_size: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Fill the host twin for ``slots`` padded to ``batch_size`` and send it in one copy."""
+        padded = [int(s) for s in slots] + [-1] * (batch_size - len(slots))
+        check_slots(padded, lora_ranks, scalings)
+        mode_k = self.width if self.mode is ForwardMode.TARGET_VERIFY else None
+        layout = host_layout(self.mode, padded, lora_ranks, num_draft_tokens=mode_k, tile_m=self.tile_m)
+        capacity = self.capacity(batch_size)
+        assert len(layout.tiles) <= capacity, (len(layout.tiles), capacity)
+
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous copy has finished reading the host twin
+        host = self._host_buf
+        nseg = len(layout.weight_indices)
+        indptr = layout.seg_indptr + [layout.seg_indptr[-1]] * (batch_size - nseg)
+        weights = layout.weight_indices + [-1] * (batch_size - nseg)
+        assert layout.permutation is not None
+        sections = {
+            "seg_indptr": torch.tensor(indptr, dtype=torch.int32),
+            "seg_lens": torch.tensor([b - a for a, b in itertools.pairwise(indptr)], dtype=torch.int32),
+            "weight_indices": torch.tensor(weights, dtype=torch.int32),
+            "permutation": torch.tensor(layout.permutation, dtype=torch.int32),
+            "token_slots": torch.tensor(layout.token_slots, dtype=torch.int32),
+            "ranks": torch.tensor([int(r) for r in lora_ranks], dtype=torch.int32),
+            "scalings": torch.tensor([float(v) for v in scalings], dtype=torch.float32).view(torch.int32),
+        }
+        for name, values in sections.items():
+            self._view(host, name, values.numel()).copy_(values)
+        tiles = self._tiles_view(host, capacity)
+        tiles.fill_(0)
+        tiles[2].fill_(-1)  # unused entries: programs that stop at once
+        if layout.tiles:
+            tiles[:, : len(layout.tiles)].copy_(torch.tensor(layout.tiles, dtype=torch.int32).T)
+
+        if self._copy_done is not None:
+            self._device_buf.copy_(self._host_buf, non_blocking=True)
+            self._copy_done.record()
+        self._ranks_cpu = [int(r) for r in lora_ranks]
+        return indptr, weights, layout.permutation

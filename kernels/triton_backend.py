@@ -1,0 +1,195 @@
+"""Triton LoRA backend: segmented shrink and fused sliced expand over a tile table.
+
+``apply`` is the fast path: two launches per module whatever the number of slices
+(QKV, gate/up) or adapters. The shrink writes split-K partial sums in float32 and the
+expand adds them while loading, so the two launches are the whole cost. Launch grids
+come from host values that are fixed for a CUDA-graph capture (tile capacity, shapes);
+everything that changes between replays (slots, ranks, scalings, rows) is read from
+device tensors.
+
+Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .backend import LoRABackend, check_expand_shapes, check_shapes
+from .metadata import LoRABatchInfo, ensure_tiles
+from .triton_ops import ExpandConfig, ShrinkConfig, launch_expand, launch_shrink, pick_expand, pick_shrink
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_SMS
+
+
+def _check_runtime(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"LoRA tensors must share one device, got {t.device} and {device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"the Triton LoRA backend runs on CUDA tensors (got {device}); on the CPU use "
+            "get_backend('torch') or set TRITON_INTERPRET=1"
+        )
+    for t in tensors:
+        if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported dtype {t.dtype}: use one of float16, bfloat16, float32")
+
+
+def _check_ranks(info: LoRABatchInfo, num_pool_slots: int, max_rank: int) -> None:
+    if len(info.lora_ranks_cpu) > num_pool_slots:
+        raise ValueError(
+            f"the batch info describes {len(info.lora_ranks_cpu)} slots but the weight buffer holds "
+            f"{num_pool_slots}: size the buffers for the whole pool"
+        )
+    for slot, rank in enumerate(info.lora_ranks_cpu):
+        if rank > max_rank:
+            raise ValueError(
+                f"slot {slot} has rank {rank} but the weight buffer's max_rank is {max_rank}: "
+                "raise lora.max_rank or load the adapter into a larger pool"
+            )
+
+
+class TritonLoRABackend(LoRABackend):
+    """Multi-adapter LoRA through Triton kernels.
+
+    ``shrink_config`` / ``expand_config`` pin the launch configuration (benchmarks and
+    tests); by default :func:`pick_shrink` / :func:`pick_expand` choose from the shapes.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self, *, shrink_config: ShrinkConfig | None = None, expand_config: ExpandConfig | None = None
+    ) -> None:
+        self.shrink_config_override = shrink_config
+        self.expand_config_override = expand_config
+
+    # -- configuration -------------------------------------------------------------------
+
+    def shrink_config(self, info: LoRABatchInfo, x: torch.Tensor, num_slices: int, max_rank: int) -> ShrinkConfig:
+        """The shrink's launch configuration for this module and batch capacity."""
+        if self.shrink_config_override is not None:
+            return self.shrink_config_override
+        return pick_shrink(
+            num_tiles=info.num_tiles,
+            tile_m=info.tile_m,
+            num_slices=num_slices,
+            max_rank=max_rank,
+            in_dim=x.shape[1],
+            dtype=x.dtype,
+            num_sms=_sm_count(x.device),
+        )
+
+    def expand_config(self, info: LoRABatchInfo, B: torch.Tensor) -> ExpandConfig:
+        """The expand's launch configuration."""
+        if self.expand_config_override is not None:
+            return self.expand_config_override
+        return pick_expand(tile_m=info.tile_m, max_rank=B.shape[2], dtype=B.dtype)
+
+    # -- ops -----------------------------------------------------------------------------
+
+    def shrink(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        info: LoRABatchInfo,
+        num_slices: int = 1,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``xa = x @ A[slot]ᵀ`` per segment into ``out`` (``[T, slices*max_rank]``, x's dtype).
+
+        Rows of base-model requests keep ``out``'s values (zeros in a fresh one); columns
+        past a slot's rank are unspecified. ``apply`` is the fast path: it keeps the
+        split-K partial sums in float32 and lets the expand add them.
+        """
+        max_rank, _ = check_shapes(x, A, info, num_slices)
+        width = num_slices * max_rank
+        if out is None:
+            out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+        elif out.shape != (x.shape[0], width):
+            raise ValueError(f"out must be [{x.shape[0]}, {width}], got shape {tuple(out.shape)}")
+        _check_runtime(x, A, out)
+        _check_ranks(info, A.shape[0], max_rank)
+        if x.shape[0] == 0:
+            return out
+        info = ensure_tiles(info)
+        if info.num_tiles == 0:
+            return out
+        config = self.shrink_config(info, x, num_slices, max_rank)
+        if config.split_k == 1:
+            launch_shrink(x, A, out, info, num_slices, config)
+            return out
+        partial = torch.zeros(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
+        launch_shrink(x, A, partial, info, num_slices, config)
+        summed = partial.sum(0)
+        active = info.token_slots >= 0  # rows the kernel wrote; others keep out's values
+        out.copy_(torch.where(active[:, None], summed.to(out.dtype), out))
+        return out
+
+    def expand(
+        self,
+        xa: torch.Tensor,
+        B: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        check_expand_shapes(xa, B, info, out, slice_offsets)
+        _check_runtime(xa, B, out)
+        _check_ranks(info, B.shape[0], B.shape[2])
+        if out.shape[0] == 0:
+            return
+        info = ensure_tiles(info)
+        if info.num_tiles == 0:
+            return
+        launch_expand(xa, B, out, info, tuple(slice_offsets), self.expand_config(info, B))
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...] | None = None,
+    ) -> None:
+        """Shrink then expand into ``out``: two launches for the whole module."""
+        if slice_offsets is None:
+            slice_offsets = (0, out.shape[-1])
+        slice_offsets = tuple(slice_offsets)
+        num_slices = len(slice_offsets) - 1
+        max_rank, _ = check_shapes(x, A, info, num_slices)
+        if B.dim() != 3 or B.shape[2] != max_rank:
+            raise ValueError(f"B must be [slots, out_total, {max_rank}] to match A, got {tuple(B.shape)}")
+        if A.shape[0] != B.shape[0]:
+            raise ValueError(f"A has {A.shape[0]} slots but B has {B.shape[0]}: they must describe one pool")
+        width = num_slices * max_rank
+        check_expand_shapes((x.shape[0], width), B, info, out, slice_offsets)
+        _check_runtime(x, A, B, out)
+        _check_ranks(info, A.shape[0], max_rank)
+        if x.shape[0] == 0:
+            return
+        info = ensure_tiles(info)
+        if info.num_tiles == 0:
+            return
+        config = self.shrink_config(info, x, num_slices, max_rank)
+        partial = torch.empty(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
+        launch_shrink(x, A, partial, info, num_slices, config)
+        launch_expand(partial, B, out, info, slice_offsets, self.expand_config(info, B))

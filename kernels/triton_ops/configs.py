@@ -1,0 +1,92 @@
+"""Launch configurations for the LoRA kernels, chosen by pure functions of the shapes.
+
+Everything here depends only on values that are fixed for a CUDA-graph capture (tile
+capacity, module sizes, pool rank, dtype, SM count), never on a batch's contents, so a
+captured launch stays valid on every replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_SPLIT_K = 32
+MIN_K_BLOCKS_PER_SPLIT = 2
+PROGRAMS_PER_SM = 4  # shrink programs aimed for per SM: keeps enough loads in flight
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """Shrink tiles: ``block_n`` rank columns, ``block_k`` input columns a step, ``split_k`` ways."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    """Expand tiles: ``block_n`` output columns, ``block_r`` rank columns a step."""
+
+    block_n: int
+    block_r: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rank_block(max_rank: int) -> int:
+    """Rank columns per step: the pool's rank rounded to a power of two, 16..64."""
+    return min(64, max(16, next_pow2(max_rank)))
+
+
+def pick_shrink(
+    *,
+    num_tiles: int,
+    tile_m: int,
+    num_slices: int,
+    max_rank: int,
+    in_dim: int,
+    dtype: torch.dtype,
+    num_sms: int,
+) -> ShrinkConfig:
+    """Split the reduction over ``in_dim`` until the grid has a few programs per SM.
+
+    At small batches the shrink is a handful of long dot products over ``in_dim``; one
+    program each would stream an adapter's A through a single SM. Splitting K spreads the
+    read over the chip; the partial sums are added by the expand as it loads them.
+    """
+    block_n = rank_block(max_rank)
+    block_k = 128 if tile_m <= 32 else 64
+    if dtype == torch.float32:
+        block_k //= 2
+    programs = max(1, num_tiles * num_slices * cdiv(max_rank, block_n))
+    k_blocks = cdiv(in_dim, block_k)
+    limit = min(MAX_SPLIT_K, max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
+    split = 1
+    while split * 2 <= limit and programs * split < PROGRAMS_PER_SM * num_sms:
+        split *= 2
+    return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def pick_expand(*, tile_m: int, max_rank: int, dtype: torch.dtype) -> ExpandConfig:
+    """One rank step up to rank 64; output columns in blocks of 128 (64 for wide row tiles)."""
+    block_n = 128 if tile_m <= 32 else 64
+    if dtype == torch.float32:
+        block_n //= 2
+    return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank))
+
+
+def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:
+    """Input columns each split covers: whole ``block_k`` steps, so splits never overlap."""
+    return cdiv(cdiv(in_dim, block_k), split_k) * block_k

@@ -1,0 +1,144 @@
+"""Segmented LoRA shrink: ``xa[rows] = x[rows] @ A[slot]ᵀ`` for every tile of one batch.
+
+Grid: (slice × rank block, tile, K split). A program reads its tile's slot from the tile
+table, stops at once for slot -1 or a rank block past the slot's rank, and otherwise
+streams its share of ``in_dim`` through one dot product. With ``split_k > 1`` each split
+writes its own partial sum (``out[split]``); the expand adds them while loading, so no
+atomics, no zero-fill and no extra reduction launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..metadata import LoRABatchInfo
+from .configs import ShrinkConfig, cdiv, k_per_split
+
+
+@triton.jit(do_not_specialize=["tiles_stride"])
+def _lora_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    tiles_ptr,
+    perm_ptr,
+    ranks_ptr,
+    tiles_stride,
+    in_dim,
+    max_rank,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_os,
+    stride_om,
+    stride_on,
+    RANK_BLOCKS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    slot = tl.load(tiles_ptr + 2 * tiles_stride + pid_t)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    slice_id = pid_n // RANK_BLOCKS
+    n_start = (pid_n % RANK_BLOCKS) * BLOCK_N
+    if n_start >= rank:
+        return  # nothing past the adapter's own rank
+    row_start = tl.load(tiles_ptr + pid_t)
+    seg_end = tl.load(tiles_ptr + tiles_stride + pid_t)
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_end
+    if HAS_PERM:
+        rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        rows = offs_m.to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < rank
+    cols = slice_id * max_rank + offs_n
+
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[None, :].to(tl.int64) * stride_ar
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_dim)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # An empty range (a trailing split past in_dim) leaves zeros: the partial stays valid.
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products; half types use the tensor cores natively."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    out: torch.Tensor,
+    info: LoRABatchInfo,
+    num_slices: int,
+    config: ShrinkConfig,
+) -> None:
+    """Run the shrink over ``info``'s tiles into ``out``.
+
+    ``out`` is ``[split_k, T, num_slices*max_rank]`` (any strides; fp32 for partial sums)
+    or ``[T, num_slices*max_rank]`` when ``config.split_k == 1``.
+    """
+    max_rank = A.shape[1] // num_slices
+    in_dim = x.shape[1]
+    if out.dim() == 2:
+        if config.split_k != 1:
+            raise ValueError("a 2-D shrink output holds one partial sum: use split_k=1")
+        stride_os, stride_om, stride_on = 0, out.stride(0), out.stride(1)
+    else:
+        stride_os, stride_om, stride_on = out.stride()
+    rank_blocks = cdiv(max_rank, config.block_n)
+    assert info.tiles is not None
+    grid = (num_slices * rank_blocks, info.num_tiles, config.split_k)
+    _lora_shrink_kernel[grid](
+        x,
+        A,
+        out,
+        info.tiles,
+        info.permutation if info.permutation is not None else info.tiles,
+        info.lora_ranks,
+        info.tiles.stride(0),
+        in_dim,
+        max_rank,
+        k_per_split(in_dim, config.block_k, config.split_k),
+        x.stride(0),
+        x.stride(1),
+        A.stride(0),
+        A.stride(1),
+        A.stride(2),
+        stride_os,
+        stride_om,
+        stride_on,
+        RANK_BLOCKS=rank_blocks,
+        HAS_PERM=info.permutation is not None,
+        DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=info.tile_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
