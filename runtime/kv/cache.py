@@ -1,0 +1,233 @@
+"""A token-granular KV cache shared by many concurrent requests.
+
+Storage: per layer, ``k`` and ``v`` pools of ``[capacity + 1, kv_heads, head_dim]``; slot 0
+is a padding slot that is never handed out (padded rows of a CUDA-graph batch write
+there). A request owns a row of the ``req_to_token`` table (row 0 is the padding row),
+listing the pool slots of its tokens in order. Slots come from a host-side free stack,
+so allocating, freeing and truncating are a few tensor slices, never per-token loops.
+
+The owner of a request (the scheduler, through the model runner) decides when tokens
+are appended (:meth:`KVCache.allocate`), dropped from the end (:meth:`KVCache.truncate`,
+rejected draft tokens) or released (:meth:`KVCache.free`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheError(ValueError):
+    """Misuse of the cache (unknown request, over-long context, bad truncate)."""
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free token slots or request rows; nothing was allocated."""
+
+
+@dataclass
+class Allocation:
+    """Where one forward's new tokens go."""
+
+    request_ids: list[Hashable]
+    rows: torch.Tensor  # int64 [bs] on the cache's device: each request's table row
+    prefix_lens: list[int]  # tokens cached before this forward
+    new_lens: list[int]  # tokens appended by this forward
+    out_cache_loc: torch.Tensor  # int64 [sum(new_lens)] on device: slot of each new token
+    created: list[bool]  # the request had no entry before this allocation
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + n for p, n in zip(self.prefix_lens, self.new_lens, strict=True)]
+
+
+class _Request:
+    __slots__ = ("length", "row", "slots")
+
+    def __init__(self, row: int, capacity: int):
+        self.row = row
+        self.length = 0
+        self.slots = torch.empty(capacity, dtype=torch.int64)
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.slots.numel():
+            grown = torch.empty(max(needed, 2 * self.slots.numel()), dtype=torch.int64)
+            grown[: self.length] = self.slots[: self.length]
+            self.slots = grown
+
+
+class KVCache:
+    """Token pool + per-request token tables; all accounting is on the host."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_total_tokens: int,
+        max_requests: int,
+        max_context_len: int,
+    ):
+        if max_total_tokens < 1:
+            raise KVCacheError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        if max_requests < 1:
+            raise KVCacheError(f"max_requests must be >= 1, got {max_requests}")
+        if max_context_len < 1:
+            raise KVCacheError(f"max_context_len must be >= 1, got {max_context_len}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.capacity = int(max_total_tokens)
+        self.max_requests = int(max_requests)
+        self.max_context_len = int(min(max_context_len, max_total_tokens))
+        shape = (self.capacity + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(
+            self.max_requests + 1, self.max_context_len, dtype=torch.int64, device=self.device
+        )
+        # Free stack: the top ``_num_free`` entries are free; popping takes from the end.
+        self._free_slots = torch.arange(self.capacity, 0, -1, dtype=torch.int64)
+        self._num_free = self.capacity
+        self._free_rows = list(range(self.max_requests, 0, -1))
+        self._requests: dict[Hashable, _Request] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_tokens(self) -> int:
+        """Token slots not owned by any request."""
+        return self._num_free
+
+    @property
+    def num_used_tokens(self) -> int:
+        return self.capacity - self._num_free
+
+    @property
+    def num_free_rows(self) -> int:
+        """How many more requests can hold KV at once."""
+        return len(self._free_rows)
+
+    @property
+    def bytes_per_token(self) -> int:
+        k = self.k_buffers[0] if self.k_buffers else None
+        if k is None:
+            return 0
+        return 2 * self.num_layers * k.shape[1] * k.shape[2] * k.element_size()
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._requests
+
+    def request_ids(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def seq_len(self, request_id: Hashable) -> int:
+        """Tokens cached for a request (0 for an unknown one)."""
+        req = self._requests.get(request_id)
+        return 0 if req is None else req.length
+
+    def token_slots(self, request_id: Hashable) -> torch.Tensor:
+        """Host copy of a request's slots, in token order."""
+        req = self._require(request_id)
+        return req.slots[: req.length].clone()
+
+    def can_allocate(self, num_tokens: int, num_new_requests: int = 0) -> bool:
+        return num_tokens <= self._num_free and num_new_requests <= len(self._free_rows)
+
+    # ------------------------------------------------------------------ changes
+    def allocate(self, request_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> Allocation:
+        """Append ``num_tokens[i]`` slots to request i (creating it if new); all or nothing."""
+        if len(request_ids) != len(num_tokens):
+            raise KVCacheError(f"{len(request_ids)} request ids but {len(num_tokens)} token counts")
+        counts = [int(n) for n in num_tokens]
+        if any(n < 0 for n in counts):
+            raise KVCacheError(f"token counts must be >= 0, got {counts}")
+        created = [rid not in self._requests for rid in request_ids]
+        prefix = [self.seq_len(rid) for rid in request_ids]
+        for rid, p, n in zip(request_ids, prefix, counts, strict=True):
+            if p + n > self.max_context_len:
+                raise KVCacheError(
+                    f"request {rid!r} would hold {p + n} tokens, over the context limit of "
+                    f"{self.max_context_len}: shorten the prompt or max_tokens"
+                )
+        total = sum(counts)
+        if total > self._num_free or sum(created) > len(self._free_rows):
+            raise KVCacheFullError(
+                f"KV cache full: need {total} tokens for {sum(created)} new requests, "
+                f"{self._num_free} tokens and {len(self._free_rows)} request rows free"
+            )
+        slots = self._free_slots[self._num_free - total : self._num_free].flip(0).clone()
+        self._num_free -= total
+        rows: list[int] = []
+        offset = 0
+        for rid, is_new, n in zip(request_ids, created, counts, strict=True):
+            if is_new:
+                self._requests[rid] = _Request(self._free_rows.pop(), max(n, 16))
+            req = self._requests[rid]
+            req.reserve(req.length + n)
+            req.slots[req.length : req.length + n] = slots[offset : offset + n]
+            req.length += n
+            offset += n
+            rows.append(req.row)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        prefix_t = torch.tensor(prefix, dtype=torch.int64)
+        # Column of every new token: its request's prefix length plus its index within the request.
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        cols = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(prefix_t - starts, counts_t)
+        row_of_token = torch.repeat_interleave(rows_t, counts_t)
+        dev_slots = slots.to(self.device, non_blocking=True)
+        self.req_to_token[row_of_token.to(self.device), cols.to(self.device)] = dev_slots
+        return Allocation(
+            request_ids=list(request_ids),
+            rows=rows_t.to(self.device, non_blocking=True),
+            prefix_lens=prefix,
+            new_lens=counts,
+            out_cache_loc=dev_slots,
+            created=created,
+        )
+
+    def truncate(self, request_id: Hashable, num_tokens: int) -> None:
+        """Drop a request's last ``num_tokens`` cached tokens (e.g. rejected draft tokens)."""
+        req = self._require(request_id)
+        if num_tokens < 0 or num_tokens > req.length:
+            raise KVCacheError(
+                f"cannot truncate {num_tokens} tokens from request {request_id!r}, which holds {req.length}"
+            )
+        if num_tokens == 0:
+            return
+        self._push_free(req.slots[req.length - num_tokens : req.length])
+        req.length -= num_tokens
+
+    def free(self, request_id: Hashable) -> None:
+        """Release everything a request holds; unknown ids are ignored (idempotent)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self._push_free(req.slots[: req.length])
+        self._free_rows.append(req.row)
+
+    def rollback(self, allocation: Allocation) -> None:
+        """Undo an allocation whose forward failed: the cache is as it was before."""
+        for rid, is_new, n in zip(allocation.request_ids, allocation.created, allocation.new_lens, strict=True):
+            if rid not in self._requests:
+                continue
+            if is_new:
+                self.free(rid)
+            else:
+                self.truncate(rid, min(n, self._requests[rid].length))
+
+    def _push_free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        self._free_slots[self._num_free : self._num_free + n] = slots.flip(0)
+        self._num_free += n
+
+    def _require(self, request_id: Hashable) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KVCacheError(f"request {request_id!r} holds no KV cache entries")
+        return req

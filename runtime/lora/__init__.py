@@ -1,0 +1,21 @@
+"""Multi-LoRA serving: adapter validation, the device slot pool and the manager."""
+
+from .adapter import AdapterWeights, load_adapter
+from .errors import AdapterCapacityError, AdapterConflictError, AdapterError, AdapterNotFoundError
+from .manager import AdapterInfo, AdapterState, LoRAManager, validate_lora_config
+from .pool import LoRAContext, SlotPool
+
+__all__ = [
+    "AdapterCapacityError",
+    "AdapterConflictError",
+    "AdapterError",
+    "AdapterInfo",
+    "AdapterNotFoundError",
+    "AdapterState",
+    "AdapterWeights",
+    "LoRAContext",
+    "LoRAManager",
+    "SlotPool",
+    "load_adapter",
+    "validate_lora_config",
+]

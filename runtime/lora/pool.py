@@ -1,0 +1,163 @@
+"""The device-side adapter slot pool and the hooks that apply it inside the model.
+
+Buffers use the kernels' layout (see ``loraserve.kernels.backend``): per fused module
+``A [slots, slices * max_rank, in]`` and ``B [slots, out_total, max_rank]``; q/k/v share
+one QKV buffer and gate/up one gate-up buffer, matching the model's fused projections.
+The embedding adapter is ``A [slots, vocab, max_rank]``, ``B [slots, hidden, max_rank]``.
+Writing a slot zeroes it first, so parts an adapter does not target contribute nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.kernels import LoRABackend, LoRABatchInfo
+
+from ..model.llama import LlamaForCausalLM
+from .adapter import AdapterWeights
+
+# module -> (fused group, part index); the group names the model's attribute
+GROUP_OF = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+class LoRAContext:
+    """Per-forward state every hook reads: the backend and the batch's segment layout.
+
+    ``info`` describes the decoder's token rows; ``logits_info`` the rows handed to the
+    lm_head (fewer than ``info``'s in an extend that returns only last positions). Both
+    are None when no request of the batch uses an adapter: the hooks then do nothing.
+    """
+
+    def __init__(self, backend: LoRABackend):
+        self.backend = backend
+        self.info: LoRABatchInfo | None = None
+        self.logits_info: LoRABatchInfo | None = None
+
+    def set(self, info: LoRABatchInfo | None, logits_info: LoRABatchInfo | None) -> None:
+        self.info = info
+        self.logits_info = logits_info
+
+    def clear(self) -> None:
+        self.info = None
+        self.logits_info = None
+
+
+@dataclass
+class LinearLoRAHook:
+    """LoRA delta of one (possibly fused) linear layer."""
+
+    ctx: LoRAContext
+    A: torch.Tensor
+    B: torch.Tensor
+    slice_offsets: tuple[int, ...]
+    logits: bool = False  # the lm_head: uses the logits rows' layout
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        info = self.ctx.logits_info if self.logits else self.ctx.info
+        if info is not None:
+            self.ctx.backend.apply(x, self.A, self.B, info, out, self.slice_offsets)
+
+
+@dataclass
+class EmbeddingLoRAHook:
+    """LoRA delta of the token embedding (a gather, not a GEMM)."""
+
+    ctx: LoRAContext
+    A: torch.Tensor
+    B: torch.Tensor
+
+    def apply(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        info = self.ctx.info
+        if info is not None:
+            self.ctx.backend.embedding(ids, self.A, self.B, info, out)
+
+
+class SlotPool:
+    """Allocates the slot buffers for ``modules`` and attaches hooks to the model."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        modules: tuple[str, ...],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        ctx: LoRAContext,
+    ):
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.modules = modules
+        self.ctx = ctx
+        # (group, layer or None) -> hook; the hook's A/B are the buffers
+        self.hooks: dict[tuple[str, int | None], LinearLoRAHook | EmbeddingLoRAHook] = {}
+        arch = model.arch
+        groups = sorted({GROUP_OF[m][0] for m in modules if m in GROUP_OF})
+        R = max_rank
+        for layer_id, layer in enumerate(model.model.layers):
+            for group in groups:
+                linear = layer.self_attn.get_submodule(group) if group in ("qkv_proj", "o_proj") else layer.mlp.get_submodule(group)
+                slices = len(linear.out_sizes)
+                hook = LinearLoRAHook(
+                    ctx,
+                    torch.zeros(num_slots, slices * R, linear.in_features, dtype=dtype, device=device),
+                    torch.zeros(num_slots, linear.out_features, R, dtype=dtype, device=device),
+                    linear.slice_offsets,
+                )
+                linear.lora = hook
+                self.hooks[(group, layer_id)] = hook
+        if "embed_tokens" in modules:
+            hook = EmbeddingLoRAHook(
+                ctx,
+                torch.zeros(num_slots, arch.vocab_size, R, dtype=dtype, device=device),
+                torch.zeros(num_slots, arch.hidden_size, R, dtype=dtype, device=device),
+            )
+            model.embed_lora = hook
+            self.hooks[("embed_tokens", None)] = hook
+        if "lm_head" in modules:
+            hook = LinearLoRAHook(
+                ctx,
+                torch.zeros(num_slots, R, arch.hidden_size, dtype=dtype, device=device),
+                torch.zeros(num_slots, arch.vocab_size, R, dtype=dtype, device=device),
+                (0, arch.vocab_size),
+                logits=True,
+            )
+            model.lm_head_lora = hook
+            self.hooks[("lm_head", None)] = hook
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(h.A.numel() * h.A.element_size() + h.B.numel() * h.B.element_size() for h in self.hooks.values())
+
+    def write(self, slot: int, adapter: AdapterWeights) -> None:
+        """Copy an adapter into ``slot`` (zeroing whatever was there)."""
+        for hook in self.hooks.values():
+            hook.A[slot].zero_()
+            hook.B[slot].zero_()
+        R = self.max_rank
+        r = adapter.rank
+        for (module, layer), (a, b) in adapter.weights.items():
+            if module in GROUP_OF:
+                group, part = GROUP_OF[module]
+                hook = self.hooks[(group, layer)]
+                lo, hi = hook.slice_offsets[part], hook.slice_offsets[part + 1]
+                hook.A[slot, part * R : part * R + r].copy_(a, non_blocking=True)
+                hook.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
+            else:
+                hook = self.hooks[(module, None)]
+                if module == "embed_tokens":
+                    hook.A[slot, :, :r].copy_(a, non_blocking=True)  # a: [vocab, r]
+                else:
+                    hook.A[slot, :r].copy_(a, non_blocking=True)
+                hook.B[slot, :, :r].copy_(b, non_blocking=True)

@@ -1,0 +1,217 @@
+"""The tokenizer-independent shape of a model, read from a Hugging Face ``config.json``.
+
+One dataclass for every supported Llama-family layout, so layers never look at raw
+config dicts. Both rope spellings are read: transformers 5's ``rope_parameters`` and the
+older ``rope_theta`` + ``rope_scaling`` pair.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelConfigError(ValueError):
+    """A model directory or config.json the runtime cannot serve; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters (``rope_type``: default, linear, llama3 or yarn)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Everything the layers need to know about a model, independent of the tokenizer."""
+
+    architecture: str  # e.g. LlamaForCausalLM
+    family: str  # llama | mistral | qwen2
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    torch_dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of a LoRA-targetable module."""
+        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        dims = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+            "embed_tokens": (self.vocab_size, h),
+            "lm_head": (h, self.vocab_size),
+        }
+        if module not in dims:
+            raise KeyError(module)
+        return dims[module]
+
+
+def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Map a config dtype string to a torch dtype (``auto``/None gives ``default``)."""
+    if name is None or name == "auto":
+        return default
+    key = str(name).replace("torch.", "")
+    if key not in _DTYPES:
+        raise ModelConfigError(f"dtype {name!r} is not supported: use auto, bfloat16, float16 or float32")
+    return _DTYPES[key]
+
+
+def _rope_spec(raw: dict) -> RopeSpec:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type form; one type for these models
+    if not isinstance(params, dict):
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ModelConfigError(
+            f"config.json rope type {rope_type!r} is not supported: use default, linear, llama3 or yarn"
+        )
+    factor = params.get("factor")
+    return RopeSpec(
+        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        factor=float(factor) if factor is not None else 1.0,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+    )
+
+
+def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> ModelArchConfig:
+    """Build a :class:`ModelArchConfig` from a parsed config.json."""
+    archs = raw.get("architectures") or []
+    architecture = architecture_override or (archs[0] if archs else None)
+    if architecture is None:
+        model_type = raw.get("model_type")
+        architecture = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(model_type)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(
+            f"config.json architecture {architecture!r} is not supported: "
+            f"use one of {sorted(SUPPORTED_ARCHITECTURES)} (model.architecture overrides config.json)"
+        )
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(raw.get(key), int) or raw[key] <= 0:
+            raise ModelConfigError(f"config.json field {key!r} must be a positive integer, got {raw.get(key)!r}")
+    num_heads = raw["num_attention_heads"]
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads:
+        raise ModelConfigError(
+            f"config.json num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+        )
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
+    sliding = raw.get("sliding_window")
+    if family == "qwen2" and not raw.get("use_sliding_window", False):
+        sliding = None
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope = _rope_spec(raw)
+    if rope.partial_rotary_factor != 1.0:
+        raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported for Llama-family models")
+    return ModelArchConfig(
+        architecture=architecture,
+        family=family,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)) or family == "qwen2",
+        o_bias=bool(raw.get("attention_bias", False)) and family != "qwen2",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        rope=rope,
+        sliding_window=int(sliding) if sliding else None,
+        hidden_act=act,
+        torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype"), torch.float32),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_arch_config(model_dir: str | Path, *, architecture_override: str | None = None) -> ModelArchConfig:
+    """Read ``model_dir/config.json``; local files only."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(
+            f"{path} not found: model.path must be a local directory with config.json and safetensors weights"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+    return arch_from_dict(raw, architecture_override=architecture_override)

@@ -1,0 +1,122 @@
+"""Attention over the paged KV cache with ``scaled_dot_product_attention``.
+
+Every token's K/V is written to its cache slot first; then each request's whole context
+is gathered by slot index into a padded ``[batch, context, kv_heads, head_dim]`` block and
+attended with a boolean mask built on the device from positions. No per-token host loops:
+the metadata below is computed once per forward and shared by every layer.
+
+Grouped-query attention without copying K/V: the ``g = heads / kv_heads`` query heads
+that share a KV head are folded into the query-length dimension, so SDPA sees
+``[batch, kv_heads, g * q_len, head_dim]`` queries against ``[batch, kv_heads, ctx,
+head_dim]`` keys and the mask is tiled ``g`` times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch's tokens sit: shared by every attention layer of one forward."""
+
+    batch_size: int
+    max_q: int  # query rows per request after padding
+    max_ctx: int  # key columns gathered per request
+    positions: torch.Tensor  # int64 [T]: each token's position in its request
+    out_cache_loc: torch.Tensor  # int64 [T]: the KV slot each token is written to
+    kv_indices: torch.Tensor  # int64 [bs, max_ctx]: KV slots of each request's context
+    mask: torch.Tensor  # bool [bs, 1, groups * max_q, max_ctx]: True = may attend
+    q_dest: torch.Tensor | None  # int64 [T]: padded row of each token; None when uniform
+
+
+def build_attention_metadata(
+    *,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    max_q: int,
+    max_ctx: int,
+    groups: int,
+    q_lens: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Build the metadata on the device of ``req_to_token``.
+
+    ``rows``: each request's row in the token table; ``prefix_lens``: tokens already cached
+    before this batch; ``q_lens``: new tokens per request for ragged (extend) batches, or
+    None when every request carries exactly ``max_q`` (decode, target-verify). With
+    ``q_lens`` None the ops are shape-static and can be captured in a CUDA graph.
+    """
+    device = req_to_token.device
+    bs = rows.shape[0]
+    q_off = torch.arange(max_q, device=device)
+    q_pos = prefix_lens[:, None] + q_off[None, :]  # [bs, max_q]
+    if q_lens is None:
+        positions = q_pos.reshape(-1)
+        q_dest = None
+    else:
+        valid = q_off[None, :] < q_lens[:, None]
+        q_dest = valid.reshape(-1).nonzero().squeeze(1)
+        positions = q_pos.reshape(-1).index_select(0, q_dest)
+    kv_indices = req_to_token.index_select(0, rows)[:, :max_ctx]
+    key_pos = torch.arange(max_ctx, device=device)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal over the request's own context
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = mask[:, None, None].expand(bs, 1, groups, max_q, max_ctx).reshape(bs, 1, groups * max_q, max_ctx)
+    return AttentionMetadata(
+        batch_size=bs,
+        max_q=max_q,
+        max_ctx=max_ctx,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        kv_indices=kv_indices,
+        mask=mask,
+        q_dest=q_dest,
+    )
+
+
+class Attention(nn.Module):
+    """Writes this layer's new K/V into the cache and attends over each request's context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = q.shape[0]
+        kvh, g, hd = self.num_kv_heads, self.groups, self.head_dim
+        bs, max_q = meta.batch_size, meta.max_q
+        k_cache.index_copy_(0, meta.out_cache_loc, k.view(tokens, kvh, hd).to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.out_cache_loc, v.view(tokens, kvh, hd).to(v_cache.dtype))
+        keys = k_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)  # [bs, kvh, ctx, hd]
+        values = v_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)
+        qh = q.view(tokens, kvh, g, hd)
+        if meta.q_dest is not None:
+            padded = q.new_zeros(bs * max_q, kvh, g, hd)
+            padded.index_copy_(0, meta.q_dest, qh)
+            qh = padded
+        qh = qh.view(bs, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, kvh, g * max_q, hd)
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
+        out = out.view(bs, kvh, g, max_q, hd).permute(0, 3, 1, 2, 4).reshape(bs * max_q, kvh * g * hd)
+        if meta.q_dest is not None:
+            out = out.index_select(0, meta.q_dest)
+        return out

@@ -1,0 +1,241 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flat batched token rows.
+
+Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
+Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
+by :meth:`LlamaForCausalLM.load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ModelArchConfig
+from .layers import (
+    Attention,
+    AttentionMetadata,
+    Linear,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+)
+
+# HF checkpoint part -> (our fused module, index of the part inside it)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensor and the fix."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, dtype: torch.dtype, device):
+        super().__init__()
+        self.qkv_proj = Linear(
+            arch.hidden_size,
+            (arch.q_size, arch.kv_size, arch.kv_size),
+            bias=arch.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = Linear(arch.q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device)
+        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.rotary = rotary
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k = self.rotary(
+            meta.positions,
+            q.reshape(tokens, self.num_heads, self.head_dim),
+            k.reshape(tokens, self.num_kv_heads, self.head_dim),
+        )
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, k_cache, v_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, *, dtype: torch.dtype, device):
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, (i, i), bias=arch.mlp_bias, dtype=dtype, device=device)
+        self.down_proj = Linear(i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device)
+        self.intermediate_size = i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(arch, rotary, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(arch, dtype=dtype, device=device)
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig, *, max_positions: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        # One rope table for all layers (not a registered child of each layer).
+        self.rotary = RotaryEmbedding(
+            arch.rope,
+            arch.head_dim,
+            max_positions,
+            arch.max_position_embeddings,
+            dtype=dtype,
+            device=device,
+        )
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(arch, self.rotary, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus output head; LoRA hooks are attached by the adapter pool.
+
+    ``embed_lora`` / ``lm_head_lora``: optional hooks adding an adapter's embedding and
+    output-projection deltas; ``None`` in a draft model.
+    """
+
+    def __init__(self, arch: ModelArchConfig, *, max_positions: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, max_positions=max_positions, dtype=dtype, device=device)
+        self.lm_head = LMHead(
+            arch.hidden_size,
+            arch.vocab_size,
+            dtype=dtype,
+            device=device,
+            tied_to=self.model.embed_tokens if arch.tie_word_embeddings else None,
+        )
+        self.embed_lora = None
+        self.lm_head_lora = None
+
+    @property
+    def embed_tokens(self) -> VocabEmbedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        aux_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the decoder; returns ``(final normed hidden [T, H], aux hiddens)``.
+
+        ``aux_layers``: layer indices whose input residual stream (the output of layer
+        ``i-1``; the embeddings for ``i == 0``; the final un-normed stream for
+        ``i == num_layers``) is returned, in the order given.
+        """
+        h = self.model.embed_tokens(input_ids)
+        if self.embed_lora is not None:
+            self.embed_lora.apply(input_ids, h)
+        wanted = {layer: pos for pos, layer in enumerate(aux_layers)}
+        aux: list[torch.Tensor | None] = [None] * len(aux_layers)
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                aux[wanted[i]] = h
+            h = layer(h, meta, k_caches[i], v_caches[i])
+        if len(self.model.layers) in wanted:
+            aux[wanted[len(self.model.layers)]] = h
+        return self.model.norm(h), aux  # type: ignore[return-value]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32) for the given hidden rows, with the lm_head adapter."""
+        logits = self.lm_head(hidden)
+        if self.lm_head_lora is not None:
+            self.lm_head_lora.apply(hidden, logits)
+        return logits.float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy; the embedding is the source
+            target, part = _route(name)
+            if target not in params:
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} has no place in a {self.arch.architecture} with "
+                    f"{self.arch.num_layers} layers: the checkpoint does not match config.json"
+                )
+            param = params[target]
+            if part is None:
+                dest = param.data
+            else:
+                module = self.get_submodule(target.rsplit(".", 1)[0])
+                offsets = module.slice_offsets
+                dest = param.data[offsets[part] : offsets[part + 1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(dest.shape)}: the checkpoint does not match config.json"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            loaded.add(name)
+        expected = set(expected_checkpoint_names(self))
+        missing = sorted(expected - loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightLoadError(f"checkpoint is missing tensors {missing[:5]}{more}: the weights are incomplete")
+
+
+def _route(name: str) -> tuple[str, int | None]:
+    """Map a HF tensor name to ``(our parameter name, fused part index or None)``."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        fused, index = _STACKED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), index
+    return name, None
+
+
+def expected_checkpoint_names(model: LlamaForCausalLM) -> list[str]:
+    """The Hugging Face tensor names a complete checkpoint for ``model`` provides."""
+    names = []
+    inverse = {}
+    for part, (fused, index) in _STACKED.items():
+        inverse.setdefault(fused, {})[index] = part
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            continue
+        del param
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in inverse:
+            for index in sorted(inverse[parts[-2]]):
+                names.append(".".join([*parts[:-2], inverse[parts[-2]][index], parts[-1]]))
+        else:
+            names.append(name)
+    return names
