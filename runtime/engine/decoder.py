@@ -1,0 +1,162 @@
+"""The decode-strategy seam: how a batch of running requests gains tokens.
+
+The engine owns requests, scheduling, KV accounting and output; a :class:`Decoder` owns
+the model calls. :class:`StandardDecoder` runs one target forward per step and samples
+one token per request. A speculative decoder (``loraserve.runtime.spec``) drafts and
+verifies, returning up to ``k`` tokens per request per step; the engine asks
+``loraserve.runtime.spec.build_decoder`` for one when ``config.speculative.enabled``.
+
+Contract every decoder keeps:
+
+- ``extend(chunks)`` runs prefill chunks ``(request, n)``: the next ``n`` tokens of
+  ``request.all_ids`` from ``request.num_cached``. For a request whose prefill completes
+  in this chunk it returns a :class:`StepOutput` with the first new token; ``None`` for
+  the others. The engine advances ``num_cached``.
+- ``step(requests)`` returns one :class:`StepOutput` per request (1 token for plain
+  decoding, up to ``k`` for speculation). On return the request's KV cache (target and
+  any draft) holds every token of ``all_ids + new tokens`` except the last new one.
+- ``tokens_per_step`` is the most KV tokens a step appends to one request (1 for plain
+  decoding, the verify width for speculation): the scheduler reserves it.
+- ``on_add(request)`` when a request enters the running set (again, after a retraction);
+  ``on_finish(request)`` whenever it leaves it (finished, aborted, failed or retracted:
+  ``request.state`` says which) — free any per-request state (a draft's KV) there. The
+  engine frees the target's KV itself, after ``on_finish``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from loraserve.kernels import ForwardMode
+
+from ..config import RuntimeConfig
+from ..sampling import Sampler
+from .request import Request
+
+
+@dataclass
+class StepOutput:
+    """New tokens for one request from one step, with optional chosen-token logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    num_draft_tokens: int = 0  # speculation: drafts proposed this step
+    num_accepted: int = 0  # speculation: drafts accepted this step
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    tokens_per_step: int
+
+    def extend(self, chunks: Sequence[tuple[Request, int]]) -> list[StepOutput | None]: ...
+
+    def step(self, requests: Sequence[Request]) -> list[StepOutput]: ...
+
+    def on_add(self, request: Request) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
+def sample_rows(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]) -> list[StepOutput]:
+    """One sampled token per row of ``logits``, row ``i`` for ``requests[i]``."""
+    out = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
+    logprobs = out.logprobs
+    return [
+        StepOutput([tok], [logprobs[i]] if logprobs is not None and requests[i].params.logprobs else None)
+        for i, tok in enumerate(out.token_ids)
+    ]
+
+
+class StandardDecoder:
+    """One target forward per step, one sampled token per request."""
+
+    tokens_per_step = 1
+
+    def __init__(self, runner, sampler: Sampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+
+    def _device(self) -> torch.device:
+        return getattr(self.runner, "device", torch.device("cpu"))
+
+    def extend(self, chunks: Sequence[tuple[Request, int]]) -> list[StepOutput | None]:
+        from ..model.forward_batch import ForwardBatch
+
+        requests = [r for r, _ in chunks]
+        ids: list[int] = []
+        for req, n in chunks:
+            ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            request_ids=[r.rid for r in requests],
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device()),
+            extend_lens=[n for _, n in chunks],
+            lora_names=[r.adapter for r in requests],
+        )
+        logits = self.runner.forward(batch).logits
+        done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
+        results: list[StepOutput | None] = [None] * len(chunks)
+        if done:
+            rows = logits.index_select(0, torch.tensor(done, device=logits.device))
+            outs = sample_rows(self.sampler, rows, [requests[i] for i in done])
+            for i, out in zip(done, outs, strict=True):
+                results[i] = out
+        return results
+
+    def step(self, requests: Sequence[Request]) -> list[StepOutput]:
+        from ..model.forward_batch import ForwardBatch
+
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            request_ids=[r.rid for r in requests],
+            input_ids=torch.tensor(
+                [r.last_token for r in requests], dtype=torch.int64, device=self._device()
+            ),
+            lora_names=[r.adapter for r in requests],
+        )
+        logits = self.runner.forward(batch).logits
+        return sample_rows(self.sampler, logits, requests)
+
+    def on_add(self, request: Request) -> None:
+        return None
+
+    def on_finish(self, request: Request) -> None:
+        return None
+
+
+class DecoderUnavailableError(RuntimeError):
+    """Speculative decoding was asked for but this runtime cannot provide it."""
+
+
+def build_decoder(config: RuntimeConfig, runner, sampler: Sampler) -> Decoder:
+    """The decoder for a configuration: speculative when enabled, else standard.
+
+    A speculative decoder comes from ``loraserve.runtime.spec.build_decoder(config=...,
+    runner=..., sampler=...)``.
+    """
+    if not config.speculative.enabled:
+        return StandardDecoder(runner, sampler)
+    algorithm = config.speculative.algorithm.value
+    try:
+        spec = importlib.import_module("loraserve.runtime.spec")
+    except ImportError as exc:
+        raise DecoderUnavailableError(
+            f"speculative.algorithm={algorithm} needs loraserve.runtime.spec, which failed to import: {exc}"
+        ) from exc
+    factory = getattr(spec, "build_decoder", None)
+    if factory is None:
+        raise DecoderUnavailableError(
+            f"speculative.algorithm={algorithm} is not available in this runtime: "
+            "use --speculative-algorithm NONE"
+        )
+    decoder = factory(config=config, runner=runner, sampler=sampler)
+    if not isinstance(decoder, Decoder):
+        raise DecoderUnavailableError(
+            f"loraserve.runtime.spec.build_decoder returned {type(decoder).__name__}, not a Decoder"
+        )
+    return decoder

@@ -1,0 +1,649 @@
+"""The engine loop: continuous batching on a background thread.
+
+Callers (the HTTP server, tests) use the thread-safe methods: :meth:`Engine.submit` a
+:class:`Request` whose ``sink`` receives :class:`RequestOutput` increments,
+:meth:`Engine.abort` it, run adapter commands with :meth:`Engine.call`. Everything that
+touches the model runner, the KV cache or the adapter manager happens on the engine
+thread, between steps, so none of them needs its own locking.
+
+A step: take new requests, aborts and commands from the inbox; ask the scheduler for a
+plan; retract what it says; run the decoder's extend or decode; hand each request its new
+tokens (detokenised, stop conditions applied); finish, free and release what is done.
+An exception in a batch is retried request by request, so only the request that causes
+it fails; the others continue.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import RuntimeConfig
+from ..sampling import Sampler, SamplingParamsError, make_generator
+from .decoder import Decoder, StepOutput, build_decoder
+from .errors import EngineClosedError, EngineError
+from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
+from .scheduler import Scheduler, SchedulerLimits, StepKind, StepPlan
+from .stats import EngineObserver, EngineSnapshot
+from .text import TextStream
+
+log = logging.getLogger("loraserve.engine")
+
+_IDLE_WAIT_S = 0.5
+
+
+class Engine:
+    """Owns the running set and the queue; drives a decoder over a model runner."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        runner,
+        *,
+        tokenizer=None,
+        decoder: Decoder | None = None,
+        observer: EngineObserver | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.sampler = sampler or Sampler(seed=config.seed)
+        self.decoder: Decoder = decoder or build_decoder(config, runner, self.sampler)
+        self.observer = observer or EngineObserver()
+        self.kv = runner.kv
+        self.lora = getattr(runner, "lora", None)
+        sched = config.scheduler
+        max_running = min(
+            sched.max_running_requests, getattr(self.kv, "max_requests", sched.max_running_requests)
+        )
+        self.limits = SchedulerLimits(
+            max_running_requests=max_running,
+            max_loras_per_batch=config.lora.max_loras_per_batch,
+            chunked_prefill_size=sched.chunked_prefill_size,
+            max_prefill_tokens=sched.max_prefill_tokens,
+            decode_tokens_per_step=max(int(self.decoder.tokens_per_step), 1),
+            max_head_bypass=max(max_running, 1),
+        )
+        self.scheduler = Scheduler(self.limits)
+        self.context_len = self._context_len()
+        self.eos_token_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._accepting = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._live: dict[str, Request] = {}  # rid -> request, engine thread only
+        self._adapter_lock = threading.Lock()
+        self._adapter_names: frozenset[str] = frozenset()
+        self._pinned: frozenset[str] = frozenset()
+        self.refresh_adapters()
+        self._steps = 0
+        self.snapshot = EngineSnapshot(
+            kv_total_tokens=self._kv_capacity(),
+            kv_free_tokens=self._kv_free(),
+            max_loras_per_batch=config.lora.max_loras_per_batch,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread; requests are accepted from now on."""
+        if self._thread is not None:
+            return
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="loraserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on; in-flight ones continue."""
+        with self._cv:
+            self._accepting = False
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to ``drain_timeout_s``,
+        abort what is left, and stop the thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.running and time.monotonic() < deadline:
+            snap = self.snapshot
+            if snap.num_running == 0 and snap.num_waiting == 0 and not self._inbox:
+                break
+            time.sleep(0.02)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(drain_timeout_s, 5.0))
+
+    # ------------------------------------------------------------------ callers' API
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        """Adapters loaded and accepting requests (a snapshot; any thread)."""
+        return self._adapter_names
+
+    def prepare(self, request: Request, *, prompt_param: str = "prompt") -> Request:
+        """Validate a request and resolve its limits; raise :class:`EngineError` if it
+        can never run. Thread-safe and cheap: no model state is touched."""
+        params = request.params
+        try:
+            params.validate(self.vocab_size)
+        except SamplingParamsError as exc:
+            raise EngineError.invalid(str(exc), param=exc.field) from exc
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise EngineError.invalid(f"{prompt_param} is empty: send at least one token", param=prompt_param)
+        if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in request.prompt_ids):
+            raise EngineError.invalid(
+                f"{prompt_param} holds token ids outside the vocabulary [0, {self.vocab_size})",
+                param=prompt_param,
+            )
+        if request.adapter is not None and request.adapter not in self._adapter_names:
+            raise EngineError.not_found(
+                f"the model {request.adapter!r} does not exist: load the adapter first or pick one of "
+                "GET /v1/models",
+                param="model",
+            )
+        # A decode step may append ``tokens_per_step`` tokens before the last is checked.
+        slack = self.limits.decode_tokens_per_step - 1
+        room = self.context_len - slack
+        if n >= room:
+            raise EngineError.invalid(
+                f"This model's maximum context length is {self.context_len} tokens, but the "
+                f"{prompt_param} has {n} tokens and no room is left to generate: shorten it",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        capacity = self._kv_capacity()
+        if params.max_tokens is None:
+            max_new = min(room - n, capacity - n - slack)
+        else:
+            max_new = params.max_tokens
+            if n + max_new > room:
+                raise EngineError.invalid(
+                    f"This model's maximum context length is {self.context_len} tokens. However, you "
+                    f"requested {n + max_new} tokens ({n} in the {prompt_param}, {max_new} in max_tokens): "
+                    "lower max_tokens or shorten the prompt",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+        if n + max_new + slack > capacity:
+            raise EngineError.invalid(
+                f"the request needs {n + max_new + slack} KV cache tokens ({n} prompt + {max_new} max_tokens) "
+                f"but the cache holds only {capacity}: lower max_tokens or raise --max-total-tokens",
+                param="max_tokens",
+                code="kv_cache_too_small",
+            )
+        if max_new < 1:
+            raise EngineError.invalid(
+                f"the KV cache ({capacity} tokens) has no room to generate after the {n}-token {prompt_param}",
+                param=prompt_param,
+            )
+        request.max_new_tokens = max_new
+        return request
+
+    def submit(self, request: Request, *, prompt_param: str = "prompt") -> None:
+        """Queue a request (after :meth:`prepare`). Outputs go to ``request.sink``."""
+        self.prepare(request, prompt_param=prompt_param)
+        with self._cv:
+            if not self._accepting:
+                raise EngineClosedError()
+            request.state = RequestState.QUEUED
+            self._inbox.append(("submit", request))
+            self._cv.notify()
+
+    def abort(self, rid: str) -> None:
+        """Abort a request wherever it is (idempotent; unknown ids are ignored)."""
+        with self._cv:
+            self._inbox.append(("abort", rid))
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between steps; its result or error lands in the
+        returned future. Adapter loads and unloads go through here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or self._thread is None:
+                future.set_exception(EngineClosedError("the engine is not running"))
+                return future
+            self._inbox.append(("call", (fn, future)))
+            self._cv.notify()
+        return future
+
+    def refresh_adapters(self) -> None:
+        """Re-read which adapters take requests and which are pinned (any thread)."""
+        if self.lora is None:
+            return
+        with self._adapter_lock:
+            infos = self.lora.list()
+            serving = [i for i in infos if _state(i) != "unloading"]
+            self._adapter_names = frozenset(i.name for i in serving)
+            self._pinned = frozenset(i.name for i in serving if getattr(i, "pinned", False))
+
+    def load_adapter(self, name: str, path, *, pinned: bool = False):
+        """Load an adapter (blocking: file I/O and validation; run it off the event loop).
+
+        Batches keep running meanwhile; the manager is thread-safe. Returns its info.
+        """
+        if self.lora is None:
+            raise EngineError.invalid(
+                "LoRA is disabled on this server (lora.enabled=false)", param="lora_name"
+            )
+        try:
+            return self.lora.load(name, path, pinned=pinned)
+        finally:
+            self.refresh_adapters()
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop admitting requests for ``name``; it is freed once its requests finish."""
+        if self.lora is None:
+            raise EngineError.invalid(
+                "LoRA is disabled on this server (lora.enabled=false)", param="lora_name"
+            )
+        try:
+            self.lora.unload(name)
+        finally:
+            self.refresh_adapters()
+
+    def list_adapters(self) -> list:
+        """The adapter manager's infos (name, path, rank, state, pinned...)."""
+        return [] if self.lora is None else list(self.lora.list())
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._stopping:
+                break
+            plan = self.scheduler.plan(
+                self._waiting,
+                self._running,
+                self._kv_free(),
+                free_rows=getattr(self.kv, "num_free_rows", None),
+                pinned=self._pinned,
+            )
+            for req in plan.retract:
+                self._retract(req)
+            if plan.kind is StepKind.IDLE:
+                if not plan.retract:
+                    self._publish()
+                    with self._cv:
+                        if not self._inbox and not self._stopping:
+                            self._cv.wait(timeout=_IDLE_WAIT_S)
+                continue
+            try:
+                self._execute(plan)
+            except Exception:  # a bug in bookkeeping must not kill the thread silently
+                log.exception("engine step failed")
+                for req in list(self._running):
+                    self._finish(req, FinishReason.ERROR, _internal_error("engine step failed"))
+            self._steps += 1
+            self._publish()
+        for req in list(self._running) + list(self._waiting):
+            self._finish(req, FinishReason.ABORT)
+        self._drain_inbox(closing=True)
+        self._publish()
+
+    def _drain_inbox(self, closing: bool = False) -> None:
+        while True:
+            with self._cv:
+                if not self._inbox:
+                    return
+                kind, item = self._inbox.popleft()
+            if kind == "submit":
+                if closing:
+                    self._deliver_final(item, FinishReason.ABORT)
+                else:
+                    self._intake(item)
+            elif kind == "abort":
+                req = self._live.get(item)
+                if req is not None:
+                    self._finish(req, FinishReason.ABORT)
+            elif kind == "call":
+                fn, future = item
+                if closing:
+                    future.set_exception(EngineClosedError("the engine stopped"))
+                    continue
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+                finally:
+                    self.refresh_adapters()
+
+    def _intake(self, req: Request) -> None:
+        if req.adapter is not None:
+            if self.lora is None:
+                self._deliver_final(
+                    req,
+                    FinishReason.ERROR,
+                    RequestError("LoRA is disabled on this server", status=400, param="model"),
+                )
+                return
+            try:
+                self.lora.acquire(req.adapter)
+            except Exception as exc:  # unknown or draining adapter
+                self._deliver_final(
+                    req,
+                    FinishReason.ERROR,
+                    RequestError(
+                        f"adapter {req.adapter!r} cannot take requests: {exc}",
+                        status=404,
+                        type="not_found_error",
+                        param="model",
+                        code="model_not_found",
+                    ),
+                )
+                return
+            req.holds_adapter = True
+        req.generator = make_generator(req.params.seed)
+        if self.tokenizer is not None:
+            req.text_stream = TextStream(
+                self.tokenizer.detokenizer(req.prompt_ids),
+                req.params.stop,
+                req.params.include_stop_str_in_output,
+            )
+        req.state = RequestState.WAITING
+        self._live[req.rid] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the queue in arrival order (a retracted request keeps its place)."""
+        keys = [(r.arrival_time, r.rid) for r in self._waiting]
+        self._waiting.insert(bisect.bisect_right(keys, (req.arrival_time, req.rid)), req)
+
+    def _execute(self, plan: StepPlan) -> None:
+        start = time.monotonic()
+        if plan.kind is StepKind.EXTEND:
+            for req in plan.admit:
+                self._waiting.remove(req)
+                self._running.append(req)
+                req.state = RequestState.RUNNING
+                req.admitted_time = time.monotonic()
+                req.prefill_target = req.num_tokens
+                self.decoder.on_add(req)
+            outs = self._isolated(
+                plan.extend,
+                lambda chunks: self.decoder.extend(chunks),
+                key=lambda c: c[0],
+                expected_cached=lambda c: c[0].num_cached,
+            )
+            for (req, n), out in zip(plan.extend, outs, strict=True):
+                if req.finished:
+                    continue
+                req.num_cached += n
+                if out is not None:
+                    self._commit(req, out)
+            self.observer.on_step(
+                "extend", len(plan.extend), sum(n for _, n in plan.extend), time.monotonic() - start
+            )
+        else:
+            outs = self._isolated(
+                plan.decode,
+                lambda reqs: self.decoder.step(reqs),
+                key=lambda r: r,
+                expected_cached=lambda r: r.num_cached,
+            )
+            for req, out in zip(plan.decode, outs, strict=True):
+                if not req.finished and out is not None:
+                    self._commit(req, out)
+            self.observer.on_step("decode", len(plan.decode), len(plan.decode), time.monotonic() - start)
+
+    def _isolated(self, items: Sequence, run, *, key, expected_cached) -> list:
+        """Run a batch; if it raises, run each item alone so only the culprit fails."""
+        if not items:
+            return []
+        try:
+            outs = list(run(items))
+            if len(outs) != len(items):
+                raise RuntimeError(f"decoder returned {len(outs)} outputs for {len(items)} requests")
+            return outs
+        except Exception as exc:
+            if len(items) == 1:
+                req = key(items[0])
+                log.warning("request %s failed: %s", req.rid, exc)
+                log.debug("%s", traceback.format_exc())
+                self._finish(req, FinishReason.ERROR, _internal_error(f"generation failed: {exc}"))
+                return [None]
+            log.warning("a batch of %d failed (%s); retrying request by request", len(items), exc)
+        results: list = []
+        for item in items:
+            req = key(item)
+            self._restore_kv(req, expected_cached(item))
+            results.extend(self._isolated([item], run, key=key, expected_cached=expected_cached))
+        return results
+
+    def _restore_kv(self, req: Request, cached: int) -> None:
+        """Drop KV a failed forward may have left beyond what the request had."""
+        try:
+            held = self.kv.seq_len(req.rid)
+            if held > cached:
+                self.kv.truncate(req.rid, held - cached)
+        except Exception:  # the cache refuses: start this request over
+            self.kv.free(req.rid)
+            req.num_cached = 0
+
+    def _commit(self, req: Request, out: StepOutput) -> None:
+        now = time.monotonic()
+        tokens = list(out.token_ids)
+        if not tokens:
+            return
+        if out.num_draft_tokens:
+            req.spec.verify_steps += 1
+            req.spec.draft_tokens += out.num_draft_tokens
+            req.spec.accepted_tokens += out.num_accepted
+            req.spec.accept_lens.append(out.num_accepted)
+        params = req.params
+        new_ids: list[int] = []
+        new_logprobs: list[float] = []
+        text_parts: list[str] = []
+        reason: FinishReason | None = None
+        for i, tok in enumerate(tokens):
+            tok = int(tok)
+            req.output_ids.append(tok)
+            new_ids.append(tok)
+            if out.logprobs is not None and i < len(out.logprobs):
+                req.output_logprobs.append(float(out.logprobs[i]))
+                new_logprobs.append(float(out.logprobs[i]))
+            is_stop_token = tok in params.stop_token_ids or (
+                not params.ignore_eos and tok in self.eos_token_ids
+            )
+            hit = False
+            if req.text_stream is not None:
+                delta, hit = req.text_stream.push(tok, emit_text=not is_stop_token)
+                text_parts.append(delta)
+            if is_stop_token or hit:
+                reason = FinishReason.STOP
+            elif len(req.output_ids) >= req.max_new_tokens or req.num_tokens >= self.context_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.observer.on_first_token(req, now - req.arrival_time)
+            if len(new_ids) > 1:
+                self.observer.on_tokens(req, len(new_ids) - 1, 0.0)
+        else:
+            self.observer.on_tokens(req, len(new_ids), now - (req.last_token_time or now))
+        req.last_token_time = now
+        if reason is not None:
+            if req.text_stream is not None:  # held-back text that did not become a stop string
+                text_parts.append(req.text_stream.finish())
+            self._finish(
+                req,
+                reason,
+                text="".join(text_parts),
+                token_ids=new_ids,
+                logprobs=new_logprobs if params.logprobs else None,
+            )
+            return
+        req.num_cached = req.num_tokens - 1
+        self._send(
+            req,
+            RequestOutput(
+                rid=req.rid,
+                token_ids=new_ids,
+                text="".join(text_parts),
+                logprobs=new_logprobs if params.logprobs else None,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+            ),
+        )
+
+    def _retract(self, req: Request) -> None:
+        """Evict a running request back to the queue, freeing its KV cache."""
+        if req not in self._running:
+            return
+        self._running.remove(req)
+        req.state = RequestState.WAITING
+        self._call_hook(self.decoder.on_finish, req)
+        self.kv.free(req.rid)
+        req.num_cached = 0
+        req.prefill_target = 0
+        req.num_retractions += 1
+        self._enqueue(req)
+        self.observer.on_retract(req)
+
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        error: RequestError | None = None,
+        *,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        logprobs: list[float] | None = None,
+    ) -> None:
+        if req.finished:
+            return
+        was_running = req in self._running
+        if was_running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_time = time.monotonic()
+        if was_running:
+            self._call_hook(self.decoder.on_finish, req)
+        self.kv.free(req.rid)
+        if req.holds_adapter and self.lora is not None:
+            try:
+                self.lora.release(req.adapter)
+            except Exception:
+                log.exception("releasing adapter %s failed", req.adapter)
+            req.holds_adapter = False
+        self._live.pop(req.rid, None)
+        if reason is FinishReason.ABORT and req.text_stream is not None:
+            text += req.text_stream.finish()
+        self._send(
+            req,
+            RequestOutput(
+                rid=req.rid,
+                token_ids=token_ids or [],
+                text=text,
+                logprobs=logprobs,
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+                spec=req.spec if req.spec.verify_steps else None,
+            ),
+        )
+        self.observer.on_request_finished(req)
+
+    def _deliver_final(self, req: Request, reason: FinishReason, error: RequestError | None = None) -> None:
+        """Finish a request the engine never took in (no adapter hold, no KV)."""
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_time = time.monotonic()
+        self._send(
+            req,
+            RequestOutput(
+                rid=req.rid,
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=len(req.prompt_ids),
+            ),
+        )
+        self.observer.on_request_finished(req)
+
+    def _send(self, req: Request, out: RequestOutput) -> None:
+        if req.sink is None:
+            return
+        try:
+            req.sink(out)
+        except Exception:  # a broken consumer aborts only its own request
+            log.exception("output sink of %s failed", req.rid)
+            if not out.finished:
+                self._finish(req, FinishReason.ABORT)
+
+    def _call_hook(self, hook, req: Request) -> None:
+        try:
+            hook(req)
+        except Exception:
+            log.exception("decoder hook %s failed for %s", getattr(hook, "__name__", hook), req.rid)
+
+    def _publish(self) -> None:
+        running_adapters = sorted({r.adapter for r in self._running if r.adapter is not None})
+        waiting_adapters = sorted({r.adapter for r in self._waiting if r.adapter is not None})
+        with self._cv:
+            queued = sum(1 for kind, _ in self._inbox if kind == "submit")
+        self.snapshot = EngineSnapshot(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting) + queued,
+            running_adapters=tuple(running_adapters),
+            waiting_adapters=tuple(waiting_adapters),
+            kv_total_tokens=self._kv_capacity(),
+            kv_free_tokens=self._kv_free(),
+            max_loras_per_batch=self.config.lora.max_loras_per_batch,
+            last_batch_size=len(self._running),
+            steps=self._steps,
+        )
+
+    # ------------------------------------------------------------------ runner facts
+    def _kv_capacity(self) -> int:
+        return int(getattr(self.kv, "capacity", 0))
+
+    def _kv_free(self) -> int:
+        return int(getattr(self.kv, "num_free_tokens", 0))
+
+    def _context_len(self) -> int:
+        limits = [getattr(self.kv, "max_context_len", None), self.config.model.context_length]
+        model_limit = getattr(self.runner, "context_len", None)
+        limits.append(model_limit)
+        known = [int(x) for x in limits if x]
+        if not known:
+            raise ValueError("cannot tell the context length: set model.context_length")
+        return min(known)
+
+
+def _state(info) -> str:
+    state = getattr(info, "state", "loaded")
+    return str(getattr(state, "value", state)).lower()
+
+
+def _internal_error(message: str) -> RequestError:
+    return RequestError(message, status=500, type="internal_error", code="internal_error")

@@ -1,0 +1,54 @@
+"""What the engine reports about itself: per-event hooks and a per-step snapshot.
+
+The engine calls an :class:`EngineObserver` on its own thread as events happen (the
+server's Prometheus metrics implement it) and publishes an immutable
+:class:`EngineSnapshot` after every step, which any thread may read without a lock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+class EngineObserver:
+    """No-op hooks; subclass and override what you need. Called on the engine thread."""
+
+    def on_first_token(self, request: Request, ttft_s: float) -> None:
+        """The first output token of a request exists (``ttft_s`` since arrival)."""
+
+    def on_tokens(self, request: Request, num_tokens: int, gap_s: float) -> None:
+        """``num_tokens`` more output tokens arrived ``gap_s`` after the previous ones."""
+
+    def on_request_finished(self, request: Request) -> None:
+        """A request left the engine for good (finished, aborted or failed)."""
+
+    def on_step(self, kind: str, batch_size: int, num_tokens: int, seconds: float) -> None:
+        """One extend or decode step ran."""
+
+    def on_retract(self, request: Request) -> None:
+        """A running request was evicted back to the queue to free KV cache."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    running_adapters: tuple[str, ...] = ()  # distinct adapters in the running set, sorted
+    waiting_adapters: tuple[str, ...] = ()  # distinct adapters in the queue, sorted
+    kv_total_tokens: int = 0
+    kv_free_tokens: int = 0
+    max_loras_per_batch: int = 0
+    last_batch_size: int = 0
+    steps: int = 0
+    time: float = field(default_factory=time.time)
+
+    @property
+    def kv_usage(self) -> float:
+        if not self.kv_total_tokens:
+            return 0.0
+        return 1.0 - self.kv_free_tokens / self.kv_total_tokens
