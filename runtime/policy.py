@@ -119,6 +119,8 @@ class Report:
     """The configuration after resolution (NEXTN as EAGLE...); None for adapter checks."""
     resolution: str | None = None
     """How the requested algorithm resolved, when it did (e.g. ``NEXTN resolves to EAGLE``)."""
+    requested: SpecAlgorithm | None = None
+    """The algorithm as configured, before resolution; None for adapter checks."""
 
     @property
     def ok(self) -> bool:
@@ -180,10 +182,10 @@ def resolve_algorithm(config: RuntimeConfig) -> tuple[SpecAlgorithm, str | None]
         and architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
     ):
         return SpecAlgorithm.FROZEN_KV_MTP, (
-            f"{requested.value} with a Gemma-4 assistant draft ({architecture}) resolves to FROZEN_KV_MTP"
+            f"{requested.value} with the Gemma-4 assistant draft {architecture} resolves to FROZEN_KV_MTP"
         )
     if requested is SpecAlgorithm.NEXTN:
-        return SpecAlgorithm.EAGLE, "NEXTN resolves to EAGLE (the model's next-n head drafts)"
+        return SpecAlgorithm.EAGLE, "NEXTN resolves to EAGLE"
     return requested, None
 
 
@@ -215,7 +217,7 @@ def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIE
     violations += _cuda_graph(config)
     violations += _availability(config, effective, note, capabilities)
     warnings += _warnings(config, effective)
-    return Report(tuple(violations), tuple(warnings), effective, note)
+    return Report(tuple(violations), tuple(warnings), effective, note, config.speculative.algorithm)
 
 
 def _normalized(config: RuntimeConfig) -> tuple[RuntimeConfig, list[Violation]]:
@@ -402,7 +404,8 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
             Violation(
                 "chain-draft-tokens",
                 "speculative.num_draft_tokens",
-                f"a chain draft (top_k 1) verifies num_steps + 1 = {spec.num_steps + 1} tokens per request, "
+                f"with {{speculative.top_k}} 1 (a chain) each request verifies {{speculative.num_steps}} + 1 = "
+                f"{spec.num_steps + 1} tokens, "
                 f"got {spec.num_draft_tokens}",
                 f"set {{speculative.num_draft_tokens}} to {spec.num_steps + 1} (or leave it unset)",
                 related=("speculative.num_steps", "speculative.top_k"),
@@ -415,7 +418,8 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
                 Violation(
                     "tree-draft-tokens",
                     "speculative.num_draft_tokens",
-                    f"a tree of top_k {spec.top_k} and num_steps {spec.num_steps} offers {most - 1} candidates, "
+                    f"a tree of {{speculative.top_k}} {spec.top_k} and {{speculative.num_steps}} {spec.num_steps} offers "
+                    f"{most - 1} candidates, "
                     f"so at most {most} tokens can be verified, got {spec.num_draft_tokens}",
                     f"set {{speculative.num_draft_tokens}} between 2 and {most}",
                     related=("speculative.top_k", "speculative.num_steps"),
@@ -577,7 +581,7 @@ def _availability(
             Violation(
                 "tree-unavailable",
                 "speculative.top_k",
-                "tree drafts (top_k > 1)",
+                "tree drafts ({speculative.top_k} > 1)",
                 "set {speculative.top_k} to 1 (a chain draft)",
                 kind=Kind.UNAVAILABLE,
             )
@@ -682,7 +686,7 @@ def check_adapter(
                 "adapter-lora-disabled",
                 "adapter.serve",
                 "the serve has LoRA disabled",
-                "set {lora.enabled} to true on the serve, or serve this adapter elsewhere",
+                "set {lora.enabled} to true, or serve this adapter elsewhere",
                 related=("lora.enabled",),
             )
         )
@@ -711,7 +715,7 @@ def check_adapter(
                 Violation(
                     "adapter-rank-too-large",
                     "adapter.rank",
-                    f"rank {adapter.rank} exceeds the serve's {{lora.max_rank}} ({lora.max_rank})",
+                    f"rank {adapter.rank} exceeds {{lora.max_rank}} ({lora.max_rank})",
                     f"raise {{lora.max_rank}} to at least {adapter.rank}, or use a lower-rank adapter",
                     related=("lora.max_rank",),
                 )
@@ -725,7 +729,7 @@ def check_adapter(
                 Violation(
                     "adapter-modules-not-served",
                     "adapter.target_modules",
-                    f"targets {', '.join(missing)}, which the serve's {{lora.target_modules}} "
+                    f"targets {', '.join(missing)}, which {{lora.target_modules}} "
                     f"({', '.join(lora.target_modules)}) does not wrap",
                     f"add {', '.join(missing)} to {{lora.target_modules}}, or retrain without them",
                     related=("lora.target_modules",),

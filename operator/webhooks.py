@@ -1,0 +1,468 @@
+"""Admission webhooks for LoRAServe and Adapter, over the runtime's compatibility policy.
+
+Importing this module registers kopf handlers (and the indexes of ``.index``):
+
+- ``/mutate-loraserve``: fills defaults a CRD default cannot express (``numDraftTokens``
+  from ``numSteps``, ``model.servedName`` from the source); never rewrites a value the
+  user wrote.
+- ``/validate-loraserve``: translates the spec to the runtime's configuration and judges
+  it with :func:`loraserve.runtime.policy.check_config`; an update that would leave
+  existing Adapters unable to load is refused, naming them.
+- ``/validate-adapter``: judges the Adapter against its LoRAServe, found in the index (an
+  absent serve is admitted with a warning: apply order is not guaranteed).
+
+The judging functions (``judge_serve``, ``judge_adapter``, ``derived_defaults``) are pure;
+the handlers only fetch from the indexes and report. :func:`configure_webhook_server`
+sets up kopf's HTTPS server, from mounted certificate files or a generated self-signed CA.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
+from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.policy import Violation, check_adapter, check_config
+
+from . import index  # registers the indexes the handlers below receive
+from .index import IndexedAdapter, lookup_adapters, lookup_serve
+from .specs import (
+    ADAPTER_PLURAL,
+    GROUP,
+    LORASERVE_PLURAL,
+    VERSION,
+    AdapterSpec,
+    LoRAServeSpec,
+    PlacementMode,
+    SpecError,
+    parse_adapter_spec,
+    parse_loraserve_spec,
+)
+from .tls import TLSFiles, check_files, generate_self_signed
+from .translate import (
+    ADAPTER_FIELD_PATHS,
+    adapter_declaration,
+    crd_path,
+    pod_path,
+    serve_messages,
+    served_name,
+    to_runtime_config,
+    unmounted_sources,
+)
+
+__all__ = [
+    "MUTATE_LORASERVE",
+    "VALIDATE_ADAPTER",
+    "VALIDATE_LORASERVE",
+    "Verdict",
+    "WebhookServerConfig",
+    "configure_webhook_server",
+    "derived_defaults",
+    "index",
+    "judge_adapter",
+    "judge_serve",
+]
+
+VALIDATE_LORASERVE = "validate-loraserve"
+MUTATE_LORASERVE = "mutate-loraserve"
+VALIDATE_ADAPTER = "validate-adapter"
+"""Handler ids, which are also the URL paths (``/<id>``) the webhook configurations call."""
+
+ADMISSION_ERROR_CODE = 422  # Unprocessable Entity: the object is well-formed but refused
+
+
+@dataclass
+class Verdict:
+    """An admission decision: refused when there is any problem; warnings either way."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def allowed(self) -> bool:
+        return not self.problems
+
+    def message(self) -> str:
+        return "; ".join(self.problems)
+
+
+# --------------------------------------------------------------------------- mutation
+
+
+def derived_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch for ``spec`` with the defaults the CRD cannot express; ``{}`` if none.
+
+    Only fields absent from ``spec`` are filled. A spec that does not parse gets nothing
+    (validation refuses it with the reasons).
+    """
+    try:
+        parsed = parse_loraserve_spec(dict(spec))
+    except SpecError:
+        return {}
+    patch: dict[str, Any] = {}
+    model = spec.get("model") or {}
+    if "servedName" not in model:
+        patch["model"] = {"servedName": served_name(parsed)}
+    speculative = spec.get("speculative") or {}
+    chain = parsed.speculative.top_k == 1 and parsed.speculative.algorithm is not SpecAlgorithm.NONE
+    if chain and "numDraftTokens" not in speculative:
+        # A chain verifies its drafted tokens plus one.
+        patch["speculative"] = {"numDraftTokens": parsed.speculative.num_steps + 1}
+    return patch
+
+
+# --------------------------------------------------------------------------- LoRAServe
+
+
+def _adapter_namer(adapter: str):
+    def name(path: str) -> str:
+        if path in ADAPTER_FIELD_PATHS:
+            return f"Adapter {adapter!r} {ADAPTER_FIELD_PATHS[path]}"
+        return crd_path(path)
+
+    return name
+
+
+def _serve_namer(serve: str):
+    def name(path: str) -> str:
+        if path in ADAPTER_FIELD_PATHS:
+            return ADAPTER_FIELD_PATHS[path]
+        return f"LoRAServe {serve!r} {crd_path(path)}"
+
+    return name
+
+
+def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str) -> str | None:
+    """An Adapter's ``pvc://`` source whose claim the serve's pods do not mount."""
+    if not adapter.source.startswith("pvc://") or pod_path(adapter.source, serve.storage) is not None:
+        return None
+    claim = adapter.source[len("pvc://") :].split("/", 1)[0]
+    mounted = [
+        f"{volume.claim_name!r} (spec.storage.{label})"
+        for label, volume in (("models", serve.storage.models), ("adapters", serve.storage.adapters))
+        if volume.claim_name
+    ]
+    return (
+        f"spec.source: claim {claim!r} is not mounted by LoRAServe {serve_name!r} "
+        f"(it mounts {', '.join(mounted) or 'no claims'}); fix: use a mounted claim, or set the serve's "
+        f"spec.storage.adapters to type PersistentVolumeClaim with claimName {claim}"
+    )
+
+
+def _fit(
+    config_spec: LoRAServeSpec,
+    serve_name: str,
+    adapter_name: str,
+    adapter: AdapterSpec,
+    other_pinned: int,
+) -> tuple[list[Violation], list[str], str | None]:
+    """How one adapter fits a serve: policy violations, warnings, and a claim problem."""
+    config = to_runtime_config(config_spec)
+    report = check_adapter(config, adapter_declaration(adapter_name, adapter), other_pinned=other_pinned)
+    return (
+        list(report.violations),
+        [w.render(_serve_namer(serve_name)) for w in report.warnings],
+        (_claim_problem(adapter, config_spec, serve_name)),
+    )
+
+
+def _pinned_others(adapters: Sequence[IndexedAdapter], name: str) -> int:
+    return sum(1 for a in adapters if a.name != name and a.spec.get("pinned") is True)
+
+
+def judge_serve(
+    spec: Mapping[str, Any],
+    *,
+    name: str,
+    adapters: Sequence[IndexedAdapter] = (),
+    old_spec: Mapping[str, Any] | None = None,
+    capabilities: Capabilities = CAPABILITIES,
+) -> Verdict:
+    """Judge a LoRAServe spec (``old_spec`` on update) and its effect on existing Adapters.
+
+    On create, Adapters that will not fit are warnings (they may have been applied
+    first); on update, an Adapter that fitted the old spec and not the new one refuses it.
+    """
+    verdict = Verdict()
+    try:
+        serve = parse_loraserve_spec(dict(spec))
+    except SpecError as error:
+        verdict.problems += error.problems
+        return verdict
+    report = check_config(to_runtime_config(serve), capabilities)
+    problems, warnings = serve_messages(report)
+    verdict.problems += unmounted_sources(serve)
+    verdict.problems += problems
+    verdict.warnings += warnings
+    if report.resolution:
+        verdict.warnings.append(f"spec.speculative.algorithm: {report.resolution}")
+    if serve.runtime.extra_args:
+        verdict.warnings.append(
+            "spec.runtime.extraArgs: passed to the runtime as written; admission cannot judge them, "
+            "the runtime checks them at start-up"
+        )
+
+    old: LoRAServeSpec | None = None
+    if old_spec is not None:
+        try:
+            old = parse_loraserve_spec(dict(old_spec))
+        except SpecError:
+            old = None
+    for indexed in adapters:
+        try:
+            adapter = parse_adapter_spec(indexed.spec)
+        except SpecError:
+            continue  # refused at its own admission; nothing to compare
+        other_pinned = _pinned_others(adapters, indexed.name)
+        violations, _, claim = _fit(serve, name, indexed.name, adapter, other_pinned)
+        namer = _adapter_namer(indexed.name)
+        broken = [v.render(namer) for v in violations]
+        if claim:
+            broken.append(f"Adapter {indexed.name!r} {claim}")
+        if old is not None and broken:
+            before, _, old_claim = _fit(old, name, indexed.name, adapter, other_pinned)
+            already = {v.render(namer) for v in before}
+            if old_claim:
+                already.add(f"Adapter {indexed.name!r} {old_claim}")
+            broken = [message for message in broken if message not in already]
+        if not broken:
+            continue
+        if old_spec is None:
+            verdict.warnings += [f"{message} (the Adapter will not load)" for message in broken]
+        else:
+            verdict.problems += [f"existing {message}" for message in broken]
+    return verdict
+
+
+# --------------------------------------------------------------------------- Adapter
+
+
+def judge_adapter(
+    spec: Mapping[str, Any],
+    *,
+    name: str,
+    namespace: str | None,
+    serve_spec: Mapping[str, Any] | None,
+    siblings: Sequence[IndexedAdapter] = (),
+) -> Verdict:
+    """Judge an Adapter against its LoRAServe's spec (None when the serve is not known)."""
+    verdict = Verdict()
+    try:
+        adapter = parse_adapter_spec(dict(spec))
+    except SpecError as error:
+        verdict.problems += error.problems
+        return verdict
+    if serve_spec is None:
+        verdict.warnings.append(
+            f"spec.serve: LoRAServe {adapter.serve!r} does not exist in namespace {namespace!r} yet; the adapter "
+            "is checked against it when it is created and again when the adapter loads"
+        )
+        return verdict
+    try:
+        serve = parse_loraserve_spec(dict(serve_spec))
+    except SpecError as error:
+        verdict.warnings.append(
+            f"spec.serve: LoRAServe {adapter.serve!r} has an invalid spec ({error}); the adapter is checked "
+            "when it loads"
+        )
+        return verdict
+    violations, warnings, claim = _fit(serve, adapter.serve, name, adapter, _pinned_others(siblings, name))
+    verdict.problems += [v.render(_serve_namer(adapter.serve)) for v in violations]
+    if claim:
+        verdict.problems.append(claim)
+    verdict.warnings += warnings
+    placement = adapter.placement
+    if placement.mode is PlacementMode.REPLICAS and (placement.replicas or 0) > serve.replicas:
+        verdict.warnings.append(
+            f"spec.placement.replicas: {placement.replicas} exceeds LoRAServe {adapter.serve!r} spec.replicas "
+            f"({serve.replicas}); the adapter loads on every replica"
+        )
+    return verdict
+
+
+# --------------------------------------------------------------------------- kopf handlers
+
+
+def _spec(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = body.get("spec")
+    if spec is not None and not isinstance(spec, Mapping):
+        raise kopf.AdmissionError("spec: must be an object", code=ADMISSION_ERROR_CODE)
+    return spec or {}
+
+
+def _unchanged(operation: str | None, old: Mapping[str, Any] | None, body: Mapping[str, Any]) -> bool:
+    """An update that leaves the spec as it was (finalizers, labels, annotations) or that
+    touches an object being deleted is always allowed: refusing it could wedge deletion."""
+    if operation != "UPDATE" or old is None:
+        return False
+    deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
+    return deleting or dict(old.get("spec") or {}) == dict(body.get("spec") or {})
+
+
+def _report(verdict: Verdict, warnings: list[str]) -> None:
+    warnings.extend(verdict.warnings)
+    if not verdict.allowed:
+        raise kopf.AdmissionError(verdict.message(), code=ADMISSION_ERROR_CODE)
+
+
+@kopf.on.mutate(GROUP, VERSION, LORASERVE_PLURAL, id=MUTATE_LORASERVE, operations=["CREATE", "UPDATE"])
+def mutate_loraserve(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
+    """Fill derived defaults into a LoRAServe."""
+    spec = body.get("spec")
+    fragment = derived_defaults(spec) if isinstance(spec, Mapping) else {}
+    if fragment:
+        patch["spec"] = fragment
+
+
+@kopf.on.validate(GROUP, VERSION, LORASERVE_PLURAL, id=VALIDATE_LORASERVE, operations=["CREATE", "UPDATE"])
+def validate_loraserve(
+    body: Mapping[str, Any],
+    old: Mapping[str, Any] | None,
+    operation: str | None,
+    namespace: str | None,
+    name: str | None,
+    warnings: list[str],
+    adapters_by_serve: kopf.Index,
+    **_: Any,
+) -> None:
+    """Refuse a LoRAServe the runtime cannot serve, or an update that strands its Adapters."""
+    if _unchanged(operation, old, body):
+        return
+    verdict = judge_serve(
+        _spec(body),
+        name=name or "",
+        adapters=lookup_adapters(adapters_by_serve, namespace or "", name or ""),
+        old_spec=(old.get("spec") or {}) if operation == "UPDATE" and old is not None else None,
+    )
+    _report(verdict, warnings)
+
+
+@kopf.on.validate(GROUP, VERSION, ADAPTER_PLURAL, id=VALIDATE_ADAPTER, operations=["CREATE", "UPDATE"])
+def validate_adapter(
+    body: Mapping[str, Any],
+    old: Mapping[str, Any] | None,
+    operation: str | None,
+    namespace: str | None,
+    name: str | None,
+    warnings: list[str],
+    serve_specs: kopf.Index,
+    adapters_by_serve: kopf.Index,
+    **_: Any,
+) -> None:
+    """Refuse an Adapter its LoRAServe cannot load."""
+    if _unchanged(operation, old, body):
+        return
+    spec = _spec(body)
+    serve = spec.get("serve") if isinstance(spec.get("serve"), str) else ""
+    verdict = judge_adapter(
+        spec,
+        name=name or "",
+        namespace=namespace,
+        serve_spec=lookup_serve(serve_specs, namespace or "", serve) if serve else None,
+        siblings=lookup_adapters(adapters_by_serve, namespace or "", serve) if serve else (),
+    )
+    _report(verdict, warnings)
+
+
+# --------------------------------------------------------------------------- the server
+
+ENV_PREFIX = "LORASERVE_WEBHOOK_"
+
+
+@dataclass(frozen=True)
+class WebhookServerConfig:
+    """Where the webhook server listens and which certificate it presents.
+
+    From the environment (the chart sets these): ``LORASERVE_WEBHOOK_ADDR``, ``_PORT``,
+    ``_HOST``, ``_CERT_FILE``, ``_KEY_FILE``, ``_CA_FILE``, ``_CERT_DIR``, ``_MANAGED``.
+    """
+
+    addr: str = "0.0.0.0"
+    port: int = 9443
+    host: str | None = None
+    """The name clients use to reach the server (a certificate SAN); None: ``addr``."""
+    certfile: str | None = None
+    keyfile: str | None = None
+    cafile: str | None = None
+    """Both ``certfile`` and ``keyfile`` unset: a self-signed CA and certificate are made."""
+    cert_dir: str | None = None
+    """Where a self-signed certificate is written; None: a fresh temporary directory."""
+    managed: str | None = None
+    """Name of the Validating/MutatingWebhookConfiguration kopf keeps pointed at this server;
+    None leaves them to the installer (the chart)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookServerConfig:
+        env = os.environ if env is None else env
+
+        def get(key: str) -> str | None:
+            value = env.get(ENV_PREFIX + key, "").strip()
+            return value or None
+
+        port_text = get("PORT")
+        port = cls.port
+        if port_text is not None:
+            try:
+                port = int(port_text)
+            except ValueError:
+                port = 0
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{ENV_PREFIX}PORT must be a TCP port (1-65535), got {port_text!r}")
+        certfile, keyfile = get("CERT_FILE"), get("KEY_FILE")
+        if (certfile is None) != (keyfile is None):
+            raise ValueError(
+                f"set both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mounted PEM files), or neither "
+                "for a self-signed certificate"
+            )
+        return cls(
+            addr=get("ADDR") or cls.addr,
+            port=port,
+            host=get("HOST"),
+            certfile=certfile,
+            keyfile=keyfile,
+            cafile=get("CA_FILE"),
+            cert_dir=get("CERT_DIR"),
+            managed=get("MANAGED"),
+        )
+
+    def hostnames(self) -> list[str]:
+        names = [self.host] if self.host else []
+        if self.addr not in ("0.0.0.0", "::", ""):
+            names.append(self.addr)
+        return names or ["localhost", "127.0.0.1"]
+
+
+def configure_webhook_server(
+    settings: kopf.OperatorSettings, config: WebhookServerConfig | None = None
+) -> TLSFiles:
+    """Point kopf's admission server at ``config`` (default: from the environment).
+
+    Mounted certificate files are checked now, so a bad mount stops the operator at
+    start-up with the file named; without files, a self-signed CA is generated. Returns
+    the files in use (``cafile`` is the bundle clients and webhook configurations trust).
+    """
+    config = config or WebhookServerConfig.from_env()
+    if config.certfile and config.keyfile:
+        files = check_files(config.certfile, config.keyfile, config.cafile)
+    else:
+        directory = (
+            Path(config.cert_dir) if config.cert_dir else Path(tempfile.mkdtemp(prefix="loraserve-webhook-"))
+        )
+        files = generate_self_signed(directory, config.hostnames())
+    settings.admission.server = kopf.WebhookServer(
+        addr=config.addr,
+        port=config.port,
+        host=config.host,
+        certfile=str(files.certfile),
+        pkeyfile=str(files.keyfile),
+        cafile=str(files.cafile) if files.cafile else None,
+    )
+    settings.admission.managed = config.managed
+    return files
