@@ -328,6 +328,7 @@ def build_adapter(
         # peft warns that a tied lm_head/embed_tokens pair is adapted without weight
         # tying; the runtime applies each module's own delta, which is what is wanted.
         warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # transformers deprecations peft still calls
         peft_model = get_peft_model(model, lora_config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
