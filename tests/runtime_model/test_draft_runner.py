@@ -66,5 +66,5 @@ def test_draft_from_config_path_and_shared_tokenizer(assets, make_config, tmp_pa
     for name, param in target.model.named_parameters():
         assert torch.equal(param, identical.model.get_parameter(name)), name
     config.speculative.draft_model_path = None
-    with pytest.raises(ValueError, match="speculative.draft_model_path is not set"):
+    with pytest.raises(ValueError, match=r"speculative\.draft_model_path is not set"):
         ModelRunner(config, is_draft=True)

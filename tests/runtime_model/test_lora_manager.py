@@ -245,7 +245,7 @@ def test_bad_pool_config_is_refused(assets, make_config):
 
     config = make_config(assets.models["llama-gqa"])
     config.lora.target_modules = ("q_proj", "qkv")
-    with pytest.raises(AdapterError, match="lora.target_modules") as err:
+    with pytest.raises(AdapterError, match=r"lora\.target_modules") as err:
         ModelRunner(config)
     assert err.value.field == "lora.target_modules"
     config = make_config(assets.models["llama-gqa"])
