@@ -8,6 +8,8 @@ Importing this module registers kopf handlers (and the indexes of ``.index``):
 - ``/validate-loraserve``: translates the spec to the runtime's configuration and judges
   it with :func:`loraserve.runtime.policy.check_config`; an update that would leave
   existing Adapters unable to load is refused, naming them.
+- ``/mutate-adapter``: labels the Adapter with its serve (``loraserve.io/serve``) when the
+  label is absent.
 - ``/validate-adapter``: judges the Adapter against its LoRAServe, found in the index (an
   absent serve is admitted with a warning: apply order is not guaranteed).
 
@@ -58,11 +60,14 @@ from .translate import (
 )
 
 __all__ = [
+    "MUTATE_ADAPTER",
     "MUTATE_LORASERVE",
+    "SERVE_LABEL",
     "VALIDATE_ADAPTER",
     "VALIDATE_LORASERVE",
     "Verdict",
     "WebhookServerConfig",
+    "adapter_labels",
     "configure_webhook_server",
     "derived_defaults",
     "index",
@@ -73,7 +78,12 @@ __all__ = [
 VALIDATE_LORASERVE = "validate-loraserve"
 MUTATE_LORASERVE = "mutate-loraserve"
 VALIDATE_ADAPTER = "validate-adapter"
+MUTATE_ADAPTER = "mutate-adapter"
 """Handler ids, which are also the URL paths (``/<id>``) the webhook configurations call."""
+
+SERVE_LABEL = "loraserve.io/serve"
+"""Label the mutating webhook puts on each Adapter: its serve's name, for selection
+(``kubectl get lora -l loraserve.io/serve=<serve>``)."""
 
 ADMISSION_ERROR_CODE = 422  # Unprocessable Entity: the object is well-formed but refused
 
@@ -116,6 +126,16 @@ def derived_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
         # A chain verifies its drafted tokens plus one.
         patch["speculative"] = {"numDraftTokens": parsed.speculative.num_steps + 1}
     return patch
+
+
+def adapter_labels(body: Mapping[str, Any]) -> dict[str, str]:
+    """Labels to add to an Adapter: :data:`SERVE_LABEL` when absent; ``{}`` otherwise."""
+    spec = body.get("spec")
+    serve = spec.get("serve") if isinstance(spec, Mapping) else None
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    if not isinstance(serve, str) or not serve or SERVE_LABEL in labels:
+        return {}
+    return {SERVE_LABEL: serve}
 
 
 # --------------------------------------------------------------------------- LoRAServe
@@ -251,6 +271,7 @@ def judge_adapter(
     namespace: str | None,
     serve_spec: Mapping[str, Any] | None,
     siblings: Sequence[IndexedAdapter] = (),
+    metadata: Mapping[str, Any] | None = None,
 ) -> Verdict:
     """Judge an Adapter against its LoRAServe's spec (None when the serve is not known)."""
     verdict = Verdict()
@@ -278,6 +299,12 @@ def judge_adapter(
     if claim:
         verdict.problems.append(claim)
     verdict.warnings += warnings
+    labels = (metadata or {}).get("labels") or {}
+    if SERVE_LABEL in labels and labels[SERVE_LABEL] != adapter.serve:
+        verdict.warnings.append(
+            f"metadata.labels[{SERVE_LABEL}]: is {labels[SERVE_LABEL]!r} but spec.serve is {adapter.serve!r}; "
+            "selections by this label will miss the adapter"
+        )
     placement = adapter.placement
     if placement.mode is PlacementMode.REPLICAS and (placement.replicas or 0) > serve.replicas:
         verdict.warnings.append(
@@ -319,6 +346,14 @@ def mutate_loraserve(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> No
     fragment = derived_defaults(spec) if isinstance(spec, Mapping) else {}
     if fragment:
         patch["spec"] = fragment
+
+
+@kopf.on.mutate(GROUP, VERSION, ADAPTER_PLURAL, id=MUTATE_ADAPTER, operations=["CREATE", "UPDATE"])
+def mutate_adapter(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
+    """Label an Adapter with its serve's name."""
+    labels = adapter_labels(body)
+    if labels:
+        patch["metadata"] = {"labels": labels}
 
 
 @kopf.on.validate(GROUP, VERSION, LORASERVE_PLURAL, id=VALIDATE_LORASERVE, operations=["CREATE", "UPDATE"])
@@ -367,6 +402,7 @@ def validate_adapter(
         namespace=namespace,
         serve_spec=lookup_serve(serve_specs, namespace or "", serve) if serve else None,
         siblings=lookup_adapters(adapters_by_serve, namespace or "", serve) if serve else (),
+        metadata=body.get("metadata") or {},
     )
     _report(verdict, warnings)
 
