@@ -1,0 +1,632 @@
+"""Desired state of a LoRAServe: the Kubernetes objects its runtime pods need (pure).
+
+Everything here is a function of the serve's identity, its parsed spec, the
+:class:`RuntimeConfig` translated from it and the operator's settings; nothing reads the
+cluster or the clock. The reconcile loop compares these objects with what it observes
+(``reconcile.diff``) and writes only the difference.
+
+Objects, all owned by the LoRAServe (owner reference, garbage-collected with it):
+
+* a Deployment running ``loraserve-runtime`` with the flags the configuration implies,
+  GPUs, model/adapter volumes, a memory-backed ``/dev/shm``, probes on ``/health`` and
+  ``/ready``, a locked-down security context, the admin token mounted from a Secret, and a
+  config-hash annotation on the pod template that changes exactly when the runtime-relevant
+  spec changes (so pods roll then, and only then);
+* a Service with the API port and a metrics port;
+* a PodDisruptionBudget;
+* the admin-token Secret, unless the spec names its own (generated once, never rotated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from loraserve.runtime.config import RuntimeConfig
+
+from .reconcile.diff import stable_hash, with_desired_hash
+from .specs import (
+    API_VERSION,
+    GPU_RESOURCE,
+    LORASERVE_KIND,
+    LoRAServeSpec,
+    StorageSpec,
+    VolumeType,
+)
+from .translate import RUNTIME_PORT, hf_revision, pod_path
+
+# --------------------------------------------------------------------------- constants
+
+RUNTIME_CONTAINER = "runtime"
+MODEL_FETCH_CONTAINER = "model-fetch"
+RUNTIME_COMMAND = "loraserve-runtime"
+RUNTIME_UID = 10001
+"""The image's non-root user (``USER`` in the Dockerfile)."""
+
+ADMIN_TOKEN_KEY = "token"
+ADMIN_TOKEN_DIR = "/etc/loraserve/admin"
+ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"
+CACHE_DIR = "/cache"
+METRICS_PORT = 9090
+"""Service port for metrics scrapers; the runtime serves ``/metrics`` on its API port."""
+
+MANAGER = "loraserve-operator"
+SERVE_LABEL = "loraserve.io/serve"
+SERVE_NAME_ANNOTATION = "loraserve.io/serve-name"
+CONFIG_HASH_ANNOTATION = "loraserve.io/config-hash"
+RUNTIME_NAME = "loraserve-runtime"
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_HF_SOURCE = re.compile(r"^hf://(?P<repo>[^@]+?)(?:@(?P<revision>.+))?$")
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class ServeIdentity:
+    """Who the objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class DesiredSettings:
+    """Operator-wide inputs to the desired state."""
+
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DesiredServe:
+    """Every object one LoRAServe should own, plus what the reconcile reports."""
+
+    config: RuntimeConfig
+    config_hash: str
+    deployment: dict
+    service: dict
+    pdb: dict
+    token_secret_name: str
+    token_secret_owned: bool
+    selector: str
+    """Label selector of the runtime pods (``status.selector``, for the scale subresource)."""
+
+
+# --------------------------------------------------------------------------- names and labels
+
+
+def label_value(name: str) -> str:
+    """``name`` as a label value (at most 63 characters; longer names get a hash suffix)."""
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-.')}-{digest}"
+
+
+def service_name(serve_name: str) -> str:
+    """The serve's Service: its own name when that is a valid DNS-1035 label."""
+    if _DNS1035.match(serve_name) and len(serve_name) <= 63:
+        return serve_name
+    digest = hashlib.sha256(serve_name.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^-a-z0-9]", "-", serve_name.lower()).strip("-")
+    return f"lsv-{cleaned[:50]}".rstrip("-") + f"-{digest}"
+
+
+def admin_secret_name(serve_name: str, spec: LoRAServeSpec) -> str:
+    """The Secret holding the admin token: the spec's own, else one the operator owns."""
+    if spec.admin_token_secret_name:
+        return spec.admin_token_secret_name
+    suffix = "-admin-token"
+    if len(serve_name) + len(suffix) <= 253:
+        return serve_name + suffix
+    return (
+        serve_name[: 253 - len(suffix) - 9]
+        + "-"
+        + hashlib.sha256(serve_name.encode()).hexdigest()[:8]
+        + suffix
+    )
+
+
+def selector_labels(serve_name: str) -> dict[str, str]:
+    """Labels that select a serve's runtime pods (immutable once a Deployment exists)."""
+    return {"app.kubernetes.io/name": RUNTIME_NAME, SERVE_LABEL: label_value(serve_name)}
+
+
+def label_selector(serve_name: str) -> str:
+    """:func:`selector_labels` as a label-selector string."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(serve_name).items())
+
+
+def object_labels(serve_name: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Standard labels of every object the operator makes for a serve."""
+    labels = dict(extra or {})
+    labels.update(
+        {
+            "app.kubernetes.io/name": RUNTIME_NAME,
+            "app.kubernetes.io/instance": label_value(serve_name),
+            "app.kubernetes.io/component": "runtime",
+            "app.kubernetes.io/part-of": "loraserve",
+            "app.kubernetes.io/managed-by": MANAGER,
+            SERVE_LABEL: label_value(serve_name),
+        }
+    )
+    return labels
+
+
+def owner_reference(serve: ServeIdentity) -> dict:
+    """The controller reference that makes the garbage collector delete objects with the serve."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": LORASERVE_KIND,
+        "name": serve.name,
+        "uid": serve.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(serve: ServeIdentity, name: str, settings: DesiredSettings) -> dict:
+    return {
+        "name": name,
+        "namespace": serve.namespace,
+        "labels": object_labels(serve.name, settings.extra_labels),
+        "annotations": {SERVE_NAME_ANNOTATION: serve.name},
+        "ownerReferences": [owner_reference(serve)],
+    }
+
+
+# --------------------------------------------------------------------------- runtime command line
+
+
+def _flag(args: list[str], name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool):
+        args.append(name if value else "--no-" + name[2:])
+        return
+    args.extend([name, str(value)])
+
+
+def runtime_args(config: RuntimeConfig) -> list[str]:
+    """The ``loraserve-runtime`` flags that reproduce ``config`` (admin token excluded).
+
+    Every field is written, defaults included, so a pod's command line states its whole
+    configuration and does not depend on the image's defaults.
+    """
+    args: list[str] = []
+    m, s, lora, sch = config.model, config.speculative, config.lora, config.scheduler
+    _flag(args, "--model", m.path)
+    _flag(args, "--revision", m.revision)
+    _flag(args, "--dtype", m.dtype)
+    _flag(args, "--context-length", m.context_length)
+    _flag(args, "--served-model-name", m.served_name)
+    _flag(args, "--architecture", m.architecture)
+    _flag(args, "--speculative-algorithm", s.algorithm.value)
+    if s.enabled:
+        _flag(args, "--draft-model", s.draft_model_path)
+        _flag(args, "--draft-model-architecture", s.draft_model_architecture)
+        _flag(args, "--num-steps", s.num_steps)
+        _flag(args, "--top-k", s.top_k)
+        _flag(args, "--num-draft-tokens", s.num_draft_tokens)
+        _flag(args, "--adaptive-speculation", s.adaptive)
+        _flag(args, "--ragged-verify", s.ragged_verify.value)
+        _flag(args, "--draft-load-format", s.draft_load_format)
+        _flag(args, "--ngram-min", s.ngram_min)
+        _flag(args, "--ngram-max", s.ngram_max)
+    _flag(args, "--enable-lora", lora.enabled)
+    if lora.enabled:
+        _flag(args, "--max-loras-per-batch", lora.max_loras_per_batch)
+        _flag(args, "--max-loaded-loras", lora.max_loaded_loras)
+        _flag(args, "--max-lora-rank", lora.max_rank)
+        args.append("--lora-target-modules")
+        args.extend(lora.target_modules)
+        _flag(args, "--lora-backend", lora.backend)
+        _flag(args, "--overlap-lora-loading", lora.overlap_loading)
+        for name, path in sorted(lora.adapters.items()):
+            args.extend(["--lora", f"{name}={path}"])
+        if lora.pinned:
+            args.append("--pinned-loras")
+            args.extend(lora.pinned)
+    _flag(args, "--max-running-requests", sch.max_running_requests)
+    _flag(args, "--max-total-tokens", sch.max_total_tokens)
+    _flag(args, "--chunked-prefill-size", sch.chunked_prefill_size)
+    _flag(args, "--max-prefill-tokens", sch.max_prefill_tokens)
+    _flag(args, "--overlap-schedule", sch.overlap_schedule)
+    _flag(args, "--two-batch-overlap", sch.two_batch_overlap)
+    _flag(args, "--kv-memory-fraction", sch.kv_memory_fraction)
+    _flag(args, "--cuda-graph", config.cuda_graph.enabled)
+    if config.cuda_graph.enabled:
+        _flag(args, "--cuda-graph-max-bs", config.cuda_graph.max_bs)
+    _flag(args, "--tensor-parallel-size", config.parallel.tensor_parallel_size)
+    _flag(args, "--device", config.device)
+    _flag(args, "--seed", config.seed)
+    _flag(args, "--host", config.server.host)
+    _flag(args, "--port", config.server.port)
+    _flag(args, "--adapter-cache-dir", config.server.adapter_cache_dir)
+    _flag(args, "--max-body-bytes", config.server.max_body_bytes)
+    return args
+
+
+# --------------------------------------------------------------------------- config hash
+
+
+def config_hash(spec: LoRAServeSpec, config: RuntimeConfig, image: str, token_secret: str) -> str:
+    """Hash of everything that changes what a runtime process does.
+
+    In: the runtime configuration, image, environment, extra arguments, GPUs and other
+    resources, volumes, the admin token's Secret. Out: replicas, the Service, scheduling,
+    labels. A change of the hash rolls the pods; nothing else does.
+    """
+    relevant = {
+        "config": config.to_dict(),
+        "image": image,
+        "env": [e.to_dict() for e in spec.runtime.env],
+        "extraArgs": list(spec.runtime.extra_args),
+        "gpus": spec.gpus,
+        "resources": spec.resources.to_dict() if spec.resources else None,
+        "storage": spec.storage.to_dict(),
+        "adminTokenSecret": token_secret,
+    }
+    return stable_hash(relevant)
+
+
+# --------------------------------------------------------------------------- feasibility
+
+
+def problems(spec: LoRAServeSpec, config: RuntimeConfig) -> list[str]:
+    """What keeps this spec from becoming runnable pods, beyond the compatibility policy.
+
+    Each entry names the field and the fix. An empty list means the objects can be built.
+    """
+    found: list[str] = []
+    storage = spec.storage
+    sources = [("spec.model.source", spec.model.source)]
+    if spec.speculative.draft_model is not None:
+        sources.append(("spec.speculative.draftModel.source", spec.speculative.draft_model.source))
+    for path, source in sources:
+        if source.startswith("pvc://") and pod_path(source, storage) is None:
+            claim = source[len("pvc://") :].split("/", 1)[0]
+            found.append(
+                f"{path}: claim {claim!r} is not mounted by this serve; fix: set spec.storage.models "
+                f"(or spec.storage.adapters) to type PersistentVolumeClaim with claimName {claim!r}"
+            )
+        elif source.startswith(("https://", "s3://")):
+            found.append(
+                f"{path}: {source.split('://')[0]}:// model sources are not fetched by the runtime pods; "
+                "fix: use hf://<repo>[@<revision>], or copy the model to a PersistentVolumeClaim and use "
+                "pvc://<claim>/<path>"
+            )
+        elif source.startswith("hf://") and storage.models.read_only:
+            found.append(
+                f"{path}: an hf:// model is downloaded into the models volume, which is read-only; fix: set "
+                "spec.storage.models.readOnly to false, or use pvc://<claim>/<path>"
+            )
+    if storage.models.mount_path == storage.adapters.mount_path:
+        found.append(
+            "spec.storage.adapters.mountPath: the same path as spec.storage.models.mountPath; fix: give each "
+            "volume its own mount path"
+        )
+    reserved = {"/tmp", CACHE_DIR, "/dev/shm", ADMIN_TOKEN_DIR}
+    for path, volume in (
+        ("spec.storage.models", storage.models),
+        ("spec.storage.adapters", storage.adapters),
+    ):
+        if volume.mount_path.rstrip("/") in reserved:
+            found.append(
+                f"{path}.mountPath: {volume.mount_path} is used by the runtime pod; fix: choose another path"
+            )
+    if not config.model.path:
+        found.append(
+            "spec.model.source: no path in the pod could be derived; fix: use pvc://, hf:// or an absolute path"
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- pod template parts
+
+
+def _volume(name: str, volume, *, claim_read_only: bool) -> dict:
+    if volume.type is VolumeType.PERSISTENT_VOLUME_CLAIM:
+        return {
+            "name": name,
+            "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": claim_read_only},
+        }
+    empty: dict = {}
+    if volume.size:
+        empty["sizeLimit"] = volume.size
+    return {"name": name, "emptyDir": empty}
+
+
+def _storage(storage: StorageSpec) -> tuple[list[dict], list[dict]]:
+    volumes = [
+        _volume("models", storage.models, claim_read_only=storage.models.read_only),
+        _volume("adapters", storage.adapters, claim_read_only=storage.adapters.read_only),
+    ]
+    mounts = [
+        {"name": "models", "mountPath": storage.models.mount_path, "readOnly": storage.models.read_only},
+        {
+            "name": "adapters",
+            "mountPath": storage.adapters.mount_path,
+            "readOnly": storage.adapters.read_only,
+        },
+    ]
+    return volumes, mounts
+
+
+def _scratch_mounts() -> list[dict]:
+    return [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+
+
+def _container_security() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _user_env(spec: LoRAServeSpec) -> list[dict]:
+    return [e.to_dict() for e in spec.runtime.env]
+
+
+def _env(spec: LoRAServeSpec) -> list[dict]:
+    user = _user_env(spec)
+    names = {e["name"] for e in user}
+    own = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    return [e for e in own if e["name"] not in names] + user
+
+
+def _resources(spec: LoRAServeSpec) -> dict:
+    requests = dict((spec.resources.requests or {}) if spec.resources else {})
+    limits = dict((spec.resources.limits or {}) if spec.resources else {})
+    requests.pop(GPU_RESOURCE, None)
+    limits.pop(GPU_RESOURCE, None)
+    if spec.gpus > 0:
+        # Extended resources are requested through limits (requests must equal them).
+        limits[GPU_RESOURCE] = spec.gpus
+        requests[GPU_RESOURCE] = spec.gpus
+    resources: dict = {}
+    if requests:
+        resources["requests"] = {k: v for k, v in sorted(requests.items())}
+    if limits:
+        resources["limits"] = {k: v for k, v in sorted(limits.items())}
+    return resources
+
+
+def _fetch_containers(
+    spec: LoRAServeSpec, image: str, pull_policy: str, storage_mounts: list[dict]
+) -> list[dict]:
+    """Init containers that download hf:// model and draft sources into the models volume."""
+    containers = []
+    sources = [("model", spec.model.source, spec.model.revision)]
+    if spec.speculative.draft_model is not None:
+        sources.append(("draft", spec.speculative.draft_model.source, spec.speculative.draft_model.revision))
+    for role, source, revision in sources:
+        match = _HF_SOURCE.match(source)
+        if not match:
+            continue
+        dest = pod_path(source, spec.storage, revision=revision)
+        rev = revision or hf_revision(source) or "main"
+        env = [e for e in _user_env(spec) if e["name"] != "HF_HUB_OFFLINE"]
+        env.append({"name": "HF_HUB_OFFLINE", "value": "0"})  # the image is offline by default
+        containers.append(
+            {
+                "name": f"{role}-fetch",
+                "image": image,
+                "imagePullPolicy": pull_policy,
+                "command": ["hf", "download", match.group("repo"), "--revision", rev, "--local-dir", dest],
+                "env": env,
+                "volumeMounts": storage_mounts + _scratch_mounts(),
+                "securityContext": _container_security(),
+            }
+        )
+    return containers
+
+
+def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
+    return {
+        "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _pod_template(
+    serve: ServeIdentity,
+    spec: LoRAServeSpec,
+    config: RuntimeConfig,
+    settings: DesiredSettings,
+    token_secret: str,
+    hash_: str,
+) -> dict:
+    image = spec.runtime.image or settings.image
+    pull_policy = spec.runtime.image_pull_policy if spec.runtime.image else settings.image_pull_policy
+    storage_volumes, storage_mounts = _storage(spec.storage)
+    args = [*runtime_args(config), "--admin-token-file", ADMIN_TOKEN_FILE, *spec.runtime.extra_args]
+    container = {
+        "name": RUNTIME_CONTAINER,
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": [RUNTIME_COMMAND],
+        "args": args,
+        "env": _env(spec),
+        "ports": [{"name": "http", "containerPort": config.server.port, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": [
+            *storage_mounts,
+            *_scratch_mounts(),
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+        ],
+        # Loading weights can take long: the startup probe holds liveness off for up to 30 min.
+        "startupProbe": _probe("/health", period=10, failures=180),
+        "readinessProbe": _probe("/ready", period=5, failures=3, timeout=3),
+        "livenessProbe": _probe("/health", period=15, failures=4),
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    fetch_mounts = [dict(m, readOnly=False) if m["name"] == "models" else m for m in storage_mounts]
+    pod_spec: dict = {
+        "automountServiceAccountToken": False,  # the runtime never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            *storage_volumes,
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "cache", "emptyDir": {}},
+            # Tensor-parallel workers exchange tensors through shared memory.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {
+                "name": "admin-token",
+                "secret": {
+                    "secretName": token_secret,
+                    "items": [{"key": ADMIN_TOKEN_KEY, "path": ADMIN_TOKEN_KEY}],
+                    "defaultMode": 0o440,
+                },
+            },
+        ],
+    }
+    init = _fetch_containers(spec, image, pull_policy, fetch_mounts)
+    if init:
+        pod_spec["initContainers"] = init
+    scheduling = spec.scheduling
+    if scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        pod_spec["tolerations"] = [t.to_dict() for t in scheduling.tolerations]
+    if scheduling.affinity:
+        pod_spec["affinity"] = scheduling.affinity
+    labels = object_labels(serve.name, settings.extra_labels)
+    return {
+        "metadata": {
+            "labels": labels,
+            "annotations": {
+                CONFIG_HASH_ANNOTATION: hash_,
+                SERVE_NAME_ANNOTATION: serve.name,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(config.server.port),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+# --------------------------------------------------------------------------- the objects
+
+
+DEPLOYMENT_OWNED = ("spec.replicas", "spec.strategy", "spec.template", "spec.revisionHistoryLimit")
+SERVICE_OWNED = ("spec.type", "spec.selector", "spec.ports")
+PDB_OWNED = ("spec.selector", "spec.maxUnavailable")
+
+
+def desired_serve(
+    serve: ServeIdentity, spec: LoRAServeSpec, config: RuntimeConfig, settings: DesiredSettings
+) -> DesiredServe:
+    """The Deployment, Service and PodDisruptionBudget one LoRAServe should own."""
+    token_secret = admin_secret_name(serve.name, spec)
+    image = spec.runtime.image or settings.image
+    hash_ = config_hash(spec, config, image, token_secret)
+    selector = selector_labels(serve.name)
+    surge, unavailable = (0, 1) if spec.gpus > 0 else (1, 0)  # GPU nodes rarely have a spare
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(serve, serve.name, settings),
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": selector},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
+            },
+            "template": _pod_template(serve, spec, config, settings, token_secret, hash_),
+        },
+    }
+    deployment["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] = hash_
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(serve, service_name(serve.name), settings),
+        "spec": {
+            "type": spec.service.type,
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(serve, serve.name, settings),
+        "spec": {"selector": {"matchLabels": selector}, "maxUnavailable": 1},
+    }
+    return DesiredServe(
+        config=config,
+        config_hash=hash_,
+        deployment=with_desired_hash(deployment),
+        service=with_desired_hash(service),
+        pdb=with_desired_hash(pdb),
+        token_secret_name=token_secret,
+        token_secret_owned=not spec.admin_token_secret_name,
+        selector=label_selector(serve.name),
+    )
+
+
+def admin_token_secret(serve: ServeIdentity, name: str, token: str, settings: DesiredSettings) -> dict:
+    """The operator-owned Secret with the runtime's admin token (created once, never rewritten)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(serve, name, settings),
+        "type": "Opaque",
+        "stringData": {ADMIN_TOKEN_KEY: token},
+    }
+
+
+def runtime_port(pod: dict) -> int:
+    """The runtime's port in a pod: its ``http`` container port (the template's), else the default."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") != RUNTIME_CONTAINER:
+            continue
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return RUNTIME_PORT
+
+
+def adapter_pod_path(source: str, storage: StorageSpec) -> str | None:
+    """What the operator asks a runtime pod to load for an Adapter source.
+
+    ``pvc://`` sources are resolved to the serve's mount of that claim (None when the serve
+    mounts no such claim); absolute paths are inside the pod already; remote sources are
+    passed as they are (the runtime fetches and verifies them).
+    """
+    if source.startswith("pvc://"):
+        return pod_path(source, storage)
+    return source
