@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..metadata import LoRABatchInfo
 from .configs import ExpandConfig, cdiv
-from .shrink import dot_precision
+from .shrink import dot_precision, upcast_dot
 
 MAX_SLICES_PER_LAUNCH = 3
 
@@ -48,6 +48,7 @@ def _lora_expand_kernel(
     SPLIT_K: tl.constexpr,
     HAS_PERM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -105,7 +106,11 @@ def _lora_expand_kernel(
         for s in tl.static_range(1, SPLIT_K):
             xa += tl.load(xa_ptrs + s * stride_xs, mask=xa_mask, other=0.0).to(tl.float32)
         bt = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(xa.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)
+        xa = xa.to(bt.dtype)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
+        if UPCAST_DOT:
+            acc = tl.dot(xa.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xa, bt, acc, input_precision=DOT_PRECISION)
 
     scale = tl.load(scalings_ptr + slot)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -171,6 +176,7 @@ def launch_expand(
             SPLIT_K=split_k,
             HAS_PERM=info.permutation is not None,
             DOT_PRECISION=dot_precision(B.dtype),
+            UPCAST_DOT=upcast_dot(B.dtype),
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

@@ -9,6 +9,8 @@ atomics, no zero-fill and no extra reduction launch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,7 @@ def _lora_shrink_kernel(
     RANK_BLOCKS: tl.constexpr,
     HAS_PERM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,7 +82,10 @@ def _lora_shrink_kernel(
         k_mask = offs_k < k_hi
         xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+        if UPCAST_DOT:
+            acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
 
     out_ptrs = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -88,6 +94,15 @@ def _lora_shrink_kernel(
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 products; half types use the tensor cores natively."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """bf16 dots go through fp32 under the interpreter, whose dot reads bf16 as raw integers.
+
+    The products of two bf16 values are exact in fp32, so this matches the GPU's bf16
+    tensor-core dot with fp32 accumulation.
+    """
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_shrink(
@@ -136,6 +151,7 @@ def launch_shrink(
         RANK_BLOCKS=rank_blocks,
         HAS_PERM=info.permutation is not None,
         DOT_PRECISION=dot_precision(x.dtype),
+        UPCAST_DOT=upcast_dot(x.dtype),
         BLOCK_M=info.tile_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

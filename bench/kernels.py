@@ -1,0 +1,809 @@
+"""LoRA kernel benchmark on Llama-3-8B shapes: correctness first, then timings.
+
+Phases, in one process:
+  1. environment and the copy bandwidth of this GPU (device-to-device copy, read + write);
+  2. correctness of every kernel path on the benchmark shapes against a float64
+     reference (decode, verify, extend; mixed ranks; base-model rows; fp16/bf16/fp32;
+     the public shrink with a poisoned output; a CUDA-graph capture replayed with new
+     slots; the verify-width guard);
+  3. per-module timings, Triton vs a straightforward torch baseline (gather each
+     request's adapter weights, bmm), both replayed from CUDA graphs over rotating
+     inputs so nothing is served from L2;
+  4. a few alternative launch configurations on key shapes (tuning record);
+  5. the LoRA work of one whole layer (seven modules: four shrink/expand pairs) vs the
+     layer's base GEMMs, each replayed from a graph over 32 layers' weights (a whole
+     Llama-3-8B step, so neither the base nor the adapter weights sit in L2).
+
+Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
+``bench/results``) and prints a short table last.
+
+    python bench/kernels.py               # on a CUDA machine
+    TRITON_INTERPRET=1 python bench/kernels.py --tiny   # CPU dry run of every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_kernels():
+    """``loraserve.kernels`` installed, or loaded straight from this checkout."""
+    try:
+        import loraserve.kernels as kernels
+
+        return kernels
+    except ImportError:
+        pass
+    if "loraserve" not in sys.modules:
+        namespace = types.ModuleType("loraserve")
+        namespace.__path__ = []
+        sys.modules["loraserve"] = namespace
+    spec = importlib.util.spec_from_file_location(
+        "loraserve.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["loraserve.kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+K = _import_kernels()
+from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
+from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
+from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
+
+ForwardMode = K.ForwardMode
+
+
+# -- shapes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    in_dim: int
+    widths: tuple[int, ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        offs = [0]
+        for w in self.widths:
+            offs.append(offs[-1] + w)
+        return tuple(offs)
+
+    @property
+    def out_dim(self) -> int:
+        return sum(self.widths)
+
+
+def llama_modules(tiny: bool) -> dict[str, Module]:
+    if tiny:
+        h, kv, ff = 64, 16, 96
+    else:
+        h, kv, ff = 4096, 1024, 14336
+    return {
+        "qkv": Module("qkv", h, (h, kv, kv)),
+        "o": Module("o", h, (h,)),
+        "gate_up": Module("gate_up", h, (ff, ff)),
+        "down": Module("down", ff, (h,)),
+    }
+
+
+@dataclass(frozen=True)
+class Workload:
+    mode: str  # decode | verify | extend
+    bs: int  # requests (extend: segments)
+    adapters: int
+    rank: int
+    width: int = 1  # rows per request: 1, k, or the extend segment length
+    max_rank: int = 0  # pool rank (0: = rank)
+
+    @property
+    def tokens(self) -> int:
+        return self.bs * self.width
+
+    @property
+    def pool_rank(self) -> int:
+        return self.max_rank or self.rank
+
+    def label(self) -> str:
+        tag = {"decode": "dec", "verify": f"ver{self.width}", "extend": f"ext{self.width}"}[self.mode]
+        pool = f"/R{self.max_rank}" if self.max_rank else ""
+        return f"{tag} bs{self.bs} a{self.adapters} r{self.rank}{pool}"
+
+
+def forward_mode(mode: str) -> ForwardMode:
+    return {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[mode]
+
+
+def request_slots(w: Workload, gen: torch.Generator) -> list[int]:
+    """Adapters spread over requests in a shuffled order, so grouping has work to do."""
+    slots = [i % w.adapters for i in range(w.bs)]
+    order = torch.randperm(w.bs, generator=gen).tolist()
+    return [slots[i] for i in order]
+
+
+def batch_info(w: Workload, slots: list[int], ranks: list[int], scalings: list[float], device) -> K.LoRABatchInfo:
+    mode = forward_mode(w.mode)
+    kwargs: dict = {}
+    if mode is ForwardMode.TARGET_VERIFY:
+        kwargs["num_draft_tokens"] = w.width
+    if mode is ForwardMode.EXTEND:
+        kwargs["extend_lens"] = [w.width] * w.bs
+    return K.build_batch_info(mode, slots, ranks, scalings, device=device, **kwargs)
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def time_replays(fns: list, device: torch.device, reps: int) -> float:
+    """Median milliseconds per callable, all of ``fns`` replayed back to back from a graph."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / len(fns)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()  # warm-up: compiles, and keeps allocations out of the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+# -- reference ---------------------------------------------------------------------------
+
+
+def reference_delta(x, A, B, row_slots, ranks, scalings, offsets) -> torch.Tensor:
+    """float64 LoRA delta per row, straight from the per-row slots (independent of the layout)."""
+    T = x.shape[0]
+    R = B.shape[2]
+    delta = torch.zeros(T, offsets[-1], dtype=torch.float64, device=x.device)
+    for slot in sorted(set(row_slots)):
+        if slot < 0 or ranks[slot] == 0:
+            continue
+        rows = torch.tensor([i for i, s in enumerate(row_slots) if s == slot], device=x.device)
+        r = ranks[slot]
+        xs = x[rows].double()
+        for s in range(len(offsets) - 1):
+            a = A[slot, s * R : s * R + r].double()
+            b = B[slot, offsets[s] : offsets[s + 1], :r].double()
+            delta[rows, offsets[s] : offsets[s + 1]] = scalings[slot] * ((xs @ a.T) @ b.T)
+    return delta
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    error: float
+    detail: str = ""
+
+
+def check_apply(backend, w: Workload, module: Module, dtype, device, gen, ranks=None, base_requests=0) -> Check:
+    """One apply against float64: relative error of the delta, every LoRA row written, base rows untouched."""
+    R = w.pool_rank
+    num_slots = w.adapters + 1
+    ranks = ranks or [w.rank] * w.adapters + [0]  # the last slot is rank 0
+    scalings = [0.5 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+    slots = request_slots(w, gen)
+    slots = slots[: len(slots) - base_requests] + [-1] * base_requests
+    if w.bs > 2:
+        slots[1] = num_slots - 1  # one request on the rank-0 slot
+    info = batch_info(w, slots, ranks, scalings, device)
+    T = info.total_tokens
+    S = len(module.widths)
+    x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
+    B = torch.randn(num_slots, module.out_dim, R, generator=gen).to(device, dtype)
+    out0 = torch.randn(T, module.out_dim, generator=gen).to(device, dtype)
+    out = out0.clone()
+    backend.apply(x, A, B, info, out, module.offsets)
+    row_slots = info.token_slots.tolist()
+    delta = reference_delta(x, A, B, row_slots, ranks, scalings, module.offsets)
+    got = out.double() - out0.double()
+    active = torch.tensor([s >= 0 and ranks[s] > 0 for s in row_slots], device=device)
+    err = ((got - delta).norm() / delta.norm().clamp_min(1e-30)).item()
+    row_err = ((got - delta).norm(dim=1) / delta.norm(dim=1).clamp_min(1e-30))[active]
+    worst_row = row_err.max().item() if row_err.numel() else 0.0
+    untouched = bool(torch.equal(out[~active], out0[~active]))
+    tol = TOL[dtype]
+    ok = err < tol and worst_row < 4 * tol and untouched and math.isfinite(err)
+    name = f"apply {module.name} {w.label()} {str(dtype)[6:]}"
+    return Check(name, ok, err, f"worst row {worst_row:.1e}, base rows untouched={untouched}")
+
+
+def check_public_shrink(backend, w: Workload, module: Module, dtype, device, gen) -> Check:
+    """The public shrink into a NaN-poisoned buffer: every LoRA row and rank column written."""
+    R = w.pool_rank
+    S = len(module.widths)
+    ranks = [max(1, w.rank // (i + 1)) for i in range(w.adapters)]
+    slots = request_slots(w, gen)
+    info = batch_info(w, slots, ranks, [1.0] * w.adapters, device)
+    x = torch.randn(info.total_tokens, module.in_dim, generator=gen).to(device, dtype)
+    A = torch.randn(w.adapters, S * R, module.in_dim, generator=gen).to(device, dtype)
+    out = torch.full((info.total_tokens, S * R), float("nan"), dtype=dtype, device=device)
+    backend.shrink(x, A, info, S, out=out)
+    worst = 0.0
+    written = True
+    for t, slot in enumerate(info.token_slots.tolist()):
+        r = ranks[slot]
+        for s in range(S):
+            got = out[t, s * R : s * R + r].double()
+            ref = x[t].double() @ A[slot, s * R : s * R + r].double().T
+            written &= bool(torch.isfinite(got).all())
+            worst = max(worst, ((got - ref).norm() / ref.norm()).item())
+    ok = written and worst < 4 * TOL[dtype]
+    return Check(f"shrink {module.name} {w.label()} {str(dtype)[6:]}", ok, worst, f"all written={written}")
+
+
+def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k: int) -> list[Check]:
+    """Capture one apply at max_bs, then replay with fresh slots/ranks each time."""
+    checks = []
+    dtype = torch.bfloat16
+    num_slots, R = 6, 16
+    fm = forward_mode(mode)
+    meta = GraphLoRAMetadata(fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device)
+    info = meta.capture_info(max_bs)
+    T = info.total_tokens
+    S = len(module.widths)
+    x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
+    B = torch.randn(num_slots, module.out_dim, R, generator=gen).to(device, dtype)
+    out = torch.zeros(T, module.out_dim, dtype=dtype, device=device)
+
+    def step():
+        backend.apply(x, A, B, info, out, module.offsets)
+
+    if device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = graph.replay
+    else:
+        replay = step
+    for trial in range(3):
+        real_bs = max(1, max_bs - trial * (max_bs // 3))
+        slots = [int(torch.randint(-1, num_slots, (1,), generator=gen)) for _ in range(real_bs)]
+        ranks = [int(torch.randint(0, R + 1, (1,), generator=gen)) for _ in range(num_slots)]
+        scalings = [0.25 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+        meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
+        x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
+        out.copy_(torch.randn(T, module.out_dim, generator=gen).to(device, dtype))
+        out0 = out.clone()
+        replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row_slots = info.token_slots.tolist()
+        delta = reference_delta(x, A, B, row_slots, ranks, scalings, module.offsets)
+        got = out.double() - out0.double()
+        active = torch.tensor([s >= 0 and ranks[s] > 0 for s in row_slots], device=device)
+        err = ((got - delta).norm() / delta.norm().clamp_min(1e-30)).item() if bool(active.any()) else 0.0
+        untouched = bool(torch.equal(out[~active], out0[~active]))
+        checks.append(
+            Check(f"graph {mode} {module.name} bs{real_bs}/{max_bs} k{k} trial{trial}", err < TOL[dtype] and untouched, err)
+        )
+    if mode == "verify":
+        try:
+            meta.update([0], [R] * num_slots, [1.0] * num_slots, num_draft_tokens=k + 1, batch_size=max_bs)
+            checks.append(Check("verify width guard", False, 0.0, "no error raised"))
+        except ValueError as exc:
+            named = str(k) in str(exc) and str(k + 1) in str(exc)
+            checks.append(Check("verify width guard", named, 0.0, str(exc)[:80]))
+    return checks
+
+
+def correctness(device, modules, tiny: bool) -> list[Check]:
+    gen = torch.Generator().manual_seed(1234)
+    backend = TritonLoRABackend()
+    checks: list[Check] = []
+    bs = 6 if tiny else 24
+    works = [
+        Workload("decode", bs, 4, 16, 1, 64 if not tiny else 0),
+        Workload("verify", bs // 2, 3, 8, 4, 0),
+        Workload("extend", 3, 3, 16, 7 if tiny else 37, 0),
+    ]
+    for module in modules.values():
+        for w in works:
+            checks.append(check_apply(backend, w, module, torch.bfloat16, device, gen, base_requests=1))
+    qkv = modules["qkv"]
+    for dtype in (torch.float16, torch.float32):
+        checks.append(check_apply(backend, works[0], qkv, dtype, device, gen))
+    # Mixed ranks in one pool (8, 16, 64 and 0), extend with uneven segments.
+    mixed = Workload("extend", 4, 4, 64, 5 if tiny else 129, 0)
+    checks.append(check_apply(backend, mixed, modules["gate_up"], torch.bfloat16, device, gen, ranks=[8, 16, 64, 0, 0]))
+    # Forced split-K in both directions, and alternative tiles.
+    for sc, ec in [
+        (ShrinkConfig(16, 64, 1), ExpandConfig(64, 16)),
+        (ShrinkConfig(16, 128, 8), ExpandConfig(256, 16, num_warps=8)),
+    ]:
+        forced = TritonLoRABackend(shrink_config=sc, expand_config=ec)
+        checks.append(check_apply(forced, works[1], qkv, torch.bfloat16, device, gen))
+    checks.append(check_public_shrink(backend, works[0], qkv, torch.bfloat16, device, gen))
+    checks += check_graph(backend, qkv, device, gen, "verify", 8, 4)
+    checks += check_graph(backend, modules["down"], device, gen, "decode", 16, 1)
+    return checks
+
+
+# -- per-module timings ------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    module: str
+    workload: str
+    tokens: int
+    bytes: int
+    triton_us: float
+    torch_us: float
+    bw_frac: float  # achieved / copy bandwidth
+    speedup: float
+    weight_frac: float  # adapter weights' share of the bytes
+    shrink: str = ""
+    expand: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def moved_bytes(w: Workload, m: Module, elem: int = 2) -> tuple[int, int]:
+    """(total, adapter-weight) bytes: x, the distinct adapters' A and B, out read + write."""
+    S = len(m.widths)
+    weights = w.adapters * (S * w.rank * m.in_dim + m.out_dim * w.rank) * elem
+    total = w.tokens * m.in_dim * elem + weights + 2 * w.tokens * m.out_dim * elem
+    return total, weights
+
+
+class ModuleCase:
+    """Rotating sets of inputs and adapter pools for one (workload, module)."""
+
+    def __init__(self, w: Workload, m: Module, device, gen, l2_bytes: int, max_sets: int = 512):
+        self.w, self.m = w, m
+        S, R = len(m.widths), w.pool_rank
+        self.slots = request_slots(w, gen)
+        ranks = [w.rank] * w.adapters
+        scalings = [1.0 / w.rank] * w.adapters
+        self.info = batch_info(w, self.slots, ranks, scalings, device)
+        self.scal = torch.tensor(scalings, device=device)
+        per_set = (
+            w.adapters * (S * R * m.in_dim + m.out_dim * R) + w.tokens * (m.in_dim + m.out_dim)
+        ) * 2
+        self.sets = max(2, min(max_sets, math.ceil(3 * l2_bytes / per_set)))
+        T = w.tokens
+        self.x, self.A, self.B, self.out = [], [], [], []
+        for _ in range(self.sets):
+            self.x.append(torch.randn(T, m.in_dim, device=device, dtype=torch.bfloat16))
+            self.A.append(torch.randn(w.adapters, S * R, m.in_dim, device=device, dtype=torch.bfloat16) * 0.02)
+            self.B.append(torch.randn(w.adapters, m.out_dim, R, device=device, dtype=torch.bfloat16) * 0.02)
+            self.out.append(torch.randn(T, m.out_dim, device=device, dtype=torch.bfloat16))
+        self.req_slots = torch.tensor(self.slots, device=device, dtype=torch.long)
+
+    def triton_fns(self, backend):
+        return [
+            (lambda i=i: backend.apply(self.x[i], self.A[i], self.B[i], self.info, self.out[i], self.m.offsets))
+            for i in range(self.sets)
+        ]
+
+    def torch_fns(self):
+        w, m = self.w, self.m
+        R = w.pool_rank
+        offs = m.offsets
+
+        def baseline(i: int) -> None:
+            x = self.x[i].view(w.bs, w.width, m.in_dim)
+            out = self.out[i].view(w.bs, w.width, m.out_dim)
+            a = self.A[i][self.req_slots]  # [bs, S*R, in]: each request's adapter, gathered
+            b = self.B[i][self.req_slots]  # [bs, out, R]
+            xa = torch.bmm(x, a.transpose(1, 2))
+            scale = self.scal[self.req_slots].to(x.dtype)[:, None, None]
+            for s in range(len(m.widths)):
+                lo, hi = offs[s], offs[s + 1]
+                out[:, :, lo:hi] += scale * torch.bmm(xa[:, :, s * R : (s + 1) * R], b[:, lo:hi].transpose(1, 2))
+
+        return [(lambda i=i: baseline(i)) for i in range(self.sets)]
+
+
+def describe(cfg) -> str:
+    return ",".join(f"{k}={v}" for k, v in asdict(cfg).items())
+
+
+def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[Row]:
+    gen = torch.Generator().manual_seed(7)
+    backend = TritonLoRABackend()
+    rows: list[Row] = []
+    for w in workloads:
+        for m in modules.values():
+            if time.time() > deadline:
+                print(f"[deadline] skipping {w.label()} {m.name}", flush=True)
+                continue
+            try:
+                case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
+                t_triton = time_replays(case.triton_fns(backend), device, reps)
+                t_torch = time_replays(case.torch_fns(), device, reps)
+                total, weights = moved_bytes(w, m)
+                sc = backend.shrink_config(case.info, case.x[0], len(m.widths), w.pool_rank)
+                ec = backend.expand_config(case.info, case.B[0])
+                row = Row(
+                    m.name,
+                    w.label(),
+                    w.tokens,
+                    total,
+                    t_triton * 1e3,
+                    t_torch * 1e3,
+                    total / (t_triton * 1e-3) / copy_bw,
+                    t_torch / t_triton,
+                    weights / total,
+                    describe(sc),
+                    describe(ec),
+                    {"sets": case.sets, "tiles": case.info.num_tiles},
+                )
+                rows.append(row)
+                print(
+                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  torch {row.torch_us:8.2f} us"
+                    f"  x{row.speedup:5.2f}  bw {100 * row.bw_frac:5.1f}%  w {100 * row.weight_frac:4.0f}%",
+                    flush=True,
+                )
+                del case
+            except Exception:  # one broken shape must not lose the rest of the run
+                traceback.print_exc()
+    return rows
+
+
+def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[dict]:
+    """Alternative launch configurations on a few shapes (the tuning record)."""
+    gen = torch.Generator().manual_seed(11)
+    results = []
+    for w, mname in workloads:
+        m = modules[mname]
+        if time.time() > deadline:
+            break
+        case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
+        S, R = len(m.widths), w.pool_rank
+        sc0 = pick_shrink(
+            num_tiles=case.info.num_tiles,
+            tile_m=case.info.tile_m,
+            num_slices=S,
+            max_rank=R,
+            in_dim=m.in_dim,
+            dtype=torch.bfloat16,
+            num_sms=torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4,
+        )
+        ec0 = pick_expand(tile_m=case.info.tile_m, max_rank=R, dtype=torch.bfloat16)
+        variants = [("default", sc0, ec0)]
+        for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2}):
+            if split != sc0.split_k:
+                variants.append((f"split{split}", ShrinkConfig(sc0.block_n, sc0.block_k, split), ec0))
+        for bk in (64, 256):
+            variants.append((f"bk{bk}", ShrinkConfig(sc0.block_n, bk, sc0.split_k), ec0))
+        variants.append(("shrink w8", ShrinkConfig(sc0.block_n, sc0.block_k, sc0.split_k, num_warps=8), ec0))
+        variants.append(("shrink st4", ShrinkConfig(sc0.block_n, sc0.block_k, sc0.split_k, num_stages=4), ec0))
+        for bn, nw in ((64, 4), (256, 4), (256, 8), (512, 8)):
+            variants.append((f"expand bn{bn} w{nw}", sc0, ExpandConfig(bn, ec0.block_r, num_warps=nw)))
+        total, _ = moved_bytes(w, m)
+        for name, sc, ec in variants:
+            if time.time() > deadline:
+                break
+            try:
+                backend = TritonLoRABackend(shrink_config=sc, expand_config=ec)
+                t = time_replays(case.triton_fns(backend), device, reps)
+                results.append(
+                    {
+                        "module": m.name,
+                        "workload": w.label(),
+                        "variant": name,
+                        "us": t * 1e3,
+                        "bw_frac": total / (t * 1e-3) / copy_bw,
+                        "shrink": describe(sc),
+                        "expand": describe(ec),
+                    }
+                )
+                print(f"sweep {m.name:8s} {w.label():24s} {name:16s} {t * 1e3:8.2f} us", flush=True)
+            except Exception:
+                traceback.print_exc()
+        del case
+    return results
+
+
+# -- whole layer -------------------------------------------------------------------------
+
+
+def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list[dict]:
+    """LoRA of all seven modules (4 apply calls) vs the base GEMMs, over ``layers`` layers' weights."""
+    gen = torch.Generator().manual_seed(3)
+    dt = torch.bfloat16
+    base = [
+        {name: torch.randn(m.out_dim, m.in_dim, device=device, dtype=dt) * 0.02 for name, m in modules.items()}
+        for _ in range(layers)
+    ]
+    results = []
+    for w in scenarios:
+        if time.time() > deadline:
+            break
+        try:
+            res = layer_case(device, modules, base, w, gen, reps)
+            results.append(res)
+            print(
+                f"layer {w.label():24s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
+                f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%",
+                flush=True,
+            )
+        except Exception:
+            traceback.print_exc()
+    return results
+
+
+def layer_case(device, modules, base, w: Workload, gen, reps) -> dict:
+    """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
+    dt = torch.bfloat16
+    layers = len(base)
+    backend = TritonLoRABackend()
+    R = w.pool_rank
+    slots = request_slots(w, gen)
+    info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
+    T = info.total_tokens
+    h = torch.randn(T, modules["qkv"].in_dim, device=device, dtype=dt)
+    inputs = {
+        "qkv": h,
+        "o": torch.randn(T, modules["o"].in_dim, device=device, dtype=dt),
+        "gate_up": h,
+        "down": torch.randn(T, modules["down"].in_dim, device=device, dtype=dt),
+    }
+    outs = {name: torch.randn(T, m.out_dim, device=device, dtype=dt) for name, m in modules.items()}
+    lora = [
+        {
+            name: (
+                torch.randn(w.adapters, len(m.widths) * R, m.in_dim, device=device, dtype=dt) * 0.02,
+                torch.randn(w.adapters, m.out_dim, R, device=device, dtype=dt) * 0.02,
+            )
+            for name, m in modules.items()
+        }
+        for _ in range(layers)
+    ]
+
+    def lora_layer(li: int) -> None:
+        for name, m in modules.items():
+            A, B = lora[li][name]
+            backend.apply(inputs[name], A, B, info, outs[name], m.offsets)
+
+    def base_layer(li: int) -> None:
+        for name in modules:
+            outs[name] = F.linear(inputs[name], base[li][name])
+
+    def both_layer(li: int) -> None:
+        for name, m in modules.items():
+            y = F.linear(inputs[name], base[li][name])
+            A, B = lora[li][name]
+            backend.apply(inputs[name], A, B, info, y, m.offsets)
+
+    t_lora = time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
+    t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
+    t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
+    return {
+        "workload": w.label(),
+        "tokens": T,
+        "lora_us": t_lora * 1e3,
+        "base_us": t_base * 1e3,
+        "base_plus_lora_us": t_both * 1e3,
+        "lora_pct_of_base": 100 * t_lora / t_base,
+        "increment_pct": 100 * (t_both - t_base) / t_base,
+    }
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def module_workloads(tiny: bool) -> list[Workload]:
+    if tiny:
+        return [Workload("decode", 4, 2, 16), Workload("verify", 2, 2, 8, 4), Workload("extend", 2, 2, 16, 20)]
+    return [
+        Workload("decode", 1, 1, 16),
+        Workload("decode", 8, 8, 16),
+        Workload("decode", 32, 8, 16),
+        Workload("decode", 32, 32, 8),
+        Workload("decode", 64, 64, 16),
+        Workload("decode", 64, 64, 64),
+        Workload("decode", 64, 64, 16, 1, 64),
+        Workload("decode", 256, 64, 16),
+        Workload("verify", 8, 8, 16, 4),
+        Workload("verify", 32, 32, 16, 4),
+        Workload("verify", 32, 8, 16, 8),
+        Workload("verify", 64, 64, 16, 8),
+        Workload("extend", 1, 1, 16, 512),
+        Workload("extend", 4, 4, 16, 512),
+        Workload("extend", 8, 8, 64, 512),
+    ]
+
+
+def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
+    if tiny:
+        return [(Workload("decode", 4, 2, 16), "qkv")]
+    return [
+        (Workload("decode", 1, 1, 16), "gate_up"),
+        (Workload("decode", 64, 64, 16), "gate_up"),
+        (Workload("verify", 32, 32, 16, 4), "qkv"),
+        (Workload("decode", 64, 64, 16), "down"),
+        (Workload("decode", 32, 8, 16), "o"),
+    ]
+
+
+def layer_scenarios(tiny: bool) -> list[Workload]:
+    if tiny:
+        return [Workload("decode", 2, 1, 16)]
+    return [
+        Workload("decode", 1, 1, 16),
+        Workload("decode", 32, 8, 16),
+        Workload("decode", 64, 64, 16),
+        Workload("verify", 32, 32, 16, 4),
+        Workload("verify", 32, 8, 16, 8),
+        Workload("decode", 256, 64, 16),
+    ]
+
+
+def markdown(env, checks, rows, sweeps, layer) -> str:
+    lines = ["# LoRA kernels", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", "## Correctness (float64 reference)", "", "| check | ok | rel. error | detail |", "|---|---|---|---|"]
+    lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.error:.2e} | {c.detail} |" for c in checks]
+    lines += [
+        "",
+        "## Per module (median per call, graph replay, rotating inputs)",
+        "",
+        "| module | workload | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} | {r.torch_us:.2f} "
+            f"| {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} |"
+        )
+    lines += ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {s['module']} | {s['workload']} | {s['variant']} | {s['us']:.2f} | {100 * s['bw_frac']:.1f} |" for s in sweeps
+    ]
+    lines += [
+        "",
+        "## One Llama-3-8B layer (7 modules; base = 4 bf16 F.linear: fused qkv, o, fused gate/up, down)",
+        "",
+        "| workload | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {x['workload']} | {x['tokens']} | {x['lora_us']:.2f} | {x['base_us']:.2f} | {x['lora_pct_of_base']:.1f} "
+        f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} |"
+        for x in layer
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--tiny", action="store_true", help="small shapes: a CPU dry run of every path")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
+    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer")
+    args = parser.parse_args()
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    skip = set(filter(None, args.skip.split(",")))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.tiny or device.type != "cuda"
+    modules = llama_modules(tiny)
+    import triton
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    l2_bytes = 60 * 2**20
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["sms"] = props.multi_processor_count
+        l2_bytes = getattr(props, "L2_cache_size", l2_bytes)
+        env["l2_mb"] = round(l2_bytes / 2**20, 1)
+    copy_bw = copy_bandwidth(device, 2**30) if device.type == "cuda" else 1e9
+    env["copy_bw_tb_s"] = round(copy_bw / 1e12, 3)
+    print(env, flush=True)
+
+    checks = correctness(device, modules, tiny)
+    for c in checks:
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:50s} {c.error:.2e} {c.detail}", flush=True)
+    env["correctness"] = f"{sum(c.ok for c in checks)}/{len(checks)} passed"
+    print(f"correctness: {env['correctness']} ({time.time() - t0:.0f}s)", flush=True)
+
+    rows = [] if "bench" in skip else bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
+    print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
+    layer = [] if "layer" in skip else bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, deadline + 60)
+    print(f"layer done ({time.time() - t0:.0f}s)", flush=True)
+    sweeps = [] if "sweep" in skip else sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline + 90)
+    print(f"sweep done ({time.time() - t0:.0f}s)", flush=True)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "env": env,
+        "checks": [asdict(c) for c in checks],
+        "modules": [asdict(r) for r in rows],
+        "sweep": sweeps,
+        "layer": layer,
+    }
+    (out_dir / "kernels.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer))
+
+    # Short table last: what the reply shows.
+    print("\n== layer: LoRA vs base GEMMs ==")
+    for x in layer:
+        print(f"{x['workload']:24s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
+    print("== modules: triton us / torch us / %copyBW ==")
+    for r in rows:
+        print(f"{r.module:7s} {r.workload:22s} {r.triton_us:8.2f} {r.torch_us:9.2f} {100 * r.bw_frac:5.1f}%")
+    failed = [c.name for c in checks if not c.ok]
+    print(f"correctness {env['correctness']}; failed: {failed}; total {time.time() - t0:.0f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

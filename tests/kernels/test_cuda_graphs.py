@@ -1,0 +1,64 @@
+"""Triton LoRA kernels on a real GPU: compiled kernels and CUDA-graph capture/replay.
+
+Skipped where there is no CUDA device (CI); run on a GPU machine with
+``pytest -m gpu tests/kernels``. The interpreter tests cover the same kernels on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.kernels import ForwardMode, build_batch_info, get_backend
+from loraserve.kernels.graph_metadata import GraphLoRAMetadata
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
+def test_compiled_kernels_match_float64(mode, dtype, make_pool, gen, check_apply):
+    """Mixed ranks (16, 8, 0 in a rank-32 pool), GQA-shaped slices, base-model requests."""
+    pool = make_pool(in_dim=1000, widths=(512, 128, 128), ranks=[16, 8, 0, 32], max_rank=32, dtype=dtype)
+    slots = [1, -1, 0, 3, 1, 2, 0, -1, 3]
+    kwargs = {
+        "decode": {},
+        "verify": {"num_draft_tokens": 4},
+        "extend": {"extend_lens": [37, 0, 5, 130, 1, 9, 64, 3, 2]},
+    }[mode]
+    fmode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[mode]
+    info = build_batch_info(fmode, slots, pool.ranks, pool.scalings, device="cuda", **kwargs)
+    x, out0 = pool.inputs(gen, info.total_tokens)
+    check_apply(get_backend("triton", "cuda"), info, pool, x, out0)
+
+
+@pytest.mark.parametrize("mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4)])
+def test_graph_replays_new_batches(mode, k, make_pool, gen, check_output):
+    """One capture, replayed with different slots, ranks, scalings and batch sizes."""
+    pool = make_pool(in_dim=512, widths=(256, 64, 64), ranks=[16] * 5, max_rank=16, dtype=torch.bfloat16)
+    backend = get_backend("triton", "cuda")
+    meta = GraphLoRAMetadata(mode, 16, 5, num_draft_tokens=k if k > 1 else None, device="cuda")
+    info = meta.capture_info(16)
+    x, out = pool.inputs(gen, info.total_tokens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.apply(x, pool.A, pool.B, info, out, pool.offsets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.apply(x, pool.A, pool.B, info, out, pool.offsets)
+    for real_bs in (16, 11, 3):
+        slots = torch.randint(-1, 5, (real_bs,), generator=gen).tolist()
+        pool.ranks = torch.randint(0, 17, (5,), generator=gen).tolist()
+        pool.scalings = (torch.rand(5, generator=gen) + 0.25).tolist()
+        meta.update(slots, pool.ranks, pool.scalings, num_draft_tokens=k if k > 1 else None, batch_size=16)
+        x_new, out_new = pool.inputs(gen, info.total_tokens)
+        x.copy_(x_new)
+        out.copy_(out_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_output(info, pool, x, out_new, out)
