@@ -1,0 +1,123 @@
+"""The aiohttp application: routes, middlewares and the engine's lifecycle.
+
+The app answers ``/health`` from the first moment; the model loads in a worker thread
+(``engine_factory``) and ``/ready`` turns 200 when it is serving. On shutdown the app
+stops admitting (``/ready`` 503, new generation requests 503), lets in-flight requests
+finish while aiohttp drains its handlers, then stops the engine, aborting anything
+still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from ..config import RuntimeConfig
+from ..engine import Engine
+from ..lora.sources import SourceSettings
+from ..tokenizer import Tokenizer
+from . import admin_api, health_api, openai_api
+from .errors import MAX_BODY_KEY, error_middleware
+from .metrics import Metrics
+from .state import STATE, ServerState
+
+log = logging.getLogger("loraserve.server")
+
+EngineFactory = Callable[[Metrics], tuple[Engine, Tokenizer]]
+"""Builds and returns (engine, tokenizer) on a worker thread; the engine must report to
+the given metrics (``observer=``)."""
+
+_LOAD_TASK = web.AppKey("loraserve_load_task", asyncio.Task)
+_DRAIN_S = web.AppKey("loraserve_drain_s", float)
+
+
+@web.middleware
+async def http_metrics_middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unmatched"
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        state.metrics.http_requests.labels(name, str(status)).inc()
+
+
+def build_app(
+    config: RuntimeConfig,
+    engine_factory: EngineFactory,
+    *,
+    sources: SourceSettings | None = None,
+    drain_timeout_s: float = 30.0,
+) -> web.Application:
+    """The runtime's HTTP app; the model loads in the background once the app starts."""
+    if sources is None:
+        sources = SourceSettings(cache_dir=config.server.adapter_cache_dir)
+    state = ServerState(config, sources=sources)
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[http_metrics_middleware, error_middleware],
+    )
+    app[STATE] = state
+    app[MAX_BODY_KEY] = config.server.max_body_bytes
+    app[_DRAIN_S] = drain_timeout_s
+    app.router.add_get("/health", health_api.health)
+    app.router.add_get("/ready", health_api.ready)
+    app.router.add_get("/metrics", health_api.metrics)
+    app.router.add_get("/v1/models", openai_api.list_models)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/load_lora_adapter", admin_api.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", admin_api.unload_lora_adapter)
+
+    async def load_model() -> None:
+        try:
+            engine, tokenizer = await asyncio.to_thread(engine_factory, state.metrics)
+        except Exception as exc:
+            log.exception("loading the model failed")
+            state.load_error = str(exc) or type(exc).__name__
+            return
+        engine.start()
+        state.attach(engine, tokenizer)
+        log.info("serving %s", state.served_name)
+
+    async def on_startup(app: web.Application) -> None:
+        app[_LOAD_TASK] = asyncio.create_task(load_model())
+
+    async def on_shutdown(app: web.Application) -> None:
+        # Before aiohttp waits for in-flight handlers: refuse new work, keep the old.
+        state.draining = True
+        if state.engine is not None:
+            state.engine.stop_accepting()
+
+    async def on_cleanup(app: web.Application) -> None:
+        task = app.get(_LOAD_TASK)
+        if task is not None and not task.done():
+            task.cancel()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown, app[_DRAIN_S])
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+async def wait_until_ready(app: web.Application, timeout_s: float = 120.0) -> None:
+    """Wait for the background model load (tests, the demo); raises if it failed."""
+    state = app[STATE]
+    task = app.get(_LOAD_TASK)
+    if task is not None:
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    if state.load_error:
+        raise RuntimeError(f"the model failed to load: {state.load_error}")
+    if not state.ready:
+        raise RuntimeError("the server is not ready")

@@ -1,0 +1,102 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Handlers raise :class:`ApiError`; the middleware turns it, aiohttp's own HTTP errors (an
+oversized body, an unknown route, a wrong method) and unexpected exceptions into that
+shape, so a client never sees an HTML error page or a bare stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from ..engine.request import RequestError
+
+log = logging.getLogger("loraserve.server")
+
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error response; ``param`` names the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+        self.headers = headers or {}
+
+    @classmethod
+    def from_request_error(cls, err: RequestError) -> ApiError:
+        return cls(err.status, err.message, param=err.param, code=err.code, type=err.type)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Render every failure as an OpenAI error object."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app.get(MAX_BODY_KEY)
+        return ApiError(
+            413,
+            f"the request body exceeds the {limit}-byte limit: send a smaller body"
+            if limit
+            else "request body too large",
+            code="body_too_large",
+        ).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {
+            404: f"no route {request.method} {request.path}",
+            405: f"method {request.method} is not allowed on {request.path}",
+        }.get(exc.status, exc.reason or "error")
+        return ApiError(
+            exc.status, message, headers={k: v for k, v in exc.headers.items() if k == "Allow"}
+        ).response()
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal server error; see the server log", code="internal_error").response()

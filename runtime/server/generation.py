@@ -1,0 +1,163 @@
+"""The bridge between one API call and the engine: fan out, stream back, clean up.
+
+An API call becomes one engine request per (prompt, sample) choice. All of them are
+validated before any is submitted, so a bad choice rejects the call without starting
+work. Outputs from the engine thread land in one asyncio queue (``call_soon_threadsafe``)
+tagged with their choice index. Leaving the ``async with`` block aborts whatever is still
+running: a client that disconnects (or a handler that fails) never leaves work behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from ..engine import Engine, EngineError, Request, RequestOutput, SpecStats
+from ..sampling import SamplingParams
+from .errors import ApiError
+
+_counter = itertools.count()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:20]}{next(_counter):x}"
+
+
+@dataclass
+class ChoiceState:
+    """Accumulated output of one choice."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    spec: SpecStats | None = None
+
+
+class Generation:
+    """One API call's engine requests. Use as ``async with Generation(...) as gen:``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        n: int,
+        adapter: str | None,
+        id_prefix: str,
+        prompt_param: str,
+    ) -> None:
+        self.engine = engine
+        self.id = new_request_id(id_prefix)
+        self.created = int(time.time())
+        self._queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._requests: list[Request] = []
+        self._open: set[int] = set()
+        self.choices: list[ChoiceState] = []
+        self.prompt_param = prompt_param
+        self.n = n
+        index = 0
+        for prompt in prompts:
+            for j in range(n):
+                p = copy.copy(params)
+                if p.seed is not None and j:
+                    p.seed = p.seed + j  # n samples of one prompt must differ, reproducibly
+                self._requests.append(
+                    Request(
+                        rid=f"{self.id}-{index}",
+                        prompt_ids=list(prompt),
+                        params=p,
+                        adapter=adapter,
+                        sink=self._sink_for(index),
+                    )
+                )
+                self.choices.append(ChoiceState(index=index, prompt_ids=list(prompt)))
+                index += 1
+
+    def _sink_for(self, index: int):
+        loop, queue = self._loop, self._queue
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+
+        return sink
+
+    async def __aenter__(self) -> Generation:
+        try:
+            for req in self._requests:
+                self.engine.prepare(req, prompt_param=self.prompt_param)
+        except EngineError as exc:
+            raise ApiError.from_request_error(exc.error) from None
+        try:
+            for req in self._requests:
+                self.engine.submit(req, prompt_param=self.prompt_param)
+                self._open.add(int(req.rid.rsplit("-", 1)[1]))
+        except EngineError as exc:
+            self._abort_open()
+            raise ApiError.from_request_error(exc.error) from None
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._abort_open()
+
+    def _abort_open(self) -> None:
+        for index in list(self._open):
+            self.engine.abort(self._requests[index].rid)
+        self._open.clear()
+
+    @property
+    def max_new_tokens(self) -> list[int]:
+        return [r.max_new_tokens for r in self._requests]
+
+    async def next_event(self) -> tuple[ChoiceState, RequestOutput] | None:
+        """The next ``(choice, increment)``; None once every choice has finished."""
+        if not self._open:
+            return None
+        index, out = await self._queue.get()
+        choice = self.choices[index]
+        choice.text += out.text
+        choice.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        choice.completion_tokens = out.completion_tokens
+        if out.finished:
+            self._open.discard(index)
+            choice.finish_reason = out.finish_reason.value if out.finish_reason else None
+            choice.spec = out.spec
+        return choice, out
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+        """Yield ``(choice, increment)`` until every choice has finished."""
+        while (event := await self.next_event()) is not None:
+            yield event
+
+    def usage(self) -> dict:
+        """OpenAI usage; prompt tokens count once per prompt, whatever ``n`` is."""
+        prompt = sum(len(c.prompt_ids) for c in self.choices if c.index % self.n == 0)
+        completion = sum(c.completion_tokens for c in self.choices)
+        usage: dict = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        specs = [c.spec for c in self.choices if c.spec is not None]
+        if specs:
+            steps = sum(s.verify_steps for s in specs)
+            accepted = sum(s.accepted_tokens for s in specs)
+            usage["speculative"] = {
+                "verify_steps": steps,
+                "draft_tokens": sum(s.draft_tokens for s in specs),
+                "accepted_tokens": accepted,
+                "mean_accept_length": accepted / steps if steps else 0.0,
+            }
+        return usage

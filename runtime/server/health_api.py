@@ -1,0 +1,32 @@
+"""Probes and metrics: ``/health`` (process up), ``/ready`` (serving), ``/metrics``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from .errors import ApiError
+from .metrics import CONTENT_TYPE
+from .state import STATE
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the process runs, even while the model loads (a liveness probe)."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 once the model is loaded and requests are admitted; 503 before and while draining."""
+    state = request.app[STATE]
+    if state.ready:
+        return web.json_response({"status": "ready", "model": state.served_name})
+    if state.draining:
+        raise ApiError(503, "shutting down", code="shutting_down")
+    if state.load_error:
+        raise ApiError(503, f"the model failed to load: {state.load_error}", code="model_load_failed")
+    raise ApiError(503, "the model is still loading", code="model_loading")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,257 @@
+"""Prometheus metrics of one runtime process.
+
+Names follow vLLM's (``vllm:`` prefix, ``model_name`` label) wherever vLLM has the same
+metric, because LoRA-aware routers and dashboards read those names: in particular
+``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}``,
+whose value is the time of the sample, and ``vllm:num_requests_waiting`` /
+``vllm:kv_cache_usage_perc``. Metrics vLLM has no counterpart for use ``loraserve:``.
+
+Request-level metrics are fed by the engine (:class:`EngineObserver` hooks, on the
+engine thread); queue and cache gauges are read from the engine's snapshot at scrape
+time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from ..engine.request import Request
+from ..engine.stats import EngineObserver, EngineSnapshot
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+ACCEPT_BUCKETS = tuple(range(0, 17))
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics(EngineObserver):
+    """The process's registry; also the engine's observer."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot | None] = lambda: None) -> None:
+        self.model_name = model_name
+        self.snapshot = snapshot
+        self.adapters_loaded: Callable[[], int] = lambda: 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, label = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", label, registry=reg)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [*label, "finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens.",
+            label,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            label,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Requests retracted to free KV cache.", label, registry=reg
+        )
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Speculative verify steps.", label, registry=reg
+        )
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", label, registry=reg
+        )
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", label, registry=reg
+        )
+        self.http_requests = Counter(
+            "loraserve:http_requests", "HTTP requests by route and status.", ["route", "status"], registry=reg
+        )
+        self.requests = Counter(
+            "loraserve:requests",
+            "Generation requests by model (base or adapter) and outcome.",
+            ["model", "finished_reason"],
+            registry=reg,
+        )
+        self.batch_size = Histogram(
+            "loraserve:batch_size", "Requests per engine step.", ["kind"], buckets=BATCH_BUCKETS, registry=reg
+        )
+        self.step_seconds = Histogram(
+            "loraserve:step_seconds", "Engine step time.", ["kind"], buckets=ITL_BUCKETS, registry=reg
+        )
+        self.accept_length = Histogram(
+            "loraserve:spec_accept_length",
+            "Draft tokens accepted per verify step.",
+            ["model"],
+            buckets=ACCEPT_BUCKETS,
+            registry=reg,
+        )
+        self.adapter_accepted = Counter(
+            "loraserve:spec_accepted_tokens", "Draft tokens accepted, per model.", ["model"], registry=reg
+        )
+        self.adapter_drafted = Counter(
+            "loraserve:spec_draft_tokens", "Draft tokens proposed, per model.", ["model"], registry=reg
+        )
+        reg.register(_SnapshotCollector(self))
+
+    # ---------------------------------------------------------------- engine hooks
+    def on_first_token(self, request: Request, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name).observe(max(ttft_s, 0.0))
+
+    def on_tokens(self, request: Request, num_tokens: int, gap_s: float) -> None:
+        if num_tokens <= 0:
+            return
+        per_token = max(gap_s, 0.0) / num_tokens
+        hist = self.itl.labels(self.model_name)
+        for _ in range(num_tokens):
+            hist.observe(per_token)
+
+    def on_request_finished(self, request: Request) -> None:
+        name = self.model_name
+        reason = request.finish_reason.value if request.finish_reason is not None else "unknown"
+        model = request.adapter or name
+        self.request_success.labels(name, reason).inc()
+        self.requests.labels(model, reason).inc()
+        if request.num_cached or request.output_ids:
+            self.prompt_tokens.labels(name).inc(len(request.prompt_ids))
+        self.generation_tokens.labels(name).inc(len(request.output_ids))
+        if request.finished_time is not None:
+            self.e2e.labels(name).observe(max(request.finished_time - request.arrival_time, 0.0))
+        spec = request.spec
+        if spec.verify_steps:
+            self.spec_drafts.labels(name).inc(spec.verify_steps)
+            self.spec_draft_tokens.labels(name).inc(spec.draft_tokens)
+            self.spec_accepted_tokens.labels(name).inc(spec.accepted_tokens)
+            self.adapter_drafted.labels(model).inc(spec.draft_tokens)
+            self.adapter_accepted.labels(model).inc(spec.accepted_tokens)
+            hist = self.accept_length.labels(model)
+            for n in spec.accept_lens:
+                hist.observe(n)
+
+    def on_step(self, kind: str, batch_size: int, num_tokens: int, seconds: float) -> None:
+        self.batch_size.labels(kind).observe(batch_size)
+        self.step_seconds.labels(kind).observe(seconds)
+
+    def on_retract(self, request: Request) -> None:
+        self.preemptions.labels(self.model_name).inc()
+
+    # ---------------------------------------------------------------- exposition
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Gauges read from the engine's latest snapshot at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self.m.snapshot() or EngineSnapshot()
+        name = self.m.model_name
+        for metric, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", snap.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting for admission.", snap.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", snap.kv_usage),
+        ):
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([name], value)
+            yield g
+        g = GaugeMetricFamily(
+            "loraserve:kv_cache_total_tokens", "KV cache capacity in tokens.", labels=["model_name"]
+        )
+        g.add_metric([name], snap.kv_total_tokens)
+        yield g
+        g = GaugeMetricFamily(
+            "loraserve:adapters_loaded", "LoRA adapters loaded and serving.", labels=["model_name"]
+        )
+        g.add_metric([name], self.m.adapters_loaded())
+        yield g
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(snap.max_loras_per_batch), ",".join(snap.running_adapters), ",".join(snap.waiting_adapters)],
+            snap.time if snap.time else time.time(),
+        )
+        yield info

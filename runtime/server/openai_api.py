@@ -1,0 +1,294 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, streaming or not."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from ..engine import RequestOutput
+from .errors import ApiError
+from .generation import ChoiceState, Generation
+from .schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json_body
+from .state import STATE, ServerState
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not buffer a stream
+}
+
+
+async def read_body(request: web.Request) -> dict:
+    return parse_json_body(await request.read())
+
+
+def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
+    tok = state.tokenizer
+    return (
+        [tok.decode([i], skip_special_tokens=False) for i in ids]
+        if tok is not None
+        else [str(i) for i in ids]
+    )
+
+
+# ------------------------------------------------------------------------------ completions
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.require_engine()
+    req = parse_completion(await read_body(request))
+    adapter = state.resolve_model(req.model)
+    tok = state.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    model = req.model or state.served_name
+    async with Generation(
+        engine, prompts, req.params, n=req.n, adapter=adapter, id_prefix="cmpl", prompt_param="prompt"
+    ) as gen:
+        echo = (
+            [_prompt_text(state, p, raw) for p, raw in zip(prompts, req.prompts, strict=True)]
+            if req.echo
+            else None
+        )
+        if req.stream:
+            return await _stream(request, state, gen, req, model, chat=False, echo=echo)
+        await _collect(gen)
+        choices = []
+        for c in gen.choices:
+            text = (echo[c.index // req.n] if echo else "") + c.text
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": _completion_logprobs(
+                        state, c.token_ids, c.logprobs, len(echo[c.index // req.n]) if echo else 0
+                    )
+                    if req.params.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        return web.json_response(
+            {
+                "id": gen.id,
+                "object": "text_completion",
+                "created": gen.created,
+                "model": model,
+                "choices": choices,
+                "usage": gen.usage(),
+            }
+        )
+
+
+def _prompt_text(state: ServerState, ids: list[int], raw: str | list[int]) -> str:
+    if isinstance(raw, str):
+        return raw
+    return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
+
+
+def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float], offset: int) -> dict:
+    texts = _token_texts(state, ids)
+    offsets, pos = [], offset
+    for t in texts:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": texts,
+        "token_logprobs": list(logprobs[: len(ids)]),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float]) -> dict:
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(_token_texts(state, ids), logprobs, strict=False)
+        ]
+    }
+
+
+async def _collect(gen: Generation) -> None:
+    """Run every choice to its end; the first failure becomes the response."""
+    failure = None
+    async for _, out in gen.events():
+        if out.error is not None and failure is None:
+            failure = out.error
+    if failure is not None:
+        raise ApiError.from_request_error(failure)
+
+
+# ------------------------------------------------------------------------------ chat
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.require_engine()
+    req = parse_chat(await read_body(request))
+    adapter = state.resolve_model(req.model)
+    prompt = state.tokenizer.encode_chat(req.messages)
+    model = req.model or state.served_name
+    async with Generation(
+        engine, [prompt], req.params, n=req.n, adapter=adapter, id_prefix="chatcmpl", prompt_param="messages"
+    ) as gen:
+        if req.stream:
+            return await _stream(request, state, gen, req, model, chat=True, echo=None)
+        await _collect(gen)
+        choices = []
+        for c in gen.choices:
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(state, c.token_ids, c.logprobs)
+                    if req.params.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        return web.json_response(
+            {
+                "id": gen.id,
+                "object": "chat.completion",
+                "created": gen.created,
+                "model": model,
+                "choices": choices,
+                "usage": gen.usage(),
+            }
+        )
+
+
+# ------------------------------------------------------------------------------ streaming
+def _sse(payload: dict | str) -> bytes:
+    data = (
+        payload
+        if isinstance(payload, str)
+        else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    )
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    gen: Generation,
+    req: CompletionRequest | ChatRequest,
+    model: str,
+    *,
+    chat: bool,
+    echo: list[str] | None,
+) -> web.StreamResponse:
+    """Server-sent events; headers go out only once the first increment is known good."""
+    first = await gen.next_event()
+    if first is not None and first[1].error is not None:
+        raise ApiError.from_request_error(first[1].error)
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        body: dict = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    if chat:
+        await resp.write(
+            chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in gen.choices
+                ]
+            )
+        )
+    elif echo:
+        await resp.write(
+            chunk(
+                [
+                    {
+                        "index": c.index,
+                        "text": echo[c.index // req.n],
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in gen.choices
+                ]
+            )
+        )
+
+    async def send(choice: ChoiceState, out: RequestOutput) -> None:
+        if out.error is not None:
+            await resp.write(_sse(ApiError.from_request_error(out.error).body()))
+            return
+        if not out.finished and not out.text and not (req.params.logprobs and out.logprobs):
+            return  # text held back (a partial character or a possible stop string)
+        finish = out.finish_reason.value if out.finished and out.finish_reason else None
+        logprobs = None
+        if req.params.logprobs and out.logprobs:
+            logprobs = (
+                _chat_logprobs(state, out.token_ids, out.logprobs)
+                if chat
+                else _completion_logprobs(state, out.token_ids, out.logprobs, 0)
+            )
+        if chat:
+            entry = {
+                "index": choice.index,
+                "delta": {"content": out.text} if out.text else {},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        else:
+            entry = {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": finish}
+        await resp.write(chunk([entry]))
+
+    if first is not None:
+        await send(*first)
+    async for choice, out in gen.events():
+        await send(choice, out)
+    if req.include_usage:
+        await resp.write(chunk([], usage=gen.usage()))
+    await resp.write(_sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+# ------------------------------------------------------------------------------ models
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.require_engine()
+    data = [
+        {
+            "id": state.served_name,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "loraserve",
+            "root": state.config.model.path,
+            "parent": None,
+            "max_model_len": engine.context_len,
+        }
+    ]
+    for info in engine.list_adapters():
+        if info.name not in engine.adapter_names:
+            continue  # being unloaded
+        rec = state.adapters.get(info.name)
+        data.append(
+            {
+                "id": info.name,
+                "object": "model",
+                "created": rec.loaded_at if rec else state.started,
+                "owned_by": "loraserve",
+                "root": rec.source if rec else str(info.path),
+                "parent": state.served_name,
+                "max_model_len": engine.context_len,
+                "lora": {
+                    "rank": info.rank,
+                    "target_modules": list(info.target_modules),
+                    "pinned": info.pinned,
+                    "sha256": rec.sha256 if rec else None,
+                },
+            }
+        )
+    return web.json_response({"object": "list", "data": data})

@@ -1,0 +1,444 @@
+"""OpenAI request bodies, parsed and validated into typed requests.
+
+Every rejection names the field (``param``) and says what would be accepted. Fields this
+server does not implement are refused when set to a value that would change the result
+(``logit_bias``, penalties, tools...), never silently ignored; purely informational
+fields (``user``) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+from ..sampling.params import MAX_STOP_STRINGS
+from ..tokenizer import ChatMessage
+from .errors import ApiError, invalid
+
+MAX_N = 16
+MAX_PROMPTS = 64
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Decode a request body: strict UTF-8, valid JSON, a JSON object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(
+            f"the request body is not valid UTF-8 (bad byte at offset {exc.start}): send UTF-8 encoded JSON",
+            code="invalid_encoding",
+        ) from None
+    if not text.strip():
+        raise invalid("the request body is empty: send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise invalid(
+            f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    return body
+
+
+# ---------------------------------------------------------------------------- field readers
+def _type_name(value: object) -> str:
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), "null" if value is None else type(value).__name__)
+
+
+def get_str(body: dict, name: str, *, required: bool = False, default: str | None = None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise invalid(f"{name} is required", param=name, code="missing_field")
+        return default
+    if not isinstance(value, str):
+        raise invalid(f"{name} must be a string, got {_type_name(value)}", param=name, code="invalid_type")
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(
+            f"{name} must be true or false, got {_type_name(value)}", param=name, code="invalid_type"
+        )
+    return value
+
+
+def get_int(
+    body: dict,
+    name: str,
+    default: int | None = None,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name} must be an integer, got {_type_name(value)}", param=name, code="invalid_type")
+    if minimum is not None and value < minimum:
+        raise invalid(f"{name} must be >= {minimum}, got {value}", param=name, code="invalid_value")
+    if maximum is not None and value > maximum:
+        raise invalid(f"{name} must be <= {maximum}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def get_float(
+    body: dict, name: str, default: float, *, minimum: float | None = None, maximum: float | None = None
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(
+            f"{name} must be a finite number, got {_type_name(value)}", param=name, code="invalid_type"
+        )
+    if minimum is not None and value < minimum:
+        raise invalid(f"{name} must be >= {minimum}, got {value}", param=name, code="invalid_value")
+    if maximum is not None and value > maximum:
+        raise invalid(f"{name} must be <= {maximum}, got {value}", param=name, code="invalid_value")
+    return float(value)
+
+
+def _get_stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop must be a string or an array of strings", param="stop", code="invalid_type")
+    if len(value) > MAX_STOP_STRINGS:
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}", param="stop")
+    if any(not s for s in value):
+        raise invalid("stop strings must not be empty", param="stop", code="invalid_value")
+    return tuple(value)
+
+
+def _get_token_ids(body: dict, name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise invalid(f"{name} must be an array of integers", param=name, code="invalid_type")
+    return tuple(value)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise invalid(
+                f"{name} is not supported by this server: omit it or send 0",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if body.get("repetition_penalty") not in (None, 1, 1.0):
+        raise invalid(
+            "repetition_penalty is not supported by this server: omit it or send 1",
+            param="repetition_penalty",
+            code="unsupported_parameter",
+        )
+    if body.get("logit_bias"):
+        raise invalid(
+            "logit_bias is not supported by this server: omit it",
+            param="logit_bias",
+            code="unsupported_parameter",
+        )
+    if body.get("tools"):
+        raise invalid(
+            "tool calling is not supported by this server: omit tools",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise invalid(
+            'only response_format {"type": "text"} is supported',
+            param="response_format",
+            code="unsupported_parameter",
+        )
+
+
+@dataclass
+class GenerationRequest:
+    """What both APIs share once parsed."""
+
+    model: str | None
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise invalid("stream_options must be an object", param="stream_options", code="invalid_type")
+    if not stream:
+        raise invalid("stream_options is only allowed with stream: true", param="stream_options")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid(
+            "stream_options.include_usage must be true or false",
+            param="stream_options.include_usage",
+            code="invalid_type",
+        )
+    return include
+
+
+def _common(body: dict, *, max_tokens: int | None, logprobs: bool) -> GenerationRequest:
+    _refuse_unsupported(body)
+    model = get_str(body, "model")
+    n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
+    stream = get_bool(body, "stream")
+    temperature = get_float(body, "temperature", 1.0, minimum=0.0)
+    top_p = get_float(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p", code="invalid_value")
+    top_k = get_int(body, "top_k", 0, minimum=-1)
+    seed = get_int(body, "seed")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k or 0,
+        seed=seed,
+        stop=_get_stop(body),
+        stop_token_ids=_get_token_ids(body, "stop_token_ids"),
+        ignore_eos=get_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+    )
+    return GenerationRequest(
+        model=model, params=params, n=n or 1, stream=stream, include_usage=_stream_options(body, stream)
+    )
+
+
+# ---------------------------------------------------------------------------- completions
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    """``POST /v1/completions``."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid(
+            "prompt is required: a string, an array of strings, or an array of token ids",
+            param="prompt",
+            code="missing_field",
+        )
+    prompts = _parse_prompts(body["prompt"])
+    if body.get("suffix") is not None:
+        raise invalid(
+            "suffix is not supported by this server: omit it", param="suffix", code="unsupported_parameter"
+        )
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise invalid("logprobs must be an integer", param="logprobs", code="invalid_type")
+        if logprobs != 0:
+            raise invalid(
+                "this server returns the log-probability of each chosen token only: send logprobs: 0",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
+    best_of = get_int(body, "best_of")
+    n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
+    if best_of is not None and best_of != n:
+        raise invalid("best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter")
+    max_tokens = get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
+    echo = get_bool(body, "echo")
+    if echo and logprobs is not None:
+        raise invalid(
+            "echo with logprobs is not supported: drop one of them",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    common = _common(body, max_tokens=max_tokens, logprobs=logprobs is not None)
+    return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo)
+
+
+def _parse_prompts(value: object) -> list[str | list[int]]:
+    def is_ids(v: object) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif is_ids(value) and value:
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or (is_ids(p) and p) for p in value):
+        prompts = list(value)
+    else:
+        raise invalid(
+            "prompt must be a string, an array of strings, an array of token ids, or an array of such arrays "
+            "(none empty)",
+            param="prompt",
+            code="invalid_type",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    return prompts
+
+
+# ---------------------------------------------------------------------------- chat
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    """``POST /v1/chat/completions``."""
+    messages = _parse_messages(body.get("messages"))
+    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, minimum=1)
+    logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", None, minimum=0)
+    if top:
+        raise invalid(
+            "this server returns the log-probability of each chosen token only: omit top_logprobs or send 0",
+            param="top_logprobs",
+            code="unsupported_parameter",
+        )
+    common = _common(body, max_tokens=max_tokens, logprobs=logprobs)
+    return ChatRequest(**common.__dict__, messages=messages)
+
+
+def _parse_messages(value: object) -> list[ChatMessage]:
+    if value is None:
+        raise invalid(
+            "messages is required: an array of {role, content} objects",
+            param="messages",
+            code="missing_field",
+        )
+    if not isinstance(value, list) or not value:
+        raise invalid(
+            "messages must be a non-empty array of {role, content} objects",
+            param="messages",
+            code="invalid_type",
+        )
+    out: list[ChatMessage] = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise invalid(
+                f"{where} must be an object with role and content", param=where, code="invalid_type"
+            )
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        out.append(
+            ChatMessage(role=role, content=_content_text(msg.get("content"), f"{where}.content", role))
+        )
+    return out
+
+
+def _content_text(content: object, where: str, role: str) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise invalid(f"{where} is required", param=where, code="missing_field")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(
+                    f'{where}[{j}] must be {{"type": "text", "text": ...}}; only text is supported',
+                    param=f"{where}[{j}]",
+                    code="invalid_type",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(
+        f"{where} must be a string or an array of text parts, got {_type_name(content)}",
+        param=where,
+        code="invalid_type",
+    )
+
+
+# ---------------------------------------------------------------------------- admin
+@dataclass
+class LoadAdapterRequest:
+    lora_name: str
+    lora_path: str
+    sha256: str | None = None
+    pinned: bool = False
+
+
+def check_adapter_name(name: str, param: str = "lora_name") -> str:
+    if not ADAPTER_NAME_RE.match(name):
+        raise invalid(
+            f"{param} {name!r} is not a valid adapter name: 1-128 characters of letters, digits and . _ - / :, "
+            "starting with a letter or digit",
+            param=param,
+            code="invalid_value",
+        )
+    return name
+
+
+def parse_load_adapter(body: dict) -> LoadAdapterRequest:
+    """``POST /v1/load_lora_adapter``: ``{lora_name, lora_path, sha256?, pinned?}``."""
+    name = check_adapter_name(get_str(body, "lora_name", required=True) or "")
+    path = get_str(body, "lora_path", required=True) or ""
+    if not path.strip():
+        raise invalid("lora_path must not be empty", param="lora_path", code="invalid_value")
+    sha = get_str(body, "sha256")
+    if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
+        raise invalid("sha256 must be 64 hexadecimal characters", param="sha256", code="invalid_value")
+    return LoadAdapterRequest(name, path.strip(), sha.lower() if sha else None, get_bool(body, "pinned"))
+
+
+def parse_unload_adapter(body: dict) -> str:
+    """``POST /v1/unload_lora_adapter``: ``{lora_name}``."""
+    return check_adapter_name(get_str(body, "lora_name", required=True) or "")
+
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "GenerationRequest",
+    "LoadAdapterRequest",
+    "parse_chat",
+    "parse_completion",
+    "parse_json_body",
+    "parse_load_adapter",
+    "parse_unload_adapter",
+]

@@ -1,0 +1,118 @@
+"""What the HTTP handlers share: configuration, the engine once loaded, adapter records."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from ..config import RuntimeConfig
+from ..engine import Engine
+from ..lora.sources import SourceSettings
+from ..tokenizer import Tokenizer
+from .errors import ApiError
+from .metrics import Metrics
+
+
+@dataclass
+class AdapterRecord:
+    """Where a loaded adapter came from, as the client named it."""
+
+    name: str
+    source: str
+    sha256: str | None
+    local_path: str
+    pinned: bool
+    loaded_at: int
+
+
+def served_model_name(config: RuntimeConfig) -> str:
+    """The ``model`` name clients use for the base model."""
+    if config.model.served_name:
+        return config.model.served_name
+    path = config.model.path.rstrip("/")
+    return Path(path).name or path or "base"
+
+
+class ServerState:
+    """Shared by every handler of one app."""
+
+    def __init__(
+        self, config: RuntimeConfig, *, sources: SourceSettings, metrics: Metrics | None = None
+    ) -> None:
+        self.config = config
+        self.served_name = served_model_name(config)
+        self.base_names = {self.served_name, config.model.path} - {""}
+        self.sources = sources
+        self.metrics = metrics or Metrics(self.served_name)
+        self.metrics.snapshot = lambda: self.engine.snapshot if self.engine is not None else None
+        self.metrics.adapters_loaded = lambda: (
+            len(self.engine.adapter_names) if self.engine is not None else 0
+        )
+        self.engine: Engine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.started = int(time.time())
+        self.adapters: dict[str, AdapterRecord] = {}
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def admin_token(self) -> str | None:
+        return self.config.server.admin_token
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.running and not self.draining
+
+    def attach(self, engine: Engine, tokenizer: Tokenizer) -> None:
+        """The model is loaded: serve it. Adapters loaded at start-up get their records."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        now = int(time.time())
+        for name, path in self.config.lora.adapters.items():
+            self.adapters.setdefault(
+                name, AdapterRecord(name, str(path), None, str(path), name in self.config.lora.pinned, now)
+            )
+
+    def require_engine(self) -> Engine:
+        """The engine, or 503 while loading, after a failed load, or while shutting down."""
+        if self.draining:
+            raise ApiError(
+                503, "the server is shutting down and accepts no new requests", code="shutting_down"
+            )
+        if self.engine is None or not self.engine.running:
+            if self.load_error:
+                raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+            raise ApiError(
+                503,
+                "the model is still loading: retry shortly",
+                code="model_loading",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+    def resolve_model(self, model: str | None) -> str | None:
+        """The adapter a ``model`` field names (None for the base model), or 404."""
+        if model is None or model in self.base_names:
+            return None
+        engine = self.require_engine()
+        if model in engine.adapter_names:
+            return model
+        known = sorted({self.served_name, *engine.adapter_names})
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist: use one of {', '.join(known)} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+    def adapter_lock(self, name: str) -> asyncio.Lock:
+        """Serialises admin calls for one adapter name (loads of different names overlap)."""
+        return self._adapter_locks.setdefault(name, asyncio.Lock())
+
+
+STATE = web.AppKey("loraserve_state", ServerState)
