@@ -1,0 +1,244 @@
+"""Decode and target-verify through CUDA graphs, one per batch-size and context bucket.
+
+A batch is padded to the smallest captured batch size that holds it (padding requests
+use table row 0 and KV slot 0, the cache's padding row and slot) and its context to a
+power-of-two bucket, then written into static input buffers and replayed. Graphs are
+captured lazily, the first time a (mode, width, batch bucket, context bucket, LoRA,
+outputs) combination is seen, and share one memory pool.
+
+LoRA inside a graph needs metadata in fixed buffers
+(:class:`loraserve.kernels.graph_metadata.GraphLoRAMetadata`) and a backend whose
+launches read only device tensors (Triton). With any other backend, batches that use an
+adapter run eagerly and only all-base batches replay graphs.
+
+Everything except capture itself also runs on the CPU (``use_graphs=False``): the same
+static buffers and padding, executed eagerly, so the padding logic is testable there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from loraserve.kernels import ForwardMode
+
+from .model import ForwardBatch, ForwardOutput
+from .model.layers import build_attention_metadata
+
+if TYPE_CHECKING:
+    from .kv import Allocation
+    from .model_runner import ModelRunner
+
+MIN_CONTEXT_BUCKET = 64
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to ``max_bs`` (always included)."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph.max_bs must be >= 1, got {max_bs}")
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    return sorted(set(sizes))
+
+
+def padded_batch_size(sizes: Sequence[int], batch_size: int) -> int | None:
+    """The smallest size in ``sizes`` that holds ``batch_size`` requests, or None."""
+    fits = [s for s in sizes if s >= batch_size]
+    return min(fits) if fits else None
+
+
+def context_bucket(max_ctx: int, limit: int) -> int:
+    """Power-of-two key columns (at least :data:`MIN_CONTEXT_BUCKET`) covering ``max_ctx``."""
+    if max_ctx > limit:
+        raise ValueError(f"context {max_ctx} exceeds the cache's limit {limit}")
+    bucket = MIN_CONTEXT_BUCKET
+    while bucket < max_ctx:
+        bucket *= 2
+    return min(bucket, limit)
+
+
+class GraphKey(NamedTuple):
+    mode: ForwardMode
+    width: int  # tokens per request
+    batch_size: int  # padded
+    context: int  # key columns
+    lora: bool  # the graph contains the LoRA ops
+    return_hidden: bool
+    hidden_layers: tuple[int, ...]
+
+
+@dataclass
+class _StaticInputs:
+    input_ids: torch.Tensor  # int64 [max_bs * width]
+    rows: torch.Tensor  # int64 [max_bs]
+    prefix_lens: torch.Tensor  # int64 [max_bs]
+    out_cache_loc: torch.Tensor  # int64 [max_bs * width]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    aux: torch.Tensor | None
+
+
+class CudaGraphRunner:
+    """Pads decode / target-verify batches into static buffers and replays captured graphs."""
+
+    def __init__(self, runner: ModelRunner, *, max_bs: int, use_graphs: bool | None = None):
+        self.runner = runner
+        self.device = runner.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use use_graphs=False to run the static path eagerly")
+        self.max_bs = int(max_bs)
+        self.batch_sizes = graph_batch_sizes(self.max_bs)
+        lora = runner.lora
+        # Adapters inside graphs only with a backend that reads device tensors alone.
+        self.lora_in_graphs = lora is not None and (not self.use_graphs or lora.backend.name == "triton")
+        self._inputs: dict[int, _StaticInputs] = {}
+        self._lora_meta: dict[int, object] = {}
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def can_run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> bool:
+        """Whether this batch takes the graph path (else the runner runs it eagerly)."""
+        if batch.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            return False
+        if batch.batch_size > self.max_bs:
+            return False
+        return not (any(s >= 0 for s in slots) and not self.lora_in_graphs)
+
+    # ------------------------------------------------------------------ run
+    def run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> ForwardOutput:
+        runner = self.runner
+        total, width = batch.token_counts()
+        bs = batch.batch_size
+        padded_bs = padded_batch_size(self.batch_sizes, bs)
+        assert padded_bs is not None
+        context = context_bucket(max(alloc.seq_lens), runner.kv.max_context_len)
+        uses_lora = any(s >= 0 for s in slots)
+        aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
+        key = GraphKey(batch.mode, width, padded_bs, context, uses_lora, batch.return_hidden, aux_layers)
+
+        static = self._static_inputs(width)
+        n = padded_bs * width
+        static.input_ids[:total].copy_(batch.input_ids, non_blocking=True)
+        static.input_ids[total:n].zero_()
+        static.rows[:bs].copy_(alloc.rows)
+        static.rows[bs:padded_bs].zero_()
+        static.prefix_lens[:bs].copy_(torch.tensor(alloc.prefix_lens, dtype=torch.int64), non_blocking=True)
+        static.prefix_lens[bs:padded_bs].zero_()
+        static.out_cache_loc[:total].copy_(alloc.out_cache_loc)
+        static.out_cache_loc[total:n].zero_()
+
+        lora = runner.lora
+        if lora is not None:
+            info = None
+            if uses_lora:
+                meta = self._graph_lora_meta(batch.mode, width)
+                info = meta.update(
+                    list(slots),
+                    lora.slot_ranks(),
+                    lora.slot_scalings(),
+                    num_draft_tokens=batch.num_draft_tokens,
+                    batch_size=padded_bs,
+                )
+            lora.ctx.set(info, info)
+        try:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(key, static)
+                self._graphs[key] = graph
+            elif graph.graph is not None:
+                graph.graph.replay()
+            else:
+                graph = self._run_static(key, static)
+        finally:
+            if lora is not None:
+                lora.ctx.clear()
+        return ForwardOutput(
+            logits=graph.logits[:total].clone(),
+            hidden_states=graph.hidden[:total].clone() if graph.hidden is not None else None,
+            aux_hidden_states=graph.aux[:total].clone() if graph.aux is not None else None,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _static_inputs(self, width: int) -> _StaticInputs:
+        static = self._inputs.get(width)
+        if static is None:
+            tokens = self.max_bs * width
+            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
+            static = _StaticInputs(z(tokens), z(self.max_bs), z(self.max_bs), z(tokens))
+            self._inputs[width] = static
+        return static
+
+    def _graph_lora_meta(self, mode: ForwardMode, width: int):
+        meta = self._lora_meta.get(width)
+        if meta is None:
+            from loraserve.kernels.graph_metadata import GraphLoRAMetadata
+
+            meta = GraphLoRAMetadata(
+                mode,
+                self.max_bs,
+                self.runner.lora.num_slots,
+                num_draft_tokens=width if mode is ForwardMode.TARGET_VERIFY else None,
+                device=self.device,
+            )
+            self._lora_meta[width] = meta
+        return meta
+
+    def _body(self, key: GraphKey, static: _StaticInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        runner = self.runner
+        n = key.batch_size * key.width
+        meta = build_attention_metadata(
+            req_to_token=runner.kv.req_to_token,
+            rows=static.rows[: key.batch_size],
+            prefix_lens=static.prefix_lens[: key.batch_size],
+            out_cache_loc=static.out_cache_loc[:n],
+            max_q=key.width,
+            max_ctx=key.context,
+            groups=runner.arch.num_heads // runner.arch.num_kv_heads,
+            q_lens=None,
+            sliding_window=runner.arch.sliding_window,
+        )
+        hidden, aux = runner.model(
+            static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers
+        )
+        logits = runner.model.compute_logits(hidden)
+        return (
+            logits,
+            hidden if key.return_hidden else None,
+            torch.cat(aux, dim=-1) if key.hidden_layers else None,
+        )
+
+    def _run_static(self, key: GraphKey, static: _StaticInputs) -> _Graph:
+        logits, hidden, aux = self._body(key, static)
+        return _Graph(None, logits, hidden, aux)
+
+    def _capture(self, key: GraphKey, static: _StaticInputs) -> _Graph:
+        if not self.use_graphs:
+            return self._run_static(key, static)
+        if key.lora:
+            self._lora_meta[key.width].capture_info(key.batch_size)
+        # Warm up on a side stream (kernel compilation, allocator), then capture. The
+        # warm-up runs compute this very step (KV writes are idempotent), the replay below
+        # produces the returned values.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body(key, static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden, aux = self._body(key, static)
+        graph.replay()
+        return _Graph(graph, logits, hidden, aux)

@@ -1,0 +1,128 @@
+"""CUDA-graph batching: bucket choice, and the padded static path equals the eager path.
+
+On the CPU the graph runner executes its static, padded buffers eagerly
+(``use_graphs=False``): everything but the capture itself. On a GPU the same oracle
+runs with real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.runtime.cuda_graph import CudaGraphRunner, context_bucket, graph_batch_sizes, padded_batch_size
+
+TOL = 1e-5
+
+
+def test_buckets():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(1) == [1]
+    sizes = graph_batch_sizes(20)
+    assert sizes == [1, 2, 4, 8, 16, 20]
+    assert [padded_batch_size(sizes, b) for b in (1, 3, 8, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+    assert [context_bucket(n, 1024) for n in (1, 64, 65, 300, 1024)] == [64, 64, 128, 512, 1024]
+    assert context_bucket(70, 80) == 80
+    with pytest.raises(ValueError):
+        context_bucket(2000, 1024)
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+def test_static_padded_path_equals_eager(assets, make_runner, ops):
+    names = {n: assets.adapters[n] for n in ("attn-r8", "all-r16", "emb-head")}
+    model_dir = assets.models["llama-gqa"]
+    eager = make_runner(model_dir, adapters=names)
+    graphed = make_runner(model_dir, adapters=names)
+    graphed.graphs = CudaGraphRunner(graphed, max_bs=8, use_graphs=False)
+    gen = torch.Generator().manual_seed(0)
+    rids = ["a", "b", "c"]  # 3 requests: padded to 4
+    lora = ["all-r16", None, "emb-head"]
+    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 70)]  # 70+: context bucket 128
+    for r in (eager, graphed):
+        ops.extend(r, rids, prompts, names=lora)
+    for _ in range(3):
+        tok = torch.randint(3, 512, (3,), generator=gen)
+        want = ops.decode(eager, rids, tok, names=lora, return_hidden=True, hidden_layers=(1,))
+        got = ops.decode(graphed, rids, tok, names=lora, return_hidden=True, hidden_layers=(1,))
+        torch.testing.assert_close(got.logits, want.logits, atol=TOL, rtol=0)
+        torch.testing.assert_close(got.hidden_states, want.hidden_states, atol=TOL, rtol=0)
+        torch.testing.assert_close(got.aux_hidden_states, want.aux_hidden_states, atol=TOL, rtol=0)
+    blocks = [torch.randint(3, 512, (3,), generator=gen) for _ in rids]
+    torch.testing.assert_close(
+        ops.verify(graphed, rids, blocks, names=lora).logits,
+        ops.verify(eager, rids, blocks, names=lora).logits,
+        atol=TOL,
+        rtol=0,
+    )
+    # all-base batch of a different size, then one request alone
+    tok = torch.tensor([5, 6])
+    torch.testing.assert_close(
+        ops.decode(graphed, ["a", "b"], tok).logits, ops.decode(eager, ["a", "b"], tok).logits, atol=TOL, rtol=0
+    )
+    # LoRA decode with hidden outputs, LoRA verify, base-only decode: one graph each
+    assert graphed.graphs.num_graphs == 3
+    # padding never leaked into real requests' cache: an eager step still agrees
+    for r in (eager, graphed):
+        r.graphs = None
+    torch.testing.assert_close(
+        ops.decode(graphed, rids, [7, 8, 9], names=lora).logits,
+        ops.decode(eager, rids, [7, 8, 9], names=lora).logits,
+        atol=TOL,
+        rtol=0,
+    )
+    assert graphed.kv.num_free_tokens == eager.kv.num_free_tokens
+
+
+def test_extend_and_large_batches_bypass_graphs(assets, make_runner, ops):
+    runner = make_runner(assets.models["llama-gqa"])
+    runner.graphs = CudaGraphRunner(runner, max_bs=2, use_graphs=False)
+    ops.extend(runner, ["x", "y", "z"], [torch.tensor([3, 4]), torch.tensor([5]), torch.tensor([6])])
+    assert runner.graphs.num_graphs == 0  # extend runs eagerly
+    ops.decode(runner, ["x", "y", "z"], [1, 2, 3])
+    assert runner.graphs.num_graphs == 0  # 3 > max_bs runs eagerly
+    ops.decode(runner, ["x", "y"], [1, 2])
+    assert runner.graphs.num_graphs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend):
+    from loraserve.runtime.model_runner import ModelRunner
+
+    def build(graphs: bool):
+        config = make_config(assets.models["llama-gqa"], backend=backend)
+        config.device = "cuda"
+        config.cuda_graph.enabled = graphs
+        config.cuda_graph.max_bs = 8
+        runner = ModelRunner(config)
+        for n in ("attn-r8", "all-r16"):
+            runner.lora.load(n, assets.adapters[n])
+        return runner
+
+    eager, graphed = build(False), build(True)
+    rids = ["a", "b", "c"]
+    lora = ["all-r16", None, "attn-r8"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 30)]
+    for r in (eager, graphed):
+        ops.extend(r, rids, prompts, names=lora)
+    for _ in range(3):
+        tok = torch.randint(3, 512, (3,), generator=gen)
+        for names in (lora, [None] * 3):
+            torch.testing.assert_close(
+                ops.decode(graphed, rids, tok, names=names).logits,
+                ops.decode(eager, rids, tok, names=names).logits,
+                atol=1e-4,
+                rtol=0,
+            )
+    blocks = [torch.randint(3, 512, (4,), generator=gen) for _ in rids]
+    torch.testing.assert_close(
+        ops.verify(graphed, rids, blocks, names=lora).logits,
+        ops.verify(eager, rids, blocks, names=lora).logits,
+        atol=1e-4,
+        rtol=0,
+    )
+    assert graphed.graphs.num_graphs >= 2
