@@ -115,16 +115,18 @@ class EagleDraftModel(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        *,
+        from_target: bool = True,
     ) -> torch.Tensor:
         """One draft layer over ``T`` rows; returns the output feature ``[T, H]``.
 
         ``input_ids[t]`` is the token after the position whose feature is ``features[t]``.
-        ``features`` is the target's feature (EAGLE: ``[T, H]``; EAGLE3: ``[T, n_aux*H_t]``)
-        or, on later draft steps, the draft's own output (``[T, H]``).
+        ``features`` is the target's feature (``from_target``; EAGLE: ``[T, H]``, EAGLE3:
+        ``[T, n_aux*H_t]``) or, on later draft steps, the draft's own output (``[T, H]``).
         """
         emb = self.embed(input_ids)
         if self.version == 3:
-            feature = self.fc(features) if features.shape[-1] != self.hidden_size else features
+            feature = self.fc(features) if from_target else features
             assert self.input_layernorm is not None and self.hidden_norm is not None
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], dim=-1)
             residual = feature

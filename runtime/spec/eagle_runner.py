@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..kv import KVCache
-from ..model.arch import ModelArchConfig
+from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
 from .eagle_model import EagleDraftModel
@@ -38,10 +38,12 @@ class EagleDraftRunner:
         max_requests: int,
         max_context_len: int,
         architecture: str | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
     ):
         self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
         self.config.check_target(target_arch)
-        tensors = load_eagle_tensors(path, self.config)
+        tensors = _draft_tensors(path, self.config, load_format, seed)
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = EagleDraftModel(
@@ -82,11 +84,14 @@ class EagleDraftRunner:
         input_ids: torch.Tensor,
         features: torch.Tensor,
         new_lens: Sequence[int],
+        *,
+        from_target: bool = True,
     ) -> torch.Tensor:
         """Append ``new_lens[i]`` pairs for request ``i``; returns the output features ``[T, H]``.
 
-        ``input_ids`` / ``features`` are flat in request order. On failure the cache is
-        left as it was.
+        ``input_ids`` / ``features`` are flat in request order; ``from_target``: the
+        features are the target's (else the draft's own outputs). On failure the cache
+        is left as it was.
         """
         lens = [int(n) for n in new_lens]
         if input_ids.numel() != sum(lens) or features.shape[0] != sum(lens):
@@ -112,6 +117,7 @@ class EagleDraftRunner:
                 meta,
                 self.kv.k_buffers[0],
                 self.kv.v_buffers[0],
+                from_target=from_target,
             )
         except BaseException:
             self.kv.rollback(alloc)
@@ -119,3 +125,28 @@ class EagleDraftRunner:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+
+def _draft_tensors(
+    path: str, config: EagleDraftConfig, load_format: str, seed: int
+) -> dict[str, torch.Tensor]:
+    """The draft's weights per ``speculative.draft_load_format``.
+
+    ``auto`` / ``safetensors`` read the checkpoint; ``dummy`` draws random weights of the
+    right shapes (for benchmarks of the machinery alone); ``pt`` pickles are refused,
+    since loading one can run arbitrary code.
+    """
+    if load_format in ("auto", "safetensors"):
+        return load_eagle_tensors(path, config)
+    if load_format == "dummy":
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            name: torch.ones(shape)
+            if name.endswith("norm.weight")
+            else torch.randn(shape, generator=generator) * 0.02
+            for name, shape in config.tensor_shapes().items()
+        }
+    raise ModelConfigError(
+        f"speculative.draft_load_format {load_format!r} cannot load an EAGLE draft: use 'auto' or "
+        "'safetensors' (pickle 'pt' weights are refused), or 'dummy' for random weights"
+    )

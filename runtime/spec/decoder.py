@@ -1,0 +1,220 @@
+"""The speculative decoder: draft without adapters, verify with each request's adapter.
+
+One step, for a batch of decoding requests:
+
+1. the drafter proposes ``k - 1`` tokens per request (no adapter anywhere);
+2. the target runs ONE target-verify forward of ``bs × k`` rows, each request's last
+   committed token followed by its drafts, with the request's own adapter: every request
+   carries exactly ``k`` rows, so the LoRA segments stay uniform (token counts from
+   :func:`loraserve.kernels.token_counts`);
+3. acceptance: greedy (the target's argmax) or rejection sampling (the target's exact
+   distribution after temperature / top-k / top-p);
+4. rejected tokens are dropped from both caches; the accept length of every request is
+   recorded (per request in its :class:`StepOutput`, overall and per adapter in
+   :class:`SpecMetrics`).
+
+A request too close to the context limit to verify ``k`` tokens decodes one token
+without speculation in the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from loraserve.kernels import ForwardMode
+
+from ..config import RuntimeConfig, SpecAlgorithm
+from ..engine.decoder import StepOutput, sample_rows
+from ..engine.request import Request
+from ..model.forward_batch import ForwardBatch
+from ..sampling import Sampler, processed_probs
+from .acceptance import Acceptance, greedy_accept, rejection_accept
+from .drafter import Drafter
+from .metrics import SpecMetrics
+
+log = logging.getLogger("loraserve.spec")
+
+
+class SpeculativeDecoder:
+    """Implements the engine's ``Decoder`` protocol with a drafter and target-verify."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        runner,
+        sampler: Sampler,
+        drafter: Drafter,
+        *,
+        algorithm: SpecAlgorithm,
+    ):
+        self.runner = runner
+        self.sampler = sampler
+        self.drafter = drafter
+        self.algorithm = algorithm
+        self.k = int(config.speculative.num_draft_tokens)
+        self.num_drafts = self.k - 1
+        self.tokens_per_step = self.k
+        self.device = getattr(runner, "device", torch.device("cpu"))
+        self.metrics = SpecMetrics(algorithm.value, self.k)
+
+    # ------------------------------------------------------------------ prefill
+    def _target_batch(self, mode: ForwardMode, requests: Sequence[Request], input_ids: torch.Tensor, **kw):
+        return ForwardBatch(
+            mode=mode,
+            request_ids=[r.rid for r in requests],
+            input_ids=input_ids,
+            lora_names=[r.adapter for r in requests],
+            return_hidden=self.drafter.needs_hidden,
+            hidden_layers=self.drafter.hidden_layers,
+            **kw,
+        )
+
+    def extend(self, chunks: Sequence[tuple[Request, int]]) -> list[StepOutput | None]:
+        """Target prefill chunks (with the features a drafter needs), then the drafter's."""
+        requests = [r for r, _ in chunks]
+        ids: list[int] = []
+        for req, n in chunks:
+            ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
+        batch = self._target_batch(
+            ForwardMode.EXTEND,
+            requests,
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            extend_lens=[n for _, n in chunks],
+        )
+        output = self.runner.forward(batch)
+        results: list[StepOutput | None] = [None] * len(chunks)
+        done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
+        if done:
+            rows = output.logits.index_select(0, torch.tensor(done, device=output.logits.device))
+            for i, out in zip(
+                done, sample_rows(self.sampler, rows, [requests[i] for i in done]), strict=True
+            ):
+                results[i] = out
+        first = [None if out is None else out.token_ids[0] for out in results]
+        try:
+            self.drafter.on_extend(chunks, output, first)
+        except Exception:
+            # The target's work stands; the draft re-syncs (or drafts blind) for these requests.
+            log.exception("draft prefill failed; drafting resumes from the next step")
+            for req in requests:
+                self.drafter.release(req)
+        return results
+
+    # ------------------------------------------------------------------ decode
+    def step(self, requests: Sequence[Request]) -> list[StepOutput]:
+        """Draft, verify and accept for every request; 1..k new tokens each."""
+        limit = self.runner.kv.max_context_len
+        fits = [r.num_tokens - 1 + self.k <= limit for r in requests]
+        spec_rows = [i for i, ok in enumerate(fits) if ok]
+        plain_rows = [i for i, ok in enumerate(fits) if not ok]
+        outputs: list[StepOutput | None] = [None] * len(requests)
+        try:
+            if spec_rows:
+                for i, out in zip(spec_rows, self._speculate([requests[i] for i in spec_rows]), strict=True):
+                    outputs[i] = out
+            if plain_rows:
+                for i, out in zip(plain_rows, self._plain([requests[i] for i in plain_rows]), strict=True):
+                    outputs[i] = out
+        except BaseException:
+            # The engine restores the target's cache and retries request by request; the
+            # draft state of this batch can no longer be trusted.
+            for req in requests:
+                self.drafter.release(req)
+            raise
+        return outputs  # type: ignore[return-value]
+
+    def _plain(self, requests: Sequence[Request]) -> list[StepOutput]:
+        """One ordinary decode step for requests within ``k`` tokens of the context limit."""
+        for req in requests:
+            self.drafter.release(req)  # they never speculate again
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            request_ids=[r.rid for r in requests],
+            input_ids=torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
+            lora_names=[r.adapter for r in requests],
+        )
+        return sample_rows(self.sampler, self.runner.forward(batch).logits, requests)
+
+    def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
+        start = time.perf_counter()
+        n = self.num_drafts
+        proposal = self.drafter.propose(requests, n)
+        drafts = proposal.tokens.to(self.device)
+        last = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+        verify_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
+        verify_start = time.perf_counter()
+        output = self.runner.forward(
+            self._target_batch(ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=self.k)
+        )
+        acceptance = self._accept(requests, drafts, output.logits, proposal.probs)
+        accept_lens = acceptance.accept_lens.tolist()
+        token_rows = acceptance.tokens.tolist()
+        verify_seconds = time.perf_counter() - verify_start
+        for req, accepted in zip(requests, accept_lens, strict=True):
+            self.runner.kv.truncate(req.rid, n - accepted)
+        self.drafter.on_verify(requests, acceptance, output)
+        logprobs = self._logprobs(requests, output.logits, acceptance)
+        outs = [
+            StepOutput(
+                token_ids=row[: accepted + 1],
+                logprobs=None if logprobs is None or logprobs[i] is None else logprobs[i][: accepted + 1],
+                num_draft_tokens=n,
+                num_accepted=accepted,
+            )
+            for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
+        ]
+        self.metrics.record_step(
+            [r.adapter for r in requests],
+            accept_lens,
+            n,
+            verify_seconds=verify_seconds,
+            step_seconds=time.perf_counter() - start,
+        )
+        return outs
+
+    def _accept(
+        self,
+        requests: Sequence[Request],
+        drafts: torch.Tensor,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+    ) -> Acceptance:
+        bs, k = len(requests), self.k
+        params = [r.params for r in requests]
+        if all(p.greedy for p in params):
+            return greedy_accept(drafts, logits.view(bs, k, -1))
+        # The target's sampling distribution of every row, exactly as the sampler builds it.
+        target = processed_probs(logits, [p for p in params for _ in range(k)]).view(bs, k, -1)
+        accept_u = torch.zeros(bs, k - 1, dtype=torch.float64)
+        sample_u = torch.zeros(bs, k, dtype=torch.float64)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        # Greedy rows keep u = 0: with a one-hot target that accepts exactly the argmax.
+        draws = self.sampler.uniform([requests[i].generator for i in sampled], 2 * k - 1)
+        accept_u[sampled] = draws[:, : k - 1]
+        sample_u[sampled] = draws[:, k - 1 :]
+        return rejection_accept(
+            drafts, target, accept_u.to(logits.device), sample_u.to(logits.device), draft_probs
+        )
+
+    @staticmethod
+    def _logprobs(
+        requests: Sequence[Request], logits: torch.Tensor, acceptance: Acceptance
+    ) -> list[list[float] | None] | None:
+        """Log-probabilities of the emitted tokens under the target's raw distribution."""
+        if not any(r.params.logprobs for r in requests):
+            return None
+        bs, k = acceptance.tokens.shape
+        logp = torch.log_softmax(logits.float().view(bs, k, -1), dim=-1)
+        chosen = logp.gather(2, acceptance.tokens.clamp_min(0)[..., None])[..., 0].tolist()
+        return [row if r.params.logprobs else None for r, row in zip(requests, chosen, strict=True)]
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_add(self, request: Request) -> None:
+        self.drafter.release(request)  # nothing from an earlier run of this request is valid
+
+    def on_finish(self, request: Request) -> None:
+        self.drafter.release(request)

@@ -1,0 +1,152 @@
+"""EAGLE / EAGLE3 drafting: a draft head over the target's features (NEXTN runs as EAGLE).
+
+Per request the draft cache holds one entry per target position whose successor token
+is committed: the pair (feature of position ``i``, token ``i + 1``). The target's
+prefill chunks and each verify's accepted positions are fed in as they arrive, and the
+draft's output at the last pair (``tail``) yields the first proposal of the next step;
+later proposals feed the draft's own output back as the feature. Draft entries written
+while proposing are truncated after verify and replaced by the target's real features.
+
+A request whose draft state was lost (a failed step) proposes its last token until the
+next verify supplies features again; rotary attention depends only on relative
+positions, so the draft resumes from there without recomputing the past.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.request import Request
+from ..model.forward_batch import ForwardOutput
+from ..sampling import Sampler
+from .acceptance import Acceptance
+from .drafter import DraftProposal, choose_drafts
+from .eagle_runner import EagleDraftRunner
+
+
+@dataclass
+class _State:
+    committed: int = 0  # draft entries holding the target's features
+    tail: torch.Tensor | None = None  # draft output at the last committed pair [H]
+
+
+class EagleDrafter:
+    """Drives an :class:`EagleDraftRunner` from the target's hidden states."""
+
+    def __init__(self, runner: EagleDraftRunner, sampler: Sampler, vocab_size: int):
+        self.runner = runner
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.device = runner.device
+        self.needs_hidden = runner.version != 3
+        self.hidden_layers: tuple[int, ...] | None = runner.aux_layer_ids if runner.version == 3 else None
+        self._states: dict[str, _State] = {}
+
+    @property
+    def lora(self):
+        return self.runner.lora
+
+    def _features(self, output: ForwardOutput) -> torch.Tensor:
+        feats = output.aux_hidden_states if self.hidden_layers else output.hidden_states
+        if feats is None:
+            raise RuntimeError("the target forward returned no hidden states for the EAGLE draft")
+        return feats
+
+    def _append(self, items: Sequence[tuple[Request, torch.Tensor, torch.Tensor]]) -> None:
+        """Feed committed pairs ``(request, token ids [n], target features [n, F])``."""
+        items = [item for item in items if item[1].numel()]
+        if not items:
+            return
+        for req, _, _ in items:
+            state = self._states.setdefault(req.rid, _State())
+            held = self.runner.kv.seq_len(req.rid)
+            if held > state.committed:  # speculative entries from the last proposal
+                self.runner.kv.truncate(req.rid, held - state.committed)
+        lens = [int(ids.numel()) for _, ids, _ in items]
+        out = self.runner.forward(
+            [req.rid for req, _, _ in items],
+            torch.cat([ids.to(self.device) for _, ids, _ in items]),
+            torch.cat([feats for _, _, feats in items]),
+            lens,
+            from_target=True,
+        )
+        ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
+        tails = out.index_select(0, ends)
+        for (req, _, _), n, tail in zip(items, lens, tails, strict=True):
+            state = self._states[req.rid]
+            state.committed += n
+            state.tail = tail
+
+    def on_extend(
+        self, chunks: Sequence[tuple[Request, int]], output: ForwardOutput, first_tokens: Sequence[int | None]
+    ) -> None:
+        feats = self._features(output)
+        items = []
+        offset = 0
+        for (req, n), first in zip(chunks, first_tokens, strict=True):
+            rows = feats[offset : offset + n]
+            offset += n
+            start = req.num_cached
+            following = req.all_ids[start + 1 : start + n + 1]
+            if len(following) < n:  # the chunk ends the prefill: its successor was just sampled
+                if first is None:
+                    rows = rows[: len(following)]
+                else:
+                    following = [*following, int(first)]
+            if start == 0:
+                self.release(req)  # a (re-)prefill from scratch: nothing earlier is valid
+            items.append((req, torch.tensor(following, dtype=torch.int64), rows))
+        self._append(items)
+
+    def propose(self, requests: Sequence[Request], num_tokens: int) -> DraftProposal:
+        bs = len(requests)
+        tokens = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+        tokens = tokens[:, None].repeat(1, max(num_tokens, 0))
+        live = [
+            i
+            for i, r in enumerate(requests)
+            if (s := self._states.get(r.rid)) is not None and s.tail is not None
+        ]
+        if num_tokens == 0 or not live:
+            return DraftProposal(tokens)
+        reqs = [requests[i] for i in live]
+        rids = [r.rid for r in reqs]
+        hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
+        rows = torch.tensor(live, device=self.device)
+        probs: list[torch.Tensor | None] = []
+        for j in range(num_tokens):
+            if j > 0:
+                hidden = self.runner.forward(
+                    rids, tokens[rows, j - 1], hidden, [1] * len(rids), from_target=False
+                )
+            logits = self.runner.compute_logits(hidden)
+            step_tokens, step_probs = choose_drafts(logits, reqs, self.sampler)
+            tokens[rows, j] = step_tokens
+            probs.append(step_probs)
+        if all(p is None for p in probs):
+            return DraftProposal(tokens)
+        full = torch.zeros(bs, num_tokens, self.vocab_size, device=self.device)
+        full.scatter_(2, tokens[:, :, None], 1.0)  # one-hot for rows drafted without a model
+        for j, p in enumerate(probs):
+            if p is not None:
+                full[rows, j] = p.to(full.dtype)
+            else:
+                full[rows, j] = torch.nn.functional.one_hot(tokens[rows, j], self.vocab_size).to(full.dtype)
+        return DraftProposal(tokens, full)
+
+    def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
+        feats = self._features(output)
+        k = acceptance.tokens.shape[1]
+        feats = feats.view(len(requests), k, -1)
+        items = []
+        for i, (req, accepted) in enumerate(zip(requests, acceptance.accept_lens.tolist(), strict=True)):
+            n = accepted + 1
+            items.append((req, acceptance.tokens[i, :n], feats[i, :n]))
+        self._append(items)
+
+    def release(self, request: Request) -> None:
+        self._states.pop(request.rid, None)
+        self.runner.kv.free(request.rid)

@@ -1,0 +1,118 @@
+"""Builds the drafter and the speculative decoder for a configuration.
+
+The draft is built next to an already-built target runner: it follows the target's
+device, dtype, context length and KV capacity, and takes the target's BASE embeddings
+and LM head (EAGLE family). Settings that cannot run raise
+:class:`~.draft_config.SpeculativeConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import RuntimeConfig, SpecAlgorithm
+from ..model.arch import ModelConfigError
+from ..sampling import Sampler
+from .decoder import SpeculativeDecoder
+from .draft_config import SpeculativeConfigError, build_draft_config, validate_speculative
+from .drafter import Drafter
+
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def _check_load_format(fmt: str) -> None:
+    if fmt not in _LOAD_FORMATS:
+        raise SpeculativeConfigError(
+            "speculative.draft_load_format",
+            f"speculative.draft_load_format {fmt!r} cannot be loaded: use 'auto' or 'safetensors' "
+            "(pickle 'pt' weights are refused: loading one can run arbitrary code), or 'dummy' for random weights",
+        )
+
+
+def _vocabulary(model_dir: Path) -> tuple | None:
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        return None
+    raw = json.loads(file.read_text())
+    model = raw.get("model") or {}
+    added = sorted((t.get("id"), t.get("content")) for t in raw.get("added_tokens") or [])
+    return json.dumps(model.get("vocab"), sort_keys=True), json.dumps(added)
+
+
+def _check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
+    """A STANDALONE draft proposes token ids: they must mean what they mean to the target."""
+    target, draft = _vocabulary(Path(target_dir)), _vocabulary(Path(draft_dir))
+    if target is not None and draft is not None and target != draft:
+        raise SpeculativeConfigError(
+            "speculative.draft_model_path",
+            f"the STANDALONE draft at {draft_dir} has a different tokenizer vocabulary from the target at "
+            f"{target_dir}: use a draft trained with the target's tokenizer",
+        )
+
+
+def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Drafter, SpecAlgorithm]:
+    """The drafter for ``config.speculative`` next to the target ``runner``, and the algorithm it runs."""
+    algorithm = validate_speculative(config.speculative)
+    spec = config.speculative
+    if algorithm is SpecAlgorithm.NGRAM:
+        from .ngram_drafter import NgramDrafter
+
+        return NgramDrafter(spec.ngram_min, spec.ngram_max, device=runner.device), algorithm
+    _check_load_format(spec.draft_load_format)
+    draft_config = build_draft_config(config, context_length=runner.context_len)
+    # The draft holds at most as many tokens as the target at its verify peak.
+    draft_config.scheduler.max_total_tokens = runner.kv.capacity
+    if algorithm is SpecAlgorithm.STANDALONE:
+        from ..model_runner import ModelRunner
+        from .standalone import StandaloneDrafter
+
+        draft_runner = ModelRunner(
+            draft_config,
+            is_draft=True,
+            device=runner.device,
+            random_weights=spec.draft_load_format == "dummy",
+        )
+        _check_same_tokenizer(runner.model_path, draft_runner.model_path)
+        return StandaloneDrafter(draft_runner, sampler, runner.vocab_size), algorithm
+
+    from .eagle_drafter import EagleDrafter
+    from .eagle_model import base_weight
+    from .eagle_runner import EagleDraftRunner
+
+    requested = SpecAlgorithm(spec.algorithm)
+    try:
+        draft_runner = EagleDraftRunner(
+            str(spec.draft_model_path),
+            target_arch=runner.arch,
+            embed_weight=base_weight(runner.embed_tokens),
+            lm_head_weight=base_weight(runner.lm_head),
+            dtype=runner.dtype,
+            device=runner.device,
+            max_total_tokens=runner.kv.capacity,
+            max_requests=runner.kv.max_requests,
+            max_context_len=runner.kv.max_context_len,
+            architecture=spec.draft_model_architecture,
+            load_format=spec.draft_load_format,
+            seed=config.seed,
+        )
+    except ModelConfigError as exc:
+        hint = ""
+        if requested is SpecAlgorithm.NEXTN:
+            hint = " (NEXTN runs as EAGLE: point speculative.draft_model_path at an EAGLE-format next-n head)"
+        raise SpeculativeConfigError("speculative.draft_model_path", f"{exc}{hint}") from exc
+    wanted = 3 if algorithm is SpecAlgorithm.EAGLE3 else 1
+    if draft_runner.version != wanted:
+        have = "EAGLE3" if draft_runner.version == 3 else "EAGLE"
+        raise SpeculativeConfigError(
+            "speculative.algorithm",
+            f"speculative.algorithm is {requested.value} but {spec.draft_model_path} is an {have} draft: "
+            f"set speculative.algorithm to {have}",
+        )
+    return EagleDrafter(draft_runner, sampler, runner.vocab_size), algorithm
+
+
+def build_decoder(*, config: RuntimeConfig, runner, sampler: Sampler) -> SpeculativeDecoder:
+    """The engine's entry point: a :class:`SpeculativeDecoder` for ``config``."""
+    drafter, algorithm = build_drafter(config, runner, sampler)
+    return SpeculativeDecoder(config, runner, sampler, drafter, algorithm=algorithm)

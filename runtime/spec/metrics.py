@@ -1,0 +1,190 @@
+"""Speculative-decoding counters: accept lengths overall and per adapter, verify timing.
+
+Written on the engine thread after every verify step, read by any thread (the server's
+``/metrics``): a lock guards the few integers. :meth:`SpecMetrics.collector` returns a
+``prometheus_client`` collector the server registers; :meth:`SpecMetrics.snapshot` gives
+the same numbers as plain data for tests, logs and benchmarks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TIME_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BASE_LABEL = ""
+"""The ``adapter`` label of requests on the base model (an empty label is "no adapter")."""
+
+
+@dataclass
+class AcceptStats:
+    """Accept-length accounting for one adapter (or overall)."""
+
+    verify_steps: int = 0  # request-steps verified
+    draft_tokens: int = 0  # drafts proposed
+    accepted_tokens: int = 0  # drafts accepted
+    histogram: list[int] = field(default_factory=list)  # histogram[a]: steps that accepted a drafts
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Mean drafts accepted per verify step."""
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted drafts over proposed drafts."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request gains per verify step (accepted drafts + the target's own)."""
+        return self.mean_accept_len + 1 if self.verify_steps else 0.0
+
+    def add(self, accepted: int, drafted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if accepted >= len(self.histogram):
+            self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
+        self.histogram[accepted] += 1
+
+
+@dataclass
+class TimeHistogram:
+    """Cumulative-bucket timing histogram (Prometheus layout)."""
+
+    buckets: tuple[float, ...] = TIME_BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * len(TIME_BUCKETS_S))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        for i, bound in enumerate(self.buckets):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+
+@dataclass
+class SpecSnapshot:
+    """A consistent copy of every counter."""
+
+    algorithm: str
+    num_draft_tokens: int
+    overall: AcceptStats
+    per_adapter: dict[str, AcceptStats]
+    verify_seconds: TimeHistogram
+    step_seconds: TimeHistogram
+
+
+def _copy_stats(stats: AcceptStats) -> AcceptStats:
+    return AcceptStats(stats.verify_steps, stats.draft_tokens, stats.accepted_tokens, list(stats.histogram))
+
+
+def _copy_hist(hist: TimeHistogram) -> TimeHistogram:
+    return TimeHistogram(hist.buckets, list(hist.counts), hist.count, hist.total)
+
+
+class SpecMetrics:
+    """Thread-safe accumulation of speculative-decoding statistics."""
+
+    def __init__(self, algorithm: str, num_draft_tokens: int):
+        self.algorithm = algorithm
+        self.num_draft_tokens = num_draft_tokens
+        self._lock = threading.Lock()
+        self._overall = AcceptStats(histogram=[0] * num_draft_tokens)
+        self._per_adapter: dict[str, AcceptStats] = {}
+        self._verify = TimeHistogram()
+        self._step = TimeHistogram()
+
+    def record_step(
+        self,
+        adapters: Sequence[str | None],
+        accept_lens: Sequence[int],
+        num_drafts: int,
+        *,
+        verify_seconds: float,
+        step_seconds: float,
+    ) -> None:
+        """One verify step: request ``i`` used ``adapters[i]`` and accepted ``accept_lens[i]``."""
+        with self._lock:
+            for adapter, accepted in zip(adapters, accept_lens, strict=True):
+                label = BASE_LABEL if adapter is None else adapter
+                stats = self._per_adapter.get(label)
+                if stats is None:
+                    stats = self._per_adapter[label] = AcceptStats(histogram=[0] * self.num_draft_tokens)
+                stats.add(int(accepted), num_drafts)
+                self._overall.add(int(accepted), num_drafts)
+            self._verify.observe(verify_seconds)
+            self._step.observe(step_seconds)
+
+    def snapshot(self) -> SpecSnapshot:
+        with self._lock:
+            return SpecSnapshot(
+                algorithm=self.algorithm,
+                num_draft_tokens=self.num_draft_tokens,
+                overall=_copy_stats(self._overall),
+                per_adapter={k: _copy_stats(v) for k, v in self._per_adapter.items()},
+                verify_seconds=_copy_hist(self._verify),
+                step_seconds=_copy_hist(self._step),
+            )
+
+    def collector(self, prefix: str = "loraserve_spec"):
+        """A ``prometheus_client`` collector exposing these counters (register it once)."""
+        return _Collector(self, prefix)
+
+
+class _Collector:
+    """Renders a :class:`SpecMetrics` snapshot as Prometheus metric families."""
+
+    def __init__(self, metrics: SpecMetrics, prefix: str):
+        self.metrics = metrics
+        self.prefix = prefix
+
+    def describe(self):
+        return []  # unchecked collector: families are produced at scrape time
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snap = self.metrics.snapshot()
+        p = self.prefix
+        info = GaugeMetricFamily(
+            f"{p}_info", "Speculative decoding configuration", labels=["algorithm", "num_draft_tokens"]
+        )
+        info.add_metric([snap.algorithm, str(snap.num_draft_tokens)], 1.0)
+        yield info
+        steps = CounterMetricFamily(f"{p}_verify_steps", "Request verify steps", labels=["adapter"])
+        drafted = CounterMetricFamily(f"{p}_draft_tokens", "Draft tokens proposed", labels=["adapter"])
+        accepted = CounterMetricFamily(f"{p}_accepted_tokens", "Draft tokens accepted", labels=["adapter"])
+        lengths = HistogramMetricFamily(
+            f"{p}_accept_length", "Drafts accepted per request verify step", labels=["adapter"]
+        )
+        for adapter, stats in sorted(snap.per_adapter.items()):
+            steps.add_metric([adapter], stats.verify_steps)
+            drafted.add_metric([adapter], stats.draft_tokens)
+            accepted.add_metric([adapter], stats.accepted_tokens)
+            cumulative, buckets = 0, []
+            for length, count in enumerate(stats.histogram):
+                cumulative += count
+                buckets.append((str(float(length)), cumulative))
+            buckets.append(("+Inf", stats.verify_steps))
+            lengths.add_metric([adapter], buckets, sum_value=float(stats.accepted_tokens))
+        yield steps
+        yield drafted
+        yield accepted
+        yield lengths
+        for name, hist, text in (
+            ("verify_seconds", snap.verify_seconds, "Target verify forward plus acceptance, per step"),
+            ("step_seconds", snap.step_seconds, "Whole speculative step (draft, verify, accept), per step"),
+        ):
+            family = HistogramMetricFamily(f"{p}_{name}", text)
+            family.add_metric(
+                [],
+                [(str(b), c) for b, c in zip(hist.buckets, hist.counts, strict=True)]
+                + [("+Inf", hist.count)],
+                sum_value=hist.total,
+            )
+            yield family
