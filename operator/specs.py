@@ -134,7 +134,7 @@ class LoRASpec(_Spec):
     max_loaded_loras: int = Field(default=32, ge=1)
     max_rank: int = Field(default=64, ge=1)
     target_modules: list[Literal[LORA_MODULES]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: list(DEFAULT_LORA_MODULES), min_length=1, max_length=len(LORA_MODULES)
+        default=list(DEFAULT_LORA_MODULES), min_length=1, max_length=len(LORA_MODULES)
     )
     backend: Literal["auto", "triton", "torch"] = "auto"
     overlap_loading: bool = False
@@ -297,13 +297,13 @@ class EffectiveSpeculative(_Spec):
 class LoRAServeStatus(_Spec):
     observed_generation: int | None = None
     phase: LoRAServePhase | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
     replicas: int | None = None
     ready_replicas: int | None = None
     selector: str | None = None
     """Label selector of the runtime pods, for the scale subresource."""
     effective: EffectiveSpeculative | None = None
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list, max_length=64)
     adapters: int | None = None
 
 
@@ -365,12 +365,12 @@ class AdapterPhase(enum.StrEnum):
 class AdapterStatus(_Spec):
     observed_generation: int | None = None
     phase: AdapterPhase | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
     rank: int | None = None
-    target_modules: list[str] | None = None
-    pods: list[AdapterPodStatus] = Field(default_factory=list)
+    target_modules: list[str] | None = Field(default=None, max_length=len(LORA_MODULES))
+    pods: list[AdapterPodStatus] = Field(default_factory=list, max_length=1024)
     loaded_replicas: int | None = None
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list, max_length=64)
 
 
 # --------------------------------------------------------------------------- parsing
