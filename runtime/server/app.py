@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Callable
 
 from aiohttp import web
@@ -57,8 +59,13 @@ def build_app(
     *,
     sources: SourceSettings | None = None,
     drain_timeout_s: float = 30.0,
+    exit_on_load_failure: bool = False,
 ) -> web.Application:
-    """The runtime's HTTP app; the model loads in the background once the app starts."""
+    """The runtime's HTTP app; the model loads in the background once the app starts.
+
+    ``exit_on_load_failure``: when the model cannot load, stop the process (SIGTERM to
+    itself) instead of answering 503 forever, so an orchestrator sees the failure.
+    """
     if sources is None:
         sources = SourceSettings(cache_dir=config.server.adapter_cache_dir)
     state = ServerState(config, sources=sources)
@@ -84,6 +91,8 @@ def build_app(
         except Exception as exc:
             log.exception("loading the model failed")
             state.load_error = str(exc) or type(exc).__name__
+            if exit_on_load_failure:
+                os.kill(os.getpid(), signal.SIGTERM)
             return
         engine.start()
         state.attach(engine, tokenizer)

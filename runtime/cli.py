@@ -1,0 +1,347 @@
+"""``loraserve-runtime``: flags -> ``RuntimeConfig`` -> compatibility check -> HTTP server.
+
+Start-up refuses to run a configuration the compatibility policy
+(``loraserve.runtime.policy.check_config``) rejects, printing every reason at once, and
+prints its warnings. The model then loads in the background while ``/health`` already
+answers; ``/ready`` turns 200 once it serves. SIGTERM (and SIGINT) drain: new requests
+are refused, in-flight ones get ``--drain-timeout`` seconds to finish, the rest are
+aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+
+log = logging.getLogger("loraserve.runtime")
+
+EXIT_CONFIG = 2  # a bad flag or a configuration the policy refuses
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot become a configuration; the message names the flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RuntimeConfig()
+    p = argparse.ArgumentParser(
+        prog="loraserve-runtime",
+        description="Serve one base model with many LoRA adapters (OpenAI-compatible API).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bool_flag = argparse.BooleanOptionalAction
+
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model", required=True, help="local directory with config.json, safetensors and tokenizer"
+    )
+    g.add_argument("--revision", default=None, help="recorded revision of the model files")
+    g.add_argument("--dtype", default=d.model.dtype, choices=("auto", "bfloat16", "float16", "float32"))
+    g.add_argument("--context-length", type=int, default=None, help="default: the model's max positions")
+    g.add_argument(
+        "--served-model-name", default=None, help="the `model` name of the base (default: dir name)"
+    )
+    g.add_argument("--architecture", default=None, help="override config.json's architecture")
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-algorithm", default="NONE", type=str.upper, choices=[a.value for a in SpecAlgorithm]
+    )
+    g.add_argument("--draft-model", default=None, help="local directory of the draft model")
+    g.add_argument("--draft-model-architecture", default=None)
+    g.add_argument("--num-steps", type=int, default=d.speculative.num_steps)
+    g.add_argument("--top-k", type=int, default=d.speculative.top_k, help="draft tree width (1: chain)")
+    g.add_argument("--num-draft-tokens", type=int, default=None, help="verify width (default: num-steps + 1)")
+    g.add_argument("--adaptive-speculation", action=bool_flag, default=d.speculative.adaptive)
+    g.add_argument(
+        "--ragged-verify", default=d.speculative.ragged_verify.value, choices=[r.value for r in RaggedVerify]
+    )
+    g.add_argument("--draft-load-format", default=d.speculative.draft_load_format)
+    g.add_argument("--ngram-min", type=int, default=d.speculative.ngram_min)
+    g.add_argument("--ngram-max", type=int, default=d.speculative.ngram_max)
+
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action=bool_flag, default=d.lora.enabled)
+    g.add_argument("--max-loras-per-batch", type=int, default=d.lora.max_loras_per_batch)
+    g.add_argument("--max-loaded-loras", type=int, default=d.lora.max_loaded_loras)
+    g.add_argument("--max-lora-rank", type=int, default=d.lora.max_rank)
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=list(d.lora.target_modules),
+        metavar="MODULE",
+        help=f"any of {', '.join(LORA_MODULES)}, or 'all'",
+    )
+    g.add_argument("--lora-backend", default=d.lora.backend, choices=("auto", "triton", "torch"))
+    g.add_argument("--overlap-lora-loading", action=bool_flag, default=d.lora.overlap_loading)
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="an adapter to load at start-up (repeatable)",
+    )
+    g.add_argument(
+        "--pinned-loras", nargs="+", default=[], metavar="NAME", help="start-up adapters that keep a GPU slot"
+    )
+
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-running-requests", type=int, default=d.scheduler.max_running_requests)
+    g.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV cache tokens (default: from memory)"
+    )
+    g.add_argument("--chunked-prefill-size", type=int, default=d.scheduler.chunked_prefill_size)
+    g.add_argument("--max-prefill-tokens", type=int, default=d.scheduler.max_prefill_tokens)
+    g.add_argument("--overlap-schedule", action=bool_flag, default=d.scheduler.overlap_schedule)
+    g.add_argument("--two-batch-overlap", action=bool_flag, default=d.scheduler.two_batch_overlap)
+    g.add_argument("--kv-memory-fraction", type=float, default=d.scheduler.kv_memory_fraction)
+
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    g.add_argument("--cuda-graph", action=bool_flag, default=d.cuda_graph.enabled)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph.max_bs)
+    g.add_argument("--tensor-parallel-size", type=int, default=d.parallel.tensor_parallel_size)
+    g.add_argument("--seed", type=int, default=d.seed)
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.server.host)
+    g.add_argument("--port", type=int, default=d.server.port)
+    g.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="file holding the bearer token of the admin routes (default: $LORASERVE_ADMIN_TOKEN; "
+        "neither: admin routes are open)",
+    )
+    g.add_argument("--adapter-cache-dir", default=d.server.adapter_cache_dir)
+    g.add_argument(
+        "--pvc-root", default="/mnt/pvc", help="where pvc://<claim>/... adapter sources are mounted"
+    )
+    g.add_argument("--adapter-ca-file", default=None, help="extra CA bundle for https adapter sources")
+    g.add_argument("--max-body-bytes", type=int, default=d.server.max_body_bytes)
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    g.add_argument(
+        "--check-config",
+        action="store_true",
+        help="print the effective configuration and the policy's verdict, then exit",
+    )
+    return p
+
+
+def _adapter_flags(values: Sequence[str]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora {value!r}: use --lora NAME=DIR")
+        name = name.strip()
+        if name in adapters:
+            raise ConfigError(f"--lora {name!r} is given twice: each adapter name once")
+        adapters[name] = path.strip()
+    return adapters
+
+
+def _read_architecture(model_dir: str | None) -> str | None:
+    """``architectures[0]`` from a model's config.json, when readable."""
+    if not model_dir:
+        return None
+    try:
+        data = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    archs = data.get("architectures") if isinstance(data, dict) else None
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
+def _admin_token(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    if args.admin_token_file:
+        try:
+            token = Path(args.admin_token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"--admin-token-file {args.admin_token_file}: cannot read it ({exc.strerror})"
+            ) from None
+        if not token:
+            raise ConfigError(f"--admin-token-file {args.admin_token_file} is empty")
+        return token
+    return env.get("LORASERVE_ADMIN_TOKEN") or None
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> RuntimeConfig:
+    """The ``RuntimeConfig`` the flags describe (no validation beyond parsing)."""
+    env = dict(os.environ) if env is None else env
+    cfg = RuntimeConfig()
+    m = cfg.model
+    m.path = args.model
+    m.revision = args.revision
+    m.dtype = args.dtype
+    m.context_length = args.context_length
+    m.served_name = args.served_model_name
+    m.architecture = args.architecture or _read_architecture(args.model)
+
+    s = cfg.speculative
+    s.algorithm = SpecAlgorithm(args.speculative_algorithm)
+    s.draft_model_path = args.draft_model
+    s.draft_model_architecture = args.draft_model_architecture or _read_architecture(args.draft_model)
+    s.num_steps = args.num_steps
+    s.top_k = args.top_k
+    s.num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None else args.num_steps + 1
+    s.adaptive = args.adaptive_speculation
+    s.ragged_verify = RaggedVerify(args.ragged_verify)
+    s.draft_load_format = args.draft_load_format
+    s.ngram_min = args.ngram_min
+    s.ngram_max = args.ngram_max
+
+    lora = cfg.lora
+    lora.enabled = args.enable_lora
+    lora.max_loras_per_batch = args.max_loras_per_batch
+    lora.max_loaded_loras = args.max_loaded_loras
+    lora.max_rank = args.max_lora_rank
+    modules = list(args.lora_target_modules)
+    lora.target_modules = LORA_MODULES if modules == ["all"] else tuple(modules)
+    lora.backend = args.lora_backend
+    lora.overlap_loading = args.overlap_lora_loading
+    lora.adapters = _adapter_flags(args.lora)
+    unknown_pins = sorted(set(args.pinned_loras) - set(lora.adapters))
+    if unknown_pins:
+        raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")
+    lora.pinned = tuple(args.pinned_loras)
+
+    sch = cfg.scheduler
+    sch.max_running_requests = args.max_running_requests
+    sch.max_total_tokens = args.max_total_tokens
+    sch.chunked_prefill_size = args.chunked_prefill_size
+    sch.max_prefill_tokens = args.max_prefill_tokens
+    sch.overlap_schedule = args.overlap_schedule
+    sch.two_batch_overlap = args.two_batch_overlap
+    sch.kv_memory_fraction = args.kv_memory_fraction
+
+    cfg.cuda_graph.enabled = args.cuda_graph
+    cfg.cuda_graph.max_bs = args.cuda_graph_max_bs
+    cfg.parallel.tensor_parallel_size = args.tensor_parallel_size
+    cfg.device = args.device
+    cfg.seed = args.seed
+
+    srv = cfg.server
+    srv.host = args.host
+    srv.port = args.port
+    srv.admin_token = _admin_token(args, env)
+    srv.adapter_cache_dir = args.adapter_cache_dir
+    srv.max_body_bytes = args.max_body_bytes
+    return cfg
+
+
+def _local_checks(cfg: RuntimeConfig) -> list[str]:
+    """Start-up facts the pure policy cannot know: files on this machine, ports."""
+    problems = []
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        problems.append(
+            f"--model {cfg.model.path}: no config.json there; point it at a local model directory"
+        )
+    if (
+        cfg.speculative.enabled
+        and cfg.speculative.draft_model_path
+        and not (Path(cfg.speculative.draft_model_path) / "config.json").is_file()
+    ):
+        problems.append(f"--draft-model {cfg.speculative.draft_model_path}: no config.json there")
+    for name, path in cfg.lora.adapters.items():
+        if not (Path(path) / "adapter_config.json").is_file():
+            problems.append(f"--lora {name}={path}: no adapter_config.json there")
+    if not 0 < cfg.server.port < 65536:
+        problems.append(f"--port {cfg.server.port}: must be 1-65535")
+    if cfg.server.max_body_bytes < 1024:
+        problems.append(f"--max-body-bytes {cfg.server.max_body_bytes}: must be >= 1024")
+    return problems
+
+
+def check(cfg: RuntimeConfig):
+    """Run the compatibility policy and the local checks.
+
+    Returns ``(effective config or None, reasons to refuse, warnings)``.
+    """
+    from .policy import check_config
+
+    report = check_config(cfg)
+    reasons = [v.render() for v in report.violations] + _local_checks(cfg)
+    warnings = [w.render() for w in report.warnings]
+    if report.resolution:
+        warnings.insert(0, report.resolution)
+    effective = report.effective if report.ok else None
+    return effective, reasons, warnings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``loraserve-runtime`` / ``python -m loraserve.runtime``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"loraserve-runtime: refusing to start: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    effective, reasons, warnings = check(cfg)
+    for w in warnings:
+        print(f"loraserve-runtime: warning: {w}", file=sys.stderr)
+    if reasons:
+        print(f"loraserve-runtime: refusing to start; {len(reasons)} problem(s):", file=sys.stderr)
+        for r in reasons:
+            print(f"  - {r}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(json.dumps(effective.to_dict(), indent=2, default=str))
+        return 0
+    return serve(effective, args)
+
+
+def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
+    """Run the HTTP server until SIGTERM/SIGINT; drain, then return 0."""
+    from aiohttp import web
+
+    from .engine.factory import build_engine
+    from .lora.sources import SourceSettings
+    from .server import STATE, build_app
+
+    sources = SourceSettings(
+        cache_dir=Path(cfg.server.adapter_cache_dir),
+        pvc_root=Path(args.pvc_root),
+        ca_file=args.adapter_ca_file,
+    )
+    app = build_app(
+        cfg,
+        lambda metrics: build_engine(cfg, observer=metrics),
+        sources=sources,
+        drain_timeout_s=args.drain_timeout,
+        exit_on_load_failure=True,
+    )
+    log.info("listening on %s:%d (model %s)", cfg.server.host, cfg.server.port, cfg.model.path)
+    web.run_app(
+        app,
+        host=cfg.server.host,
+        port=cfg.server.port,
+        shutdown_timeout=args.drain_timeout,
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda *_: None,
+    )
+    state = app[STATE]
+    if state.load_error:
+        print(f"loraserve-runtime: the model failed to load: {state.load_error}", file=sys.stderr)
+        return 1
+    log.info("stopped")
+    return 0
