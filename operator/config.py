@@ -53,10 +53,8 @@ class OperatorConfig:
     liveness_endpoint: str | None = None
     """kopf's health endpoint, e.g. ``http://0.0.0.0:8080/healthz``; None: off."""
     webhook_enabled: bool = True
-    webhook_host: str = "0.0.0.0"
-    webhook_port: int = 9443
-    webhook_cert_file: str | None = None
-    webhook_key_file: str | None = None
+    """Serve the admission webhook; its address and certificate are read by
+    ``loraserve.operator.webhooks.WebhookServerConfig`` (``LORASERVE_WEBHOOK_*``)."""
     extra_labels: Mapping[str, str] = field(default_factory=dict)
     """Labels added to every object the operator creates."""
 

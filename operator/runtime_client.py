@@ -23,11 +23,13 @@ Secret was mounted). 408/425/429: slow down."""
 class RuntimeCallError(Exception):
     """An admin call to a runtime pod failed."""
 
-    def __init__(self, message: str, *, status: int | None = None, transient: bool) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, status: int | None = None, transient: bool, call: str = "") -> None:
+        super().__init__(f"{call}: {message}" if call else message)
         self.message = message
+        """The runtime's own words (or the transport error), without the call."""
         self.status = status
         self.transient = transient
+        self.call = call
 
     @property
     def adapter_fault(self) -> bool:
@@ -124,9 +126,10 @@ class RuntimeClient:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise RuntimeCallError(
-                        f"{method} {path}: {error_message(resp.status, text)}",
+                        error_message(resp.status, text),
                         status=resp.status,
                         transient=classify_status(resp.status),
+                        call=f"{method} {url}",
                     )
                 try:
                     return json.loads(text) if text else None
@@ -135,9 +138,11 @@ class RuntimeClient:
         except RuntimeCallError:
             raise
         except TimeoutError:
-            raise RuntimeCallError(f"{method} {url}: no answer within {timeout.total:g} s", transient=True) from None
+            raise RuntimeCallError(
+                f"no answer within {timeout.total:g} s", transient=True, call=f"{method} {url}"
+            ) from None
         except aiohttp.ClientError as exc:
-            raise RuntimeCallError(f"{method} {url}: {exc}", transient=True) from None
+            raise RuntimeCallError(f"{exc.__class__.__name__}: {exc}", transient=True, call=f"{method} {url}") from None
 
     async def models(self) -> PodModels:
         """``GET /v1/models``: the base model and every adapter the pod holds."""

@@ -1,0 +1,266 @@
+"""kopf handlers of the operator: thin wiring from watch events to the reconcile loops.
+
+Importing this module registers, on kopf's default registry:
+
+* ``runtime_pods``: an index of the runtime pods, by (namespace, serve);
+* event handlers on runtime Pods, runtime Deployments, LoRAServes and Adapters that only
+  wake the loops concerned (many events coalesce into one pass);
+* one daemon per LoRAServe and one per Adapter, each a loop of reconcile passes, woken by
+  events and at least every ``resync_interval_s``;
+* the Adapter deletion handler (behind kopf's finalizer) that unloads it from every pod.
+
+All decisions live in ``loraserve.operator.reconcile``; the shared state (clients,
+settings, wake-up flags) is the :class:`OperatorContext` in ``memo.ctx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import kopf
+
+from .desired import MANAGER, SERVE_NAME_ANNOTATION
+from .index import lookup_adapters
+from .reconcile import adapters as adapter_pass
+from .reconcile import serve as serve_pass
+from .reconcile.context import OperatorContext, adapter_key, serve_key
+from .reconcile.kube import ADAPTERS, LORASERVES
+from .reconcile.pods import PodView, pod_view
+from .specs import ADAPTER_PLURAL, GROUP, LORASERVE_PLURAL, VERSION
+from .status import iso
+
+logger = logging.getLogger(__name__)
+
+MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
+ERROR_BACKOFF_S = (1.0, 60.0)
+"""A pass that raised is tried again after 1 s, doubling up to 60 s."""
+
+
+def _ctx(memo: Any) -> OperatorContext:
+    return memo.ctx
+
+
+# --------------------------------------------------------------------------- pods and events
+
+
+@kopf.index("v1", "pods", labels=MANAGED)
+def runtime_pods(body: kopf.Body, **_: Any) -> dict | None:
+    """``(namespace, serve name)`` -> the serve's runtime pods, as :class:`PodView`."""
+    view = pod_view(body)
+    return {(view.namespace, view.serve): view} if view else None
+
+
+def _wake_serve_and_adapters(ctx: OperatorContext, namespace: str, serve: str, adapters_by_serve: Any) -> None:
+    ctx.wakers.wake(serve_key(namespace, serve))
+    for adapter in lookup_adapters(adapters_by_serve, namespace, serve):
+        ctx.wakers.wake(adapter_key(namespace, adapter.name))
+
+
+@kopf.on.event("v1", "pods", labels=MANAGED)
+def pod_changed(body: kopf.Body, memo: kopf.Memo, adapters_by_serve: kopf.Index, **_: Any) -> None:
+    """A runtime pod appeared, changed readiness or left: its serve and adapters take a pass."""
+    view = pod_view(body)
+    if view is not None:
+        _wake_serve_and_adapters(_ctx(memo), view.namespace, view.serve, adapters_by_serve)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def deployment_changed(meta: kopf.Meta, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A runtime Deployment changed (rollout progress, replicas): its serve reports it."""
+    serve = (meta.get("annotations") or {}).get(SERVE_NAME_ANNOTATION)
+    if serve:
+        _ctx(memo).wakers.wake(serve_key(namespace, serve))
+
+
+@kopf.on.event(GROUP, VERSION, LORASERVE_PLURAL)
+def serve_changed(
+    event: Mapping, meta: kopf.Meta, name: str, namespace: str, memo: kopf.Memo, adapters_by_serve: kopf.Index, **_: Any
+) -> None:
+    """A LoRAServe's spec changed, or it came or went: it and its adapters take a pass."""
+    ctx = _ctx(memo)
+    key = serve_key(namespace, name)
+    if event.get("type") in ("ADDED", "DELETED", None) or ctx.synced_generation.get(key) != meta.get("generation"):
+        _wake_serve_and_adapters(ctx, namespace, name, adapters_by_serve)
+
+
+@kopf.on.event(GROUP, VERSION, ADAPTER_PLURAL)
+def adapter_changed(event: Mapping, meta: kopf.Meta, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """An Adapter's spec changed: it takes a pass. It came or went: its serve recounts."""
+    ctx = _ctx(memo)
+    key = adapter_key(namespace, name)
+    if ctx.synced_generation.get(key) != meta.get("generation") or meta.get("deletionTimestamp"):
+        ctx.wakers.wake(key)
+    serve = spec.get("serve")
+    if event.get("type") in ("ADDED", "DELETED") and isinstance(serve, str):
+        ctx.wakers.wake(serve_key(namespace, serve))
+
+
+# --------------------------------------------------------------------------- the loops
+
+
+async def _sleep(flag: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> None:
+    """Wait for a wake-up, the daemon's stop, or the timeout, whichever comes first."""
+    waiters = [asyncio.ensure_future(flag.wait()), asyncio.ensure_future(stopped.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+async def _loop(
+    stopped: kopf.DaemonStopped,
+    ctx: OperatorContext,
+    key: tuple,
+    one_pass: Callable[[], Awaitable[float | None]],
+    log: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """Run passes until stopped: after each, sleep until woken or the next due time."""
+    flag = ctx.wakers.flag(key)
+    failures = 0
+    while not stopped:
+        flag.clear()
+        try:
+            wake_in = await one_pass()
+            failures = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failures += 1
+            wake_in = min(ERROR_BACKOFF_S[0] * 2 ** (failures - 1), ERROR_BACKOFF_S[1])
+            log.warning("reconcile pass failed (%s); again in %.0f s", exc, wake_in, exc_info=failures == 1)
+        if wake_in is None:
+            wake_in = ctx.config.resync_interval_s
+        await _sleep(flag, stopped, min(wake_in, ctx.config.resync_interval_s))
+
+
+def _post(body: Mapping, type_: str, reason: str, message: str) -> None:
+    try:
+        kopf.event(dict(body), type=type_, reason=reason, message=message)
+    except Exception as exc:  # an Event is a report: never let it fail a pass
+        logger.debug("could not post event %s: %s", reason, exc)
+
+
+@kopf.daemon(GROUP, VERSION, LORASERVE_PLURAL, id="reconcile", cancellation_timeout=30.0)
+async def serve_daemon(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    adapters_by_serve: kopf.Index,
+    **_: Any,
+) -> None:
+    """The LoRAServe's reconcile loop: owned objects and status follow the spec."""
+    ctx = _ctx(memo)
+    key = serve_key(namespace, name)
+
+    async def one_pass() -> float | None:
+        body = await ctx.kube.get(LORASERVES, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        generation = body["metadata"].get("generation")
+        outcome = await serve_pass.reconcile_serve(
+            ctx.kube,
+            body,
+            ctx.settings,
+            adapters=len(lookup_adapters(adapters_by_serve, namespace, name)),
+            now=iso(time.time()),
+        )
+        changed_spec = ctx.synced_generation.get(key) != generation
+        ctx.synced_generation[key] = generation
+        for act in outcome.acts:
+            _post(body, "Normal", act.verb, f"{act.verb} {act.kind} {act.name}" + (f" ({act.detail})" if act.detail else ""))
+        if outcome.rolled_from:
+            _post(body, "Normal", "RollingUpdate", f"pods roll: config {outcome.rolled_from} -> {outcome.config_hash}")
+        if outcome.rejected and changed_spec:
+            _post(body, "Warning", "SpecRejected", "; ".join(outcome.rejected))
+        if changed_spec or outcome.acts:
+            for adapter in lookup_adapters(adapters_by_serve, namespace, name):
+                ctx.wakers.wake(adapter_key(namespace, adapter.name))
+        return None
+
+    try:
+        await _loop(stopped, ctx, key, one_pass, logger)
+    finally:
+        ctx.wakers.drop(key)
+        ctx.synced_generation.pop(key, None)
+        # Adapters of a serve that goes away become Pending.
+        for adapter in lookup_adapters(adapters_by_serve, namespace, name):
+            ctx.wakers.wake(adapter_key(namespace, adapter.name))
+
+
+def _serve_pods(runtime_pods: kopf.Index, namespace: str, serve: object) -> list[PodView]:
+    if not isinstance(serve, str):
+        return []
+    return list(runtime_pods.get((namespace, serve), ()))
+
+
+@kopf.daemon(GROUP, VERSION, ADAPTER_PLURAL, id="reconcile", cancellation_timeout=30.0)
+async def adapter_daemon(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    runtime_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    """The Adapter's reconcile loop: loaded in every targeted ready pod of its serve."""
+    ctx = _ctx(memo)
+    key = adapter_key(namespace, name)
+    memory = adapter_pass.AdapterMemory()
+
+    async def one_pass() -> float | None:
+        async with ctx.adapter_lock(key):
+            if stopped:
+                return None
+            body = await ctx.kube.get(ADAPTERS, namespace, name)
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return None
+            ctx.synced_generation[key] = body["metadata"].get("generation")
+            pods = _serve_pods(runtime_pods, namespace, (body.get("spec") or {}).get("serve"))
+            outcome = await adapter_pass.reconcile_adapter(ctx, body, memory, pods, stopping=lambda: bool(stopped))
+        for note in outcome.notes:
+            _post(body, note.type, note.reason, note.message)
+        return outcome.wake_in
+
+    try:
+        await _loop(stopped, ctx, key, one_pass, logger)
+    finally:
+        ctx.wakers.drop(key)
+        ctx.synced_generation.pop(key, None)
+
+
+@kopf.on.delete(GROUP, VERSION, ADAPTER_PLURAL, id="unload")
+async def adapter_deleted(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    retry: int,
+    logger: kopf.Logger,
+    runtime_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    """Unload a deleted Adapter from every pod before kopf releases its finalizer.
+
+    Pods that do not answer are tried again with backoff; after the last try they are
+    given up on with a Warning Event (a pod that cannot be reached loses its adapters when
+    it restarts anyway).
+    """
+    ctx = _ctx(memo)
+    async with ctx.adapter_lock(adapter_key(namespace, name)):
+        pods = _serve_pods(runtime_pods, namespace, (body.get("spec") or {}).get("serve"))
+        done, failed = await adapter_pass.unload_everywhere(ctx, body, pods)
+    for pod in done:
+        logger.info("unloaded from pod %s", pod)
+    if failed:
+        summary = "; ".join(f"{pod}: {why}" for pod, why in sorted(failed.items()))
+        if retry + 1 < ctx.config.unload_max_tries:
+            raise kopf.TemporaryError(f"unload failed on {summary}", delay=ctx.retry.delay_after(retry + 1))
+        _post(body, "Warning", "UnloadAbandoned", f"gave up unloading after {retry + 1} tries: {summary}")

@@ -1,0 +1,337 @@
+"""One Adapter reconcile pass: make every targeted ready pod of its serve hold it.
+
+Observe: the Adapter, its LoRAServe, the serve's ready pods and what each pod holds
+(``GET /v1/models``). Decide with the pure state machine (``adapter_state``): a pod that
+lists the adapter is Loaded and is never asked again; a pod that does not, and whose track
+is due, gets ``POST /v1/load_lora_adapter`` with the serve's admin token. Pods that hold it
+but are no longer targeted (placement shrank) are asked to unload it. Report per-pod state
+and conditions in the status, written only when it changed.
+
+The operator moves no adapter bytes: the runtime fetches the source and checks its sha256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .. import desired as ds
+from ..runtime_client import PodModels, RuntimeCallError, RuntimeClient
+from ..specs import (
+    AdapterSpec,
+    LoRAServeSpec,
+    PlacementMode,
+    SpecError,
+    parse_adapter_spec,
+    parse_loraserve_spec,
+)
+from ..status import AdapterFindings, adapter_status, iso, status_patch
+from . import adapter_state as st
+from .context import OperatorContext
+from .kube import ADAPTERS, LORASERVES, SECRETS, KubeError
+from .pods import PodView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterMemory:
+    """What one Adapter's loop remembers between passes (lost on restart, rebuilt by observing)."""
+
+    tracks: dict[str, st.PodTrack] = field(default_factory=dict)
+    restored: bool = False
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something worth a Kubernetes Event."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class AdapterOutcome:
+    status: dict = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
+    wake_in: float | None = None
+    """Seconds until a scheduled retry is due (None: nothing scheduled)."""
+    gone: bool = False
+
+
+def restore_tracks(status: Mapping | None, generation: int | None, pods: Sequence[PodView], wall: float) -> dict[str, st.PodTrack]:
+    """Failed per-pod states of the current generation, from a status written before a restart.
+
+    Failed is final until the spec changes, so an operator restart must not retry it; every
+    other state is re-derived by observing the pods.
+    """
+    status = status or {}
+    if status.get("observedGeneration") != generation:
+        return {}
+    by_name = {p.name: p for p in pods}
+    tracks = {}
+    for entry in status.get("pods") or []:
+        pod = by_name.get(entry.get("pod"))
+        if entry.get("state") != st.PodState.FAILED.value or pod is None or entry.get("podIP") != pod.ip:
+            continue
+        tracks[pod.name] = st.PodTrack(
+            pod=pod.name,
+            pod_ip=pod.ip or "",
+            pod_uid=pod.uid,
+            state=st.PodState.FAILED,
+            message=entry.get("message") or "",
+            since=wall,
+            generation=generation,
+        )
+    return tracks
+
+
+async def read_token(ctx: OperatorContext, namespace: str, serve_name: str, spec: LoRAServeSpec) -> str | None:
+    """The serve's admin token from its Secret (None when there is none yet)."""
+    secret = await ctx.kube.get(SECRETS, namespace, ds.admin_secret_name(serve_name, spec))
+    if not secret:
+        return None
+    data = (secret.get("data") or {}).get(ds.ADMIN_TOKEN_KEY)
+    if data:
+        return base64.b64decode(data).decode().strip()
+    string = (secret.get("stringData") or {}).get(ds.ADMIN_TOKEN_KEY)
+    return string.strip() if string else None
+
+
+def _client(ctx: OperatorContext, pod: PodView, token: str | None) -> RuntimeClient:
+    return RuntimeClient(
+        ctx.http,
+        pod.url,
+        token,
+        request_timeout_s=ctx.config.runtime_request_timeout_s,
+        probe_timeout_s=ctx.config.runtime_probe_timeout_s,
+    )
+
+
+async def observe_pods(
+    ctx: OperatorContext, pods: Sequence[PodView], token: str | None
+) -> tuple[dict[str, PodModels], dict[str, str]]:
+    """``GET /v1/models`` on every pod: (what each reachable pod holds, why others did not answer)."""
+    answers = await asyncio.gather(*(_client(ctx, p, token).models() for p in pods), return_exceptions=True)
+    held: dict[str, PodModels] = {}
+    errors: dict[str, str] = {}
+    for pod, answer in zip(pods, answers, strict=True):
+        if isinstance(answer, PodModels):
+            held[pod.name] = answer
+        elif isinstance(answer, RuntimeCallError):
+            errors[pod.name] = answer.message
+        elif isinstance(answer, BaseException):
+            if not isinstance(answer, Exception):
+                raise answer
+            errors[pod.name] = f"{answer.__class__.__name__}: {answer}"
+    return held, errors
+
+
+def _source_differs(held: PodModels, name: str, wanted: Sequence[str]) -> bool:
+    """The pod holds ``name`` but from another source (the Adapter's source changed)."""
+    loaded = held.adapters.get(name)
+    return loaded is not None and loaded.source is not None and loaded.source not in wanted
+
+
+async def reconcile_adapter(
+    ctx: OperatorContext,
+    body: Mapping,
+    memory: AdapterMemory,
+    pods: Sequence[PodView],
+    *,
+    stopping: Callable[[], bool] = lambda: False,
+) -> AdapterOutcome:
+    """Run one pass for the Adapter ``body`` (freshly read) over its serve's ``pods``."""
+    meta = body.get("metadata") or {}
+    name, namespace = meta["name"], meta["namespace"]
+    generation = meta.get("generation")
+    outcome = AdapterOutcome()
+    now, wall = time.monotonic(), time.time()
+
+    previous = {"status": body.get("status")}
+
+    async def report(findings: AdapterFindings) -> None:
+        outcome.status = adapter_status(findings, previous["status"], now=iso(wall))
+        patch = status_patch(previous["status"], outcome.status)
+        if patch is None:
+            return
+        try:
+            await ctx.kube.patch(ADAPTERS, namespace, name, {"status": patch}, subresource="status")
+        except KubeError as exc:
+            if not exc.not_found:
+                raise
+            outcome.gone = True
+        previous["status"] = outcome.status
+
+    try:
+        spec: AdapterSpec = parse_adapter_spec(dict(body.get("spec") or {}))
+    except SpecError as exc:
+        memory.tracks.clear()
+        await report(AdapterFindings(generation=generation, invalid=exc.problems))
+        return outcome
+
+    serve_body = await ctx.kube.get(LORASERVES, namespace, spec.serve)
+    if serve_body is None or (serve_body.get("metadata") or {}).get("deletionTimestamp"):
+        memory.tracks.clear()
+        await report(AdapterFindings(generation=generation, serve_found=False))
+        return outcome
+    try:
+        serve_spec = parse_loraserve_spec(dict(serve_body.get("spec") or {}))
+    except SpecError:
+        await report(AdapterFindings(generation=generation, ready_pods=0))
+        return outcome
+
+    lora_path = ds.adapter_pod_path(spec.source, serve_spec.storage)
+    if lora_path is None:
+        claim = spec.source[len("pvc://") :].split("/", 1)[0]
+        memory.tracks.clear()
+        problem = (
+            f"spec.source: claim {claim!r} is not mounted by LoRAServe {spec.serve!r}; fix: mount it there as "
+            "spec.storage.adapters (type PersistentVolumeClaim), or use another source"
+        )
+        await report(AdapterFindings(generation=generation, invalid=[problem]))
+        return outcome
+
+    usable = sorted((p for p in pods if p.usable), key=lambda p: p.name)
+    if not memory.restored:
+        memory.tracks.update(restore_tracks(body.get("status"), generation, usable, wall))
+        memory.restored = True
+    token = await read_token(ctx, namespace, spec.serve, serve_spec)
+    held, unreachable = await observe_pods(ctx, usable, token)
+
+    holding = {pod for pod, models in held.items() if name in models.adapters}
+    load = {pod: len(models.adapters) for pod, models in held.items()}
+    if spec.placement.mode is PlacementMode.REPLICAS:
+        targets = st.place(name, list(held), spec.placement.replicas, holding, load)
+    else:
+        targets = [p.name for p in usable]
+    by_name = {p.name: p for p in usable}
+
+    tracks: dict[str, st.PodTrack] = {}
+    reload: set[str] = set()
+    for pod in targets:
+        view = by_name[pod]
+        track = memory.tracks.get(pod)
+        if track is None or track.pod_uid != view.uid:
+            track = st.new_track(pod, view.ip or "", view.uid, generation=generation, wall=wall)
+        track = st.reset_for_generation(track, generation, wall)
+        if track.pod_ip != (view.ip or ""):
+            track = dataclasses.replace(track, pod_ip=view.ip or "")
+        if pod in unreachable:
+            if track.state is not st.PodState.FAILED:
+                track = dataclasses.replace(track, message=f"pod not answering: {unreachable[pod]}")
+        elif pod in holding and _source_differs(held[pod], name, (lora_path, spec.source)):
+            reload.add(pod)
+            track = dataclasses.replace(track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None)
+        elif pod in holding:
+            track = st.observed_loaded(track, wall)
+        else:
+            track = st.observed_missing(track, wall)
+        tracks[pod] = track
+
+    due = [pod for pod, track in tracks.items() if pod in held and st.due(track, now)]
+    if due and not stopping():
+        for pod in due:
+            tracks[pod] = st.start_loading(tracks[pod], wall)
+        memory.tracks = tracks
+        await report(_findings(generation, tracks, usable, spec))
+        if outcome.gone:
+            return outcome
+        results = await asyncio.gather(
+            *(_load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload) for pod in due)
+        )
+        now, wall = time.monotonic(), time.time()
+        for pod, result in zip(due, results, strict=True):
+            ctx.counters.loads[(namespace, pod, name)] += 1
+            before = tracks[pod]
+            tracks[pod] = st.after_load(before, result, ctx.retry, now=now, wall=wall)
+            after = tracks[pod]
+            if after.state is st.PodState.LOADED:
+                outcome.notes.append(Note("Normal", "Loaded", f"loaded on pod {pod}"))
+            elif after.state is st.PodState.FAILED:
+                outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {after.message}"))
+            else:
+                outcome.notes.append(Note("Warning", "LoadRetrying", f"pod {pod}: {after.message}"))
+
+    for pod in sorted(holding - set(targets)):
+        try:
+            await _client(ctx, by_name[pod], token).unload(name)
+            ctx.counters.unloads[(namespace, pod, name)] += 1
+            outcome.notes.append(Note("Normal", "Unloaded", f"unloaded from pod {pod} (placement)"))
+        except RuntimeCallError as exc:
+            logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
+
+    memory.tracks = tracks
+    await report(_findings(generation, tracks, usable, spec))
+    outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
+    return outcome
+
+
+def _findings(generation: int | None, tracks: Mapping[str, st.PodTrack], usable: Sequence[PodView], spec: AdapterSpec) -> AdapterFindings:
+    return AdapterFindings(
+        generation=generation,
+        tracks=list(tracks.values()),
+        serve_found=True,
+        ready_pods=len(usable),
+        rank=spec.rank,
+        target_modules=spec.target_modules,
+    )
+
+
+async def _load(
+    ctx: OperatorContext,
+    pod: PodView,
+    token: str | None,
+    name: str,
+    path: str,
+    spec: AdapterSpec,
+    *,
+    unload_first: bool,
+) -> st.LoadOutcome:
+    client = _client(ctx, pod, token)
+    try:
+        if unload_first:
+            await client.unload(name)
+        await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned)
+    except RuntimeCallError as exc:
+        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient)
+    return st.LoadOutcome(ok=True)
+
+
+async def unload_everywhere(
+    ctx: OperatorContext, body: Mapping, pods: Sequence[PodView]
+) -> tuple[list[str], dict[str, str]]:
+    """Unload a deleted Adapter from every pod of its serve: (pods unloaded, pods that failed)."""
+    meta = body.get("metadata") or {}
+    name, namespace = meta["name"], meta["namespace"]
+    serve_name = (body.get("spec") or {}).get("serve")
+    if not serve_name:
+        return [], {}
+    serve_body = await ctx.kube.get(LORASERVES, namespace, serve_name)
+    token = None
+    if serve_body is not None:
+        try:
+            token = await read_token(ctx, namespace, serve_name, parse_loraserve_spec(dict(serve_body.get("spec") or {})))
+        except SpecError:
+            token = None
+    usable = [p for p in pods if p.usable]
+    held, unreachable = await observe_pods(ctx, usable, token)
+    done: list[str] = []
+    failed = dict(unreachable)
+    by_name = {p.name: p for p in usable}
+    for pod, models in sorted(held.items()):
+        if name not in models.adapters:
+            continue
+        try:
+            await _client(ctx, by_name[pod], token).unload(name)
+            ctx.counters.unloads[(namespace, pod, name)] += 1
+            done.append(pod)
+        except RuntimeCallError as exc:
+            failed[pod] = exc.message
+    return done, failed
