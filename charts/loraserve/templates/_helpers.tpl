@@ -73,3 +73,63 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- range $k, $v := . }}{{ $pairs = append $pairs (printf "%s=%s" $k $v) }}{{ end }}
 {{- join "," $pairs }}
 {{- end }}
+
+{{- /*
+The admission webhooks the operator serves. kopf serves each handler at /<handler id>;
+the ids are the ones `loraserve.operator.webhooks` registers (a chart test keeps them in step).
+*/}}
+{{- define "loraserve.webhooks" -}}
+- kind: Validating
+  name: validate.loraserves.loraserve.io
+  path: /validate-loraserve
+  resource: loraserves
+  operations: [CREATE, UPDATE]
+- kind: Validating
+  name: validate.adapters.loraserve.io
+  path: /validate-adapter
+  resource: adapters
+  operations: [CREATE, UPDATE]
+- kind: Mutating
+  name: mutate.loraserves.loraserve.io
+  path: /mutate-loraserve
+  resource: loraserves
+  operations: [CREATE, UPDATE]
+- kind: Mutating
+  name: mutate.adapters.loraserve.io
+  path: /mutate-adapter
+  resource: adapters
+  operations: [CREATE, UPDATE]
+{{- end }}
+
+{{- /* The rules the operator needs in every namespace it reconciles (see rbac.yaml). */}}
+{{- define "loraserve.namespacedRules" }}
+- apiGroups: ["loraserve.io"]
+  resources: ["loraserves", "adapters"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["loraserve.io"]
+  resources: ["loraserves/status", "adapters/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- if and (include "loraserve.peered" .) .Values.watch.namespaces }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+{{- end }}
