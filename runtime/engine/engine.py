@@ -390,8 +390,12 @@ class Engine:
                 req.num_cached += n
                 if out is not None:
                     self._commit(req, out)
-            self.observer.on_step(
-                "extend", len(plan.extend), sum(n for _, n in plan.extend), time.monotonic() - start
+            self._observe(
+                self.observer.on_step,
+                "extend",
+                len(plan.extend),
+                sum(n for _, n in plan.extend),
+                time.monotonic() - start,
             )
         else:
             outs = self._isolated(
@@ -403,7 +407,9 @@ class Engine:
             for req, out in zip(plan.decode, outs, strict=True):
                 if not req.finished and out is not None:
                     self._commit(req, out)
-            self.observer.on_step("decode", len(plan.decode), len(plan.decode), time.monotonic() - start)
+            self._observe(
+                self.observer.on_step, "decode", len(plan.decode), len(plan.decode), time.monotonic() - start
+            )
 
     def _isolated(self, items: Sequence, run, *, key, expected_cached) -> list:
         """Run a batch; if it raises, run each item alone so only the culprit fails."""
@@ -476,11 +482,11 @@ class Engine:
                 break
         if req.first_token_time is None:
             req.first_token_time = now
-            self.observer.on_first_token(req, now - req.arrival_time)
+            self._observe(self.observer.on_first_token, req, now - req.arrival_time)
             if len(new_ids) > 1:
-                self.observer.on_tokens(req, len(new_ids) - 1, 0.0)
+                self._observe(self.observer.on_tokens, req, len(new_ids) - 1, 0.0)
         else:
-            self.observer.on_tokens(req, len(new_ids), now - (req.last_token_time or now))
+            self._observe(self.observer.on_tokens, req, len(new_ids), now - (req.last_token_time or now))
         req.last_token_time = now
         if reason is not None:
             if req.text_stream is not None:  # held-back text that did not become a stop string
@@ -518,7 +524,7 @@ class Engine:
         req.prefill_target = 0
         req.num_retractions += 1
         self._enqueue(req)
-        self.observer.on_retract(req)
+        self._observe(self.observer.on_retract, req)
 
     def _finish(
         self,
@@ -553,6 +559,9 @@ class Engine:
         self._live.pop(req.rid, None)
         if reason is FinishReason.ABORT and req.text_stream is not None:
             text += req.text_stream.finish()
+        # Metrics first: a client that reads /metrics after its answer sees itself counted.
+        self._observe(self.observer.on_request_finished, req)
+        self._publish()
         self._send(
             req,
             RequestOutput(
@@ -568,7 +577,6 @@ class Engine:
                 spec=req.spec if req.spec.verify_steps else None,
             ),
         )
-        self.observer.on_request_finished(req)
 
     def _deliver_final(self, req: Request, reason: FinishReason, error: RequestError | None = None) -> None:
         """Finish a request the engine never took in (no adapter hold, no KV)."""
@@ -576,6 +584,7 @@ class Engine:
         req.finish_reason = reason
         req.error = error
         req.finished_time = time.monotonic()
+        self._observe(self.observer.on_request_finished, req)
         self._send(
             req,
             RequestOutput(
@@ -588,7 +597,6 @@ class Engine:
                 prompt_tokens=len(req.prompt_ids),
             ),
         )
-        self.observer.on_request_finished(req)
 
     def _send(self, req: Request, out: RequestOutput) -> None:
         if req.sink is None:
@@ -599,6 +607,12 @@ class Engine:
             log.exception("output sink of %s failed", req.rid)
             if not out.finished:
                 self._finish(req, FinishReason.ABORT)
+
+    def _observe(self, hook, *args) -> None:
+        try:
+            hook(*args)
+        except Exception:  # metrics must never break serving
+            log.exception("engine observer %s failed", getattr(hook, "__name__", hook))
 
     def _call_hook(self, hook, req: Request) -> None:
         try:

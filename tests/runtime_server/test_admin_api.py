@@ -1,0 +1,207 @@
+"""Admin API over real HTTP: bearer auth, idempotent load/unload, bad adapters, and adapter
+churn while requests run (no request is lost or changed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from loraserve.runtime.lora.sources import adapter_digest
+
+from .conftest import ADMIN_TOKEN
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def _load(server, body: dict, token: str | None = ADMIN_TOKEN) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return await server.post("/v1/load_lora_adapter", body, headers=headers)
+
+
+async def _unload(server, name: str) -> tuple[int, dict]:
+    return await server.post("/v1/unload_lora_adapter", {"lora_name": name}, headers=server.admin_headers())
+
+
+async def _model_ids(server) -> set[str]:
+    status, body = await server.get("/v1/models")
+    assert status == 200
+    return {m["id"] for m in body["data"]}
+
+
+async def test_admin_routes_need_the_bearer_token(server, assets):
+    body = {"lora_name": "auth-probe", "lora_path": str(assets.extra_adapters["extra-0"])}
+    for token, code in ((None, "missing_token"), ("wrong-token", "invalid_token")):
+        status, resp = await _load(server, body, token=token)
+        assert status == 401 and resp["error"]["code"] == code
+    async with server.session.post(
+        server.url + "/v1/load_lora_adapter", json=body, headers={"Authorization": f"Basic {ADMIN_TOKEN}"}
+    ) as resp:
+        assert resp.status == 401
+        assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    status, _ = await server.post("/v1/unload_lora_adapter", {"lora_name": "sql-r8"})
+    assert status == 401
+    assert "auth-probe" not in await _model_ids(server)
+    assert "sql-r8" in await _model_ids(server), "an unauthorised unload must change nothing"
+    status, resp = await _load(server, body)
+    assert status == 200 and resp["status"] == "loaded"
+    assert "auth-probe" in await _model_ids(server)
+    status, resp = await _unload(server, "auth-probe")
+    assert status == 200 and resp["status"] == "unloaded"
+
+
+async def test_load_is_idempotent_and_conflicts_are_409(server, assets):
+    path = str(assets.extra_adapters["extra-1"])
+    status, first = await _load(server, {"lora_name": "idem", "lora_path": path})
+    assert status == 200 and first["status"] == "loaded" and first["rank"] == 6
+    status, again = await _load(server, {"lora_name": "idem", "lora_path": path})
+    assert status == 200 and again["status"] == "already_loaded"
+    status, conflict = await _load(
+        server, {"lora_name": "idem", "lora_path": str(assets.extra_adapters["extra-2"])}
+    )
+    assert status == 409 and conflict["error"]["param"] == "lora_name"
+    # Unload is idempotent too.
+    assert (await _unload(server, "idem"))[1]["status"] == "unloaded"
+    status, body = await _unload(server, "idem")
+    assert status == 200 and body["status"] == "not_loaded"
+    assert "idem" not in await _model_ids(server)
+
+
+async def test_bad_adapters_are_refused_with_the_field_and_nothing_changes(server, assets, tmp_path):
+    before = await _model_ids(server)
+    good = assets.extra_adapters["extra-0"]
+    high_rank = tmp_path / "high-rank"
+    shutil.copytree(assets.demo.adapters["chat-r16"], high_rank)
+    cfg = json.loads((high_rank / "adapter_config.json").read_text())
+    cfg["r"] = 64  # the tensors still say 16 and the server's max rank is 16
+    (high_rank / "adapter_config.json").write_text(json.dumps(cfg))
+    pickle_dir = tmp_path / "pickle"
+    pickle_dir.mkdir()
+    shutil.copy(good / "adapter_config.json", pickle_dir / "adapter_config.json")
+    (pickle_dir / "adapter_model.bin").write_bytes(b"\x80\x04not really")
+    cases = [
+        ({"lora_name": "bad-1", "lora_path": str(tmp_path / "missing")}, 400, "lora_path"),
+        ({"lora_name": "bad-2", "lora_path": str(high_rank)}, 400, None),
+        ({"lora_name": "bad-3", "lora_path": str(pickle_dir)}, 400, "lora_path"),
+        ({"lora_name": "bad-4", "lora_path": str(good), "sha256": "0" * 64}, 400, "sha256"),
+        ({"lora_name": "bad-5", "lora_path": str(good), "sha256": "xyz"}, 400, "sha256"),
+        ({"lora_name": "", "lora_path": str(good)}, 400, "lora_name"),
+        ({"lora_name": "tiny-base", "lora_path": str(good)}, 400, "lora_name"),
+        ({"lora_path": str(good)}, 400, "lora_name"),
+        ({"lora_name": "bad-6"}, 400, "lora_path"),
+        ({"lora_name": "bad-7", "lora_path": str(good), "pinned": "yes"}, 400, "pinned"),
+        ({"lora_name": "bad-8", "lora_path": "ftp://host/x"}, 400, "lora_path"),
+    ]
+    for body, status, param in cases:
+        got, resp = await _load(server, body)
+        assert got == status, (body, resp)
+        if param is not None:
+            assert resp["error"]["param"] == param, (body, resp)
+        assert resp["error"]["message"]
+    assert await _model_ids(server) == before
+    # The right digest loads.
+    status, resp = await _load(
+        server, {"lora_name": "digest-ok", "lora_path": str(good), "sha256": adapter_digest(good)}
+    )
+    assert status == 200, resp
+    await _unload(server, "digest-ok")
+
+
+async def _stream_tokens(server, body: dict) -> tuple[str, str | None, int]:
+    text, reason, usage = "", None, 0
+    async with server.session.post(
+        server.url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            line = line.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["choices"]:
+                text += event["choices"][0]["text"]
+                reason = event["choices"][0]["finish_reason"] or reason
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return text, reason, usage
+
+
+async def test_unload_while_requests_run_loses_none_and_refuses_new_ones(server, assets):
+    path = str(assets.extra_adapters["extra-2"])
+    assert (await _load(server, {"lora_name": "churn", "lora_path": path}))[0] == 200
+    body = {
+        "model": "churn",
+        "prompt": "async def main():",
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    reference = await _stream_tokens(server, body)
+    tasks = [asyncio.create_task(_stream_tokens(server, body)) for _ in range(4)]
+    engine = server.engine
+    for _ in range(500):  # until they are all running
+        if engine.snapshot.num_running >= 4:
+            break
+        await asyncio.sleep(0.01)
+    status, resp = await _unload(server, "churn")
+    assert status == 200 and resp["status"] == "unloaded"
+    status, refused = await server.post("/v1/completions", body)
+    assert status == 404 and refused["error"]["param"] == "model"
+    results = await asyncio.gather(*tasks)
+    assert all(r == reference for r in results), "in-flight requests finish exactly as if nothing happened"
+    assert reference[1] == "length" and reference[2] == 48
+    assert "churn" not in await _model_ids(server)
+    assert all(info.name != "churn" for info in engine.list_adapters()), "freed once the last request ended"
+    # The same name can come back.
+    assert (await _load(server, {"lora_name": "churn", "lora_path": path}))[0] == 200
+    await _unload(server, "churn")
+
+
+async def test_loads_while_requests_run_change_nothing_for_them(server, assets):
+    body = {
+        "model": "sql-r8",
+        "prompt": "import sys\n",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    reference = await _stream_tokens(server, body)
+    tasks = [asyncio.create_task(_stream_tokens(server, body)) for _ in range(3)]
+    names = []
+    for i, path in enumerate(assets.extra_adapters.values()):
+        status, resp = await _load(server, {"lora_name": f"live-{i}", "lora_path": str(path)})
+        assert status == 200, resp
+        names.append(f"live-{i}")
+    results = await asyncio.gather(*tasks)
+    assert all(r == reference for r in results)
+    ids = await _model_ids(server)
+    assert set(names) <= ids
+    for name in names:
+        assert (await _unload(server, name))[0] == 200
+
+
+async def test_pool_capacity_is_a_clear_503(server, assets, tmp_path):
+    limit = server.config.lora.max_loaded_loras
+    loaded = len([i for i in server.engine.list_adapters()])
+    names = []
+    for i in range(limit - loaded):
+        d = tmp_path / f"cap-{i}"
+        shutil.copytree(assets.extra_adapters["extra-0"], d)
+        status, resp = await _load(server, {"lora_name": f"cap-{i}", "lora_path": str(d)})
+        assert status == 200, resp
+        names.append(f"cap-{i}")
+    status, resp = await _load(
+        server, {"lora_name": "one-too-many", "lora_path": str(assets.extra_adapters["extra-1"])}
+    )
+    assert status == 503
+    assert "max_loaded_loras" in resp["error"]["message"]
+    for name in names:
+        await _unload(server, name)
+    status, resp = await _load(
+        server, {"lora_name": "one-too-many", "lora_path": str(assets.extra_adapters["extra-1"])}
+    )
+    assert status == 200
+    await _unload(server, "one-too-many")

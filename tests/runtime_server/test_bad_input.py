@@ -1,0 +1,196 @@
+"""Bad input gets an OpenAI error object naming the field, and never disturbs other requests.
+
+Every case is sent over real HTTP while a set of long, greedy streams is running; those
+streams must finish with exactly the tokens they produce on an idle server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CASES = [
+    # (path, raw body or json, expected status, expected param, words the message must contain)
+    ("/v1/completions", b"{not json", 400, None, ["not valid JSON"]),
+    ("/v1/completions", b"\xff\xfe{}", 400, None, ["UTF-8"]),
+    ("/v1/completions", b"", 400, None, ["empty"]),
+    ("/v1/completions", b"[1, 2]", 400, None, ["JSON object"]),
+    ("/v1/completions", {"model": "tiny-base"}, 400, "prompt", ["prompt is required"]),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt", ["prompt must be"]),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", ["prompt must be"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", [">= 1"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", [">= 1"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens", ["integer"]),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", [">= 0"]),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", ["number"]),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", ["(0, 1]"]),
+    ("/v1/completions", {"prompt": "x", "top_k": -3}, 400, "top_k", [">= -1"]),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", [">= 1"]),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", ["true or false"]),
+    ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, 400, "stop", ["strings"]),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed", ["integer"]),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", ["chosen token"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "frequency_penalty": 0.5},
+        400,
+        "frequency_penalty",
+        ["not supported"],
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        ["stream: true"],
+    ),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-adapter"}, 404, "model", ["does not exist"]),
+    ("/v1/completions", {"prompt": "x", "model": 7}, 400, "model", ["string"]),
+    ("/v1/completions", {"prompt": [1, 2, 999999]}, 400, "prompt", ["vocabulary"]),
+    ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 1}, 400, "prompt", ["context length"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", ["context length"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stop_token_ids": [100000]},
+        400,
+        "stop_token_ids",
+        ["stop_token_ids"],
+    ),
+    ("/v1/chat/completions", {"model": "tiny-base"}, 400, "messages", ["messages is required"]),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", ["non-empty"]),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages[0].role",
+        ["role must be one of"],
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", ["required"]),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content[0]",
+        ["only text"],
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+        [">= 1"],
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 5},
+        400,
+        "top_logprobs",
+        ["chosen token"],
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        ["not supported"],
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "model": "ghost"},
+        404,
+        "model",
+        ["does not exist"],
+    ),
+]
+
+
+async def _raw_post(server, path: str, body) -> tuple[int, dict]:
+    if isinstance(body, bytes):
+        kwargs = {"data": body, "headers": {"Content-Type": "application/json"}}
+    else:
+        kwargs = {"json": body}
+    async with server.session.post(server.url + path, **kwargs) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+def _check_error(body: dict, status: int, expected_status: int, param: str | None, words: list[str]) -> None:
+    assert status == expected_status, body
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    for word in words:
+        assert word in err["message"], err
+
+
+async def _stream_text(server, body: dict) -> str:
+    text = ""
+    async with server.session.post(server.url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            line = line.decode().strip()
+            if line.startswith("data: {"):
+                import json
+
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+async def test_every_bad_input_is_named_while_good_requests_are_undisturbed(server):
+    good = [
+        {
+            "model": m,
+            "prompt": f"def handler_{i}(event):",
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i, m in enumerate(["tiny-base", "sql-r8", "chat-r16", "tiny-base"])
+    ]
+    alone = [await _stream_text(server, g) for g in good]
+
+    async def bad_traffic():
+        results = []
+        for _ in range(2):
+            results.append(await asyncio.gather(*[_raw_post(server, p, b) for p, b, *_ in CASES]))
+        return results
+
+    streams = asyncio.gather(*[_stream_text(server, g) for g in good])
+    bad_rounds = await bad_traffic()
+    together = await streams
+    assert together == alone
+    for results in bad_rounds:
+        for (_, _, status, param, words), (got_status, got_body) in zip(CASES, results, strict=True):
+            _check_error(got_body, got_status, status, param, words)
+
+
+async def test_oversized_body_is_413_and_server_keeps_serving(server):
+    big = {"prompt": "x" * (server.config.server.max_body_bytes + 10)}
+    status, body = await _raw_post(server, "/v1/completions", big)
+    assert status == 413
+    assert "limit" in body["error"]["message"]
+    status, body = await _raw_post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
+    assert status == 200
+
+
+async def test_unknown_route_and_method_are_json_errors(server):
+    async with server.session.get(server.url + "/v1/nothing") as resp:
+        assert resp.status == 404
+        assert "error" in await resp.json()
+    async with server.session.get(server.url + "/v1/completions") as resp:
+        assert resp.status == 405
+        assert "not allowed" in (await resp.json())["error"]["message"]
+
+
+async def test_streaming_error_before_headers_is_a_status(server):
+    status, body = await _raw_post(
+        server, "/v1/completions", {"prompt": "x", "stream": True, "model": "nope"}
+    )
+    assert status == 404 and body["error"]["param"] == "model"
+    status, body = await _raw_post(
+        server, "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}
+    )
+    assert status == 400 and body["error"]["param"] == "max_tokens"
