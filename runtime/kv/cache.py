@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -173,15 +174,16 @@ class KVCache:
             req.length += n
             offset += n
             rows.append(req.row)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        prefix_t = torch.tensor(prefix, dtype=torch.int64)
-        # Column of every new token: its request's prefix length plus its index within the request.
-        starts = torch.cumsum(counts_t, 0) - counts_t
-        cols = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(prefix_t - starts, counts_t)
-        row_of_token = torch.repeat_interleave(rows_t, counts_t)
+        # Table coordinates of every new token: its request's row, and its prefix length
+        # plus its index within the request. numpy: torch's CPU repeat_interleave is slow.
+        counts_np = np.asarray(counts, dtype=np.int64)
+        starts = np.cumsum(counts_np) - counts_np
+        cols = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(prefix, dtype=np.int64) - starts, counts_np)
+        row_of_token = np.repeat(np.asarray(rows, dtype=np.int64), counts_np)
+        coords = torch.from_numpy(np.stack([row_of_token, cols])).to(self.device, non_blocking=True)
         dev_slots = slots.to(self.device, non_blocking=True)
-        self.req_to_token[row_of_token.to(self.device), cols.to(self.device)] = dev_slots
+        self.req_to_token[coords[0], coords[1]] = dev_slots
+        rows_t = torch.tensor(rows, dtype=torch.int64)
         return Allocation(
             request_ids=list(request_ids),
             rows=rows_t.to(self.device, non_blocking=True),
