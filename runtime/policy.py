@@ -381,6 +381,17 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     requested = SpecAlgorithm(spec.algorithm)
     algorithm = SpecAlgorithm(effective.speculative.algorithm)
     out: list[Violation] = []
+    if not 1 <= spec.ngram_min <= spec.ngram_max:
+        # Checked whatever the algorithm, as the CRD does: a window is never empty.
+        out.append(
+            Violation(
+                "ngram-window",
+                "speculative.ngram_min",
+                f"the n-gram window {spec.ngram_min}..{spec.ngram_max} is empty",
+                "set 1 <= {speculative.ngram_min} <= {speculative.ngram_max}",
+                related=("speculative.ngram_max",),
+            )
+        )
     if requested is SpecAlgorithm.NONE:
         return out
     if requested.needs_draft_model and not spec.draft_model_path:
@@ -435,16 +446,6 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
                     related=("speculative.algorithm",),
                 )
             )
-    if algorithm is SpecAlgorithm.NGRAM and not 1 <= spec.ngram_min <= spec.ngram_max:
-        out.append(
-            Violation(
-                "ngram-window",
-                "speculative.ngram_min",
-                f"the n-gram window {spec.ngram_min}..{spec.ngram_max} is empty",
-                "set 1 <= {speculative.ngram_min} <= {speculative.ngram_max}",
-                related=("speculative.ngram_max",),
-            )
-        )
     return out
 
 

@@ -12,6 +12,7 @@ wording for the parts the examples' annotations quote.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -38,8 +39,14 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def load_crd(kind: str) -> dict[str, Any]:
+@functools.cache
+def _crd(kind: str) -> dict[str, Any]:
     return load_yaml(CRD_FILES[kind])
+
+
+def load_crd(kind: str) -> dict[str, Any]:
+    """A fresh copy of the CRD manifest (callers may change it)."""
+    return copy.deepcopy(_crd(kind))
 
 
 def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +128,7 @@ def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- CEL
 
 
+@functools.cache
 def compile_rule(rule: str):
     return _CEL.program(_CEL.compile(rule))
 
@@ -148,7 +156,11 @@ def cel_errors(schema: dict[str, Any], obj: Any, old: Any = None, path: str = ""
             errors.append(f"{where}: Invalid value: {rule.get('message', rule['rule'])}")
     if isinstance(obj, dict):
         props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else None
+        extra = (
+            schema.get("additionalProperties")
+            if isinstance(schema.get("additionalProperties"), dict)
+            else None
+        )
         for name, value in obj.items():
             sub = props.get(name, extra)
             if sub is None:
@@ -179,7 +191,7 @@ class Admission:
 
 def admit(obj: dict[str, Any], old: dict[str, Any] | None = None) -> Admission:
     """Default, schema-validate and CEL-check ``obj`` (and ``old`` for transition rules)."""
-    schema = crd_schema(load_crd(obj["kind"]))
+    schema = crd_schema(_crd(obj["kind"]))  # read-only here
     defaulted = apply_defaults(schema, copy.deepcopy(obj))
     result = Admission(defaulted, schema_errors(schema, defaulted))
     old_defaulted = apply_defaults(schema, copy.deepcopy(old)) if old is not None else None
@@ -226,7 +238,15 @@ def example_objects() -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- structure
 
 _FORBIDDEN = ("$ref", "definitions", "dependencies", "additionalItems", "patternProperties", "id", "$schema")
-_BRANCH_FORBIDDEN = ("type", "default", "additionalProperties", "description", "nullable", "properties", "items")
+_BRANCH_FORBIDDEN = (
+    "type",
+    "default",
+    "additionalProperties",
+    "description",
+    "nullable",
+    "properties",
+    "items",
+)
 
 
 def structural_problems(schema: dict[str, Any], path: str = "", *, root: bool = True) -> list[str]:

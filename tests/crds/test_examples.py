@@ -58,7 +58,9 @@ def _without_empty(value):
 def _judge(obj, example_objects):
     name = obj["metadata"]["name"]
     serves = {o["metadata"]["name"]: o["spec"] for o in example_objects if o["kind"] == "LoRAServe"}
-    adapters = [IndexedAdapter(o["metadata"]["name"], o["spec"]) for o in example_objects if o["kind"] == "Adapter"]
+    adapters = [
+        IndexedAdapter(o["metadata"]["name"], o["spec"]) for o in example_objects if o["kind"] == "Adapter"
+    ]
     if obj["kind"] == "LoRAServe":
         return webhooks.judge_serve(
             obj["spec"], name=name, adapters=[a for a in adapters if a.spec["serve"] == name]

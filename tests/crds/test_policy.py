@@ -1,0 +1,480 @@
+"""The compatibility policy, rule by rule, in both directions.
+
+Each rule is shown to fire on a configuration that breaks it and to stay quiet on the
+nearest configuration that does not. Rules about what this image implements derive their
+expectations from ``loraserve.runtime.capabilities``, so flipping an entry there needs no
+change here; the rule itself is tested with capabilities passed in explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loraserve.runtime import capabilities as caps_module
+from loraserve.runtime import policy
+from loraserve.runtime.capabilities import CAPABILITIES, IMPLEMENTED_ALGORITHMS, Capabilities
+from loraserve.runtime.config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+
+A = SpecAlgorithm
+EVERYTHING = Capabilities(
+    algorithms=frozenset(SpecAlgorithm),
+    lora_graph_width_rebuild=False,
+    tree_drafts=True,
+    dynamic_ragged_verify=True,
+)
+"""An image that implements every algorithm and feature: isolates compatibility from availability."""
+
+GEMMA4_ASSISTANT = "Gemma4AssistantForCausalLM"
+
+
+def config(
+    algorithm: SpecAlgorithm = A.NONE, *, lora: bool = True, draft: str | None = None, **changes
+) -> RuntimeConfig:
+    """A valid base configuration, then ``changes`` as ``section__field=value``."""
+    c = RuntimeConfig()
+    c.model.path = "/models/base"
+    c.speculative.algorithm = algorithm
+    c.lora.enabled = lora
+    if draft is not None:
+        c.speculative.draft_model_path = draft
+    elif algorithm.needs_draft_model:
+        c.speculative.draft_model_path = "/models/draft"
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            setattr(getattr(c, section), name, value)
+        else:
+            setattr(c, section, value)
+    return c
+
+
+def rules(c: RuntimeConfig, capabilities: Capabilities = EVERYTHING) -> set[str]:
+    return policy.check_config(c, capabilities).rules()
+
+
+def warning_rules(c: RuntimeConfig, capabilities: Capabilities = EVERYTHING) -> set[str]:
+    return policy.check_config(c, capabilities).warning_rules()
+
+
+# --------------------------------------------------------------------------- LoRA x algorithm
+
+LORA_ALGORITHMS = {A.NONE, A.NGRAM, A.STANDALONE, A.EAGLE, A.EAGLE3, A.NEXTN, A.DFLASH, A.DSPARK}
+
+
+@pytest.mark.parametrize("algorithm", list(SpecAlgorithm))
+def test_lora_allowed_only_with_listed_algorithms(algorithm):
+    with_lora = rules(config(algorithm, lora=True))
+    without_lora = rules(config(algorithm, lora=False))
+    assert ("lora-algorithm" in with_lora) == (algorithm not in LORA_ALGORITHMS)
+    assert "lora-algorithm" not in without_lora
+
+
+def test_lora_rejection_names_the_algorithm():
+    report = policy.check_config(config(A.FROZEN_KV_MTP), EVERYTHING)
+    (violation,) = [v for v in report.violations if v.rule == "lora-algorithm"]
+    assert violation.field == "speculative.algorithm" and violation.kind is policy.Kind.INCOMPATIBLE
+    assert "FROZEN_KV_MTP" in violation.render() and "lora.enabled" in violation.render()
+
+
+@pytest.mark.parametrize("requested", [A.NEXTN, A.EAGLE])
+def test_gemma4_assistant_draft_resolves_to_frozen_kv_mtp_and_is_refused_with_lora(requested):
+    c = config(requested, draft="/models/assistant", speculative__draft_model_architecture=GEMMA4_ASSISTANT)
+    report = policy.check_config(c, EVERYTHING)
+    assert report.effective.speculative.algorithm is A.FROZEN_KV_MTP
+    assert report.requested is requested
+    (violation,) = [v for v in report.violations if v.rule == "lora-algorithm"]
+    assert (
+        f"{requested.value} with the Gemma-4 assistant draft {GEMMA4_ASSISTANT} resolves to FROZEN_KV_MTP"
+        in (violation.render())
+    )
+    # The same draft without LoRA is compatible (it only needs an image that runs it).
+    assert "lora-algorithm" not in rules(
+        dataclasses.replace(c, lora=dataclasses.replace(c.lora, enabled=False))
+    )
+
+
+def test_other_draft_architectures_do_not_resolve_to_frozen_kv_mtp():
+    c = config(A.EAGLE3, speculative__draft_model_architecture=GEMMA4_ASSISTANT)
+    assert policy.check_config(c, EVERYTHING).effective.speculative.algorithm is A.EAGLE3
+    c = config(A.EAGLE, speculative__draft_model_architecture="LlamaForCausalLMEagle")
+    assert policy.check_config(c, EVERYTHING).effective.speculative.algorithm is A.EAGLE
+
+
+def test_nextn_resolves_to_eagle_reading_the_target_checkpoint():
+    c = config(A.NEXTN)
+    report = policy.check_config(c, EVERYTHING)
+    assert report.ok, report.violations
+    assert report.effective.speculative.algorithm is A.EAGLE
+    assert report.effective.speculative.draft_model_path == c.model.path
+    assert report.resolution == "NEXTN resolves to EAGLE"
+    assert c.speculative.algorithm is A.NEXTN and c.speculative.draft_model_path is None  # input untouched
+
+
+# --------------------------------------------------------------------------- LoRA x features
+
+
+def test_dspark_with_lora_needs_static_ragged_verify():
+    dynamic = RaggedVerify.DYNAMIC
+    assert "lora-dspark-ragged" in rules(config(A.DSPARK, speculative__ragged_verify=dynamic))
+    assert "lora-dspark-ragged" not in rules(config(A.DSPARK, speculative__ragged_verify=RaggedVerify.STATIC))
+    assert "lora-dspark-ragged" not in rules(config(A.DSPARK, lora=False, speculative__ragged_verify=dynamic))
+    assert "lora-dspark-ragged" not in rules(config(A.DFLASH, speculative__ragged_verify=dynamic))
+
+
+def test_adaptive_with_lora_follows_the_one_capability_flag():
+    c = config(A.EAGLE, speculative__adaptive=True)
+    assert "lora-adaptive" in rules(c, EVERYTHING)
+    rebuilt = dataclasses.replace(EVERYTHING, lora_graph_width_rebuild=True)
+    assert "lora-adaptive" not in rules(c, rebuilt)
+    assert "lora-adaptive" not in rules(config(A.EAGLE, lora=False, speculative__adaptive=True), EVERYTHING)
+    assert "lora-adaptive" not in rules(config(A.EAGLE, speculative__adaptive=False), EVERYTHING)
+    # This image's flag decides the default.
+    expected = not CAPABILITIES.lora_graph_width_rebuild
+    assert ("lora-adaptive" in policy.check_config(c).rules()) == expected
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "value"),
+    [
+        ("lora-overlap-schedule", "scheduler__overlap_schedule", True),
+        ("lora-two-batch-overlap", "scheduler__two_batch_overlap", True),
+        ("lora-overlap-loading", "lora__overlap_loading", True),
+    ],
+)
+def test_overlap_features_are_refused_with_lora(rule, field, value):
+    assert rule in rules(config(**{field: value}))
+    assert rule not in rules(config(**{field: not value}))
+    assert rule not in rules(config(lora=False, **{field: value}))
+
+
+def test_overlap_loading_without_lora_is_only_a_warning():
+    c = config(lora=False, lora__overlap_loading=True)
+    assert policy.check_config(c, EVERYTHING).ok
+    assert "overlap-loading-ignored" in warning_rules(c)
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "bad", "good"),
+    [
+        ("cuda-graph-ragged", "speculative__ragged_verify", RaggedVerify.DYNAMIC, RaggedVerify.STATIC),
+        ("cuda-graph-adaptive", "speculative__adaptive", True, False),
+    ],
+)
+def test_cuda_graphs_need_a_fixed_verify_width(rule, field, bad, good):
+    on = {"cuda_graph__enabled": True}
+    assert rule in rules(config(A.NGRAM, lora=False, **on, **{field: bad}))
+    assert rule not in rules(config(A.NGRAM, lora=False, **on, **{field: good}))
+    assert rule not in rules(config(A.NGRAM, lora=False, cuda_graph__enabled=False, **{field: bad}))
+    assert rule not in rules(config(A.NONE, lora=False, **on, **{field: bad}))
+
+
+def test_cuda_graphs_need_a_gpu():
+    assert "cuda-graph-cpu" in rules(config(cuda_graph__enabled=True, device="cpu"))
+    assert "cuda-graph-cpu" not in rules(config(cuda_graph__enabled=True, device="cuda"))
+    assert "cuda-graph-cpu" not in rules(config(cuda_graph__enabled=False, device="cpu"))
+
+
+# --------------------------------------------------------------------------- availability
+
+
+@pytest.mark.parametrize("algorithm", [a for a in SpecAlgorithm if a is not A.NEXTN])
+def test_algorithm_availability_follows_the_table(algorithm):
+    report = policy.check_config(config(algorithm, lora=False))
+    unavailable = {v.rule for v in report.unavailable}
+    assert ("algorithm-unavailable" in unavailable) == (not IMPLEMENTED_ALGORITHMS[algorithm])
+    for violation in report.unavailable:
+        assert violation.kind is policy.Kind.UNAVAILABLE
+        assert "not available in this runtime" in violation.render()
+
+
+def test_nextn_is_available_exactly_when_what_it_resolves_to_is():
+    report = policy.check_config(config(A.NEXTN, lora=False))
+    assert ("algorithm-unavailable" in report.rules()) == (not IMPLEMENTED_ALGORITHMS[A.EAGLE])
+
+
+def test_flipping_one_table_entry_is_the_whole_change(monkeypatch):
+    c = config(A.NGRAM, lora=False)
+    off = Capabilities(algorithms=frozenset({A.NONE}))
+    on = Capabilities(algorithms=frozenset({A.NONE, A.NGRAM}))
+    assert "algorithm-unavailable" in rules(c, off)
+    assert "algorithm-unavailable" not in rules(c, on)
+    assert policy.check_config(c, on).ok
+    # CAPABILITIES is built from the table alone.
+    table = {**IMPLEMENTED_ALGORITHMS, A.NGRAM: True}
+    built = frozenset(a for a, implemented in table.items() if implemented)
+    assert built == caps_module.CAPABILITIES.algorithms | {A.NGRAM}
+
+
+def test_unavailable_is_distinct_from_incompatible():
+    c = config(A.FROZEN_KV_MTP, draft="/models/assistant")
+    report = policy.check_config(c, Capabilities(algorithms=frozenset({A.NONE})))
+    assert {v.rule for v in report.incompatible} == {"lora-algorithm"}
+    assert {v.rule for v in report.unavailable} == {"algorithm-unavailable"}
+
+
+def test_tree_drafts_and_dynamic_verify_are_features_of_the_image():
+    tree = config(A.EAGLE, speculative__top_k=4, speculative__num_draft_tokens=8)
+    assert "tree-unavailable" in rules(tree, dataclasses.replace(EVERYTHING, tree_drafts=False))
+    assert "tree-unavailable" not in rules(tree, EVERYTHING)
+    ragged = config(A.DFLASH, lora=False, speculative__ragged_verify=RaggedVerify.DYNAMIC)
+    assert "ragged-unavailable" in rules(ragged, dataclasses.replace(EVERYTHING, dynamic_ragged_verify=False))
+    assert "ragged-unavailable" not in rules(ragged, EVERYTHING)
+
+
+# --------------------------------------------------------------------------- sanity
+
+
+@pytest.mark.parametrize("algorithm", [a for a in SpecAlgorithm if a.needs_draft_model])
+def test_draft_model_required(algorithm):
+    assert "draft-required" in rules(config(algorithm, draft=""))
+    assert "draft-required" not in rules(config(algorithm, draft="/models/draft"))
+
+
+@pytest.mark.parametrize("algorithm", [a for a in SpecAlgorithm if not a.needs_draft_model])
+def test_draft_model_not_required(algorithm):
+    assert "draft-required" not in rules(config(algorithm, lora=False, draft=""))
+
+
+def test_chain_drafts_verify_num_steps_plus_one():
+    assert "chain-draft-tokens" in rules(
+        config(A.EAGLE, speculative__num_steps=5, speculative__num_draft_tokens=4)
+    )
+    assert "chain-draft-tokens" not in rules(
+        config(A.EAGLE, speculative__num_steps=5, speculative__num_draft_tokens=6)
+    )
+    # Without speculation the fields are not used.
+    assert "chain-draft-tokens" not in rules(config(A.NONE, speculative__num_draft_tokens=9))
+
+
+def test_tree_draft_token_bound():
+    # top_k 4, num_steps 3: 4 + 2 * 16 = 36 candidates, at most 37 verified tokens.
+    tree = {"speculative__top_k": 4, "speculative__num_steps": 3}
+    assert "tree-draft-tokens" not in rules(config(A.EAGLE, speculative__num_draft_tokens=37, **tree))
+    assert "tree-draft-tokens" in rules(config(A.EAGLE, speculative__num_draft_tokens=38, **tree))
+
+
+def test_only_tree_capable_algorithms_take_top_k_above_one():
+    tree = {"speculative__top_k": 2, "speculative__num_draft_tokens": 4}
+    assert "tree-algorithm" in rules(config(A.NGRAM, lora=False, **tree))
+    assert "tree-algorithm" in rules(config(A.DFLASH, lora=False, **tree))
+    for algorithm in (A.STANDALONE, A.EAGLE, A.EAGLE3, A.NEXTN):
+        assert "tree-algorithm" not in rules(config(algorithm, **tree))
+
+
+def test_ngram_window():
+    assert "ngram-window" in rules(config(A.NGRAM, speculative__ngram_min=5, speculative__ngram_max=3))
+    assert "ngram-window" not in rules(config(A.NGRAM, speculative__ngram_min=3, speculative__ngram_max=3))
+
+
+@pytest.mark.parametrize(
+    ("rule", "bad", "good"),
+    [
+        (
+            "lora-slots-cache",
+            {"lora__max_loras_per_batch": 9, "lora__max_loaded_loras": 8},
+            {"lora__max_loaded_loras": 9},
+        ),
+        ("lora-slots", {"lora__max_loras_per_batch": 0}, {"lora__max_loras_per_batch": 1}),
+        ("lora-rank", {"lora__max_rank": 0}, {"lora__max_rank": 1}),
+        (
+            "lora-modules",
+            {"lora__target_modules": ("q_proj", "w_pack")},
+            {"lora__target_modules": ("q_proj",)},
+        ),
+        ("lora-modules", {"lora__target_modules": ()}, {"lora__target_modules": LORA_MODULES}),
+        (
+            "lora-modules",
+            {"lora__target_modules": ("q_proj", "q_proj")},
+            {"lora__target_modules": ("q_proj",)},
+        ),
+        ("lora-backend", {"lora__backend": "cutlass"}, {"lora__backend": "triton"}),
+        ("tensor-parallel", {"parallel__tensor_parallel_size": 0}, {"parallel__tensor_parallel_size": 2}),
+        ("device", {"device": "tpu"}, {"device": "cuda"}),
+        ("model-dtype", {"model__dtype": "int4"}, {"model__dtype": "bfloat16"}),
+        ("model-required", {"model__path": ""}, {"model__path": "/m"}),
+        ("context-length", {"model__context_length": 0}, {"model__context_length": 4096}),
+        ("kv-fraction", {"scheduler__kv_memory_fraction": 1.5}, {"scheduler__kv_memory_fraction": 1.0}),
+        ("max-running", {"scheduler__max_running_requests": 0}, {"scheduler__max_running_requests": 1}),
+        ("port", {"server__port": 70000}, {"server__port": 8080}),
+        ("cuda-graph-bs", {"cuda_graph__max_bs": 0}, {"cuda_graph__max_bs": 8}),
+        (
+            "lora-pinned-unknown",
+            {"lora__pinned": ("a",)},
+            {"lora__pinned": ("a",), "lora__adapters": {"a": "/a"}},
+        ),
+        (
+            "lora-pinned-slots",
+            {
+                "lora__max_loras_per_batch": 1,
+                "lora__pinned": ("a", "b"),
+                "lora__adapters": {"a": "/a", "b": "/b"},
+            },
+            {
+                "lora__max_loras_per_batch": 2,
+                "lora__pinned": ("a", "b"),
+                "lora__adapters": {"a": "/a", "b": "/b"},
+            },
+        ),
+        (
+            "lora-preload-cache",
+            {"lora__max_loaded_loras": 8, "lora__adapters": {f"a{i}": "/a" for i in range(9)}},
+            {"lora__max_loaded_loras": 9, "lora__adapters": {f"a{i}": "/a" for i in range(9)}},
+        ),
+    ],
+)
+def test_basic_sanity(rule, bad, good):
+    assert rule in rules(config(**bad))
+    assert rule not in rules(config(**{**bad, **good}))
+
+
+def test_unknown_enum_strings_are_violations_not_crashes():
+    c = config()
+    c.speculative.algorithm = "MEDUSA"
+    c.speculative.ragged_verify = "sometimes"
+    report = policy.check_config(c, EVERYTHING)
+    assert {"algorithm", "ragged"} <= report.rules()
+    ok = config()
+    ok.speculative.algorithm = "NGRAM"  # plain strings from flags are fine
+    assert policy.check_config(ok, EVERYTHING).ok
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def test_embedding_modules_under_eagle_family_warn():
+    modules = {"lora__target_modules": (*LORA_MODULES[:7], "lm_head")}
+    for algorithm in (A.EAGLE, A.EAGLE3, A.NEXTN):
+        report = policy.check_config(config(algorithm, **modules), EVERYTHING)
+        assert report.ok and "eagle-embeddings" in report.warning_rules()
+        assert "accept rate" in next(w.render() for w in report.warnings if w.rule == "eagle-embeddings")
+    assert "eagle-embeddings" not in warning_rules(config(A.NGRAM, **modules))
+    assert "eagle-embeddings" not in warning_rules(config(A.EAGLE))
+
+
+@pytest.mark.parametrize(
+    ("rule", "warned", "quiet"),
+    [
+        ("large-rank", {"lora__max_rank": policy.LARGE_RANK + 1}, {"lora__max_rank": policy.LARGE_RANK}),
+        ("draft-ignored", {"speculative__draft_model_path": "/d"}, {"speculative__draft_model_path": None}),
+        ("adaptive-ignored", {"speculative__adaptive": True}, {"speculative__adaptive": False}),
+        (
+            "cuda-graph-partial",
+            {"cuda_graph__enabled": True, "cuda_graph__max_bs": 8},
+            {"cuda_graph__enabled": True, "cuda_graph__max_bs": 64},
+        ),
+    ],
+)
+def test_costly_settings_warn(rule, warned, quiet):
+    assert rule in warning_rules(config(**warned))
+    assert rule not in warning_rules(config(**quiet))
+    assert policy.check_config(config(**warned), EVERYTHING).ok  # warnings never refuse
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_every_violation_is_reported_at_once():
+    c = config(
+        A.FROZEN_KV_MTP,
+        draft="/models/assistant",
+        scheduler__overlap_schedule=True,
+        scheduler__two_batch_overlap=True,
+        lora__overlap_loading=True,
+        lora__max_rank=0,
+        parallel__tensor_parallel_size=0,
+    )
+    report = policy.check_config(c, Capabilities(algorithms=frozenset({A.NONE})))
+    assert {
+        "lora-algorithm",
+        "lora-overlap-schedule",
+        "lora-two-batch-overlap",
+        "lora-overlap-loading",
+        "lora-rank",
+        "tensor-parallel",
+        "algorithm-unavailable",
+    } <= report.rules()
+    with pytest.raises(policy.PolicyError) as caught:
+        report.raise_for_violations()
+    assert str(caught.value).count("fix:") == len(report.violations)
+
+
+def test_findings_name_field_reason_and_fix_and_render_through_a_namer():
+    report = policy.check_config(config(lora__max_loras_per_batch=64, lora__max_loaded_loras=8), EVERYTHING)
+    (violation,) = report.violations
+    assert violation.field == "lora.max_loras_per_batch" and violation.reason and violation.fix
+    rendered = violation.render(lambda path: path.upper())
+    assert rendered.startswith("LORA.MAX_LORAS_PER_BATCH: ")
+    assert "{" not in rendered and "LORA.MAX_LOADED_LORAS" in rendered
+
+
+def test_check_does_not_mutate_its_input():
+    c = config(A.NEXTN, lora__overlap_loading=True)
+    before = c.to_dict()
+    policy.check_config(c)
+    assert c.to_dict() == before
+
+
+def test_clean_configuration_passes_under_this_image():
+    report = policy.check_config(config())
+    assert report.ok and report.warnings == () and report.effective.speculative.algorithm is A.NONE
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def adapter(**kw) -> policy.AdapterDeclaration:
+    return policy.AdapterDeclaration(name=kw.pop("name", "sql"), **kw)
+
+
+def adapter_rules(c: RuntimeConfig, a: policy.AdapterDeclaration, other_pinned: int = 0) -> set[str]:
+    return policy.check_adapter(c, a, other_pinned=other_pinned).rules()
+
+
+def test_adapter_rank_within_max_rank():
+    c = config(lora__max_rank=32)
+    assert "adapter-rank-too-large" in adapter_rules(c, adapter(rank=33))
+    assert "adapter-rank-too-large" not in adapter_rules(c, adapter(rank=32))
+    assert "adapter-rank" in adapter_rules(c, adapter(rank=0))
+    assert adapter_rules(c, adapter()) == set()  # undeclared rank: checked against the file later
+
+
+def test_adapter_modules_within_serve_modules():
+    c = config(lora__target_modules=("q_proj", "v_proj"))
+    report = policy.check_adapter(c, adapter(target_modules=("q_proj", "o_proj")))
+    (violation,) = report.violations
+    assert violation.rule == "adapter-modules-not-served" and "o_proj" in violation.render()
+    assert adapter_rules(c, adapter(target_modules=("v_proj",))) == set()
+    assert "adapter-modules" in adapter_rules(c, adapter(target_modules=("q_proj", "bogus")))
+
+
+def test_adapter_embeddings_under_eagle_family_warn():
+    c = config(A.EAGLE3, lora__target_modules=LORA_MODULES)
+    report = policy.check_adapter(c, adapter(target_modules=("q_proj", "embed_tokens")))
+    assert report.ok and report.warning_rules() == {"adapter-eagle-embeddings"}
+    assert (
+        policy.check_adapter(
+            config(A.NGRAM, lora__target_modules=LORA_MODULES), adapter(target_modules=("embed_tokens",))
+        ).warnings
+        == ()
+    )
+
+
+def test_pinned_adapters_fit_the_gpu_slots():
+    c = config(lora__max_loras_per_batch=4)
+    assert "adapter-pinned-slots" in adapter_rules(c, adapter(pinned=True), other_pinned=4)
+    report = policy.check_adapter(c, adapter(pinned=True), other_pinned=3)
+    assert report.ok and report.warning_rules() == {"adapter-pinned-all-slots"}
+    assert policy.check_adapter(c, adapter(pinned=True), other_pinned=2).warnings == ()
+    assert adapter_rules(c, adapter(pinned=False), other_pinned=9) == set()
+
+
+def test_adapter_needs_lora_and_a_name_of_its_own():
+    assert "adapter-lora-disabled" in adapter_rules(config(lora=False), adapter())
+    c = config(model__served_name="llama")
+    assert "adapter-name-clash" in adapter_rules(c, adapter(name="llama"))
+    assert "adapter-name-clash" not in adapter_rules(c, adapter(name="llama-sql"))

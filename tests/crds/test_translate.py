@@ -1,0 +1,274 @@
+"""LoRAServe spec -> RuntimeConfig, and the policy's field paths back to the user's fields."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from loraserve.operator import specs, translate
+from loraserve.runtime import policy
+from loraserve.runtime.capabilities import Capabilities
+from loraserve.runtime.config import RaggedVerify, SpecAlgorithm
+
+POLICY_SOURCE = Path(policy.__file__).read_text()
+EVERYTHING = Capabilities(algorithms=frozenset(SpecAlgorithm), tree_drafts=True, dynamic_ragged_verify=True)
+CONFIG_PATH = re.compile(
+    r"\b(?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+\b|\bdevice\b"
+)
+
+
+def _spec(**overrides) -> specs.LoRAServeSpec:
+    raw = {"model": {"source": "/models/base"}}
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return specs.parse_loraserve_spec(raw)
+
+
+def test_every_mapped_field_exists_in_the_crd(kit):
+    schema = kit.crd_schema(kit.load_crd("LoRAServe"))
+    for config_path, crd_path in translate.FIELD_PATHS.items():
+        if not crd_path.startswith("spec."):
+            continue  # fields of Adapters, named in words
+        assert kit.schema_at(schema, crd_path) is not None, (config_path, crd_path)
+    adapter_schema = kit.crd_schema(kit.load_crd("Adapter"))
+    for crd_path in translate.ADAPTER_FIELD_PATHS.values():
+        if crd_path != "metadata.name":
+            assert kit.schema_at(adapter_schema, crd_path) is not None, crd_path
+
+
+def test_every_field_the_policy_names_maps_to_a_user_field():
+    named = set(
+        re.findall(
+            r'"((?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+|device)"',
+            POLICY_SOURCE,
+        )
+    )
+    named |= set(
+        re.findall(
+            r"\{((?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+)\}", POLICY_SOURCE
+        )
+    )
+    assert named, "the policy's field paths were not found"
+    unmapped = sorted(p for p in named if p not in translate.FIELD_PATHS and p not in translate.FIXED_IN_POD)
+    assert unmapped == []
+
+
+# Each row: a spec field set to a non-default value, and the runtime field it must drive.
+PERTURBATIONS = [
+    ("model.dtype", "float16", "model.dtype", "float16"),
+    ("model.contextLength", 4096, "model.context_length", 4096),
+    ("model.servedName", "my-base", "model.served_name", "my-base"),
+    ("model.architecture", "MistralForCausalLM", "model.architecture", "MistralForCausalLM"),
+    ("model.revision", "v2", "model.revision", "v2"),
+    ("speculative.algorithm", "NGRAM", "speculative.algorithm", SpecAlgorithm.NGRAM),
+    ("speculative.numSteps", 6, "speculative.num_steps", 6),
+    ("speculative.topK", 3, "speculative.top_k", 3),
+    ("speculative.numDraftTokens", 9, "speculative.num_draft_tokens", 9),
+    ("speculative.adaptive", True, "speculative.adaptive", True),
+    ("speculative.raggedVerify", "dynamic", "speculative.ragged_verify", RaggedVerify.DYNAMIC),
+    ("speculative.draftLoadFormat", "safetensors", "speculative.draft_load_format", "safetensors"),
+    ("speculative.ngram.minMatch", 2, "speculative.ngram_min", 2),
+    ("speculative.ngram.maxMatch", 7, "speculative.ngram_max", 7),
+    ("lora.enabled", False, "lora.enabled", False),
+    ("lora.maxLorasPerBatch", 3, "lora.max_loras_per_batch", 3),
+    ("lora.maxLoadedLoras", 5, "lora.max_loaded_loras", 5),
+    ("lora.maxRank", 128, "lora.max_rank", 128),
+    ("lora.targetModules", ["q_proj", "lm_head"], "lora.target_modules", ("q_proj", "lm_head")),
+    ("lora.backend", "torch", "lora.backend", "torch"),
+    ("lora.overlapLoading", True, "lora.overlap_loading", True),
+    ("runtime.maxRunningRequests", 7, "scheduler.max_running_requests", 7),
+    ("runtime.maxTotalTokens", 100000, "scheduler.max_total_tokens", 100000),
+    ("runtime.chunkedPrefillSize", 512, "scheduler.chunked_prefill_size", 512),
+    ("runtime.maxPrefillTokens", 1024, "scheduler.max_prefill_tokens", 1024),
+    ("runtime.overlapSchedule", True, "scheduler.overlap_schedule", True),
+    ("runtime.twoBatchOverlap", True, "scheduler.two_batch_overlap", True),
+    ("runtime.kvMemoryFraction", 0.5, "scheduler.kv_memory_fraction", 0.5),
+    ("runtime.cudaGraph.enabled", True, "cuda_graph.enabled", True),
+    ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
+    ("gpus", 4, "parallel.tensor_parallel_size", 4),
+]
+
+
+@pytest.mark.parametrize(("spec_path", "value", "config_path", "expected"), PERTURBATIONS)
+def test_spec_field_drives_its_runtime_field(spec_path, value, config_path, expected):
+    section, _, name = config_path.partition(".")
+    before = translate.to_runtime_config(_spec())
+    after = translate.to_runtime_config(_spec(**{spec_path: value}))
+    assert getattr(getattr(after, section), name) == expected
+    assert getattr(getattr(before, section), name) != expected, "pick a value that differs from the default"
+    assert translate.crd_path(config_path) == "spec." + spec_path
+
+
+def test_every_mapped_spec_field_is_perturbed():
+    perturbed = {config for _, _, config, _ in PERTURBATIONS}
+    mapped = {
+        c for c, crd in translate.FIELD_PATHS.items() if crd.startswith("spec.") and "Secret" not in crd
+    }
+    # model.path is the source (tested below); device follows gpus; the admin token comes from a Secret.
+    assert mapped - perturbed == {
+        "model.path",
+        "speculative.draft_model_path",
+        "speculative.draft_model_architecture",
+        "device",
+    }
+
+
+def test_gpus_pick_the_device():
+    assert translate.to_runtime_config(_spec(gpus=0)).device == "cpu"
+    assert translate.to_runtime_config(_spec(gpus=0)).parallel.tensor_parallel_size == 1
+    assert translate.to_runtime_config(_spec(gpus=2)).device == "cuda"
+
+
+def test_chain_num_draft_tokens_derived_when_unset():
+    config = translate.to_runtime_config(
+        _spec(**{"speculative.algorithm": "NGRAM", "speculative.numSteps": 5})
+    )
+    assert config.speculative.num_draft_tokens == 6
+
+
+@pytest.mark.parametrize(
+    ("source", "storage", "expected"),
+    [
+        ("/models/llama", {}, "/models/llama"),
+        (
+            "pvc://cache/llama/8b",
+            {"models": {"type": "PersistentVolumeClaim", "claimName": "cache"}},
+            "/models/llama/8b",
+        ),
+        (
+            "pvc://lora/sql",
+            {"adapters": {"type": "PersistentVolumeClaim", "claimName": "lora", "mountPath": "/a"}},
+            "/a/sql",
+        ),
+        ("pvc://other/x", {"models": {"type": "PersistentVolumeClaim", "claimName": "cache"}}, None),
+        ("hf://org/repo@abc", {}, "/models/hf/org/repo/abc"),
+        ("hf://org/repo", {"models": {"mountPath": "/m"}}, "/m/hf/org/repo/main"),
+        ("s3://bucket/key/a.tgz", {}, "/models/s3/bucket/key/a.tgz"),
+        ("https://host.example/x/y.tar", {}, "/models/https/host.example/x/y.tar"),
+    ],
+)
+def test_pod_paths(source, storage, expected):
+    storage_spec = specs.StorageSpec.model_validate(storage)
+    assert translate.pod_path(source, storage_spec) == expected
+
+
+def test_model_revision_field_applies_to_hf_sources():
+    spec = _spec(**{"model.source": "hf://org/repo", "model.revision": "v1"})
+    assert translate.to_runtime_config(spec).model.path == "/models/hf/org/repo/v1"
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        ("hf://meta-llama/Llama-3.1-8B-Instruct@abc", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("/models/Llama-3.2-1B-Instruct/", "Llama-3.2-1B-Instruct"),
+        ("pvc://cache/qwen2.5-7b", "qwen2.5-7b"),
+        ("s3://bucket/models/mistral-7b.tar.gz", "mistral-7b.tar.gz"),
+    ],
+)
+def test_served_name_derived_from_source(source, name):
+    assert translate.served_name(_spec(**{"model.source": source})) == name
+    assert translate.served_name(_spec(**{"model.source": source, "model.servedName": "x"})) == "x"
+
+
+def test_unmounted_model_claim_is_named():
+    spec = _spec(**{"model.source": "pvc://cache/llama"})
+    (problem,) = translate.unmounted_sources(spec)
+    assert problem.startswith("spec.model.source: claim 'cache' is not mounted")
+    mounted = _spec(
+        **{
+            "model.source": "pvc://cache/llama",
+            "storage.models.type": "PersistentVolumeClaim",
+            "storage.models.claimName": "cache",
+        }
+    )
+    assert translate.unmounted_sources(mounted) == []
+
+
+def test_messages_speak_only_in_crd_field_names():
+    spec = _spec(
+        **{
+            "speculative.algorithm": "FROZEN_KV_MTP",
+            "speculative.draftModel.source": "/models/assistant",
+            "runtime.overlapSchedule": True,
+            "runtime.cudaGraph.enabled": True,
+            "runtime.cudaGraph.maxBatchSize": 8,
+            "speculative.adaptive": True,
+            "lora.overlapLoading": True,
+            "lora.maxRank": 512,
+        }
+    )
+    report = policy.check_config(translate.to_runtime_config(spec), Capabilities(algorithms=frozenset()))
+    problems, warnings = translate.serve_messages(report)
+    assert len(problems) >= 6 and warnings
+    for message in problems + warnings:
+        assert "{" not in message
+        leaked = [m for m in CONFIG_PATH.findall(message) if not message[: message.find(m)].endswith("spec.")]
+        assert leaked == [], message
+        assert message.startswith("spec."), message
+
+
+def test_effective_status_reports_the_resolution():
+    spec = _spec(**{"speculative.algorithm": "NEXTN", "lora.enabled": False})
+    report = policy.check_config(translate.to_runtime_config(spec), EVERYTHING)
+    status = translate.effective_status(report).to_dict()
+    assert status["algorithm"] == "EAGLE" and status["requestedAlgorithm"] == "NEXTN"
+    plain = policy.check_config(translate.to_runtime_config(_spec()), EVERYTHING)
+    assert "requestedAlgorithm" not in translate.effective_status(plain).to_dict()
+
+
+# --------------------------------------------------------------------------- CEL vs policy
+
+# CEL rule message fragment -> the policy rule that judges the same condition.
+TWINS = {
+    "speculative.draftModel is required": "draft-required",
+    "numDraftTokens must equal numSteps + 1": "chain-draft-tokens",
+    "numDraftTokens must be at most": "tree-draft-tokens",
+    "topK > 1 (tree drafts) is only supported": "tree-algorithm",
+    "lora.maxLorasPerBatch (GPU slots) must not exceed": "lora-slots-cache",
+    "CUDA graphs need a GPU": "cuda-graph-cpu",
+    "ngram.minMatch must not exceed": "ngram-window",
+}
+
+
+def _random_spec(rng: random.Random) -> dict:
+    speculative = {
+        "algorithm": rng.choice(list(SpecAlgorithm)).value,
+        "numSteps": rng.randint(1, 4),
+        "topK": rng.randint(1, 3),
+        "ngram": {"minMatch": rng.randint(1, 4), "maxMatch": rng.randint(1, 4)},
+    }
+    if rng.random() < 0.5:
+        speculative["draftModel"] = {"source": "/models/draft"}
+    if rng.random() < 0.7:
+        speculative["numDraftTokens"] = rng.randint(2, 40)
+    return {
+        "model": {"source": "/models/base"},
+        "speculative": speculative,
+        "lora": {"maxLorasPerBatch": rng.choice([4, 8, 16]), "maxLoadedLoras": rng.choice([4, 8, 16])},
+        "gpus": rng.randint(0, 1),
+        "runtime": {"cudaGraph": {"enabled": rng.random() < 0.5}},
+    }
+
+
+def test_cel_rules_and_policy_agree_on_their_shared_rules(kit):
+    rng = random.Random(20261202)
+    seen: set[str] = set()
+    for _ in range(300):
+        raw = _random_spec(rng)
+        obj = {"apiVersion": specs.API_VERSION, "kind": "LoRAServe", "metadata": {"name": "r"}, "spec": raw}
+        admission = kit.admit(obj)
+        assert not admission.schema, admission.schema
+        by_cel = {rule for fragment, rule in TWINS.items() if any(fragment in m for m in admission.cel)}
+        report = policy.check_config(translate.to_runtime_config(specs.parse_loraserve_spec(raw)), EVERYTHING)
+        by_policy = report.rules() & set(TWINS.values())
+        assert by_cel == by_policy, raw
+        seen |= by_cel
+    assert seen == set(TWINS.values()), "the sample never exercised some rules"
