@@ -64,6 +64,12 @@ def validate_speculative(spec: SpeculativeConfig) -> SpecAlgorithm:
             f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for "
             f"chain drafts (the last committed token plus one draft per step), got {spec.num_draft_tokens}",
         )
+    if spec.adaptive:
+        raise SpeculativeConfigError(
+            "speculative.adaptive",
+            "speculative.adaptive is not supported: the verify width stays num_draft_tokens, which keeps "
+            "the batch's LoRA segment layout fixed; set speculative.adaptive to false",
+        )
     if RaggedVerify(spec.ragged_verify) is not RaggedVerify.STATIC:
         raise SpeculativeConfigError(
             "speculative.ragged_verify",

@@ -83,6 +83,7 @@ def test_nextn_resolves_to_eagle():
         ({"num_draft_tokens": 8}, "speculative.num_draft_tokens"),
         ({"num_steps": 0, "num_draft_tokens": 1}, "speculative.num_steps"),
         ({"ragged_verify": RaggedVerify.DYNAMIC}, "speculative.ragged_verify"),
+        ({"adaptive": True}, "speculative.adaptive"),
         ({"draft_model_path": None}, "speculative.draft_model_path"),
         ({"algorithm": SpecAlgorithm.DFLASH}, "speculative.algorithm"),
         ({"algorithm": SpecAlgorithm.NONE}, "speculative.algorithm"),

@@ -1,0 +1,245 @@
+"""The decoder's edges: draft state after verify, the context limit, failures, metrics, bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.engine.decoder import StandardDecoder
+from loraserve.runtime.engine.request import Request
+from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.sampling import Sampler, SamplingParams
+from loraserve.runtime.spec import build_decoder
+from loraserve.runtime.spec.acceptance import Acceptance
+from loraserve.runtime.spec.draft_config import SpeculativeConfigError
+from loraserve.runtime.spec.eagle_drafter import EagleDrafter
+from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+from loraserve.runtime.spec.metrics import SpecMetrics
+
+
+def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            f"q{i}",
+            torch.randint(3, 500, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen).tolist(),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            adapters[i % len(adapters)],
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version):
+    """After steps with every accept length, the draft's last output equals that of a
+    drafter fed the same committed (feature, token) pairs in one go."""
+    from loraserve.runtime.model import build_model, load_arch_config
+
+    arch = load_arch_config(spec_assets.target)
+    target = build_model(
+        arch, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, model_dir=spec_assets.target
+    )
+
+    def make() -> EagleDrafter:
+        runner = EagleDraftRunner(
+            str(spec_assets.eagle if version == 1 else spec_assets.eagle3),
+            target_arch=arch,
+            embed_weight=target.embed_tokens.weight,
+            lm_head_weight=target.lm_head.weight,
+            dtype=torch.float32,
+            device="cpu",
+            max_total_tokens=1024,
+            max_requests=4,
+            max_context_len=256,
+        )
+        return EagleDrafter(runner, Sampler(0), arch.vocab_size)
+
+    drafter = make()
+    width = drafter.runner.model.feature_size
+    gen = torch.Generator().manual_seed(version)
+    k = 4
+    req = Request(
+        rid="r",
+        prompt_ids=torch.randint(3, 500, (9,), generator=gen).tolist(),
+        params=SamplingParams(temperature=0.0),
+    )
+    req.prefill_target = len(req.prompt_ids)
+    first = 17
+    pairs_ids = [*req.prompt_ids[1:], first]
+    pairs_feats = [torch.randn(len(req.prompt_ids), width, generator=gen)]
+
+    class Out:  # the two fields of a ForwardOutput the drafter reads
+        def __init__(self, feats):
+            self.hidden_states = feats if version == 1 else None
+            self.aux_hidden_states = feats if version == 3 else None
+
+    drafter.on_extend([(req, len(req.prompt_ids))], Out(pairs_feats[0]), [first])
+    req.output_ids.append(first)
+    for accepted in (0, 3, 1, 2, 3, 0):
+        proposal = drafter.propose([req], k - 1)
+        assert proposal.tokens.shape == (1, k - 1)
+        tokens = torch.randint(3, 500, (1, k), generator=gen)
+        tokens[0, accepted + 1 :] = -1
+        feats = torch.randn(k, width, generator=gen)
+        drafter.on_verify([req], Acceptance(torch.tensor([accepted]), tokens), Out(feats))
+        new = tokens[0, : accepted + 1].tolist()
+        pairs_ids.extend(new)
+        pairs_feats.append(feats[: accepted + 1])
+        req.output_ids.extend(new)
+        assert drafter.runner.kv.seq_len("r") == len(pairs_ids)
+
+    fresh = make()
+    out = fresh.runner.forward(["r"], torch.tensor(pairs_ids), torch.cat(pairs_feats), [len(pairs_ids)])
+    torch.testing.assert_close(drafter._states["r"].tail, out[-1], rtol=1e-5, atol=1e-5)
+    drafter.release(req)
+    assert "r" not in drafter.runner.kv
+
+
+def test_requests_at_the_context_limit_decode_one_token_without_drafting(make_spec_config):
+    config = make_spec_config("STANDALONE", "same", context_length=32)
+    runner = ModelRunner(config)
+    decoder = build_decoder(config=config, runner=runner, sampler=Sampler(0))
+    plain_runner = ModelRunner(make_spec_config(context_length=32))
+    plain = StandardDecoder(plain_runner, Sampler(0))
+    near = Request(
+        rid="near", prompt_ids=list(range(10, 40)), params=SamplingParams(temperature=0.0)
+    )  # 30 tokens
+    far = Request(rid="far", prompt_ids=list(range(10, 20)), params=SamplingParams(temperature=0.0))
+    for dec in (decoder, plain):
+        reqs = [Request(rid=r.rid, prompt_ids=list(r.prompt_ids), params=r.params) for r in (near, far)]
+        for r in reqs:
+            r.prefill_target = r.num_tokens
+        firsts = dec.extend([(r, r.num_tokens) for r in reqs])
+        for r, out in zip(reqs, firsts, strict=True):
+            r.output_ids.extend(out.token_ids)
+            r.num_cached = r.num_tokens - 1
+        outs = dec.step(reqs)
+        if dec is decoder:
+            spec_out = outs
+        else:
+            plain_out = outs
+    assert len(spec_out[0].token_ids) == 1 and spec_out[0].num_draft_tokens == 0  # no room to verify 4
+    assert spec_out[0].token_ids == plain_out[0].token_ids
+    assert spec_out[1].num_draft_tokens == 3
+    assert spec_out[1].token_ids[0] == plain_out[1].token_ids[0]
+
+
+@pytest.mark.parametrize("case", [("STANDALONE", "small"), ("EAGLE", "eagle"), ("NGRAM", None)])
+def test_a_failing_draft_step_loses_nothing(make_spec_config, engine_run, case):
+    """A drafter that fails once: the engine retries request by request and outputs stay exact."""
+    requests = _greedy_requests(6, seed=5, adapters=(None, "attn-r8", "emb-head"))
+    base = engine_run(make_spec_config(), requests)
+    failures = {"left": 1}
+
+    def flaky(decoder):
+        propose = decoder.drafter.propose
+
+        def sometimes_failing(reqs, n):
+            if len(reqs) > 1 and failures["left"] and decoder.metrics.snapshot().overall.verify_steps > 4:
+                failures["left"] -= 1
+                raise RuntimeError("injected draft failure")
+            return propose(reqs, n)
+
+        decoder.drafter.propose = sometimes_failing
+
+    run = engine_run(make_spec_config(*case), requests, decoder_hook=flaky)
+    assert failures["left"] == 0
+    for rid, *_ in requests:
+        assert run.outputs[rid].error is None
+        assert run.outputs[rid].tokens == base.outputs[rid].tokens
+
+
+def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_run):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    requests = _greedy_requests(8, seed=6, adapters=(None, "attn-r8", "mlp-r4"))
+    run = engine_run(make_spec_config("STANDALONE", "same"), requests)
+    snap = run.engine.decoder.metrics.snapshot()
+    assert snap.overall.accepted_tokens == sum(run.outputs[r].spec.accepted_tokens for r, *_ in requests)
+    assert snap.overall.verify_steps == sum(run.outputs[r].spec.verify_steps for r, *_ in requests)
+    assert sum(snap.overall.histogram) == snap.overall.verify_steps
+    for name in ("", "attn-r8", "mlp-r4"):
+        mine = [r for r, *_, a in requests if (a or "") == name]
+        assert snap.per_adapter[name].accepted_tokens == sum(
+            run.outputs[r].spec.accepted_tokens for r in mine
+        )
+    assert snap.step_seconds.count == snap.verify_seconds.count > 0
+
+    registry = CollectorRegistry()
+    registry.register(run.engine.decoder.metrics.collector())
+    text = generate_latest(registry).decode()
+    assert 'loraserve_spec_info{algorithm="STANDALONE",num_draft_tokens="4"} 1.0' in text
+    accepted = snap.per_adapter["attn-r8"].accepted_tokens
+    assert f'loraserve_spec_accepted_tokens_total{{adapter="attn-r8"}} {float(accepted)}' in text
+    assert (
+        f'loraserve_spec_accept_length_count{{adapter="attn-r8"}} {float(snap.per_adapter["attn-r8"].verify_steps)}'
+        in text
+    )
+    assert "loraserve_spec_verify_seconds_bucket" in text
+
+
+def test_metrics_histogram_buckets_are_cumulative():
+    metrics = SpecMetrics("NGRAM", 4)
+    metrics.record_step(["a", None, "a"], [0, 3, 2], 3, verify_seconds=0.002, step_seconds=0.004)
+    snap = metrics.snapshot()
+    assert snap.per_adapter["a"].histogram == [1, 0, 1, 0]
+    assert snap.per_adapter[""].histogram == [0, 0, 0, 1]
+    assert snap.overall.mean_accept_len == pytest.approx(5 / 3)
+    assert snap.verify_seconds.counts[0] == 0 and snap.verify_seconds.counts[1] == 1
+
+
+def test_target_configuration_is_unchanged_by_building_the_draft(make_spec_config):
+    config = make_spec_config("STANDALONE", "small")
+    before = config.to_dict()
+    runner = ModelRunner(config)
+    decoder = build_decoder(config=config, runner=runner, sampler=Sampler(0))
+    assert config.to_dict() == before
+    assert decoder.drafter.runner.config.lora.enabled is False
+    assert decoder.drafter.runner.config is not config
+    assert runner.lora is not None and decoder.drafter.lora is None
+
+
+@pytest.mark.parametrize(
+    "algorithm,draft,change,field,message",
+    [
+        ("EAGLE", "eagle3", {}, "speculative.algorithm", "is an EAGLE3 draft"),
+        ("EAGLE3", "eagle", {}, "speculative.algorithm", "is an EAGLE draft"),
+        ("STANDALONE", "small", {"draft_load_format": "pt"}, "speculative.draft_load_format", "pickle"),
+        ("NEXTN", None, {}, "speculative.draft_model_path", "draft_model_path"),
+        ("EAGLE", "small", {}, "speculative.draft_model_path", "not an EAGLE draft"),
+        ("STANDALONE", "small", {"adaptive": True}, "speculative.adaptive", "adaptive"),
+    ],
+)
+def test_bad_draft_settings_name_the_field(make_spec_config, algorithm, draft, change, field, message):
+    config = make_spec_config(algorithm, draft)
+    for key, value in change.items():
+        setattr(config.speculative, key, value)
+    runner = ModelRunner(make_spec_config())
+    with pytest.raises(SpeculativeConfigError, match=message) as err:
+        build_decoder(config=config, runner=runner, sampler=Sampler(0))
+    assert err.value.field == field
+
+
+def test_standalone_draft_with_another_tokenizer_is_refused(spec_assets, make_spec_config, tmp_path):
+    from loraserve.runtime.devmodels import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=600, hidden_size=32, num_layers=1, seed=9)
+    config = make_spec_config("STANDALONE")
+    config.speculative.draft_model_path = str(other)
+    with pytest.raises(SpeculativeConfigError, match="different tokenizer") as err:
+        build_decoder(config=config, runner=ModelRunner(make_spec_config()), sampler=Sampler(0))
+    assert err.value.field == "speculative.draft_model_path"
+
+
+@pytest.mark.parametrize("case", [("STANDALONE", "small"), ("EAGLE3", "eagle3")])
+def test_dummy_draft_weights_still_lossless(make_spec_config, engine_run, case):
+    requests = _greedy_requests(4, seed=8, adapters=(None, "all-r16"))
+    base = engine_run(make_spec_config(), requests)
+    config = make_spec_config(*case)
+    config.speculative.draft_load_format = "dummy"
+    run = engine_run(config, requests)
+    assert run.engine.decoder.algorithm is SpecAlgorithm(case[0])
+    for rid, *_ in requests:
+        assert run.outputs[rid].tokens == base.outputs[rid].tokens
