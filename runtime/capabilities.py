@@ -14,10 +14,10 @@ from .config import SpecAlgorithm
 
 IMPLEMENTED_ALGORITHMS: dict[SpecAlgorithm, bool] = {
     SpecAlgorithm.NONE: True,
-    SpecAlgorithm.NGRAM: False,
-    SpecAlgorithm.STANDALONE: False,
-    SpecAlgorithm.EAGLE: False,
-    SpecAlgorithm.EAGLE3: False,
+    SpecAlgorithm.NGRAM: True,
+    SpecAlgorithm.STANDALONE: True,
+    SpecAlgorithm.EAGLE: True,
+    SpecAlgorithm.EAGLE3: True,
     SpecAlgorithm.DFLASH: False,
     SpecAlgorithm.DSPARK: False,
     SpecAlgorithm.FROZEN_KV_MTP: False,
