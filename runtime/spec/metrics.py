@@ -131,8 +131,13 @@ class SpecMetrics:
                 step_seconds=_copy_hist(self._step),
             )
 
-    def collector(self, prefix: str = "loraserve_spec"):
-        """A ``prometheus_client`` collector exposing these counters (register it once)."""
+    def collector(self, prefix: str = "loraserve:spec"):
+        """A ``prometheus_client`` collector of these numbers (register it once).
+
+        The server already counts drafted / accepted tokens per model when requests
+        finish; this adds the decoder's live view (updated every step), step timing and
+        the configuration, under names that do not clash with the server's.
+        """
         return _Collector(self, prefix)
 
 
@@ -156,11 +161,19 @@ class _Collector:
         )
         info.add_metric([snap.algorithm, str(snap.num_draft_tokens)], 1.0)
         yield info
-        steps = CounterMetricFamily(f"{p}_verify_steps", "Request verify steps", labels=["adapter"])
-        drafted = CounterMetricFamily(f"{p}_draft_tokens", "Draft tokens proposed", labels=["adapter"])
-        accepted = CounterMetricFamily(f"{p}_accepted_tokens", "Draft tokens accepted", labels=["adapter"])
+        steps = CounterMetricFamily(
+            f"{p}_step_verifies", "Request verify steps, counted live", labels=["adapter"]
+        )
+        drafted = CounterMetricFamily(
+            f"{p}_step_draft_tokens", "Drafts proposed, counted live", labels=["adapter"]
+        )
+        accepted = CounterMetricFamily(
+            f"{p}_step_accepted_tokens", "Drafts accepted, counted live", labels=["adapter"]
+        )
         lengths = HistogramMetricFamily(
-            f"{p}_accept_length", "Drafts accepted per request verify step", labels=["adapter"]
+            f"{p}_step_accept_length",
+            "Drafts accepted per request verify step, counted live",
+            labels=["adapter"],
         )
         for adapter, stats in sorted(snap.per_adapter.items()):
             steps.add_metric([adapter], stats.verify_steps)

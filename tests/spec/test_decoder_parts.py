@@ -170,14 +170,19 @@ def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_ru
     registry = CollectorRegistry()
     registry.register(run.engine.decoder.metrics.collector())
     text = generate_latest(registry).decode()
-    assert 'loraserve_spec_info{algorithm="STANDALONE",num_draft_tokens="4"} 1.0' in text
+    assert 'loraserve:spec_info{algorithm="STANDALONE",num_draft_tokens="4"} 1.0' in text
     accepted = snap.per_adapter["attn-r8"].accepted_tokens
-    assert f'loraserve_spec_accepted_tokens_total{{adapter="attn-r8"}} {float(accepted)}' in text
-    assert (
-        f'loraserve_spec_accept_length_count{{adapter="attn-r8"}} {float(snap.per_adapter["attn-r8"].verify_steps)}'
-        in text
-    )
-    assert "loraserve_spec_verify_seconds_bucket" in text
+    assert f'loraserve:spec_step_accepted_tokens_total{{adapter="attn-r8"}} {float(accepted)}' in text
+    steps = float(snap.per_adapter["attn-r8"].verify_steps)
+    assert f'loraserve:spec_step_accept_length_count{{adapter="attn-r8"}} {steps}' in text
+    assert "loraserve:spec_verify_seconds_bucket" in text
+
+    # Next to the server's own registry (per-request counters): no name clashes.
+    from loraserve.runtime.server.metrics import Metrics
+
+    server = Metrics("base")
+    server.registry.register(run.engine.decoder.metrics.collector())
+    assert "loraserve:spec_verify_seconds_count" in server.render().decode()
 
 
 def test_metrics_histogram_buckets_are_cumulative():
