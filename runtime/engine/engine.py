@@ -73,7 +73,9 @@ class Engine:
             max_head_bypass=max(max_running, 1),
         )
         self.scheduler = Scheduler(self.limits)
-        self.context_len = self._context_len()
+        self.model_context_len = self._model_context_len()
+        # What one request can reach: the model's context, or the whole KV cache if smaller.
+        self.context_len = min(self.model_context_len, int(getattr(self.kv, "max_context_len", 0) or 10**12))
         self.eos_token_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
 
@@ -160,39 +162,43 @@ class Engine:
             )
         # A decode step may append ``tokens_per_step`` tokens before the last is checked.
         slack = self.limits.decode_tokens_per_step - 1
-        room = self.context_len - slack
-        if n >= room:
+        model_room = self.model_context_len - slack
+        capacity = min(self._kv_capacity(), getattr(self.kv, "max_context_len", None) or self._kv_capacity())
+        kv_room = capacity - slack
+        if n >= model_room:
             raise EngineError.invalid(
-                f"This model's maximum context length is {self.context_len} tokens, but the "
+                f"This model's maximum context length is {self.model_context_len} tokens, but the "
                 f"{prompt_param} has {n} tokens and no room is left to generate: shorten it",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        capacity = self._kv_capacity()
+        if n >= kv_room:
+            raise EngineError.invalid(
+                f"the {prompt_param} has {n} tokens but the KV cache holds only {capacity}, leaving no room "
+                "to generate: shorten it, or raise --max-total-tokens",
+                param=prompt_param,
+                code="kv_cache_too_small",
+            )
         if params.max_tokens is None:
-            max_new = min(room - n, capacity - n - slack)
+            max_new = min(model_room, kv_room) - n
         else:
             max_new = params.max_tokens
-            if n + max_new > room:
+            if n + max_new > model_room:
                 raise EngineError.invalid(
-                    f"This model's maximum context length is {self.context_len} tokens. However, you "
+                    f"This model's maximum context length is {self.model_context_len} tokens. However, you "
                     f"requested {n + max_new} tokens ({n} in the {prompt_param}, {max_new} in max_tokens): "
                     "lower max_tokens or shorten the prompt",
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
-        if n + max_new + slack > capacity:
-            raise EngineError.invalid(
-                f"the request needs {n + max_new + slack} KV cache tokens ({n} prompt + {max_new} max_tokens) "
-                f"but the cache holds only {capacity}: lower max_tokens or raise --max-total-tokens",
-                param="max_tokens",
-                code="kv_cache_too_small",
-            )
-        if max_new < 1:
-            raise EngineError.invalid(
-                f"the KV cache ({capacity} tokens) has no room to generate after the {n}-token {prompt_param}",
-                param=prompt_param,
-            )
+            if n + max_new > kv_room:
+                raise EngineError.invalid(
+                    f"the request needs {n + max_new + slack} KV cache tokens ({n} in the {prompt_param}, "
+                    f"{max_new} in max_tokens) but the cache holds only {capacity}: lower max_tokens, or raise "
+                    "--max-total-tokens",
+                    param="max_tokens",
+                    code="kv_cache_too_small",
+                )
         request.max_new_tokens = max_new
         return request
 
@@ -644,11 +650,8 @@ class Engine:
     def _kv_free(self) -> int:
         return int(getattr(self.kv, "num_free_tokens", 0))
 
-    def _context_len(self) -> int:
-        limits = [getattr(self.kv, "max_context_len", None), self.config.model.context_length]
-        model_limit = getattr(self.runner, "context_len", None)
-        limits.append(model_limit)
-        known = [int(x) for x in limits if x]
+    def _model_context_len(self) -> int:
+        known = [int(x) for x in (self.config.model.context_length, getattr(self.runner, "context_len", None)) if x]
         if not known:
             raise ValueError("cannot tell the context length: set model.context_length")
         return min(known)

@@ -154,6 +154,8 @@ def test_validation_names_the_field(kwargs, field):
 
 
 def test_valid_params_pass():
-    p = SamplingParams(max_tokens=5, temperature=0.0, top_p=1.0, top_k=-1, seed=0, stop=("x",), stop_token_ids=(3,))
+    p = SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=1.0, top_k=-1, seed=0, stop=("x",), stop_token_ids=(3,)
+    )
     assert p.validate(vocab_size=512) is p
     assert p.greedy

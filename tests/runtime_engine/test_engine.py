@@ -1,0 +1,266 @@
+"""The engine with the real model runner: continuous batching changes nothing a request
+gets (greedy), limits hold at every step, KV pressure waits or retracts, failures stay in
+their request, aborts and shutdown release everything."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from loraserve.runtime.engine import Engine, EngineClosedError, EngineError, StandardDecoder
+from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.sampling import Sampler
+
+from .conftest import StepRecorder, engine_config, make_request, wait_all
+
+ADAPTERS = [None, "sql-r8", "chat-r16", "third"]
+
+
+class RecordingDecoder(StandardDecoder):
+    """The standard decoder, recording every batch it runs."""
+
+    def __init__(self, runner, sampler):
+        super().__init__(runner, sampler)
+        self.batches: list[tuple[str, list[str | None], list[int]]] = []
+
+    def extend(self, chunks):
+        self.batches.append(("extend", [r.adapter for r, _ in chunks], [n for _, n in chunks]))
+        return super().extend(chunks)
+
+    def step(self, requests):
+        self.batches.append(("decode", [r.adapter for r in requests], [1] * len(requests)))
+        return super().step(requests)
+
+
+def _workload(seed: int, n: int, vocab: int = 500) -> list[tuple[list[int], str | None, int]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 70))],
+            ADAPTERS[i % len(ADAPTERS)],
+            rng.randrange(4, 30),
+        )
+        for i in range(n)
+    ]
+
+
+def _alone(engine, work) -> list[list[int]]:
+    out = []
+    for prompt, adapter, max_tokens in work:
+        r, c = make_request(prompt, adapter, max_tokens=max_tokens)
+        engine.submit(r)
+        wait_all([c])
+        assert c.finish_reason == "length"
+        out.append(c.token_ids)
+    return out
+
+
+def _together(engine, work, waves: int = 3) -> list:
+    collected = []
+    per_wave = (len(work) + waves - 1) // waves
+    for w in range(waves):
+        for prompt, adapter, max_tokens in work[w * per_wave : (w + 1) * per_wave]:
+            r, c = make_request(prompt, adapter, max_tokens=max_tokens)
+            engine.submit(r)
+            collected.append(c)
+        time.sleep(0.05)  # later waves join a running batch
+    wait_all(collected)
+    return collected
+
+
+def test_continuous_batching_gives_each_request_what_it_gets_alone(engine_assets):
+    cfg = engine_config(engine_assets, max_loras_per_batch=2, max_running_requests=6, chunked_prefill_size=16)
+    runner = ModelRunner(cfg)
+    decoder = RecordingDecoder(runner, Sampler())
+    engine = Engine(cfg, runner, decoder=decoder)
+    engine.start()
+    try:
+        work = _workload(1, 16)
+        alone = _alone(engine, work)
+        decoder.batches.clear()
+        together = _together(engine, work)
+        assert [c.token_ids for c in together] == alone
+        assert all(c.finish_reason == "length" for c in together)
+        for kind, adapters, sizes in decoder.batches:
+            assert len({a for a in adapters if a is not None}) <= 2, (kind, adapters)
+            assert len(adapters) <= 6
+            if kind == "extend":
+                assert sum(sizes) <= 16
+        assert max(len(a) for k, a, _ in decoder.batches if k == "decode") > 1, "requests were batched"
+        mixed = [a for k, a, _ in decoder.batches if k == "decode" and None in a and len(set(a)) > 1]
+        assert mixed, "base and adapter requests shared a decode batch"
+        assert engine.kv.num_free_tokens == engine.kv.capacity
+    finally:
+        engine.shutdown(2.0)
+
+
+def test_chunk_size_does_not_change_outputs(engine_assets, start_engine):
+    work = _workload(2, 6)
+    big = start_engine(engine_config(engine_assets, chunked_prefill_size=4096))
+    small = start_engine(engine_config(engine_assets, chunked_prefill_size=5, max_prefill_tokens=7))
+    assert [c.token_ids for c in _together(small, work)] == _alone(big, work)
+
+
+def test_kv_pressure_waits_and_retracts_without_changing_outputs(engine_assets, start_engine):
+    work = [(p[:20] + [7] * max(0, 20 - len(p)), a, 40) for p, a, _ in _workload(3, 8)]
+    reference = _alone(start_engine(engine_config(engine_assets)), work)
+    recorder = StepRecorder()
+    tight = start_engine(
+        engine_config(engine_assets, max_total_tokens=160, max_running_requests=8), observer=recorder
+    )
+    together = _together(tight, work, waves=1)
+    assert [c.token_ids for c in together] == reference
+    assert recorder.retractions > 0, "the cache was too small for everyone: someone had to be retracted"
+    assert tight.kv.num_free_tokens == tight.kv.capacity
+
+
+def test_a_request_that_can_never_fit_is_refused_with_the_fix(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets, max_total_tokens=160))
+    r, _ = make_request(list(range(3, 103)), max_tokens=100)
+    with pytest.raises(EngineError) as info:
+        engine.submit(r)
+    assert info.value.error.param == "max_tokens"
+    assert "--max-total-tokens" in info.value.error.message
+    # Without max_tokens the request is capped to what fits, and runs.
+    r, c = make_request(list(range(3, 103)))
+    engine.submit(r)
+    wait_all([c])
+    assert c.finish_reason == "length" and len(c.token_ids) == 160 - 100
+
+
+def test_generation_stops_at_the_context_length(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets))
+    n = engine.context_len - 6
+    r, c = make_request([5 + i % 400 for i in range(n)])
+    engine.submit(r)
+    wait_all([c])
+    assert c.finish_reason == "length" and len(c.token_ids) == 6
+
+
+class FaultyDecoder(StandardDecoder):
+    """Fails any decode batch that holds the poisoned request after its third token."""
+
+    poisoned: str | None = None
+
+    def step(self, requests):
+        if any(r.rid == self.poisoned and len(r.output_ids) >= 3 for r in requests):
+            raise RuntimeError("injected fault")
+        return super().step(requests)
+
+
+def test_a_failing_request_fails_alone(engine_assets):
+    cfg = engine_config(engine_assets)
+    runner = ModelRunner(cfg)
+    decoder = FaultyDecoder(runner, Sampler())
+    engine = Engine(cfg, runner, decoder=decoder)
+    engine.start()
+    try:
+        work = _workload(4, 6)
+        reference = _alone(engine, work)
+        collected, poisoned = [], None
+        for i, (prompt, adapter, max_tokens) in enumerate(work):
+            r, c = make_request(prompt, adapter, max_tokens=max_tokens)
+            if i == 2:
+                decoder.poisoned, poisoned = r.rid, c
+            engine.submit(r)
+            collected.append(c)
+        wait_all(collected)
+        assert poisoned.finish_reason == "error" and "injected fault" in poisoned.error.message
+        assert poisoned.error.status == 500
+        for i, c in enumerate(collected):
+            if c is not poisoned:
+                assert c.token_ids == reference[i] and c.finish_reason == "length"
+        assert engine.kv.num_free_tokens == engine.kv.capacity
+    finally:
+        engine.shutdown(2.0)
+
+
+def test_abort_releases_kv_and_the_adapter(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets))
+    r, c = make_request(list(range(3, 30)), "chat-r16", max_tokens=500)
+    other, oc = make_request(list(range(3, 30)), "chat-r16", max_tokens=20)
+    engine.submit(r)
+    engine.submit(other)
+    while len(c.token_ids) < 3:
+        time.sleep(0.005)
+    engine.abort(r.rid)
+    wait_all([c, oc])
+    assert c.finish_reason == "abort" and len(c.token_ids) < 500
+    assert oc.finish_reason == "length" and len(oc.token_ids) == 20
+    assert engine.kv.num_free_tokens == engine.kv.capacity
+    info = next(i for i in engine.list_adapters() if i.name == "chat-r16")
+    assert info.refcount == 0
+
+
+def test_unloading_adapter_refuses_new_requests_and_finishes_running_ones(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets))
+    r, c = make_request(list(range(3, 20)), "sql-r8", max_tokens=60)
+    engine.submit(r)
+    while not c.token_ids:
+        time.sleep(0.005)
+    engine.unload_adapter("sql-r8")
+    late, _ = make_request(list(range(3, 20)), "sql-r8", max_tokens=5)
+    with pytest.raises(EngineError) as info:
+        engine.submit(late)
+    assert info.value.error.status == 404 and info.value.error.param == "model"
+    wait_all([c])
+    assert c.finish_reason == "length" and len(c.token_ids) == 60
+    assert all(i.name != "sql-r8" for i in engine.list_adapters())
+
+
+def test_seeded_sampling_in_the_engine_does_not_depend_on_the_batch(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets))
+    prompt = list(range(10, 40))
+
+    def sampled(seed):
+        r, c = make_request(prompt, "third", max_tokens=24, temperature=0.9, top_k=50, seed=seed)
+        return r, c
+
+    r, alone = sampled(42)
+    engine.submit(r)
+    wait_all([alone])
+    noise = []
+    for i in range(5):
+        nr, nc = make_request(list(range(20 + i, 50)), ADAPTERS[i % 4], max_tokens=30, temperature=1.0)
+        engine.submit(nr)
+        noise.append(nc)
+    r, batched = sampled(42)
+    engine.submit(r)
+    r2, other_seed = sampled(7)
+    engine.submit(r2)
+    wait_all([batched, other_seed, *noise])
+    assert batched.token_ids == alone.token_ids
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_tokens_end_with_reason_stop(engine_assets, start_engine, tokenizer):
+    engine = start_engine(engine_config(engine_assets), tokenizer=tokenizer)
+    prompt = tokenizer.encode("def main():")
+    r, ref = make_request(prompt, max_tokens=12)
+    engine.submit(r)
+    wait_all([ref])
+    stop_id = ref.token_ids[4]
+    r, c = make_request(prompt, max_tokens=12, stop_token_ids=(stop_id,))
+    engine.submit(r)
+    wait_all([c])
+    cut = ref.token_ids.index(stop_id)
+    assert c.finish_reason == "stop"
+    assert c.token_ids == ref.token_ids[: cut + 1]
+    assert c.text == tokenizer.decode(ref.token_ids[:cut])
+
+
+def test_shutdown_drains_then_aborts_and_refuses_new_work(engine_assets, start_engine):
+    engine = start_engine(engine_config(engine_assets))
+    short, sc = make_request(list(range(3, 10)), max_tokens=5)
+    long, lc = make_request(list(range(3, 10)), max_tokens=900)
+    engine.submit(short)
+    engine.submit(long)
+    engine.shutdown(drain_timeout_s=0.5)
+    wait_all([sc, lc], timeout=10)
+    assert sc.finish_reason == "length"
+    assert lc.finish_reason == "abort"
+    late, _ = make_request([3, 4, 5], max_tokens=2)
+    with pytest.raises(EngineClosedError):
+        engine.submit(late)

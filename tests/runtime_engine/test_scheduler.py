@@ -1,0 +1,166 @@
+"""The continuous-batching policy, as pure functions over request views."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from loraserve.runtime.engine.request import Request, RequestState
+from loraserve.runtime.engine.scheduler import (
+    BlockReason,
+    Scheduler,
+    SchedulerLimits,
+    StepKind,
+    plan_retractions,
+    select_admissions,
+)
+from loraserve.runtime.sampling import SamplingParams
+
+_clock = itertools.count()
+
+
+def req(prompt_len: int = 8, adapter: str | None = None, max_new: int = 8) -> Request:
+    r = Request(
+        rid=f"r{next(_clock)}",
+        prompt_ids=[1] * prompt_len,
+        params=SamplingParams(),
+        adapter=adapter,
+        max_new_tokens=max_new,
+        arrival_time=float(next(_clock)),
+    )
+    r.state = RequestState.WAITING
+    return r
+
+
+def running(r: Request, *, decoding: bool = True, t: float | None = None) -> Request:
+    r.state = RequestState.RUNNING
+    r.admitted_time = t if t is not None else float(next(_clock))
+    r.prefill_target = r.num_tokens
+    if decoding:
+        r.output_ids.append(2)
+        r.num_cached = r.num_tokens - 1
+    return r
+
+
+def limits(**kw) -> SchedulerLimits:
+    base = dict(
+        max_running_requests=8,
+        max_loras_per_batch=2,
+        chunked_prefill_size=64,
+        max_prefill_tokens=64,
+        new_token_ratio=0.0,
+    )
+    base.update(kw)
+    return SchedulerLimits(**base)
+
+
+def test_fifo_admission_stops_at_a_head_that_does_not_fit_the_kv_budget():
+    waiting = [req(10), req(100), req(5)]
+    admitted, reason, _ = select_admissions(
+        waiting, [], free_tokens=60, limits=limits(), chunk_budget=64, bypass_used=0
+    )
+    assert admitted == waiting[:1]
+    assert reason is BlockReason.KV  # the small third request does not overtake the second
+
+
+def test_max_running_requests_and_free_rows_cap_admission():
+    waiting = [req(4) for _ in range(6)]
+    admitted, reason, _ = select_admissions(
+        waiting, [running(req(4))], 10_000, limits(max_running_requests=3), 64, 0
+    )
+    assert len(admitted) == 2 and reason is BlockReason.MAX_RUNNING
+    admitted, _, _ = select_admissions(waiting, [], 10_000, limits(), 64, 0, free_rows=1)
+    assert len(admitted) == 1
+
+
+def test_adapter_limit_counts_running_and_pinned_adapters():
+    run = [running(req(4, "a")), running(req(4, "b"))]
+    waiting = [req(4, "c"), req(4, "a"), req(4, None), req(4, "d")]
+    admitted, reason, used = select_admissions(waiting, run, 10_000, limits(), 64, 0)
+    # c needs a third slot: blocked; a (active) and base (no slot) overtake it; d is blocked too.
+    assert admitted == [waiting[1], waiting[2]]
+    assert reason is BlockReason.ADAPTERS and used == 2
+    # A pinned adapter holds a slot although nothing runs on it.
+    admitted, reason, _ = select_admissions(
+        [req(4, "x"), req(4, "y")], [], 10_000, limits(), 64, 0, pinned=frozenset({"p"})
+    )
+    assert [r.adapter for r in admitted] == ["x"] and reason is BlockReason.ADAPTERS
+
+
+def test_a_blocked_head_is_overtaken_a_bounded_number_of_times():
+    lim = limits(max_head_bypass=3, max_running_requests=64)
+    sched = Scheduler(lim)
+    run = [running(req(4, "a")), running(req(4, "b"))]
+    head = req(4, "c")
+    waiting = [head] + [req(4, "a") for _ in range(10)]
+    plan = sched.plan(waiting, run, free_tokens=10_000)
+    assert plan.kind is StepKind.EXTEND and len(plan.admit) == 3
+    admitted_total = 3
+    for r in plan.admit:
+        waiting.remove(r)
+        run.append(running(r))
+    for _ in range(4):  # later steps admit nothing more past the head
+        plan = sched.plan(waiting, run, free_tokens=10_000)
+        admitted_total += len(plan.admit)
+    assert admitted_total == 3
+    # Once an adapter's requests finish, the head goes first.
+    run = [r for r in run if r.adapter != "b"]
+    plan = sched.plan(waiting, run, free_tokens=10_000)
+    assert plan.admit[0] is head
+
+
+def test_chunked_prefill_respects_the_budget_and_continues_first():
+    sched = Scheduler(limits(chunked_prefill_size=16, max_prefill_tokens=64))
+    long = req(40)
+    short = req(5)
+    plan = sched.plan([long, short], [], free_tokens=10_000)
+    assert plan.extend == [(long, 16)] and plan.admit == [long]
+    long.state = RequestState.RUNNING
+    long.prefill_target = long.num_tokens
+    long.num_cached = 16
+    plan = sched.plan([short], [long], free_tokens=10_000)
+    assert plan.extend == [(long, 16)] and plan.admit == []
+    long.num_cached = 32
+    plan = sched.plan([short], [long], free_tokens=10_000)
+    assert plan.extend == [(long, 8), (short, 5)] and plan.admit == [short]
+
+
+def test_extend_and_decode_alternate_when_both_have_work():
+    sched = Scheduler(limits())
+    dec = running(req(4))
+    kinds = []
+    waiting = [req(4) for _ in range(3)]
+    for _ in range(6):
+        plan = sched.plan(waiting, [dec], free_tokens=10_000)
+        kinds.append(plan.kind)
+        if plan.kind is StepKind.EXTEND:
+            waiting = [w for w in waiting if w not in plan.admit][:]
+            # keep one new arrival pending so extend work never runs out
+            waiting.append(req(4))
+    assert kinds == [StepKind.EXTEND, StepKind.DECODE] * 3
+
+
+def test_decode_retracts_newest_first_and_never_the_last_request():
+    old, mid, new = (running(req(10), t=float(i)) for i in (1, 2, 3))
+    # Each holds 10 tokens; a step of 8 tokens per request needs 24, 0 are free.
+    victims = plan_retractions([old, mid, new], free_tokens=0, tokens_per_request=8)
+    assert victims == [new, mid]
+    assert plan_retractions([old, mid, new], free_tokens=1, tokens_per_request=1) == [new]
+    assert plan_retractions([old], free_tokens=0, tokens_per_request=1) == []
+    assert plan_retractions([old, mid], free_tokens=2, tokens_per_request=1) == []
+
+
+def test_kv_reserve_counts_running_requests_expected_growth():
+    run = [running(req(4, max_new=100))]
+    waiting = [req(4, max_new=100)]
+    lim = limits(new_token_ratio=0.5)
+    # The running request reserves ceil(0.5 * 99) = 50; the candidate needs 4 + 50.
+    assert select_admissions(waiting, run, 103, lim, 64, 0)[0] == []
+    assert select_admissions(waiting, run, 104, lim, 64, 0)[0] == waiting
+
+
+@pytest.mark.parametrize("field", ["max_running_requests", "max_loras_per_batch", "chunked_prefill_size"])
+def test_limits_reject_nonsense(field):
+    with pytest.raises(ValueError, match=field):
+        limits(**{field: 0})
