@@ -1,9 +1,12 @@
 """In-memory indexes of LoRAServes and Adapters, kept current by kopf's watch streams.
 
-Admission decisions read these instead of calling the API server per request. Handlers
-receive an index as a keyword argument named after its function (``serve_specs``,
-``adapters_by_serve``). Values are plain copies of the objects' specs: they are parsed
-where used, so one malformed object cannot break indexing of the others.
+Admission decisions read these instead of calling the API server per request. Any kopf
+handler of the same registry receives an index as a keyword argument named after it
+(``serve_specs``, ``adapters_by_serve``). Values are plain copies of the objects' specs:
+they are parsed where used, so one malformed object cannot break indexing of the others.
+
+:func:`register` adds the indexes to a registry; importing ``loraserve.operator.webhooks``
+registers them (with the webhooks) in kopf's default registry.
 """
 
 from __future__ import annotations
@@ -26,19 +29,27 @@ class IndexedAdapter:
     spec: dict[str, Any]
 
 
-@kopf.index(GROUP, VERSION, LORASERVE_PLURAL)
+SERVE_INDEX = "serve_specs"
+ADAPTER_INDEX = "adapters_by_serve"
+
+
 def serve_specs(namespace: str, name: str, spec: Mapping[str, Any], **_: Any) -> dict:
     """``(namespace, name)`` -> the LoRAServe's spec."""
     return {(namespace, name): copy.deepcopy(dict(spec))}
 
 
-@kopf.index(GROUP, VERSION, ADAPTER_PLURAL)
 def adapters_by_serve(namespace: str, name: str, spec: Mapping[str, Any], **_: Any) -> dict | None:
     """``(namespace, serve name)`` -> the Adapters that reference that serve."""
     serve = spec.get("serve")
     if not isinstance(serve, str) or not serve:
         return None
     return {(namespace, serve): IndexedAdapter(name=name, spec=copy.deepcopy(dict(spec)))}
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Add both indexes to ``registry``."""
+    kopf.index(GROUP, VERSION, LORASERVE_PLURAL, id=SERVE_INDEX, registry=registry)(serve_specs)
+    kopf.index(GROUP, VERSION, ADAPTER_PLURAL, id=ADAPTER_INDEX, registry=registry)(adapters_by_serve)
 
 
 def lookup_serve(index: Mapping[Any, Iterable[dict]], namespace: str, name: str) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Admission webhooks for LoRAServe and Adapter, over the runtime's compatibility policy.
 
-Importing this module registers kopf handlers (and the indexes of ``.index``):
+Importing this module registers these kopf handlers, and the indexes of ``.index`` they
+read, in kopf's default registry (:func:`register` adds them to another registry):
 
 - ``/mutate-loraserve``: fills defaults a CRD default cannot express (``numDraftTokens``
   from ``numSteps``, ``model.servedName`` from the source); never rewrites a value the
@@ -33,7 +34,7 @@ from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
 from loraserve.runtime.config import SpecAlgorithm
 from loraserve.runtime.policy import Violation, check_adapter, check_config
 
-from . import index  # registers the indexes the handlers below receive
+from . import index
 from .index import IndexedAdapter, lookup_adapters, lookup_serve
 from .specs import (
     ADAPTER_PLURAL,
@@ -60,6 +61,7 @@ from .translate import (
 )
 
 __all__ = [
+    "ADMISSION_ERROR_CODE",
     "MUTATE_ADAPTER",
     "MUTATE_LORASERVE",
     "SERVE_LABEL",
@@ -73,6 +75,7 @@ __all__ = [
     "index",
     "judge_adapter",
     "judge_serve",
+    "register",
 ]
 
 VALIDATE_LORASERVE = "validate-loraserve"
@@ -100,7 +103,10 @@ class Verdict:
         return not self.problems
 
     def message(self) -> str:
-        return "; ".join(self.problems)
+        """One problem as is; several as a list, one per line (kubectl prints it verbatim)."""
+        if len(self.problems) == 1:
+            return self.problems[0]
+        return f"{len(self.problems)} problems:\n" + "\n".join(f"- {p}" for p in self.problems)
 
 
 # --------------------------------------------------------------------------- mutation
@@ -339,7 +345,6 @@ def _report(verdict: Verdict, warnings: list[str]) -> None:
         raise kopf.AdmissionError(verdict.message(), code=ADMISSION_ERROR_CODE)
 
 
-@kopf.on.mutate(GROUP, VERSION, LORASERVE_PLURAL, id=MUTATE_LORASERVE, operations=["CREATE", "UPDATE"])
 def mutate_loraserve(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
     """Fill derived defaults into a LoRAServe."""
     spec = body.get("spec")
@@ -348,7 +353,6 @@ def mutate_loraserve(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> No
         patch["spec"] = fragment
 
 
-@kopf.on.mutate(GROUP, VERSION, ADAPTER_PLURAL, id=MUTATE_ADAPTER, operations=["CREATE", "UPDATE"])
 def mutate_adapter(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
     """Label an Adapter with its serve's name."""
     labels = adapter_labels(body)
@@ -356,7 +360,6 @@ def mutate_adapter(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None
         patch["metadata"] = {"labels": labels}
 
 
-@kopf.on.validate(GROUP, VERSION, LORASERVE_PLURAL, id=VALIDATE_LORASERVE, operations=["CREATE", "UPDATE"])
 def validate_loraserve(
     body: Mapping[str, Any],
     old: Mapping[str, Any] | None,
@@ -379,7 +382,6 @@ def validate_loraserve(
     _report(verdict, warnings)
 
 
-@kopf.on.validate(GROUP, VERSION, ADAPTER_PLURAL, id=VALIDATE_ADAPTER, operations=["CREATE", "UPDATE"])
 def validate_adapter(
     body: Mapping[str, Any],
     old: Mapping[str, Any] | None,
@@ -405,6 +407,33 @@ def validate_adapter(
         metadata=body.get("metadata") or {},
     )
     _report(verdict, warnings)
+
+
+_OPERATIONS = ["CREATE", "UPDATE"]
+_registered: list[kopf.OperatorRegistry] = []
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Add the admission handlers and the indexes they read to ``registry`` (once)."""
+    if any(known is registry for known in _registered):
+        return
+    index.register(registry)
+    kopf.on.mutate(
+        GROUP, VERSION, LORASERVE_PLURAL, id=MUTATE_LORASERVE, operations=_OPERATIONS, registry=registry
+    )(mutate_loraserve)
+    kopf.on.mutate(
+        GROUP, VERSION, ADAPTER_PLURAL, id=MUTATE_ADAPTER, operations=_OPERATIONS, registry=registry
+    )(mutate_adapter)
+    kopf.on.validate(
+        GROUP, VERSION, LORASERVE_PLURAL, id=VALIDATE_LORASERVE, operations=_OPERATIONS, registry=registry
+    )(validate_loraserve)
+    kopf.on.validate(
+        GROUP, VERSION, ADAPTER_PLURAL, id=VALIDATE_ADAPTER, operations=_OPERATIONS, registry=registry
+    )(validate_adapter)
+    _registered.append(registry)
+
+
+register(kopf.get_default_registry())
 
 
 # --------------------------------------------------------------------------- the server
