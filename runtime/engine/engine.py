@@ -651,7 +651,9 @@ class Engine:
         return int(getattr(self.kv, "num_free_tokens", 0))
 
     def _model_context_len(self) -> int:
-        known = [int(x) for x in (self.config.model.context_length, getattr(self.runner, "context_len", None)) if x]
+        known = [
+            int(x) for x in (self.config.model.context_length, getattr(self.runner, "context_len", None)) if x
+        ]
         if not known:
             raise ValueError("cannot tell the context length: set model.context_length")
         return min(known)

@@ -310,7 +310,7 @@ def sigv4_sign(
     ``payload_hash`` defaults to the ``x-amz-content-sha256`` header. Query parameters are
     canonicalised (sorted, RFC 3986-encoded) as the specification requires.
     """
-    now = now or _dt.datetime.now(_dt.timezone.utc)
+    now = now or _dt.datetime.now(_dt.UTC)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     date = now.strftime("%Y%m%d")
     parts = urllib.parse.urlsplit(url)
@@ -430,7 +430,7 @@ async def _fetch_to(
                     if written > max_bytes:
                         raise SourceError(f"lora_path {source!r}: {shown} exceeds the {max_bytes}-byte limit")
                     f.write(chunk)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise SourceError(
             f"lora_path {source!r}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
         ) from exc
