@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,52 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class _OperatorThread:
+    """``kopf.operator`` on an event loop of its own thread, stoppable from any loop."""
+
+    def __init__(self, registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings) -> None:
+        self._registry = registry
+        self._settings = settings
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kopf-admission-lab", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:
+            self._error = error
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await kopf.operator(
+            registry=self._registry,
+            settings=self._settings,
+            standalone=True,
+            clusterwide=True,
+            stop_flag=self._stop,
+        )
+
+    def raise_if_stopped(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("kopf stopped before the webhook server came up") from self._error
+
+    async def stop(self, timeout: float = 15.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"kopf did not stop within {timeout} s")
+
+
 class AdmissionLab:
     """kmock's Kubernetes emulator + kopf with the admission webhooks over HTTPS.
 
@@ -105,12 +152,16 @@ class AdmissionLab:
     watch and so the indexes). ``review()`` sends one AdmissionReview as it is.
     """
 
-    def __init__(self, *, namespace: str = "default", cert_dir: Path | None = None) -> None:
+    def __init__(
+        self, *, namespace: str = "default", cert_dir: Path | None = None, certificate: TLSFiles | None = None
+    ) -> None:
+        """``certificate``: mounted-style PEM files to serve (checked as the operator checks
+        them); None generates a self-signed CA into ``cert_dir`` (or a temporary directory)."""
         self.namespace = namespace
         self._cert_dir = cert_dir
+        self._certificate = certificate
         self._stack = contextlib.AsyncExitStack()
-        self._seen: dict[tuple[str, str, str], Any] = {}
-        self._changed = asyncio.Condition()
+        self._seen: dict[tuple[str, str, str], Any] = {}  # written on kopf's thread
         self.api_url = ""
         self.webhook_url = ""
         self.tls: TLSFiles | None = None
@@ -144,22 +195,27 @@ class AdmissionLab:
             settings.watching.server_timeout = 30
             port = _free_port()
             cert_dir = self._cert_dir or Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
+            files = self._certificate
             config = webhooks.WebhookServerConfig(
-                addr="127.0.0.1", port=port, host="127.0.0.1", cert_dir=str(cert_dir)
+                addr="127.0.0.1",
+                port=port,
+                host="127.0.0.1",
+                cert_dir=str(cert_dir),
+                certfile=str(files.certfile) if files else None,
+                keyfile=str(files.keyfile) if files else None,
+                cafile=str(files.cafile) if files and files.cafile else None,
             )
             self.tls = webhooks.configure_webhook_server(settings, config)
             self.webhook_url = f"https://127.0.0.1:{port}"
 
-            stop = asyncio.Event()
-            task = asyncio.create_task(
-                kopf.operator(
-                    registry=registry, settings=settings, standalone=True, clusterwide=True, stop_flag=stop
-                )
-            )
-            self._stack.push_async_callback(self._stop_operator, task, stop)
+            # kopf runs on its own loop in a thread: on shutdown it cancels every task of its
+            # loop that it did not start with, which must not include the caller's.
+            operator = _OperatorThread(registry, settings)
+            operator.start()
+            self._stack.push_async_callback(operator.stop)
             self._http = await self._stack.enter_async_context(aiohttp.ClientSession())
             self._ssl = self.tls.client_context()
-            await self._wait_ready(task)
+            await self._wait_ready(operator)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -171,23 +227,11 @@ class AdmissionLab:
     async def _login(self, **_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=self.api_url, insecure=True)
 
-    @staticmethod
-    async def _stop_operator(task: asyncio.Task, stop: asyncio.Event) -> None:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, timeout=15)
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    async def _wait_ready(self, task: asyncio.Task, timeout: float = 30.0) -> None:
+    async def _wait_ready(self, operator: _OperatorThread, timeout: float = 30.0) -> None:
         """Until the webhook answers over HTTPS and kopf watches both resources."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
-            if task.done():
-                task.result()  # raises what stopped the operator
-                raise RuntimeError("kopf stopped before the webhook server came up")
+            operator.raise_if_stopped()
             try:
                 await self.review(self._sample(LORASERVE_KIND), path=webhooks.VALIDATE_LORASERVE)
                 break
@@ -218,9 +262,7 @@ class AdmissionLab:
 
     async def _record(self, type: str | None, body: Mapping[str, Any], **_: Any) -> None:
         key = (body.get("kind", ""), body["metadata"].get("namespace", ""), body["metadata"]["name"])
-        async with self._changed:
-            self._seen[key] = None if type == "DELETED" else copy.deepcopy(dict(body.get("spec") or {}))
-            self._changed.notify_all()
+        self._seen[key] = None if type == "DELETED" else copy.deepcopy(dict(body.get("spec") or {}))
 
     async def wait_seen(
         self, obj: Mapping[str, Any], *, deleted: bool = False, timeout: float = 10.0
@@ -230,11 +272,11 @@ class AdmissionLab:
         key = (obj["kind"], meta.get("namespace") or self.namespace, meta["name"])
         expected = None if deleted else dict(obj.get("spec") or {})
 
-        def arrived() -> bool:
-            return key in self._seen and self._seen[key] == expected
-
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(arrived), timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not (key in self._seen and self._seen[key] == expected):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"kopf did not see {key} {'deleted' if deleted else 'as stored'}")
+            await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ requests
 

@@ -286,6 +286,12 @@ def judge_adapter(
     except SpecError as error:
         verdict.problems += error.problems
         return verdict
+    labels = (metadata or {}).get("labels") or {}
+    if SERVE_LABEL in labels and labels[SERVE_LABEL] != adapter.serve:
+        verdict.warnings.append(
+            f"metadata.labels[{SERVE_LABEL}]: is {labels[SERVE_LABEL]!r} but spec.serve is {adapter.serve!r}; "
+            "selections by this label will miss the adapter"
+        )
     if serve_spec is None:
         verdict.warnings.append(
             f"spec.serve: LoRAServe {adapter.serve!r} does not exist in namespace {namespace!r} yet; the adapter "
@@ -305,12 +311,6 @@ def judge_adapter(
     if claim:
         verdict.problems.append(claim)
     verdict.warnings += warnings
-    labels = (metadata or {}).get("labels") or {}
-    if SERVE_LABEL in labels and labels[SERVE_LABEL] != adapter.serve:
-        verdict.warnings.append(
-            f"metadata.labels[{SERVE_LABEL}]: is {labels[SERVE_LABEL]!r} but spec.serve is {adapter.serve!r}; "
-            "selections by this label will miss the adapter"
-        )
     placement = adapter.placement
     if placement.mode is PlacementMode.REPLICAS and (placement.replicas or 0) > serve.replicas:
         verdict.warnings.append(

@@ -1,0 +1,244 @@
+"""The admission webhooks over real HTTPS, with kopf's indexes fed by a watch.
+
+See conftest.py: kmock's KubernetesEmulator stands in for the API server (none exists on
+these machines); kopf, its webhook server and the indexes are real.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+
+from loraserve.operator import webhooks
+from loraserve.operator.specs import API_VERSION
+from loraserve.runtime.capabilities import CAPABILITIES
+from loraserve.runtime.config import SpecAlgorithm
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+WEBHOOK_NEGATIVES = [
+    p for p in sorted((EXAMPLES / "invalid").glob("*.yaml")) if "expect-rejected-by: webhook" in p.read_text()
+]
+
+
+def serve(name: str, namespace: str, **spec) -> dict:
+    body = {"model": {"source": "/models/llama"}, **spec}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "LoRAServe",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
+
+
+def adapter(name: str, namespace: str, serve_name: str, **spec) -> dict:
+    body = {"serve": serve_name, "source": f"hf://acme/{name}", **spec}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Adapter",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
+
+
+async def test_valid_examples_follow_the_capability_table(lab, manifest):
+    ns = "examples"
+    docs = [manifest(p.name, ns) for p in sorted(EXAMPLES.glob("*.yaml"))]
+    docs.sort(key=lambda d: d["kind"] != "LoRAServe")
+    admitted_serves = set()
+    for doc in docs:
+        applied = await lab.apply(doc)
+        if doc["kind"] == "LoRAServe":
+            algorithm = SpecAlgorithm(doc["spec"].get("speculative", {}).get("algorithm", "NONE"))
+            assert applied.allowed == CAPABILITIES.implements(algorithm), applied.validation.message
+            if applied.allowed:
+                admitted_serves.add(doc["metadata"]["name"])
+            else:
+                assert applied.validation.code == webhooks.ADMISSION_ERROR_CODE
+                assert "not available in this runtime" in applied.validation.message
+        else:
+            # Adapters fit their serves; a serve that was refused is only a warning.
+            assert applied.allowed, applied.validation.message
+            missing = doc["spec"]["serve"] not in admitted_serves
+            assert any("does not exist" in w for w in applied.warnings) == missing
+            assert await lab.get("Adapter", doc["metadata"]["name"], ns) is not None
+
+
+@pytest.mark.parametrize("path", WEBHOOK_NEGATIVES, ids=lambda p: p.name)
+async def test_negative_examples_are_refused_with_their_message(lab, manifest, path):
+    ns = "negatives"
+    for name in ("llama3-1b-plain.yaml", "adapter-style-https.yaml"):
+        await lab.apply(manifest(name, ns))  # the serve they refer to, and its adapter
+    expected = re.search(r"^# expect-message: (.+)$", path.read_text(), re.M).group(1).strip().strip('"')
+    obj = manifest(f"invalid/{path.name}", ns)
+    applied = await lab.apply(obj)
+    assert not applied.allowed
+    assert applied.validation.code == 422
+    assert expected in applied.validation.message
+    assert await lab.get(obj["kind"], obj["metadata"]["name"], ns) is None  # nothing stored
+
+
+async def test_mutation_fills_derived_defaults_only_where_unset(lab):
+    ns = "mutation"
+    review = await lab.review(
+        serve(
+            "s",
+            ns,
+            model={"source": "hf://meta-llama/Llama-3.2-1B"},
+            speculative={"algorithm": "NGRAM", "numSteps": 5},
+        ),
+        path=webhooks.MUTATE_LORASERVE,
+    )
+    assert review.allowed
+    assert sorted(review.patch, key=lambda op: op["path"]) == [
+        {"op": "add", "path": "/spec/model/servedName", "value": "meta-llama/Llama-3.2-1B"},
+        {"op": "add", "path": "/spec/speculative/numDraftTokens", "value": 6},
+    ]
+    written = serve(
+        "s",
+        ns,
+        model={"source": "/m", "servedName": "mine"},
+        speculative={"algorithm": "NGRAM", "numSteps": 5, "numDraftTokens": 6},
+    )
+    assert (await lab.review(written, path=webhooks.MUTATE_LORASERVE)).patch == []
+    # A chain of topK 1 is the only derivable case; trees must say.
+    tree = serve(
+        "t", ns, model={"source": "/m", "servedName": "x"}, speculative={"algorithm": "EAGLE", "topK": 2}
+    )
+    assert (await lab.review(tree, path=webhooks.MUTATE_LORASERVE)).patch == []
+
+
+async def test_adapter_mutation_labels_with_the_serve_but_keeps_user_labels(lab):
+    ns = "labels"
+    review = await lab.review(adapter("a", ns, "s1"), path=webhooks.MUTATE_ADAPTER)
+    assert review.patch == [{"op": "add", "path": "/metadata/labels", "value": {webhooks.SERVE_LABEL: "s1"}}]
+    mine = adapter("b", ns, "s1")
+    mine["metadata"]["labels"] = {webhooks.SERVE_LABEL: "other"}
+    assert (await lab.review(mine, path=webhooks.MUTATE_ADAPTER)).patch == []
+    review = await lab.review(mine, path=webhooks.VALIDATE_ADAPTER)
+    assert review.allowed and any("selections by this label will miss" in w for w in review.warnings)
+
+
+async def test_adapter_before_its_serve_is_admitted_with_a_warning_then_checked(lab):
+    ns = "order"
+    early = await lab.apply(adapter("early", ns, "late-serve", rank=32))
+    assert early.allowed
+    assert early.warnings[-1].startswith(
+        "spec.serve: LoRAServe 'late-serve' does not exist in namespace 'order'"
+    )
+    # The serve arrives; it cannot hold that adapter, which creation reports without refusing.
+    created = await lab.apply(serve("late-serve", ns, lora={"maxRank": 16}))
+    assert created.allowed
+    assert any(
+        "Adapter 'early' spec.rank: rank 32 exceeds spec.lora.maxRank (16)" in w for w in created.warnings
+    )
+    # From now on the index knows the serve: a second such adapter is refused.
+    second = await lab.apply(adapter("second", ns, "late-serve", rank=32))
+    assert (
+        not second.allowed
+        and "exceeds LoRAServe 'late-serve' spec.lora.maxRank (16)" in second.validation.message
+    )
+
+
+async def test_serve_change_that_strands_adapters_is_refused_naming_them(lab):
+    ns = "strand"
+    assert (await lab.apply(serve("s", ns, lora={"maxRank": 64}))).allowed
+    for name, rank in (("a16", 16), ("a32", 32), ("a64", 64)):
+        assert (await lab.apply(adapter(name, ns, "s", rank=rank))).allowed
+    lowered = await lab.apply(serve("s", ns, lora={"maxRank": 16}))
+    assert not lowered.allowed and lowered.validation.code == 422
+    message = lowered.validation.message
+    assert message.startswith("2 problems:")
+    assert "existing Adapter 'a32' spec.rank: rank 32 exceeds spec.lora.maxRank (16)" in message
+    assert "existing Adapter 'a64'" in message and "'a16'" not in message
+    stored = await lab.get("LoRAServe", "s", ns)
+    assert stored["spec"]["lora"]["maxRank"] == 64  # nothing changed
+    # Deleting the adapters that stand in the way lets the change through.
+    for name in ("a32", "a64"):
+        await lab.delete(adapter(name, ns, "s"))
+    assert (await lab.apply(serve("s", ns, lora={"maxRank": 16}))).allowed
+
+
+async def test_serve_update_that_keeps_an_old_misfit_is_not_blamed_for_it(lab):
+    ns = "misfit"
+    # An adapter admitted before its serve existed, which the serve never could hold.
+    assert (await lab.apply(adapter("big", ns, "s", rank=128))).allowed
+    assert (await lab.apply(serve("s", ns, lora={"maxRank": 64}))).allowed
+    # Unrelated change: the misfit is not new, so it does not refuse the update.
+    changed = await lab.apply(serve("s", ns, lora={"maxRank": 64}, replicas=3))
+    assert changed.allowed, changed.validation.message
+
+
+async def test_pinned_adapters_are_counted_across_the_index(lab):
+    ns = "pinned"
+    assert (await lab.apply(serve("s", ns, lora={"maxLorasPerBatch": 2, "maxLoadedLoras": 8}))).allowed
+    first = await lab.apply(adapter("p1", ns, "s", pinned=True))
+    assert first.allowed and first.warnings == []
+    second = await lab.apply(adapter("p2", ns, "s", pinned=True))
+    assert second.allowed and any("hold all 2 GPU slots" in w for w in second.warnings)
+    third = await lab.apply(adapter("p3", ns, "s", pinned=True))
+    assert not third.allowed and "3 pinned adapters would need more GPU slots" in third.validation.message
+    assert (await lab.apply(adapter("p3", ns, "s", pinned=False))).allowed
+
+
+async def test_updates_that_leave_the_spec_alone_are_never_refused(lab):
+    ns = "finalizers"
+    bad = serve("s", ns, runtime={"overlapSchedule": True})
+    refused = await lab.review(bad, path=webhooks.VALIDATE_LORASERVE)
+    assert not refused.allowed
+    finalized = copy.deepcopy(bad)
+    finalized["metadata"]["finalizers"] = ["loraserve.io/cleanup"]
+    # Removing a finalizer from an object that no longer passes must not wedge its deletion.
+    review = await lab.review(bad, path=webhooks.VALIDATE_LORASERVE, operation="UPDATE", old=finalized)
+    assert review.allowed
+    changed = copy.deepcopy(bad)
+    changed["spec"]["replicas"] = 2
+    review = await lab.review(changed, path=webhooks.VALIDATE_LORASERVE, operation="UPDATE", old=bad)
+    assert not review.allowed
+
+
+async def test_all_problems_come_back_at_once_with_warnings(lab):
+    ns = "many"
+    obj = serve(
+        "s",
+        ns,
+        speculative={"algorithm": "FROZEN_KV_MTP", "draftModel": {"source": "/models/assistant"}},
+        runtime={"overlapSchedule": True, "twoBatchOverlap": True, "extraArgs": ["--foo"]},
+        lora={"overlapLoading": True, "maxRank": 512},
+    )
+    review = await lab.review(obj, path=webhooks.VALIDATE_LORASERVE)
+    assert not review.allowed and review.code == 422
+    for field in (
+        "spec.speculative.algorithm",
+        "spec.runtime.overlapSchedule",
+        "spec.runtime.twoBatchOverlap",
+        "spec.lora.overlapLoading",
+    ):
+        assert f"- {field}: " in review.message
+    assert any(w.startswith("spec.lora.maxRank:") for w in review.warnings)
+    assert any(w.startswith("spec.runtime.extraArgs:") for w in review.warnings)
+
+
+async def test_malformed_specs_are_refused_with_the_field(lab):
+    ns = "malformed"
+    review = await lab.review(serve("s", ns, lora={"maxRank": "big"}), path=webhooks.VALIDATE_LORASERVE)
+    assert not review.allowed and review.message.startswith("spec.lora.maxRank:")
+    broken = serve("s", ns)
+    broken["spec"] = ["not", "an", "object"]
+    review = await lab.review(broken, path=webhooks.VALIDATE_LORASERVE)
+    assert not review.allowed and review.message == "spec: must be an object"
+    assert (await lab.review(broken, path=webhooks.MUTATE_LORASERVE)).patch == []
+
+
+async def test_deleted_serve_leaves_the_index(lab):
+    ns = "deleted"
+    obj = serve("s", ns, lora={"maxRank": 8})
+    assert (await lab.apply(obj)).allowed
+    assert not (await lab.apply(adapter("a", ns, "s", rank=16))).allowed
+    await lab.delete(obj)
+    again = await lab.apply(adapter("a", ns, "s", rank=16))
+    assert again.allowed and any("does not exist" in w for w in again.warnings)
