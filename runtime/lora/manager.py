@@ -257,6 +257,9 @@ class LoRAManager:
     def prepare_batch(self, names: Sequence[str | None]) -> list[int]:
         """Make every adapter of a batch resident; returns each request's slot (-1: base).
 
+        Called by the one thread that runs forwards: the returned slots stay valid until
+        its next call, since loads and unloads from other threads never take them.
+
         Raises :class:`AdapterCapacityError` when the batch needs more distinct adapters
         than there are slots not held by pinned adapters outside the batch, and
         :class:`AdapterNotFoundError` for a name the manager does not hold.

@@ -264,3 +264,44 @@ def test_startup_adapters_and_pins_from_config(assets, make_config):
     infos = {i.name: i for i in runner.lora.list()}
     assert set(infos) == {"a", "b"} and infos["b"].pinned and not infos["a"].pinned
     assert infos["b"].state is AdapterState.ACTIVE
+
+
+def test_loads_and_unloads_from_another_thread_do_not_disturb_serving(assets, make_runner, ops):
+    import threading
+
+    runner = make_runner(assets.models["llama-gqa"], max_loras_per_batch=3)
+    lora = runner.lora
+    lora.load("steady", assets.adapters["attn-r8"])
+    lora.load("other", assets.adapters["mlp-r4-rs"])
+    expected = _probe(runner, ops, "steady", "warm")
+    stop, errors, cycles = threading.Event(), [], [0]
+
+    def churn():
+        while not stop.is_set():
+            name = f"churn{cycles[0] % 3}"
+            try:
+                # a pinned load takes a device slot at once, evicting what the running
+                # batch does not use
+                lora.load(name, assets.adapters["all-r16"], pinned=True)
+                lora.unload(name)
+            except Exception as exc:  # any error here is a failure of the manager
+                errors.append(exc)
+                return
+            cycles[0] += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for i in range(8):
+            lora.acquire("steady")
+            try:
+                torch.testing.assert_close(_probe(runner, ops, "steady", f"t{i}"), expected, atol=0, rtol=0)
+                _probe(runner, ops, "other", f"o{i}")  # keeps a second slot busy
+            finally:
+                lora.release("steady")
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert cycles[0] > 0
+    assert [i.name for i in lora.list()] == ["other", "steady"]
