@@ -67,6 +67,9 @@ K = _import_kernels()
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
+from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
+from loraserve.kernels.triton_ops.pdl import pdl_supported  # noqa: E402
+from loraserve.kernels.triton_ops.shrink import launch_shrink  # noqa: E402
 
 ForwardMode = K.ForwardMode
 
@@ -384,6 +387,20 @@ def correctness(device, modules, tiny: bool) -> list[Check]:
     checks.append(check_public_shrink(backend, works[0], qkv, torch.bfloat16, device, gen))
     checks += check_graph(backend, qkv, device, gen, "verify", 8, 4)
     checks += check_graph(backend, modules["down"], device, gen, "decode", 16, 1)
+    variants = [("fused", TritonLoRABackend(fused_max_tiles=1 << 30))]
+    if pdl_supported(device):
+        variants += [
+            ("pdl", TritonLoRABackend(pdl=True)),
+            ("fused+pdl", TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30)),
+        ]
+    for tag, variant in variants:
+        for w in works:
+            c = check_apply(variant, w, modules["gate_up"], torch.bfloat16, device, gen, base_requests=1)
+            c.name = f"[{tag}] {c.name}"
+            checks.append(c)
+        for c in check_graph(variant, qkv, device, gen, "verify", 8, 4)[:3]:
+            c.name = f"[{tag}] {c.name}"
+            checks.append(c)
     return checks
 
 
@@ -403,6 +420,7 @@ class Row:
     weight_frac: float  # adapter weights' share of the bytes
     shrink: str = ""
     expand: str = ""
+    triton_pdl_us: float = float("nan")
     extra: dict = field(default_factory=dict)
 
 
@@ -444,6 +462,20 @@ class ModuleCase:
             for i in range(self.sets)
         ]
 
+    def shrink_fns(self, partial, config: ShrinkConfig):
+        """The shrink alone, into one shared partial-sum buffer."""
+        S = len(self.m.widths)
+        return [
+            (lambda i=i: launch_shrink(self.x[i], self.A[i], partial, self.info, S, config)) for i in range(self.sets)
+        ]
+
+    def expand_fns(self, partial, config: ExpandConfig):
+        """The expand alone, from one shared partial-sum buffer."""
+        return [
+            (lambda i=i: launch_expand(partial, self.B[i], self.out[i], self.info, self.m.offsets, config))
+            for i in range(self.sets)
+        ]
+
     def torch_fns(self):
         w, m = self.w, self.m
         R = w.pool_rank
@@ -469,7 +501,8 @@ def describe(cfg) -> str:
 
 def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[Row]:
     gen = torch.Generator().manual_seed(7)
-    backend = TritonLoRABackend()
+    backend = TritonLoRABackend(pdl=False)
+    pdl_backend = TritonLoRABackend(pdl=True) if pdl_supported(device) else None
     rows: list[Row] = []
     for w in workloads:
         for m in modules.values():
@@ -480,9 +513,12 @@ def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline)
                 case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
                 t_triton = time_replays(case.triton_fns(backend), device, reps)
                 t_torch = time_replays(case.torch_fns(), device, reps)
+                t_pdl = (
+                    time_replays(case.triton_fns(pdl_backend), device, reps) if pdl_backend else float("nan")
+                )
                 total, weights = moved_bytes(w, m)
                 sc = backend.shrink_config(case.info, case.x[0], len(m.widths), w.pool_rank)
-                ec = backend.expand_config(case.info, case.B[0])
+                ec = backend.expand_config(case.info, case.B[0], m.offsets)
                 row = Row(
                     m.name,
                     w.label(),
@@ -495,11 +531,13 @@ def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline)
                     weights / total,
                     describe(sc),
                     describe(ec),
+                    t_pdl * 1e3,
                     {"sets": case.sets, "tiles": case.info.num_tiles},
                 )
                 rows.append(row)
                 print(
-                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  torch {row.torch_us:8.2f} us"
+                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  pdl {row.triton_pdl_us:8.2f}"
+                    f"  torch {row.torch_us:8.2f} us"
                     f"  x{row.speedup:5.2f}  bw {100 * row.bw_frac:5.1f}%  w {100 * row.weight_frac:4.0f}%",
                     flush=True,
                 )
@@ -510,9 +548,12 @@ def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline)
 
 
 def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[dict]:
-    """Alternative launch configurations on a few shapes (the tuning record)."""
+    """Alternative launch configurations on a few shapes (the tuning record), and the
+    default's time split into its shrink and its expand."""
     gen = torch.Generator().manual_seed(11)
     results = []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    pdl_ok = pdl_supported(device)
     for w, mname in workloads:
         m = modules[mname]
         if time.time() > deadline:
@@ -526,26 +567,62 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
             max_rank=R,
             in_dim=m.in_dim,
             dtype=torch.bfloat16,
-            num_sms=torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4,
+            num_sms=sms,
         )
-        ec0 = pick_expand(tile_m=case.info.tile_m, max_rank=R, dtype=torch.bfloat16)
-        variants = [("default", sc0, ec0)]
+        ec0 = pick_expand(
+            num_tiles=case.info.num_tiles,
+            tile_m=case.info.tile_m,
+            widths=m.widths,
+            max_rank=R,
+            dtype=torch.bfloat16,
+            num_sms=sms,
+        )
+        variants: list[tuple[str, TritonLoRABackend | str]] = [("default", TritonLoRABackend(pdl=False))]
+        variants += [("shrink only", "shrink"), ("expand only", "expand")]
+        if pdl_ok:
+            variants.append(("pdl", TritonLoRABackend(pdl=True)))
+        if case.info.num_tiles <= 8:
+            variants.append(("fused", TritonLoRABackend(pdl=False, fused_max_tiles=1 << 30)))
+            if pdl_ok:
+                variants.append(("fused+pdl", TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30)))
         for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2}):
             if split != sc0.split_k:
-                variants.append((f"split{split}", ShrinkConfig(sc0.block_n, sc0.block_k, split), ec0))
-        for bk in (64, 256):
-            variants.append((f"bk{bk}", ShrinkConfig(sc0.block_n, bk, sc0.split_k), ec0))
-        variants.append(("shrink w8", ShrinkConfig(sc0.block_n, sc0.block_k, sc0.split_k, num_warps=8), ec0))
-        variants.append(("shrink st4", ShrinkConfig(sc0.block_n, sc0.block_k, sc0.split_k, num_stages=4), ec0))
-        for bn, nw in ((64, 4), (256, 4), (256, 8), (512, 8)):
-            variants.append((f"expand bn{bn} w{nw}", sc0, ExpandConfig(bn, ec0.block_r, num_warps=nw)))
+                sc = ShrinkConfig(sc0.block_n, sc0.block_k, split)
+                variants.append((f"split{split}", TritonLoRABackend(shrink_config=sc, expand_config=ec0)))
+        if sc0.block_n != 64 and R >= 64:
+            sc = ShrinkConfig(64, sc0.block_k, sc0.split_k)
+            variants.append(("shrink bn64", TritonLoRABackend(shrink_config=sc, expand_config=ec0)))
+        for g in (1, 2, 4, 8):
+            if g != ec0.col_blocks:
+                ec = ExpandConfig(ec0.block_n, ec0.block_r, g, ec0.num_warps, ec0.num_stages)
+                variants.append((f"expand g{g}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
+        for st in (1, 3):
+            ec = ExpandConfig(ec0.block_n, ec0.block_r, ec0.col_blocks, ec0.num_warps, st)
+            variants.append((f"expand st{st}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
+        for bn, nw in ((64, 4), (256, 8)):
+            ec = ExpandConfig(bn, ec0.block_r, ec0.col_blocks, nw, ec0.num_stages)
+            variants.append((f"expand bn{bn} w{nw}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
+        if R > 16:
+            ec = ExpandConfig(ec0.block_n, 16, ec0.col_blocks, ec0.num_warps, ec0.num_stages)
+            variants.append(("expand r16 chunks", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
         total, _ = moved_bytes(w, m)
-        for name, sc, ec in variants:
+        partial = torch.randn(sc0.split_k, w.tokens, S * R, device=device, dtype=torch.float32) * 0.01
+        for name, variant in variants:
             if time.time() > deadline:
                 break
             try:
-                backend = TritonLoRABackend(shrink_config=sc, expand_config=ec)
-                t = time_replays(case.triton_fns(backend), device, reps)
+                if variant == "shrink":
+                    fns = case.shrink_fns(partial, sc0)
+                elif variant == "expand":
+                    fns = case.expand_fns(partial, ec0)
+                else:
+                    fns = case.triton_fns(variant)
+                t = time_replays(fns, device, reps)
+                cfg = (
+                    (variant.shrink_config_override, variant.expand_config_override)
+                    if isinstance(variant, TritonLoRABackend)
+                    else (sc0, ec0)
+                )
                 results.append(
                     {
                         "module": m.name,
@@ -553,14 +630,13 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
                         "variant": name,
                         "us": t * 1e3,
                         "bw_frac": total / (t * 1e-3) / copy_bw,
-                        "shrink": describe(sc),
-                        "expand": describe(ec),
+                        "shrink": describe(cfg[0] or sc0),
+                        "expand": describe(cfg[1] or ec0),
                     }
                 )
-                print(f"sweep {m.name:8s} {w.label():24s} {name:16s} {t * 1e3:8.2f} us", flush=True)
+                print(f"sweep {m.name:8s} {w.label():24s} {name:18s} {t * 1e3:8.2f} us", flush=True)
             except Exception:
                 traceback.print_exc()
-        del case
     return results
 
 
@@ -579,24 +655,35 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
     for w in scenarios:
         if time.time() > deadline:
             break
-        try:
-            res = layer_case(device, modules, base, w, gen, reps)
-            results.append(res)
-            print(
-                f"layer {w.label():24s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
-                f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%",
-                flush=True,
-            )
-        except Exception:
-            traceback.print_exc()
+        variants = ["default"]
+        if pdl_supported(device):
+            variants.append("pdl")
+        if w.tokens <= 16:
+            variants += ["fused", "fused+pdl"] if pdl_supported(device) else ["fused"]
+        for variant in variants:
+            try:
+                res = layer_case(device, modules, base, w, gen, reps, variant)
+                results.append(res)
+                print(
+                    f"layer {w.label():22s} {variant:10s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
+                    f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%",
+                    flush=True,
+                )
+            except Exception:
+                traceback.print_exc()
     return results
 
 
-def layer_case(device, modules, base, w: Workload, gen, reps) -> dict:
+def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "default") -> dict:
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
     dt = torch.bfloat16
     layers = len(base)
-    backend = TritonLoRABackend()
+    backend = {
+        "default": TritonLoRABackend(pdl=False),
+        "pdl": TritonLoRABackend(pdl=True),
+        "fused": TritonLoRABackend(pdl=False, fused_max_tiles=1 << 30),
+        "fused+pdl": TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30),
+    }[variant]
     R = w.pool_rank
     slots = request_slots(w, gen)
     info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
@@ -640,6 +727,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps) -> dict:
     t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
     return {
         "workload": w.label(),
+        "variant": variant,
         "tokens": T,
         "lora_us": t_lora * 1e3,
         "base_us": t_base * 1e3,
@@ -679,10 +767,14 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
         return [(Workload("decode", 4, 2, 16), "qkv")]
     return [
         (Workload("decode", 1, 1, 16), "gate_up"),
+        (Workload("decode", 1, 1, 16), "down"),
         (Workload("decode", 64, 64, 16), "gate_up"),
+        (Workload("decode", 64, 64, 16, 1, 64), "gate_up"),
+        (Workload("decode", 64, 64, 64), "gate_up"),
         (Workload("verify", 32, 32, 16, 4), "qkv"),
-        (Workload("decode", 64, 64, 16), "down"),
         (Workload("decode", 32, 8, 16), "o"),
+        (Workload("extend", 8, 8, 64, 512), "o"),
+        (Workload("extend", 4, 4, 16, 512), "gate_up"),
     ]
 
 
@@ -708,13 +800,13 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         "",
         "## Per module (median per call, graph replay, rotating inputs)",
         "",
-        "| module | workload | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| module | workload | tokens | MB moved | Triton µs | Triton+PDL µs | torch µs | speed-up | % copy BW | weights % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} | {r.torch_us:.2f} "
-            f"| {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} |"
+            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} | {r.triton_pdl_us:.2f} "
+            f"| {r.torch_us:.2f} | {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} |"
         )
     lines += ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW |", "|---|---|---|---|---|"]
     lines += [
@@ -724,11 +816,11 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         "",
         "## One Llama-3-8B layer (7 modules; base = 4 bf16 F.linear: fused qkv, o, fused gate/up, down)",
         "",
-        "| workload | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | variant | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {x['workload']} | {x['tokens']} | {x['lora_us']:.2f} | {x['base_us']:.2f} | {x['lora_pct_of_base']:.1f} "
+        f"| {x['workload']} | {x['variant']} | {x['tokens']} | {x['lora_us']:.2f} | {x['base_us']:.2f} | {x['lora_pct_of_base']:.1f} "
         f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} |"
         for x in layer
     ]
@@ -796,10 +888,13 @@ def main() -> int:
     # Short table last: what the reply shows.
     print("\n== layer: LoRA vs base GEMMs ==")
     for x in layer:
-        print(f"{x['workload']:24s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
-    print("== modules: triton us / torch us / %copyBW ==")
+        print(f"{x['workload']:20s} {x['variant']:9s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
+    print("== modules: triton us / +pdl us / torch us / %copyBW ==")
     for r in rows:
-        print(f"{r.module:7s} {r.workload:22s} {r.triton_us:8.2f} {r.torch_us:9.2f} {100 * r.bw_frac:5.1f}%")
+        print(
+            f"{r.module:7s} {r.workload:22s} {r.triton_us:7.2f} {r.triton_pdl_us:7.2f} {r.torch_us:8.2f}"
+            f" {100 * r.bw_frac:5.1f}%"
+        )
     failed = [c.name for c in checks if not c.ok]
     print(f"correctness {env['correctness']}; failed: {failed}; total {time.time() - t0:.0f}s")
     return 1 if failed else 0

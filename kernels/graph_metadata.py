@@ -28,9 +28,20 @@ from .metadata import (
     host_layout,
     max_tiles,
     pack_int32,
+    tile_tables,
 )
 
-_SECTIONS = ("seg_indptr", "seg_lens", "weight_indices", "permutation", "token_slots", "ranks", "scalings", "tiles")
+_SECTIONS = (
+    "seg_indptr",
+    "seg_lens",
+    "weight_indices",
+    "permutation",
+    "token_slots",
+    "ranks",
+    "scalings",
+    "tiles",
+    "tile_rows",
+)
 
 
 class GraphLoRAMetadata:
@@ -80,7 +91,8 @@ class GraphLoRAMetadata:
             "token_slots": self.max_tokens,
             "ranks": self.num_slots,
             "scalings": self.num_slots,
-            "tiles": 3 * self.tile_capacity,
+            "tiles": 4 * self.tile_capacity,
+            "tile_rows": tile_m * self.tile_capacity,
         }
         template, spans = pack_int32([[0] * sizes[name] for name in _SECTIONS])
         self._spans = dict(zip(_SECTIONS, spans, strict=True))
@@ -103,7 +115,10 @@ class GraphLoRAMetadata:
         return buf[offset : offset + (size if length is None else length)]
 
     def _tiles_view(self, buf: torch.Tensor, capacity: int) -> torch.Tensor:
-        return self._view(buf, "tiles").view(3, self.tile_capacity)[:, :capacity]
+        return self._view(buf, "tiles", 4 * capacity).view(capacity, 4)
+
+    def _rows_view(self, buf: torch.Tensor, capacity: int) -> torch.Tensor:
+        return self._view(buf, "tile_rows", self.tile_m * capacity).view(capacity, self.tile_m)
 
     def capacity(self, batch_size: int) -> int:
         """Tile-table entries (and so shrink/expand programs per column block) for a batch size."""
@@ -149,6 +164,7 @@ class GraphLoRAMetadata:
             tile_m=self.tile_m,
             num_tiles=self.capacity(batch_size),
             tiles=self._tiles_view(dev, self.capacity(batch_size)),
+            tile_rows=self._rows_view(dev, self.capacity(batch_size)),
             graph_capture=True,
         )
         self._infos[batch_size] = info
@@ -231,11 +247,16 @@ class GraphLoRAMetadata:
         }
         for name, values in sections.items():
             self._view(host, name, values.numel()).copy_(values)
+        table, rows = tile_tables(
+            layout.tiles, layout.weight_indices, layout.permutation, lora_ranks, scalings, self.tile_m
+        )
         tiles = self._tiles_view(host, capacity)
         tiles.fill_(0)
-        tiles[2].fill_(-1)  # unused entries: programs that stop at once
-        if layout.tiles:
-            tiles[:, : len(layout.tiles)].copy_(torch.tensor(layout.tiles, dtype=torch.int32).T)
+        tiles[:, 0] = -1  # unused entries: programs that stop at once
+        tiles[: table.shape[0]] = table
+        tile_rows = self._rows_view(host, capacity)
+        tile_rows.fill_(-1)
+        tile_rows[: rows.shape[0]] = rows
 
         if self._copy_done is not None:
             self._device_buf.copy_(self._host_buf, non_blocking=True)

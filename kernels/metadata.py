@@ -12,9 +12,11 @@ so requests that share an adapter are gathered into one segment through a permut
 segments stay one per request (their lengths differ and rows are contiguous).
 
 Tiles: the kernels launch one program per *tile* of at most ``tile_m`` rows of one
-segment, read from a small table (row start, segment end, slot). Segments of the base
-model or of a rank-0 slot get no tile at all, so they cost no program. Under CUDA graphs
-the table has a fixed capacity and unused entries carry slot -1 (see
+segment. A tile's program reads one row of the tile table (slot, rank, scaling) and its
+own ``tile_m`` row indices (``-1`` past the segment's end), both addressed by the program
+id alone, so every metadata load is issued at once instead of as a chain. Segments of
+the base model or of a rank-0 slot get no tile at all, so they cost no program. Under
+CUDA graphs the table has a fixed capacity and unused entries carry slot -1 (see
 :mod:`.graph_metadata`).
 
 Every device tensor of one batch is a view into one int32 buffer, filled on the host and
@@ -111,10 +113,11 @@ class LoRABatchInfo:
     ``weight_indices[s]`` (-1: base model, no LoRA work). ``lora_ranks`` and ``scalings``
     are indexed by slot; a slot of rank 0 costs nothing.
 
-    ``tiles`` (int32 ``[3, num_tiles]``) is what the Triton kernels launch over: per tile
-    the start of its rows (an index into ``rows``), the end of its segment, and its slot
-    (-1: nothing to do). ``num_tiles`` is the launch size: the exact count for an eager
-    batch, the capacity for a CUDA-graph capture.
+    ``tiles`` (int32 ``[num_tiles, 4]``) is what the Triton kernels launch over: per tile
+    its slot (-1: nothing to do), that slot's rank, its scaling (float32 bits) and its
+    segment; ``tile_rows`` (int32 ``[num_tiles, tile_m]``) the token rows it covers, -1
+    past the end. ``num_tiles`` is the launch size: the exact count for an eager batch,
+    the capacity for a CUDA-graph capture.
     """
 
     mode: ForwardMode
@@ -137,7 +140,8 @@ class LoRABatchInfo:
     lora_ranks_cpu: list[int]
     tile_m: int = TILE_M_CHOICES[0]
     num_tiles: int = 0
-    tiles: torch.Tensor | None = None  # int32 [3, num_tiles]: row start, segment end, slot
+    tiles: torch.Tensor | None = None  # int32 [num_tiles, 4]: slot, rank, scaling bits, segment
+    tile_rows: torch.Tensor | None = None  # int32 [num_tiles, tile_m]: token rows, -1 = none
     graph_capture: bool = False  # True: host counts are capture maxima, not this batch's
 
     def rows(self, segment: int) -> list[int]:
@@ -158,7 +162,7 @@ class HostLayout:
     weight_indices: list[int]
     permutation: list[int] | None
     token_slots: list[int]
-    tiles: list[tuple[int, int, int]]  # (row start, segment end, slot)
+    tiles: list[tuple[int, int, int]]  # (segment, row start, row end): positions in the rows order
 
     @property
     def seg_lens(self) -> list[int]:
@@ -225,13 +229,53 @@ def host_layout(
             weights.append(int(slot))
             indptr.append(indptr[-1] + n)
 
+    tiles = segment_tiles(indptr, weights, lora_ranks, tile_m)
+    return HostLayout(total, max_len, indptr, weights, permutation, token_slots, tiles)
+
+
+def segment_tiles(
+    indptr: Sequence[int], weights: Sequence[int], lora_ranks: Sequence[int], tile_m: int
+) -> list[tuple[int, int, int]]:
+    """Cut every LoRA segment into tiles of at most ``tile_m`` rows (pure)."""
     tiles: list[tuple[int, int, int]] = []
     for seg, slot in enumerate(weights):
         if slot < 0 or int(lora_ranks[slot]) == 0:
             continue  # base-model and rank-0 segments cost no program
         start, end = indptr[seg], indptr[seg + 1]
-        tiles.extend((row, end, slot) for row in range(start, end, tile_m))
-    return HostLayout(total, max_len, indptr, weights, permutation, token_slots, tiles)
+        tiles.extend((seg, row, min(row + tile_m, end)) for row in range(start, end, tile_m))
+    return tiles
+
+
+def tile_tables(
+    tiles: Sequence[tuple[int, int, int]],
+    weights: Sequence[int],
+    permutation: Sequence[int] | None,
+    lora_ranks: Sequence[int],
+    scalings: Sequence[float],
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' view of the tiles: ``[n, 4]`` (slot, rank, scaling bits, segment) and
+    ``[n, tile_m]`` token rows (-1 past a segment's end), as int32 host tensors."""
+    n = len(tiles)
+    table = torch.zeros(n, 4, dtype=torch.int32)
+    rows = torch.full((n, tile_m), -1, dtype=torch.int32)
+    if n == 0:
+        return table, rows
+    segs = torch.tensor([t[0] for t in tiles], dtype=torch.long)
+    slots = torch.tensor(list(weights), dtype=torch.long)[segs]
+    table[:, 0] = slots.to(torch.int32)
+    table[:, 1] = torch.tensor([int(r) for r in lora_ranks], dtype=torch.int32)[slots]
+    table[:, 2] = torch.tensor([float(v) for v in scalings], dtype=torch.float32)[slots].view(torch.int32)
+    table[:, 3] = segs.to(torch.int32)
+    order = torch.tensor(list(permutation), dtype=torch.int32) if permutation is not None else None
+    starts = torch.tensor([t[1] for t in tiles], dtype=torch.long)
+    ends = torch.tensor([t[2] for t in tiles], dtype=torch.long)
+    pos = starts[:, None] + torch.arange(tile_m)[None, :]
+    valid = pos < ends[:, None]
+    src = pos.clamp(max=max(int(ends.max()) - 1, 0))
+    token_rows = order[src] if order is not None else src.to(torch.int32)
+    rows[valid] = token_rows[valid].to(torch.int32)
+    return table, rows
 
 
 def pack_int32(sections: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -321,7 +365,9 @@ def info_from_layout(
 ) -> LoRABatchInfo:
     """Send a host layout to ``device`` in one copy and wrap it as a :class:`LoRABatchInfo`."""
     num_tiles = len(layout.tiles)
-    tile_table = [t[0] for t in layout.tiles] + [t[1] for t in layout.tiles] + [t[2] for t in layout.tiles]
+    table, rows = tile_tables(
+        layout.tiles, layout.weight_indices, layout.permutation, lora_ranks, scalings, tile_m
+    )
     seg_lens = layout.seg_lens
     host, spans = pack_int32(
         [
@@ -332,7 +378,8 @@ def info_from_layout(
             layout.token_slots,
             [int(r) for r in lora_ranks],
             torch.tensor(list(scalings), dtype=torch.float32),
-            tile_table,
+            table,
+            rows,
         ]
     )
     buf = to_device_once(host, device)
@@ -357,7 +404,8 @@ def info_from_layout(
         lora_ranks_cpu=[int(r) for r in lora_ranks],
         tile_m=tile_m,
         num_tiles=num_tiles,
-        tiles=views[7].view(3, num_tiles),
+        tiles=views[7].view(num_tiles, 4),
+        tile_rows=views[8].view(num_tiles, tile_m),
     )
 
 
@@ -366,19 +414,17 @@ def ensure_tiles(info: LoRABatchInfo, tile_m: int | None = None) -> LoRABatchInf
 
     For a :class:`LoRABatchInfo` assembled by hand (without :func:`build_batch_info`).
     """
-    if info.tiles is not None and (tile_m is None or tile_m == info.tile_m):
+    if info.tiles is not None and info.tile_rows is not None and (tile_m is None or tile_m == info.tile_m):
         return info
     tile_m = tile_m or default_tile_m(info.mode, info.max_segment_len)
-    tiles: list[tuple[int, int, int]] = []
-    for seg, slot in enumerate(info.weight_indices_cpu):
-        if slot < 0 or info.lora_ranks_cpu[slot] == 0:
-            continue
-        start, end = info.seg_indptr_cpu[seg], info.seg_indptr_cpu[seg + 1]
-        tiles.extend((row, end, slot) for row in range(start, end, tile_m))
-    table = torch.tensor(
-        [[t[0] for t in tiles], [t[1] for t in tiles], [t[2] for t in tiles]], dtype=torch.int32
-    ).reshape(3, len(tiles))
-    info.tiles = to_device_once(table, info.seg_indptr.device)
+    tiles = segment_tiles(info.seg_indptr_cpu, info.weight_indices_cpu, info.lora_ranks_cpu, tile_m)
+    scalings = info.scalings.detach().cpu().tolist()
+    table, rows = tile_tables(
+        tiles, info.weight_indices_cpu, info.permutation_cpu, info.lora_ranks_cpu, scalings, tile_m
+    )
+    device = info.seg_indptr.device
+    info.tiles = to_device_once(table, device)
+    info.tile_rows = to_device_once(rows, device)
     info.tile_m = tile_m
     info.num_tiles = len(tiles)
     return info

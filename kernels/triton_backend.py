@@ -13,6 +13,7 @@ Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -20,9 +21,13 @@ import torch
 from .backend import LoRABackend, check_expand_shapes, check_shapes
 from .metadata import LoRABatchInfo, ensure_tiles
 from .triton_ops import ExpandConfig, ShrinkConfig, launch_expand, launch_shrink, pick_expand, pick_shrink
+from .triton_ops.configs import FUSED_MAX_RANK, FUSED_MAX_TILES, pick_fused
+from .triton_ops.fused import launch_fused
+from .triton_ops.pdl import pdl_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
+DEFAULT_PDL = False
 
 
 @functools.cache
@@ -70,15 +75,29 @@ class TritonLoRABackend(LoRABackend):
 
     ``shrink_config`` / ``expand_config`` pin the launch configuration (benchmarks and
     tests); by default :func:`pick_shrink` / :func:`pick_expand` choose from the shapes.
+    ``pdl`` launches the kernels with programmatic dependent launch where the GPU and
+    Triton support it (Hopper+), so each launch overlaps the previous kernel's tail.
+    ``fused_max_tiles``: batches of at most this many tiles take the single-launch path
+    (shrink recomputed per column group) instead of shrink + expand.
     """
 
     name = "triton"
 
     def __init__(
-        self, *, shrink_config: ShrinkConfig | None = None, expand_config: ExpandConfig | None = None
+        self,
+        *,
+        shrink_config: ShrinkConfig | None = None,
+        expand_config: ExpandConfig | None = None,
+        pdl: bool = DEFAULT_PDL,
+        fused_max_tiles: int = FUSED_MAX_TILES,
     ) -> None:
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
+        self.pdl = pdl
+        self.fused_max_tiles = fused_max_tiles
+
+    def _pdl(self, device: torch.device) -> bool:
+        return self.pdl and pdl_supported(device)
 
     # -- configuration -------------------------------------------------------------------
 
@@ -96,11 +115,18 @@ class TritonLoRABackend(LoRABackend):
             num_sms=_sm_count(x.device),
         )
 
-    def expand_config(self, info: LoRABatchInfo, B: torch.Tensor) -> ExpandConfig:
+    def expand_config(self, info: LoRABatchInfo, B: torch.Tensor, slice_offsets: tuple[int, ...]) -> ExpandConfig:
         """The expand's launch configuration."""
         if self.expand_config_override is not None:
             return self.expand_config_override
-        return pick_expand(tile_m=info.tile_m, max_rank=B.shape[2], dtype=B.dtype)
+        return pick_expand(
+            num_tiles=info.num_tiles,
+            tile_m=info.tile_m,
+            widths=tuple(b - a for a, b in itertools.pairwise(slice_offsets)),
+            max_rank=B.shape[2],
+            dtype=B.dtype,
+            num_sms=_sm_count(B.device),
+        )
 
     # -- ops -----------------------------------------------------------------------------
 
@@ -133,11 +159,12 @@ class TritonLoRABackend(LoRABackend):
         if info.num_tiles == 0:
             return out
         config = self.shrink_config(info, x, num_slices, max_rank)
+        pdl = self._pdl(x.device)
         if config.split_k == 1:
-            launch_shrink(x, A, out, info, num_slices, config)
+            launch_shrink(x, A, out, info, num_slices, config, pdl=pdl)
             return out
         partial = torch.zeros(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
-        launch_shrink(x, A, partial, info, num_slices, config)
+        launch_shrink(x, A, partial, info, num_slices, config, pdl=pdl)
         summed = partial.sum(0)
         active = info.token_slots >= 0  # rows the kernel wrote; others keep out's values
         out.copy_(torch.where(active[:, None], summed.to(out.dtype), out))
@@ -159,7 +186,9 @@ class TritonLoRABackend(LoRABackend):
         info = ensure_tiles(info)
         if info.num_tiles == 0:
             return
-        launch_expand(xa, B, out, info, tuple(slice_offsets), self.expand_config(info, B))
+        slice_offsets = tuple(slice_offsets)
+        config = self.expand_config(info, B, slice_offsets)
+        launch_expand(xa, B, out, info, slice_offsets, config, pdl=self._pdl(out.device))
 
     def apply(
         self,
@@ -189,7 +218,13 @@ class TritonLoRABackend(LoRABackend):
         info = ensure_tiles(info)
         if info.num_tiles == 0:
             return
+        pdl = self._pdl(x.device)
+        if info.num_tiles <= self.fused_max_tiles and max_rank <= FUSED_MAX_RANK and num_slices <= 3:
+            widths = tuple(b - a for a, b in itertools.pairwise(slice_offsets))
+            fused = pick_fused(widths=widths, max_rank=max_rank, dtype=x.dtype, num_sms=_sm_count(x.device))
+            launch_fused(x, A, B, out, info, slice_offsets, fused, pdl=pdl)
+            return
         config = self.shrink_config(info, x, num_slices, max_rank)
         partial = torch.empty(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
-        launch_shrink(x, A, partial, info, num_slices, config)
-        launch_expand(partial, B, out, info, slice_offsets, self.expand_config(info, B))
+        launch_shrink(x, A, partial, info, num_slices, config, pdl=pdl)
+        launch_expand(partial, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=pdl)

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_SPLIT_K = 32
+MAX_SPLIT_K = 16
 MIN_K_BLOCKS_PER_SPLIT = 2
-PROGRAMS_PER_SM = 4  # shrink programs aimed for per SM: keeps enough loads in flight
+PROGRAMS_PER_SM = 2  # shrink programs aimed for per SM before splitting K further
+EXPAND_PROGRAMS_PER_SM = 8  # expand programs per SM before one program takes more blocks
+MAX_COL_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,26 @@ class ShrinkConfig:
 
 @dataclass(frozen=True)
 class ExpandConfig:
-    """Expand tiles: ``block_n`` output columns, ``block_r`` rank columns a step."""
+    """Expand tiles: ``block_n`` output columns, ``block_r`` rank columns a step, and
+    ``col_blocks`` column blocks streamed by each program."""
 
     block_n: int
     block_r: int
+    col_blocks: int = 1
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Single-launch tiles: ``block_k`` input columns a step, then expand-like column groups."""
+
+    block_n: int
+    block_r: int
+    block_k: int
+    col_blocks: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def next_pow2(n: int) -> int:
@@ -66,7 +82,10 @@ def pick_shrink(
     program each would stream an adapter's A through a single SM. Splitting K spreads the
     read over the chip; the partial sums are added by the expand as it loads them.
     """
-    block_n = rank_block(max_rank)
+    # Decode/verify tiles are short: 16-wide rank blocks, so a rank-16 adapter in a
+    # rank-64 pool runs one program per slice and the others stop at once. Extend tiles
+    # cover the whole rank at once so x is streamed once per slice.
+    block_n = 16 if tile_m <= 16 else rank_block(max_rank)
     block_k = 128 if tile_m <= 32 else 64
     if dtype == torch.float32:
         block_k //= 2
@@ -79,12 +98,40 @@ def pick_shrink(
     return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-def pick_expand(*, tile_m: int, max_rank: int, dtype: torch.dtype) -> ExpandConfig:
-    """One rank step up to rank 64; output columns in blocks of 128 (64 for wide row tiles)."""
+def pick_expand(
+    *,
+    num_tiles: int,
+    tile_m: int,
+    widths: tuple[int, ...],
+    max_rank: int,
+    dtype: torch.dtype,
+    num_sms: int,
+) -> ExpandConfig:
+    """Output columns in blocks of 128 (64 for wide row tiles); the whole rank (up to 64)
+    in one step; several blocks per program once the grid has plenty of programs."""
     block_n = 128 if tile_m <= 32 else 64
     if dtype == torch.float32:
         block_n //= 2
-    return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank))
+    blocks = max(1, num_tiles) * sum(cdiv(w, block_n) for w in widths)
+    col_blocks = 1
+    while col_blocks * 2 <= MAX_COL_BLOCKS and blocks >= col_blocks * 2 * EXPAND_PROGRAMS_PER_SM * num_sms:
+        col_blocks *= 2
+    return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks)
+
+
+FUSED_MAX_TILES = 0  # tiles up to which apply() takes the single-launch path (0: never)
+FUSED_MAX_RANK = 64
+
+
+def pick_fused(*, widths: tuple[int, ...], max_rank: int, dtype: torch.dtype, num_sms: int) -> FusedConfig:
+    """Column groups sized so the grid fills the GPU about once: each program re-reads A."""
+    block_n = 64 if dtype == torch.float32 else 128
+    blocks = sum(cdiv(w, block_n) for w in widths)
+    col_blocks = 1
+    while col_blocks * 2 <= MAX_COL_BLOCKS and blocks >= col_blocks * 2 * num_sms:
+        col_blocks *= 2
+    block_k = 128 if dtype == torch.float32 else 256
+    return FusedConfig(block_n=block_n, block_r=rank_block(max_rank), block_k=block_k, col_blocks=col_blocks)
 
 
 def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:

@@ -1,9 +1,11 @@
 """Segmented LoRA expand, fused into the base output in place.
 
 ``out[rows, slice s] += scaling[slot] * xa[rows, s] @ B[slot, slice s]ᵀ`` for every tile.
-Grid: (output column block over all slices, tile). Slices of different widths (QKV with
-GQA: q wider than k and v; gate/up) share one launch: a program finds its slice from its
-column block. The shrink's split-K partial sums are added here as ``xa`` is loaded.
+Grid: (column group over all slices, tile). Slices of different widths (QKV with GQA:
+q wider than k and v; gate/up) share one launch: a program finds its slice from its
+column group. A program loads its tile's ``xa`` once, adding the shrink's split-K
+partial sums as it goes, then streams ``col_blocks`` blocks of ``B`` and ``out`` through
+it, so the per-program cost (metadata, ``xa``) is paid once per group, not per block.
 """
 
 from __future__ import annotations
@@ -15,27 +17,37 @@ import triton
 import triton.language as tl
 
 from ..metadata import LoRABatchInfo
-from .configs import ExpandConfig, cdiv
+from .configs import ExpandConfig, cdiv, next_pow2
+from .pdl import gdc_launch_dependents, gdc_wait
 from .shrink import dot_precision, upcast_dot
 
 MAX_SLICES_PER_LAUNCH = 3
 
 
-@triton.jit(do_not_specialize=["tiles_stride"])
+@triton.jit
+def _load_xa(xa_ptrs, mask, stride_xs, SPLIT_K: tl.constexpr):
+    """One ``xa`` tile, the shrink's partial sums added in float32."""
+    xa = tl.load(xa_ptrs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT_K):
+        xa += tl.load(xa_ptrs + s * stride_xs, mask=mask, other=0.0).to(tl.float32)
+    return xa
+
+
+@triton.jit
 def _lora_expand_kernel(
     xa_ptr,
     b_ptr,
     out_ptr,
     tiles_ptr,
-    perm_ptr,
-    ranks_ptr,
-    scalings_ptr,
-    tiles_stride,
+    rows_ptr,
     max_rank,
     xa_col0,
     off1,
     off2,
     off3,
+    group1,
+    group2,
+    col_blocks,
     stride_xs,
     stride_xm,
     stride_xr,
@@ -46,77 +58,91 @@ def _lora_expand_kernel(
     stride_on,
     NUM_SLICES: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    HAS_PERM: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid_g = tl.program_id(0)
     pid_t = tl.program_id(1)
-    slot = tl.load(tiles_ptr + 2 * tiles_stride + pid_t)
+    slot = tl.load(tiles_ptr + pid_t * 4)
+    rank = tl.load(tiles_ptr + pid_t * 4 + 1)
+    scale = tl.load(tiles_ptr + pid_t * 4 + 2).to(tl.float32, bitcast=True)
+    rows = tl.load(rows_ptr + pid_t * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return
 
-    # Which slice this column block belongs to; slice widths need not divide BLOCK_N.
-    slice_id = pid_n * 0
-    lo = pid_n * 0
-    hi = pid_n * 0 + off1
-    block = pid_n
+    # Which slice this column group belongs to; widths need not divide the block.
+    slice_id = pid_g * 0
+    lo = pid_g * 0
+    hi = pid_g * 0 + off1
+    group = pid_g
     if NUM_SLICES > 1:
-        c1 = tl.cdiv(off1, BLOCK_N)
-        in1 = pid_n >= c1
+        in1 = pid_g >= group1
         slice_id = tl.where(in1, 1, slice_id)
         lo = tl.where(in1, off1, lo)
         hi = tl.where(in1, off2, hi)
-        block = tl.where(in1, pid_n - c1, block)
+        group = tl.where(in1, pid_g - group1, group)
         if NUM_SLICES > 2:
-            c2 = c1 + tl.cdiv(off2 - off1, BLOCK_N)
-            in2 = pid_n >= c2
+            in2 = pid_g >= group2
             slice_id = tl.where(in2, 2, slice_id)
             lo = tl.where(in2, off2, lo)
             hi = tl.where(in2, off3, hi)
-            block = tl.where(in2, pid_n - c2, block)
+            group = tl.where(in2, pid_g - group2, group)
 
-    row_start = tl.load(tiles_ptr + pid_t)
-    seg_end = tl.load(tiles_ptr + tiles_stride + pid_t)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_end
-    if HAS_PERM:
-        rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    else:
-        rows = offs_m.to(tl.int64)
-    offs_n = lo + block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hi
+    m_mask = rows >= 0
+    rows = tl.where(m_mask, rows, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    xa_rows = xa_ptr + rows[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    out_rows = out_ptr + rows[:, None] * stride_om
 
-    xa_rows = xa_ptr + rows[:, None] * stride_xm
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn
-    xa_col = xa_col0 + slice_id * max_rank
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r in range(0, rank, BLOCK_R):
-        offs_r = r + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        xa_mask = m_mask[:, None] & r_mask[None, :]
-        xa_ptrs = xa_rows + (xa_col + offs_r)[None, :] * stride_xr
-        xa = tl.load(xa_ptrs, mask=xa_mask, other=0.0).to(tl.float32)
-        for s in tl.static_range(1, SPLIT_K):
-            xa += tl.load(xa_ptrs + s * stride_xs, mask=xa_mask, other=0.0).to(tl.float32)
+    r_mask = offs_r < rank
+    xa = _load_xa(xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], stride_xs, SPLIT_K)
+    xa = xa.to(b_ptr.dtype.element_ty)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
+    if UPCAST_DOT:
+        xa = xa.to(tl.float32)
+
+    n_first = lo + group * col_blocks * BLOCK_N
+    for c in range(0, col_blocks):
+        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
         bt = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        xa = xa.to(bt.dtype)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
         if UPCAST_DOT:
-            acc = tl.dot(xa.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
         else:
-            acc = tl.dot(xa, bt, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(xa, bt, input_precision=DOT_PRECISION)
+        if MULTI_CHUNK:
+            # Ranks above one chunk: further chunks of xa (cached after the first block).
+            for r in range(BLOCK_R, rank, BLOCK_R):
+                offs_rr = r + offs_r
+                rr_mask = offs_rr < rank
+                xr = _load_xa(
+                    xa_rows + offs_rr[None, :] * stride_xr, m_mask[:, None] & rr_mask[None, :], stride_xs, SPLIT_K
+                ).to(b_ptr.dtype.element_ty)
+                br = tl.load(b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST_DOT:
+                    acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xr, br, acc, input_precision=DOT_PRECISION)
+        out_ptrs = out_rows + offs_n[None, :] * stride_on
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    scale = tl.load(scalings_ptr + slot)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
+    """Program columns per slice: ``col_blocks`` blocks of ``block_n`` output columns each."""
+    return [cdiv(cdiv(w, block_n), col_blocks) for w in widths]
 
 
 def launch_expand(
@@ -126,6 +152,8 @@ def launch_expand(
     info: LoRABatchInfo,
     slice_offsets: tuple[int, ...],
     config: ExpandConfig,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Run the expand over ``info``'s tiles, adding into ``out`` in place.
 
@@ -138,32 +166,35 @@ def launch_expand(
         split_k, (stride_xs, stride_xm, stride_xr) = xa.shape[0], xa.stride()
     max_rank = B.shape[2]
     num_slices = len(slice_offsets) - 1
-    assert info.tiles is not None
+    multi_chunk = config.block_r < next_pow2(max_rank)
+    assert info.tiles is not None and info.tile_rows is not None
+    extra = {"launch_pdl": True} if pdl else {}
     for first in range(0, num_slices, MAX_SLICES_PER_LAUNCH):
         group = slice_offsets[first : first + MAX_SLICES_PER_LAUNCH + 1]
         base_col = group[0]
         rel = [o - base_col for o in group[1:]] + [0] * (MAX_SLICES_PER_LAUNCH + 1 - len(group))
         widths = [b - a for a, b in itertools.pairwise(group)]
-        col_blocks = sum(cdiv(w, config.block_n) for w in widths)
-        if col_blocks == 0:
+        groups = column_groups(widths, config.block_n, config.col_blocks)
+        starts = list(itertools.accumulate(groups))  # first group of slices 1, 2
+        if starts[-1] == 0:
             continue
         out_view = out[:, base_col:]
         b_view = B[:, base_col:, :]
-        grid = (col_blocks, info.num_tiles)
+        grid = (starts[-1], info.num_tiles)
         _lora_expand_kernel[grid](
             xa,
             b_view,
             out_view,
             info.tiles,
-            info.permutation if info.permutation is not None else info.tiles,
-            info.lora_ranks,
-            info.scalings,
-            info.tiles.stride(0),
+            info.tile_rows,
             max_rank,
             first * max_rank,
             rel[0],
             rel[1],
             rel[2],
+            starts[0],
+            starts[1] if len(starts) > 1 else 0,
+            config.col_blocks,
             stride_xs,
             stride_xm,
             stride_xr,
@@ -174,12 +205,14 @@ def launch_expand(
             out_view.stride(1),
             NUM_SLICES=len(widths),
             SPLIT_K=split_k,
-            HAS_PERM=info.permutation is not None,
+            MULTI_CHUNK=multi_chunk,
             DOT_PRECISION=dot_precision(B.dtype),
             UPCAST_DOT=upcast_dot(B.dtype),
+            USE_PDL=pdl,
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **extra,
         )

@@ -1,10 +1,10 @@
 """Segmented LoRA shrink: ``xa[rows] = x[rows] @ A[slot]ᵀ`` for every tile of one batch.
 
-Grid: (slice × rank block, tile, K split). A program reads its tile's slot from the tile
-table, stops at once for slot -1 or a rank block past the slot's rank, and otherwise
-streams its share of ``in_dim`` through one dot product. With ``split_k > 1`` each split
-writes its own partial sum (``out[split]``); the expand adds them while loading, so no
-atomics, no zero-fill and no extra reduction launch.
+Grid: (slice × rank block, tile, K split). A program reads its tile's row of the tile
+table and its row indices (two independent loads), stops at once for slot -1 or a rank
+block past the slot's rank, and otherwise streams its share of ``in_dim`` through one dot
+product. With ``split_k > 1`` each split writes its own partial sum (``out[split]``); the
+expand adds them while loading, so no atomics, no zero-fill and no extra launch.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import triton.language as tl
 
 from ..metadata import LoRABatchInfo
 from .configs import ShrinkConfig, cdiv, k_per_split
+from .pdl import gdc_launch_dependents, gdc_wait
 
 
-@triton.jit(do_not_specialize=["tiles_stride"])
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
     out_ptr,
     tiles_ptr,
-    perm_ptr,
-    ranks_ptr,
-    tiles_stride,
+    rows_ptr,
     in_dim,
     max_rank,
     k_per_split,
@@ -40,33 +39,31 @@ def _lora_shrink_kernel(
     stride_om,
     stride_on,
     RANK_BLOCKS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
-    slot = tl.load(tiles_ptr + 2 * tiles_stride + pid_t)
+    slot = tl.load(tiles_ptr + pid_t * 4)
+    rank = tl.load(tiles_ptr + pid_t * 4 + 1)
+    rows = tl.load(rows_ptr + pid_t * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot)
     slice_id = pid_n // RANK_BLOCKS
     n_start = (pid_n % RANK_BLOCKS) * BLOCK_N
     if n_start >= rank:
         return  # nothing past the adapter's own rank
-    row_start = tl.load(tiles_ptr + pid_t)
-    seg_end = tl.load(tiles_ptr + tiles_stride + pid_t)
 
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_end
-    if HAS_PERM:
-        rows = tl.load(perm_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    else:
-        rows = offs_m.to(tl.int64)
+    m_mask = rows >= 0
+    rows = tl.where(m_mask, rows, 0).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < rank
     cols = slice_id * max_rank + offs_n
@@ -112,6 +109,8 @@ def launch_shrink(
     info: LoRABatchInfo,
     num_slices: int,
     config: ShrinkConfig,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Run the shrink over ``info``'s tiles into ``out``.
 
@@ -127,16 +126,15 @@ def launch_shrink(
     else:
         stride_os, stride_om, stride_on = out.stride()
     rank_blocks = cdiv(max_rank, config.block_n)
-    assert info.tiles is not None
+    assert info.tiles is not None and info.tile_rows is not None
     grid = (num_slices * rank_blocks, info.num_tiles, config.split_k)
+    extra = {"launch_pdl": True} if pdl else {}
     _lora_shrink_kernel[grid](
         x,
         A,
         out,
         info.tiles,
-        info.permutation if info.permutation is not None else info.tiles,
-        info.lora_ranks,
-        info.tiles.stride(0),
+        info.tile_rows,
         in_dim,
         max_rank,
         k_per_split(in_dim, config.block_k, config.split_k),
@@ -149,12 +147,13 @@ def launch_shrink(
         stride_om,
         stride_on,
         RANK_BLOCKS=rank_blocks,
-        HAS_PERM=info.permutation is not None,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.dtype),
+        USE_PDL=pdl,
         BLOCK_M=info.tile_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **extra,
     )
