@@ -94,6 +94,7 @@ def build_app(
             if exit_on_load_failure:
                 os.kill(os.getpid(), signal.SIGTERM)
             return
+        _register_decoder_metrics(state, engine)
         engine.start()
         state.attach(engine, tokenizer)
         log.info("serving %s", state.served_name)
@@ -118,6 +119,18 @@ def build_app(
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def _register_decoder_metrics(state: ServerState, engine: Engine) -> None:
+    """A decoder with its own live counters (speculation) exposes them on /metrics too."""
+    metrics = getattr(engine.decoder, "metrics", None)
+    collector = getattr(metrics, "collector", None)
+    if collector is None:
+        return
+    try:
+        state.metrics.registry.register(collector())
+    except ValueError:  # a name clash must not stop serving
+        log.exception("the decoder's metrics could not be registered")
 
 
 async def wait_until_ready(app: web.Application, timeout_s: float = 120.0) -> None:
