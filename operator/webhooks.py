@@ -229,6 +229,11 @@ def judge_serve(
     verdict.warnings += warnings
     if report.resolution:
         verdict.warnings.append(f"spec.speculative.algorithm: {report.resolution}")
+    if serve.runtime.image:
+        verdict.warnings.append(
+            f"spec.runtime.image: what is available was judged against the operator's own runtime image; "
+            f"{serve.runtime.image} checks the configuration again at start-up"
+        )
     if serve.runtime.extra_args:
         verdict.warnings.append(
             "spec.runtime.extraArgs: passed to the runtime as written; admission cannot judge them, "

@@ -207,7 +207,12 @@ async def test_all_problems_come_back_at_once_with_warnings(lab):
         "s",
         ns,
         speculative={"algorithm": "FROZEN_KV_MTP", "draftModel": {"source": "/models/assistant"}},
-        runtime={"overlapSchedule": True, "twoBatchOverlap": True, "extraArgs": ["--foo"]},
+        runtime={
+            "overlapSchedule": True,
+            "twoBatchOverlap": True,
+            "extraArgs": ["--foo"],
+            "image": "acme/rt:2",
+        },
         lora={"overlapLoading": True, "maxRank": 512},
     )
     review = await lab.review(obj, path=webhooks.VALIDATE_LORASERVE)
@@ -221,6 +226,7 @@ async def test_all_problems_come_back_at_once_with_warnings(lab):
         assert f"- {field}: " in review.message
     assert any(w.startswith("spec.lora.maxRank:") for w in review.warnings)
     assert any(w.startswith("spec.runtime.extraArgs:") for w in review.warnings)
+    assert any(w.startswith("spec.runtime.image:") and "acme/rt:2" in w for w in review.warnings)
 
 
 async def test_malformed_specs_are_refused_with_the_field(lab):
