@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import pytest
 import torch
 
@@ -290,3 +291,39 @@ async def test_stop_token_ids_and_logprobs(server):
     status, stopped = await server.post("/v1/completions", {**base, "stop_token_ids": [stop_id]})
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] == cut + 1
+
+
+async def _aborted(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with server.session.get(server.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort"
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_disconnects_aborts_its_request(server, stream):
+    aborted_before = await _aborted(server)
+    body = {
+        "prompt": "def long():",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.4)) as short:
+        with pytest.raises((asyncio.TimeoutError, aiohttp.ClientError)):
+            async with short.post(server.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+    for _ in range(200):
+        if server.engine.snapshot.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert server.engine.snapshot.num_running == 0, "the request stopped long before its 900 tokens"
+    assert await _aborted(server) == aborted_before + 1
+    assert server.engine.kv.num_free_tokens == server.engine.kv.capacity
