@@ -76,6 +76,7 @@ FIELD_PATHS: dict[str, str] = {
 ADAPTER_FIELD_PATHS: dict[str, str] = {
     "adapter.name": "metadata.name",
     "adapter.serve": "spec.serve",
+    "adapter.source": "spec.source",
     "adapter.rank": "spec.rank",
     "adapter.target_modules": "spec.targetModules",
     "adapter.pinned": "spec.pinned",

@@ -21,6 +21,7 @@ sets up kopf's HTTPS server, from mounted certificate files or a generated self-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -31,8 +32,8 @@ from typing import Any
 import kopf
 
 from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
-from loraserve.runtime.config import SpecAlgorithm
-from loraserve.runtime.policy import Violation, check_adapter, check_config
+from loraserve.runtime.config import RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.policy import Namer, check_adapter, check_config
 
 from . import index
 from .index import IndexedAdapter, lookup_adapters, lookup_serve
@@ -165,7 +166,7 @@ def _serve_namer(serve: str):
     return name
 
 
-def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str) -> str | None:
+def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str, field: str) -> str | None:
     """An Adapter's ``pvc://`` source whose claim the serve's pods do not mount."""
     if not adapter.source.startswith("pvc://") or pod_path(adapter.source, serve.storage) is not None:
         return None
@@ -176,27 +177,29 @@ def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str) 
         if volume.claim_name
     ]
     return (
-        f"spec.source: claim {claim!r} is not mounted by LoRAServe {serve_name!r} "
+        f"{field}: claim {claim!r} is not mounted by LoRAServe {serve_name!r} "
         f"(it mounts {', '.join(mounted) or 'no claims'}); fix: use a mounted claim, or set the serve's "
         f"spec.storage.adapters to type PersistentVolumeClaim with claimName {claim}"
     )
 
 
-def _fit(
-    config_spec: LoRAServeSpec,
+def _misfits(
+    serve: LoRAServeSpec,
+    config: RuntimeConfig,
     serve_name: str,
-    adapter_name: str,
-    adapter: AdapterSpec,
+    adapter: IndexedAdapter,
+    parsed: AdapterSpec,
     other_pinned: int,
-) -> tuple[list[Violation], list[str], str | None]:
-    """How one adapter fits a serve: policy violations, warnings, and a claim problem."""
-    config = to_runtime_config(config_spec)
-    report = check_adapter(config, adapter_declaration(adapter_name, adapter), other_pinned=other_pinned)
-    return (
-        list(report.violations),
-        [w.render(_serve_namer(serve_name)) for w in report.warnings],
-        (_claim_problem(adapter, config_spec, serve_name)),
-    )
+    name: Namer,
+) -> tuple[list[str], list[str]]:
+    """Why one adapter does not fit a serve (``config`` is the serve translated), and its
+    warnings, each rendered with ``name``."""
+    report = check_adapter(config, adapter_declaration(adapter.name, parsed), other_pinned=other_pinned)
+    problems = [v.render(name) for v in report.violations]
+    claim = _claim_problem(parsed, serve, serve_name, name("adapter.source"))
+    if claim:
+        problems.append(claim)
+    return problems, [w.render(name) for w in report.warnings]
 
 
 def _pinned_others(adapters: Sequence[IndexedAdapter], name: str) -> int:
@@ -222,7 +225,8 @@ def judge_serve(
     except SpecError as error:
         verdict.problems += error.problems
         return verdict
-    report = check_config(to_runtime_config(serve), capabilities)
+    config = to_runtime_config(serve)
+    report = check_config(config, capabilities)
     problems, warnings = serve_messages(report)
     verdict.problems += unmounted_sources(serve)
     verdict.problems += problems
@@ -242,29 +246,20 @@ def judge_serve(
 
     old: LoRAServeSpec | None = None
     if old_spec is not None:
-        try:
+        with contextlib.suppress(SpecError):
             old = parse_loraserve_spec(dict(old_spec))
-        except SpecError:
-            old = None
+    old_config = to_runtime_config(old) if old is not None else None
     for indexed in adapters:
         try:
             adapter = parse_adapter_spec(indexed.spec)
         except SpecError:
             continue  # refused at its own admission; nothing to compare
         other_pinned = _pinned_others(adapters, indexed.name)
-        violations, _, claim = _fit(serve, name, indexed.name, adapter, other_pinned)
         namer = _adapter_namer(indexed.name)
-        broken = [v.render(namer) for v in violations]
-        if claim:
-            broken.append(f"Adapter {indexed.name!r} {claim}")
-        if old is not None and broken:
-            before, _, old_claim = _fit(old, name, indexed.name, adapter, other_pinned)
-            already = {v.render(namer) for v in before}
-            if old_claim:
-                already.add(f"Adapter {indexed.name!r} {old_claim}")
-            broken = [message for message in broken if message not in already]
-        if not broken:
-            continue
+        broken, _ = _misfits(serve, config, name, indexed, adapter, other_pinned, namer)
+        if old is not None and old_config is not None and broken:
+            before, _ = _misfits(old, old_config, name, indexed, adapter, other_pinned, namer)
+            broken = [message for message in broken if message not in before]
         if old_spec is None:
             verdict.warnings += [f"{message} (the Adapter will not load)" for message in broken]
         else:
@@ -311,10 +306,16 @@ def judge_adapter(
             "when it loads"
         )
         return verdict
-    violations, warnings, claim = _fit(serve, adapter.serve, name, adapter, _pinned_others(siblings, name))
-    verdict.problems += [v.render(_serve_namer(adapter.serve)) for v in violations]
-    if claim:
-        verdict.problems.append(claim)
+    problems, warnings = _misfits(
+        serve,
+        to_runtime_config(serve),
+        adapter.serve,
+        IndexedAdapter(name, dict(spec)),
+        adapter,
+        _pinned_others(siblings, name),
+        _serve_namer(adapter.serve),
+    )
+    verdict.problems += problems
     verdict.warnings += warnings
     placement = adapter.placement
     if placement.mode is PlacementMode.REPLICAS and (placement.replicas or 0) > serve.replicas:

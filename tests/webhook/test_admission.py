@@ -248,3 +248,15 @@ async def test_deleted_serve_leaves_the_index(lab):
     await lab.delete(obj)
     again = await lab.apply(adapter("a", ns, "s", rank=16))
     assert again.allowed and any("does not exist" in w for w in again.warnings)
+
+
+async def test_unmounting_an_adapters_claim_is_refused(lab):
+    ns = "claims"
+    pvc = {"adapters": {"type": "PersistentVolumeClaim", "claimName": "lora"}}
+    assert (await lab.apply(serve("s", ns, storage=pvc))).allowed
+    assert (await lab.apply(adapter("x", ns, "s", source="pvc://lora/x/v1"))).allowed
+    unmounted = await lab.apply(serve("s", ns, storage={"adapters": {"type": "EmptyDir"}}))
+    assert not unmounted.allowed
+    assert "existing Adapter 'x' spec.source: claim 'lora' is not mounted by LoRAServe 's'" in (
+        unmounted.validation.message
+    )
