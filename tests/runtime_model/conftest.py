@@ -112,9 +112,13 @@ def hf_model():
 
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
             if adapter_dir is not None:
+                import warnings
+
                 from peft import PeftModel
 
-                model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # transformers deprecations peft calls
+                    model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
             _HF_CACHE[key] = model
         return _HF_CACHE[key]
 
