@@ -132,9 +132,13 @@ class _OperatorThread:
             stop_flag=self._stop,
         )
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def raise_if_stopped(self) -> None:
         if not self._thread.is_alive():
-            raise RuntimeError("kopf stopped before the webhook server came up") from self._error
+            raise RuntimeError(f"kopf stopped: {self._error!r}") from self._error
 
     async def stop(self, timeout: float = 15.0) -> None:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
@@ -153,11 +157,18 @@ class AdmissionLab:
     """
 
     def __init__(
-        self, *, namespace: str = "default", cert_dir: Path | None = None, certificate: TLSFiles | None = None
+        self,
+        *,
+        namespace: str = "default",
+        cert_dir: Path | None = None,
+        certificate: TLSFiles | None = None,
+        serve_webhooks: bool = True,
     ) -> None:
         """``certificate``: mounted-style PEM files to serve (checked as the operator checks
-        them); None generates a self-signed CA into ``cert_dir`` (or a temporary directory)."""
+        them); None generates a self-signed CA into ``cert_dir`` (or a temporary directory).
+        ``serve_webhooks=False`` runs kopf with the handlers registered but no server."""
         self.namespace = namespace
+        self._serve_webhooks = serve_webhooks
         self._cert_dir = cert_dir
         self._certificate = certificate
         self._stack = contextlib.AsyncExitStack()
@@ -165,6 +176,12 @@ class AdmissionLab:
         self.api_url = ""
         self.webhook_url = ""
         self.tls: TLSFiles | None = None
+        self._operator: _OperatorThread | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether kopf is still running (it stops on an unrecoverable error)."""
+        return self._operator is not None and self._operator.alive
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,16 +222,20 @@ class AdmissionLab:
                 keyfile=str(files.keyfile) if files else None,
                 cafile=str(files.cafile) if files and files.cafile else None,
             )
-            self.tls = webhooks.configure_webhook_server(settings, config)
-            self.webhook_url = f"https://127.0.0.1:{port}"
+            if self._serve_webhooks:
+                self.tls = webhooks.configure_webhook_server(settings, config)
+                self.webhook_url = f"https://127.0.0.1:{port}"
+            else:
+                webhooks.disable_webhook_server(settings)
 
             # kopf runs on its own loop in a thread: on shutdown it cancels every task of its
             # loop that it did not start with, which must not include the caller's.
             operator = _OperatorThread(registry, settings)
             operator.start()
+            self._operator = operator
             self._stack.push_async_callback(operator.stop)
             self._http = await self._stack.enter_async_context(aiohttp.ClientSession())
-            self._ssl = self.tls.client_context()
+            self._ssl = self.tls.client_context() if self.tls else None
             await self._wait_ready(operator)
         except BaseException:
             await self._stack.aclose()
@@ -230,7 +251,7 @@ class AdmissionLab:
     async def _wait_ready(self, operator: _OperatorThread, timeout: float = 30.0) -> None:
         """Until the webhook answers over HTTPS and kopf watches both resources."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while True:
+        while self._serve_webhooks:
             operator.raise_if_stopped()
             try:
                 await self.review(self._sample(LORASERVE_KIND), path=webhooks.VALIDATE_LORASERVE)
@@ -274,6 +295,8 @@ class AdmissionLab:
 
         deadline = asyncio.get_running_loop().time() + timeout
         while not (key in self._seen and self._seen[key] == expected):
+            if self._operator is not None:
+                self._operator.raise_if_stopped()
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"kopf did not see {key} {'deleted' if deleted else 'as stored'}")
             await asyncio.sleep(0.02)

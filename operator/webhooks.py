@@ -21,6 +21,7 @@ sets up kopf's HTTPS server, from mounted certificate files or a generated self-
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import tempfile
@@ -73,6 +74,7 @@ __all__ = [
     "adapter_labels",
     "configure_webhook_server",
     "derived_defaults",
+    "disable_webhook_server",
     "index",
     "judge_adapter",
     "judge_serve",
@@ -537,3 +539,22 @@ def configure_webhook_server(
     )
     settings.admission.managed = config.managed
     return files
+
+
+class _NoWebhookServer:
+    """An admission "server" that never listens.
+
+    kopf refuses to start when admission handlers are registered and no server is set;
+    an operator run without its webhook (the chart's webhook disabled) uses this instead.
+    """
+
+    async def __call__(self, fn: Any):
+        await asyncio.Event().wait()  # until the operator stops
+        return
+        yield  # an async generator that yields no client configuration
+
+
+def disable_webhook_server(settings: kopf.OperatorSettings) -> None:
+    """Run kopf without serving admission although the handlers are registered."""
+    settings.admission.server = _NoWebhookServer()
+    settings.admission.managed = None

@@ -131,3 +131,19 @@ def test_mounted_files_that_do_not_load_stop_configuration(tmp_path):
     )
     with pytest.raises(tls.TLSConfigError, match="does not exist"):
         webhooks.configure_webhook_server(kopf.OperatorSettings(), config)
+
+
+async def test_operator_runs_without_serving_its_registered_webhooks():
+    """kopf refuses to run registered admission handlers without a server; the disabled
+    server lets an operator run with the chart's webhook turned off."""
+    obj = {
+        "apiVersion": API_VERSION,
+        "kind": "LoRAServe",
+        "metadata": {"name": "s"},
+        "spec": {"model": {"source": "/m"}},
+    }
+    async with AdmissionLab(namespace="off", serve_webhooks=False) as lab:
+        assert lab.webhook_url == "" and lab.running
+        await lab.store(obj)
+        await lab.wait_seen(obj)  # the watch and indexes work
+        assert lab.running
