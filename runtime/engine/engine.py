@@ -160,6 +160,8 @@ class Engine:
                 "GET /v1/models",
                 param="model",
             )
+        if request.adapter is not None and self._slots_pinned_against(request.adapter):
+            raise EngineError(_slots_pinned_error(request.adapter, self.limits.max_loras_per_batch))
         # A decode step may append ``tokens_per_step`` tokens before the last is checked.
         slack = self.limits.decode_tokens_per_step - 1
         model_room = self.model_context_len - slack
@@ -271,37 +273,44 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
-        while True:
-            self._drain_inbox()
-            if self._stopping:
-                break
-            plan = self.scheduler.plan(
-                self._waiting,
-                self._running,
-                self._kv_free(),
-                free_rows=getattr(self.kv, "num_free_rows", None),
-                pinned=self._pinned,
-            )
-            for req in plan.retract:
-                self._retract(req)
-            if plan.kind is StepKind.IDLE:
-                if not plan.retract:
-                    self._publish()
-                    with self._cv:
-                        if not self._inbox and not self._stopping:
-                            self._cv.wait(timeout=_IDLE_WAIT_S)
-                continue
+        while not self._stopping:
             try:
-                self._execute(plan)
-            except Exception:  # a bug in bookkeeping must not kill the thread silently
-                log.exception("engine step failed")
-                for req in list(self._running):
+                self._iterate()
+            except Exception:  # a bookkeeping bug must never kill the thread silently
+                log.exception("engine step failed; failing the requests in flight")
+                for req in list(self._running) + list(self._waiting):
                     self._finish(req, FinishReason.ERROR, _internal_error("engine step failed"))
-            self._steps += 1
-            self._publish()
+                self._publish()
         for req in list(self._running) + list(self._waiting):
             self._finish(req, FinishReason.ABORT)
         self._drain_inbox(closing=True)
+        self._publish()
+
+    def _iterate(self) -> None:
+        """One pass: take the inbox, plan, and run one step (or wait for work)."""
+        self._drain_inbox()
+        if self._stopping:
+            return
+        if self._waiting and len(self._pinned) >= self.limits.max_loras_per_batch:
+            self._fail_unschedulable()
+        plan = self.scheduler.plan(
+            self._waiting,
+            self._running,
+            self._kv_free(),
+            free_rows=getattr(self.kv, "num_free_rows", None),
+            pinned=self._pinned,
+        )
+        for req in plan.retract:
+            self._retract(req)
+        if plan.kind is StepKind.IDLE:
+            if not plan.retract:
+                self._publish()
+                with self._cv:
+                    if not self._inbox and not self._stopping:
+                        self._cv.wait(timeout=_IDLE_WAIT_S)
+            return
+        self._execute(plan)
+        self._steps += 1
         self._publish()
 
     def _drain_inbox(self, closing: bool = False) -> None:
@@ -368,6 +377,20 @@ class Engine:
         req.state = RequestState.WAITING
         self._live[req.rid] = req
         self._enqueue(req)
+
+    def _slots_pinned_against(self, adapter: str) -> bool:
+        """Pinned adapters hold every GPU slot, so ``adapter`` can never get one."""
+        pinned = self._pinned
+        return adapter not in pinned and len(pinned) >= self.limits.max_loras_per_batch
+
+    def _fail_unschedulable(self) -> None:
+        """Waiting requests whose adapter can never get a slot (pinning changed after they
+        queued) fail rather than block the queue forever."""
+        for req in list(self._waiting):
+            if req.adapter is not None and self._slots_pinned_against(req.adapter):
+                self._finish(
+                    req, FinishReason.ERROR, _slots_pinned_error(req.adapter, self.limits.max_loras_per_batch)
+                )
 
     def _enqueue(self, req: Request) -> None:
         """Into the queue in arrival order (a retracted request keeps its place)."""
@@ -662,6 +685,17 @@ class Engine:
 def _state(info) -> str:
     state = getattr(info, "state", "loaded")
     return str(getattr(state, "value", state)).lower()
+
+
+def _slots_pinned_error(adapter: str, slots: int) -> RequestError:
+    return RequestError(
+        f"adapter {adapter!r} cannot be scheduled: pinned adapters hold all {slots} GPU slots "
+        "(lora.max_loras_per_batch); unpin one (unload and load it again without pinned) or raise the limit",
+        status=503,
+        type="service_unavailable",
+        param="model",
+        code="adapter_slots_pinned",
+    )
 
 
 def _internal_error(message: str) -> RequestError:

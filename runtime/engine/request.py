@@ -13,10 +13,14 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .text import TextStream
 
 
 class RequestState(enum.Enum):
@@ -104,7 +108,7 @@ class Request:
     finished_time: float | None = None
     num_retractions: int = 0
     # Owned by the engine: text assembly (detokenizer + stop strings) and the adapter hold.
-    text_stream: object | None = None
+    text_stream: TextStream | None = None
     holds_adapter: bool = False
     # Free for a decoder to keep per-request state (e.g. a draft's cursor).
     decoder_state: object | None = None

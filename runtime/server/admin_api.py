@@ -12,6 +12,7 @@ the pool momentarily full) 5xx, so a caller knows whether retrying can help.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from aiohttp import web
@@ -19,11 +20,14 @@ from aiohttp import web
 from ..engine import EngineError
 from ..lora import AdapterError
 from ..lora.sources import SourceError, resolve_source
+from ..policy import AdapterDeclaration, check_adapter
 from .auth import check_bearer
 from .errors import ApiError, invalid
 from .openai_api import read_body
 from .schemas import parse_load_adapter, parse_unload_adapter
 from .state import STATE, AdapterRecord
+
+log = logging.getLogger("loraserve.server")
 
 
 def _adapter_error(exc: AdapterError) -> ApiError:
@@ -34,7 +38,21 @@ def _adapter_error(exc: AdapterError) -> ApiError:
     return ApiError(status, str(exc), param=exc.field or "lora_path", code=code)
 
 
-def _info_body(status: str, rec: AdapterRecord, info) -> dict:
+def _policy_warnings(config, rec: AdapterRecord, info, other_pinned: int) -> list[str]:
+    """The compatibility policy's warnings for this adapter on this serve (e.g. an adapter
+    touching lm_head under an EAGLE-family draft loses accept rate)."""
+    if info is None:
+        return []
+    declaration = AdapterDeclaration(
+        name=rec.name,
+        rank=getattr(info, "rank", None),
+        target_modules=tuple(getattr(info, "target_modules", ()) or ()) or None,
+        pinned=bool(getattr(info, "pinned", rec.pinned)),
+    )
+    return [w.render() for w in check_adapter(config, declaration, other_pinned=other_pinned).warnings]
+
+
+def _info_body(status: str, rec: AdapterRecord, info, warnings: list[str] | None = None) -> dict:
     return {
         "status": status,
         "lora_name": rec.name,
@@ -43,6 +61,7 @@ def _info_body(status: str, rec: AdapterRecord, info) -> dict:
         "pinned": bool(getattr(info, "pinned", rec.pinned)),
         "rank": getattr(info, "rank", None),
         "target_modules": list(getattr(info, "target_modules", ()) or ()),
+        "warnings": warnings or [],
     }
 
 
@@ -93,7 +112,11 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             raise ApiError.from_request_error(exc.error) from None
         rec = AdapterRecord(name, body.lora_path, body.sha256, str(local), body.pinned, int(time.time()))
         state.adapters[name] = rec
-        return web.json_response(_info_body("loaded", rec, info))
+        other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != name)
+        warnings = _policy_warnings(state.config, rec, info, other_pinned)
+        for w in warnings:
+            log.warning("adapter %s: %s", name, w)
+        return web.json_response(_info_body("loaded", rec, info, warnings))
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -99,9 +99,9 @@ class Generation:
         except EngineError as exc:
             raise ApiError.from_request_error(exc.error) from None
         try:
-            for req in self._requests:
+            for index, req in enumerate(self._requests):
                 self.engine.submit(req, prompt_param=self.prompt_param)
-                self._open.add(int(req.rid.rsplit("-", 1)[1]))
+                self._open.add(index)
         except EngineError as exc:
             self._abort_open()
             raise ApiError.from_request_error(exc.error) from None

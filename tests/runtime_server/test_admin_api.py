@@ -205,3 +205,36 @@ async def test_pool_capacity_is_a_clear_503(server, assets, tmp_path):
     )
     assert status == 200
     await _unload(server, "one-too-many")
+
+
+async def test_pinned_adapters_keep_slots_and_unpinned_ones_take_turns(server, assets, tmp_path):
+    slots = server.config.lora.max_loras_per_batch
+    names = []
+    for i in range(slots - 1):
+        d = tmp_path / f"pin-{i}"
+        shutil.copytree(assets.extra_adapters["extra-0"], d)
+        status, resp = await _load(server, {"lora_name": f"pin-{i}", "lora_path": str(d), "pinned": True})
+        assert status == 200 and resp["pinned"], resp
+        names.append(f"pin-{i}")
+    d = tmp_path / "pin-last"
+    shutil.copytree(assets.extra_adapters["extra-0"], d)
+    status, refused = await _load(server, {"lora_name": "pin-last", "lora_path": str(d), "pinned": True})
+    assert status == 503 and refused["error"]["param"] == "pinned", "one slot always stays unpinned"
+    # Two unpinned adapters share the one free slot: both are served, one after the other.
+    body = {"prompt": "x = 1", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = {}
+    for model in ("sql-r8", "chat-r16"):
+        status, resp = await server.post("/v1/completions", {**body, "model": model})
+        assert status == 200
+        alone[model] = resp["choices"][0]["text"]
+    results = await asyncio.gather(
+        *[
+            server.post("/v1/completions", {**body, "model": m})
+            for m in ("sql-r8", "chat-r16", "pin-0", "tiny-base")
+        ]
+    )
+    assert all(status == 200 for status, _ in results)
+    assert results[0][1]["choices"][0]["text"] == alone["sql-r8"]
+    assert results[1][1]["choices"][0]["text"] == alone["chat-r16"]
+    for name in names:
+        await _unload(server, name)
