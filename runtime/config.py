@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class SpecAlgorithm(str, enum.Enum):
+class SpecAlgorithm(enum.StrEnum):
     """Speculative-decoding algorithms a LoRAServe may name."""
 
     NONE = "NONE"
@@ -47,7 +47,7 @@ class SpecAlgorithm(str, enum.Enum):
         )
 
 
-class RaggedVerify(str, enum.Enum):
+class RaggedVerify(enum.StrEnum):
     """How many tokens each request carries into target-verify."""
 
     STATIC = "static"  # every request verifies exactly num_draft_tokens tokens
