@@ -77,7 +77,10 @@ class Engine:
         # What one request can reach: the model's context, or the whole KV cache if smaller.
         self.context_len = min(self.model_context_len, int(getattr(self.kv, "max_context_len", 0) or 10**12))
         self.eos_token_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        # Token ids are bounded by the model's embedding (it may be padded past the tokenizer).
+        self.vocab_size: int | None = getattr(runner, "vocab_size", None) or getattr(
+            tokenizer, "vocab_size", None
+        )
 
         self._cv = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()

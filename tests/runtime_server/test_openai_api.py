@@ -327,3 +327,48 @@ async def test_a_client_that_disconnects_aborts_its_request(server, stream):
     assert server.engine.snapshot.num_running == 0, "the request stopped long before its 900 tokens"
     assert await _aborted(server) == aborted_before + 1
     assert server.engine.kv.num_free_tokens == server.engine.kv.capacity
+
+
+async def test_streamed_choices_echo_and_chat_logprobs(server):
+    body = {
+        "prompt": ["p = ", "q = "],
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    status, full = await server.post("/v1/completions", body)
+    assert status == 200
+    events, status, _ = await _sse_events(server, "/v1/completions", body)
+    texts: dict[int, str] = {}
+    finished = set()
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"]:
+                finished.add(c["index"])
+    assert finished == {0, 1, 2, 3}
+    assert [texts[i] for i in range(4)] == [c["text"] for c in full["choices"]]
+
+    echo = {"prompt": "def g(y):", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    status, plain = await server.post("/v1/completions", echo)
+    status, echoed = await server.post("/v1/completions", {**echo, "echo": True})
+    assert echoed["choices"][0]["text"] == "def g(y):" + plain["choices"][0]["text"]
+    events, _, _ = await _sse_events(server, "/v1/completions", {**echo, "echo": True})
+    assert events[0]["choices"][0]["text"] == "def g(y):"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == echoed["choices"][0]["text"]
+
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 7,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "model": "sql-r8",
+    }
+    status, resp = await server.post("/v1/chat/completions", chat)
+    assert status == 200
+    content = resp["choices"][0]["logprobs"]["content"]
+    assert len(content) == resp["usage"]["completion_tokens"] == 7
+    assert all(item["logprob"] <= 0 and isinstance(item["token"], str) for item in content)
