@@ -2,9 +2,10 @@
 
 Callers (the HTTP server, tests) use the thread-safe methods: :meth:`Engine.submit` a
 :class:`Request` whose ``sink`` receives :class:`RequestOutput` increments,
-:meth:`Engine.abort` it, run adapter commands with :meth:`Engine.call`. Everything that
-touches the model runner, the KV cache or the adapter manager happens on the engine
-thread, between steps, so none of them needs its own locking.
+:meth:`Engine.abort` it, load and unload adapters, or run a function between steps with
+:meth:`Engine.call`. Everything that touches the model runner and the KV cache happens on
+the engine thread, so neither needs locking; the adapter manager is thread-safe, so an
+adapter loads (file I/O, validation) on the caller's thread while batches keep running.
 
 A step: take new requests, aborts and commands from the inbox; ask the scheduler for a
 plan; retract what it says; run the decoder's extend or decode; hand each request its new
