@@ -1,10 +1,11 @@
 """STANDALONE drafting: a small model with the target's tokenizer, its own runner and KV.
 
 The draft's cache mirrors the request's tokens: during prefill it runs the same chunks
-as the target; per step it first catches up on the tokens it has not seen (the last
-committed token, plus the last accepted draft when every draft was accepted), then
-decodes one token at a time. After verify, entries of rejected drafts are truncated,
-so the cache again holds a prefix of ``all_ids``. The draft runner has no adapter pool
+as the target; per step it decodes the last committed token, then one token per draft,
+and finally caches the last draft as well. After verify, entries of rejected drafts are
+truncated, so the cache holds every committed token but the target's newest one, and
+every step is made of decodes only (which CUDA graphs replay). A request whose draft
+cache is behind (new, or re-synced after a failure) first catches up in one extend. The draft runner has no adapter pool
 (``lora is None``): every adapter's requests get the same, base-model proposals.
 """
 
@@ -77,13 +78,19 @@ class StandaloneDrafter:
     def propose(self, requests: Sequence[Request], num_tokens: int) -> DraftProposal:
         bs = len(requests)
         tokens = torch.empty(bs, num_tokens, dtype=torch.int64, device=self.device)
-        probs: list[torch.Tensor | None] = []
         if num_tokens == 0:
             return DraftProposal(tokens)
-        # Every request has at least its last committed token to catch up on.
-        logits = self._catch_up([(req, req.num_tokens) for req in requests], last_logits=True)
-        assert logits is not None and logits.shape[0] == bs
         rids = [r.rid for r in requests]
+        if all(self._cached(r) == r.num_tokens - 1 for r in requests):
+            # The usual case: only the last committed token is new, a (graph-able) decode.
+            last = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+            logits = self.runner.forward(
+                ForwardBatch(mode=ForwardMode.DECODE, request_ids=rids, input_ids=last)
+            ).logits
+        else:  # a fresh or re-synced request: catch up on everything not yet cached
+            logits = self._catch_up([(req, req.num_tokens) for req in requests], last_logits=True)
+        assert logits is not None and logits.shape[0] == bs
+        probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):
             if j > 0:
                 batch = ForwardBatch(
@@ -95,15 +102,19 @@ class StandaloneDrafter:
             )
             tokens[:, j] = step_tokens
             probs.append(step_probs)
+        # Cache the last draft too, so that after verify only the target's own token is
+        # new and the next step again starts with a decode.
+        self.runner.forward(
+            ForwardBatch(mode=ForwardMode.DECODE, request_ids=rids, input_ids=tokens[:, -1].contiguous())
+        )
         if all(p is None for p in probs):
             return DraftProposal(tokens)
         return DraftProposal(tokens, torch.stack(probs, dim=1))  # type: ignore[arg-type]
 
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
-        # The cache holds all_ids (before this step) plus drafts 0..n-2; keep the accepted ones.
-        num_drafts = acceptance.tokens.shape[1] - 1
+        # The cache holds all_ids (before this step) plus every draft; keep the accepted ones.
         for req, accepted in zip(requests, acceptance.accept_lens.tolist(), strict=True):
-            keep = req.num_tokens + min(accepted, max(num_drafts - 1, 0))
+            keep = req.num_tokens + accepted
             held = self._cached(req)
             if held > keep:
                 self.runner.kv.truncate(req.rid, held - keep)
