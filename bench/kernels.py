@@ -116,6 +116,7 @@ class Workload:
     rank: int
     width: int = 1  # rows per request: 1, k, or the extend segment length
     max_rank: int = 0  # pool rank (0: = rank)
+    rank_major_b: bool = False  # B stored [slots, max_rank, out] and passed as a transposed view
 
     @property
     def tokens(self) -> int:
@@ -128,7 +129,8 @@ class Workload:
     def label(self) -> str:
         tag = {"decode": "dec", "verify": f"ver{self.width}", "extend": f"ext{self.width}"}[self.mode]
         pool = f"/R{self.max_rank}" if self.max_rank else ""
-        return f"{tag} bs{self.bs} a{self.adapters} r{self.rank}{pool}"
+        layout = " Bᵀ" if self.rank_major_b else ""
+        return f"{tag} bs{self.bs} a{self.adapters} r{self.rank}{pool}{layout}"
 
 
 def forward_mode(mode: str) -> ForwardMode:
@@ -208,6 +210,24 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def launch_floor(device: torch.device, launches: int = 64) -> float:
+    """Microseconds per launch of a one-program Triton kernel, replayed from a graph.
+
+    The floor under any kernel here: what a launch costs before it moves a byte.
+    """
+    if device.type != "cuda":
+        return float("nan")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _touch(ptr):
+        tl.store(ptr + tl.program_id(0), tl.load(ptr + tl.program_id(0)) + 1.0)
+
+    buf = torch.zeros(1, device=device)
+    return 1e3 * time_replays([lambda: _touch[(1,)](buf)] * launches, device, 20)
+
+
 # -- reference ---------------------------------------------------------------------------
 
 
@@ -227,6 +247,13 @@ def reference_delta(x, A, B, row_slots, ranks, scalings, offsets) -> torch.Tenso
             b = B[slot, offsets[s] : offsets[s + 1], :r].double()
             delta[rows, offsets[s] : offsets[s + 1]] = scalings[slot] * ((xs @ a.T) @ b.T)
     return delta
+
+
+def make_b(slots: int, out_dim: int, rank: int, rank_major: bool, **kw) -> torch.Tensor:
+    """B ``[slots, out, rank]``; rank-major storage is a transposed view of ``[slots, rank, out]``."""
+    if rank_major:
+        return torch.randn(slots, rank, out_dim, **kw).transpose(1, 2)
+    return torch.randn(slots, out_dim, rank, **kw)
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -255,7 +282,9 @@ def check_apply(backend, w: Workload, module: Module, dtype, device, gen, ranks=
     S = len(module.widths)
     x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
     A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
-    B = torch.randn(num_slots, module.out_dim, R, generator=gen).to(device, dtype)
+    B = make_b(num_slots, module.out_dim, R, w.rank_major_b, generator=gen).to(device, dtype)
+    if w.rank_major_b:
+        B = B.transpose(1, 2).contiguous().transpose(1, 2)  # same values, rank-major storage
     out0 = torch.randn(T, module.out_dim, generator=gen).to(device, dtype)
     out = out0.clone()
     backend.apply(x, A, B, info, out, module.offsets)
@@ -387,12 +416,10 @@ def correctness(device, modules, tiny: bool) -> list[Check]:
     checks.append(check_public_shrink(backend, works[0], qkv, torch.bfloat16, device, gen))
     checks += check_graph(backend, qkv, device, gen, "verify", 8, 4)
     checks += check_graph(backend, modules["down"], device, gen, "decode", 16, 1)
-    variants = [("fused", TritonLoRABackend(fused_max_tiles=1 << 30))]
-    if pdl_supported(device):
-        variants += [
-            ("pdl", TritonLoRABackend(pdl=True)),
-            ("fused+pdl", TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30)),
-        ]
+    rank_major = Workload("decode", bs, 4, 16, 1, 64, rank_major_b=True)
+    for module in (qkv, modules["gate_up"]):
+        checks.append(check_apply(backend, rank_major, module, torch.bfloat16, device, gen, base_requests=1))
+    variants = [("pdl", TritonLoRABackend(pdl=True))] if pdl_supported(device) else []
     for tag, variant in variants:
         for w in works:
             c = check_apply(variant, w, modules["gate_up"], torch.bfloat16, device, gen, base_requests=1)
@@ -420,7 +447,6 @@ class Row:
     weight_frac: float  # adapter weights' share of the bytes
     shrink: str = ""
     expand: str = ""
-    triton_pdl_us: float = float("nan")
     extra: dict = field(default_factory=dict)
 
 
@@ -452,7 +478,7 @@ class ModuleCase:
         for _ in range(self.sets):
             self.x.append(torch.randn(T, m.in_dim, device=device, dtype=torch.bfloat16))
             self.A.append(torch.randn(w.adapters, S * R, m.in_dim, device=device, dtype=torch.bfloat16) * 0.02)
-            self.B.append(torch.randn(w.adapters, m.out_dim, R, device=device, dtype=torch.bfloat16) * 0.02)
+            self.B.append(make_b(w.adapters, m.out_dim, R, w.rank_major_b, device=device, dtype=torch.bfloat16).mul_(0.02))
             self.out.append(torch.randn(T, m.out_dim, device=device, dtype=torch.bfloat16))
         self.req_slots = torch.tensor(self.slots, device=device, dtype=torch.long)
 
@@ -502,7 +528,6 @@ def describe(cfg) -> str:
 def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[Row]:
     gen = torch.Generator().manual_seed(7)
     backend = TritonLoRABackend(pdl=False)
-    pdl_backend = TritonLoRABackend(pdl=True) if pdl_supported(device) else None
     rows: list[Row] = []
     for w in workloads:
         for m in modules.values():
@@ -513,9 +538,6 @@ def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline)
                 case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
                 t_triton = time_replays(case.triton_fns(backend), device, reps)
                 t_torch = time_replays(case.torch_fns(), device, reps)
-                t_pdl = (
-                    time_replays(case.triton_fns(pdl_backend), device, reps) if pdl_backend else float("nan")
-                )
                 total, weights = moved_bytes(w, m)
                 sc = backend.shrink_config(case.info, case.x[0], len(m.widths), w.pool_rank)
                 ec = backend.expand_config(case.info, case.B[0], m.offsets)
@@ -531,13 +553,11 @@ def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline)
                     weights / total,
                     describe(sc),
                     describe(ec),
-                    t_pdl * 1e3,
                     {"sets": case.sets, "tiles": case.info.num_tiles},
                 )
                 rows.append(row)
                 print(
-                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  pdl {row.triton_pdl_us:8.2f}"
-                    f"  torch {row.torch_us:8.2f} us"
+                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  torch {row.torch_us:8.2f} us"
                     f"  x{row.speedup:5.2f}  bw {100 * row.bw_frac:5.1f}%  w {100 * row.weight_frac:4.0f}%",
                     flush=True,
                 )
@@ -581,10 +601,6 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
         variants += [("shrink only", "shrink"), ("expand only", "expand")]
         if pdl_ok:
             variants.append(("pdl", TritonLoRABackend(pdl=True)))
-        if case.info.num_tiles <= 8:
-            variants.append(("fused", TritonLoRABackend(pdl=False, fused_max_tiles=1 << 30)))
-            if pdl_ok:
-                variants.append(("fused+pdl", TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30)))
         for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2}):
             if split != sc0.split_k:
                 sc = ShrinkConfig(sc0.block_n, sc0.block_k, split)
@@ -656,10 +672,8 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
         if time.time() > deadline:
             break
         variants = ["default"]
-        if pdl_supported(device):
+        if pdl_supported(device) and w.tokens == 1:
             variants.append("pdl")
-        if w.tokens <= 16:
-            variants += ["fused", "fused+pdl"] if pdl_supported(device) else ["fused"]
         for variant in variants:
             try:
                 res = layer_case(device, modules, base, w, gen, reps, variant)
@@ -678,12 +692,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
     dt = torch.bfloat16
     layers = len(base)
-    backend = {
-        "default": TritonLoRABackend(pdl=False),
-        "pdl": TritonLoRABackend(pdl=True),
-        "fused": TritonLoRABackend(pdl=False, fused_max_tiles=1 << 30),
-        "fused+pdl": TritonLoRABackend(pdl=True, fused_max_tiles=1 << 30),
-    }[variant]
+    backend = {"default": TritonLoRABackend(pdl=False), "pdl": TritonLoRABackend(pdl=True)}[variant]
     R = w.pool_rank
     slots = request_slots(w, gen)
     info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
@@ -751,6 +760,7 @@ def module_workloads(tiny: bool) -> list[Workload]:
         Workload("decode", 64, 64, 16),
         Workload("decode", 64, 64, 64),
         Workload("decode", 64, 64, 16, 1, 64),
+        Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True),
         Workload("decode", 256, 64, 16),
         Workload("verify", 8, 8, 16, 4),
         Workload("verify", 32, 32, 16, 4),
@@ -767,14 +777,11 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
         return [(Workload("decode", 4, 2, 16), "qkv")]
     return [
         (Workload("decode", 1, 1, 16), "gate_up"),
-        (Workload("decode", 1, 1, 16), "down"),
         (Workload("decode", 64, 64, 16), "gate_up"),
-        (Workload("decode", 64, 64, 16, 1, 64), "gate_up"),
-        (Workload("decode", 64, 64, 64), "gate_up"),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), "gate_up"),
         (Workload("verify", 32, 32, 16, 4), "qkv"),
-        (Workload("decode", 32, 8, 16), "o"),
         (Workload("extend", 8, 8, 64, 512), "o"),
-        (Workload("extend", 4, 4, 16, 512), "gate_up"),
+        (Workload("extend", 8, 8, 64, 512), "down"),
     ]
 
 
@@ -800,12 +807,12 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         "",
         "## Per module (median per call, graph replay, rotating inputs)",
         "",
-        "| module | workload | tokens | MB moved | Triton µs | Triton+PDL µs | torch µs | speed-up | % copy BW | weights % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| module | workload | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} | {r.triton_pdl_us:.2f} "
+            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} "
             f"| {r.torch_us:.2f} | {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} |"
         )
     lines += ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW |", "|---|---|---|---|---|"]
@@ -858,6 +865,7 @@ def main() -> int:
         env["l2_mb"] = round(l2_bytes / 2**20, 1)
     copy_bw = copy_bandwidth(device, 2**30) if device.type == "cuda" else 1e9
     env["copy_bw_tb_s"] = round(copy_bw / 1e12, 3)
+    env["launch_floor_us"] = round(launch_floor(device), 2)
     print(env, flush=True)
 
     checks = correctness(device, modules, tiny)
@@ -889,12 +897,9 @@ def main() -> int:
     print("\n== layer: LoRA vs base GEMMs ==")
     for x in layer:
         print(f"{x['workload']:20s} {x['variant']:9s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
-    print("== modules: triton us / +pdl us / torch us / %copyBW ==")
+    print("== modules: triton us / torch us / %copyBW ==")
     for r in rows:
-        print(
-            f"{r.module:7s} {r.workload:22s} {r.triton_us:7.2f} {r.triton_pdl_us:7.2f} {r.torch_us:8.2f}"
-            f" {100 * r.bw_frac:5.1f}%"
-        )
+        print(f"{r.module:7s} {r.workload:26s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")
     failed = [c.name for c in checks if not c.ok]
     print(f"correctness {env['correctness']}; failed: {failed}; total {time.time() - t0:.0f}s")
     return 1 if failed else 0

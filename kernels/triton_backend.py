@@ -21,8 +21,6 @@ import torch
 from .backend import LoRABackend, check_expand_shapes, check_shapes
 from .metadata import LoRABatchInfo, ensure_tiles
 from .triton_ops import ExpandConfig, ShrinkConfig, launch_expand, launch_shrink, pick_expand, pick_shrink
-from .triton_ops.configs import FUSED_MAX_RANK, FUSED_MAX_TILES, pick_fused
-from .triton_ops.fused import launch_fused
 from .triton_ops.pdl import pdl_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,8 +75,6 @@ class TritonLoRABackend(LoRABackend):
     tests); by default :func:`pick_shrink` / :func:`pick_expand` choose from the shapes.
     ``pdl`` launches the kernels with programmatic dependent launch where the GPU and
     Triton support it (Hopper+), so each launch overlaps the previous kernel's tail.
-    ``fused_max_tiles``: batches of at most this many tiles take the single-launch path
-    (shrink recomputed per column group) instead of shrink + expand.
     """
 
     name = "triton"
@@ -89,12 +85,10 @@ class TritonLoRABackend(LoRABackend):
         shrink_config: ShrinkConfig | None = None,
         expand_config: ExpandConfig | None = None,
         pdl: bool = DEFAULT_PDL,
-        fused_max_tiles: int = FUSED_MAX_TILES,
     ) -> None:
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
-        self.fused_max_tiles = fused_max_tiles
 
     def _pdl(self, device: torch.device) -> bool:
         return self.pdl and pdl_supported(device)
@@ -219,11 +213,6 @@ class TritonLoRABackend(LoRABackend):
         if info.num_tiles == 0:
             return
         pdl = self._pdl(x.device)
-        if info.num_tiles <= self.fused_max_tiles and max_rank <= FUSED_MAX_RANK and num_slices <= 3:
-            widths = tuple(b - a for a, b in itertools.pairwise(slice_offsets))
-            fused = pick_fused(widths=widths, max_rank=max_rank, dtype=x.dtype, num_sms=_sm_count(x.device))
-            launch_fused(x, A, B, out, info, slice_offsets, fused, pdl=pdl)
-            return
         config = self.shrink_config(info, x, num_slices, max_rank)
         partial = torch.empty(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
         launch_shrink(x, A, partial, info, num_slices, config, pdl=pdl)

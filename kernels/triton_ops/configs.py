@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Tuned on an H200 (bench/KERNELS-NOTES.md has the sweeps behind each number).
 MAX_SPLIT_K = 16
-MIN_K_BLOCKS_PER_SPLIT = 2
-PROGRAMS_PER_SM = 2  # shrink programs aimed for per SM before splitting K further
-EXPAND_PROGRAMS_PER_SM = 8  # expand programs per SM before one program takes more blocks
-MAX_COL_BLOCKS = 8
+MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each column group
+MIN_K_BLOCKS_PER_SPLIT = 4  # at least 4 steps (512 columns at block_k 128) per split
+PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,6 @@ class ExpandConfig:
     col_blocks: int = 1
     num_warps: int = 4
     num_stages: int = 2
-
-
-@dataclass(frozen=True)
-class FusedConfig:
-    """Single-launch tiles: ``block_k`` input columns a step, then expand-like column groups."""
-
-    block_n: int
-    block_r: int
-    block_k: int
-    col_blocks: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 def next_pow2(n: int) -> int:
@@ -89,9 +77,11 @@ def pick_shrink(
     block_k = 128 if tile_m <= 32 else 64
     if dtype == torch.float32:
         block_k //= 2
-    programs = max(1, num_tiles * num_slices * cdiv(max_rank, block_n))
+    # Rank blocks past an adapter's rank stop at once, so they do not count: serving
+    # ranks mostly fit one block.
+    programs = max(1, num_tiles * num_slices)
     k_blocks = cdiv(in_dim, block_k)
-    limit = min(MAX_SPLIT_K, max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
+    limit = min(MAX_SPLIT_K if tile_m <= 16 else MAX_SPLIT_K_WIDE_TILES, max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
     split = 1
     while split * 2 <= limit and programs * split < PROGRAMS_PER_SM * num_sms:
         split *= 2
@@ -107,31 +97,24 @@ def pick_expand(
     dtype: torch.dtype,
     num_sms: int,
 ) -> ExpandConfig:
-    """Output columns in blocks of 128 (64 for wide row tiles); the whole rank (up to 64)
-    in one step; several blocks per program once the grid has plenty of programs."""
-    block_n = 128 if tile_m <= 32 else 64
+    """Columns per program: 2-4 blocks of 128 for short tiles, 8 blocks of 64 for extend.
+
+    Each program loads its tile's ``xa`` (all split-K partials) once; short tiles carry
+    one or a few live rows, so that load is small and more programs win; extend tiles
+    carry 64 rows, so each program must cover many columns to amortise it.
+    """
+    wide = tile_m > 16
+    block_n = 64 if wide else 128
     if dtype == torch.float32:
         block_n //= 2
     blocks = max(1, num_tiles) * sum(cdiv(w, block_n) for w in widths)
-    col_blocks = 1
-    while col_blocks * 2 <= MAX_COL_BLOCKS and blocks >= col_blocks * 2 * EXPAND_PROGRAMS_PER_SM * num_sms:
-        col_blocks *= 2
+    if wide:
+        col_blocks = 8
+    elif blocks >= 32 * num_sms:
+        col_blocks = 4
+    else:
+        col_blocks = 2
     return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks)
-
-
-FUSED_MAX_TILES = 0  # tiles up to which apply() takes the single-launch path (0: never)
-FUSED_MAX_RANK = 64
-
-
-def pick_fused(*, widths: tuple[int, ...], max_rank: int, dtype: torch.dtype, num_sms: int) -> FusedConfig:
-    """Column groups sized so the grid fills the GPU about once: each program re-reads A."""
-    block_n = 64 if dtype == torch.float32 else 128
-    blocks = sum(cdiv(w, block_n) for w in widths)
-    col_blocks = 1
-    while col_blocks * 2 <= MAX_COL_BLOCKS and blocks >= col_blocks * 2 * num_sms:
-        col_blocks *= 2
-    block_k = 128 if dtype == torch.float32 else 256
-    return FusedConfig(block_n=block_n, block_r=rank_block(max_rank), block_k=block_k, col_blocks=col_blocks)
 
 
 def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:
