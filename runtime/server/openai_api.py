@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -23,6 +24,17 @@ async def read_body(request: web.Request) -> dict:
     return parse_json_body(await request.read())
 
 
+_INLINE_TOKENIZE_CHARS = 8192  # longer inputs are tokenised off the event loop
+
+
+async def _encode(fn, value):
+    """Tokenise; a long input runs on a worker thread so other streams keep flowing."""
+    size = len(value) if isinstance(value, str) else sum(len(m.content) for m in value)
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn(value)
+    return await asyncio.to_thread(fn, value)
+
+
 def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
     tok = state.tokenizer
     return (
@@ -39,7 +51,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_body(request))
     adapter = state.resolve_model(req.model)
     tok = state.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    prompts = [await _encode(tok.encode, p) if isinstance(p, str) else list(p) for p in req.prompts]
     model = req.model or state.served_name
     async with Generation(
         engine, prompts, req.params, n=req.n, adapter=adapter, id_prefix="cmpl", prompt_param="prompt"
@@ -124,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     req = parse_chat(await read_body(request))
     adapter = state.resolve_model(req.model)
-    prompt = state.tokenizer.encode_chat(req.messages)
+    prompt = await _encode(state.tokenizer.encode_chat, req.messages)
     model = req.model or state.served_name
     async with Generation(
         engine, [prompt], req.params, n=req.n, adapter=adapter, id_prefix="chatcmpl", prompt_param="messages"

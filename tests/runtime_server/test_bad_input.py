@@ -50,7 +50,7 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "model": "no-such-adapter"}, 404, "model", ["does not exist"]),
     ("/v1/completions", {"prompt": "x", "model": 7}, 400, "model", ["string"]),
     ("/v1/completions", {"prompt": [1, 2, 999999]}, 400, "prompt", ["vocabulary"]),
-    ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 1}, 400, "prompt", ["context length"]),
+    ("/v1/completions", {"prompt": "word " * 2000, "max_tokens": 1}, 400, "prompt", ["context length"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", ["context length"]),
     (
         "/v1/completions",
