@@ -208,9 +208,11 @@ class Engine:
         request.max_new_tokens = max_new
         return request
 
-    def submit(self, request: Request, *, prompt_param: str = "prompt") -> None:
-        """Queue a request (after :meth:`prepare`). Outputs go to ``request.sink``."""
-        self.prepare(request, prompt_param=prompt_param)
+    def submit(self, request: Request, *, prompt_param: str = "prompt", prepared: bool = False) -> None:
+        """Queue a request; outputs go to ``request.sink``. ``prepared``: :meth:`prepare`
+        already accepted it (the adapter is re-checked at intake either way)."""
+        if not prepared:
+            self.prepare(request, prompt_param=prompt_param)
         with self._cv:
             if not self._accepting:
                 raise EngineClosedError()

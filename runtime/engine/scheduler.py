@@ -254,6 +254,8 @@ class Scheduler:
         if decoding:
             victims = plan_retractions(running, free_tokens, limits.decode_tokens_per_step)
             batch = [r for r in decoding if all(r is not v for v in victims)]
+            if not batch:  # only prefilling requests remain: they continue next step
+                return StepPlan(StepKind.IDLE, retract=victims)
             self._last_kind = StepKind.DECODE
             return StepPlan(StepKind.DECODE, decode=batch, retract=victims)
         self._last_kind = StepKind.IDLE

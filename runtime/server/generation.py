@@ -100,7 +100,7 @@ class Generation:
             raise ApiError.from_request_error(exc.error) from None
         try:
             for index, req in enumerate(self._requests):
-                self.engine.submit(req, prompt_param=self.prompt_param)
+                self.engine.submit(req, prompt_param=self.prompt_param, prepared=True)
                 self._open.add(index)
         except EngineError as exc:
             self._abort_open()

@@ -164,3 +164,13 @@ def test_kv_reserve_counts_running_requests_expected_growth():
 def test_limits_reject_nonsense(field):
     with pytest.raises(ValueError, match=field):
         limits(**{field: 0})
+
+
+def test_a_decode_step_with_nothing_left_to_decode_is_idle():
+    sched = Scheduler(limits())
+    old_prefill = running(req(30), decoding=False, t=1.0)
+    old_prefill.num_cached = 10
+    new_decode = running(req(10), t=2.0)
+    assert sched.plan([req(4)], [new_decode], free_tokens=100).kind is StepKind.EXTEND  # decode is due next
+    plan = sched.plan([], [old_prefill, new_decode], free_tokens=0)
+    assert plan.kind is StepKind.IDLE and plan.retract == [new_decode]
