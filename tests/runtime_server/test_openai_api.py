@@ -372,3 +372,37 @@ async def test_streamed_choices_echo_and_chat_logprobs(server):
     content = resp["choices"][0]["logprobs"]["content"]
     assert len(content) == resp["usage"]["completion_tokens"] == 7
     assert all(item["logprob"] <= 0 and isinstance(item["token"], str) for item in content)
+
+
+async def test_concurrent_requests_get_exactly_what_they_get_alone(server):
+    """Continuous batching over HTTP: mixed adapters, prompt lengths and lengths, joined mid-flight."""
+    models = ["tiny-base", "sql-r8", "chat-r16"]
+    bodies = [
+        {
+            "model": models[i % 3],
+            "prompt": "def f():\n" + "    x = 1\n" * (i % 5),
+            "max_tokens": 8 + 3 * i,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": i % 2 == 0,
+        }
+        for i in range(12)
+    ]
+
+    async def run(body):
+        if body["stream"]:
+            events, status, _ = await _sse_events(server, "/v1/completions", body)
+            assert status == 200
+            return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        status, resp = await server.post("/v1/completions", body)
+        assert status == 200
+        return resp["choices"][0]["text"]
+
+    alone = [await run(b) for b in bodies]
+
+    async def staggered(i, body):
+        await asyncio.sleep(0.01 * i)  # later requests join a batch already decoding
+        return await run(body)
+
+    together = await asyncio.gather(*(staggered(i, b) for i, b in enumerate(bodies)))
+    assert list(together) == alone
