@@ -6,11 +6,13 @@ HTTP or Kubernetes.
 """
 
 from .backend import LoRABackend
+from .graph_metadata import GraphLoRAMetadata
 from .metadata import ForwardMode, LoRABatchInfo, build_batch_info, token_counts
 from .reference import TorchLoRABackend
 
 __all__ = [
     "ForwardMode",
+    "GraphLoRAMetadata",
     "LoRABackend",
     "LoRABatchInfo",
     "TorchLoRABackend",

@@ -10,6 +10,11 @@ Weight layout, shared by all backends (the runtime's adapter pool writes it):
   ``s*max_rank : s*max_rank + rank``.
 - An adapter of rank ``r < max_rank`` is packed at its own rank; backends read the rank
   per slot and do no work past it. Slot ``-1`` (base model) does no work at all.
+- Any strides are accepted (slices of fused activations, column slices of a fused
+  output). In particular ``B`` may be stored rank-major, ``B_phys[slots, max_rank,
+  out_total]``, and passed as ``B_phys.transpose(1, 2)``: an adapter of rank r in a
+  rank-R pool then reads r contiguous rows instead of r of every R columns (with the
+  row-major layout each 128-byte line of B carries R·2 bytes of which r·2 are used).
 
 ``expand`` adds ``scalings[slot] * xa @ Bᵀ`` into ``out`` in place (the base layer's
 output), so the LoRA delta is fused into the base result rather than materialised.

@@ -115,10 +115,6 @@ def _lora_expand_kernel(
     for c in range(0, col_blocks):
         offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # The base output and B are both read before the dot, so their latencies overlap.
-        out_ptrs = out_rows + offs_n[None, :] * stride_on
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
         b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
         bt = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST_DOT:
@@ -138,6 +134,9 @@ def _lora_expand_kernel(
                     acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xr, br, acc, input_precision=DOT_PRECISION)
+        out_ptrs = out_rows + offs_n[None, :] * stride_on
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
         tl.store(out_ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
