@@ -138,8 +138,16 @@ def train_lm(
     batch: int,
     lr: float,
     seed: int,
+    teacher=None,
+    teacher_data: torch.Tensor | None = None,
 ):
-    """Train a Llama of ``shape`` on random windows of ``data`` for ``seconds``."""
+    """Train a Llama of ``shape`` for ``seconds`` on random windows of ``data``.
+
+    With a ``teacher``, the loss is the KL divergence from the teacher's next-token
+    distribution (distillation), and half of every batch comes from ``teacher_data``
+    (sequences the teacher generated itself, ``[n, seq + 1]``): the draft learns to
+    predict what the target says, which is what speculation accepts.
+    """
     import transformers
 
     raw = llama_config(shape, vocab)
@@ -154,6 +162,7 @@ def train_lm(
     )
     gen = torch.Generator().manual_seed(seed)
     data = data.to(device)
+    autocast = {"device_type": device.type, "dtype": torch.bfloat16, "enabled": device.type == "cuda"}
     start, step, losses = time.monotonic(), 0, []
     loss = torch.zeros(())
     warmup = 50
@@ -165,12 +174,29 @@ def train_lm(
         scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        n_corpus = batch if teacher_data is None else batch // 2
+        starts = torch.randint(0, data.numel() - seq - 1, (n_corpus,), generator=gen)
         idx = starts[:, None] + torch.arange(seq + 1)[None, :]
         window = data[idx.to(device)]
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        if teacher_data is not None:
+            rows = torch.randint(0, teacher_data.shape[0], (batch - n_corpus,), generator=gen)
+            window = torch.cat([window, teacher_data[rows.to(teacher_data.device)].to(device)])
+        with torch.autocast(**autocast):
             logits = model(input_ids=window[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), window[:, 1:].reshape(-1))
+        if teacher is None:
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, vocab), window[:, 1:].reshape(-1)
+            )
+        else:
+            with torch.no_grad(), torch.autocast(**autocast):
+                target_logp = torch.log_softmax(teacher(input_ids=window[:, :-1]).logits.float(), dim=-1)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            loss = torch.nn.functional.kl_div(
+                logp.reshape(-1, vocab),
+                target_logp.reshape(-1, vocab),
+                log_target=True,
+                reduction="batchmean",
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -187,6 +213,40 @@ def train_lm(
         "final_loss": round(final, 3),
         "params": n_params,
     }
+
+
+@torch.no_grad()
+def teacher_sequences(
+    model,
+    data: torch.Tensor,
+    device: torch.device,
+    *,
+    count: int,
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+) -> torch.Tensor:
+    """Greedy continuations by ``model`` of random training-corpus windows, ``[count, prompt+new]``.
+
+    Prompts come from the training corpus only, never from the held-out files the
+    benchmark prompts are cut from.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
+    prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
+    chunks = []
+    for part in prompts.split(256):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model.generate(
+                input_ids=part,
+                attention_mask=torch.ones_like(part),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        chunks.append(out[:, : prompt_len + new_tokens])
+    return torch.cat(chunks)
 
 
 def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:
@@ -374,6 +434,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--concurrency", default=None, help="comma list, default 1,8,32 (smoke 1,2,4)")
     ap.add_argument("--adapter-b-std", type=float, default=0.004)
+    ap.add_argument(
+        "--draft-training",
+        choices=("distill", "corpus"),
+        default="distill",
+        help="distill: KL to the target on its own continuations + corpus; corpus: plain LM training",
+    )
+    ap.add_argument(
+        "--waves",
+        type=int,
+        default=None,
+        help="requests per concurrency level = waves x concurrency (keeps the batch full; default 3, smoke 1)",
+    )
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
@@ -386,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     t_target = args.train_target_s if args.train_target_s is not None else (8 if smoke else 60)
     t_draft = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 30)
     vocab = 512 if smoke else 8192
+    waves = args.waves or (1 if smoke else 3)
     started = time.monotonic()
     notes: list[str] = []
 
@@ -402,9 +475,31 @@ def main(argv: list[str] | None = None) -> int:
         small_shape, vocab, data, t_target, device, seq=seq, batch=batch, lr=1.5e-3 if smoke else 6e-4, seed=1
     )
     log(f"target-small trained: {t_info}")
-    draft, d_info = train_lm(
-        draft_shape, vocab, data, t_draft, device, seq=seq, batch=batch, lr=2e-3 if smoke else 1e-3, seed=2
-    )
+    if args.draft_training == "distill":
+        t0 = time.monotonic()
+        gen_len = 64 if smoke else 192
+        distill_data = teacher_sequences(
+            target_small, data, device, count=32 if smoke else 1024, prompt_len=gen_len // 3,
+            new_tokens=gen_len - gen_len // 3 + 1, seed=3,
+        )  # fmt: skip
+        log(f"teacher continuations: {tuple(distill_data.shape)} in {time.monotonic() - t0:.1f} s")
+        draft, d_info = train_lm(
+            draft_shape, vocab, data, t_draft, device, seq=gen_len, batch=batch, lr=2e-3 if smoke else 1e-3,
+            seed=2, teacher=target_small, teacher_data=distill_data,
+        )  # fmt: skip
+    else:
+        draft, d_info = train_lm(
+            draft_shape,
+            vocab,
+            data,
+            t_draft,
+            device,
+            seq=seq,
+            batch=batch,
+            lr=2e-3 if smoke else 1e-3,
+            seed=2,
+        )
+    d_info["training"] = args.draft_training
     log(f"draft trained: {d_info}")
     small_dir = save_hf(target_small, work / "target-small", tok_dir)
     draft_dir = save_hf(draft, work / "draft", tok_dir)
@@ -460,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Check: the serving target computes the trained model's function.
     held_ids = tokenize(tok_dir, held)
-    pool = [held_ids[i : i + prompt_len].tolist() for i in range(0, held_ids.numel() - prompt_len, 997)]
+    pool = [held_ids[i : i + prompt_len].tolist() for i in range(0, held_ids.numel() - prompt_len, 499)]
     check = _expansion_check(runner, small_dir, pool[0], device)
     log(f"serving target vs trained model on a held-out prompt: {check}")
 
@@ -477,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in conc:
         try:
             rows.append(
-                _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details)
+                _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details, waves)
             )
         except Exception as exc:  # keep what was measured; say what failed
             notes.append(f"concurrency {c} failed: {type(exc).__name__}: {exc}")
@@ -513,11 +608,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details):
-    """One concurrency level: a full-size warm-up of each path (captures its CUDA graphs for
-    every batch and context bucket the timed run meets), then the timed runs."""
-    count = 5 if c == 1 else c  # concurrency 1 still covers base + all 4 adapters
-    warm = make_workload(pool, count, gen_tokens, offset=100)
+def _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details, waves):
+    """One concurrency level: a warm-up of each path (captures its CUDA graphs for the batch
+    and context buckets the timed run meets), then the timed runs.
+
+    ``waves * c`` requests keep ``c`` running as earlier ones finish, so speculative
+    requests finishing at different steps do not leave the batch draining (concurrency 1
+    runs at least 5 requests, one after another: base and each adapter).
+    """
+    count = max(5, waves) if c == 1 else waves * c
+    warm = make_workload(pool, max(c, 2), gen_tokens, offset=100)
     bench = make_workload(pool, count, gen_tokens, offset=0)
     run_workload(config, runner, plain, warm, c, f"warm-off-{c}")
     off = run_workload(config, runner, plain, bench, c, f"off-{c}")
@@ -590,11 +690,13 @@ def _report(
         f" (check on a held-out prompt: {check})",
         f"- trained small target: {SHAPES['smoke-small' if args.smoke else 'small']} (hidden, layers, heads, kv, head_dim, mlp);"
         f" {t_info['params'] / 1e6:.0f} M params, {t_info['steps']} steps, {t_info['tokens'] / 1e6:.1f} M tokens, final loss {t_info['final_loss']:.2f}",
-        f"- draft (STANDALONE): {SHAPES['smoke-draft' if args.smoke else 'draft']}; {d_info['params'] / 1e6:.0f} M params,"
+        f"- draft (STANDALONE, {d_info['training']} training): {SHAPES['smoke-draft' if args.smoke else 'draft']};"
+        f" {d_info['params'] / 1e6:.0f} M params,"
         f" {d_info['steps']} steps, {d_info['tokens'] / 1e6:.1f} M tokens, final loss {d_info['final_loss']:.2f}",
         f"- verify width k = {k} (num_steps {k - 1}); greedy; prompts {prompt_len} held-out stdlib tokens; {gen_tokens} new tokens per request;"
         f" 4 adapters (rank 16, all linear modules, B ~ N(0, {args.adapter_b_std}^2)) + base, request i uses base or adapter i % 5;"
-        " concurrency 1 runs 5 requests one after another",
+        f" concurrency 1 runs {max(5, args.waves or 1)} requests one after another, concurrency c runs"
+        f" {args.waves or (1 if args.smoke else 3)} x c requests, c at a time",
         "",
         "| concurrency | no spec tok/s | spec tok/s | speedup | mean accepted drafts / step | accept rate | per-adapter mean accepted | verify ms | step ms | identical outputs |",
         "|---|---|---|---|---|---|---|---|---|---|",
