@@ -4,6 +4,8 @@ Buffers use the kernels' layout (see ``loraserve.kernels.backend``): per fused m
 ``A [slots, slices * max_rank, in]`` and ``B [slots, out_total, max_rank]``; q/k/v share
 one QKV buffer and gate/up one gate-up buffer, matching the model's fused projections.
 The embedding adapter is ``A [slots, vocab, max_rank]``, ``B [slots, hidden, max_rank]``.
+Every ``B`` is stored rank-major (``[slots, max_rank, out]``) and exposed as its
+transposed view: an adapter below the pool's rank then reads only its own rank's rows.
 Writing a slot zeroes it first, so parts an adapter does not target contribute nothing.
 """
 
@@ -28,6 +30,15 @@ GROUP_OF = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+
+
+def rank_major_b(num_slots: int, out_dim: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed ``B [slots, out_dim, max_rank]`` stored rank-major (a transposed view).
+
+    The kernels accept any strides; with this storage a rank-r adapter in a rank-R pool
+    reads r contiguous rows of ``out_dim`` values instead of r of every R columns.
+    """
+    return torch.zeros(num_slots, max_rank, out_dim, dtype=dtype, device=device).transpose(1, 2)
 
 
 class LoRAContext:
@@ -112,7 +123,7 @@ class SlotPool:
                 hook = LinearLoRAHook(
                     ctx,
                     torch.zeros(num_slots, slices * R, linear.in_features, dtype=dtype, device=device),
-                    torch.zeros(num_slots, linear.out_features, R, dtype=dtype, device=device),
+                    rank_major_b(num_slots, linear.out_features, R, dtype, device),
                     linear.slice_offsets,
                 )
                 linear.lora = hook
@@ -121,7 +132,7 @@ class SlotPool:
             hook = EmbeddingLoRAHook(
                 ctx,
                 torch.zeros(num_slots, arch.vocab_size, R, dtype=dtype, device=device),
-                torch.zeros(num_slots, arch.hidden_size, R, dtype=dtype, device=device),
+                rank_major_b(num_slots, arch.hidden_size, R, dtype, device),
             )
             model.embed_lora = hook
             self.hooks[("embed_tokens", None)] = hook
@@ -129,7 +140,7 @@ class SlotPool:
             hook = LinearLoRAHook(
                 ctx,
                 torch.zeros(num_slots, R, arch.hidden_size, dtype=dtype, device=device),
-                torch.zeros(num_slots, arch.vocab_size, R, dtype=dtype, device=device),
+                rank_major_b(num_slots, arch.vocab_size, R, dtype, device),
                 (0, arch.vocab_size),
                 logits=True,
             )
