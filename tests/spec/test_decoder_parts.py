@@ -248,3 +248,26 @@ def test_dummy_draft_weights_still_lossless(make_spec_config, engine_run, case):
     assert run.engine.decoder.algorithm is SpecAlgorithm(case[0])
     for rid, *_ in requests:
         assert run.outputs[rid].tokens == base.outputs[rid].tokens
+
+
+@pytest.mark.parametrize("case", [("STANDALONE", "same"), ("NGRAM", None)])
+def test_logprobs_and_stop_tokens_match_plain_decoding(make_spec_config, engine_run, case):
+    """Accepted drafts carry the target's log-probabilities, and a stop token inside an
+    accepted run ends the request exactly where plain decoding ends it."""
+    probe = _greedy_requests(4, seed=9, max_tokens=20, adapters=(None, "mlp-r4"))
+    first = engine_run(make_spec_config(), probe)
+    requests = []
+    for rid, prompt, params, adapter in probe:
+        stop = first.outputs[rid].tokens[12]  # a token the plain run emits mid-way
+        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=True, stop_token_ids=(stop,))
+        requests.append((rid, prompt, params, adapter))
+    base = engine_run(make_spec_config(), requests)
+    run = engine_run(make_spec_config(*case), requests)
+    for rid, *_ in requests:
+        want, got = base.outputs[rid], run.outputs[rid]
+        assert got.tokens == want.tokens and len(got.tokens) <= 13
+        assert got.reason == want.reason
+        assert len(got.logprobs) == len(got.tokens)
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=1e-4, atol=1e-4
+        )
