@@ -51,6 +51,19 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     return settings
 
 
+def operator_registry(*, webhooks_enabled: bool) -> kopf.OperatorRegistry:
+    """The handlers to run: all registered ones, less the admission handlers when the
+    webhook is off (kopf refuses admission handlers without a server)."""
+    default = kopf.get_default_registry()
+    if webhooks_enabled:
+        return default
+    registry = kopf.OperatorRegistry()
+    for part in ("_activities", "_indexing", "_watching", "_spawning", "_changing"):
+        for handler in getattr(default, part).get_all_handlers():
+            getattr(registry, part).append(handler)
+    return registry
+
+
 async def _login(settings: kopf.OperatorSettings, fixed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo:
     if fixed is not None:
         return fixed
@@ -83,7 +96,8 @@ async def run(
     :class:`OperatorContext` (its counters are read by tests and the benchmark).
     """
     settings = build_settings(config)
-    if config.webhook_enabled or webhook is not None:
+    serve_webhooks = config.webhook_enabled or webhook is not None
+    if serve_webhooks:
         webhooks.configure_webhook_server(settings, webhook)
     kube = KubeClient(lambda: _login(settings, connection))
     ctx = OperatorContext.from_config(config, kube)
@@ -92,6 +106,7 @@ async def run(
     memo = kopf.Memo(ctx=ctx, connection=connection)
     try:
         await kopf.operator(
+            registry=operator_registry(webhooks_enabled=serve_webhooks),
             settings=settings,
             memo=memo,
             clusterwide=not config.namespaces,

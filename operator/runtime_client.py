@@ -39,10 +39,13 @@ class RuntimeCallError(Exception):
 
 @dataclass(frozen=True)
 class LoadedAdapter:
-    """One adapter a pod reports in ``GET /v1/models``."""
+    """One adapter a pod holds, as ``GET /v1/models`` or a load answer describes it."""
 
     name: str
-    source: str | None  # where it was loaded from, when the runtime says
+    source: str | None = None  # the lora_path it was loaded from, when the runtime says
+    rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,24 @@ def parse_models(data: object) -> PodModels:
             continue
         if entry.get("parent"):
             root = entry.get("root")
-            adapters[entry["id"]] = LoadedAdapter(name=entry["id"], source=root if isinstance(root, str) else None)
+            lora = entry.get("lora") if isinstance(entry.get("lora"), dict) else {}
+            adapters[entry["id"]] = _adapter(entry["id"], root, lora)
         elif base is None:
             base = entry["id"]
     return PodModels(base=base, adapters=adapters)
+
+
+def _adapter(name: str, source: object, info: dict) -> LoadedAdapter:
+    rank = info.get("rank")
+    modules = info.get("target_modules")
+    sha = info.get("sha256")
+    return LoadedAdapter(
+        name=name,
+        source=source if isinstance(source, str) else None,
+        rank=rank if isinstance(rank, int) else None,
+        target_modules=tuple(modules) if isinstance(modules, list) else None,
+        sha256=sha if isinstance(sha, str) else None,
+    )
 
 
 class RuntimeClient:
@@ -148,14 +165,21 @@ class RuntimeClient:
         """``GET /v1/models``: the base model and every adapter the pod holds."""
         return parse_models(await self._call("GET", "/v1/models", timeout=self._probe_timeout))
 
-    async def load(self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False) -> None:
-        """``POST /v1/load_lora_adapter``; the runtime fetches ``source`` and checks ``sha256``."""
+    async def load(
+        self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False
+    ) -> LoadedAdapter:
+        """``POST /v1/load_lora_adapter``; the runtime fetches ``source`` and checks ``sha256``.
+
+        Returns what the runtime read from the file (rank, target modules) when it says.
+        """
         body: dict[str, object] = {"lora_name": name, "lora_path": source}
         if sha256:
             body["sha256"] = sha256
         if pinned:
             body["pinned"] = True
-        await self._call("POST", "/v1/load_lora_adapter", body=body, timeout=self._request_timeout)
+        answer = await self._call("POST", "/v1/load_lora_adapter", body=body, timeout=self._request_timeout)
+        info = answer if isinstance(answer, dict) else {}
+        return _adapter(name, info.get("lora_path", source), info)
 
     async def unload(self, name: str) -> bool:
         """``POST /v1/unload_lora_adapter``; False when the pod did not hold it."""

@@ -176,7 +176,8 @@ def _rollout(findings: ServeFindings, numbers: Mapping[str, int]) -> tuple[LoRAS
         )
     if ready >= want:
         return LoRAServePhase.RUNNING, False, "RolloutComplete", f"{ready}/{want} replicas ready"
-    if ready > 0 or progress.get("reason") == "NewReplicaSetAvailable":
+    if progress.get("reason") == "NewReplicaSetAvailable":
+        # The rollout had completed: replicas were lost since (crashes, evictions, nodes).
         return LoRAServePhase.DEGRADED, False, "ReplicasUnavailable", f"{ready}/{want} replicas ready"
     return LoRAServePhase.PROGRESSING, True, "WaitingForReplicas", f"{ready}/{want} replicas ready"
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import desired as ds
-from ..runtime_client import PodModels, RuntimeCallError, RuntimeClient
+from ..runtime_client import LoadedAdapter, PodModels, RuntimeCallError, RuntimeClient
 from ..specs import (
     AdapterSpec,
     LoRAServeSpec,
@@ -133,10 +133,25 @@ async def observe_pods(
     return held, errors
 
 
-def _source_differs(held: PodModels, name: str, wanted: Sequence[str]) -> bool:
-    """The pod holds ``name`` but from another source (the Adapter's source changed)."""
-    loaded = held.adapters.get(name)
-    return loaded is not None and loaded.source is not None and loaded.source not in wanted
+def source_differs(loaded: LoadedAdapter, wanted_paths: Sequence[str], sha256: str | None) -> bool:
+    """A pod holds the adapter's name from another source or digest (the spec changed)."""
+    if loaded.source is not None and loaded.source not in wanted_paths:
+        return True
+    return sha256 is not None and loaded.sha256 is not None and loaded.sha256 != sha256
+
+
+def declaration_mismatch(spec: AdapterSpec, loaded: LoadedAdapter) -> str | None:
+    """Why the file contradicts the Adapter's declared rank / target modules (None: it agrees)."""
+    if spec.rank is not None and loaded.rank is not None and loaded.rank != spec.rank:
+        return f"spec.rank is {spec.rank} but the adapter file has rank {loaded.rank}; fix: declare {loaded.rank} or drop spec.rank"
+    if spec.target_modules is not None and loaded.target_modules is not None:
+        declared, actual = set(spec.target_modules), set(loaded.target_modules)
+        if declared != actual:
+            return (
+                f"spec.targetModules is {sorted(declared)} but the adapter file targets {sorted(actual)}; "
+                "fix: declare what the file targets or drop spec.targetModules"
+            )
+    return None
 
 
 async def reconcile_adapter(
@@ -215,6 +230,8 @@ async def reconcile_adapter(
 
     tracks: dict[str, st.PodTrack] = {}
     reload: set[str] = set()
+    refuse: dict[str, str] = {}  # pod -> why the file it holds contradicts the declaration
+    seen: LoadedAdapter | None = None  # what a pod says about the file (rank, modules)
     for pod in targets:
         view = by_name[pod]
         track = memory.tracks.get(pod)
@@ -223,13 +240,18 @@ async def reconcile_adapter(
         track = st.reset_for_generation(track, generation, wall)
         if track.pod_ip != (view.ip or ""):
             track = dataclasses.replace(track, pod_ip=view.ip or "")
+        loaded = held[pod].adapters.get(name) if pod in held else None
         if pod in unreachable:
             if track.state is not st.PodState.FAILED:
                 track = dataclasses.replace(track, message=f"pod not answering: {unreachable[pod]}")
-        elif pod in holding and _source_differs(held[pod], name, (lora_path, spec.source)):
+        elif loaded is not None and source_differs(loaded, (lora_path, spec.source), spec.sha256):
             reload.add(pod)
-            track = dataclasses.replace(track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None)
-        elif pod in holding:
+            if track.state is not st.PodState.FAILED:
+                track = dataclasses.replace(track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None)
+        elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
+            refuse[pod] = why
+        elif loaded is not None:
+            seen = seen or loaded
             track = st.observed_loaded(track, wall)
         else:
             track = st.observed_missing(track, wall)
@@ -240,17 +262,21 @@ async def reconcile_adapter(
         for pod in due:
             tracks[pod] = st.start_loading(tracks[pod], wall)
         memory.tracks = tracks
-        await report(_findings(generation, tracks, usable, spec))
+        await report(_findings(generation, tracks, usable, spec, seen))
         if outcome.gone:
             return outcome
         results = await asyncio.gather(
             *(_load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload) for pod in due)
         )
         now, wall = time.monotonic(), time.time()
-        for pod, result in zip(due, results, strict=True):
+        for pod, (result, info) in zip(due, results, strict=True):
             ctx.counters.loads[(namespace, pod, name)] += 1
-            before = tracks[pod]
-            tracks[pod] = st.after_load(before, result, ctx.retry, now=now, wall=wall)
+            if result.ok and info is not None and (why := declaration_mismatch(spec, info)):
+                refuse[pod] = why
+                continue
+            if result.ok and info is not None:
+                seen = seen or info
+            tracks[pod] = st.after_load(tracks[pod], result, ctx.retry, now=now, wall=wall)
             after = tracks[pod]
             if after.state is st.PodState.LOADED:
                 outcome.notes.append(Note("Normal", "Loaded", f"loaded on pod {pod}"))
@@ -258,6 +284,18 @@ async def reconcile_adapter(
                 outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {after.message}"))
             else:
                 outcome.notes.append(Note("Warning", "LoadRetrying", f"pod {pod}: {after.message}"))
+
+    for pod, why in sorted(refuse.items()):
+        # The file is not what the Adapter declares: it must not serve. Unload, fail at once.
+        try:
+            await _client(ctx, by_name[pod], token).unload(name)
+            ctx.counters.unloads[(namespace, pod, name)] += 1
+        except RuntimeCallError as exc:
+            logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
+        fault = st.LoadOutcome(ok=False, message=why, transient=False)
+        if tracks[pod].state is not st.PodState.FAILED or tracks[pod].message != why:
+            outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {why}"))
+        tracks[pod] = st.after_load(tracks[pod], fault, ctx.retry, now=now, wall=wall)
 
     for pod in sorted(holding - set(targets)):
         try:
@@ -268,19 +306,28 @@ async def reconcile_adapter(
             logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
 
     memory.tracks = tracks
-    await report(_findings(generation, tracks, usable, spec))
+    await report(_findings(generation, tracks, usable, spec, seen))
     outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
     return outcome
 
 
-def _findings(generation: int | None, tracks: Mapping[str, st.PodTrack], usable: Sequence[PodView], spec: AdapterSpec) -> AdapterFindings:
+def _findings(
+    generation: int | None,
+    tracks: Mapping[str, st.PodTrack],
+    usable: Sequence[PodView],
+    spec: AdapterSpec,
+    seen: LoadedAdapter | None,
+) -> AdapterFindings:
+    """Status inputs; rank and target modules are the file's (as a pod read it) when known."""
+    rank = seen.rank if seen is not None and seen.rank is not None else spec.rank
+    modules = seen.target_modules if seen is not None and seen.target_modules is not None else spec.target_modules
     return AdapterFindings(
         generation=generation,
         tracks=list(tracks.values()),
         serve_found=True,
         ready_pods=len(usable),
-        rank=spec.rank,
-        target_modules=spec.target_modules,
+        rank=rank,
+        target_modules=sorted(modules) if modules is not None else None,
     )
 
 
@@ -293,15 +340,15 @@ async def _load(
     spec: AdapterSpec,
     *,
     unload_first: bool,
-) -> st.LoadOutcome:
+) -> tuple[st.LoadOutcome, LoadedAdapter | None]:
     client = _client(ctx, pod, token)
     try:
         if unload_first:
             await client.unload(name)
-        await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned)
+        info = await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned)
     except RuntimeCallError as exc:
-        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient)
-    return st.LoadOutcome(ok=True)
+        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient), None
+    return st.LoadOutcome(ok=True), info
 
 
 async def unload_everywhere(

@@ -5,11 +5,12 @@ No Kubernetes API server can run on these machines, so the tests use kmock's
 finalizers and soft deletion). It stores objects as given, so this subclass adds what the
 operator relies on from a real server:
 
-* ``metadata.uid``, ``creationTimestamp``, ``generation`` (1 on create, +1 when a write
+* ``metadata.name`` from ``generateName``; ``metadata.uid``, ``creationTimestamp``, ``generation`` (1 on create, +1 when a write
   changes ``spec``) and a ``resourceVersion`` that changes on every write;
 * optimistic concurrency: a merge patch carrying a stale ``metadata.resourceVersion``
   answers 409 Conflict; a JSON patch whose ``test`` op fails answers 422;
 * ``labelSelector`` (equality terms) on list requests;
+* a Secret's ``stringData`` stored base64-encoded in ``data``;
 * no spec changes through the ``status`` subresource.
 
 It validates no schema and calls no webhook; garbage collection by owner and the
@@ -19,6 +20,7 @@ controllers behind Deployments are played by the test's kubelet stand-in.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
 import itertools
@@ -94,10 +96,16 @@ class ApiServer(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if request.namespace and not meta.get("namespace"):
                 meta["namespace"] = request.namespace
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.setdefault("uid", str(uuid.uuid4()))
             meta["resourceVersion"] = rv
             meta["generation"] = 1
             meta.setdefault("creationTimestamp", _now())
+            if request.resource.plural == "secrets" and "stringData" in data:
+                # As the API server does: stringData is write-only, stored base64 in data.
+                encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in data.pop("stringData").items()}
+                data["data"] = {**(data.get("data") or {}), **encoded}
             return attrs.evolve(request, data=data)
 
         current = self._current(request)
