@@ -149,7 +149,7 @@ class Kubelet:
                 # Deleted through the API (by a test, as `kubectl delete pod` would).
                 pod.deleted = True
                 self._reap(pod)
-        for key, pod in list(self.pods.items()):
+        for pod in list(self.pods.values()):
             if (pod.namespace, pod.deployment) not in live:
                 await self._delete_pod(pod)
         for deployment in deployments:
@@ -214,13 +214,13 @@ class Kubelet:
 
     # ------------------------------------------------------------------ pods
 
-    def _address(self) -> tuple[str, int]:
+    def _address(self) -> str:
         a, b = self._net
         self._next_host += 1
-        return f"127.{a}.{b}.{self._next_host}", self._next_host
+        return f"127.{a}.{b}.{self._next_host}"
 
     async def _create_pod(self, namespace: str, deployment: str, template: dict, thash: str, owner: dict) -> PodProc:
-        ip, n = self._address()
+        ip = self._address()
         suffix = "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
         name = f"{deployment}-{thash[:8]}-{suffix}"
         workdir = self.root / "pods" / name

@@ -249,7 +249,6 @@ async def test_killed_runtime_and_replaced_pod_get_all_adapters_again(cluster) -
 
 
 async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(cluster) -> None:
-    claims = cluster.claims
     wrong_digest = "0" * 64
     bad = {
         "wide": (assets.adapter_manifest("wide", SERVE, "pvc://adapters/wide"), "rank"),
