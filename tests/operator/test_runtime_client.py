@@ -1,0 +1,71 @@
+"""The runtime admin client: what counts as the adapter's fault, and reading /v1/models."""
+
+from __future__ import annotations
+
+import socket
+
+import aiohttp
+import pytest
+
+from loraserve.operator.runtime_client import (
+    RuntimeCallError,
+    RuntimeClient,
+    classify_status,
+    error_message,
+    parse_models,
+)
+
+
+@pytest.mark.parametrize("status", [400, 404, 409, 413, 422])
+def test_4xx_is_the_adapters_fault(status: int) -> None:
+    assert classify_status(status) is False
+
+
+@pytest.mark.parametrize("status", [401, 403, 408, 425, 429, 500, 502, 503, 504])
+def test_5xx_throttling_and_auth_are_transient(status: int) -> None:
+    assert classify_status(status) is True
+
+
+def test_error_message_prefers_the_runtimes_own_words() -> None:
+    body = '{"error": {"message": "adapter rank 32 exceeds max_lora_rank 16", "type": "invalid_request_error"}}'
+    assert error_message(400, body) == "adapter rank 32 exceeds max_lora_rank 16"
+    assert error_message(502, "<html>bad gateway</html>") == "HTTP 502: <html>bad gateway</html>"
+    assert error_message(503, "") == "HTTP 503"
+
+
+def test_models_lists_adapters_with_what_the_runtime_read() -> None:
+    answer = {
+        "object": "list",
+        "data": [
+            {"id": "llama", "object": "model", "root": "/models/llama", "parent": None},
+            {
+                "id": "sql",
+                "object": "model",
+                "root": "/adapters/sql",
+                "parent": "llama",
+                "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"], "pinned": False, "sha256": "ab" * 32},
+            },
+            {"id": "bare", "object": "model", "parent": "llama"},
+        ],
+    }
+    models = parse_models(answer)
+    assert models.base == "llama"
+    assert set(models.adapters) == {"sql", "bare"}
+    sql = models.adapters["sql"]
+    assert (sql.source, sql.rank, sql.target_modules, sql.sha256) == ("/adapters/sql", 8, ("q_proj", "v_proj"), "ab" * 32)
+    assert models.adapters["bare"].rank is None
+    with pytest.raises(RuntimeCallError) as info:
+        parse_models({"object": "list"})
+    assert info.value.transient
+
+
+async def test_a_pod_that_does_not_listen_is_a_transient_failure() -> None:
+    with socket.socket() as sock:  # a port nobody listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        async with aiohttp.ClientSession() as http:
+            client = RuntimeClient(http, f"http://127.0.0.1:{port}", "token", probe_timeout_s=2)
+            with pytest.raises(RuntimeCallError) as info:
+                await client.models()
+    assert info.value.transient and info.value.status is None
+    assert f"127.0.0.1:{port}" in str(info.value)

@@ -1,0 +1,177 @@
+"""One LoRAServe reconcile pass against an API stand-in: creates, converges, retries 409s.
+
+There is no Kubernetes API server on these machines: kmock's KubernetesEmulator stands in
+for it, with the uid / generation / resourceVersion / 409 bookkeeping of
+``tests/e2e/apiserver.py``. It validates no schema and runs no controllers.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import sys
+from pathlib import Path
+
+import kmock
+import kopf
+import pytest
+
+from loraserve.operator import desired as ds
+from loraserve.operator.reconcile import diff
+from loraserve.operator.reconcile.kube import (
+    DEPLOYMENTS,
+    LORASERVES,
+    SECRETS,
+    KubeClient,
+    KubeError,
+    retry_on_conflict,
+)
+from loraserve.operator.reconcile.serve import reconcile_serve
+
+HERE = Path(__file__).parent
+SETTINGS = ds.DesiredSettings(image="registry.example/loraserve:1")
+NS, NAME = "ml", "llama"
+
+
+def _apiserver():
+    name = "_loraserve_e2e_apiserver"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE.parent / "e2e" / "apiserver.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+async def api():
+    server = _apiserver().ApiServer()
+    server.declare({"loraserve.io/v1alpha1/loraserves": ("LoRAServe", True)})
+    async with server, kmock.Server(server) as endpoint:
+        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        try:
+            yield server, client
+        finally:
+            await client.close()
+
+
+def _serve_body(**spec) -> dict:
+    return {
+        "apiVersion": "loraserve.io/v1alpha1",
+        "kind": "LoRAServe",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"source": "pvc://models/llama"},
+            "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models"}},
+            "replicas": 2,
+            **spec,
+        },
+    }
+
+
+def _writes(server, since: int) -> list[str]:
+    out = []
+    for request in list(server)[since:]:
+        method = str(getattr(request.method, "value", request.method)).upper()
+        if method in ("POST", "PATCH", "PUT", "DELETE"):
+            out.append(f"{method} {request.url.path}")
+    return out
+
+
+async def _pass(client: KubeClient):
+    body = await client.get(LORASERVES, NS, NAME)
+    return await reconcile_serve(client, body, SETTINGS, adapters=0, now="2026-01-01T00:00:00Z")
+
+
+async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) -> None:
+    server, client = api
+    await client.create(LORASERVES, NS, _serve_body())
+    outcome = await _pass(client)
+    assert {(a.verb, a.kind) for a in outcome.acts} == {
+        ("Created", "Secret"),
+        ("Created", "Deployment"),
+        ("Created", "Service"),
+        ("Created", "PodDisruptionBudget"),
+    }
+    assert outcome.status_written and outcome.status["phase"] == "Progressing"
+    serve = await client.get(LORASERVES, NS, NAME)
+    assert serve["status"]["observedGeneration"] == serve["metadata"]["generation"] == 1
+    secret = await client.get(SECRETS, NS, f"{NAME}-admin-token")
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) >= 32
+
+    since = len(list(server))
+    again = await _pass(client)
+    assert again.acts == [] and not again.status_written
+    assert _writes(server, since) == [], "a converged serve gets no write"
+
+    # A spec change updates the Deployment, rolls by the config hash, keeps the token.
+    await client.patch(LORASERVES, NS, NAME, {"spec": {"lora": {"maxRank": 32}}})
+    changed = await _pass(client)
+    assert [(a.verb, a.kind) for a in changed.acts] == [("Updated", "Deployment")]
+    assert changed.rolled_from is not None and changed.rolled_from != changed.config_hash
+    assert base64.b64decode((await client.get(SECRETS, NS, f"{NAME}-admin-token"))["data"]["token"]) == token
+    assert (await client.get(LORASERVES, NS, NAME))["status"]["observedGeneration"] == 2
+
+
+async def test_hand_edits_of_owned_fields_are_undone(api) -> None:
+    _, client = api
+    await client.create(LORASERVES, NS, _serve_body())
+    await _pass(client)
+    deployment = await client.get(DEPLOYMENTS, NS, NAME)
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    hacked = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:1"}]
+    await client.patch(DEPLOYMENTS, NS, NAME, hacked, content_type="application/json-patch+json")
+    outcome = await _pass(client)
+    assert [(a.verb, a.kind) for a in outcome.acts] == [("Updated", "Deployment")]
+    restored = await client.get(DEPLOYMENTS, NS, NAME)
+    assert restored["spec"]["template"]["spec"]["containers"][0]["image"] == image
+
+
+async def test_stale_writes_get_409_and_are_retried_after_observing_again(api) -> None:
+    _, client = api
+    await client.create(LORASERVES, NS, _serve_body())
+    await _pass(client)
+    stale = await client.get(DEPLOYMENTS, NS, NAME)
+    await client.patch(DEPLOYMENTS, NS, NAME, {"metadata": {"labels": {"touched": "yes"}}})  # another writer
+
+    want = stale | {"spec": {**stale["spec"], "replicas": 5}}
+    with pytest.raises(KubeError) as info:
+        await client.patch(DEPLOYMENTS, NS, NAME, diff.update_patch(stale, want, ("spec.replicas",)))
+    assert info.value.conflict
+
+    tries = []
+
+    async def observe_then_write() -> dict:
+        have = stale if not tries else await client.get(DEPLOYMENTS, NS, NAME)
+        tries.append(have["metadata"]["resourceVersion"])
+        return await client.patch(DEPLOYMENTS, NS, NAME, diff.update_patch(have, want, ("spec.replicas",)))
+
+    result = await retry_on_conflict(observe_then_write, delay_s=0.01)
+    assert len(tries) == 2 and result["spec"]["replicas"] == 5
+    assert result["metadata"]["labels"]["touched"] == "yes", "the other writer's change survives"
+
+
+async def test_incompatible_spec_creates_nothing_and_says_why(api) -> None:
+    _, client = api
+    await client.create(LORASERVES, NS, _serve_body(lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}))
+    outcome = await _pass(client)
+    assert outcome.acts == [] and await client.get(DEPLOYMENTS, NS, NAME) is None
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    assert status["phase"] == "Failed"
+    compatible = next(c for c in status["conditions"] if c["type"] == "Compatible")
+    assert compatible["status"] == "False" and "spec.lora.maxLorasPerBatch" in compatible["message"]
+
+
+async def test_missing_user_secret_blocks_with_a_fix(api) -> None:
+    _, client = api
+    await client.create(LORASERVES, NS, _serve_body(adminTokenSecretName="mine"))
+    outcome = await _pass(client)
+    assert await client.get(DEPLOYMENTS, NS, NAME) is None
+    assert any("Secret 'mine' not found" in r and "fix:" in r for r in outcome.rejected)
+    await client.create(
+        SECRETS, NS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "stringData": {"token": "t"}}
+    )
+    outcome = await _pass(client)
+    assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
+    assert await client.get(SECRETS, NS, f"{NAME}-admin-token") is None, "no token is generated for a named Secret"
