@@ -285,10 +285,37 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
         assert status_code == 200
         assert not {"wide", "badsum", "missing", "offline"} & set(await models(pod))
 
+    # A spec change tries a Failed adapter again: the right digest makes it load.
+    await cluster.patch(f"{ADAPTERS}/badsum", {"spec": {"sha256": cluster.claims.digest("alpha")}})
+    await wait_for(lambda: loaded_everywhere(cluster, ["badsum"]), timeout=TIMEOUT, what="badsum Ready after the fix")
+
     for name in [*bad, "offline"]:
         assert await cluster.delete(f"{ADAPTERS}/{name}") == 200
     for name in [*bad, "offline"]:
         await wait_for(lambda n=name: _gone(cluster, n), timeout=TIMEOUT, what=f"{name} deleted")
+    for pod in pods(cluster):
+        assert "badsum" not in await models(pod)
+
+
+async def test_placement_loads_on_the_requested_number_of_replicas(cluster) -> None:
+    await cluster.create(
+        ADAPTERS,
+        assets.adapter_manifest("solo", SERVE, "pvc://adapters/delta", placement={"mode": "Replicas", "replicas": 1}),
+    )
+
+    async def placed() -> dict | None:
+        status = ((await adapter(cluster, "solo")) or {}).get("status") or {}
+        return status if status.get("phase") == "Ready" else None
+
+    status = await wait_for(placed, timeout=TIMEOUT, what="solo Ready")
+    assert [p["state"] for p in status["pods"]] == ["Loaded"] and status["loadedReplicas"] == 1
+    holders = [pod.name for pod in pods(cluster) if "solo" in await models(pod)]
+    assert holders == [status["pods"][0]["pod"]]
+    # Growing the placement adds a pod, keeping the one that holds it.
+    await cluster.patch(f"{ADAPTERS}/solo", {"spec": {"placement": {"replicas": 2}}})
+    await wait_for(lambda: loaded_everywhere(cluster, ["solo"]), timeout=TIMEOUT, what="solo on both pods")
+    assert await cluster.delete(f"{ADAPTERS}/solo") == 200
+    await wait_for(lambda: _gone(cluster, "solo"), timeout=TIMEOUT, what="solo deleted")
 
 
 async def _gone(cluster, name: str) -> bool:
