@@ -205,7 +205,7 @@ class CudaGraphRunner:
             out_cache_loc=static.out_cache_loc[:n],
             max_q=key.width,
             max_ctx=key.context,
-            groups=runner.arch.num_heads // runner.arch.num_kv_heads,
+            groups=runner.attn_groups,
             q_lens=None,
             sliding_window=runner.arch.sliding_window,
         )

@@ -4,6 +4,14 @@
 batch's tokens to the KV cache; callers drop rejected tokens through ``runner.kv``. A
 draft runner (``is_draft=True``) is built from the same class but has no adapter pool
 at all: ``runner.lora is None`` and it always runs the base weights.
+
+Tensor parallelism (``parallel.tensor_parallel_size > 1``, target only): the process
+belongs to a group the launcher (``loraserve.runtime.parallel.launch``) started, and
+the runner holds this rank's shard of the model, its KV heads and adapter slices. On
+rank 0 the runner is used exactly like a single-device one; each ``forward`` is first
+described to the other ranks (``parallel.driver``), whose runners replay it with
+:meth:`ModelRunner.follow`. With one device none of this exists: same layers, same
+calls, no collective.
 """
 
 from __future__ import annotations
@@ -25,9 +33,14 @@ from .model import (
     ModelArchConfig,
     build_model,
     load_arch_config,
+    read_checkpoint_tensor,
 )
 from .model.arch import ModelConfigError, parse_dtype
 from .model.layers import LMHead, VocabEmbedding, build_attention_metadata
+from .parallel import context as tp_context
+from .parallel.errors import TensorParallelConfigError, TensorParallelError
+from .parallel.protocol import Kind
+from .parallel.sharding import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +64,10 @@ class ModelRunner:
     ``speculative.draft_model_path`` for a draft). ``random_weights`` (benchmarks only)
     skips the checkpoint and fills the weights with N(0, 0.02) on the device; the
     directory then needs only config.json.
+
+    A tensor-parallel target takes its group and device from the process's
+    :func:`loraserve.runtime.parallel.context.current` context; ``tp`` is that context
+    (None for one device and for every draft).
     """
 
     def __init__(
@@ -64,6 +81,9 @@ class ModelRunner:
     ):
         self.config = config
         self.is_draft = is_draft
+        self.tp = _tensor_parallel_context(config, is_draft)
+        if self.tp is not None:
+            device = self.tp.group.device  # one GPU per rank, chosen by the launcher
         self.device = resolve_device(device if device is not None else config.device)
         if model_path is None:
             model_path = config.speculative.draft_model_path if is_draft else config.model.path
@@ -79,6 +99,11 @@ class ModelRunner:
         if self.context_len < 1:
             raise ModelConfigError(f"model.context_length must be >= 1, got {self.context_len}")
 
+        group = self.tp.group if self.tp is not None else None
+        driver = self.tp.driver if self.tp is not None else None
+        self.shard: ShardPlan | None = None
+        if group is not None:
+            self.shard = ShardPlan.for_arch(self.arch, group.rank, group.size)
         self.model = build_model(
             self.arch,
             dtype=self.dtype,
@@ -87,7 +112,14 @@ class ModelRunner:
             model_dir=None if random_weights else self.model_path,
             random_init_std=0.02 if random_weights else None,
             seed=config.seed,
+            shard=self.shard,
+            group=group,
         )
+        # Attention runs on this rank's heads: the query heads per KV head it holds.
+        num_kv_heads = self.shard.local_kv_heads if self.shard else self.arch.num_kv_heads
+        num_heads = self.shard.local_heads if self.shard else self.arch.num_heads
+        self.attn_groups = num_heads // num_kv_heads
+        self._full_vocab: tuple[VocabEmbedding, LMHead] | None = None
 
         self.lora: LoRAManager | None = None
         if not is_draft and config.lora.enabled:
@@ -97,10 +129,14 @@ class ModelRunner:
                 backend=get_backend(config.lora.backend, str(self.device)),
                 device=self.device,
                 dtype=self.dtype,
+                shard=self.shard,
+                base_tensor=None if self.shard is None or random_weights else self._checkpoint_vocab_tensor,
             )
+            if driver is not None:
+                self.lora.add_listener(driver.slot_event)
 
         max_requests = 2 * max(1, config.scheduler.max_running_requests)
-        bytes_per_token = kv_bytes_per_token(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim, self.dtype)
+        bytes_per_token = kv_bytes_per_token(self.arch.num_layers, num_kv_heads, self.arch.head_dim, self.dtype)
         max_total_tokens = derive_max_total_tokens(
             requested=config.scheduler.max_total_tokens,
             bytes_per_token=bytes_per_token,
@@ -109,9 +145,12 @@ class ModelRunner:
             max_requests=max_requests,
             max_context_len=self.context_len,
         )
-        self.kv = KVCache(
+        if group is not None:
+            # Every rank holds every request's tokens (its own KV heads): the smallest budget.
+            max_total_tokens = group.min_int(max_total_tokens)
+        kv_args = dict(
             num_layers=self.arch.num_layers,
-            num_kv_heads=self.arch.num_kv_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=self.arch.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -119,14 +158,21 @@ class ModelRunner:
             max_requests=max_requests,
             max_context_len=self.context_len,
         )
+        if driver is not None:
+            from .parallel.driver import MirroredKVCache
+
+            self.kv = MirroredKVCache(driver=driver, **kv_args)
+        else:
+            self.kv = KVCache(**kv_args)
         log.info(
-            "%s runner: %s (%s, %s layers) on %s in %s; KV cache %d tokens (%.2f GiB)",
+            "%s runner: %s (%s, %s layers) on %s in %s%s; KV cache %d tokens (%.2f GiB)",
             "draft" if is_draft else "target",
             self.model_path,
             self.arch.architecture,
             self.arch.num_layers,
             self.device,
             self.dtype,
+            f", tensor-parallel rank {group.rank} of {group.size}" if group is not None else "",
             max_total_tokens,
             max_total_tokens * bytes_per_token / 2**30,
         )
@@ -137,7 +183,8 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(self, max_bs=config.cuda_graph.max_bs)
 
-        if self.lora is not None:
+        # Followers hold the adapters rank 0 loads, replayed from its journal.
+        if self.lora is not None and (self.tp is None or self.tp.group.is_driver):
             for name, path in config.lora.adapters.items():
                 self.lora.load(name, path, pinned=name in config.lora.pinned)
 
@@ -161,13 +208,60 @@ class ModelRunner:
 
     @property
     def embed_tokens(self) -> VocabEmbedding:
-        """The BASE token embedding (no adapter delta), for drafts that share it."""
-        return self.model.embed_tokens
+        """The BASE token embedding (no adapter delta), for drafts that share it.
+
+        Whole even under tensor parallelism (gathered once, on first use, on rank 0).
+        """
+        if self.tp is None:
+            return self.model.embed_tokens
+        return self._gathered_vocab()[0]
 
     @property
     def lm_head(self) -> LMHead:
         """The BASE output projection (no adapter delta), for drafts that share it."""
-        return self.model.lm_head
+        if self.tp is None:
+            return self.model.lm_head
+        return self._gathered_vocab()[1]
+
+    def full_vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(embedding, lm_head)`` base weights of the whole vocabulary.
+
+        Tensor-parallel: a collective every rank joins (rank 0 asks the others first).
+        """
+        if self.tp is None:
+            return self.model.embed_tokens.weight, self.model.lm_head.weight
+        group, driver = self.tp.group, self.tp.driver
+        if driver is not None:
+            with driver.forward_scope():
+                driver.command(Kind.GATHER_VOCAB)
+                return self._all_gather_vocab(group)
+        return self._all_gather_vocab(group)
+
+    @torch.inference_mode()
+    def _all_gather_vocab(self, group) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = self.arch.vocab_size
+        embed = group.all_gather_rows(self.model.embed_tokens.weight)[:vocab]
+        if self.model.lm_head.tied:
+            return embed, embed
+        return embed, group.all_gather_rows(self.model.lm_head.weight)[:vocab]
+
+    def _gathered_vocab(self) -> tuple[VocabEmbedding, LMHead]:
+        if self._full_vocab is None:
+            embed_w, head_w = self.full_vocab_weights()
+            embed = VocabEmbedding(self.arch.vocab_size, self.arch.hidden_size, dtype=self.dtype, device="meta")
+            embed.weight = torch.nn.Parameter(embed_w, requires_grad=False)
+            head = LMHead(self.arch.hidden_size, self.arch.vocab_size, dtype=self.dtype, device="meta")
+            head.weight = torch.nn.Parameter(head_w, requires_grad=False)
+            self._full_vocab = (embed, head)
+        return self._full_vocab
+
+    def _checkpoint_vocab_tensor(self, module: str) -> torch.Tensor | None:
+        """The whole base embedding / lm_head from the checkpoint (this rank holds a shard)."""
+        if module == "lm_head" and not self.arch.tie_word_embeddings:
+            return read_checkpoint_tensor(self.model_path, "lm_head.weight")
+        if module in ("embed_tokens", "lm_head"):
+            return read_checkpoint_tensor(self.model_path, "model.embed_tokens.weight")
+        return None
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -189,8 +283,13 @@ class ModelRunner:
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.arch.vocab_size:
                 raise ForwardBatchError(f"input_ids must be in [0, {self.arch.vocab_size}), got values in [{lo}, {hi}]")
+        driver = self.tp.driver if self.tp is not None else None
+        if driver is not None:
+            driver.check()
         slots = self.lora.prepare_batch(names) if self.lora is not None else [-1] * batch.batch_size
         alloc = self.kv.allocate(list(batch.request_ids), batch.per_request_tokens())
+        if driver is not None:
+            return self._forward_driver(driver, batch, slots, alloc, aux_layers)
         try:
             if self.graphs is not None and self.graphs.can_run(batch, slots, alloc):
                 return self.graphs.run(batch, slots, alloc)
@@ -198,6 +297,65 @@ class ModelRunner:
         except BaseException:
             self.kv.rollback(alloc)
             raise
+
+    def _forward_driver(
+        self, driver, batch: ForwardBatch, slots: list[int], alloc: Allocation, aux_layers: tuple[int, ...]
+    ) -> ForwardOutput:
+        """Rank 0: describe the batch to the other ranks, then run it with them."""
+        ranks = self.lora.slot_ranks() if self.lora is not None else None
+        with driver.forward_scope():
+            try:
+                driver.publish(batch, slots, alloc, free_tokens=self.kv.num_free_tokens, slot_ranks=ranks)
+            except BaseException:
+                self.kv.rollback(alloc)
+                raise
+            try:
+                return self._run(batch, slots, alloc, aux_layers)
+            except BaseException as exc:
+                self.kv.rollback(alloc)
+                # The others are inside this forward's collectives: the group cannot recover.
+                raise driver.fail(f"rank 0 failed inside a forward the other ranks joined: {exc!r}") from exc
+
+    @torch.inference_mode()
+    def follow(
+        self,
+        batch: ForwardBatch,
+        slots: list[int],
+        *,
+        expect_free_tokens: int,
+        expect_slot_ranks: list[int] | None,
+    ) -> ForwardOutput:
+        """A follower rank: run the forward rank 0 described (its KV ids and adapter slots).
+
+        Raises :class:`TensorParallelError` when this rank's state disagrees with rank 0's.
+        """
+        if self.tp is None or self.tp.group.is_driver:
+            raise TensorParallelError("follow() is for tensor-parallel ranks other than 0")
+        rank = self.tp.group.rank
+        try:
+            alloc = self.kv.allocate(list(batch.request_ids), batch.per_request_tokens())
+        except Exception as exc:
+            raise TensorParallelError(f"rank {rank} diverged from rank 0: its KV cache refused the batch: {exc}") from exc
+        if self.kv.num_free_tokens != expect_free_tokens:
+            raise TensorParallelError(
+                f"rank {rank} diverged from rank 0: {self.kv.num_free_tokens} KV tokens free, rank 0 has "
+                f"{expect_free_tokens}"
+            )
+        if expect_slot_ranks is not None and self.lora is not None:
+            ranks = self.lora.slot_ranks()
+            if ranks != expect_slot_ranks:
+                raise TensorParallelError(
+                    f"rank {rank} diverged from rank 0: adapter slot ranks {ranks}, rank 0 has {expect_slot_ranks}"
+                )
+        aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
+        return self._run(batch, list(slots), alloc, aux_layers)
+
+    def _run(
+        self, batch: ForwardBatch, slots: list[int], alloc: Allocation, aux_layers: tuple[int, ...]
+    ) -> ForwardOutput:
+        if self.graphs is not None and self.graphs.can_run(batch, slots, alloc):
+            return self.graphs.run(batch, slots, alloc)
+        return self._forward_eager(batch, slots, alloc, aux_layers)
 
     def _forward_eager(
         self, batch: ForwardBatch, slots: list[int], alloc: Allocation, aux_layers: tuple[int, ...]
@@ -213,7 +371,7 @@ class ModelRunner:
             out_cache_loc=alloc.out_cache_loc,
             max_q=max_q,
             max_ctx=max(alloc.seq_lens),
-            groups=self.arch.num_heads // self.arch.num_kv_heads,
+            groups=self.attn_groups,
             q_lens=(torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True) if mode is ForwardMode.EXTEND else None),
             sliding_window=self.arch.sliding_window,
         )
@@ -244,3 +402,23 @@ class ModelRunner:
             hidden_states=hidden if batch.return_hidden else None,
             aux_hidden_states=torch.cat(aux, dim=-1) if aux_layers else None,
         )
+
+
+def _tensor_parallel_context(config: RuntimeConfig, is_draft: bool) -> tp_context.TPContext | None:
+    """The group a target runner shards over (None: one device, or a draft)."""
+    size = int(config.parallel.tensor_parallel_size)
+    if is_draft or size <= 1:
+        return None  # a draft is small: it runs whole, on rank 0 only
+    ctx = tp_context.current()
+    if ctx is None:
+        raise TensorParallelConfigError(
+            f"parallel.tensor_parallel_size={size} needs one process per GPU: start the runtime with "
+            "loraserve-runtime (its launcher starts them) or call "
+            "loraserve.runtime.parallel.launch.start_tensor_parallel(config) before building the runner"
+        )
+    if ctx.group.size != size:
+        raise TensorParallelConfigError(
+            f"parallel.tensor_parallel_size={size} but this process's group has {ctx.group.size} ranks: "
+            "build every runner of a process from the configuration its group was started with"
+        )
+    return ctx

@@ -5,6 +5,12 @@ device slot) or ``unloading`` (refusing new requests, removed once its in-flight
 reaches zero). Slots are reassigned least-recently-used first, never taking a pinned
 adapter's slot nor one the current batch uses. Every public method is thread-safe (the
 server may load/unload while the engine prepares batches); a failed call changes nothing.
+
+Tensor parallelism: every rank holds a manager over its own shard of the slot buffers
+and keeps its own share of each adapter (``shard``). Rank 0 decides everything; a
+listener (:meth:`LoRAManager.add_listener`) receives each change as a
+:class:`SlotEvent`, and the other ranks replay those events with the ``mirror_*``
+methods, so every rank holds the same adapter in the same slot.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import enum
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +34,10 @@ from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights, load_adapter
 from .errors import AdapterCapacityError, AdapterConflictError, AdapterError, AdapterNotFoundError
 from .pool import LoRAContext, SlotPool
+from .sharding import shard_adapter
+
+if TYPE_CHECKING:
+    from ..parallel.sharding import ShardPlan
 
 
 class AdapterState(enum.StrEnum):
@@ -49,6 +60,17 @@ class AdapterInfo:
     pinned: bool
     slot: int | None
     refcount: int
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """A change another rank must replay: ``load`` (name, path), ``place`` (slot, name) or
+    ``remove`` (name)."""
+
+    kind: str
+    name: str
+    slot: int | None = None
+    path: str | None = None
 
 
 class _Entry:
@@ -98,7 +120,12 @@ class LoRAManager:
         backend: LoRABackend,
         device: torch.device,
         dtype: torch.dtype,
+        shard: ShardPlan | None = None,
+        base_tensor: Callable[[str], torch.Tensor | None] | None = None,
     ):
+        """``shard``: this rank's share of a tensor-parallel model; adapters are cut to it.
+        ``base_tensor(module)``: the whole base ``embed_tokens``/``lm_head`` weight, for
+        checking copies of it inside adapters (default: the model's own, unsharded, weight)."""
         validate_lora_config(config)
         self.config = config
         self.arch = model.arch
@@ -117,6 +144,9 @@ class LoRAManager:
             ctx=self.ctx,
         )
         self._model = model
+        self._shard = shard
+        self._base_tensor_fn = base_tensor
+        self._listeners: list[Callable[[SlotEvent], None]] = []
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         # slot -> adapter name or None; the OrderedDict keeps slot use order (LRU first)
@@ -175,6 +205,8 @@ class LoRAManager:
         except AdapterError as exc:
             exc.adapter = name
             raise
+        if self._shard is not None:
+            weights = shard_adapter(weights, self._shard)
         if self.device.type == "cuda":
             weights.weights = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in weights.weights.items()}
         with self._lock:
@@ -196,6 +228,7 @@ class LoRAManager:
                 self._check_pin_capacity(name)
             entry = _Entry(name, weights, pinned)
             self._entries[name] = entry
+            self._emit(SlotEvent("load", name, path=str(resolved)))
             if pinned:
                 self._place_pinned(name)
             return self._info(entry)
@@ -322,8 +355,63 @@ class LoRAManager:
             device=self.device,
         )
 
+    # ------------------------------------------------------------------ tensor parallelism
+    def add_listener(self, listener: Callable[[SlotEvent], None]) -> None:
+        """Call ``listener(event)`` for every load, slot placement and removal, in order.
+
+        Called with the manager's lock held: it must be quick and must not call back.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+
+    def mirror_load(self, name: str, path: str | Path) -> None:
+        """Replay another rank's ``load``: read and cut the adapter; no capacity or pin policy."""
+        resolved = Path(path).resolve()
+        weights = load_adapter(
+            resolved,
+            arch=self.arch,
+            max_rank=self.config.max_rank,
+            pool_modules=self.modules,
+            dtype=self.dtype,
+            base_tensor=self._base_tensor,
+        )
+        if self._shard is not None:
+            weights = shard_adapter(weights, self._shard)
+        if self.device.type == "cuda":
+            weights.weights = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in weights.weights.items()}
+        with self._lock:
+            if name in self._entries:
+                self._remove(name)
+            self._entries[name] = _Entry(name, weights, pinned=False)
+
+    def mirror_place(self, slot: int, name: str) -> None:
+        """Replay another rank's ``place``: ``name`` into ``slot``, evicting its owner."""
+        with self._lock:
+            if name not in self._entries:
+                raise AdapterNotFoundError(
+                    f"cannot mirror placing {name!r} in slot {slot}: it was never loaded here", adapter=name
+                )
+            old = self._slot_of.get(name)
+            if old is not None and old != slot:
+                self._evict(old)
+            self._evict(slot)
+            self._write_slot(slot, name)
+
+    def mirror_remove(self, name: str) -> None:
+        """Replay another rank's ``remove``."""
+        with self._lock:
+            self._remove(name)
+
+    def _emit(self, event: SlotEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
+
     # ------------------------------------------------------------------ internals
     def _base_tensor(self, module: str) -> torch.Tensor | None:
+        if self._base_tensor_fn is not None:
+            return self._base_tensor_fn(module)
+        if self._shard is not None:
+            return None  # this rank holds only a shard: no whole weight to compare with
         if module == "embed_tokens":
             return self._model.embed_tokens.weight
         if module == "lm_head":
@@ -348,7 +436,9 @@ class LoRAManager:
             self._place(name, self._batch)
 
     def _place(self, name: str, protected: set[str]) -> None:
-        slot = self._free_slot(protected)
+        self._write_slot(self._free_slot(protected), name)
+
+    def _write_slot(self, slot: int, name: str) -> None:
         entry = self._entries[name]
         self.pool.write(slot, entry.weights)
         self._slot_owner[slot] = name
@@ -356,6 +446,7 @@ class LoRAManager:
         self._ranks[slot] = entry.weights.rank
         self._scalings[slot] = float(entry.weights.scaling)
         self._lru.move_to_end(slot)
+        self._emit(SlotEvent("place", name, slot=slot))
 
     def _free_slot(self, protected: set[str]) -> int:
         for slot in self._lru:  # least recently used first
@@ -385,6 +476,7 @@ class LoRAManager:
             self._evict(slot)
         self._entries.pop(name, None)
         self._batch.discard(name)
+        self._emit(SlotEvent("remove", name))
 
     def _info(self, entry: _Entry) -> AdapterInfo:
         slot = self._slot_of.get(entry.name)

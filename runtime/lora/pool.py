@@ -7,6 +7,13 @@ The embedding adapter is ``A [slots, vocab, max_rank]``, ``B [slots, hidden, max
 Every ``B`` is stored rank-major (``[slots, max_rank, out]``) and exposed as its
 transposed view: an adapter below the pool's rank then reads only its own rank's rows.
 Writing a slot zeroes it first, so parts an adapter does not target contribute nothing.
+
+In a tensor-parallel model the buffers take the shapes of this rank's layers (an adapter
+arrives already cut by ``loraserve.runtime.parallel.sharding``): B by output rows for
+column-parallel modules, A by input columns for row-parallel ones, and the vocabulary
+side of the embedding / lm_head adapters by this rank's vocabulary rows. The embedding's
+A then has one extra, always-zero row that tokens of other ranks gather, so their
+partial delta is zero and the embedding's all-reduce adds each token's delta once.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 
 from loraserve.kernels import LoRABackend, LoRABatchInfo
 
+from ..model.layers.parallel import VocabParallelEmbedding
 from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights
 
@@ -81,16 +89,25 @@ class LinearLoRAHook:
 
 @dataclass
 class EmbeddingLoRAHook:
-    """LoRA delta of the token embedding (a gather, not a GEMM)."""
+    """LoRA delta of the token embedding (a gather, not a GEMM).
+
+    ``vocab_shard``: the tensor-parallel embedding whose rows ``A`` mirrors; token ids
+    are mapped to its rows, and tokens it does not own to ``A``'s last, zero row.
+    """
 
     ctx: LoRAContext
     A: torch.Tensor
     B: torch.Tensor
+    vocab_shard: VocabParallelEmbedding | None = None
 
     def apply(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         info = self.ctx.info
-        if info is not None:
-            self.ctx.backend.embedding(ids, self.A, self.B, info, out)
+        if info is None:
+            return
+        if self.vocab_shard is not None:
+            local, owned = self.vocab_shard.local_ids(ids)
+            ids = torch.where(owned, local, self.A.shape[1] - 1)
+        self.ctx.backend.embedding(ids, self.A, self.B, info, out)
 
 
 class SlotPool:
@@ -128,11 +145,16 @@ class SlotPool:
                 )
                 linear.lora = hook
                 self.hooks[(group, layer_id)] = hook
+        embed = model.embed_tokens
+        vocab_shard = embed if isinstance(embed, VocabParallelEmbedding) else None
+        # Vocabulary rows this rank's embedding / lm_head hold (all of them on one device).
+        vocab_rows = arch.vocab_size if vocab_shard is None else vocab_shard.shard_rows
         if "embed_tokens" in modules:
             hook = EmbeddingLoRAHook(
                 ctx,
-                torch.zeros(num_slots, arch.vocab_size, R, dtype=dtype, device=device),
+                torch.zeros(num_slots, vocab_rows + (vocab_shard is not None), R, dtype=dtype, device=device),
                 rank_major_b(num_slots, arch.hidden_size, R, dtype, device),
+                vocab_shard,
             )
             model.embed_lora = hook
             self.hooks[("embed_tokens", None)] = hook
@@ -140,8 +162,8 @@ class SlotPool:
             hook = LinearLoRAHook(
                 ctx,
                 torch.zeros(num_slots, R, arch.hidden_size, dtype=dtype, device=device),
-                rank_major_b(num_slots, arch.vocab_size, R, dtype, device),
-                (0, arch.vocab_size),
+                rank_major_b(num_slots, vocab_rows, R, dtype, device),
+                (0, vocab_rows),
                 logits=True,
             )
             model.lm_head_lora = hook
@@ -167,8 +189,9 @@ class SlotPool:
                 hook.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
             else:
                 hook = self.hooks[(module, None)]
+                # Vocabulary-side tensors may be one rank's rows: copy as many as given.
                 if module == "embed_tokens":
-                    hook.A[slot, :, :r].copy_(a, non_blocking=True)  # a: [vocab, r]
+                    hook.A[slot, : a.shape[0], :r].copy_(a, non_blocking=True)  # a: [vocab rows, r]
                 else:
                     hook.A[slot, :r].copy_(a, non_blocking=True)
-                hook.B[slot, :, :r].copy_(b, non_blocking=True)
+                hook.B[slot, : b.shape[0], :r].copy_(b, non_blocking=True)

@@ -3,7 +3,7 @@
 from .arch import ModelArchConfig, ModelConfigError, RopeSpec, load_arch_config
 from .forward_batch import ForwardBatch, ForwardBatchError, ForwardOutput
 from .llama import LlamaForCausalLM, WeightLoadError
-from .loader import build_model, checkpoint_files
+from .loader import build_model, checkpoint_files, read_checkpoint_tensor
 
 __all__ = [
     "ForwardBatch",
@@ -17,4 +17,5 @@ __all__ = [
     "build_model",
     "checkpoint_files",
     "load_arch_config",
+    "read_checkpoint_tensor",
 ]

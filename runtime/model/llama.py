@@ -3,11 +3,17 @@
 Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
 Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
 by :meth:`LlamaForCausalLM.load_weights`.
+
+Tensor parallelism (``shard`` and ``group`` given): q/k/v and gate/up hold this rank's
+output rows, o/down are row-parallel, the embedding and lm_head vocab-parallel (see
+``loraserve.runtime.parallel.sharding``). Without them the model is built exactly as
+for one device: plain layers, no collective anywhere.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,10 @@ from .layers import (
     RotaryEmbedding,
     VocabEmbedding,
 )
+from .layers.parallel import Collectives, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from ..parallel.sharding import ShardPlan
 
 # HF checkpoint part -> (our fused module, index of the part inside it)
 _STACKED = {
@@ -39,20 +49,34 @@ class WeightLoadError(ValueError):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        *,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
+        heads, kv_heads = arch.num_heads, arch.num_kv_heads
+        if shard is not None:
+            heads, kv_heads = shard.local_heads, shard.local_kv_heads
+        q_size, kv_size = heads * arch.head_dim, kv_heads * arch.head_dim
         self.qkv_proj = Linear(
-            arch.hidden_size,
-            (arch.q_size, arch.kv_size, arch.kv_size),
-            bias=arch.attention_bias,
-            dtype=dtype,
-            device=device,
+            arch.hidden_size, (q_size, kv_size, kv_size), bias=arch.attention_bias, dtype=dtype, device=device
         )
-        self.o_proj = Linear(arch.q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device)
-        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        if shard is None:
+            self.o_proj = Linear(q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device)
+        else:
+            self.o_proj = RowParallelLinear(
+                q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device, group=group
+            )
+        self.attn = Attention(heads, kv_heads, arch.head_dim)
         self.rotary = rotary
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, arch.head_dim
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -70,11 +94,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, *, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        *,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
-        i = arch.intermediate_size
+        i = arch.intermediate_size if shard is None else shard.local_intermediate
         self.gate_up_proj = Linear(arch.hidden_size, (i, i), bias=arch.mlp_bias, dtype=dtype, device=device)
-        self.down_proj = Linear(i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device)
+        if shard is None:
+            self.down_proj = Linear(i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device)
+        else:
+            self.down_proj = RowParallelLinear(
+                i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device, group=group
+            )
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,12 +120,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        *,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(arch, rotary, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(arch, rotary, dtype=dtype, device=device, shard=shard, group=group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(arch, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -98,9 +144,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, *, max_positions: int, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        if shard is None:
+            self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                arch.vocab_size,
+                arch.hidden_size,
+                vocab_range=shard.vocab_range,
+                shard_rows=shard.vocab_shard_rows,
+                dtype=dtype,
+                device=device,
+            )
         # One rope table for all layers (not a registered child of each layer).
         self.rotary = RotaryEmbedding(
             arch.rope,
@@ -111,7 +176,10 @@ class LlamaModel(nn.Module):
             device=device,
         )
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(arch, self.rotary, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+            [
+                LlamaDecoderLayer(arch, self.rotary, dtype=dtype, device=device, shard=shard, group=group)
+                for _ in range(arch.num_layers)
+            ]
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
 
@@ -120,21 +188,42 @@ class LlamaForCausalLM(nn.Module):
     """The whole decoder plus output head; LoRA hooks are attached by the adapter pool.
 
     ``embed_lora`` / ``lm_head_lora``: optional hooks adding an adapter's embedding and
-    output-projection deltas; ``None`` in a draft model.
+    output-projection deltas; ``None`` in a draft model. ``shard`` / ``group``: this
+    rank's share of a tensor-parallel model and the group it reduces over.
     """
 
-    def __init__(self, arch: ModelArchConfig, *, max_positions: int, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
+        if (shard is None) != (group is None):
+            raise ValueError("a tensor-parallel model needs both its shard plan and its group")
         self.arch = arch
         self.dtype = dtype
-        self.model = LlamaModel(arch, max_positions=max_positions, dtype=dtype, device=device)
-        self.lm_head = LMHead(
-            arch.hidden_size,
-            arch.vocab_size,
-            dtype=dtype,
-            device=device,
-            tied_to=self.model.embed_tokens if arch.tie_word_embeddings else None,
+        self.shard = shard
+        self.group = group
+        self.model = LlamaModel(
+            arch, max_positions=max_positions, dtype=dtype, device=device, shard=shard, group=group
         )
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        if shard is None:
+            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, dtype=dtype, device=device, tied_to=tied)
+        else:
+            self.lm_head = ParallelLMHead(
+                arch.hidden_size,
+                arch.vocab_size,
+                shard_rows=shard.vocab_shard_rows,
+                dtype=dtype,
+                device=device,
+                tied_to=tied,  # type: ignore[arg-type]
+            )
         self.embed_lora = None
         self.lm_head_lora = None
 
@@ -159,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.embed_lora is not None:
             self.embed_lora.apply(input_ids, h)
+        if self.group is not None:
+            h = self.group.all_reduce(h)  # partial embeddings (and their adapter deltas) summed
         wanted = {layer: pos for pos, layer in enumerate(aux_layers)}
         aux: list[torch.Tensor | None] = [None] * len(aux_layers)
         for i, layer in enumerate(self.model.layers):
@@ -174,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.lm_head_lora is not None:
             self.lm_head_lora.apply(hidden, logits)
+        if self.group is not None:
+            # This rank's vocabulary columns, adapter delta included, then everyone's.
+            logits = self.group.all_gather_last_dim(logits)[:, : self.arch.vocab_size]
         return logits.float()
 
     # ------------------------------------------------------------------ weights
@@ -193,6 +287,8 @@ class LlamaForCausalLM(nn.Module):
                     f"{self.arch.num_layers} layers: the checkpoint does not match config.json"
                 )
             param = params[target]
+            if self.shard is not None:
+                tensor = self.shard.shard_checkpoint_tensor(name, tensor)
             if part is None:
                 dest = param.data
             else:

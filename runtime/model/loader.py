@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .arch import ModelArchConfig, ModelConfigError
-from .llama import LlamaForCausalLM
+from .layers.parallel import Collectives
+from .llama import _STACKED, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from ..parallel.sharding import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,6 +53,17 @@ def iter_checkpoint(model_dir: str | Path, device: torch.device | str = "cpu") -
                 yield name, f.get_tensor(name)
 
 
+def read_checkpoint_tensor(model_dir: str | Path, name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint, on the host, or None when no file holds ``name``."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                return f.get_tensor(name)
+    return None
+
+
 def build_model(
     arch: ModelArchConfig,
     *,
@@ -57,19 +73,69 @@ def build_model(
     model_dir: str | Path | None = None,
     random_init_std: float | None = None,
     seed: int = 0,
+    shard: ShardPlan | None = None,
+    group: Collectives | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model on ``device``; load ``model_dir`` or, for benchmarks, random weights."""
+    """Build the model on ``device``; load ``model_dir`` or, for benchmarks, random weights.
+
+    With ``shard``/``group`` only this rank's share is built and loaded; random weights
+    are then drawn whole and sliced, so every size of group builds the same model.
+    """
     with torch.device(device):
-        model = LlamaForCausalLM(arch, max_positions=max_positions, dtype=dtype, device=device)
+        model = LlamaForCausalLM(
+            arch, max_positions=max_positions, dtype=dtype, device=device, shard=shard, group=group
+        )
     if random_init_std is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-        for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                param.data.fill_(1.0)
-            else:
-                param.data.normal_(0.0, random_init_std, generator=generator)
+        if shard is None:
+            for name, param in model.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    param.data.fill_(1.0)
+                else:
+                    param.data.normal_(0.0, random_init_std, generator=generator)
+        else:
+            _random_fill_sharded(model, arch, shard, random_init_std, generator)
     elif model_dir is None:
         raise ValueError("build_model needs model_dir or random_init_std")
     else:
         model.load_weights(iter_checkpoint(model_dir, device=device))
     return model.eval()
+
+
+def _random_fill_sharded(
+    model: LlamaForCausalLM, arch: ModelArchConfig, shard: ShardPlan, std: float, generator: torch.Generator
+) -> None:
+    """Draw every parameter at its unsharded shape, in the unsharded order, then keep this
+    rank's slice: the same random model as one device builds from the same seed."""
+    with torch.device("meta"):
+        whole = dict(LlamaForCausalLM(arch, max_positions=1, dtype=model.dtype, device="meta").named_parameters())
+    parts_of: dict[str, list[str]] = {}
+    for part, (fused, _) in sorted(_STACKED.items(), key=lambda kv: kv[1][1]):
+        parts_of.setdefault(fused, []).append(part)
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        full = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device)
+        full.normal_(0.0, std, generator=generator)
+        module_name, kind = name.split(".")[-2:]
+        if module_name in parts_of:
+            pieces = full.split(_whole_sizes(arch, module_name), dim=0)
+            local = torch.cat(
+                [
+                    shard.shard_module_tensor(part, kind, piece)
+                    for part, piece in zip(parts_of[module_name], pieces, strict=True)
+                ]
+            )
+        else:
+            local = shard.shard_module_tensor(module_name, kind, full)
+        param.data.copy_(local)
+
+
+def _whole_sizes(arch: ModelArchConfig, fused: str) -> tuple[int, ...]:
+    """The unsharded part sizes of a fused projection."""
+    if fused == "qkv_proj":
+        return (arch.q_size, arch.kv_size, arch.kv_size)
+    if fused == "gate_up_proj":
+        return (arch.intermediate_size, arch.intermediate_size)
+    raise KeyError(fused)

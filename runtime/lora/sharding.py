@@ -1,0 +1,31 @@
+"""One tensor-parallel rank's share of an adapter, cut the way its base layers are cut."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .adapter import AdapterWeights
+
+if TYPE_CHECKING:
+    from ..parallel.sharding import ShardPlan
+
+
+def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
+    """A copy of ``weights`` holding only ``plan``'s slices (see ``ShardPlan.shard_lora``).
+
+    Slices are cloned, so the full tensors can be freed: a rank keeps about ``1/size`` of
+    every adapter's B (column-parallel), A (row-parallel) and vocabulary rows.
+    """
+    local = {}
+    for (module, layer), (a, b) in weights.weights.items():
+        a_local, b_local = plan.shard_lora(module, a, b)
+        local[(module, layer)] = (_owned(a_local, a), _owned(b_local, b))
+    return dataclasses.replace(weights, weights=local)
+
+
+def _owned(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``part`` with its own storage when it is a slice of ``whole`` (a view would pin it)."""
+    return whole if part.shape == whole.shape else part.contiguous().clone()

@@ -1,0 +1,208 @@
+"""Rank 0's side of tensor parallelism: describe every step to the other ranks.
+
+Rank 0 runs the whole runtime (HTTP, scheduler, drafts, sampling); its target runner
+shards the model like every other rank's. Before each forward the runner
+:meth:`Driver.publish` es the batch; in between, every change to rank 0's KV cache
+(:class:`MirroredKVCache`) and adapter slots (the LoRA manager's listener) is journalled
+and travels, in order, with the next message. While no forward runs, a heartbeat thread
+sends an empty message every ``heartbeat_s``, so a follower that hears nothing for the
+control timeout knows rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv import KVCache
+from ..lora.manager import SlotEvent
+from .errors import TensorParallelError
+from .group import TPGroup
+from .health import TPHealth
+from .protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
+
+if TYPE_CHECKING:
+    from ..kv import Allocation
+    from ..model.forward_batch import ForwardBatch
+
+
+class Driver:
+    """Journals rank 0's state changes and sends them, with each step, to the other ranks."""
+
+    def __init__(self, group: TPGroup, health: TPHealth, *, heartbeat_s: float):
+        if not group.is_driver:
+            raise ValueError("only rank 0 drives a tensor-parallel group")
+        self.group = group
+        self.health = health
+        self.channel = ControlChannel(group)
+        self.heartbeat_s = float(heartbeat_s)
+        self._send_lock = threading.Lock()  # one message at a time, journal drained with it
+        self._journal_lock = threading.Lock()
+        self._kv_ops: list[tuple[int, int, int]] = []
+        self._slot_events: list[SlotEvent] = []
+        self._ids: dict[Hashable, int] = {}  # rank 0's request ids -> the ids followers use
+        self._next_id = 1
+        self._busy = 0  # forwards in flight: followers are computing, no heartbeat now
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        self.messages_sent = 0
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="loraserve-tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------------ journal
+    def kv_free(self, request_id: Hashable) -> None:
+        with self._journal_lock:
+            rid = self._ids.pop(request_id, None)
+            if rid is not None:
+                self._kv_ops.append((KVOp.FREE, rid, 0))
+
+    def kv_truncate(self, request_id: Hashable, num_tokens: int) -> None:
+        with self._journal_lock:
+            rid = self._ids.get(request_id)
+            if rid is not None and num_tokens:
+                self._kv_ops.append((KVOp.TRUNCATE, rid, int(num_tokens)))
+
+    def slot_event(self, event: SlotEvent) -> None:
+        """The LoRA manager's listener (called with its lock held: only appends)."""
+        with self._journal_lock:
+            self._slot_events.append(event)
+
+    def _intern(self, request_ids: Sequence[Hashable]) -> list[int]:
+        with self._journal_lock:
+            out = []
+            for rid in request_ids:
+                num = self._ids.get(rid)
+                if num is None:
+                    num = self._ids[rid] = self._next_id
+                    self._next_id += 1
+                out.append(num)
+            return out
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def forward_scope(self):
+        """Marks a forward in flight (the followers are busy: no heartbeat meanwhile)."""
+        with self._journal_lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._journal_lock:
+                self._busy -= 1
+
+    def publish(
+        self,
+        batch: ForwardBatch,
+        slots: Sequence[int],
+        alloc: Allocation,
+        *,
+        free_tokens: int,
+        slot_ranks: list[int] | None,
+    ) -> None:
+        """Describe ``batch`` (already allocated on rank 0) to every other rank.
+
+        ``slot_ranks`` must be read before the call: this method holds its own locks and
+        must never wait for the LoRA manager's.
+        """
+        total, _ = batch.token_counts()
+        input_ids = batch.input_ids
+        on_host = input_ids.device.type == "cpu"
+        step = ForwardStep(
+            mode=batch.mode.value,
+            request_ids=self._intern(batch.request_ids),
+            num_tokens=int(total),
+            slots=[int(s) for s in slots],
+            extend_lens=None if batch.extend_lens is None else [int(n) for n in alloc.new_lens],
+            num_draft_tokens=batch.num_draft_tokens,
+            return_all_logits=bool(batch.return_all_logits),
+            return_hidden=bool(batch.return_hidden),
+            hidden_layers=None if batch.hidden_layers is None else [int(i) for i in batch.hidden_layers],
+            input_ids=ForwardStep.encode_ids(input_ids) if on_host else None,
+            expect_free_tokens=int(free_tokens),
+            expect_slot_ranks=slot_ranks,
+        )
+        self._send(Message(Kind.FORWARD, step=step))
+        if not on_host:
+            # The GPU's copy of the ids, without waiting for the GPU (same order on every rank).
+            self.group.broadcast_from_driver(input_ids.to(torch.int64).contiguous())
+
+    def command(self, kind: Kind) -> None:
+        """Ask every rank to join a collective outside a forward (e.g. ``GATHER_VOCAB``)."""
+        self._send(Message(kind))
+
+    def stop(self) -> None:
+        """Tell the other ranks to exit cleanly (best effort); no message is sent after this."""
+        if self._closed.is_set():
+            return
+        try:
+            if self.health.failure is None:
+                self._send(Message(Kind.STOP))
+        except TensorParallelError:
+            pass
+        finally:
+            self._closed.set()
+
+    def fail(self, reason: str) -> TensorParallelError:
+        """Record that the group can no longer serve; returns the error to raise."""
+        self.health.report_failure(reason)
+        return TensorParallelError(f"tensor parallelism failed: {self.health.failure}")
+
+    def check(self) -> None:
+        """Raise at once when the group has failed (no step is sent to dead ranks)."""
+        if self.health.failure is not None:
+            raise TensorParallelError(f"tensor parallelism failed: {self.health.failure}")
+
+    # ------------------------------------------------------------------ internals
+    def _send(self, message: Message, *, only_if_idle: bool = False) -> bool:
+        with self._send_lock:
+            if self._closed.is_set():
+                raise TensorParallelError("the tensor-parallel group was shut down")
+            self.check()
+            with self._journal_lock:
+                if only_if_idle and (self._busy or time.monotonic() - self._last_send < self.heartbeat_s):
+                    return False
+                message.kv_ops, self._kv_ops = self._kv_ops, []
+                message.slot_events, self._slot_events = self._slot_events, []
+            try:
+                self.channel.send(message)
+            except TensorParallelError as exc:
+                raise self.fail(f"rank 0 could not reach the other ranks: {exc}") from exc
+            self._last_send = time.monotonic()
+            self.messages_sent += 1
+            return True
+
+    def _heartbeat_loop(self) -> None:
+        period = max(min(self.heartbeat_s / 4, 1.0), 0.01)
+        while not self._closed.wait(period):
+            if self.health.failure is not None:
+                return
+            try:
+                self._send(Message(Kind.NOOP), only_if_idle=True)
+            except TensorParallelError:
+                return
+
+
+class MirroredKVCache(KVCache):
+    """Rank 0's KV cache: every truncate and free is journalled for the other ranks.
+
+    Allocation needs no journal: it happens inside a forward, which every rank runs.
+    """
+
+    def __init__(self, *, driver: Driver, **kwargs):
+        super().__init__(**kwargs)
+        self._driver = driver
+
+    def truncate(self, request_id: Hashable, num_tokens: int) -> None:
+        super().truncate(request_id, num_tokens)
+        self._driver.kv_truncate(request_id, num_tokens)
+
+    def free(self, request_id: Hashable) -> None:
+        held = request_id in self
+        super().free(request_id)
+        if held:
+            self._driver.kv_free(request_id)

@@ -1,0 +1,183 @@
+"""How a Llama-family model and its adapters are cut across tensor-parallel ranks (pure).
+
+Megatron-style layout, one rank's view:
+
+- column-parallel (q/k/v, gate/up): each rank holds a contiguous block of output rows of
+  every part; attention heads are split, so attention needs no communication;
+- row-parallel (o, down): each rank holds the matching block of input columns and
+  produces a partial sum, which an all-reduce completes;
+- vocab-parallel (embed_tokens, lm_head): each rank holds ``ceil(vocab / size)`` rows
+  (the last shard zero-padded); embeddings are completed by an all-reduce, logits by an
+  all-gather.
+
+KV heads are split like query heads when there are at least as many as ranks; with
+fewer (GQA with ``num_kv_heads < size``) each rank holds one KV head, the one its query
+heads read, so a KV head is replicated on ``size / num_kv_heads`` ranks.
+
+LoRA follows the same cut: a column-parallel module keeps A whole and splits B by output
+rows (per part of a fused module); a row-parallel module splits A by input columns and
+keeps B whole, so each rank's delta is a partial sum that joins the base output's
+all-reduce (the scaling is applied once per partial, hence once in total).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.arch import ModelArchConfig
+from .errors import TensorParallelConfigError
+
+COLUMN_PARTS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+ROW_PARTS = {"o_proj": "q", "down_proj": "mlp"}
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+
+
+def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
+    """Raise :class:`TensorParallelConfigError` unless ``arch`` splits evenly over ``size`` ranks."""
+    field = "parallel.tensor_parallel_size"
+    if size < 1:
+        raise TensorParallelConfigError(f"{field} must be >= 1, got {size}")
+    if size == 1:
+        return
+    if arch.num_heads % size:
+        raise TensorParallelConfigError(
+            f"{field}={size} does not divide the model's {arch.num_heads} attention heads: "
+            f"use a size that divides {arch.num_heads} (the pod's GPU count is the size)"
+        )
+    if arch.num_kv_heads % size and size % arch.num_kv_heads:
+        raise TensorParallelConfigError(
+            f"{field}={size} and the model's {arch.num_kv_heads} KV heads neither divide each other: "
+            f"use a size that divides {arch.num_kv_heads} or a multiple of it"
+        )
+    if arch.intermediate_size % size:
+        raise TensorParallelConfigError(
+            f"{field}={size} does not divide the model's intermediate_size {arch.intermediate_size}: "
+            "use a size that divides it"
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's share of every sharded tensor of a model (row / column ranges)."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def for_arch(cls, arch: ModelArchConfig, rank: int, size: int) -> ShardPlan:
+        check_tensor_parallel(arch, size)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside 0..{size - 1}")
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            intermediate_size=arch.intermediate_size,
+            vocab_size=arch.vocab_size,
+        )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def kv_head_start(self) -> int:
+        # Split: a contiguous block; replicated: the head this rank's query heads share.
+        return self.rank * self.num_kv_heads // self.size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.size
+
+    @property
+    def vocab_shard_rows(self) -> int:
+        """Rows every rank holds of the embedding / lm_head (padded to the same count)."""
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        """The token ids ``[start, end)`` this rank's rows hold (``end - start`` may be short)."""
+        start = min(self.rank * self.vocab_shard_rows, self.vocab_size)
+        return start, min(start + self.vocab_shard_rows, self.vocab_size)
+
+    def part_range(self, part: str) -> tuple[int, int]:
+        """Rows of a column-parallel part (or columns of a row-parallel input) this rank holds."""
+        if part == "q":
+            n = self.local_heads * self.head_dim
+            return self.rank * n, (self.rank + 1) * n
+        if part == "kv":
+            start = self.kv_head_start * self.head_dim
+            return start, start + self.local_kv_heads * self.head_dim
+        if part == "mlp":
+            n = self.local_intermediate
+            return self.rank * n, (self.rank + 1) * n
+        raise KeyError(part)
+
+    # ------------------------------------------------------------------ slicing
+    def vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a ``[vocab, ...]`` tensor, zero-padded to :attr:`vocab_shard_rows`."""
+        start, end = self.vocab_range
+        rows = full[start:end]
+        pad = self.vocab_shard_rows - rows.shape[0]
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+        return rows
+
+    def shard_module_tensor(self, module: str, kind: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a base tensor of ``module`` (``kind``: weight or bias).
+
+        Modules that are not sharded (norms) come back unchanged, as does a row-parallel
+        bias: it is added once, by rank 0, before the all-reduce.
+        """
+        if module in COLUMN_PARTS:
+            lo, hi = self.part_range(COLUMN_PARTS[module])
+            return full[lo:hi]
+        if module in ROW_PARTS:
+            if kind == "bias":
+                return full
+            lo, hi = self.part_range(ROW_PARTS[module])
+            return full[:, lo:hi]
+        if module in VOCAB_MODULES:
+            return self.vocab_rows(full)
+        return full
+
+    def shard_checkpoint_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a Hugging Face-named checkpoint tensor."""
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
+            return self.shard_module_tensor(parts[-2], parts[-1], full)
+        return full
+
+    def shard_lora(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(A, B)`` of an adapter's module, as the slot pool stores them.
+
+        ``a``/``b`` are the adapter's host layout: ``A [r, in]``, ``B [out, r]`` for linear
+        modules; ``A [vocab, r]``, ``B [hidden, r]`` for ``embed_tokens``. Vocab-sharded
+        tensors are NOT padded: the pool's padding rows stay zero.
+        """
+        if module in COLUMN_PARTS:
+            lo, hi = self.part_range(COLUMN_PARTS[module])
+            return a, b[lo:hi]
+        if module in ROW_PARTS:
+            lo, hi = self.part_range(ROW_PARTS[module])
+            return a[:, lo:hi], b
+        start, end = self.vocab_range
+        if module == "embed_tokens":
+            return a[start:end], b
+        if module == "lm_head":
+            return a, b[start:end]
+        raise KeyError(module)
