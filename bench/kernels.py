@@ -6,13 +6,14 @@ Phases, in one process:
      reference (decode, verify, extend; mixed ranks; base-model rows; fp16/bf16/fp32;
      the public shrink with a poisoned output; a CUDA-graph capture replayed with new
      slots; the verify-width guard);
-  3. per-module timings, Triton vs a straightforward torch baseline (gather each
+  3. the LoRA work of one whole layer (seven modules: four apply calls, each one launch
+     or a shrink/expand pair) vs the layer's base GEMMs, each replayed from a graph over
+     32 layers' weights (a whole Llama-3-8B step, so neither the base nor the adapter
+     weights sit in L2), for the default choice and each path forced;
+  4. per-module timings, Triton vs a straightforward torch baseline (gather each
      request's adapter weights, bmm), both replayed from CUDA graphs over rotating
      inputs so nothing is served from L2;
-  4. a few alternative launch configurations on key shapes (tuning record);
-  5. the LoRA work of one whole layer (seven modules: four shrink/expand pairs) vs the
-     layer's base GEMMs, each replayed from a graph over 32 layers' weights (a whole
-     Llama-3-8B step, so neither the base nor the adapter weights sit in L2).
+  5. a few alternative launch configurations on key shapes (tuning record).
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
 ``bench/results``) and prints a short table last.
@@ -68,6 +69,7 @@ from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
+from loraserve.kernels.triton_ops.fused import barrier_timeouts  # noqa: E402
 from loraserve.kernels.triton_ops.pdl import pdl_supported  # noqa: E402
 from loraserve.kernels.triton_ops.shrink import launch_shrink  # noqa: E402
 
@@ -117,6 +119,7 @@ class Workload:
     width: int = 1  # rows per request: 1, k, or the extend segment length
     max_rank: int = 0  # pool rank (0: = rank)
     rank_major_b: bool = False  # B stored [slots, max_rank, out] and passed as a transposed view
+    graph: bool = False  # metadata as the runtime's CUDA graphs see it: tile capacity for bs, live tiles fewer
 
     @property
     def tokens(self) -> int:
@@ -130,7 +133,8 @@ class Workload:
         tag = {"decode": "dec", "verify": f"ver{self.width}", "extend": f"ext{self.width}"}[self.mode]
         pool = f"/R{self.max_rank}" if self.max_rank else ""
         layout = " Bᵀ" if self.rank_major_b else ""
-        return f"{tag} bs{self.bs} a{self.adapters} r{self.rank}{pool}{layout}"
+        graph = " [graph]" if self.graph else ""
+        return f"{tag} bs{self.bs} a{self.adapters} r{self.rank}{pool}{layout}{graph}"
 
 
 def forward_mode(mode: str) -> ForwardMode:
@@ -146,6 +150,13 @@ def request_slots(w: Workload, gen: torch.Generator) -> list[int]:
 
 def batch_info(w: Workload, slots: list[int], ranks: list[int], scalings: list[float], device) -> K.LoRABatchInfo:
     mode = forward_mode(w.mode)
+    if w.graph:
+        k = w.width if mode is ForwardMode.TARGET_VERIFY else None
+        meta = GraphLoRAMetadata(mode, w.bs, len(ranks), num_draft_tokens=k, device=device)
+        meta.capture_info(w.bs)
+        info = meta.update(slots, ranks, scalings, num_draft_tokens=k, batch_size=w.bs)
+        info._meta = meta  # keep the buffers' owner alive with the info
+        return info
     kwargs: dict = {}
     if mode is ForwardMode.TARGET_VERIFY:
         kwargs["num_draft_tokens"] = w.width
@@ -419,6 +430,21 @@ def correctness(device, modules, tiny: bool) -> list[Check]:
     rank_major = Workload("decode", bs, 4, 16, 1, 64, rank_major_b=True)
     for module in (qkv, modules["gate_up"]):
         checks.append(check_apply(backend, rank_major, module, torch.bfloat16, device, gen, base_requests=1))
+    # Each path forced: the single launch (grid barrier) and the two-launch pair.
+    for tag, variant in (("fused", TritonLoRABackend(fused=True)), ("two-launch", TritonLoRABackend(fused=False))):
+        for module in modules.values():
+            for w in works[:2]:
+                c = check_apply(variant, w, module, torch.bfloat16, device, gen, base_requests=1)
+                c.name = f"[{tag}] {c.name}"
+                checks.append(c)
+            c = check_apply(variant, rank_major, module, torch.bfloat16, device, gen, base_requests=1)
+            c.name = f"[{tag}] {c.name}"
+            checks.append(c)
+        for c in check_graph(variant, qkv, device, gen, "verify", 8, 4) + check_graph(
+            variant, modules["gate_up"], device, gen, "decode", 16, 1
+        ):
+            c.name = f"[{tag}] {c.name}"
+            checks.append(c)
     variants = [("pdl", TritonLoRABackend(pdl=True))] if pdl_supported(device) else []
     for tag, variant in variants:
         for w in works:
@@ -448,6 +474,7 @@ class Row:
     shrink: str = ""
     expand: str = ""
     extra: dict = field(default_factory=dict)
+    variant: str = "default"
 
 
 def moved_bytes(w: Workload, m: Module, elem: int = 2) -> tuple[int, int]:
@@ -525,102 +552,116 @@ def describe(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in asdict(cfg).items())
 
 
+BACKENDS = {
+    "default": lambda: TritonLoRABackend(),
+    "two-launch": lambda: TritonLoRABackend(fused=False),
+    "fused": lambda: TritonLoRABackend(fused=True),
+}
+
+
+def path_of(backend: TritonLoRABackend, info, x, B, offsets) -> str:
+    """Which path ``apply`` takes for this module and batch: its configuration, described."""
+    fc = backend.fused_config(info, x, B, offsets)
+    if fc is not None:
+        return "fused " + describe(fc)
+    sc = backend.shrink_config(info, x, len(offsets) - 1, B.shape[2])
+    ec = backend.expand_config(info, B, offsets)
+    return f"two-launch shrink[{describe(sc)}] expand[{describe(ec)}]"
+
+
 def bench_modules(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[Row]:
+    """``workloads``: (workload, module names, backend variants) triples."""
     gen = torch.Generator().manual_seed(7)
-    backend = TritonLoRABackend(pdl=False)
     rows: list[Row] = []
-    for w in workloads:
-        for m in modules.values():
+    for w, names, variants in workloads:
+        for name in names:
+            m = modules[name]
             if time.time() > deadline:
                 print(f"[deadline] skipping {w.label()} {m.name}", flush=True)
                 continue
             try:
                 case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
-                t_triton = time_replays(case.triton_fns(backend), device, reps)
                 t_torch = time_replays(case.torch_fns(), device, reps)
                 total, weights = moved_bytes(w, m)
-                sc = backend.shrink_config(case.info, case.x[0], len(m.widths), w.pool_rank)
-                ec = backend.expand_config(case.info, case.B[0], m.offsets)
-                row = Row(
-                    m.name,
-                    w.label(),
-                    w.tokens,
-                    total,
-                    t_triton * 1e3,
-                    t_torch * 1e3,
-                    total / (t_triton * 1e-3) / copy_bw,
-                    t_torch / t_triton,
-                    weights / total,
-                    describe(sc),
-                    describe(ec),
-                    {"sets": case.sets, "tiles": case.info.num_tiles},
-                )
-                rows.append(row)
-                print(
-                    f"{m.name:8s} {w.label():24s} triton {row.triton_us:8.2f} us  torch {row.torch_us:8.2f} us"
-                    f"  x{row.speedup:5.2f}  bw {100 * row.bw_frac:5.1f}%  w {100 * row.weight_frac:4.0f}%",
-                    flush=True,
-                )
+                for variant in variants:
+                    backend = BACKENDS[variant]()
+                    t_triton = time_replays(case.triton_fns(backend), device, reps)
+                    row = Row(
+                        m.name,
+                        w.label(),
+                        w.tokens,
+                        total,
+                        t_triton * 1e3,
+                        t_torch * 1e3,
+                        total / (t_triton * 1e-3) / copy_bw,
+                        t_torch / t_triton,
+                        weights / total,
+                        extra={
+                            "sets": case.sets,
+                            "tiles": case.info.num_tiles,
+                            "path": path_of(backend, case.info, case.x[0], case.B[0], m.offsets),
+                        },
+                        variant=variant,
+                    )
+                    rows.append(row)
+                    print(
+                        f"{m.name:8s} {w.label():26s} {variant:10s} triton {row.triton_us:8.2f} us  torch "
+                        f"{row.torch_us:8.2f} us  x{row.speedup:5.2f}  bw {100 * row.bw_frac:5.1f}%"
+                        f"  w {100 * row.weight_frac:4.0f}%  [{row.extra['path']}]",
+                        flush=True,
+                    )
                 del case
             except Exception:  # one broken shape must not lose the rest of the run
                 traceback.print_exc()
     return rows
 
 
+def sweep_variants(w: Workload, m: Module, info, sms: int) -> tuple[ShrinkConfig, ExpandConfig, list]:
+    """The two-launch defaults for a shape and single-parameter variations around them."""
+    S, R = len(m.widths), w.pool_rank
+    sc0 = pick_shrink(num_tiles=info.num_tiles, tile_m=info.tile_m, num_slices=S, max_rank=R, in_dim=m.in_dim,
+                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    ec0 = pick_expand(num_tiles=info.num_tiles, tile_m=info.tile_m, widths=m.widths, max_rank=R,
+                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    two = lambda sc, ec: TritonLoRABackend(fused=False, shrink_config=sc, expand_config=ec)  # noqa: E731
+    variants: list[tuple[str, TritonLoRABackend | str]] = [
+        ("default", TritonLoRABackend()),
+        ("two-launch", two(sc0, ec0)),
+        ("fused", TritonLoRABackend(fused=True)),
+        ("shrink only", "shrink"),
+        ("expand only", "expand"),
+    ]
+    for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2} - {sc0.split_k}):
+        variants.append((f"split{split}", two(ShrinkConfig(sc0.block_n, sc0.block_k, split), ec0)))
+    if info.tile_m <= 16 and sc0.block_k < 256:
+        variants.append(("shrink bk256", two(ShrinkConfig(sc0.block_n, 256, max(1, sc0.split_k // 2)), ec0)))
+    for g in (1, 2, 4, 8, 16):
+        if g != ec0.col_blocks:
+            variants.append((f"expand g{g}", two(sc0, ExpandConfig(ec0.block_n, ec0.block_r, g, ec0.num_warps,
+                                                                  ec0.num_stages))))  # fmt: skip
+    for st in (1, 3):
+        if st != ec0.num_stages:
+            variants.append((f"expand st{st}", two(sc0, ExpandConfig(ec0.block_n, ec0.block_r, ec0.col_blocks,
+                                                                    ec0.num_warps, st))))  # fmt: skip
+    for bn, nw in ((256, 4), (256, 8)):
+        variants.append((f"expand bn{bn} w{nw}", two(sc0, ExpandConfig(bn, ec0.block_r, ec0.col_blocks, nw,
+                                                                        ec0.num_stages))))  # fmt: skip
+    return sc0, ec0, variants
+
+
 def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list[dict]:
     """Alternative launch configurations on a few shapes (the tuning record), and the
-    default's time split into its shrink and its expand."""
+    two-launch default's time split into its shrink and its expand."""
     gen = torch.Generator().manual_seed(11)
     results = []
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    pdl_ok = pdl_supported(device)
     for w, mname in workloads:
         m = modules[mname]
         if time.time() > deadline:
             break
         case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
         S, R = len(m.widths), w.pool_rank
-        sc0 = pick_shrink(
-            num_tiles=case.info.num_tiles,
-            tile_m=case.info.tile_m,
-            num_slices=S,
-            max_rank=R,
-            in_dim=m.in_dim,
-            dtype=torch.bfloat16,
-            num_sms=sms,
-        )
-        ec0 = pick_expand(
-            num_tiles=case.info.num_tiles,
-            tile_m=case.info.tile_m,
-            widths=m.widths,
-            max_rank=R,
-            dtype=torch.bfloat16,
-            num_sms=sms,
-        )
-        variants: list[tuple[str, TritonLoRABackend | str]] = [("default", TritonLoRABackend(pdl=False))]
-        variants += [("shrink only", "shrink"), ("expand only", "expand")]
-        if pdl_ok:
-            variants.append(("pdl", TritonLoRABackend(pdl=True)))
-        for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2}):
-            if split != sc0.split_k:
-                sc = ShrinkConfig(sc0.block_n, sc0.block_k, split)
-                variants.append((f"split{split}", TritonLoRABackend(shrink_config=sc, expand_config=ec0)))
-        if sc0.block_n != 64 and R >= 64:
-            sc = ShrinkConfig(64, sc0.block_k, sc0.split_k)
-            variants.append(("shrink bn64", TritonLoRABackend(shrink_config=sc, expand_config=ec0)))
-        for g in (1, 2, 4, 8):
-            if g != ec0.col_blocks:
-                ec = ExpandConfig(ec0.block_n, ec0.block_r, g, ec0.num_warps, ec0.num_stages)
-                variants.append((f"expand g{g}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
-        for st in (1, 3):
-            ec = ExpandConfig(ec0.block_n, ec0.block_r, ec0.col_blocks, ec0.num_warps, st)
-            variants.append((f"expand st{st}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
-        for bn, nw in ((64, 4), (256, 8)):
-            ec = ExpandConfig(bn, ec0.block_r, ec0.col_blocks, nw, ec0.num_stages)
-            variants.append((f"expand bn{bn} w{nw}", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
-        if R > 16:
-            ec = ExpandConfig(ec0.block_n, 16, ec0.col_blocks, ec0.num_warps, ec0.num_stages)
-            variants.append(("expand r16 chunks", TritonLoRABackend(shrink_config=sc0, expand_config=ec)))
+        sc0, ec0, variants = sweep_variants(w, m, case.info, sms)
         total, _ = moved_bytes(w, m)
         partial = torch.randn(sc0.split_k, w.tokens, S * R, device=device, dtype=torch.float32) * 0.01
         for name, variant in variants:
@@ -634,11 +675,10 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
                 else:
                     fns = case.triton_fns(variant)
                 t = time_replays(fns, device, reps)
-                cfg = (
-                    (variant.shrink_config_override, variant.expand_config_override)
-                    if isinstance(variant, TritonLoRABackend)
-                    else (sc0, ec0)
-                )
+                if isinstance(variant, TritonLoRABackend):
+                    config = path_of(variant, case.info, case.x[0], case.B[0], m.offsets)
+                else:
+                    config = describe(sc0 if variant == "shrink" else ec0)
                 results.append(
                     {
                         "module": m.name,
@@ -646,11 +686,10 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
                         "variant": name,
                         "us": t * 1e3,
                         "bw_frac": total / (t * 1e-3) / copy_bw,
-                        "shrink": describe(cfg[0] or sc0),
-                        "expand": describe(cfg[1] or ec0),
+                        "config": config,
                     }
                 )
-                print(f"sweep {m.name:8s} {w.label():24s} {name:18s} {t * 1e3:8.2f} us", flush=True)
+                print(f"sweep {m.name:8s} {w.label():24s} {name:18s} {t * 1e3:8.2f} us  [{config}]", flush=True)
             except Exception:
                 traceback.print_exc()
     return results
@@ -668,19 +707,18 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
         for _ in range(layers)
     ]
     results = []
-    for w in scenarios:
-        if time.time() > deadline:
-            break
-        variants = ["default"]
-        if pdl_supported(device) and w.tokens == 1:
-            variants.append("pdl")
+    for w, variants in scenarios:
         for variant in variants:
+            if time.time() > deadline:
+                print(f"[deadline] skipping layer {w.label()} {variant}", flush=True)
+                continue
             try:
                 res = layer_case(device, modules, base, w, gen, reps, variant)
                 results.append(res)
                 print(
-                    f"layer {w.label():22s} {variant:10s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
-                    f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%",
+                    f"layer {w.label():28s} {variant:10s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
+                    f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%"
+                    f"  paths {res['paths']}",
                     flush=True,
                 )
             except Exception:
@@ -692,7 +730,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
     dt = torch.bfloat16
     layers = len(base)
-    backend = {"default": TritonLoRABackend(pdl=False), "pdl": TritonLoRABackend(pdl=True)}[variant]
+    backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=True)
     R = w.pool_rank
     slots = request_slots(w, gen)
     info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
@@ -709,12 +747,16 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         {
             name: (
                 torch.randn(w.adapters, len(m.widths) * R, m.in_dim, device=device, dtype=dt) * 0.02,
-                torch.randn(w.adapters, m.out_dim, R, device=device, dtype=dt) * 0.02,
+                make_b(w.adapters, m.out_dim, R, w.rank_major_b, device=device, dtype=dt).mul_(0.02),
             )
             for name, m in modules.items()
         }
         for _ in range(layers)
     ]
+    paths = {
+        name: path_of(backend, info, inputs[name], lora[0][name][1], m.offsets).split(" ")[0]
+        for name, m in modules.items()
+    }
 
     def lora_layer(li: int) -> None:
         for name, m in modules.items():
@@ -743,32 +785,36 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         "base_plus_lora_us": t_both * 1e3,
         "lora_pct_of_base": 100 * t_lora / t_base,
         "increment_pct": 100 * (t_both - t_base) / t_base,
+        "paths": ",".join(f"{k}:{v}" for k, v in paths.items()),
     }
 
 
 # -- main --------------------------------------------------------------------------------
 
 
-def module_workloads(tiny: bool) -> list[Workload]:
+ALL = ("qkv", "o", "gate_up", "down")
+PATHS3 = ("default", "two-launch", "fused")
+
+
+def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
+    """(workload, modules, variants): the shapes behind the targets, B rank-major as the pool stores it."""
     if tiny:
-        return [Workload("decode", 4, 2, 16), Workload("verify", 2, 2, 8, 4), Workload("extend", 2, 2, 16, 20)]
+        return [
+            (Workload("decode", 4, 2, 16, rank_major_b=True), ALL, PATHS3),
+            (Workload("verify", 2, 2, 8, 4), ("qkv",), ("default",)),
+            (Workload("extend", 2, 2, 16, 20), ("o",), ("default",)),
+        ]
     return [
-        Workload("decode", 1, 1, 16),
-        Workload("decode", 8, 8, 16),
-        Workload("decode", 32, 8, 16),
-        Workload("decode", 32, 32, 8),
-        Workload("decode", 64, 64, 16),
-        Workload("decode", 64, 64, 64),
-        Workload("decode", 64, 64, 16, 1, 64),
-        Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True),
-        Workload("decode", 256, 64, 16),
-        Workload("verify", 8, 8, 16, 4),
-        Workload("verify", 32, 32, 16, 4),
-        Workload("verify", 32, 8, 16, 8),
-        Workload("verify", 64, 64, 16, 8),
-        Workload("extend", 1, 1, 16, 512),
-        Workload("extend", 4, 4, 16, 512),
-        Workload("extend", 8, 8, 64, 512),
+        (Workload("decode", 1, 1, 16, rank_major_b=True), ALL, ("default", "two-launch")),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, ("default", "two-launch", "fused")),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, ("default",)),
+        (Workload("decode", 64, 64, 64, rank_major_b=True), ALL, ("default",)),
+        (Workload("decode", 64, 64, 16, 1, 64), ("gate_up",), ("default",)),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, ("default",)),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, ("default",)),
+        (Workload("verify", 64, 64, 16, 8, rank_major_b=True), ("gate_up",), ("default",)),
+        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default",)),
+        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default",)),
     ]
 
 
@@ -776,25 +822,23 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
     if tiny:
         return [(Workload("decode", 4, 2, 16), "qkv")]
     return [
-        (Workload("decode", 1, 1, 16), "gate_up"),
-        (Workload("decode", 64, 64, 16), "gate_up"),
-        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), "gate_up"),
-        (Workload("verify", 32, 32, 16, 4), "qkv"),
-        (Workload("extend", 8, 8, 64, 512), "o"),
-        (Workload("extend", 8, 8, 64, 512), "down"),
+        (Workload("decode", 1, 1, 16, rank_major_b=True), "gate_up"),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), "gate_up"),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), "qkv"),
+        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), "o"),
     ]
 
 
-def layer_scenarios(tiny: bool) -> list[Workload]:
+def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     if tiny:
-        return [Workload("decode", 2, 1, 16)]
+        return [(Workload("decode", 2, 1, 16, rank_major_b=True), PATHS3)]
     return [
-        Workload("decode", 1, 1, 16),
-        Workload("decode", 32, 8, 16),
-        Workload("decode", 64, 64, 16),
-        Workload("verify", 32, 32, 16, 4),
-        Workload("verify", 32, 8, 16, 8),
-        Workload("decode", 256, 64, 16),
+        (Workload("decode", 1, 1, 16, rank_major_b=True), PATHS3),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), PATHS3),
+        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), PATHS3),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), PATHS3),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), PATHS3),
+        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), PATHS3),
     ]
 
 
@@ -807,28 +851,31 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         "",
         "## Per module (median per call, graph replay, rotating inputs)",
         "",
-        "| module | workload | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| module | workload | variant | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % | path |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.module} | {r.workload} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} "
-            f"| {r.torch_us:.2f} | {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} |"
+            f"| {r.module} | {r.workload} | {r.variant} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} "
+            f"| {r.torch_us:.2f} | {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} "
+            f"| {r.extra.get('path', '')} |"
         )
-    lines += ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW |", "|---|---|---|---|---|"]
+    lines += ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW | configuration |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
-        f"| {s['module']} | {s['workload']} | {s['variant']} | {s['us']:.2f} | {100 * s['bw_frac']:.1f} |" for s in sweeps
+        f"| {s['module']} | {s['workload']} | {s['variant']} | {s['us']:.2f} | {100 * s['bw_frac']:.1f} | {s['config']} |"
+        for s in sweeps
     ]
     lines += [
         "",
         "## One Llama-3-8B layer (7 modules; base = 4 bf16 F.linear: fused qkv, o, fused gate/up, down)",
         "",
-        "| workload | variant | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | variant | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % | paths |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {x['workload']} | {x['variant']} | {x['tokens']} | {x['lora_us']:.2f} | {x['base_us']:.2f} | {x['lora_pct_of_base']:.1f} "
-        f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} |"
+        f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} | {x['paths']} |"
         for x in layer
     ]
     return "\n".join(lines) + "\n"
@@ -874,12 +921,16 @@ def main() -> int:
     env["correctness"] = f"{sum(c.ok for c in checks)}/{len(checks)} passed"
     print(f"correctness: {env['correctness']} ({time.time() - t0:.0f}s)", flush=True)
 
-    rows = [] if "bench" in skip else bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
-    print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
-    layer = [] if "layer" in skip else bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, deadline + 60)
+    # Layer first (the targets), then modules, then the sweep: a short budget cuts the tuning record.
+    layer_deadline = t0 + args.budget_s * 0.35
+    layer = [] if "layer" in skip else bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, layer_deadline)
     print(f"layer done ({time.time() - t0:.0f}s)", flush=True)
-    sweeps = [] if "sweep" in skip else sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline + 90)
+    module_deadline = t0 + args.budget_s * 0.75
+    rows = [] if "bench" in skip else bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
+    print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
+    sweeps = [] if "sweep" in skip else sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
     print(f"sweep done ({time.time() - t0:.0f}s)", flush=True)
+    env["barrier_timeouts"] = barrier_timeouts(device)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -899,8 +950,8 @@ def main() -> int:
         print(f"{x['workload']:20s} {x['variant']:9s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
     print("== modules: triton us / torch us / %copyBW ==")
     for r in rows:
-        print(f"{r.module:7s} {r.workload:26s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")
-    failed = [c.name for c in checks if not c.ok]
+        print(f"{r.module:7s} {r.workload:26s} {r.variant:10s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")
+    failed = [c.name for c in checks if not c.ok] + (["barrier timed out"] if env["barrier_timeouts"] else [])
     print(f"correctness {env['correctness']}; failed: {failed}; total {time.time() - t0:.0f}s")
     return 1 if failed else 0
 

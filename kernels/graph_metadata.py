@@ -41,6 +41,7 @@ _SECTIONS = (
     "scalings",
     "tiles",
     "tile_rows",
+    "live_tiles",
 )
 
 
@@ -93,6 +94,7 @@ class GraphLoRAMetadata:
             "scalings": self.num_slots,
             "tiles": 4 * self.tile_capacity,
             "tile_rows": tile_m * self.tile_capacity,
+            "live_tiles": 1,
         }
         template, spans = pack_int32([[0] * sizes[name] for name in _SECTIONS])
         self._spans = dict(zip(_SECTIONS, spans, strict=True))
@@ -166,6 +168,7 @@ class GraphLoRAMetadata:
             tiles=self._tiles_view(dev, self.capacity(batch_size)),
             tile_rows=self._rows_view(dev, self.capacity(batch_size)),
             graph_capture=True,
+            live_tiles=self._view(dev, "live_tiles"),
         )
         self._infos[batch_size] = info
         return info
@@ -244,6 +247,7 @@ class GraphLoRAMetadata:
             "token_slots": torch.tensor(layout.token_slots, dtype=torch.int32),
             "ranks": torch.tensor([int(r) for r in lora_ranks], dtype=torch.int32),
             "scalings": torch.tensor([float(v) for v in scalings], dtype=torch.float32).view(torch.int32),
+            "live_tiles": torch.tensor([len(layout.tiles)], dtype=torch.int32),
         }
         for name, values in sections.items():
             self._view(host, name, values.numel()).copy_(values)

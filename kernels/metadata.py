@@ -117,7 +117,9 @@ class LoRABatchInfo:
     its slot (-1: nothing to do), that slot's rank, its scaling (float32 bits) and its
     segment; ``tile_rows`` (int32 ``[num_tiles, tile_m]``) the token rows it covers, -1
     past the end. ``num_tiles`` is the launch size: the exact count for an eager batch,
-    the capacity for a CUDA-graph capture.
+    the capacity for a CUDA-graph capture. ``live_tiles`` holds, on the device, how many
+    leading entries of ``tiles`` carry work (all of them in an eager batch), so a kernel
+    that loops over work items can stop at this batch's real work.
     """
 
     mode: ForwardMode
@@ -143,6 +145,7 @@ class LoRABatchInfo:
     tiles: torch.Tensor | None = None  # int32 [num_tiles, 4]: slot, rank, scaling bits, segment
     tile_rows: torch.Tensor | None = None  # int32 [num_tiles, tile_m]: token rows, -1 = none
     graph_capture: bool = False  # True: host counts are capture maxima, not this batch's
+    live_tiles: torch.Tensor | None = None  # int32 [1]: tiles with work; they come first in ``tiles``
 
     def rows(self, segment: int) -> list[int]:
         """Row indices (into the batch's token rows) of one segment, host side."""
@@ -380,6 +383,7 @@ def info_from_layout(
             torch.tensor(list(scalings), dtype=torch.float32),
             table,
             rows,
+            [num_tiles],
         ]
     )
     buf = to_device_once(host, device)
@@ -406,6 +410,7 @@ def info_from_layout(
         num_tiles=num_tiles,
         tiles=views[7].view(num_tiles, 4),
         tile_rows=views[8].view(num_tiles, tile_m),
+        live_tiles=views[9],
     )
 
 
@@ -415,6 +420,9 @@ def ensure_tiles(info: LoRABatchInfo, tile_m: int | None = None) -> LoRABatchInf
     For a :class:`LoRABatchInfo` assembled by hand (without :func:`build_batch_info`).
     """
     if info.tiles is not None and info.tile_rows is not None and (tile_m is None or tile_m == info.tile_m):
+        if info.live_tiles is None:
+            # A hand-built table: every entry counts; slot -1 entries stop at once.
+            info.live_tiles = to_device_once(torch.tensor([info.num_tiles], dtype=torch.int32), info.tiles.device)
         return info
     tile_m = tile_m or default_tile_m(info.mode, info.max_segment_len)
     tiles = segment_tiles(info.seg_indptr_cpu, info.weight_indices_cpu, info.lora_ranks_cpu, tile_m)
@@ -427,4 +435,5 @@ def ensure_tiles(info: LoRABatchInfo, tile_m: int | None = None) -> LoRABatchInf
     info.tile_rows = to_device_once(rows, device)
     info.tile_m = tile_m
     info.num_tiles = len(tiles)
+    info.live_tiles = to_device_once(torch.tensor([len(tiles)], dtype=torch.int32), device)
     return info

@@ -1,11 +1,12 @@
 """Triton LoRA backend: segmented shrink and fused sliced expand over a tile table.
 
-``apply`` is the fast path: two launches per module whatever the number of slices
-(QKV, gate/up) or adapters. The shrink writes split-K partial sums in float32 and the
-expand adds them while loading, so the two launches are the whole cost. Launch grids
-come from host values that are fixed for a CUDA-graph capture (tile capacity, shapes);
-everything that changes between replays (slots, ranks, scalings, rows) is read from
-device tensors.
+``apply`` is the fast path: one or two launches per module whatever the number of
+slices (QKV, gate/up) or adapters. Small batches (few tiles, so launches and round trips
+dominate) take the single-launch kernel: shrink, grid barrier, expand. Larger ones take
+two: the shrink writes split-K partial sums in float32 and the expand adds them while
+loading. Launch grids and the choice between the paths come from host values that are
+fixed for a CUDA-graph capture (tile capacity, shapes); everything that changes between
+replays (slots, ranks, scalings, rows, live tiles) is read from device tensors.
 
 Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 """
@@ -20,7 +21,18 @@ import torch
 
 from .backend import LoRABackend, check_expand_shapes, check_shapes
 from .metadata import LoRABatchInfo, ensure_tiles
-from .triton_ops import ExpandConfig, ShrinkConfig, launch_expand, launch_shrink, pick_expand, pick_shrink
+from .triton_ops import (
+    ExpandConfig,
+    FusedConfig,
+    ShrinkConfig,
+    launch_expand,
+    launch_fused,
+    launch_shrink,
+    pick_expand,
+    pick_fused,
+    pick_shrink,
+)
+from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -75,6 +87,9 @@ class TritonLoRABackend(LoRABackend):
     tests); by default :func:`pick_shrink` / :func:`pick_expand` choose from the shapes.
     ``pdl`` launches the kernels with programmatic dependent launch where the GPU and
     Triton support it (Hopper+), so each launch overlaps the previous kernel's tail.
+    ``fused``: None chooses the single-launch path by shape (:func:`pick_fused`), True
+    takes it wherever the module allows (up to three slices), False never; ``fused_config``
+    pins its configuration. PDL and pinned shrink/expand configurations use two launches.
     """
 
     name = "triton"
@@ -85,10 +100,14 @@ class TritonLoRABackend(LoRABackend):
         shrink_config: ShrinkConfig | None = None,
         expand_config: ExpandConfig | None = None,
         pdl: bool = DEFAULT_PDL,
+        fused: bool | None = None,
+        fused_config: FusedConfig | None = None,
     ) -> None:
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
+        self.fused = fused
+        self.fused_config_override = fused_config
 
     def _pdl(self, device: torch.device) -> bool:
         return self.pdl and pdl_supported(device)
@@ -120,6 +139,27 @@ class TritonLoRABackend(LoRABackend):
             max_rank=B.shape[2],
             dtype=B.dtype,
             num_sms=_sm_count(B.device),
+        )
+
+    def fused_config(
+        self, info: LoRABatchInfo, x: torch.Tensor, B: torch.Tensor, slice_offsets: tuple[int, ...]
+    ) -> FusedConfig | None:
+        """The single-launch configuration for this module and batch capacity, or None."""
+        if self.fused is False or self.pdl or len(slice_offsets) - 1 > 3:
+            return None
+        if self.fused is None and (self.shrink_config_override or self.expand_config_override):
+            return None
+        if self.fused_config_override is not None:
+            return self.fused_config_override
+        return pick_fused(
+            num_tiles=info.num_tiles,
+            tile_m=info.tile_m,
+            widths=tuple(b - a for a, b in itertools.pairwise(slice_offsets)),
+            max_rank=B.shape[2],
+            in_dim=x.shape[1],
+            dtype=x.dtype,
+            num_sms=_sm_count(x.device),
+            max_rounds=1 << 30 if self.fused else 1,
         )
 
     # -- ops -----------------------------------------------------------------------------
@@ -193,7 +233,7 @@ class TritonLoRABackend(LoRABackend):
         out: torch.Tensor,
         slice_offsets: tuple[int, ...] | None = None,
     ) -> None:
-        """Shrink then expand into ``out``: two launches for the whole module."""
+        """Shrink then expand into ``out``: one launch (small batches) or two for the whole module."""
         if slice_offsets is None:
             slice_offsets = (0, out.shape[-1])
         slice_offsets = tuple(slice_offsets)
@@ -212,6 +252,12 @@ class TritonLoRABackend(LoRABackend):
         info = ensure_tiles(info)
         if info.num_tiles == 0:
             return
+        fused = self.fused_config(info, x, B, slice_offsets)
+        sem = semaphore(x.device) if fused is not None else None
+        if fused is not None and sem is not None:
+            partial = torch.empty(fused.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
+            if launch_fused(x, A, B, out, partial, info, slice_offsets, fused, sem, _sm_count(x.device)):
+                return
         pdl = self._pdl(x.device)
         config = self.shrink_config(info, x, num_slices, max_rank)
         partial = torch.empty(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)

@@ -17,6 +17,16 @@ MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each c
 MIN_K_BLOCKS_PER_SPLIT = 4  # at least 4 steps (512 columns at block_k 128) per split
 PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
 
+# Single-launch (fused) path: programs resident together (a grid barrier needs all of
+# them at once; two per SM fit whatever the kernel uses), column blocks a program may
+# take, and how many rounds of items per program the automatic choice accepts.
+FUSED_PROGRAMS_PER_SM = 2
+FUSED_COL_BLOCKS = (1, 2, 4, 8)
+FUSED_MAX_ROUNDS = 1
+FUSED_MAX_SPLIT_K = 32
+FUSED_MIN_K_BLOCKS_PER_SPLIT = 2
+FUSED_MAX_RANK = 64  # one rank block: above it the kernel needs far more registers and shared memory
+
 
 @dataclass(frozen=True)
 class ShrinkConfig:
@@ -37,6 +47,22 @@ class ExpandConfig:
     block_n: int
     block_r: int
     col_blocks: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Single-launch shrink + expand: ``programs`` resident programs loop over the shrink
+    items (``split_k`` ways over ``block_k`` steps, ``block_r`` ranks at a time) and then
+    the expand items (``col_blocks`` blocks of ``block_n`` output columns)."""
+
+    programs: int
+    split_k: int
+    block_k: int
+    block_r: int
+    block_n: int
+    col_blocks: int
     num_warps: int = 4
     num_stages: int = 2
 
@@ -120,3 +146,51 @@ def pick_expand(
 def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:
     """Input columns each split covers: whole ``block_k`` steps, so splits never overlap."""
     return cdiv(cdiv(in_dim, block_k), split_k) * block_k
+
+
+def pick_fused(
+    *,
+    num_tiles: int,
+    tile_m: int,
+    widths: tuple[int, ...],
+    max_rank: int,
+    in_dim: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    max_rounds: int = FUSED_MAX_ROUNDS,
+) -> FusedConfig | None:
+    """The single-launch configuration, or None where two launches serve better.
+
+    It pays where launches and dependent round trips dominate: short tiles and few
+    expand items. Column blocks per program grow until every item of a full tile table
+    fits ``max_rounds`` rounds of the resident grid; if none does, None. K is split
+    until the shrink items fill the grid too (at least two ``block_k`` steps a split).
+    """
+    if not 1 <= len(widths) <= 3 or num_tiles < 1 or max_rank > FUSED_MAX_RANK:
+        return None
+    if tile_m > 16 and max_rounds <= FUSED_MAX_ROUNDS:
+        return None  # extend tiles: many rows, bandwidth-bound; two launches by default
+    block_n = 64 if dtype == torch.float32 else 128
+    block_k = 64 if dtype == torch.float32 else 128
+    block_r = rank_block(max_rank)
+    capacity = FUSED_PROGRAMS_PER_SM * num_sms
+    for col_blocks in FUSED_COL_BLOCKS:
+        expand_items = num_tiles * sum(cdiv(cdiv(w, block_n), col_blocks) for w in widths)
+        if expand_items <= capacity * max_rounds:
+            break
+    else:
+        return None
+    per_tile = len(widths) * cdiv(max_rank, block_r)
+    split_limit = min(FUSED_MAX_SPLIT_K, max(1, cdiv(in_dim, block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT))
+    programs = min(capacity, max(expand_items, num_tiles * per_tile * split_limit))
+    split = 1
+    while split * 2 <= split_limit and num_tiles * per_tile * split * 2 <= programs:
+        split *= 2
+    return FusedConfig(
+        programs=max(1, programs),
+        split_k=split,
+        block_k=block_k,
+        block_r=block_r,
+        block_n=block_n,
+        col_blocks=col_blocks,
+    )

@@ -3,9 +3,11 @@
 ``out[rows, slice s] += scaling[slot] * xa[rows, s] @ B[slot, slice s]ᵀ`` for every tile.
 Grid: (column group over all slices, tile). Slices of different widths (QKV with GQA:
 q wider than k and v; gate/up) share one launch: a program finds its slice from its
-column group. A program loads its tile's ``xa`` once, adding the shrink's split-K
-partial sums as it goes, then streams ``col_blocks`` blocks of ``B`` and ``out`` through
-it, so the per-program cost (metadata, ``xa``) is paid once per group, not per block.
+column group. A program issues its first block's B and output loads, loads its tile's
+``xa`` once (adding the shrink's split-K partial sums), then streams ``col_blocks``
+blocks of ``B`` and ``out``, always loading the next block before storing the current
+one. The per-program cost (metadata, ``xa``) is paid once per group, not per block.
+The pieces are shared with the single-launch kernel in :mod:`.fused`.
 """
 
 from __future__ import annotations
@@ -25,12 +27,177 @@ MAX_SLICES_PER_LAUNCH = 3
 
 
 @triton.jit
-def _load_xa(xa_ptrs, mask, stride_xs, SPLIT_K: tl.constexpr):
+def _load_xa(xa_ptrs, mask, stride_xs, SPLIT_K: tl.constexpr, XA_CACHE: tl.constexpr):
     """One ``xa`` tile, the shrink's partial sums added in float32."""
-    xa = tl.load(xa_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xa = tl.load(xa_ptrs, mask=mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
-        xa += tl.load(xa_ptrs + s * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        xa += tl.load(xa_ptrs + s * stride_xs, mask=mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     return xa
+
+
+@triton.jit
+def locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES: tl.constexpr):
+    """The slice a column group belongs to: ``(slice, first column, end column, group in slice)``.
+
+    Slice widths need not divide the block, so each slice starts a fresh group.
+    """
+    slice_id = pid_g * 0
+    lo = pid_g * 0
+    hi = pid_g * 0 + off1
+    group = pid_g
+    if NUM_SLICES > 1:
+        in1 = pid_g >= group1
+        slice_id = tl.where(in1, 1, slice_id)
+        lo = tl.where(in1, off1, lo)
+        hi = tl.where(in1, off2, hi)
+        group = tl.where(in1, pid_g - group1, group)
+        if NUM_SLICES > 2:
+            in2 = pid_g >= group2
+            slice_id = tl.where(in2, 2, slice_id)
+            lo = tl.where(in2, off2, lo)
+            hi = tl.where(in2, off3, hi)
+            group = tl.where(in2, pid_g - group2, group)
+    return slice_id, lo, hi, group
+
+
+@triton.jit
+def expand_prefetch(
+    b_ptr,
+    out_ptr,
+    slot,
+    rank,
+    rows,
+    live,
+    n_first,
+    hi,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Issue the loads of a group's first block (B and the base output): they depend on
+    the tile's slot and rows only, never on ``xa``, so they fly while ``xa`` is made."""
+    # A dead item (``live`` false) gets empty ranges rather than a combined mask.
+    m_mask = rows >= 0
+    rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < tl.where(live, rank, 0)
+    offs_n = n_first + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < tl.where(live, hi, 0)
+    b_slot = b_ptr + tl.where(live, slot, 0).to(tl.int64) * stride_bs
+    bt = tl.load(
+        b_slot + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    base = tl.load(
+        out_ptr + rows64[:, None] * stride_om + offs_n[None, :] * stride_on,
+        mask=m_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    return bt, base
+
+
+@triton.jit
+def expand_stream(
+    xa_ptr,
+    b_ptr,
+    out_ptr,
+    slot,
+    rank,
+    scale,
+    rows,
+    slice_id,
+    n_first,
+    hi,
+    col_blocks,
+    bt,
+    base,
+    max_rank,
+    xa_col0,
+    stride_xs,
+    stride_xm,
+    stride_xr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    SPLIT_K: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
+    XA_CACHE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``out[rows, cols] += scale * xa[rows] @ B[slot, cols]ᵀ`` over ``col_blocks`` blocks
+    from ``n_first``; ``bt``/``base`` are the first block's loads (:func:`expand_prefetch`).
+
+    Each step issues the next block's B and output loads before it stores its own, so a
+    program always has a block's loads in flight instead of waiting on each in turn.
+    """
+    m_mask = rows >= 0
+    rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    xa_rows = xa_ptr + rows64[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    out_rows = out_ptr + rows64[:, None] * stride_om
+
+    xa = _load_xa(
+        xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], stride_xs, SPLIT_K, XA_CACHE
+    )
+    xa = xa.to(b_ptr.dtype.element_ty)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
+    if UPCAST_DOT:
+        xa = xa.to(tl.float32)
+
+    n_end = tl.minimum(hi, n_first + col_blocks * BLOCK_N)  # this group's last column + 1
+    for c in range(0, col_blocks):
+        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        offs_next = offs_n + BLOCK_N
+        next_mask = offs_next < n_end
+        b_cols_next = b_slot + offs_next[None, :].to(tl.int64) * stride_bn
+        bt_next = tl.load(b_cols_next + offs_r[:, None] * stride_br, mask=r_mask[:, None] & next_mask[None, :], other=0.0)
+        base_next = tl.load(
+            out_rows + offs_next[None, :] * stride_on, mask=m_mask[:, None] & next_mask[None, :], other=0.0
+        )
+        if UPCAST_DOT:
+            acc = tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(xa, bt, input_precision=DOT_PRECISION)
+        if MULTI_CHUNK:
+            # Ranks above one chunk: further chunks of xa and B (xa's from cache after the first block).
+            b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
+            for r in range(BLOCK_R, rank, BLOCK_R):
+                offs_rr = r + offs_r
+                rr_mask = offs_rr < rank
+                xr = _load_xa(
+                    xa_rows + offs_rr[None, :] * stride_xr,
+                    m_mask[:, None] & rr_mask[None, :],
+                    stride_xs,
+                    SPLIT_K,
+                    XA_CACHE,
+                ).to(b_ptr.dtype.element_ty)
+                br = tl.load(b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST_DOT:
+                    acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xr, br, acc, input_precision=DOT_PRECISION)
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(
+            out_rows + offs_n[None, :] * stride_on,
+            (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+        bt = bt_next
+        base = base_next
 
 
 @triton.jit
@@ -79,65 +246,17 @@ def _lora_expand_kernel(
         return
     if rank == 0:
         return
-
-    # Which slice this column group belongs to; widths need not divide the block.
-    slice_id = pid_g * 0
-    lo = pid_g * 0
-    hi = pid_g * 0 + off1
-    group = pid_g
-    if NUM_SLICES > 1:
-        in1 = pid_g >= group1
-        slice_id = tl.where(in1, 1, slice_id)
-        lo = tl.where(in1, off1, lo)
-        hi = tl.where(in1, off2, hi)
-        group = tl.where(in1, pid_g - group1, group)
-        if NUM_SLICES > 2:
-            in2 = pid_g >= group2
-            slice_id = tl.where(in2, 2, slice_id)
-            lo = tl.where(in2, off2, lo)
-            hi = tl.where(in2, off3, hi)
-            group = tl.where(in2, pid_g - group2, group)
-
-    m_mask = rows >= 0
-    rows = tl.where(m_mask, rows, 0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    xa_rows = xa_ptr + rows[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    out_rows = out_ptr + rows[:, None] * stride_om
-
-    r_mask = offs_r < rank
-    xa = _load_xa(xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], stride_xs, SPLIT_K)
-    xa = xa.to(b_ptr.dtype.element_ty)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
-    if UPCAST_DOT:
-        xa = xa.to(tl.float32)
-
+    slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
-    for c in range(0, col_blocks):
-        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
-        bt = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST_DOT:
-            acc = tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(xa, bt, input_precision=DOT_PRECISION)
-        if MULTI_CHUNK:
-            # Ranks above one chunk: further chunks of xa (cached after the first block).
-            for r in range(BLOCK_R, rank, BLOCK_R):
-                offs_rr = r + offs_r
-                rr_mask = offs_rr < rank
-                xr = _load_xa(
-                    xa_rows + offs_rr[None, :] * stride_xr, m_mask[:, None] & rr_mask[None, :], stride_xs, SPLIT_K
-                ).to(b_ptr.dtype.element_ty)
-                br = tl.load(b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0)
-                if UPCAST_DOT:
-                    acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xr, br, acc, input_precision=DOT_PRECISION)
-        out_ptrs = out_rows + offs_n[None, :] * stride_on
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(out_ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+    bt, base = expand_prefetch(
+        b_ptr, out_ptr, slot, rank, rows, slot >= 0, n_first, hi, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+        BLOCK_M, BLOCK_N, BLOCK_R,
+    )  # fmt: skip
+    expand_stream(
+        xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt, base, max_rank,
+        xa_col0, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+        SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
+    )  # fmt: skip
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:

@@ -21,6 +21,62 @@ from .pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def shrink_block(
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    slot,
+    rank,
+    rows,
+    slice_id,
+    n_start,
+    split_id,
+    in_dim,
+    max_rank,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_os,
+    stride_om,
+    stride_on,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One tile's rank block ``n_start:+BLOCK_N`` of one slice over split ``split_id`` of
+    ``in_dim``, stored as partial sum ``split_id`` (rows -1 and columns past ``rank`` skipped)."""
+    m_mask = rows >= 0
+    rows = tl.where(m_mask, rows, 0).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < rank
+    cols = slice_id * max_rank + offs_n
+
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[None, :].to(tl.int64) * stride_ar
+    k_lo = split_id * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_dim)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # An empty range (a trailing split past in_dim) leaves zeros: the partial stays valid.
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST_DOT:
+            acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + split_id * stride_os + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -61,31 +117,11 @@ def _lora_shrink_kernel(
     n_start = (pid_n % RANK_BLOCKS) * BLOCK_N
     if n_start >= rank:
         return  # nothing past the adapter's own rank
-
-    m_mask = rows >= 0
-    rows = tl.where(m_mask, rows, 0).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < rank
-    cols = slice_id * max_rank + offs_n
-
-    x_rows = x_ptr + rows[:, None] * stride_xm
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[None, :].to(tl.int64) * stride_ar
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_dim)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # An empty range (a trailing split past in_dim) leaves zeros: the partial stays valid.
-    for k in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        if UPCAST_DOT:
-            acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
-
-    out_ptrs = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    shrink_block(
+        x_ptr, a_ptr, out_ptr, slot, rank, rows, slice_id, n_start, pid_k, in_dim, max_rank, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_on,
+        DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 def dot_precision(dtype: torch.dtype) -> str:

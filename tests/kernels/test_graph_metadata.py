@@ -13,6 +13,7 @@ import torch
 
 from loraserve.kernels import ForwardMode, get_backend
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata
+from loraserve.kernels.triton_backend import TritonLoRABackend
 
 
 def test_extend_is_rejected_with_the_fix():
@@ -57,17 +58,21 @@ def test_update_keeps_pointers_and_launch_sizes(gen):
         assert got.token_slots.tolist()[2 * real :] == [-1] * (2 * (8 - real))
         live = got.tiles[:, 0] >= 0
         assert bool((got.tiles[~live, 0] == -1).all())
+        # The live count names exactly the leading entries that carry work.
+        n_live = int(got.live_tiles.item())
+        assert n_live == int(live.sum()) and bool(live[:n_live].all())
     # The smaller capture is served by default for a small batch.
     assert meta.update([1], [8, 16, 0, 4], [1.0] * 4, num_draft_tokens=2) is info4
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-launch"])
 @pytest.mark.parametrize("mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
-def test_recorded_launches_compute_each_new_batch(mode, k, make_pool, gen, check_apply):
+def test_recorded_launches_compute_each_new_batch(mode, k, fused, make_pool, gen, check_apply):
     """Launch with the capture-time info after every update, as a graph replay does."""
     pool = make_pool(in_dim=24, widths=(16, 8, 8), ranks=[8, 8, 8, 8], max_rank=8)
     meta = GraphLoRAMetadata(mode, 6, 4, num_draft_tokens=k if k > 1 else None, device="cpu")
     info = meta.capture_info(6)
-    backend = get_backend("triton")
+    backend = TritonLoRABackend(fused=fused)
     for real in (6, 4):
         slots = torch.randint(-1, 4, (real,), generator=gen).tolist()
         pool.ranks = torch.randint(0, 9, (4,), generator=gen).tolist()

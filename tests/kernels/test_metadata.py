@@ -71,6 +71,7 @@ def test_decode_and_verify_group_requests_by_slot(k, gen):
         assert 1 <= len(rows) <= info.tile_m
         assert {info.token_slots.tolist()[r] for r in rows} == {slot}  # a tile carries one adapter
     assert info.num_tiles <= max_tiles(info.total_tokens, len(info.weight_indices_cpu), info.tile_m)
+    assert int(info.live_tiles.item()) == info.num_tiles  # an eager table holds live tiles only
 
 
 def test_ungrouped_decode_keeps_one_segment_per_request():
@@ -105,7 +106,7 @@ def test_device_views_share_one_buffer():
     storages = {
         t.untyped_storage().data_ptr()
         for t in (info.seg_indptr, info.weight_indices, info.permutation, info.token_slots, info.lora_ranks,
-                  info.scalings, info.tiles, info.tile_rows)
+                  info.scalings, info.tiles, info.tile_rows, info.live_tiles)
     }
     assert len(storages) == 1
     for t in (info.seg_indptr, info.permutation, info.tiles, info.tile_rows, info.scalings):
@@ -113,6 +114,6 @@ def test_device_views_share_one_buffer():
 
 
 def test_empty_and_all_base_batches_have_no_tiles():
-    assert build_batch_info(ForwardMode.DECODE, [], [8], [1.0]).num_tiles == 0
-    assert build_batch_info(ForwardMode.DECODE, [-1, -1], [8], [1.0]).num_tiles == 0
-    assert build_batch_info(ForwardMode.DECODE, [0, 0], [0], [1.0]).num_tiles == 0  # rank-0 slot
+    for slots, ranks in (([], [8]), ([-1, -1], [8]), ([0, 0], [0])):  # the last: a rank-0 slot
+        info = build_batch_info(ForwardMode.DECODE, slots, ranks, [1.0])
+        assert info.num_tiles == 0 and int(info.live_tiles.item()) == 0

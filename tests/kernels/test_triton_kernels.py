@@ -12,7 +12,11 @@ import torch
 
 from loraserve.kernels import ForwardMode, build_batch_info, get_backend
 from loraserve.kernels.triton_backend import TritonLoRABackend
-from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig
+from loraserve.kernels.triton_ops import ExpandConfig, FusedConfig, ShrinkConfig
+
+# Both code paths of apply: one launch (shrink, grid barrier, expand; two launches of the
+# same kernel under the interpreter) and the shrink + expand pair.
+PATHS = {"fused": TritonLoRABackend(fused=True), "two-launch": TritonLoRABackend(fused=False)}
 
 QKV = (20, 6, 6)  # GQA-shaped: q wider than k and v
 
@@ -24,13 +28,48 @@ MODES = [
 SLOTS = [1, -1, 0, 3, 2]  # slot 2 has rank 0, request 1 is the base model
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode,kwargs", MODES, ids=["decode", "verify", "extend"])
-def test_apply_matches_float64(mode, kwargs, dtype, make_pool, gen, check_apply, device):
+def test_apply_matches_float64(mode, kwargs, dtype, path, make_pool, gen, check_apply, device):
     pool = make_pool(in_dim=37, widths=QKV, ranks=[16, 5, 0, 9], max_rank=16, dtype=dtype)
     info = build_batch_info(mode, SLOTS, pool.ranks, pool.scalings, device=device, **kwargs)
     x, out0 = pool.inputs(gen, info.total_tokens)
-    check_apply(get_backend("triton", str(device)), info, pool, x, out0)
+    check_apply(PATHS[path], info, pool, x, out0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        FusedConfig(programs=3, split_k=4, block_k=16, block_r=16, block_n=16, col_blocks=1),
+        FusedConfig(programs=5, split_k=2, block_k=32, block_r=64, block_n=32, col_blocks=3),
+        FusedConfig(programs=64, split_k=1, block_k=16, block_r=32, block_n=16, col_blocks=2),
+    ],
+    ids=["rounds-split4", "rank64-groups3", "idle-programs"],
+)
+def test_fused_configs_match_float64(config, make_pool, gen, check_apply, device):
+    """Programs looping over several shrink and expand items, K splits, rank blocks wider
+    than the ranks (a rank-40 adapter in a rank-64 pool), column groups crossing slices,
+    and more programs than items all compute the same function."""
+    pool = make_pool(in_dim=45, widths=QKV, ranks=[40, 7, 16], max_rank=config.block_r, dtype=torch.bfloat16)
+    pool.ranks = [min(r, config.block_r) for r in pool.ranks]
+    info = build_batch_info(ForwardMode.TARGET_VERIFY, [0, 1, 2, 0, -1], pool.ranks, pool.scalings,
+                            num_draft_tokens=2, device=device)
+    x, out0 = pool.inputs(gen, info.total_tokens)
+    check_apply(TritonLoRABackend(fused=True, fused_config=config), info, pool, x, out0)
+
+
+def test_fused_stops_at_the_live_tiles(make_pool, gen, check_apply, device):
+    """Tiles past the live count are never read: poison them with a real slot and rows."""
+    pool = make_pool(in_dim=20, widths=(12, 12), ranks=[8, 8], max_rank=8)
+    info = build_batch_info(ForwardMode.DECODE, [1, 0, -1], pool.ranks, pool.scalings, device=device)
+    assert info.num_tiles == 2 and int(info.live_tiles.item()) == 2
+    padded = torch.cat([info.tiles, info.tiles[:1]])  # a third tile repeating the first's work
+    padded_rows = torch.cat([info.tile_rows, info.tile_rows[:1]])
+    info.tiles, info.tile_rows, info.num_tiles = padded, padded_rows, 3
+    x, out0 = pool.inputs(gen, info.total_tokens)
+    # Read as live, the third tile would add slot 1's delta twice to its rows.
+    check_apply(TritonLoRABackend(fused=True), info, pool, x, out0)
 
 
 @pytest.mark.parametrize(
@@ -85,11 +124,13 @@ def test_non_contiguous_views(make_pool, gen, check_output, device):
     assert torch.equal(fused[outside], untouched[outside])  # neighbouring columns untouched
 
 
-def test_more_than_three_slices_launch_in_groups(make_pool, gen, check_apply, device):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_more_than_three_slices_launch_in_groups(path, make_pool, gen, check_apply, device):
+    """Five slices: the expand launches in groups of three; the fused path declines them."""
     pool = make_pool(in_dim=18, widths=(5, 7, 3, 9, 4), ranks=[4, 2], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [1, 0, 1], pool.ranks, pool.scalings, device=device)
     x, out0 = pool.inputs(gen, 3)
-    check_apply(get_backend("triton", str(device)), info, pool, x, out0)
+    check_apply(PATHS[path], info, pool, x, out0)
 
 
 def test_shrink_writes_every_live_entry_and_nothing_else(make_pool, gen, device):
@@ -127,9 +168,10 @@ def test_expand_ignores_what_it_must_not_read(make_pool, gen, check_output, devi
     check_output(info, pool, x, out0, out)
 
 
-def test_empty_batches_change_nothing(make_pool, gen, device):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_empty_batches_change_nothing(path, make_pool, gen, device):
     pool = make_pool(in_dim=10, widths=(6,), ranks=[4], max_rank=4)
-    backend = get_backend("triton", str(device))
+    backend = PATHS[path]
     for slots, kwargs, mode in [
         ([], {}, ForwardMode.DECODE),
         ([-1, -1], {}, ForwardMode.DECODE),
@@ -142,13 +184,14 @@ def test_empty_batches_change_nothing(make_pool, gen, device):
         assert torch.equal(out, out0)
 
 
-def test_rank_above_pool_rank_is_rejected_before_any_write(make_pool, gen, device):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_rank_above_pool_rank_is_rejected_before_any_write(path, make_pool, gen, device):
     pool = make_pool(in_dim=10, widths=(6,), ranks=[4, 4], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [0, 1], [4, 8], pool.scalings, device=device)
     x, out = pool.inputs(gen, 2)
     before = out.clone()
     with pytest.raises(ValueError, match="slot 1 has rank 8 but the weight buffer's max_rank is 4"):
-        get_backend("triton", str(device)).apply(x, pool.A, pool.B, info, out, pool.offsets)
+        PATHS[path].apply(x, pool.A, pool.B, info, out, pool.offsets)
     assert torch.equal(out, before)
 
 

@@ -1,0 +1,90 @@
+"""Launch-configuration choices: pure functions of capture-time shapes.
+
+The single-launch kernel's grid barrier is only safe when every program is resident at
+once, so the program counts and the residency arithmetic are checked against the limits
+they must respect, over a spread of shapes rather than a few hand-picked answers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loraserve.kernels.triton_ops import pick_expand, pick_fused, pick_shrink
+from loraserve.kernels.triton_ops.configs import FUSED_MAX_RANK, FUSED_PROGRAMS_PER_SM, cdiv
+from loraserve.kernels.triton_ops.expand import column_groups
+from loraserve.kernels.triton_ops.fused import resident_per_sm
+
+LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+            "down": (14336, (4096,))}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(LLAMA_8B))
+@pytest.mark.parametrize("num_tiles", [1, 2, 8, 32, 64])
+@pytest.mark.parametrize("max_rank", [8, 16, 64])
+def test_fused_grid_fits_the_resident_limit_and_covers_the_work(module, num_tiles, max_rank):
+    in_dim, widths = LLAMA_8B[module]
+    sms = 132
+    cfg = pick_fused(num_tiles=num_tiles, tile_m=16, widths=widths, max_rank=max_rank, in_dim=in_dim,
+                     dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    if cfg is None:
+        # Declined only where even the widest column groups leave more than one round of items.
+        widest = num_tiles * sum(column_groups(list(widths), 128, 8))
+        assert widest > FUSED_PROGRAMS_PER_SM * sms
+        return
+    assert 1 <= cfg.programs <= FUSED_PROGRAMS_PER_SM * sms
+    expand_items = num_tiles * sum(column_groups(list(widths), cfg.block_n, cfg.col_blocks))
+    assert expand_items <= cfg.programs or cfg.programs == FUSED_PROGRAMS_PER_SM * sms
+    # No narrower column group would also have fit in one round.
+    if cfg.col_blocks > 1:
+        narrower = num_tiles * sum(column_groups(list(widths), cfg.block_n, cfg.col_blocks // 2))
+        assert narrower > FUSED_PROGRAMS_PER_SM * sms
+    # The K split fills the grid with shrink items without exceeding it, each split >= 2 steps.
+    shrink_items = num_tiles * len(widths) * cdiv(max_rank, cfg.block_r) * cfg.split_k
+    assert shrink_items <= max(cfg.programs, num_tiles * len(widths) * cdiv(max_rank, cfg.block_r))
+    assert cfg.split_k == 1 or cdiv(in_dim, cfg.block_k) // cfg.split_k >= 2
+    assert cfg.block_r >= min(max_rank, 64)
+
+
+def test_fused_declines_what_it_does_not_cover():
+    kw = dict(num_tiles=1, in_dim=4096, dtype=torch.bfloat16, num_sms=132)
+    assert pick_fused(tile_m=16, widths=(4096,), max_rank=FUSED_MAX_RANK * 2, **kw) is None  # rank chunks
+    assert pick_fused(tile_m=16, widths=(64,) * 4, max_rank=16, **kw) is None  # four slices
+    assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, **kw) is None  # extend tiles, by default
+    assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, max_rounds=1 << 30, **kw) is not None  # forced
+
+
+@pytest.mark.parametrize("num_tiles,tile_m", [(1, 16), (8, 16), (64, 16), (32, 16), (24, 64)])
+def test_two_launch_configs_divide_the_work(num_tiles, tile_m):
+    for module, (in_dim, widths) in LLAMA_8B.items():
+        sc = pick_shrink(num_tiles=num_tiles, tile_m=tile_m, num_slices=len(widths), max_rank=16, in_dim=in_dim,
+                         dtype=torch.bfloat16, num_sms=132)  # fmt: skip
+        # Every split covers whole K steps and at least one of them.
+        assert sc.split_k >= 1 and cdiv(in_dim, sc.block_k) >= sc.split_k, module
+        ec = pick_expand(num_tiles=num_tiles, tile_m=tile_m, widths=widths, max_rank=16, dtype=torch.bfloat16,
+                         num_sms=132)  # fmt: skip
+        assert ec.block_r >= 16 and ec.col_blocks >= 1
+
+
+def _fits(count: int, n_regs: int, shared: int, warps: int, props) -> bool:
+    regs = count * warps * (-(-n_regs * 32 // 256) * 256)
+    return (
+        regs <= props.regs_per_multiprocessor
+        and count * 32 * warps <= props.max_threads_per_multi_processor
+        and count * (shared + 1024) <= props.shared_memory_per_multiprocessor
+    )
+
+
+@pytest.mark.parametrize(
+    "n_regs,shared,warps",
+    list(itertools.product([32, 64, 90, 128, 168, 255], [0, 8192, 20480, 51200, 163840], [4, 8])),
+)
+def test_residency_is_the_largest_count_that_fits(n_regs, shared, warps):
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233472)  # fmt: skip
+    count = resident_per_sm(n_regs, shared, warps, props)
+    assert count == 0 or _fits(count, n_regs, shared, warps, props)
+    assert count == 32 or not _fits(count + 1, n_regs, shared, warps, props)
