@@ -16,7 +16,9 @@ calls, no collective.
 
 from __future__ import annotations
 
+import json
 import logging
+import zlib
 from pathlib import Path
 
 import torch
@@ -103,6 +105,8 @@ class ModelRunner:
         driver = self.tp.driver if self.tp is not None else None
         self.shard: ShardPlan | None = None
         if group is not None:
+            # Every rank must build the same model from the same settings, or their steps differ.
+            group.check_same("the runtime configuration", _fingerprint(config, random_weights))
             self.shard = ShardPlan.for_arch(self.arch, group.rank, group.size)
         self.model = build_model(
             self.arch,
@@ -187,6 +191,8 @@ class ModelRunner:
         if self.lora is not None and (self.tp is None or self.tp.group.is_driver):
             for name, path in config.lora.adapters.items():
                 self.lora.load(name, path, pinned=name in config.lora.pinned)
+        if driver is not None:
+            driver.start_heartbeats()  # every rank is past the KV exchange: all weights are loaded
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -314,7 +320,10 @@ class ModelRunner:
             except BaseException as exc:
                 self.kv.rollback(alloc)
                 # The others are inside this forward's collectives: the group cannot recover.
-                raise driver.fail(f"rank 0 failed inside a forward the other ranks joined: {exc!r}") from exc
+                raise driver.fail(
+                    f"a forward failed on rank 0 after the other ranks joined it (when a rank exited, its log "
+                    f"says why): {exc!r}"
+                ) from exc
 
     @torch.inference_mode()
     def follow(
@@ -422,3 +431,9 @@ def _tensor_parallel_context(config: RuntimeConfig, is_draft: bool) -> tp_contex
             "build every runner of a process from the configuration its group was started with"
         )
     return ctx
+
+
+def _fingerprint(config: RuntimeConfig, random_weights: bool) -> int:
+    """A checksum of what a tensor-parallel rank's runner is built from."""
+    text = json.dumps([config.to_dict(), bool(random_weights)], sort_keys=True, default=str)
+    return zlib.crc32(text.encode())

@@ -5,8 +5,8 @@ shards the model like every other rank's. Before each forward the runner
 :meth:`Driver.publish` es the batch; in between, every change to rank 0's KV cache
 (:class:`MirroredKVCache`) and adapter slots (the LoRA manager's listener) is journalled
 and travels, in order, with the next message. While no forward runs, a heartbeat thread
-sends an empty message every ``heartbeat_s``, so a follower that hears nothing for the
-control timeout knows rank 0 is gone.
+sends an empty message every ``heartbeat_s`` (once every rank has loaded its weights), so
+a follower that hears nothing for the control timeout knows rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -51,8 +51,19 @@ class Driver:
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         self.messages_sent = 0
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="loraserve-tp-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._heartbeat: threading.Thread | None = None
+
+    def start_heartbeats(self) -> None:
+        """Begin idle heartbeats; called once every rank has loaded its shard.
+
+        Not before: a heartbeat waits for the followers to receive it, and a follower
+        still loading weights would make that wait look like a dead rank.
+        """
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop, name="loraserve-tp-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
 
     # ------------------------------------------------------------------ journal
     def kv_free(self, request_id: Hashable) -> None:

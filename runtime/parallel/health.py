@@ -49,6 +49,7 @@ class TPHealth:
         """Record ``reason`` (the first one wins), notify, and schedule the exit."""
         with self._lock:
             if self._reason is not None:
+                log.error("tensor-parallel group: also %s", reason)  # what else broke, for the log
                 return
             self._reason = reason
             callbacks = list(self._callbacks)

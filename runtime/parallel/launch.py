@@ -155,13 +155,19 @@ def _loopback_defaults() -> None:
 
 
 def start_tensor_parallel(
-    config: RuntimeConfig, *, options: TPOptions | None = None, exit_on_failure: bool = True
+    config: RuntimeConfig,
+    *,
+    options: TPOptions | None = None,
+    exit_on_failure: bool = True,
+    random_weights: bool = False,
 ) -> TPHandle | None:
     """Start ranks 1..N-1 and join the group as rank 0; None when the size is 1.
 
     Blocks until every rank has joined (``startup_timeout_s``). Validates first, so a
     size the model cannot be split into fails before any process starts. With
     ``exit_on_failure=False`` (tests) a failure is recorded and raised, not fatal.
+    ``random_weights`` (benchmarks) is passed to every worker's runner; rank 0 must
+    build its own runner with the same configuration and flag (the ranks check).
     """
     size = int(config.parallel.tensor_parallel_size)
     if size <= 1:
@@ -176,12 +182,13 @@ def start_tensor_parallel(
     health = reset_health(exit_on_failure=exit_on_failure, grace_s=options.failure_grace_s)
     store_dir = tempfile.mkdtemp(prefix="loraserve-tp-")  # mode 0700: only this user's ranks
     store_path = os.path.join(store_dir, "store")
-    payload = pickle.dumps((config, options))
+    payload = pickle.dumps((config, options, random_weights))
     workers: list[subprocess.Popen] = []
     try:
         for rank in range(1, size):
             cmd = [
                 sys.executable,
+                "-P",  # never the working directory on sys.path (a checkout's operator/ shadows the stdlib)
                 "-m",
                 WORKER_MODULE,
                 "--rank", str(rank),

@@ -1,7 +1,8 @@
 """``python -m loraserve.runtime.parallel.worker``: one follower rank of a pod's group.
 
 Started by :func:`loraserve.runtime.parallel.launch.start_tensor_parallel`, never by
-hand. Reads ``(RuntimeConfig, TPOptions)`` (pickled by its parent, rank 0) from stdin,
+hand. Reads ``(RuntimeConfig, TPOptions, random_weights)`` (pickled by its parent, rank
+0, through a pipe only it holds) from stdin,
 joins the group, builds its shard of the target model and follows rank 0 until told to
 stop (exit 0). Any failure, or rank 0 disappearing, ends it with ``EXIT_TP_FAILURE``.
 """
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from .group import destroy_group, init_group
     from .health import EXIT_TP_FAILURE, reset_health
 
-    config, options = pickle.load(sys.stdin.buffer)
+    config, options, random_weights = pickle.load(sys.stdin.buffer)
     health = reset_health(exit_on_failure=False)
     name = str(config.device)
     use_cuda = name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             startup_timeout_s=options.startup_timeout_s,
         )
         context.set_current(context.TPContext(group=group, health=health))
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, random_weights=random_weights)
         Follower(runner, group).run()
     except BaseException as exc:
         from .errors import TensorParallelError
