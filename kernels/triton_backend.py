@@ -32,6 +32,7 @@ from .triton_ops import (
     pick_fused,
     pick_shrink,
 )
+from .triton_ops.configs import FUSED_MAX_COL_BLOCKS
 from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
@@ -159,7 +160,7 @@ class TritonLoRABackend(LoRABackend):
             in_dim=x.shape[1],
             dtype=x.dtype,
             num_sms=_sm_count(x.device),
-            max_rounds=1 << 30 if self.fused else 1,
+            max_col_blocks=1 << 30 if self.fused else FUSED_MAX_COL_BLOCKS,
         )
 
     # -- ops -----------------------------------------------------------------------------

@@ -16,13 +16,15 @@ MAX_SPLIT_K = 16
 MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each column group
 MIN_K_BLOCKS_PER_SPLIT = 4  # at least 4 steps (512 columns at block_k 128) per split
 PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
+# The expand loads every split's partial tile at once (so they are in flight together):
+# splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
+MAX_PARTIAL_COLUMNS = 256
 
 # Single-launch (fused) path: programs resident together (a grid barrier needs all of
 # them at once; two per SM fit whatever the kernel uses), column blocks a program may
 # take, and how many rounds of items per program the automatic choice accepts.
 FUSED_PROGRAMS_PER_SM = 2
-FUSED_COL_BLOCKS = (1, 2, 4, 8)
-FUSED_MAX_ROUNDS = 1
+FUSED_MAX_COL_BLOCKS = 8
 FUSED_MAX_SPLIT_K = 32
 FUSED_MIN_K_BLOCKS_PER_SPLIT = 2
 FUSED_MAX_RANK = 64  # one rank block: above it the kernel needs far more registers and shared memory
@@ -53,16 +55,17 @@ class ExpandConfig:
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Single-launch shrink + expand: ``programs`` resident programs loop over the shrink
-    items (``split_k`` ways over ``block_k`` steps, ``block_r`` ranks at a time) and then
-    the expand items (``col_blocks`` blocks of ``block_n`` output columns)."""
+    """Single-launch shrink + expand: ``programs`` resident programs; the kernel shares out
+    a batch's work over them, splitting K up to ``split_k`` ways (``block_k`` steps,
+    ``shrink_block_r`` ranks an item) and giving each expand item as many ``block_n``-column
+    blocks (``block_r`` ranks a step) as fill the grid once."""
 
     programs: int
     split_k: int
     block_k: int
     block_r: int
     block_n: int
-    col_blocks: int
+    shrink_block_r: int = 16
     num_warps: int = 4
     num_stages: int = 2
 
@@ -107,7 +110,11 @@ def pick_shrink(
     # ranks mostly fit one block.
     programs = max(1, num_tiles * num_slices)
     k_blocks = cdiv(in_dim, block_k)
-    limit = min(MAX_SPLIT_K if tile_m <= 16 else MAX_SPLIT_K_WIDE_TILES, max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
+    limit = min(
+        MAX_SPLIT_K if tile_m <= 16 else MAX_SPLIT_K_WIDE_TILES,
+        max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT),
+        max(1, MAX_PARTIAL_COLUMNS // rank_block(max_rank)),
+    )
     split = 1
     while split * 2 <= limit and programs * split < PROGRAMS_PER_SM * num_sms:
         split *= 2
@@ -157,40 +164,37 @@ def pick_fused(
     in_dim: int,
     dtype: torch.dtype,
     num_sms: int,
-    max_rounds: int = FUSED_MAX_ROUNDS,
+    max_col_blocks: int = FUSED_MAX_COL_BLOCKS,
 ) -> FusedConfig | None:
     """The single-launch configuration, or None where two launches serve better.
 
-    It pays where launches and dependent round trips dominate: short tiles and few
-    expand items. Column blocks per program grow until every item of a full tile table
-    fits ``max_rounds`` rounds of the resident grid; if none does, None. K is split
-    until the shrink items fill the grid too (at least two ``block_k`` steps a split).
+    It pays where launches and dependent round trips dominate: short tiles and little
+    expand work. ``num_tiles`` is the table's capacity (what a CUDA graph may carry):
+    when every tile is live, each program must stream at most ``max_col_blocks`` column
+    blocks, otherwise None. The grid is as large as the work of a full table needs, up
+    to what is resident at once; the kernel picks the K split and the blocks per item
+    from the live tiles of each batch.
     """
     if not 1 <= len(widths) <= 3 or num_tiles < 1 or max_rank > FUSED_MAX_RANK:
         return None
-    if tile_m > 16 and max_rounds <= FUSED_MAX_ROUNDS:
+    if tile_m > 16 and max_col_blocks <= FUSED_MAX_COL_BLOCKS:
         return None  # extend tiles: many rows, bandwidth-bound; two launches by default
     block_n = 64 if dtype == torch.float32 else 128
     block_k = 64 if dtype == torch.float32 else 128
     block_r = rank_block(max_rank)
     capacity = FUSED_PROGRAMS_PER_SM * num_sms
-    for col_blocks in FUSED_COL_BLOCKS:
-        expand_items = num_tiles * sum(cdiv(cdiv(w, block_n), col_blocks) for w in widths)
-        if expand_items <= capacity * max_rounds:
-            break
-    else:
+    blocks = num_tiles * sum(cdiv(w, block_n) for w in widths)
+    if blocks > capacity * max_col_blocks:
         return None
-    per_tile = len(widths) * cdiv(max_rank, block_r)
-    split_limit = min(FUSED_MAX_SPLIT_K, max(1, cdiv(in_dim, block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT))
-    programs = min(capacity, max(expand_items, num_tiles * per_tile * split_limit))
-    split = 1
-    while split * 2 <= split_limit and num_tiles * per_tile * split * 2 <= programs:
-        split *= 2
-    return FusedConfig(
-        programs=max(1, programs),
-        split_k=split,
-        block_k=block_k,
-        block_r=block_r,
-        block_n=block_n,
-        col_blocks=col_blocks,
+    # Shrink items are (tile, slice, K split); each covers its slot's rank 16 at a time,
+    # so its A tile stays small next to the expand's prefetched B tile.
+    per_tile = len(widths)
+    split_limit = min(
+        FUSED_MAX_SPLIT_K,
+        max(1, cdiv(in_dim, block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT),
+        max(1, MAX_PARTIAL_COLUMNS // block_r),
     )
+    programs = max(1, min(capacity, max(blocks, per_tile * split_limit)))
+    # The partial sums' buffer holds the most splits any batch may use: one live tile.
+    split = max(1, min(split_limit, programs // per_tile))
+    return FusedConfig(programs=programs, split_k=split, block_k=block_k, block_r=block_r, block_n=block_n)

@@ -27,11 +27,14 @@ MAX_SLICES_PER_LAUNCH = 3
 
 
 @triton.jit
-def _load_xa(xa_ptrs, mask, stride_xs, SPLIT_K: tl.constexpr, XA_CACHE: tl.constexpr):
-    """One ``xa`` tile, the shrink's partial sums added in float32."""
+def _load_xa(xa_ptrs, mask, cols, stride_xs, split, SPLIT_K: tl.constexpr, XA_CACHE: tl.constexpr):
+    """One ``xa`` tile: the shrink's first ``split`` partial sums (of at most ``SPLIT_K``)
+    added in float32. The loads are unrolled so they are all in flight at once; those
+    past ``split`` are masked off (``cols`` is the tile's column index, ``[1, BLOCK_R]``)."""
     xa = tl.load(xa_ptrs, mask=mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
-        xa += tl.load(xa_ptrs + s * stride_xs, mask=mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
+        part_mask = mask & (cols < tl.where(s < split, 1 << 30, 0))
+        xa += tl.load(xa_ptrs + s * stride_xs, mask=part_mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     return xa
 
 
@@ -119,6 +122,7 @@ def expand_stream(
     base,
     max_rank,
     xa_col0,
+    split,
     stride_xs,
     stride_xm,
     stride_xr,
@@ -137,7 +141,8 @@ def expand_stream(
     BLOCK_R: tl.constexpr,
 ):
     """``out[rows, cols] += scale * xa[rows] @ B[slot, cols]ᵀ`` over ``col_blocks`` blocks
-    from ``n_first``; ``bt``/``base`` are the first block's loads (:func:`expand_prefetch`).
+    from ``n_first``; ``bt``/``base`` are the first block's loads (:func:`expand_prefetch`);
+    ``xa`` is the sum of the first ``split`` partial sums at ``xa_ptr``.
 
     Each step issues the next block's B and output loads before it stores its own, so a
     program always has a block's loads in flight instead of waiting on each in turn.
@@ -151,7 +156,13 @@ def expand_stream(
     out_rows = out_ptr + rows64[:, None] * stride_om
 
     xa = _load_xa(
-        xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], stride_xs, SPLIT_K, XA_CACHE
+        xa_rows + offs_r[None, :] * stride_xr,
+        m_mask[:, None] & r_mask[None, :],
+        offs_r[None, :],
+        stride_xs,
+        split,
+        SPLIT_K,
+        XA_CACHE,
     )
     xa = xa.to(b_ptr.dtype.element_ty)  # the adapter's dtype, as a bf16/fp16 tensor-core dot needs
     if UPCAST_DOT:
@@ -181,7 +192,9 @@ def expand_stream(
                 xr = _load_xa(
                     xa_rows + offs_rr[None, :] * stride_xr,
                     m_mask[:, None] & rr_mask[None, :],
+                    offs_r[None, :],
                     stride_xs,
+                    split,
                     SPLIT_K,
                     XA_CACHE,
                 ).to(b_ptr.dtype.element_ty)
@@ -254,7 +267,7 @@ def _lora_expand_kernel(
     )  # fmt: skip
     expand_stream(
         xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt, base, max_rank,
-        xa_col0, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+        xa_col0, SPLIT_K, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
         SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
     )  # fmt: skip
 

@@ -2,13 +2,17 @@
 
 At small batches a module's LoRA costs little more than its launches and the chains of
 dependent memory round trips inside them; the two-kernel path pays two launches, and
-its expand cannot start loading before the shrink has finished. Here every program first
-takes its share of the shrink items (tile × slice × rank block × K split, writing float32
-partial sums), issues the loads of its first expand block (B and the base output, which
-do not depend on the shrink), then meets every other program at a barrier, and finishes
-the expand from the partial sums. Programs loop over items up to this batch's number of
-live tiles (read on the device), so a CUDA graph captured for a large capacity does only
-the work a replay carries.
+its expand cannot start loading before the shrink has finished. Here every program
+issues the loads of its first expand block (B and the base output, which do not depend
+on the shrink), takes its share of the shrink items (tile × slice × K split, covering
+the slot's own rank, writing float32 partial sums), meets every other program at a barrier, and
+finishes the expand from the partial sums.
+
+The work is shared out on the device from this batch's number of live tiles: the K
+split is chosen so the shrink items fill the grid once, and the column blocks per
+expand item so the expand items do. A CUDA graph captured for a large capacity thus
+spreads a replay's real work over the whole grid instead of leaving it to the programs
+that a full table would have given it to.
 
 The barrier is the classic counter with a flip bit: each program adds 1 to a 32-bit
 semaphore, program 0 adds ``2^31 - (programs - 1)``, so once all have arrived the top
@@ -35,9 +39,9 @@ import triton
 import triton.language as tl
 
 from ..metadata import LoRABatchInfo
-from .configs import FUSED_PROGRAMS_PER_SM, FusedConfig, next_pow2
+from .configs import FUSED_MIN_K_BLOCKS_PER_SPLIT, FUSED_PROGRAMS_PER_SM, FusedConfig, cdiv, next_pow2
 from .expand import MAX_SLICES_PER_LAUNCH, column_groups, expand_prefetch, expand_stream, locate_group
-from .shrink import dot_precision, k_per_split, shrink_block, upcast_dot
+from .shrink import dot_precision, shrink_block, upcast_dot
 
 MAX_POLLS = 1 << 22  # several seconds of polling: far beyond any wait of a resident grid
 
@@ -66,6 +70,24 @@ def grid_barrier(sem_ptr, MAX_POLLS: tl.constexpr):
 
 
 @triton.jit
+def _fused_item(
+    item, tiles_ptr, rows_ptr, n_items, groups, group1, group2, off1, off2, off3, g,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Metadata of expand item ``item`` (tile-major over column groups of ``g`` blocks)."""
+    valid = item < n_items
+    tile = tl.where(valid, item // tl.maximum(groups, 1), 0)
+    slot = tl.load(tiles_ptr + tile * 4)
+    rank = tl.load(tiles_ptr + tile * 4 + 1)
+    scale = tl.load(tiles_ptr + tile * 4 + 2).to(tl.float32, bitcast=True)
+    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = valid & (slot >= 0) & (rank > 0)
+    slice_id, lo, hi, group = locate_group(item % tl.maximum(groups, 1), off1, off2, off3, group1, group2, NUM_SLICES)
+    n_first = lo + group * g * BLOCK_N
+    return slot, rank, scale, rows, live, slice_id, hi, n_first
+
+
+@triton.jit
 def _lora_fused_kernel(
     x_ptr,
     a_ptr,
@@ -78,14 +100,13 @@ def _lora_fused_kernel(
     sem_ptr,
     in_dim,
     max_rank,
-    k_per_split,
+    split_limit,
     off1,
     off2,
     off3,
-    group1,
-    group2,
-    total_groups,
-    col_blocks,
+    nb0,
+    nb1,
+    nb2,
     stride_xm,
     stride_xk,
     stride_as,
@@ -100,8 +121,7 @@ def _lora_fused_kernel(
     stride_om,
     stride_on,
     NUM_SLICES: tl.constexpr,
-    RANK_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # the partial-sum buffer's splits: the most a launch may use
     PHASE: tl.constexpr,  # 0: both with the barrier; 1: shrink only; 2: expand only
     MULTI_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,49 +129,54 @@ def _lora_fused_kernel(
     MAX_POLLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # expand: rank columns a step
+    BLOCK_RS: tl.constexpr,  # shrink: rank columns an item (rank blocks past a slot's rank are skipped)
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     live_tiles = tl.load(live_ptr)
-    ITEMS_PER_TILE: tl.constexpr = NUM_SLICES * RANK_BLOCKS * SPLIT_K
+    # This batch's work, shared out over the grid: K splits so the shrink items fill it
+    # once, column blocks per expand item so the expand items fill it once.
+    split = tl.minimum(tl.maximum(nprog // tl.maximum(live_tiles * NUM_SLICES, 1), 1), split_limit)
+    k_per_split = tl.cdiv(tl.cdiv(in_dim, BLOCK_K), split) * BLOCK_K
+    g = tl.maximum(tl.cdiv(live_tiles * (nb0 + nb1 + nb2), nprog), 1)
+    group1 = tl.cdiv(nb0, g)
+    group2 = group1 + tl.cdiv(nb1, g)
+    groups = group2 + tl.cdiv(nb2, g)
+    n_expand = live_tiles * groups
 
     if PHASE != 1:
         # The first expand item's metadata, B and output loads go out first: they fly
         # while the shrink runs and wait for nothing the barrier guards.
-        n_expand = live_tiles * total_groups
-        valid = pid < n_expand
-        tile = tl.where(valid, pid // total_groups, 0)
-        slot = tl.load(tiles_ptr + tile * 4)
-        rank = tl.load(tiles_ptr + tile * 4 + 1)
-        scale = tl.load(tiles_ptr + tile * 4 + 2).to(tl.float32, bitcast=True)
-        rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-        live = valid & (slot >= 0) & (rank > 0)
-        slice_id, lo, hi, group = locate_group(pid % total_groups, off1, off2, off3, group1, group2, NUM_SLICES)
-        n_first = lo + group * col_blocks * BLOCK_N
+        slot, rank, scale, rows, live, slice_id, hi, n_first = _fused_item(
+            pid, tiles_ptr, rows_ptr, n_expand, groups, group1, group2, off1, off2, off3, g,
+            NUM_SLICES, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         bt, base = expand_prefetch(
             b_ptr, out_ptr, slot, rank, rows, live, n_first, hi, stride_bs, stride_bn, stride_br, stride_om,
             stride_on, BLOCK_M, BLOCK_N, BLOCK_R,
         )  # fmt: skip
 
     if PHASE != 2:
-        for item in range(pid, live_tiles * ITEMS_PER_TILE, nprog):
+        # Items: (tile, slice, K split); an item covers its slot's rank in BLOCK_RS steps,
+        # so an adapter below the pool's rank reads only its own rows of A.
+        per_tile = NUM_SLICES * split
+        for item in range(pid, live_tiles * per_tile, nprog):
             # Own names: the first expand item's values above must survive this loop.
-            s_tile = item // ITEMS_PER_TILE
-            s_rest = item % ITEMS_PER_TILE
-            s_slice = s_rest // (RANK_BLOCKS * SPLIT_K)
-            s_start = ((s_rest // SPLIT_K) % RANK_BLOCKS) * BLOCK_R
-            s_split = s_rest % SPLIT_K
+            s_tile = item // per_tile
+            s_slice = (item % per_tile) // split
+            s_split = item % split
             s_slot = tl.load(tiles_ptr + s_tile * 4)
             s_rank = tl.load(tiles_ptr + s_tile * 4 + 1)
             s_rows = tl.load(rows_ptr + s_tile * BLOCK_M + tl.arange(0, BLOCK_M))
-            if (s_slot >= 0) & (s_start < s_rank):
-                shrink_block(
-                    x_ptr, a_ptr, part_ptr, s_slot, s_rank, s_rows, s_slice, s_start, s_split, in_dim, max_rank,
-                    k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_ps, stride_pm,
-                    stride_pr, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_R, BLOCK_K,
-                )  # fmt: skip
+            if s_slot >= 0:
+                for s_start in range(0, s_rank, BLOCK_RS):
+                    shrink_block(
+                        x_ptr, a_ptr, part_ptr, s_slot, s_rank, s_rows, s_slice, s_start, s_split, in_dim,
+                        max_rank, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_ps,
+                        stride_pm, stride_pr, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_RS, BLOCK_K,
+                    )  # fmt: skip
 
     if PHASE == 0:
         grid_barrier(sem_ptr, MAX_POLLS)
@@ -160,27 +185,23 @@ def _lora_fused_kernel(
         # Partial sums written by other programs of this launch: read them from L2.
         if live:
             expand_stream(
-                part_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt, base,
-                max_rank, 0, stride_ps, stride_pm, stride_pr, stride_bs, stride_bn, stride_br, stride_om,
+                part_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, g, bt, base,
+                max_rank, 0, split, stride_ps, stride_pm, stride_pr, stride_bs, stride_bn, stride_br, stride_om,
                 stride_on, SPLIT_K, MULTI_CHUNK, ".cg", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
             )  # fmt: skip
         for item in range(pid + nprog, n_expand, nprog):
-            tile = item // total_groups
-            slot = tl.load(tiles_ptr + tile * 4)
-            rank = tl.load(tiles_ptr + tile * 4 + 1)
-            scale = tl.load(tiles_ptr + tile * 4 + 2).to(tl.float32, bitcast=True)
-            rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-            live = (slot >= 0) & (rank > 0)
-            slice_id, lo, hi, group = locate_group(item % total_groups, off1, off2, off3, group1, group2, NUM_SLICES)
-            n_first = lo + group * col_blocks * BLOCK_N
+            slot, rank, scale, rows, live, slice_id, hi, n_first = _fused_item(
+                item, tiles_ptr, rows_ptr, n_expand, groups, group1, group2, off1, off2, off3, g,
+                NUM_SLICES, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
             bt, base = expand_prefetch(
                 b_ptr, out_ptr, slot, rank, rows, live, n_first, hi, stride_bs, stride_bn, stride_br, stride_om,
                 stride_on, BLOCK_M, BLOCK_N, BLOCK_R,
             )  # fmt: skip
             if live:
                 expand_stream(
-                    part_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt,
-                    base, max_rank, 0, stride_ps, stride_pm, stride_pr, stride_bs, stride_bn, stride_br,
+                    part_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, g, bt, base,
+                    max_rank, 0, split, stride_ps, stride_pm, stride_pr, stride_bs, stride_bn, stride_br,
                     stride_om, stride_on, SPLIT_K, MULTI_CHUNK, ".cg", DOT_PRECISION, UPCAST_DOT, BLOCK_M,
                     BLOCK_N, BLOCK_R,
                 )  # fmt: skip
@@ -279,10 +300,11 @@ def launch_fused(
     max_rank = B.shape[2]
     in_dim = x.shape[1]
     widths = [b - a for a, b in itertools.pairwise(slice_offsets)]
-    groups = column_groups(widths, config.block_n, config.col_blocks)
-    starts = list(itertools.accumulate(groups))
+    blocks = column_groups(widths, config.block_n, 1) + [0] * (MAX_SLICES_PER_LAUNCH - num_slices)
     rel = list(slice_offsets[1:]) + [0] * (MAX_SLICES_PER_LAUNCH - num_slices)
     assert info.tiles is not None and info.tile_rows is not None and info.live_tiles is not None
+    if partial.shape[0] != config.split_k:
+        raise ValueError(f"partial holds {partial.shape[0]} splits but the configuration needs {config.split_k}")
     args = (
         x,
         A,
@@ -295,14 +317,13 @@ def launch_fused(
         sem,
         in_dim,
         max_rank,
-        k_per_split(in_dim, config.block_k, config.split_k),
+        max(1, min(config.split_k, cdiv(in_dim, config.block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT)),
         rel[0],
         rel[1],
         rel[2],
-        starts[0],
-        starts[1] if num_slices > 1 else 0,
-        starts[-1],
-        config.col_blocks,
+        blocks[0],
+        blocks[1],
+        blocks[2],
         x.stride(0),
         x.stride(1),
         *A.stride(),
@@ -313,7 +334,6 @@ def launch_fused(
     )
     constants = dict(
         NUM_SLICES=num_slices,
-        RANK_BLOCKS=-(-max_rank // config.block_r),
         SPLIT_K=config.split_k,
         MULTI_CHUNK=config.block_r < next_pow2(max_rank),
         DOT_PRECISION=dot_precision(x.dtype),
@@ -322,6 +342,7 @@ def launch_fused(
         BLOCK_M=info.tile_m,
         BLOCK_N=config.block_n,
         BLOCK_R=config.block_r,
+        BLOCK_RS=config.shrink_block_r,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from loraserve.kernels.triton_ops import pick_expand, pick_fused, pick_shrink
-from loraserve.kernels.triton_ops.configs import FUSED_MAX_RANK, FUSED_PROGRAMS_PER_SM, cdiv
-from loraserve.kernels.triton_ops.expand import column_groups
+from loraserve.kernels.triton_ops.configs import (
+    FUSED_MAX_COL_BLOCKS,
+    FUSED_MAX_RANK,
+    FUSED_PROGRAMS_PER_SM,
+    cdiv,
+)
 from loraserve.kernels.triton_ops.fused import resident_per_sm
 
 LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
@@ -25,27 +29,24 @@ LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": 
 @pytest.mark.parametrize("module", sorted(LLAMA_8B))
 @pytest.mark.parametrize("num_tiles", [1, 2, 8, 32, 64])
 @pytest.mark.parametrize("max_rank", [8, 16, 64])
-def test_fused_grid_fits_the_resident_limit_and_covers_the_work(module, num_tiles, max_rank):
+def test_fused_grid_fits_the_resident_limit_and_bounds_the_work(module, num_tiles, max_rank):
     in_dim, widths = LLAMA_8B[module]
     sms = 132
     cfg = pick_fused(num_tiles=num_tiles, tile_m=16, widths=widths, max_rank=max_rank, in_dim=in_dim,
                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    blocks = num_tiles * sum(cdiv(w, 128) for w in widths)
     if cfg is None:
-        # Declined only where even the widest column groups leave more than one round of items.
-        widest = num_tiles * sum(column_groups(list(widths), 128, 8))
-        assert widest > FUSED_PROGRAMS_PER_SM * sms
+        # Declined only where a full table would leave programs more blocks than allowed.
+        assert blocks > FUSED_PROGRAMS_PER_SM * sms * FUSED_MAX_COL_BLOCKS
         return
     assert 1 <= cfg.programs <= FUSED_PROGRAMS_PER_SM * sms
-    expand_items = num_tiles * sum(column_groups(list(widths), cfg.block_n, cfg.col_blocks))
-    assert expand_items <= cfg.programs or cfg.programs == FUSED_PROGRAMS_PER_SM * sms
-    # No narrower column group would also have fit in one round.
-    if cfg.col_blocks > 1:
-        narrower = num_tiles * sum(column_groups(list(widths), cfg.block_n, cfg.col_blocks // 2))
-        assert narrower > FUSED_PROGRAMS_PER_SM * sms
-    # The K split fills the grid with shrink items without exceeding it, each split >= 2 steps.
-    shrink_items = num_tiles * len(widths) * cdiv(max_rank, cfg.block_r) * cfg.split_k
-    assert shrink_items <= max(cfg.programs, num_tiles * len(widths) * cdiv(max_rank, cfg.block_r))
+    assert cdiv(blocks, cfg.programs) <= FUSED_MAX_COL_BLOCKS
+    # The grid is no larger than the work of a full table needs (blocks or shrink items).
+    per_tile = len(widths) * cdiv(max_rank, cfg.block_r)
+    assert cfg.programs <= max(blocks, per_tile * cfg.split_k, per_tile * 32)
+    # The partial sums hold the most splits one tile may use, each at least two K steps.
     assert cfg.split_k == 1 or cdiv(in_dim, cfg.block_k) // cfg.split_k >= 2
+    assert cfg.split_k * per_tile <= max(cfg.programs, per_tile)
     assert cfg.block_r >= min(max_rank, 64)
 
 
@@ -54,7 +55,10 @@ def test_fused_declines_what_it_does_not_cover():
     assert pick_fused(tile_m=16, widths=(4096,), max_rank=FUSED_MAX_RANK * 2, **kw) is None  # rank chunks
     assert pick_fused(tile_m=16, widths=(64,) * 4, max_rank=16, **kw) is None  # four slices
     assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, **kw) is None  # extend tiles, by default
-    assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, max_rounds=1 << 30, **kw) is not None  # forced
+    assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, max_col_blocks=1 << 30, **kw) is not None  # forced
+    # A full table too large for the grid to stream within the bound: two launches.
+    big = dict(kw, num_tiles=64)
+    assert pick_fused(tile_m=16, widths=(14336, 14336), max_rank=16, **big) is None
 
 
 @pytest.mark.parametrize("num_tiles,tile_m", [(1, 16), (8, 16), (64, 16), (32, 16), (24, 64)])

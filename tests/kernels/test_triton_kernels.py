@@ -41,16 +41,17 @@ def test_apply_matches_float64(mode, kwargs, dtype, path, make_pool, gen, check_
 @pytest.mark.parametrize(
     "config",
     [
-        FusedConfig(programs=3, split_k=4, block_k=16, block_r=16, block_n=16, col_blocks=1),
-        FusedConfig(programs=5, split_k=2, block_k=32, block_r=64, block_n=32, col_blocks=3),
-        FusedConfig(programs=64, split_k=1, block_k=16, block_r=32, block_n=16, col_blocks=2),
+        FusedConfig(programs=3, split_k=4, block_k=16, block_r=16, block_n=16),
+        FusedConfig(programs=5, split_k=2, block_k=32, block_r=64, block_n=32),
+        FusedConfig(programs=64, split_k=8, block_k=16, block_r=32, block_n=16),
     ],
-    ids=["rounds-split4", "rank64-groups3", "idle-programs"],
+    ids=["few-programs", "rank64", "many-programs"],
 )
 def test_fused_configs_match_float64(config, make_pool, gen, check_apply, device):
-    """Programs looping over several shrink and expand items, K splits, rank blocks wider
-    than the ranks (a rank-40 adapter in a rank-64 pool), column groups crossing slices,
-    and more programs than items all compute the same function."""
+    """Few programs (each takes several shrink items and several column blocks per expand
+    item, one K split), rank blocks wider than the ranks (rank 40 in a rank-64 pool),
+    column groups that end inside a slice, and more programs than work (K split several
+    ways, most programs idle at the barrier) all compute the same function."""
     pool = make_pool(in_dim=45, widths=QKV, ranks=[40, 7, 16], max_rank=config.block_r, dtype=torch.bfloat16)
     pool.ranks = [min(r, config.block_r) for r in pool.ranks]
     info = build_batch_info(ForwardMode.TARGET_VERIFY, [0, 1, 2, 0, -1], pool.ranks, pool.scalings,
