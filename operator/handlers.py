@@ -194,6 +194,10 @@ async def serve_daemon(
             ctx.wakers.wake(adapter_key(namespace, adapter.name))
 
 
+async def _none() -> None:
+    return None
+
+
 def _serve_pods(runtime_pods: kopf.Index, namespace: str, serve: object) -> list[PodView]:
     if not isinstance(serve, str):
         return []
@@ -205,6 +209,7 @@ async def adapter_daemon(
     stopped: kopf.DaemonStopped,
     name: str,
     namespace: str,
+    spec: kopf.Spec,
     memo: kopf.Memo,
     logger: kopf.Logger,
     runtime_pods: kopf.Index,
@@ -219,12 +224,19 @@ async def adapter_daemon(
         async with ctx.adapter_lock(key):
             if stopped:
                 return None
-            body = await ctx.kube.get(ADAPTERS, namespace, name)
+            # The serve is immutable in an Adapter's spec: both reads go out together.
+            serve_name = spec.get("serve")
+            body, serve_body = await asyncio.gather(
+                ctx.kube.get(ADAPTERS, namespace, name),
+                ctx.kube.get(LORASERVES, namespace, serve_name) if isinstance(serve_name, str) else _none(),
+            )
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return None
             ctx.synced_generation[key] = body["metadata"].get("generation")
             pods = _serve_pods(runtime_pods, namespace, (body.get("spec") or {}).get("serve"))
-            outcome = await adapter_pass.reconcile_adapter(ctx, body, memory, pods, stopping=lambda: bool(stopped))
+            outcome = await adapter_pass.reconcile_adapter(
+                ctx, body, memory, pods, serve_body=serve_body, stopping=lambda: bool(stopped)
+            )
         for note in outcome.notes:
             _post(body, note.type, note.reason, note.message)
         return outcome.wake_in

@@ -93,15 +93,27 @@ def restore_tracks(status: Mapping | None, generation: int | None, pods: Sequenc
 
 
 async def read_token(ctx: OperatorContext, namespace: str, serve_name: str, spec: LoRAServeSpec) -> str | None:
-    """The serve's admin token from its Secret (None when there is none yet)."""
-    secret = await ctx.kube.get(SECRETS, namespace, ds.admin_secret_name(serve_name, spec))
-    if not secret:
-        return None
-    data = (secret.get("data") or {}).get(ds.ADMIN_TOKEN_KEY)
-    if data:
-        return base64.b64decode(data).decode().strip()
-    string = (secret.get("stringData") or {}).get(ds.ADMIN_TOKEN_KEY)
-    return string.strip() if string else None
+    """The serve's admin token from its Secret (None when there is none yet).
+
+    Cached for one resync interval: the operator never rotates it, and a runtime reads its
+    token once at start, so a pass needs no API call for it.
+    """
+    key = (namespace, ds.admin_secret_name(serve_name, spec))
+    cached = ctx.tokens.get(key)
+    if cached is not None and cached[1] > time.monotonic():
+        return cached[0]
+    secret = await ctx.kube.get(SECRETS, *key)
+    token: str | None = None
+    if secret:
+        data = (secret.get("data") or {}).get(ds.ADMIN_TOKEN_KEY)
+        string = (secret.get("stringData") or {}).get(ds.ADMIN_TOKEN_KEY)
+        if data:
+            token = base64.b64decode(data).decode().strip()
+        elif string:
+            token = string.strip()
+    if token is not None:
+        ctx.tokens[key] = (token, time.monotonic() + ctx.config.resync_interval_s)
+    return token
 
 
 def _client(ctx: OperatorContext, pod: PodView, token: str | None) -> RuntimeClient:
@@ -160,9 +172,14 @@ async def reconcile_adapter(
     memory: AdapterMemory,
     pods: Sequence[PodView],
     *,
+    serve_body: Mapping | None = None,
     stopping: Callable[[], bool] = lambda: False,
 ) -> AdapterOutcome:
-    """Run one pass for the Adapter ``body`` (freshly read) over its serve's ``pods``."""
+    """Run one pass for the Adapter ``body`` (freshly read) over its serve's ``pods``.
+
+    ``serve_body`` is the serve as just read by the caller (read here when not given or
+    when it is not the serve the Adapter names).
+    """
     meta = body.get("metadata") or {}
     name, namespace = meta["name"], meta["namespace"]
     generation = meta.get("generation")
@@ -191,7 +208,8 @@ async def reconcile_adapter(
         await report(AdapterFindings(generation=generation, invalid=exc.problems))
         return outcome
 
-    serve_body = await ctx.kube.get(LORASERVES, namespace, spec.serve)
+    if serve_body is None or (serve_body.get("metadata") or {}).get("name") != spec.serve:
+        serve_body = await ctx.kube.get(LORASERVES, namespace, spec.serve)
     if serve_body is None or (serve_body.get("metadata") or {}).get("deletionTimestamp"):
         memory.tracks.clear()
         await report(AdapterFindings(generation=generation, serve_found=False))
@@ -262,12 +280,15 @@ async def reconcile_adapter(
         for pod in due:
             tracks[pod] = st.start_loading(tracks[pod], wall)
         memory.tracks = tracks
-        await report(_findings(generation, tracks, usable, spec, seen))
-        if outcome.gone:
-            return outcome
+        # The Loading report and the loads go out together: a load often takes less time
+        # than a status write.
+        reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen)))
         results = await asyncio.gather(
             *(_load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload) for pod in due)
         )
+        await reporting
+        if outcome.gone:
+            return outcome
         now, wall = time.monotonic(), time.time()
         for pod, (result, info) in zip(due, results, strict=True):
             ctx.counters.loads[(namespace, pod, name)] += 1

@@ -65,6 +65,8 @@ class OperatorContext:
     adapter_locks: dict[Hashable, asyncio.Lock] = field(default_factory=dict)
     synced_generation: dict[Hashable, int | None] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
+    tokens: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    """(namespace, Secret) -> (admin token, monotonic expiry)."""
 
     def adapter_lock(self, key: Hashable) -> asyncio.Lock:
         """Serialises an Adapter's reconcile passes with its deletion (no load after an unload)."""
