@@ -398,7 +398,7 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     return checks
 
 
-def correctness(device, modules, tiny: bool) -> list[Check]:
+def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
     gen = torch.Generator().manual_seed(1234)
     backend = TritonLoRABackend()
     checks: list[Check] = []
@@ -445,7 +445,7 @@ def correctness(device, modules, tiny: bool) -> list[Check]:
         ):
             c.name = f"[{tag}] {c.name}"
             checks.append(c)
-    variants = [("pdl", TritonLoRABackend(pdl=True))] if pdl_supported(device) else []
+    variants = [("pdl", TritonLoRABackend(pdl=True))] if pdl_supported(device) and not fast else []
     for tag, variant in variants:
         for w in works:
             c = check_apply(variant, w, modules["gate_up"], torch.bfloat16, device, gen, base_requests=1)
@@ -881,13 +881,27 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save(out_dir: Path, env, checks, rows, sweeps, layer) -> None:
+    """Write ``kernels.json`` and ``kernels.md`` with what has been measured so far."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "env": env,
+        "checks": [asdict(c) for c in checks],
+        "modules": [asdict(r) for r in rows],
+        "sweep": sweeps,
+        "layer": layer,
+    }
+    (out_dir / "kernels.json").write_text(json.dumps(payload, indent=1, default=str))
+    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     parser.add_argument("--tiny", action="store_true", help="small shapes: a CPU dry run of every path")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     parser.add_argument("--reps", type=int, default=25)
-    parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer")
+    parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer,pdl")
     args = parser.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -915,39 +929,41 @@ def main() -> int:
     env["launch_floor_us"] = round(launch_floor(device), 2)
     print(env, flush=True)
 
-    checks = correctness(device, modules, tiny)
+    checks = correctness(device, modules, tiny, fast="pdl" in skip)
     for c in checks:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:50s} {c.error:.2e} {c.detail}", flush=True)
     env["correctness"] = f"{sum(c.ok for c in checks)}/{len(checks)} passed"
     print(f"correctness: {env['correctness']} ({time.time() - t0:.0f}s)", flush=True)
 
-    # Layer first (the targets), then modules, then the sweep: a short budget cuts the tuning record.
-    layer_deadline = t0 + args.budget_s * 0.35
-    layer = [] if "layer" in skip else bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, layer_deadline)
+    # Layer first (the targets), then modules, then the sweep: a short budget cuts the
+    # tuning record. Each phase gets its share of what is left when it starts, and the
+    # results so far are written after each, so a run cut short keeps them.
+    out_dir = Path(args.out)
+    rows: list[Row] = []
+    sweeps: list[dict] = []
+    layer: list[dict] = []
+    save(out_dir, env, checks, rows, sweeps, layer)
+    layer_deadline = time.time() + 0.45 * max(0.0, deadline - time.time())
+    if "layer" not in skip:
+        layer = bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, layer_deadline)
     print(f"layer done ({time.time() - t0:.0f}s)", flush=True)
-    module_deadline = t0 + args.budget_s * 0.75
-    rows = [] if "bench" in skip else bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
+    save(out_dir, env, checks, rows, sweeps, layer)
+    module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
+    if "bench" not in skip:
+        rows = bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
     print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
-    sweeps = [] if "sweep" in skip else sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
+    save(out_dir, env, checks, rows, sweeps, layer)
+    if "sweep" not in skip:
+        sweeps = sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
     print(f"sweep done ({time.time() - t0:.0f}s)", flush=True)
     env["barrier_timeouts"] = barrier_timeouts(device)
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "env": env,
-        "checks": [asdict(c) for c in checks],
-        "modules": [asdict(r) for r in rows],
-        "sweep": sweeps,
-        "layer": layer,
-    }
-    (out_dir / "kernels.json").write_text(json.dumps(payload, indent=1))
-    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer))
+    save(Path(args.out), env, checks, rows, sweeps, layer)
 
     # Short table last: what the reply shows.
     print("\n== layer: LoRA vs base GEMMs ==")
     for x in layer:
-        print(f"{x['workload']:20s} {x['variant']:9s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
+        print(f"{x['workload']:28s} {x['variant']:10s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
     print("== modules: triton us / torch us / %copyBW ==")
     for r in rows:
         print(f"{r.module:7s} {r.workload:26s} {r.variant:10s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")

@@ -37,6 +37,7 @@ from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_ENV = "LORASERVE_LORA_FUSED"  # "0": never take the single-launch path (an operator's off switch)
 _INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
 DEFAULT_PDL = False
 
@@ -91,6 +92,9 @@ class TritonLoRABackend(LoRABackend):
     ``fused``: None chooses the single-launch path by shape (:func:`pick_fused`), True
     takes it wherever the module allows (up to three slices), False never; ``fused_config``
     pins its configuration. PDL and pinned shrink/expand configurations use two launches.
+    With ``fused`` None, the environment variable ``LORASERVE_LORA_FUSED=0`` turns the
+    single-launch path off (for a GPU shared in ways that break its residency guarantee,
+    say an MPS client limited to part of the SMs).
     """
 
     name = "triton"
@@ -107,6 +111,8 @@ class TritonLoRABackend(LoRABackend):
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
+        if fused is None and os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+            fused = False
         self.fused = fused
         self.fused_config_override = fused_config
 

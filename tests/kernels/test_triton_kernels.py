@@ -204,3 +204,16 @@ def test_cpu_without_interpreter_gets_a_clear_error(make_pool, gen, monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"runs on CUDA tensors .* get_backend\('torch'\)"):
         get_backend("triton").apply(x, pool.A, pool.B, info, out, pool.offsets)
+
+
+def test_environment_switch_turns_the_single_launch_off(make_pool, gen, monkeypatch, check_apply, device):
+    """``LORASERVE_LORA_FUSED=0`` makes the default backend take two launches (and stay right)."""
+    pool = make_pool(in_dim=16, widths=(8,), ranks=[4], max_rank=4)
+    info = build_batch_info(ForwardMode.DECODE, [0], pool.ranks, pool.scalings, device=device)
+    x, out0 = pool.inputs(gen, 1)
+    assert TritonLoRABackend().fused_config(info, x, pool.B, pool.offsets) is not None
+    monkeypatch.setenv("LORASERVE_LORA_FUSED", "0")
+    backend = TritonLoRABackend()
+    assert backend.fused_config(info, x, pool.B, pool.offsets) is None
+    assert TritonLoRABackend(fused=True).fused_config(info, x, pool.B, pool.offsets) is not None  # explicit wins
+    check_apply(backend, info, pool, x, out0)
