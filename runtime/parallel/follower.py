@@ -42,7 +42,12 @@ class Follower:
         """Follow until rank 0 says STOP; raises :class:`TensorParallelError` on any failure."""
         try:
             while True:
-                message = self.channel.recv()
+                try:
+                    message = self.channel.recv()
+                except TensorParallelError as exc:
+                    raise TensorParallelError(
+                        f"rank {self.group.rank} lost rank 0: no step or heartbeat arrived ({exc})"
+                    ) from exc
                 self.apply(message)
                 if message.kind is Kind.STOP:
                     return
