@@ -93,7 +93,9 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         config = OperatorConfig(webhook_enabled=False, resync_interval_s=30.0)
         await cluster.start_operator(config)
-        await cluster.create(serves, assets.serve_manifest(SERVE, claims, replicas=args.replicas, namespace=NS))
+        await cluster.create(
+            serves, assets.serve_manifest(SERVE, claims, replicas=args.replicas, namespace=NS)
+        )
 
         async def serve_running() -> bool:
             body = await cluster.get(f"{serves}/{SERVE}")
@@ -108,10 +110,17 @@ async def run(args: argparse.Namespace) -> dict:
         async with aiohttp.ClientSession() as http:
             for i in range(args.warmup + args.iterations):
                 name = f"a{i:03d}"
-                manifest = assets.adapter_manifest(name, SERVE, f"pvc://adapters/{sources[i % len(sources)]}", namespace=NS)
+                manifest = assets.adapter_manifest(
+                    name, SERVE, f"pvc://adapters/{sources[i % len(sources)]}", namespace=NS
+                )
                 t0 = time.monotonic()
                 await cluster.create(adapters, manifest)
-                await wait_for(lambda n=name: _held_everywhere(http, pods, n), timeout=60, interval=0.01, what=f"{name} loaded")
+                await wait_for(
+                    lambda n=name: _held_everywhere(http, pods, n),
+                    timeout=60,
+                    interval=0.01,
+                    what=f"{name} loaded",
+                )
                 t_loaded = time.monotonic() - t0
 
                 async def ready(n: str = name) -> bool:
@@ -127,7 +136,9 @@ async def run(args: argparse.Namespace) -> dict:
                 await cluster.delete(f"{adapters}/{name}")
 
                 async def gone(n: str = name) -> bool:
-                    return await cluster.get(f"{adapters}/{n}") is None and not await _held_everywhere(http, pods[:1], n)
+                    return await cluster.get(f"{adapters}/{n}") is None and not await _held_everywhere(
+                        http, pods[:1], n
+                    )
 
                 await wait_for(gone, timeout=60, interval=0.02, what=f"{name} deleted")
         loads_sent = sum(cluster.operator.context.counters.loads.values())
@@ -146,7 +157,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 def report(args: argparse.Namespace, result: dict) -> str:
     rows = []
-    for label, values in (("loaded on every ready pod", result["loaded"]), ("status Ready", result["reported"])):
+    for label, values in (
+        ("loaded on every ready pod", result["loaded"]),
+        ("status Ready", result["reported"]),
+    ):
         rows.append(
             f"| {label} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 95):.3f} | "
             f"{min(values):.3f} | {max(values):.3f} | {statistics.mean(values):.3f} |"

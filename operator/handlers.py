@@ -54,7 +54,9 @@ def runtime_pods(body: kopf.Body, **_: Any) -> dict | None:
     return {(view.namespace, view.serve): view} if view else None
 
 
-def _wake_serve_and_adapters(ctx: OperatorContext, namespace: str, serve: str, adapters_by_serve: Any) -> None:
+def _wake_serve_and_adapters(
+    ctx: OperatorContext, namespace: str, serve: str, adapters_by_serve: Any
+) -> None:
     ctx.wakers.wake(serve_key(namespace, serve))
     for adapter in lookup_adapters(adapters_by_serve, namespace, serve):
         ctx.wakers.wake(adapter_key(namespace, adapter.name))
@@ -78,17 +80,27 @@ def deployment_changed(meta: kopf.Meta, namespace: str, memo: kopf.Memo, **_: An
 
 @kopf.on.event(GROUP, VERSION, LORASERVE_PLURAL)
 def serve_changed(
-    event: Mapping, meta: kopf.Meta, name: str, namespace: str, memo: kopf.Memo, adapters_by_serve: kopf.Index, **_: Any
+    event: Mapping,
+    meta: kopf.Meta,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    adapters_by_serve: kopf.Index,
+    **_: Any,
 ) -> None:
     """A LoRAServe's spec changed, or it came or went: it and its adapters take a pass."""
     ctx = _ctx(memo)
     key = serve_key(namespace, name)
-    if event.get("type") in ("ADDED", "DELETED", None) or ctx.synced_generation.get(key) != meta.get("generation"):
+    if event.get("type") in ("ADDED", "DELETED", None) or ctx.synced_generation.get(key) != meta.get(
+        "generation"
+    ):
         _wake_serve_and_adapters(ctx, namespace, name, adapters_by_serve)
 
 
 @kopf.on.event(GROUP, VERSION, ADAPTER_PLURAL)
-def adapter_changed(event: Mapping, meta: kopf.Meta, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def adapter_changed(
+    event: Mapping, meta: kopf.Meta, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
     """An Adapter's spec changed: it takes a pass. It came or went: its serve recounts."""
     ctx = _ctx(memo)
     key = adapter_key(namespace, name)
@@ -174,9 +186,19 @@ async def serve_daemon(
         changed_spec = ctx.synced_generation.get(key) != generation
         ctx.synced_generation[key] = generation
         for act in outcome.acts:
-            _post(body, "Normal", act.verb, f"{act.verb} {act.kind} {act.name}" + (f" ({act.detail})" if act.detail else ""))
+            _post(
+                body,
+                "Normal",
+                act.verb,
+                f"{act.verb} {act.kind} {act.name}" + (f" ({act.detail})" if act.detail else ""),
+            )
         if outcome.rolled_from:
-            _post(body, "Normal", "RollingUpdate", f"pods roll: config {outcome.rolled_from} -> {outcome.config_hash}")
+            _post(
+                body,
+                "Normal",
+                "RollingUpdate",
+                f"pods roll: config {outcome.rolled_from} -> {outcome.config_hash}",
+            )
         if outcome.rejected and changed_spec:
             _post(body, "Warning", "SpecRejected", "; ".join(outcome.rejected))
         if changed_spec or outcome.acts:
@@ -246,6 +268,9 @@ async def adapter_daemon(
     finally:
         ctx.wakers.drop(key)
         ctx.synced_generation.pop(key, None)
+        lock = ctx.adapter_locks.get(key)
+        if lock is not None and not lock.locked():
+            ctx.adapter_locks.pop(key, None)
 
 
 @kopf.on.delete(GROUP, VERSION, ADAPTER_PLURAL, id="unload")

@@ -129,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
             "from LORASERVE_* environment variables (see loraserve.operator.config); flags override them."
         ),
     )
-    parser.add_argument("--namespace", action="append", default=None, help="watch this namespace (repeatable)")
+    parser.add_argument(
+        "--namespace", action="append", default=None, help="watch this namespace (repeatable)"
+    )
     parser.add_argument("--peering", default=None, help="kopf peering name (for more than one replica)")
     parser.add_argument("--no-webhook", action="store_true", help="do not serve the admission webhook")
     parser.add_argument("--liveness", default=None, help="health endpoint, e.g. http://0.0.0.0:8080/healthz")

@@ -159,7 +159,9 @@ class RuntimeClient:
                 f"no answer within {timeout.total:g} s", transient=True, call=f"{method} {url}"
             ) from None
         except aiohttp.ClientError as exc:
-            raise RuntimeCallError(f"{exc.__class__.__name__}: {exc}", transient=True, call=f"{method} {url}") from None
+            raise RuntimeCallError(
+                f"{exc.__class__.__name__}: {exc}", transient=True, call=f"{method} {url}"
+            ) from None
 
     async def models(self) -> PodModels:
         """``GET /v1/models``: the base model and every adapter the pod holds."""
@@ -184,7 +186,9 @@ class RuntimeClient:
     async def unload(self, name: str) -> bool:
         """``POST /v1/unload_lora_adapter``; False when the pod did not hold it."""
         try:
-            await self._call("POST", "/v1/unload_lora_adapter", body={"lora_name": name}, timeout=self._probe_timeout)
+            await self._call(
+                "POST", "/v1/unload_lora_adapter", body={"lora_name": name}, timeout=self._probe_timeout
+            )
         except RuntimeCallError as exc:
             if exc.status == 404:
                 return False

@@ -137,7 +137,12 @@ def serve_status(findings: ServeFindings, previous: Mapping | None, *, now: str)
             f"{ready}/{want} replicas ready",
         )
         degraded = phase is LoRAServePhase.DEGRADED
-        add(ConditionType.DEGRADED, degraded, reason if degraded else "AsExpected", message if degraded else "")
+        add(
+            ConditionType.DEGRADED,
+            degraded,
+            reason if degraded else "AsExpected",
+            message if degraded else "",
+        )
 
     status: dict = {
         "observedGeneration": gen,
@@ -204,7 +209,12 @@ def pods_status(tracks: Iterable[PodTrack]) -> list[dict]:
     """The per-pod list of an Adapter's status, sorted by pod name."""
     out = []
     for track in sorted(tracks, key=lambda t: t.pod):
-        entry = {"pod": track.pod, "podIP": track.pod_ip or None, "state": track.state.value, "time": iso(track.since)}
+        entry = {
+            "pod": track.pod,
+            "podIP": track.pod_ip or None,
+            "state": track.state.value,
+            "time": iso(track.since),
+        }
         if track.message:
             entry["message"] = clip(track.message)
         out.append({k: v for k, v in entry.items() if v is not None})

@@ -92,7 +92,9 @@ def observed_missing(track: PodTrack, wall: float) -> PodTrack:
     return track
 
 
-def after_load(track: PodTrack, outcome: LoadOutcome, policy: RetryPolicy, *, now: float, wall: float) -> PodTrack:
+def after_load(
+    track: PodTrack, outcome: LoadOutcome, policy: RetryPolicy, *, now: float, wall: float
+) -> PodTrack:
     """Apply a load result; ``now`` is monotonic time (for the retry clock), ``wall`` is for status."""
     if outcome.ok:
         return _moved(track, PodState.LOADED, "", wall, failed_tries=0, next_try_at=None)

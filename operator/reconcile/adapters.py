@@ -65,7 +65,9 @@ class AdapterOutcome:
     gone: bool = False
 
 
-def restore_tracks(status: Mapping | None, generation: int | None, pods: Sequence[PodView], wall: float) -> dict[str, st.PodTrack]:
+def restore_tracks(
+    status: Mapping | None, generation: int | None, pods: Sequence[PodView], wall: float
+) -> dict[str, st.PodTrack]:
     """Failed per-pod states of the current generation, from a status written before a restart.
 
     Failed is final until the spec changes, so an operator restart must not retry it; every
@@ -92,7 +94,9 @@ def restore_tracks(status: Mapping | None, generation: int | None, pods: Sequenc
     return tracks
 
 
-async def read_token(ctx: OperatorContext, namespace: str, serve_name: str, spec: LoRAServeSpec) -> str | None:
+async def read_token(
+    ctx: OperatorContext, namespace: str, serve_name: str, spec: LoRAServeSpec
+) -> str | None:
     """The serve's admin token from its Secret (None when there is none yet).
 
     Cached for one resync interval: the operator never rotates it, and a runtime reads its
@@ -265,7 +269,9 @@ async def reconcile_adapter(
         elif loaded is not None and source_differs(loaded, (lora_path, spec.source), spec.sha256):
             reload.add(pod)
             if track.state is not st.PodState.FAILED:
-                track = dataclasses.replace(track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None)
+                track = dataclasses.replace(
+                    track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None
+                )
         elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
             refuse[pod] = why
         elif loaded is not None:
@@ -284,7 +290,10 @@ async def reconcile_adapter(
         # than a status write.
         reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen)))
         results = await asyncio.gather(
-            *(_load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload) for pod in due)
+            *(
+                _load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload)
+                for pod in due
+            )
         )
         await reporting
         if outcome.gone:
@@ -327,6 +336,10 @@ async def reconcile_adapter(
             logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
 
     memory.tracks = tracks
+    live = {p.name for p in pods}
+    for counter in (ctx.counters.loads, ctx.counters.unloads):
+        for key in [k for k in counter if k[0] == namespace and k[2] == name and k[1] not in live]:
+            del counter[key]  # pods that are gone: keep the counters bounded
     await report(_findings(generation, tracks, usable, spec, seen))
     outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
     return outcome
@@ -341,7 +354,9 @@ def _findings(
 ) -> AdapterFindings:
     """Status inputs; rank and target modules are the file's (as a pod read it) when known."""
     rank = seen.rank if seen is not None and seen.rank is not None else spec.rank
-    modules = seen.target_modules if seen is not None and seen.target_modules is not None else spec.target_modules
+    modules = (
+        seen.target_modules if seen is not None and seen.target_modules is not None else spec.target_modules
+    )
     return AdapterFindings(
         generation=generation,
         tracks=list(tracks.values()),
@@ -385,7 +400,9 @@ async def unload_everywhere(
     token = None
     if serve_body is not None:
         try:
-            token = await read_token(ctx, namespace, serve_name, parse_loraserve_spec(dict(serve_body.get("spec") or {})))
+            token = await read_token(
+                ctx, namespace, serve_name, parse_loraserve_spec(dict(serve_body.get("spec") or {}))
+            )
         except SpecError:
             token = None
     usable = [p for p in pods if p.usable]

@@ -93,7 +93,9 @@ def needs_update(observed: Mapping, desired: Mapping, owned: tuple[str, ...]) ->
         return True
     # A desired None means "unset": the server may default it, and the hash covers its removal.
     return any(
-        not contains(_get(observed, path), _get(desired, path)) for path in owned if _get(desired, path) is not None
+        not contains(_get(observed, path), _get(desired, path))
+        for path in owned
+        if _get(desired, path) is not None
     )
 
 
@@ -109,7 +111,9 @@ def update_patch(observed: Mapping, desired: Mapping, owned: tuple[str, ...]) ->
     refs = list(meta_o.get("ownerReferences") or [])
     for ref in meta_d.get("ownerReferences") or []:
         if not any(r.get("uid") == ref.get("uid") and r.get("kind") == ref.get("kind") for r in refs):
-            refs = [r for r in refs if not (r.get("kind") == ref.get("kind") and r.get("name") == ref.get("name"))]
+            refs = [
+                r for r in refs if not (r.get("kind") == ref.get("kind") and r.get("name") == ref.get("name"))
+            ]
             refs.append(ref)
     metadata: dict[str, Any] = {
         "labels": dict(meta_d.get("labels") or {}),
@@ -139,6 +143,9 @@ def _get(obj: Mapping, path: str) -> Any:
 
 def _has_owner_refs(observed: list, desired: list) -> bool:
     return all(
-        any(o.get("kind") == d.get("kind") and o.get("name") == d.get("name") and o.get("uid") == d.get("uid") for o in observed)
+        any(
+            o.get("kind") == d.get("kind") and o.get("name") == d.get("name") and o.get("uid") == d.get("uid")
+            for o in observed
+        )
         for d in desired
     )

@@ -54,7 +54,9 @@ class Resource:
     kind: str
     namespaced: bool = True
 
-    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
         """The URL path of the collection, an object, or an object's subresource."""
         prefix = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
         parts = [prefix]
@@ -136,7 +138,9 @@ class KubeClient:
         query = f"?{urlencode(params)}" if params else ""
         for attempt in (0, 1):
             session = await self._ensure(fresh=attempt == 1)
-            async with session.request(method, self._server + path + query, data=data, headers=headers) as resp:
+            async with session.request(
+                method, self._server + path + query, data=data, headers=headers
+            ) as resp:
                 text = await resp.text()
                 if resp.status == 401 and attempt == 0:
                     continue  # the token may have rotated: log in again once
@@ -155,7 +159,9 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, res: Resource, namespace: str | None, *, label_selector: str | None = None) -> list[dict]:
+    async def list(
+        self, res: Resource, namespace: str | None, *, label_selector: str | None = None
+    ) -> list[dict]:
         """Objects of one type in a namespace (or everywhere when namespace is None)."""
         params = {"labelSelector": label_selector} if label_selector else None
         answer = await self.request("GET", res.path(namespace), params=params)
@@ -176,7 +182,9 @@ class KubeClient:
         content_type: str = MERGE_PATCH,
     ) -> dict:
         """Patch an object (merge patch unless told otherwise)."""
-        return await self.request("PATCH", res.path(namespace, name, subresource), body=body, content_type=content_type)
+        return await self.request(
+            "PATCH", res.path(namespace, name, subresource), body=body, content_type=content_type
+        )
 
     async def delete(self, res: Resource, namespace: str | None, name: str) -> bool:
         """Delete an object; False when it was already gone."""
@@ -199,7 +207,9 @@ def _status_text(status: int, text: str) -> tuple[str, str]:
     return str(status), text[:500]
 
 
-async def retry_on_conflict(action: Callable[[], Awaitable[T]], *, retries: int = 5, delay_s: float = 0.1) -> T:
+async def retry_on_conflict(
+    action: Callable[[], Awaitable[T]], *, retries: int = 5, delay_s: float = 0.1
+) -> T:
     """Run ``action`` (which must re-observe before writing) again when the API answers 409.
 
     The API answers 409 when an object changed since it was read (stale resourceVersion) or

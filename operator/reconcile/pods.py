@@ -41,9 +41,10 @@ def pod_view(body: Mapping) -> PodView | None:
     if not serve:
         return None
     status = body.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-    ) and status.get("phase", "Running") == "Running"
+    ready = (
+        any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        and status.get("phase", "Running") == "Running"
+    )
     return PodView(
         name=str(meta.get("name")),
         namespace=str(meta.get("namespace") or ""),

@@ -60,7 +60,9 @@ class ServeOutcome:
     """The previous config hash when this pass rolled the pods."""
 
 
-async def _apply(kube: KubeClient, res: Resource, namespace: str, want: dict, owned: tuple[str, ...]) -> tuple[dict, str | None]:
+async def _apply(
+    kube: KubeClient, res: Resource, namespace: str, want: dict, owned: tuple[str, ...]
+) -> tuple[dict, str | None]:
     """Create or patch one object; returns (observed afterwards, "Created"/"Updated"/None)."""
     name = want["metadata"]["name"]
 
@@ -75,7 +77,9 @@ async def _apply(kube: KubeClient, res: Resource, namespace: str, want: dict, ow
     return await retry_on_conflict(attempt)
 
 
-async def _ensure_token_secret(kube: KubeClient, identity: ds.ServeIdentity, plan: ds.DesiredServe, settings) -> Act | None:
+async def _ensure_token_secret(
+    kube: KubeClient, identity: ds.ServeIdentity, plan: ds.DesiredServe, settings
+) -> Act | None:
     """The operator-owned admin token: created once if missing, never rewritten."""
     if await kube.get(SECRETS, identity.namespace, plan.token_secret_name) is not None:
         return None
@@ -89,7 +93,9 @@ async def _ensure_token_secret(kube: KubeClient, identity: ds.ServeIdentity, pla
     return Act("Created", "Secret", plan.token_secret_name, "admin token")
 
 
-def _analyse(spec_raw: Mapping | None) -> tuple[LoRAServeSpec | None, list[str], list[str], list[str], object]:
+def _analyse(
+    spec_raw: Mapping | None,
+) -> tuple[LoRAServeSpec | None, list[str], list[str], list[str], object]:
     """Parse and judge a spec: (spec, invalid, violations, warnings, policy report)."""
     try:
         spec = parse_loraserve_spec(dict(spec_raw or {}))
@@ -128,19 +134,24 @@ async def reconcile_serve(
     deployment = await kube.get(DEPLOYMENTS, identity.namespace, identity.name)
     if plan is not None:
         outcome.config_hash = plan.config_hash
-        previous_hash = ((deployment or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}).get(
-            ds.CONFIG_HASH_ANNOTATION
-        )
+        previous_hash = (
+            (deployment or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("annotations")
+            or {}
+        ).get(ds.CONFIG_HASH_ANNOTATION)
         if plan.token_secret_owned:
             act = await _ensure_token_secret(kube, identity, plan, settings)
             if act:
                 outcome.acts.append(act)
-        deployment, verb = await _apply(kube, DEPLOYMENTS, identity.namespace, plan.deployment, ds.DEPLOYMENT_OWNED)
+        deployment, verb = await _apply(
+            kube, DEPLOYMENTS, identity.namespace, plan.deployment, ds.DEPLOYMENT_OWNED
+        )
         if verb:
             rolled = previous_hash is not None and previous_hash != plan.config_hash
             if rolled:
                 outcome.rolled_from = previous_hash
-            detail = f"config {previous_hash} -> {plan.config_hash}" if rolled else f"config {plan.config_hash}"
+            detail = (
+                f"config {previous_hash} -> {plan.config_hash}" if rolled else f"config {plan.config_hash}"
+            )
             outcome.acts.append(Act(verb, "Deployment", identity.name, detail))
         for res, want, owned in (
             (SERVICES, plan.service, ds.SERVICE_OWNED),
@@ -169,7 +180,9 @@ async def reconcile_serve(
     patch = status_patch(body.get("status"), outcome.status)
     if patch is not None:
         try:
-            await kube.patch(LORASERVES, identity.namespace, identity.name, {"status": patch}, subresource="status")
+            await kube.patch(
+                LORASERVES, identity.namespace, identity.name, {"status": patch}, subresource="status"
+            )
             outcome.status_written = True
         except KubeError as exc:
             if not exc.not_found:  # deleted meanwhile: nothing to report on

@@ -29,7 +29,16 @@ def render(helm: Path) -> Callable[..., list[dict]]:
 
     def run(*flags: str) -> list[dict]:
         result = subprocess.run(
-            [str(helm), "template", "ls", str(CHART), "--namespace", "loraserve-system", "--include-crds", *flags],
+            [
+                str(helm),
+                "template",
+                "ls",
+                str(CHART),
+                "--namespace",
+                "loraserve-system",
+                "--include-crds",
+                *flags,
+            ],
             capture_output=True,
             text=True,
             check=False,

@@ -27,23 +27,43 @@ VALUES = {
     "ha-namespaced": ["--set", "replicaCount=3", "--set", "watch.namespaces={team-a,team-b}"],
     "cert-manager": ["--set", "webhook.certManager.enabled=true"],
     "cert-manager-issuer": [
-        "--set", "webhook.certManager.enabled=true",
-        "--set", "webhook.certManager.issuerRef.name=corp-ca",
-        "--set", "webhook.certManager.issuerRef.kind=ClusterIssuer",
+        "--set",
+        "webhook.certManager.enabled=true",
+        "--set",
+        "webhook.certManager.issuerRef.name=corp-ca",
+        "--set",
+        "webhook.certManager.issuerRef.kind=ClusterIssuer",
     ],
     "no-webhook": ["--set", "webhook.enabled=false"],
-    "external-sa": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops", "--set", "rbac.create=false"],
+    "external-sa": [
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=ops",
+        "--set",
+        "rbac.create=false",
+    ],
     "customised": [
-        "--set", "image.tag=dev",
-        "--set", "operator.runtimeImage=mirror.local/loraserve:1",
-        "--set", "operator.extraLabels.team=ml",
-        "--set", "operator.logLevel=debug",
-        "--set", "nodeSelector.pool=system",
-        "--set", "tolerations[0].key=dedicated",
-        "--set", "tolerations[0].operator=Exists",
-        "--set", "podAnnotations.example\\.com/owner=ml",
-        "--set", "imagePullSecrets[0].name=regcred",
-        "--set", "priorityClassName=system-cluster-critical",
+        "--set",
+        "image.tag=dev",
+        "--set",
+        "operator.runtimeImage=mirror.local/loraserve:1",
+        "--set",
+        "operator.extraLabels.team=ml",
+        "--set",
+        "operator.logLevel=debug",
+        "--set",
+        "nodeSelector.pool=system",
+        "--set",
+        "tolerations[0].key=dedicated",
+        "--set",
+        "tolerations[0].operator=Exists",
+        "--set",
+        "podAnnotations.example\\.com/owner=ml",
+        "--set",
+        "imagePullSecrets[0].name=regcred",
+        "--set",
+        "priorityClassName=system-cluster-critical",
     ],
 }
 
@@ -56,7 +76,9 @@ def _by_kind(objects: list[dict]) -> dict[str, list[dict]]:
 
 
 def _crd_schema(objects: list[dict], kind: str) -> dict:
-    crd = next(o for o in objects if o["kind"] == "CustomResourceDefinition" and o["spec"]["names"]["kind"] == kind)
+    crd = next(
+        o for o in objects if o["kind"] == "CustomResourceDefinition" and o["spec"]["names"]["kind"] == kind
+    )
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
@@ -68,7 +90,9 @@ def _operator_env(objects: list[dict]) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_lint_strict(helm: Path, name: str) -> None:
-    result = subprocess.run([str(helm), "lint", "--strict", str(CHART), *VALUES[name]], capture_output=True, text=True)
+    result = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), *VALUES[name]], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -86,7 +110,11 @@ def test_every_rendered_object_is_valid(render, name: str) -> None:
             # cert-manager's schemas are not available offline: check what the chart relies on.
             spec = obj["spec"]
             if obj["kind"] == "Certificate":
-                assert spec["secretName"] and spec["issuerRef"]["name"] and spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+                assert (
+                    spec["secretName"]
+                    and spec["issuerRef"]["name"]
+                    and spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+                )
             else:
                 assert set(spec) & {"selfSigned", "ca"}
         else:
@@ -99,13 +127,16 @@ def test_chart_crds_are_the_repository_crds() -> None:
     for source in sources:
         copy = CHART / "crds" / source.name
         assert copy.exists(), f"charts/loraserve/crds/{source.name} is missing: copy crds/{source.name} there"
-        assert copy.read_bytes() == source.read_bytes(), f"charts/loraserve/crds/{source.name} differs from crds/"
+        assert copy.read_bytes() == source.read_bytes(), (
+            f"charts/loraserve/crds/{source.name} differs from crds/"
+        )
 
 
 def test_webhook_configurations_call_the_registered_handlers(render) -> None:
     objects = render()
     handlers = {
-        h.id: h for h in kopf.get_default_registry()._webhooks.get_all_handlers()  # registered by the import above
+        h.id: h
+        for h in kopf.get_default_registry()._webhooks.get_all_handlers()  # registered by the import above
     }
     expected = {
         "Validating": {webhooks.VALIDATE_LORASERVE: "loraserves", webhooks.VALIDATE_ADAPTER: "adapters"},
@@ -130,14 +161,20 @@ def test_generated_certificate_is_valid_for_the_webhook_service(render) -> None:
     ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
     cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
     service = next(o for o in objects if o["kind"] == "Service")
-    names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    names = set(
+        cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+    )
     assert f"{service['metadata']['name']}.{NS}.svc" in names
     cert.verify_directly_issued_by(ca)
     for config in (o for o in objects if o["kind"].endswith("WebhookConfiguration")):
         for hook in config["webhooks"]:
             assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     deployment = next(o for o in objects if o["kind"] == "Deployment")
-    mounted = {v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    mounted = {
+        v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v
+    }
     assert secret["metadata"]["name"] in mounted
 
 
@@ -145,17 +182,26 @@ def test_cert_manager_issues_the_mounted_certificate_and_injects_the_ca(render) 
     objects = render(*VALUES["cert-manager"])
     certificate = next(o for o in objects if o["kind"] == "Certificate" and not o["spec"].get("isCA"))
     deployment = next(o for o in objects if o["kind"] == "Deployment")
-    mounted = {v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    mounted = {
+        v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v
+    }
     assert certificate["spec"]["secretName"] in mounted
     issuers = {o["metadata"]["name"] for o in objects if o["kind"] == "Issuer"}
     assert certificate["spec"]["issuerRef"]["name"] in issuers
     for config in (o for o in objects if o["kind"].endswith("WebhookConfiguration")):
-        assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NS}/{certificate['metadata']['name']}"
+        assert (
+            config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+            == f"{NS}/{certificate['metadata']['name']}"
+        )
         assert all("caBundle" not in hook["clientConfig"] for hook in config["webhooks"])
     assert not any(o["kind"] == "Secret" for o in objects), "cert-manager writes the Secret"
     given = render(*VALUES["cert-manager-issuer"])
     certificate = next(o for o in given if o["kind"] == "Certificate")
-    assert certificate["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    assert certificate["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
     assert not any(o["kind"] == "Issuer" for o in given)
 
 
@@ -167,9 +213,13 @@ def test_operator_settings_in_the_chart_are_understood_by_the_operator(render, n
     assert config.liveness_endpoint == "http://0.0.0.0:8080/healthz"
     if config.webhook_enabled:
         server = webhooks.WebhookServerConfig.from_env(env)
-        assert server.port == 9443 and server.certfile.endswith("tls.crt") and server.keyfile.endswith("tls.key")
+        assert (
+            server.port == 9443 and server.certfile.endswith("tls.crt") and server.keyfile.endswith("tls.key")
+        )
     if name == "customised":
-        assert config.runtime_image == "mirror.local/loraserve:1" and dict(config.extra_labels) == {"team": "ml"}
+        assert config.runtime_image == "mirror.local/loraserve:1" and dict(config.extra_labels) == {
+            "team": "ml"
+        }
         assert config.log_level == "debug"
 
 
@@ -178,12 +228,17 @@ def test_peering_follows_replicas_and_scope(render) -> None:
     clusterwide = render(*VALUES["ha-clusterwide"])
     peering = [o for o in clusterwide if o["apiVersion"] == "kopf.dev/v1"]
     env = _operator_env(clusterwide)
-    assert [(o["kind"], o["metadata"]["name"]) for o in peering] == [("ClusterKopfPeering", env["LORASERVE_PEERING_NAME"])]
+    assert [(o["kind"], o["metadata"]["name"]) for o in peering] == [
+        ("ClusterKopfPeering", env["LORASERVE_PEERING_NAME"])
+    ]
     assert env["LORASERVE_PEERING_CLUSTERWIDE"] == "true"
     assert any(o["kind"] == "PodDisruptionBudget" for o in clusterwide)
     namespaced = render(*VALUES["ha-namespaced"])
     peering = [o for o in namespaced if o["apiVersion"] == "kopf.dev/v1"]
-    assert sorted((o["kind"], o["metadata"]["namespace"]) for o in peering) == [("KopfPeering", "team-a"), ("KopfPeering", "team-b")]
+    assert sorted((o["kind"], o["metadata"]["namespace"]) for o in peering) == [
+        ("KopfPeering", "team-a"),
+        ("KopfPeering", "team-b"),
+    ]
     assert OperatorConfig.from_env(_operator_env(namespaced)).namespaces == ("team-a", "team-b")
 
 
@@ -204,7 +259,9 @@ def test_rbac_is_least_privilege(render, name: str) -> None:
     for role in roles:
         for group, resource, verbs in _rules(role):
             assert "*" not in verbs and resource != "*" and group != "*"
-            assert "delete" not in verbs and "deletecollection" not in verbs, f"{resource}: owners are garbage-collected"
+            assert "delete" not in verbs and "deletecollection" not in verbs, (
+                f"{resource}: owners are garbage-collected"
+            )
             if resource == "secrets":
                 assert verbs == {"get", "create"}
             if resource == "pods":
@@ -212,11 +269,21 @@ def test_rbac_is_least_privilege(render, name: str) -> None:
     cluster_role = next(o for o in roles if o["kind"] == "ClusterRole")
     granted = {(g, r) for g, r, _ in _rules(cluster_role)}
     if name == "ha-namespaced":
-        assert ("loraserve.io", "loraserves") not in granted, "namespaced mode grants nothing cluster-wide on serves"
-        assert sorted(o["metadata"]["namespace"] for o in roles if o["kind"] == "Role") == ["team-a", "team-b"]
+        assert ("loraserve.io", "loraserves") not in granted, (
+            "namespaced mode grants nothing cluster-wide on serves"
+        )
+        assert sorted(o["metadata"]["namespace"] for o in roles if o["kind"] == "Role") == [
+            "team-a",
+            "team-b",
+        ]
     else:
         assert ("loraserve.io", "loraserves") in granted and ("", "pods") in granted
-    needed = {("loraserve.io", "adapters/status"), ("apps", "deployments"), ("policy", "poddisruptionbudgets"), ("", "events")}
+    needed = {
+        ("loraserve.io", "adapters/status"),
+        ("apps", "deployments"),
+        ("policy", "poddisruptionbudgets"),
+        ("", "events"),
+    }
     assert needed <= {(g, r) for role in roles for g, r, _ in _rules(role)}
 
 
@@ -261,4 +328,6 @@ def test_values_file_documents_every_top_level_key() -> None:
         start = index
         while start > 0 and lines[start - 1].startswith("#"):
             start -= 1
-        assert start < index and lines[start].startswith("# --"), f"values.yaml: document {key!r} in a '# --' comment"
+        assert start < index and lines[start].startswith("# --"), (
+            f"values.yaml: document {key!r} in a '# --' comment"
+        )

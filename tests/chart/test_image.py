@@ -54,7 +54,9 @@ def _arg(name: str) -> str:
 
 
 def test_both_entrypoints_are_package_scripts_that_load() -> None:
-    label = next(rest for word, rest in _final_stage() if word == "LABEL" and "io.loraserve.entrypoints" in rest)
+    label = next(
+        rest for word, rest in _final_stage() if word == "LABEL" and "io.loraserve.entrypoints" in rest
+    )
     named = re.search(r'io\.loraserve\.entrypoints="([^"]+)"', label).group(1).split()
     assert named == ["loraserve-runtime", "loraserve-operator"]
     installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts")}
@@ -71,7 +73,9 @@ def test_both_entrypoints_are_package_scripts_that_load() -> None:
 def test_entrypoints_start(tmp_path: Path) -> None:
     bindir = Path(sys.executable).parent
     for script in ("loraserve-runtime", "loraserve-operator"):
-        result = subprocess.run([str(bindir / script), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        result = subprocess.run(
+            [str(bindir / script), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
         assert result.returncode == 0, result.stderr
         assert script in result.stdout
 

@@ -65,7 +65,9 @@ class ApiServer(kmock.KubernetesEmulator):
             self.resources[path] = kmock.ResourceInfo(kind=kind, namespaced=path == "v1/events", verbs=VERBS)
         self.resources["apiextensions.k8s.io/v1/customresourcedefinitions"].kind = "CustomResourceDefinition"
         for path, kind in BUILTINS.items():
-            self.resources[path] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources={"status"})
+            self.resources[path] = kmock.ResourceInfo(
+                kind=kind, namespaced=True, verbs=VERBS, subresources={"status"}
+            )
         for path, (kind, namespaced) in crd_resources.items():
             self.resources[path] = kmock.ResourceInfo(
                 kind=kind, namespaced=namespaced, verbs=VERBS, subresources={"status"}
@@ -104,7 +106,9 @@ class ApiServer(kmock.KubernetesEmulator):
             meta.setdefault("creationTimestamp", _now())
             if request.resource.plural == "secrets" and "stringData" in data:
                 # As the API server does: stringData is write-only, stored base64 in data.
-                encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in data.pop("stringData").items()}
+                encoded = {
+                    k: base64.b64encode(str(v).encode()).decode() for k, v in data.pop("stringData").items()
+                }
                 data["data"] = {**(data.get("data") or {}), **encoded}
             return attrs.evolve(request, data=data)
 
@@ -116,7 +120,9 @@ class ApiServer(kmock.KubernetesEmulator):
             try:
                 patched = jsonpatch.apply_patch(copy.deepcopy(current), request.data)
             except jsonpatch.JsonPatchTestFailed as exc:
-                raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the test op failed: {exc}") from None
+                raise k8s.KubernetesError(
+                    status=422, reason="Invalid", message=f"the test op failed: {exc}"
+                ) from None
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                 raise k8s.KubernetesError(status=422, reason="Invalid", message=str(exc)) from None
             ops = list(request.data)
@@ -125,7 +131,13 @@ class ApiServer(kmock.KubernetesEmulator):
                 patched = jsonpatch.apply_patch(copy.deepcopy(current), ops)
             ops.append({"op": "add", "path": "/metadata/resourceVersion", "value": rv})
             if patched.get("spec") != current.get("spec"):
-                ops.append({"op": "add", "path": "/metadata/generation", "value": current["metadata"].get("generation", 1) + 1})
+                ops.append(
+                    {
+                        "op": "add",
+                        "path": "/metadata/generation",
+                        "value": current["metadata"].get("generation", 1) + 1,
+                    }
+                )
             return attrs.evolve(request, data=ops)
 
         data = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
@@ -156,7 +168,10 @@ class ApiServer(kmock.KubernetesEmulator):
             answer["items"] = [
                 item
                 for item in answer["items"]
-                if all((item.get("metadata", {}).get("labels") or {}).get(k.rstrip("=")) == v.lstrip("=") for k, v in terms)
+                if all(
+                    (item.get("metadata", {}).get("labels") or {}).get(k.rstrip("=")) == v.lstrip("=")
+                    for k, v in terms
+                )
             ]
         answer["metadata"] = {"resourceVersion": str(next(self._versions))}
         return answer

@@ -45,7 +45,9 @@ def ensure_assets(cache: Path) -> Path:
     for name, (rank, modules, seed) in ADAPTERS.items():
         _build_once(
             cache / "adapters" / name,
-            lambda d, r=rank, m=modules, s=seed: build_adapter(d, model, rank=r, alpha=2 * r, target_modules=m, seed=s),
+            lambda d, r=rank, m=modules, s=seed: build_adapter(
+                d, model, rank=r, alpha=2 * r, target_modules=m, seed=s
+            ),
         )
     return cache
 
@@ -54,11 +56,15 @@ def install_claims(cache: Path, root: Path) -> Claims:
     """Copy the built files into fresh claim directories under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     for claim in ("models", "adapters"):
-        shutil.copytree(cache / claim, root / claim, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
+        shutil.copytree(
+            cache / claim, root / claim, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete")
+        )
     return Claims(root=root, models=root / "models", adapters=root / "adapters")
 
 
-def serve_manifest(name: str, claims: Claims, *, replicas: int = 2, namespace: str = "ml", **spec: object) -> dict:
+def serve_manifest(
+    name: str, claims: Claims, *, replicas: int = 2, namespace: str = "ml", **spec: object
+) -> dict:
     """A LoRAServe of the tiny model on CPU, with the two claims mounted at their own paths."""
     body = {
         "apiVersion": "loraserve.io/v1alpha1",
@@ -82,7 +88,11 @@ def serve_manifest(name: str, claims: Claims, *, replicas: int = 2, namespace: s
                     "mountPath": str(claims.models),
                     "readOnly": True,
                 },
-                "adapters": {"type": "PersistentVolumeClaim", "claimName": "adapters", "mountPath": str(claims.adapters)},
+                "adapters": {
+                    "type": "PersistentVolumeClaim",
+                    "claimName": "adapters",
+                    "mountPath": str(claims.adapters),
+                },
             },
         },
     }

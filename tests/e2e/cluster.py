@@ -151,7 +151,9 @@ class Cluster:
 
     # ------------------------------------------------------------------ API client
 
-    async def request(self, method: str, path: str, body: object = None, *, patch: bool = False) -> tuple[int, Any]:
+    async def request(
+        self, method: str, path: str, body: object = None, *, patch: bool = False
+    ) -> tuple[int, Any]:
         assert self.session is not None
         headers = {"Content-Type": "application/merge-patch+json"} if patch else {}
         async with self.session.request(method, self.api + path, json=body, headers=headers) as resp:
@@ -182,7 +184,11 @@ class Cluster:
 
 
 async def wait_for(
-    probe: Callable[[], Awaitable[Any]], *, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"
+    probe: Callable[[], Awaitable[Any]],
+    *,
+    timeout: float = 60.0,
+    interval: float = 0.1,
+    what: str = "condition",
 ) -> Any:
     """Poll ``probe`` until it returns something truthy; fail with the last value after ``timeout``."""
     deadline = time.monotonic() + timeout

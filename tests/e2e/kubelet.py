@@ -143,7 +143,9 @@ class Kubelet:
         await self._collect_garbage()
         deployments = await self._list("/apis/apps/v1", "deployments")
         live = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in deployments}
-        api_pods = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self._list("/api/v1", "pods")}
+        api_pods = {
+            (p["metadata"]["namespace"], p["metadata"]["name"]) for p in await self._list("/api/v1", "pods")
+        }
         for key, pod in list(self.pods.items()):
             if key not in api_pods and not pod.pending_status:
                 # Deleted through the API (by a test, as `kubectl delete pod` would).
@@ -165,14 +167,22 @@ class Kubelet:
                 refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")]
                 if refs and all(r.get("kind") == "LoRAServe" and r.get("uid") not in uids for r in refs):
                     meta = obj["metadata"]
-                    await self._req("DELETE", f"{prefix}/namespaces/{meta['namespace']}/{plural}/{meta['name']}", ok404=True)
+                    await self._req(
+                        "DELETE",
+                        f"{prefix}/namespaces/{meta['namespace']}/{plural}/{meta['name']}",
+                        ok404=True,
+                    )
 
     async def _sync_deployment(self, deployment: dict) -> None:
         meta, spec = deployment["metadata"], deployment["spec"]
         namespace, name = meta["namespace"], meta["name"]
         template = spec["template"]
         current = template_hash(template)
-        mine = [p for p in self.pods.values() if p.namespace == namespace and p.deployment == name and not p.deleted]
+        mine = [
+            p
+            for p in self.pods.values()
+            if p.namespace == namespace and p.deployment == name and not p.deleted
+        ]
         # Rollout: replace the pods of an older template.
         for pod in [p for p in mine if p.template_hash != current]:
             await self._delete_pod(pod)
@@ -210,7 +220,12 @@ class Kubelet:
         }
         if self._deploy_status.get((namespace, name)) != status:
             self._deploy_status[(namespace, name)] = status
-            await self._req("PATCH", f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}/status", {"status": status}, ok404=True)
+            await self._req(
+                "PATCH",
+                f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}/status",
+                {"status": status},
+                ok404=True,
+            )
 
     # ------------------------------------------------------------------ pods
 
@@ -219,7 +234,9 @@ class Kubelet:
         self._next_host += 1
         return f"127.{a}.{b}.{self._next_host}"
 
-    async def _create_pod(self, namespace: str, deployment: str, template: dict, thash: str, owner: dict) -> PodProc:
+    async def _create_pod(
+        self, namespace: str, deployment: str, template: dict, thash: str, owner: dict
+    ) -> PodProc:
         ip = self._address()
         suffix = "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
         name = f"{deployment}-{thash[:8]}-{suffix}"
@@ -231,7 +248,9 @@ class Kubelet:
         volumes = await self._volumes(namespace, pod_spec, workdir)
         command = [self._resolve(c) for c in [*container.get("command", []), *container.get("args", [])]]
         command = [self._rewrite(arg, container, volumes) for arg in command]
-        command = [ip if prev == "--host" else arg for prev, arg in zip(["", *command[:-1]], command, strict=True)]
+        command = [
+            ip if prev == "--host" else arg for prev, arg in zip(["", *command[:-1]], command, strict=True)
+        ]
         env = await self._env(namespace, name, container)
         pod = PodProc(namespace, name, deployment, thash, ip, port, workdir, command, env)
         body = {
@@ -243,7 +262,13 @@ class Kubelet:
                 "labels": {**template["metadata"].get("labels", {}), "pod-template-hash": thash[:10]},
                 "annotations": dict(template["metadata"].get("annotations", {})),
                 "ownerReferences": [
-                    {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment, "uid": owner["metadata"]["uid"], "controller": True}
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": deployment,
+                        "uid": owner["metadata"]["uid"],
+                        "controller": True,
+                    }
                 ],
             },
             "spec": {**pod_spec, "nodeName": "stand-in"},
@@ -270,7 +295,9 @@ class Kubelet:
                 out[name] = (self.claims_root / volume["persistentVolumeClaim"]["claimName"], True)
             elif "secret" in volume:
                 secret = await self._req(
-                    "GET", f"/api/v1/namespaces/{namespace}/secrets/{volume['secret']['secretName']}", ok404=True
+                    "GET",
+                    f"/api/v1/namespaces/{namespace}/secrets/{volume['secret']['secretName']}",
+                    ok404=True,
                 )
                 directory = workdir / "volumes" / name
                 directory.mkdir(parents=True, exist_ok=True)
@@ -316,10 +343,14 @@ class Kubelet:
             source = item.get("valueFrom") or {}
             if "fieldRef" in source:
                 field_path = source["fieldRef"]["fieldPath"]
-                env[item["name"]] = {"metadata.name": pod, "metadata.namespace": namespace}.get(field_path, "")
+                env[item["name"]] = {"metadata.name": pod, "metadata.namespace": namespace}.get(
+                    field_path, ""
+                )
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
-                secret = await self._req("GET", f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}", ok404=True)
+                secret = await self._req(
+                    "GET", f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}", ok404=True
+                )
                 value = ((secret or {}).get("data") or {}).get(ref["key"])
                 if value is not None:
                     env[item["name"]] = base64.b64decode(value).decode()
@@ -347,7 +378,12 @@ class Kubelet:
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             "containerStatuses": [{"name": "runtime", "ready": ready, "restartCount": pod.restarts}],
         }
-        await self._req("PATCH", f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status", {"status": status}, ok404=True)
+        await self._req(
+            "PATCH",
+            f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status",
+            {"status": status},
+            ok404=True,
+        )
 
     async def _probe_all(self) -> None:
         await asyncio.gather(*(self._probe(p) for p in list(self.pods.values()) if not p.deleted))
@@ -405,7 +441,11 @@ class Kubelet:
 
     def pods_of(self, namespace: str, deployment: str) -> list[PodProc]:
         return sorted(
-            (p for p in self.pods.values() if p.namespace == namespace and p.deployment == deployment and not p.deleted),
+            (
+                p
+                for p in self.pods.values()
+                if p.namespace == namespace and p.deployment == deployment and not p.deleted
+            ),
             key=lambda p: p.name,
         )
 

@@ -118,9 +118,13 @@ def loads(cluster, adapter_name: str) -> dict[str, int]:
 # --------------------------------------------------------------------------- scenarios
 
 
-async def test_serve_with_two_replicas_and_three_adapters(cluster, tmp_path_factory, unused_tcp_port_factory) -> None:
+async def test_serve_with_two_replicas_and_three_adapters(
+    cluster, tmp_path_factory, unused_tcp_port_factory
+) -> None:
     port = unused_tcp_port_factory()
-    webhook = WebhookServerConfig(addr="127.0.0.1", port=port, cert_dir=str(tmp_path_factory.mktemp("webhook-tls")))
+    webhook = WebhookServerConfig(
+        addr="127.0.0.1", port=port, cert_dir=str(tmp_path_factory.mktemp("webhook-tls"))
+    )
     config = operator_config()
     cluster.webhook_port = port
     cluster.webhook_ca = webhook.cert_dir
@@ -134,7 +138,9 @@ async def test_serve_with_two_replicas_and_three_adapters(cluster, tmp_path_fact
     # An absolute path inside the pod is a source too.
     await cluster.create(ADAPTERS, assets.adapter_manifest("gamma", SERVE, str(claims.adapters / "gamma")))
 
-    await wait_for(lambda: loaded_everywhere(cluster, BASE_ADAPTERS), timeout=TIMEOUT, what="3 adapters on 2 pods")
+    await wait_for(
+        lambda: loaded_everywhere(cluster, BASE_ADAPTERS), timeout=TIMEOUT, what="3 adapters on 2 pods"
+    )
 
     for pod in pods(cluster):
         held = await models(pod)
@@ -164,7 +170,12 @@ async def test_serve_with_two_replicas_and_three_adapters(cluster, tmp_path_fact
     assert (status["replicas"], status["readyReplicas"], status["adapters"]) == (2, 2, 3)
     assert status["observedGeneration"] == body["metadata"]["generation"]
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"Compatible": "True", "Progressing": "False", "Available": "True", "Degraded": "False"}
+    assert conditions == {
+        "Compatible": "True",
+        "Progressing": "False",
+        "Available": "True",
+        "Degraded": "False",
+    }
     assert status["effective"]["algorithm"] == "NONE"
 
     uid = body["metadata"]["uid"]
@@ -197,13 +208,17 @@ async def test_one_process_also_serves_the_admission_webhook(cluster) -> None:
             "name": "broken",
             "namespace": NS,
             "userInfo": {"username": "e2e"},
-            "object": assets.serve_manifest("broken", cluster.claims, lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}),
+            "object": assets.serve_manifest(
+                "broken", cluster.claims, lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}
+            ),
         },
     }
     context = ssl.create_default_context(cafile=f"{cluster.webhook_ca}/ca.pem")
     async with (
         aiohttp.ClientSession() as http,
-        http.post(f"https://127.0.0.1:{cluster.webhook_port}/validate-loraserve", json=review, ssl=context) as resp,
+        http.post(
+            f"https://127.0.0.1:{cluster.webhook_port}/validate-loraserve", json=review, ssl=context
+        ) as resp,
     ):
         answer = await resp.json()
     assert answer["response"]["allowed"] is False
@@ -230,14 +245,18 @@ async def test_killed_runtime_and_replaced_pod_get_all_adapters_again(cluster) -
         return all(name in held and held[name]["created"] >= int(killed_at) for name in BASE_ADAPTERS)
 
     await wait_for(reloaded, timeout=TIMEOUT, what=f"adapters reloaded on restarted pod {victim.name}")
-    await wait_for(lambda: loaded_everywhere(cluster, BASE_ADAPTERS), timeout=TIMEOUT, what="status Ready again")
+    await wait_for(
+        lambda: loaded_everywhere(cluster, BASE_ADAPTERS), timeout=TIMEOUT, what="status Ready again"
+    )
 
     # A pod deleted through the API is replaced by a new one (new name, new IP).
     gone = pods(cluster)[1]
     assert await cluster.delete(f"/api/v1/namespaces/{NS}/pods/{gone.name}") == 200
 
     async def replaced() -> bool:
-        return gone.name not in {p.name for p in pods(cluster)} and await loaded_everywhere(cluster, BASE_ADAPTERS)
+        return gone.name not in {p.name for p in pods(cluster)} and await loaded_everywhere(
+            cluster, BASE_ADAPTERS
+        )
 
     await wait_for(replaced, timeout=TIMEOUT, what="adapters on the new pod")
     names = {p.name for p in pods(cluster)}
@@ -252,7 +271,10 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
     wrong_digest = "0" * 64
     bad = {
         "wide": (assets.adapter_manifest("wide", SERVE, "pvc://adapters/wide"), "rank"),
-        "badsum": (assets.adapter_manifest("badsum", SERVE, "pvc://adapters/alpha", sha256=wrong_digest), "sha256"),
+        "badsum": (
+            assets.adapter_manifest("badsum", SERVE, "pvc://adapters/alpha", sha256=wrong_digest),
+            "sha256",
+        ),
         "missing": (assets.adapter_manifest("missing", SERVE, "pvc://adapters/nope"), "does not exist"),
         "unmounted": (assets.adapter_manifest("unmounted", SERVE, "pvc://elsewhere/x"), "not mounted"),
     }
@@ -268,7 +290,10 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
 
     for name, (_, needle) in bad.items():
         status = await wait_for(lambda n=name: failed(n), timeout=TIMEOUT, what=f"{name} Failed")
-        text = " ".join([c.get("message", "") for c in status["conditions"]] + [p.get("message", "") for p in status["pods"]])
+        text = " ".join(
+            [c.get("message", "") for c in status["conditions"]]
+            + [p.get("message", "") for p in status["pods"]]
+        )
         assert needle in text, f"{name}: {text}"
         if name != "unmounted":
             assert all(p["state"] == "Failed" for p in status["pods"]) and len(status["pods"]) == 2
@@ -287,7 +312,9 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
 
     # A spec change tries a Failed adapter again: the right digest makes it load.
     await cluster.patch(f"{ADAPTERS}/badsum", {"spec": {"sha256": cluster.claims.digest("alpha")}})
-    await wait_for(lambda: loaded_everywhere(cluster, ["badsum"]), timeout=TIMEOUT, what="badsum Ready after the fix")
+    await wait_for(
+        lambda: loaded_everywhere(cluster, ["badsum"]), timeout=TIMEOUT, what="badsum Ready after the fix"
+    )
 
     for name in [*bad, "offline"]:
         assert await cluster.delete(f"{ADAPTERS}/{name}") == 200
@@ -300,7 +327,9 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
 async def test_placement_loads_on_the_requested_number_of_replicas(cluster) -> None:
     await cluster.create(
         ADAPTERS,
-        assets.adapter_manifest("solo", SERVE, "pvc://adapters/delta", placement={"mode": "Replicas", "replicas": 1}),
+        assets.adapter_manifest(
+            "solo", SERVE, "pvc://adapters/delta", placement={"mode": "Replicas", "replicas": 1}
+        ),
     )
 
     async def placed() -> dict | None:
@@ -350,7 +379,11 @@ async def test_spec_change_rolls_the_pods_and_adapters_follow(cluster) -> None:
         d = await cluster.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{SERVE}")
         new_hash = d["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
         current = {p.name for p in pods(cluster)}
-        return new_hash != old_hash and not current & old_pods and await loaded_everywhere(cluster, ("alpha", "beta"))
+        return (
+            new_hash != old_hash
+            and not current & old_pods
+            and await loaded_everywhere(cluster, ("alpha", "beta"))
+        )
 
     await wait_for(rolled, timeout=TIMEOUT, what="pods rolled and adapters reloaded")
     for pod in pods(cluster):
@@ -360,7 +393,10 @@ async def test_spec_change_rolls_the_pods_and_adapters_follow(cluster) -> None:
     async def running() -> bool:
         body = await serve(cluster)
         status = body.get("status") or {}
-        return status.get("phase") == "Running" and status.get("observedGeneration") == body["metadata"]["generation"]
+        return (
+            status.get("phase") == "Running"
+            and status.get("observedGeneration") == body["metadata"]["generation"]
+        )
 
     await wait_for(running, timeout=TIMEOUT, what="serve Running at the new generation")
     reasons = {e["reason"] for e in await cluster.events(NS) if e["involvedObject"]["kind"] == "LoRAServe"}
@@ -407,7 +443,9 @@ async def test_operator_restart_converges_without_duplicate_loads(cluster) -> No
     # While no operator runs: a new Adapter appears.
     await cluster.create(ADAPTERS, assets.adapter_manifest("delta", SERVE, "pvc://adapters/delta"))
     await cluster.start_operator(operator_config(), None)
-    await wait_for(lambda: loaded_everywhere(cluster, ("alpha", "beta", "delta")), timeout=TIMEOUT, what="delta loaded")
+    await wait_for(
+        lambda: loaded_everywhere(cluster, ("alpha", "beta", "delta")), timeout=TIMEOUT, what="delta loaded"
+    )
     await asyncio.sleep(operator_config().resync_interval_s * 2)  # a few more passes
     assert loads(cluster, "alpha") == {} and loads(cluster, "beta") == {}, "already loaded: never asked again"
     assert set(loads(cluster, "delta").values()) == {1}

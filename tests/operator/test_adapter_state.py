@@ -41,7 +41,9 @@ def test_transient_failures_back_off_then_fail_after_max_tries() -> None:
         assert st.due(track, now), f"try {attempt} should be due"
         track = st.start_loading(track, wall=now)
         assert track.state is PodState.LOADING
-        track = st.after_load(track, LoadOutcome(ok=False, message="connection refused"), policy, now=now, wall=now)
+        track = st.after_load(
+            track, LoadOutcome(ok=False, message="connection refused"), policy, now=now, wall=now
+        )
         if attempt < policy.max_tries:
             assert track.state is PodState.PENDING
             assert "connection refused" in track.message
@@ -61,7 +63,9 @@ def test_adapter_fault_fails_at_once_with_the_runtime_message() -> None:
     policy = RetryPolicy()
     track = st.start_loading(_track(), wall=1.0)
     msg = "adapter rank 128 exceeds max_lora_rank 64"
-    track = st.after_load(track, LoadOutcome(ok=False, message=msg, transient=False), policy, now=1.0, wall=1.0)
+    track = st.after_load(
+        track, LoadOutcome(ok=False, message=msg, transient=False), policy, now=1.0, wall=1.0
+    )
     assert track.state is PodState.FAILED
     assert track.message == msg
     assert track.failed_tries == 0
@@ -79,7 +83,9 @@ def test_success_resets_the_retry_clock() -> None:
 
 def test_spec_change_retries_failed_tracks_and_keeps_loaded_ones() -> None:
     policy = RetryPolicy()
-    failed = st.after_load(_track(), LoadOutcome(ok=False, message="bad", transient=False), policy, now=0, wall=0)
+    failed = st.after_load(
+        _track(), LoadOutcome(ok=False, message="bad", transient=False), policy, now=0, wall=0
+    )
     loaded = st.after_load(_track(), LoadOutcome(ok=True), policy, now=0, wall=0)
     same = st.reset_for_generation(failed, 1, wall=5.0)
     assert same is failed, "the same generation changes nothing"
@@ -94,7 +100,9 @@ def test_observations_override_the_track() -> None:
     assert loaded.state is PodState.LOADED
     lost = st.observed_missing(loaded, wall=4.0)
     assert lost.state is PodState.PENDING and "no longer lists" in lost.message and st.due(lost, 0.0)
-    failed = st.after_load(_track(), LoadOutcome(ok=False, message="x", transient=False), RetryPolicy(), now=0, wall=0)
+    failed = st.after_load(
+        _track(), LoadOutcome(ok=False, message="x", transient=False), RetryPolicy(), now=0, wall=0
+    )
     assert st.observed_missing(failed, wall=5.0) is failed, "a missing adapter on a Failed pod stays Failed"
 
 

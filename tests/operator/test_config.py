@@ -12,7 +12,11 @@ from loraserve.operator.config import ConfigError, OperatorConfig
 def test_defaults_match_the_documented_retry_schedule() -> None:
     config = OperatorConfig.from_env({})
     assert config == OperatorConfig()
-    assert (config.adapter_max_tries, config.adapter_backoff_base_s, config.adapter_backoff_cap_s) == (5, 5.0, 300.0)
+    assert (config.adapter_max_tries, config.adapter_backoff_base_s, config.adapter_backoff_cap_s) == (
+        5,
+        5.0,
+        300.0,
+    )
 
 
 def test_every_field_is_settable_from_its_variable() -> None:
@@ -40,8 +44,14 @@ def test_every_field_is_settable_from_its_variable() -> None:
 @pytest.mark.parametrize(
     "env,needle",
     [
-        ({"LORASERVE_ADAPTER_MAX_TRIES": "many"}, "LORASERVE_ADAPTER_MAX_TRIES='many' is not valid: expected an integer"),
-        ({"LORASERVE_WEBHOOK_ENABLED": "maybe"}, "LORASERVE_WEBHOOK_ENABLED='maybe' is not valid: expected true or false"),
+        (
+            {"LORASERVE_ADAPTER_MAX_TRIES": "many"},
+            "LORASERVE_ADAPTER_MAX_TRIES='many' is not valid: expected an integer",
+        ),
+        (
+            {"LORASERVE_WEBHOOK_ENABLED": "maybe"},
+            "LORASERVE_WEBHOOK_ENABLED='maybe' is not valid: expected true or false",
+        ),
         ({"LORASERVE_EXTRA_LABELS": "novalue"}, "expected comma-separated key=value pairs"),
         ({"LORASERVE_ADAPTER_BACKOFF_BASE_S": "0"}, "adapter_backoff_base_s must be > 0"),
         ({"LORASERVE_RUNTIME_IMAGE_PULL_POLICY": "Sometimes"}, "runtime_image_pull_policy must be"),

@@ -36,7 +36,9 @@ SPECS = {
             "numSteps": 3,
             "numDraftTokens": 4,
         },
-        "runtime": {"env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]},
+        "runtime": {
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+        },
         "gpus": 2,
         "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "96Gi"}},
         "scheduling": {
@@ -65,7 +67,11 @@ SPECS = {
         "gpus": 0,
         "replicas": 1,
         "adminTokenSecretName": "my-admin-token",
-        "runtime": {"extraArgs": ["--log-level", "DEBUG"], "image": "mirror.local/ls:dev", "imagePullPolicy": "Always"},
+        "runtime": {
+            "extraArgs": ["--log-level", "DEBUG"],
+            "image": "mirror.local/ls:dev",
+            "imagePullPolicy": "Always",
+        },
     },
 }
 
@@ -192,7 +198,9 @@ IRRELEVANT = {
     "replicas": lambda s: s.update(replicas=9),
     "service": lambda s: s.update(service={"type": "NodePort", "port": 9000}),
     "scheduling.nodeSelector": lambda s: s.update(scheduling={"nodeSelector": {"pool": "a"}}),
-    "scheduling.tolerations": lambda s: s.update(scheduling={"tolerations": [{"key": "k", "operator": "Exists"}]}),
+    "scheduling.tolerations": lambda s: s.update(
+        scheduling={"tolerations": [{"key": "k", "operator": "Exists"}]}
+    ),
 }
 
 
@@ -226,15 +234,32 @@ def test_desired_state_is_a_pure_function() -> None:
 @pytest.mark.parametrize(
     "patch,needle",
     [
-        ({"model": {"source": "pvc://elsewhere/llama"}}, "spec.model.source: claim 'elsewhere' is not mounted"),
-        ({"model": {"source": "https://models.example/llama.tar"}}, "spec.model.source: https:// model sources"),
+        (
+            {"model": {"source": "pvc://elsewhere/llama"}},
+            "spec.model.source: claim 'elsewhere' is not mounted",
+        ),
+        (
+            {"model": {"source": "https://models.example/llama.tar"}},
+            "spec.model.source: https:// model sources",
+        ),
         ({"model": {"source": "s3://bucket/llama"}}, "spec.model.source: s3:// model sources"),
         (
             {"model": {"source": "hf://org/m"}, "storage": {"models": {"readOnly": True}}},
             "the models volume, which is read-only",
         ),
-        ({"storage": {"models": {"type": "EmptyDir", "mountPath": "/data"}, "adapters": {"mountPath": "/data"}}}, "the same path"),
-        ({"storage": {"models": {"type": "EmptyDir", "mountPath": "/tmp"}}}, "spec.storage.models.mountPath: /tmp is used"),
+        (
+            {
+                "storage": {
+                    "models": {"type": "EmptyDir", "mountPath": "/data"},
+                    "adapters": {"mountPath": "/data"},
+                }
+            },
+            "the same path",
+        ),
+        (
+            {"storage": {"models": {"type": "EmptyDir", "mountPath": "/tmp"}}},
+            "spec.storage.models.mountPath: /tmp is used",
+        ),
     ],
 )
 def test_unbuildable_specs_are_named_with_a_fix(patch: dict, needle: str) -> None:

@@ -20,13 +20,18 @@ def _desired() -> dict:
             "namespace": "ns",
             "labels": {"app.kubernetes.io/name": "loraserve-runtime"},
             "annotations": {},
-            "ownerReferences": [{"apiVersion": "loraserve.io/v1alpha1", "kind": "LoRAServe", "name": "s", "uid": "u1"}],
+            "ownerReferences": [
+                {"apiVersion": "loraserve.io/v1alpha1", "kind": "LoRAServe", "name": "s", "uid": "u1"}
+            ],
         },
         "spec": {
             "replicas": 2,
             "template": {
                 "metadata": {"labels": {"a": "b"}},
-                "spec": {"nodeSelector": {"gpu": "h100"}, "containers": [{"name": "runtime", "image": "img:1"}]},
+                "spec": {
+                    "nodeSelector": {"gpu": "h100"},
+                    "containers": [{"name": "runtime", "image": "img:1"}],
+                },
             },
         },
     }

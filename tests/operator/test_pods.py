@@ -16,7 +16,12 @@ def _pod(**status) -> dict:
             "annotations": {ds.SERVE_NAME_ANNOTATION: "llama"},
         },
         "spec": {"containers": [{"name": "runtime", "ports": [{"name": "http", "containerPort": 8000}]}]},
-        "status": {"phase": "Running", "podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}], **status},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            **status,
+        },
     }
 
 

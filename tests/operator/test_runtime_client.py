@@ -27,7 +27,9 @@ def test_5xx_throttling_and_auth_are_transient(status: int) -> None:
 
 
 def test_error_message_prefers_the_runtimes_own_words() -> None:
-    body = '{"error": {"message": "adapter rank 32 exceeds max_lora_rank 16", "type": "invalid_request_error"}}'
+    body = (
+        '{"error": {"message": "adapter rank 32 exceeds max_lora_rank 16", "type": "invalid_request_error"}}'
+    )
     assert error_message(400, body) == "adapter rank 32 exceeds max_lora_rank 16"
     assert error_message(502, "<html>bad gateway</html>") == "HTTP 502: <html>bad gateway</html>"
     assert error_message(503, "") == "HTTP 503"
@@ -43,7 +45,12 @@ def test_models_lists_adapters_with_what_the_runtime_read() -> None:
                 "object": "model",
                 "root": "/adapters/sql",
                 "parent": "llama",
-                "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"], "pinned": False, "sha256": "ab" * 32},
+                "lora": {
+                    "rank": 8,
+                    "target_modules": ["q_proj", "v_proj"],
+                    "pinned": False,
+                    "sha256": "ab" * 32,
+                },
             },
             {"id": "bare", "object": "model", "parent": "llama"},
         ],
@@ -52,7 +59,12 @@ def test_models_lists_adapters_with_what_the_runtime_read() -> None:
     assert models.base == "llama"
     assert set(models.adapters) == {"sql", "bare"}
     sql = models.adapters["sql"]
-    assert (sql.source, sql.rank, sql.target_modules, sql.sha256) == ("/adapters/sql", 8, ("q_proj", "v_proj"), "ab" * 32)
+    assert (sql.source, sql.rank, sql.target_modules, sql.sha256) == (
+        "/adapters/sql",
+        8,
+        ("q_proj", "v_proj"),
+        "ab" * 32,
+    )
     assert models.adapters["bare"].rank is None
     with pytest.raises(RuntimeCallError) as info:
         parse_models({"object": "list"})

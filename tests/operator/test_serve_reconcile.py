@@ -48,7 +48,9 @@ async def api():
     server = _apiserver().ApiServer()
     server.declare({"loraserve.io/v1alpha1/loraserves": ("LoRAServe", True)})
     async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        client = KubeClient.from_info(
+            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
+        )
         try:
             yield server, client
         finally:
@@ -170,8 +172,12 @@ async def test_missing_user_secret_blocks_with_a_fix(api) -> None:
     assert await client.get(DEPLOYMENTS, NS, NAME) is None
     assert any("Secret 'mine' not found" in r and "fix:" in r for r in outcome.rejected)
     await client.create(
-        SECRETS, NS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "stringData": {"token": "t"}}
+        SECRETS,
+        NS,
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "stringData": {"token": "t"}},
     )
     outcome = await _pass(client)
     assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
-    assert await client.get(SECRETS, NS, f"{NAME}-admin-token") is None, "no token is generated for a named Secret"
+    assert await client.get(SECRETS, NS, f"{NAME}-admin-token") is None, (
+        "no token is generated for a named Secret"
+    )

@@ -10,8 +10,16 @@ from loraserve.operator.reconcile.adapter_state import PodState, PodTrack
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 
-def _deployment(ready: int, *, replicas: int = 2, updated: int | None = None, generation: int = 1,
-                observed: int = 1, progress: str = "NewReplicaSetAvailable", progress_status: str = "True") -> dict:
+def _deployment(
+    ready: int,
+    *,
+    replicas: int = 2,
+    updated: int | None = None,
+    generation: int = 1,
+    observed: int = 1,
+    progress: str = "NewReplicaSetAvailable",
+    progress_status: str = "True",
+) -> dict:
     return {
         "metadata": {"generation": generation},
         "status": {
@@ -42,8 +50,11 @@ def _conditions(status: dict) -> dict[str, tuple[str, str]]:
         (_deployment(2, generation=2, observed=1), "Progressing", ("True", "RollingOut")),
         (_deployment(0, progress="ReplicaSetUpdated"), "Progressing", ("True", "WaitingForReplicas")),
         (_deployment(1), "Degraded", ("False", "ReplicasUnavailable")),
-        (_deployment(1, progress="ProgressDeadlineExceeded", progress_status="False"), "Degraded",
-         ("False", "ProgressDeadlineExceeded")),
+        (
+            _deployment(1, progress="ProgressDeadlineExceeded", progress_status="False"),
+            "Degraded",
+            ("False", "ProgressDeadlineExceeded"),
+        ),
     ],
 )
 def test_serve_phase_follows_the_deployment(deployment: dict | None, phase: str, progressing: tuple) -> None:
@@ -85,7 +96,11 @@ def test_transition_time_moves_only_when_a_condition_flips() -> None:
 
 
 def test_status_patch_removes_keys_and_nested_fields() -> None:
-    old = {"phase": "Running", "effective": {"algorithm": "EAGLE", "requestedAlgorithm": "NEXTN"}, "warnings": ["w"]}
+    old = {
+        "phase": "Running",
+        "effective": {"algorithm": "EAGLE", "requestedAlgorithm": "NEXTN"},
+        "warnings": ["w"],
+    }
     new = {"phase": "Running", "effective": {"algorithm": "NONE"}}
     patch = st.status_patch(old, new)
     assert patch == {"effective": {"algorithm": "NONE", "requestedAlgorithm": None}, "warnings": None}
@@ -102,12 +117,25 @@ def _track(pod: str, state: PodState, message: str = "") -> PodTrack:
         (st.AdapterFindings(generation=1, ready_pods=0), "Pending", "NoReadyPods"),
         (st.AdapterFindings(generation=1, invalid=["spec.source: bad"]), "Failed", "InvalidSpec"),
         (st.AdapterFindings(generation=1, tracks=[_track("a", PodState.LOADED)] * 2), "Ready", "Loaded"),
-        (st.AdapterFindings(generation=1, tracks=[_track("a", PodState.LOADED), _track("b", PodState.LOADING)]),
-         "Loading", "Loading"),
-        (st.AdapterFindings(generation=1, tracks=[_track("a", PodState.LOADED), _track("b", PodState.FAILED, "x")]),
-         "Degraded", "LoadFailed"),
-        (st.AdapterFindings(generation=1, tracks=[_track("a", PodState.FAILED, "rank 128 > 64")]), "Failed",
-         "LoadFailed"),
+        (
+            st.AdapterFindings(
+                generation=1, tracks=[_track("a", PodState.LOADED), _track("b", PodState.LOADING)]
+            ),
+            "Loading",
+            "Loading",
+        ),
+        (
+            st.AdapterFindings(
+                generation=1, tracks=[_track("a", PodState.LOADED), _track("b", PodState.FAILED, "x")]
+            ),
+            "Degraded",
+            "LoadFailed",
+        ),
+        (
+            st.AdapterFindings(generation=1, tracks=[_track("a", PodState.FAILED, "rank 128 > 64")]),
+            "Failed",
+            "LoadFailed",
+        ),
     ],
 )
 def test_adapter_phase_and_reason(findings: st.AdapterFindings, phase: str, reason: str) -> None:
@@ -124,5 +152,9 @@ def test_adapter_pod_list_carries_the_runtime_message_clipped() -> None:
     status = st.adapter_status(st.AdapterFindings(generation=2, tracks=tracks), None, now=T0)
     assert [p["pod"] for p in status["pods"]] == ["a", "b"]
     failed = status["pods"][1]
-    assert failed["state"] == "Failed" and len(failed["message"]) == st.MAX_MESSAGE and failed["podIP"] == "10.0.0.1"
+    assert (
+        failed["state"] == "Failed"
+        and len(failed["message"]) == st.MAX_MESSAGE
+        and failed["podIP"] == "10.0.0.1"
+    )
     assert failed["time"] == "1970-01-01T00:00:00Z"
