@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import kopf
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 from cryptography import x509
@@ -19,7 +20,8 @@ from loraserve.operator.config import OperatorConfig
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "loraserve"
 NS = "loraserve-system"
-K8S_VERSION = "1.30"
+K8S_VERSIONS = ("1.28", kubernetes_validate.utils.latest_version())
+"""The oldest Kubernetes the chart supports well, and the newest the validator knows."""
 
 VALUES = {
     "default": [],
@@ -118,7 +120,8 @@ def test_every_rendered_object_is_valid(render, name: str) -> None:
             else:
                 assert set(spec) & {"selfSigned", "ca"}
         else:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_chart_crds_are_the_repository_crds() -> None:

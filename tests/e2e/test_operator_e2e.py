@@ -189,7 +189,7 @@ async def test_serve_with_two_replicas_and_three_adapters(
         assert obj is not None, path
         assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
         written = {k: v for k, v in obj.items() if k != "status"}
-        kubernetes_validate.validate(written, "1.30", strict=True)
+        kubernetes_validate.validate(written, "1.28", strict=True)
 
     reasons = {(e["involvedObject"]["kind"], e["reason"]) for e in await cluster.events(NS)}
     assert {("LoRAServe", "Created"), ("Adapter", "Loaded")} <= reasons

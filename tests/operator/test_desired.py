@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 
@@ -15,7 +16,8 @@ from loraserve.operator.translate import to_runtime_config
 from loraserve.runtime import cli
 
 REPO = Path(__file__).resolve().parents[2]
-K8S_VERSION = "1.30"
+K8S_VERSIONS = ("1.28", kubernetes_validate.utils.latest_version())
+"""The oldest Kubernetes the chart supports well, and the newest the validator knows."""
 IDENTITY = ds.ServeIdentity(name="llama", namespace="ml", uid="0b1c5b0e-5d1e-4a53-9a51-1f0c8d1c0a11")
 SETTINGS = ds.DesiredSettings(image="registry.example/loraserve:1.2.3", extra_labels={"team": "ml"})
 
@@ -100,14 +102,16 @@ def _example_specs() -> list[tuple[str, dict]]:
 def test_every_object_is_strictly_valid(name: str) -> None:
     _, objects = _objects(SPECS[name])
     for obj in objects:
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 @pytest.mark.parametrize("example,spec", _example_specs(), ids=lambda v: v if isinstance(v, str) else "")
 def test_example_serves_give_valid_objects(example: str, spec: dict) -> None:
     _, objects = _objects(spec)
     for obj in objects:
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_pod_is_locked_down_and_probed() -> None:
