@@ -137,7 +137,7 @@ class ModelRunner:
                 base_tensor=None if self.shard is None or random_weights else self._checkpoint_vocab_tensor,
             )
             if driver is not None:
-                self.lora.add_listener(driver.slot_event)
+                driver.attach_lora(self.lora)
 
         max_requests = 2 * max(1, config.scheduler.max_running_requests)
         bytes_per_token = kv_bytes_per_token(self.arch.num_layers, num_kv_heads, self.arch.head_dim, self.dtype)
@@ -308,10 +308,9 @@ class ModelRunner:
         self, driver, batch: ForwardBatch, slots: list[int], alloc: Allocation, aux_layers: tuple[int, ...]
     ) -> ForwardOutput:
         """Rank 0: describe the batch to the other ranks, then run it with them."""
-        ranks = self.lora.slot_ranks() if self.lora is not None else None
         with driver.forward_scope():
             try:
-                driver.publish(batch, slots, alloc, free_tokens=self.kv.num_free_tokens, slot_ranks=ranks)
+                driver.publish(batch, slots, alloc, free_tokens=self.kv.num_free_tokens)
             except BaseException:
                 self.kv.rollback(alloc)
                 raise

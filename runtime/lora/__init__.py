@@ -2,7 +2,7 @@
 
 from .adapter import AdapterWeights, load_adapter
 from .errors import AdapterCapacityError, AdapterConflictError, AdapterError, AdapterNotFoundError
-from .manager import AdapterInfo, AdapterState, LoRAManager, validate_lora_config
+from .manager import AdapterInfo, AdapterState, LoRAManager, SlotEvent, validate_lora_config
 from .pool import LoRAContext, SlotPool
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "AdapterWeights",
     "LoRAContext",
     "LoRAManager",
+    "SlotEvent",
     "SlotPool",
     "load_adapter",
     "validate_lora_config",

@@ -364,6 +364,12 @@ class LoRAManager:
         with self._lock:
             self._listeners.append(listener)
 
+    @contextlib.contextmanager
+    def frozen(self):
+        """Hold off every adapter change (loads, placements, removals) for the block."""
+        with self._lock:
+            yield self
+
     def mirror_load(self, name: str, path: str | Path) -> None:
         """Replay another rank's ``load``: read and cut the adapter; no capacity or pin policy."""
         resolved = Path(path).resolve()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kv import KVCache
-from ..lora.manager import SlotEvent
+from ..lora.manager import LoRAManager, SlotEvent
 from .errors import TensorParallelError
 from .group import TPGroup
 from .health import TPHealth
@@ -52,6 +52,7 @@ class Driver:
         self._closed = threading.Event()
         self.messages_sent = 0
         self._heartbeat: threading.Thread | None = None
+        self._lora: LoRAManager | None = None
 
     def start_heartbeats(self) -> None:
         """Begin idle heartbeats; called once every rank has loaded its shard.
@@ -78,8 +79,13 @@ class Driver:
             if rid is not None and num_tokens:
                 self._kv_ops.append((KVOp.TRUNCATE, rid, int(num_tokens)))
 
-    def slot_event(self, event: SlotEvent) -> None:
-        """The LoRA manager's listener (called with its lock held: only appends)."""
+    def attach_lora(self, manager: LoRAManager) -> None:
+        """Journal every change of rank 0's adapter slots for the other ranks."""
+        self._lora = manager
+        manager.add_listener(self._slot_event)
+
+    def _slot_event(self, event: SlotEvent) -> None:
+        # The manager's listener, called with its lock held: only appends.
         with self._journal_lock:
             self._slot_events.append(event)
 
@@ -106,20 +112,8 @@ class Driver:
             with self._journal_lock:
                 self._busy -= 1
 
-    def publish(
-        self,
-        batch: ForwardBatch,
-        slots: Sequence[int],
-        alloc: Allocation,
-        *,
-        free_tokens: int,
-        slot_ranks: list[int] | None,
-    ) -> None:
-        """Describe ``batch`` (already allocated on rank 0) to every other rank.
-
-        ``slot_ranks`` must be read before the call: this method holds its own locks and
-        must never wait for the LoRA manager's.
-        """
+    def publish(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation, *, free_tokens: int) -> None:
+        """Describe ``batch`` (already allocated on rank 0) to every other rank."""
         total, _ = batch.token_counts()
         input_ids = batch.input_ids
         on_host = input_ids.device.type == "cpu"
@@ -135,7 +129,6 @@ class Driver:
             hidden_layers=None if batch.hidden_layers is None else [int(i) for i in batch.hidden_layers],
             input_ids=ForwardStep.encode_ids(input_ids) if on_host else None,
             expect_free_tokens=int(free_tokens),
-            expect_slot_ranks=slot_ranks,
         )
         self._send(Message(Kind.FORWARD, step=step))
         if not on_host:
@@ -174,11 +167,17 @@ class Driver:
             if self._closed.is_set():
                 raise TensorParallelError("the tensor-parallel group was shut down")
             self.check()
-            with self._journal_lock:
-                if only_if_idle and (self._busy or time.monotonic() - self._last_send < self.heartbeat_s):
-                    return False
-                message.kv_ops, self._kv_ops = self._kv_ops, []
-                message.slot_events, self._slot_events = self._slot_events, []
+            if only_if_idle and not self._idle():
+                return False
+            if self._lora is None:
+                self._drain(message)
+            else:
+                # The slot ranks a forward expects must be the state after exactly the
+                # events it carries: no adapter change may slip between drain and read.
+                with self._lora.frozen():
+                    self._drain(message)
+                    if message.step is not None:
+                        message.step.expect_slot_ranks = self._lora.slot_ranks()
             try:
                 self.channel.send(message)
             except TensorParallelError as exc:
@@ -186,6 +185,15 @@ class Driver:
             self._last_send = time.monotonic()
             self.messages_sent += 1
             return True
+
+    def _idle(self) -> bool:
+        with self._journal_lock:
+            return not self._busy and time.monotonic() - self._last_send >= self.heartbeat_s
+
+    def _drain(self, message: Message) -> None:
+        with self._journal_lock:
+            message.kv_ops, self._kv_ops = self._kv_ops, []
+            message.slot_events, self._slot_events = self._slot_events, []
 
     def _heartbeat_loop(self) -> None:
         period = max(min(self.heartbeat_s / 4, 1.0), 0.01)

@@ -8,10 +8,13 @@ engine and the speculative decoder do, so the followers' mirrored state is exerc
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from loraserve.runtime.kv import KVCache
+from loraserve.runtime.lora import AdapterCapacityError
 from loraserve.runtime.model.layers import Linear
 from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from loraserve.runtime.model_runner import ModelRunner
@@ -117,6 +120,41 @@ def test_adapter_load_unload_and_slot_churn_are_mirrored(pair, tp_assets):
     names = ["all-r16", "emb-head", "mlp-r4-rs"]
     both(pair, extend, ["u0", "u1", "u2"], [torch.arange(3, 9)] * 3, names)
     for rid in ("u0", "u1", "u2"):
+        pair.tp.kv.free(rid)
+        pair.ref.kv.free(rid)
+
+
+def test_adapter_changes_from_another_thread_never_diverge(pair, tp_assets):
+    """The server loads (pinned: placed at once), and unloads, adapters on its own thread
+    while forwards run: each step's expected slot state is exactly what rank 1 replays."""
+    stop, loads = threading.Event(), [0]
+
+    def churn():
+        while not stop.is_set():
+            try:
+                pair.tp.lora.load("late-r4", tp_assets.adapters["late-r4"], pinned=loads[0] % 2 == 0)
+                loads[0] += 1
+            except AdapterCapacityError:
+                pass  # every free slot serves the running batch: the next one places it
+            pair.tp.lora.unload("late-r4")
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        gen = torch.Generator().manual_seed(11)
+        for i in range(12):
+            names = [("attn-r8", "emb-head", "mlp-r4-rs")[i % 3], None]
+            extend(pair.tp, [f"t{i}", f"u{i}"], [torch.randint(3, 512, (5,), generator=gen)] * 2, names)
+            decode(pair.tp, [f"t{i}", f"u{i}"], [7, 8], names)
+            pair.tp.kv.free(f"t{i}")
+            pair.tp.kv.free(f"u{i}")
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert loads[0] > 0 and pair.handle.health.failure is None
+    names = ["all-r16", "emb-head", None]
+    both(pair, extend, ["z0", "z1", "z2"], [torch.arange(3, 10)] * 3, names)
+    for rid in ("z0", "z1", "z2"):
         pair.tp.kv.free(rid)
         pair.ref.kv.free(rid)
 
