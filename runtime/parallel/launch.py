@@ -221,5 +221,32 @@ def start_tensor_parallel(
     context.set_current(context.TPContext(group=group, health=health, driver=driver))
     handle = TPHandle(group, driver, health, workers, store_dir)
     atexit.register(handle.shutdown)
+    global _HANDLE
+    _HANDLE = handle
     log.info("tensor parallelism: rank 0 of %d on %s; worker pids %s", size, device, handle.worker_pids)
     return handle
+
+
+_HANDLE: TPHandle | None = None
+
+
+def build_target_runner(config: RuntimeConfig, **launch):
+    """The serving process's target ``ModelRunner``: with ``tensor_parallel_size > 1``
+    the pod's group is started first (this process becomes rank 0).
+
+    The one call the runtime's entry point needs; with one GPU it is ``ModelRunner(config)``.
+    ``launch``: keyword arguments of :func:`start_tensor_parallel` (tests: timeouts).
+    """
+    from ..model_runner import ModelRunner
+
+    if int(config.parallel.tensor_parallel_size) > 1 and context.current() is None:
+        start_tensor_parallel(config, **launch)
+    return ModelRunner(config)
+
+
+def shutdown_tensor_parallel(timeout_s: float = 10.0) -> None:
+    """Stop this process's group, if it started one (also runs at exit)."""
+    global _HANDLE
+    handle, _HANDLE = _HANDLE, None
+    if handle is not None:
+        handle.shutdown(timeout_s)
