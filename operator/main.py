@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,8 @@ from typing import Any
 
 import kopf
 
-from . import handlers, webhooks
+from . import handlers as _handlers  # noqa: F401  (importing registers the kopf handlers)
+from . import webhooks
 from .config import ConfigError, OperatorConfig
 from .reconcile.context import OperatorContext
 from .reconcile.kube import KubeClient
@@ -24,8 +26,6 @@ logger = logging.getLogger("loraserve.operator")
 
 PREFIX = "loraserve.io"
 FINALIZER = f"{PREFIX}/finalizer"
-
-_ = handlers  # imported for the handlers it registers
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -67,9 +67,16 @@ def operator_registry(*, webhooks_enabled: bool) -> kopf.OperatorRegistry:
 async def _login(settings: kopf.OperatorSettings, fixed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo:
     if fixed is not None:
         return fixed
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    try:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise kopf.PermanentError(
+            f"cannot read the credentials (KUBECONFIG or the service account): {exc}"
+        ) from exc
     if info is None:
-        raise kopf.LoginError("no in-cluster service account and no kubeconfig (set KUBECONFIG)")
+        raise kopf.PermanentError("no in-cluster service account and no kubeconfig (set KUBECONFIG)")
     return info
 
 
@@ -156,13 +163,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_level:
             overrides["log_level"] = args.log_level
         if overrides:
-            config = OperatorConfig(**{**config.__dict__, **overrides})
+            config = dataclasses.replace(config, **overrides)
     except ConfigError as exc:
         print(f"loraserve-operator: {exc}", file=sys.stderr)
         return 2
     level = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}[config.log_level]
     kopf.configure(verbose=level == logging.DEBUG, quiet=level == logging.WARNING)
     logging.getLogger().setLevel(level)
+    try:
+        # Fail fast with the reason: kopf would keep waiting for credentials that never come.
+        asyncio.run(_login(build_settings(config), None))
+    except kopf.PermanentError as exc:
+        print(f"loraserve-operator: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(run(config))
     except ValueError as exc:  # e.g. unreadable webhook certificate files, named in the message
