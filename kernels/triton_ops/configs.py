@@ -14,17 +14,21 @@ import torch
 # Tuned on an H200 (bench/KERNELS-NOTES.md has the sweeps behind each number).
 MAX_SPLIT_K = 16
 MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each column group
-MIN_K_BLOCKS_PER_SPLIT = 4  # at least 4 steps (512 columns at block_k 128) per split
+MIN_K_BLOCKS_PER_SPLIT = 2  # at least 2 steps (256 columns at block_k 128) per split
 PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
 MAX_PARTIAL_COLUMNS = 256
 
 # Single-launch (fused) path: programs resident together (a grid barrier needs all of
-# them at once; two per SM fit whatever the kernel uses), column blocks a program may
-# take, and how many rounds of items per program the automatic choice accepts.
+# them at once; two per SM fit whatever the kernel uses). The automatic choice takes it
+# only where a full tile table gives each program at most one column block and each
+# shrink item at most four K steps: on the H200 it beat two launches there (bs 1:
+# qkv, o, gate_up) and lost everywhere else it was measured (down's 7 K steps a split,
+# 8 to 64 tiles; bench/KERNELS-NOTES.md, run 3).
 FUSED_PROGRAMS_PER_SM = 2
-FUSED_MAX_COL_BLOCKS = 8
+FUSED_MAX_COL_BLOCKS = 1
+FUSED_MAX_K_STEPS_PER_SPLIT = 4
 FUSED_MAX_SPLIT_K = 32
 FUSED_MIN_K_BLOCKS_PER_SPLIT = 2
 FUSED_MAX_RANK = 64  # one rank block: above it the kernel needs far more registers and shared memory
@@ -171,9 +175,10 @@ def pick_fused(
     It pays where launches and dependent round trips dominate: short tiles and little
     expand work. ``num_tiles`` is the table's capacity (what a CUDA graph may carry):
     when every tile is live, each program must stream at most ``max_col_blocks`` column
-    blocks, otherwise None. The grid is as large as the work of a full table needs, up
-    to what is resident at once; the kernel picks the K split and the blocks per item
-    from the live tiles of each batch.
+    blocks, and (by default) a shrink item at most ``FUSED_MAX_K_STEPS_PER_SPLIT`` K
+    steps, otherwise None. The grid is as large as the work of a full table needs, up to
+    what is resident at once; the kernel picks the K split and the blocks per item from
+    the live tiles of each batch.
     """
     if not 1 <= len(widths) <= 3 or num_tiles < 1 or max_rank > FUSED_MAX_RANK:
         return None
@@ -194,6 +199,8 @@ def pick_fused(
         max(1, cdiv(in_dim, block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT),
         max(1, MAX_PARTIAL_COLUMNS // block_r),
     )
+    if max_col_blocks <= FUSED_MAX_COL_BLOCKS and cdiv(cdiv(in_dim, block_k), split_limit) > FUSED_MAX_K_STEPS_PER_SPLIT:
+        return None  # a long K loop per program: the two-launch shrink hides it better
     programs = max(1, min(capacity, max(blocks, per_tile * split_limit)))
     # The partial sums' buffer holds the most splits any batch may use: one live tile.
     split = max(1, min(split_limit, programs // per_tile))

@@ -16,7 +16,9 @@ import torch
 from loraserve.kernels.triton_ops import pick_expand, pick_fused, pick_shrink
 from loraserve.kernels.triton_ops.configs import (
     FUSED_MAX_COL_BLOCKS,
+    FUSED_MAX_K_STEPS_PER_SPLIT,
     FUSED_MAX_RANK,
+    FUSED_MAX_SPLIT_K,
     FUSED_PROGRAMS_PER_SM,
     cdiv,
 )
@@ -35,9 +37,15 @@ def test_fused_grid_fits_the_resident_limit_and_bounds_the_work(module, num_tile
     cfg = pick_fused(num_tiles=num_tiles, tile_m=16, widths=widths, max_rank=max_rank, in_dim=in_dim,
                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
     blocks = num_tiles * sum(cdiv(w, 128) for w in widths)
+    k_steps = cdiv(in_dim, 128)
     if cfg is None:
-        # Declined only where a full table would leave programs more blocks than allowed.
-        assert blocks > FUSED_PROGRAMS_PER_SM * sms * FUSED_MAX_COL_BLOCKS
+        # Declined only where a full table would leave programs more blocks than allowed,
+        # or a shrink item a longer K loop than allowed even at the widest split.
+        widest = min(FUSED_MAX_SPLIT_K, k_steps // 2, 256 // max(16, max_rank))
+        assert (
+            blocks > FUSED_PROGRAMS_PER_SM * sms * FUSED_MAX_COL_BLOCKS
+            or cdiv(k_steps, widest) > FUSED_MAX_K_STEPS_PER_SPLIT
+        )
         return
     assert 1 <= cfg.programs <= FUSED_PROGRAMS_PER_SM * sms
     assert cdiv(blocks, cfg.programs) <= FUSED_MAX_COL_BLOCKS
@@ -46,6 +54,7 @@ def test_fused_grid_fits_the_resident_limit_and_bounds_the_work(module, num_tile
     assert cfg.programs <= max(blocks, per_tile * cfg.split_k, per_tile * 32)
     # The partial sums hold the most splits one tile may use, each at least two K steps.
     assert cfg.split_k == 1 or cdiv(in_dim, cfg.block_k) // cfg.split_k >= 2
+    assert cdiv(cdiv(in_dim, cfg.block_k), cfg.split_k) <= FUSED_MAX_K_STEPS_PER_SPLIT
     assert cfg.split_k * per_tile <= max(cfg.programs, per_tile)
     assert cfg.block_r >= min(max_rank, 64)
 
