@@ -37,7 +37,11 @@ from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FUSED_ENV = "LORASERVE_LORA_FUSED"  # "0": never take the single-launch path (an operator's off switch)
+# "1": let the shape heuristic take the single-launch path. Off by default: its grid barrier
+# needs every program resident, which a shared GPU (MPS with an SM limit) can break, and a
+# barrier that gives up leaves that batch's LoRA delta wrong. It saves ~1 µs per module at
+# batch 1-2 only (bench/KERNELS-NOTES.md).
+FUSED_ENV = "LORASERVE_LORA_FUSED"
 _INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
 DEFAULT_PDL = False
 
@@ -89,12 +93,12 @@ class TritonLoRABackend(LoRABackend):
     tests); by default :func:`pick_shrink` / :func:`pick_expand` choose from the shapes.
     ``pdl`` launches the kernels with programmatic dependent launch where the GPU and
     Triton support it (Hopper+), so each launch overlaps the previous kernel's tail.
-    ``fused``: None chooses the single-launch path by shape (:func:`pick_fused`), True
-    takes it wherever the module allows (up to three slices), False never; ``fused_config``
-    pins its configuration. PDL and pinned shrink/expand configurations use two launches.
-    With ``fused`` None, the environment variable ``LORASERVE_LORA_FUSED=0`` turns the
-    single-launch path off (for a GPU shared in ways that break its residency guarantee,
-    say an MPS client limited to part of the SMs).
+    ``fused``: None reads ``LORASERVE_LORA_FUSED``: ``1`` chooses the single-launch path by
+    shape (:func:`pick_fused`), anything else never takes it (the default: its grid barrier
+    relies on every program being resident, which a GPU shared through MPS with an SM
+    limit can break). True takes it wherever the module allows (up to three slices), False
+    never; ``fused_config`` pins its configuration. PDL and pinned shrink/expand
+    configurations use two launches.
     """
 
     name = "triton"
@@ -111,7 +115,7 @@ class TritonLoRABackend(LoRABackend):
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
-        if fused is None and os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        if fused is None and os.environ.get(FUSED_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
             fused = False
         self.fused = fused
         self.fused_config_override = fused_config

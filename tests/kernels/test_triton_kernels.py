@@ -206,13 +206,14 @@ def test_cpu_without_interpreter_gets_a_clear_error(make_pool, gen, monkeypatch)
         get_backend("triton").apply(x, pool.A, pool.B, info, out, pool.offsets)
 
 
-def test_environment_switch_turns_the_single_launch_off(make_pool, gen, monkeypatch, check_apply, device):
-    """``LORASERVE_LORA_FUSED=0`` makes the default backend take two launches (and stay right)."""
+def test_single_launch_is_opt_in_through_the_environment(make_pool, gen, monkeypatch, check_apply, device):
+    """The default backend takes two launches; ``LORASERVE_LORA_FUSED=1`` lets the heuristic fuse."""
     pool = make_pool(in_dim=16, widths=(8,), ranks=[4], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [0], pool.ranks, pool.scalings, device=device)
     x, out0 = pool.inputs(gen, 1)
+    monkeypatch.setenv("LORASERVE_LORA_FUSED", "1")
     assert TritonLoRABackend().fused_config(info, x, pool.B, pool.offsets) is not None
-    monkeypatch.setenv("LORASERVE_LORA_FUSED", "0")
+    monkeypatch.delenv("LORASERVE_LORA_FUSED")
     backend = TritonLoRABackend()
     assert backend.fused_config(info, x, pool.B, pool.offsets) is None
     assert TritonLoRABackend(fused=True).fused_config(info, x, pool.B, pool.offsets) is not None  # explicit wins
