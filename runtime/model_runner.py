@@ -10,8 +10,8 @@ belongs to a group the launcher (``loraserve.runtime.parallel.launch``) started,
 the runner holds this rank's shard of the model, its KV heads and adapter slices. On
 rank 0 the runner is used exactly like a single-device one; each ``forward`` is first
 described to the other ranks (``parallel.driver``), whose runners replay it with
-:meth:`ModelRunner.follow`. With one device none of this exists: same layers, same
-calls, no collective.
+:meth:`ModelRunner.follow`. A draft runner is never sharded: it runs whole, on rank 0.
+With one device none of this exists: same layers, same calls, no collective.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Rank 0's side of tensor parallelism: describe every step to the other ranks.
 
 Rank 0 runs the whole runtime (HTTP, scheduler, drafts, sampling); its target runner
-shards the model like every other rank's. Before each forward the runner
-:meth:`Driver.publish` es the batch; in between, every change to rank 0's KV cache
+shards the model like every other rank's. Before each forward the runner hands the batch
+to :meth:`Driver.publish`; in between, every change to rank 0's KV cache
 (:class:`MirroredKVCache`) and adapter slots (the LoRA manager's listener) is journalled
 and travels, in order, with the next message. While no forward runs, a heartbeat thread
 sends an empty message every ``heartbeat_s`` (once every rank has loaded its weights), so

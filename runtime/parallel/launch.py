@@ -71,12 +71,19 @@ class TPOptions:
                 if value <= 0:
                     raise TensorParallelConfigError(f"{key} must be > 0, got {value}")
                 setattr(out, f.name, value)
-        if out.heartbeat_s * 2 >= out.control_timeout_s:
-            raise TensorParallelConfigError(
-                f"LORASERVE_TP_HEARTBEAT_S ({out.heartbeat_s}) must be well under "
-                f"LORASERVE_TP_CONTROL_TIMEOUT_S ({out.control_timeout_s}): at most half of it"
-            )
+        out.validate()
         return out
+
+    def validate(self) -> None:
+        """Raise :class:`TensorParallelConfigError` for timeouts that cannot work together."""
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise TensorParallelConfigError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.heartbeat_s * 2 > self.control_timeout_s:
+            raise TensorParallelConfigError(
+                f"LORASERVE_TP_HEARTBEAT_S ({self.heartbeat_s}) must be well under "
+                f"LORASERVE_TP_CONTROL_TIMEOUT_S ({self.control_timeout_s}): at most half of it"
+            )
 
 
 class TPHandle:
@@ -175,6 +182,7 @@ def start_tensor_parallel(
     if context.current() is not None:
         raise RuntimeError("a tensor-parallel group is already running in this process")
     options = options or TPOptions.from_env()
+    options.validate()
     arch = load_arch_config(config.model.path, architecture_override=config.model.architecture)
     check_tensor_parallel(arch, size)
     device = _device_for(config, size)
