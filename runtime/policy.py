@@ -407,6 +407,17 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     out += _one_of(
         "speculative.draft_load_format", spec.draft_load_format, DRAFT_LOAD_FORMATS, "draft-load-format"
     )
+    if spec.draft_load_format == "pt":
+        # Pickle checkpoints run arbitrary code on load; the runtime reads safetensors only.
+        out.append(
+            Violation(
+                "draft-load-format-pickle",
+                "speculative.draft_load_format",
+                "pickle (.bin / .pt) draft checkpoints are refused: loading one can run arbitrary code",
+                "convert the draft to safetensors and set {speculative.draft_load_format} to safetensors or auto",
+                kind=Kind.UNAVAILABLE,
+            )
+        )
     out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
     out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
     out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")

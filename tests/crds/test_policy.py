@@ -240,6 +240,15 @@ def test_draft_model_not_required(algorithm):
     assert "draft-required" not in rules(config(algorithm, lora=False, draft=""))
 
 
+@pytest.mark.parametrize("fmt", ["auto", "safetensors", "dummy"])
+def test_pickle_draft_checkpoints_are_refused_and_safe_formats_pass(fmt):
+    assert "draft-load-format-pickle" in rules(config(A.STANDALONE, speculative__draft_load_format="pt"))
+    assert "draft-load-format-pickle" not in rules(config(A.STANDALONE, speculative__draft_load_format=fmt))
+    report = policy.check_config(config(A.STANDALONE, speculative__draft_load_format="pt"), EVERYTHING)
+    (finding,) = [v for v in report.violations if v.rule == "draft-load-format-pickle"]
+    assert finding.field == "speculative.draft_load_format" and "safetensors" in finding.fix
+
+
 def test_chain_drafts_verify_num_steps_plus_one():
     assert "chain-draft-tokens" in rules(
         config(A.EAGLE, speculative__num_steps=5, speculative__num_draft_tokens=4)
