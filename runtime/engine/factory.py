@@ -13,8 +13,10 @@ def build_engine(config: RuntimeConfig, observer: EngineObserver | None = None) 
 
     Heavy: reads weights. Call it off the event loop.
     """
-    from ..model_runner import ModelRunner
+    # With tensor_parallel_size > 1 this starts the pod's other ranks (this process is rank 0);
+    # with one device it is ModelRunner(config).
+    from ..parallel.launch import build_target_runner
 
     tokenizer = Tokenizer.load(config.model.path)
-    runner = ModelRunner(config)
+    runner = build_target_runner(config)
     return Engine(config, runner, tokenizer=tokenizer, observer=observer), tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..parallel.health import failure_reason as tp_failure_reason
 from .errors import ApiError
 from .metrics import CONTENT_TYPE
 from .state import STATE
@@ -21,6 +22,9 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "ready", "model": state.served_name})
     if state.draining:
         raise ApiError(503, "shutting down", code="shutting_down")
+    failure = tp_failure_reason()
+    if failure is not None:
+        raise ApiError(503, f"a tensor-parallel rank failed: {failure}", code="tensor_parallel_failed")
     if state.load_error:
         raise ApiError(503, f"the model failed to load: {state.load_error}", code="model_load_failed")
     raise ApiError(503, "the model is still loading", code="model_loading")

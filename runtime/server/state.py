@@ -12,6 +12,7 @@ from aiohttp import web
 from ..config import RuntimeConfig
 from ..engine import Engine
 from ..lora.sources import SourceSettings
+from ..parallel.health import failure_reason as tp_failure_reason
 from ..tokenizer import Tokenizer
 from .errors import ApiError
 from .metrics import Metrics
@@ -66,7 +67,12 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.running and not self.draining
+        return (
+            self.engine is not None
+            and self.engine.running
+            and not self.draining
+            and tp_failure_reason() is None
+        )
 
     def attach(self, engine: Engine, tokenizer: Tokenizer) -> None:
         """The model is loaded: serve it. Adapters loaded at start-up get their records."""
@@ -84,6 +90,9 @@ class ServerState:
             raise ApiError(
                 503, "the server is shutting down and accepts no new requests", code="shutting_down"
             )
+        failure = tp_failure_reason()
+        if failure is not None:
+            raise ApiError(503, f"a tensor-parallel rank failed: {failure}", code="tensor_parallel_failed")
         if self.engine is None or not self.engine.running:
             if self.load_error:
                 raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")

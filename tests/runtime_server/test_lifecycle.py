@@ -80,3 +80,33 @@ async def test_a_failed_load_is_reported_by_ready_and_requests(assets, tmp_path)
                 assert r.status == 200
     finally:
         await server.close()
+
+
+async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(assets, tmp_path):
+    """The pod's readiness follows its tensor-parallel group: once a rank is reported failed
+    (the process exits a moment later), /ready and new requests answer 503 with the reason."""
+    from loraserve.runtime.parallel import health
+
+    cfg = make_config(assets)
+    app = build_app(
+        cfg, lambda metrics: build_engine(cfg, observer=metrics), sources=SourceSettings(cache_dir=tmp_path / "c")
+    )
+    server = TestServer(app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    state = health.reset_health(exit_on_failure=False)
+    try:
+        await wait_until_ready(app)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/ready") as r:
+                assert r.status == 200
+            state.report_failure("rank 1 stopped answering")
+            async with session.get(url + "/ready") as r:
+                body = await r.json()
+                assert r.status == 503 and body["error"]["code"] == "tensor_parallel_failed"
+                assert "rank 1 stopped answering" in body["error"]["message"]
+            async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "tensor_parallel_failed"
+    finally:
+        health.reset_health()
+        await server.close()
