@@ -32,7 +32,7 @@ from .decoder import Decoder, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
 from .scheduler import Scheduler, SchedulerLimits, StepKind, StepPlan
-from .stats import EngineObserver, EngineSnapshot
+from .stats import EngineObserver, EngineSnapshot, StepTotals
 from .text import TextStream
 
 log = logging.getLogger("loraserve.engine")
@@ -52,7 +52,11 @@ class Engine:
         decoder: Decoder | None = None,
         observer: EngineObserver | None = None,
         sampler: Sampler | None = None,
+        max_admission_defer_steps: int | None = None,
     ) -> None:
+        """``max_admission_defer_steps``: how many decode steps admission may wait to batch
+        prefills under a backlog (None: ``scheduler.max_admission_defer_steps`` of the
+        configuration where it has one, else the scheduler's default; 0: never)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -72,6 +76,7 @@ class Engine:
             max_prefill_tokens=sched.max_prefill_tokens,
             decode_tokens_per_step=max(int(self.decoder.tokens_per_step), 1),
             max_head_bypass=max(max_running, 1),
+            **_defer_limit(max_admission_defer_steps, sched),
         )
         self.scheduler = Scheduler(self.limits)
         self.model_context_len = self._model_context_len()
@@ -96,10 +101,16 @@ class Engine:
         self._pinned: frozenset[str] = frozenset()
         self.refresh_adapters()
         self._steps = 0
+        self._extend_totals = StepTotals()
+        self._decode_totals = StepTotals()
+        self._engine_seconds = 0.0
+        self._extends_during_decode = 0
+        self._deferred_steps = 0
         self.snapshot = EngineSnapshot(
             kv_total_tokens=self._kv_capacity(),
             kv_free_tokens=self._kv_free(),
             max_loras_per_batch=config.lora.max_loras_per_batch,
+            max_running_requests=max_running,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,6 +308,7 @@ class Engine:
         self._drain_inbox()
         if self._stopping:
             return
+        began = time.perf_counter()
         if self._waiting and len(self._pinned) >= self.limits.max_loras_per_batch:
             self._fail_unschedulable()
         plan = self.scheduler.plan(
@@ -315,9 +327,12 @@ class Engine:
                     if not self._inbox and not self._stopping:
                         self._cv.wait(timeout=_IDLE_WAIT_S)
             return
-        self._execute(plan)
+        if plan.deferred:
+            self._deferred_steps += 1
+        decoder_seconds = self._execute(plan)
         self._steps += 1
         self._publish()
+        self._engine_seconds += max(time.perf_counter() - began - decoder_seconds, 0.0)
 
     def _drain_inbox(self, closing: bool = False) -> None:
         while True:
@@ -403,9 +418,13 @@ class Engine:
         keys = [(r.arrival_time, r.rid) for r in self._waiting]
         self._waiting.insert(bisect.bisect_right(keys, (req.arrival_time, req.rid)), req)
 
-    def _execute(self, plan: StepPlan) -> None:
+    def _execute(self, plan: StepPlan) -> float:
+        """Run the plan's step; returns the seconds spent inside the decoder."""
         start = time.monotonic()
+        timer = _DecoderTimer()
         if plan.kind is StepKind.EXTEND:
+            if any(not r.is_prefilling for r in self._running):
+                self._extends_during_decode += 1
             for req in plan.admit:
                 self._waiting.remove(req)
                 self._running.append(req)
@@ -415,7 +434,7 @@ class Engine:
                 self.decoder.on_add(req)
             outs = self._isolated(
                 plan.extend,
-                lambda chunks: self.decoder.extend(chunks),
+                timer.wrap(self.decoder.extend),
                 key=lambda c: c[0],
                 expected_cached=lambda c: c[0].num_cached,
             )
@@ -425,26 +444,34 @@ class Engine:
                 req.num_cached += n
                 if out is not None:
                     self._commit(req, out)
+            prefilled = sum(n for _, n in plan.extend)
+            self._extend_totals = self._extend_totals.add(len(plan.extend), prefilled, timer.seconds)
             self._observe(
                 self.observer.on_step,
                 "extend",
                 len(plan.extend),
-                sum(n for _, n in plan.extend),
+                prefilled,
                 time.monotonic() - start,
             )
         else:
             outs = self._isolated(
                 plan.decode,
-                lambda reqs: self.decoder.step(reqs),
+                timer.wrap(self.decoder.step),
                 key=lambda r: r,
                 expected_cached=lambda r: r.num_cached,
             )
+            generated = 0
             for req, out in zip(plan.decode, outs, strict=True):
                 if not req.finished and out is not None:
+                    before = len(req.output_ids)
                     self._commit(req, out)
+                    generated += len(req.output_ids) - before  # what a stop condition kept
+            self._decode_totals = self._decode_totals.add(len(plan.decode), generated, timer.seconds)
             self._observe(
                 self.observer.on_step, "decode", len(plan.decode), len(plan.decode), time.monotonic() - start
             )
+        self.scheduler.observe_step(plan.kind, timer.seconds, sum(n for _, n in plan.extend))
+        return timer.seconds
 
     def _isolated(self, items: Sequence, run, *, key, expected_cached) -> list:
         """Run a batch; if it raises, run each item alone so only the culprit fails."""
@@ -670,6 +697,12 @@ class Engine:
             max_loras_per_batch=self.config.lora.max_loras_per_batch,
             last_batch_size=len(self._running),
             steps=self._steps,
+            max_running_requests=self.limits.max_running_requests,
+            extend=self._extend_totals,
+            decode=self._decode_totals,
+            engine_seconds=self._engine_seconds,
+            extends_during_decode=self._extends_during_decode,
+            deferred_admission_steps=self._deferred_steps,
         )
 
     # ------------------------------------------------------------------ runner facts
@@ -686,6 +719,28 @@ class Engine:
         if not known:
             raise ValueError("cannot tell the context length: set model.context_length")
         return min(known)
+
+
+def _defer_limit(explicit: int | None, sched) -> dict:
+    value = explicit if explicit is not None else getattr(sched, "max_admission_defer_steps", None)
+    return {} if value is None else {"max_admission_defer_steps": int(value)}
+
+
+class _DecoderTimer:
+    """Adds up the seconds spent inside decoder calls (a failed batch's retries included)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(items):
+            began = time.perf_counter()
+            try:
+                return fn(items)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        return timed
 
 
 def _state(info) -> str:

@@ -131,7 +131,8 @@ class Request:
 
     @property
     def last_token(self) -> int:
-        return self.all_ids[-1]
+        # Read every step for every request: no copy of the whole sequence.
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def finished(self) -> bool:

@@ -23,8 +23,18 @@ everyone (a smaller request never overtakes it). A head blocked only by the adap
 may be overtaken by requests that need no new adapter slot, at most ``max_head_bypass``
 times; after that admission waits for the head.
 
-Everything here is pure over the given views, except two counters the ``Scheduler``
-keeps between steps (the last step's kind, and how often the head was overtaken).
+Batched admission under a backlog: an extend step pauses every decoding request, and
+much of its cost is fixed (it does not grow with the prompts it carries). When requests
+are queued beyond what the free slots take, and none is mid-prefill, admission waits
+while the decode output the free slots forgo stays below the fixed cost of one extend
+step (both learnt from the steps run, :class:`~.costs.StepCosts`), and never more than
+``max_admission_defer_steps`` decode steps; then everything admissible is prefilled in
+one step. Slots keep freeing meanwhile, so one extend admits several requests. Without
+a backlog (light load) a request is admitted at once.
+
+Everything here is pure over the given views, except what the ``Scheduler`` keeps between
+steps: the last step's kind, how often the head was overtaken, the step costs and how
+long admission has been deferred.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .costs import StepCosts
 from .request import Request
 
 
@@ -60,6 +71,8 @@ class SchedulerLimits:
     decode_tokens_per_step: int = 1  # KV tokens one decode step appends per request
     new_token_ratio: float = 0.3
     max_head_bypass: int = 64
+    # Decode steps admission may wait to batch prefills under a backlog (0: never waits).
+    max_admission_defer_steps: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,6 +85,10 @@ class SchedulerLimits:
                 raise ValueError(f"scheduler limit {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.new_token_ratio <= 1:
             raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
+        if self.max_admission_defer_steps < 0:
+            raise ValueError(
+                f"scheduler limit max_admission_defer_steps must be >= 0, got {self.max_admission_defer_steps}"
+            )
 
     @property
     def chunk_budget(self) -> int:
@@ -88,6 +105,7 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     retract: list[Request] = field(default_factory=list)  # running -> waiting, before the step
     head_blocked: BlockReason = BlockReason.NONE
+    deferred: bool = False  # a decode step chosen while admissible requests wait (batched admission)
 
 
 def reserve_tokens(req: Request, ratio: float) -> int:
@@ -183,6 +201,42 @@ def plan_extend(
     return chunks
 
 
+def admission_loss(num_admissible: int, num_decoding: int, decode_seconds: float) -> float:
+    """Decode output one step forgoes by leaving ``num_admissible`` requests waiting, in
+    seconds of a decode step: their share of the batch they would have joined."""
+    if num_admissible <= 0:
+        return 0.0
+    return decode_seconds * num_admissible / (num_decoding + num_admissible)
+
+
+def should_defer_admission(
+    *,
+    num_admissible: int,
+    num_waiting: int,
+    num_decoding: int,
+    prefilling: bool,
+    deferred_steps: int,
+    deferred_loss: float,
+    costs: StepCosts,
+    max_defer_steps: int,
+) -> bool:
+    """Whether to run a decode step now and admit later, in one batched extend.
+
+    Only under a backlog (more waiting than can be admitted now), with requests decoding
+    and none mid-prefill, once both step costs are known; while the forgone decode output
+    (``deferred_loss`` so far plus this step's) stays below one extend step's fixed cost,
+    for at most ``max_defer_steps`` steps in a row.
+    """
+    if num_admissible <= 0 or num_decoding <= 0 or prefilling:
+        return False
+    if num_waiting <= num_admissible or deferred_steps >= max_defer_steps:
+        return False
+    decode_s, fixed_s = costs.decode_seconds, costs.extend_fixed_seconds
+    if decode_s is None or fixed_s is None:
+        return False
+    return deferred_loss + admission_loss(num_admissible, num_decoding, decode_s) < fixed_s
+
+
 def plan_retractions(running: Sequence[Request], free_tokens: int, tokens_per_request: int) -> list[Request]:
     """Newest-admitted requests to evict so one decode step fits in the free KV tokens.
 
@@ -207,11 +261,21 @@ def plan_retractions(running: Sequence[Request], free_tokens: int, tokens_per_re
 class Scheduler:
     """Plans steps; keeps only the alternation and head-overtake counters."""
 
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits, costs: StepCosts | None = None) -> None:
         self.limits = limits
+        self.costs = costs or StepCosts()
         self._last_kind = StepKind.IDLE
         self._bypass_used = 0
         self._head: Request | None = None
+        self._deferred_steps = 0
+        self._deferred_loss = 0.0
+
+    def observe_step(self, kind: StepKind, seconds: float, prefilled_tokens: int = 0) -> None:
+        """What a step of the last plan cost (decoder seconds); feeds :attr:`costs`."""
+        if kind is StepKind.DECODE:
+            self.costs.observe_decode(seconds)
+        elif kind is StepKind.EXTEND:
+            self.costs.observe_extend(seconds, prefilled_tokens)
 
     def plan(
         self,
@@ -243,20 +307,46 @@ class Scheduler:
             )
             chunks = plan_extend(running, admitted, limits.chunk_budget, free_tokens)
             admitted = [r for r in admitted if any(c[0] is r for c in chunks)]
-            if chunks:
+            defer = should_defer_admission(
+                num_admissible=len(admitted),
+                num_waiting=len(waiting),
+                num_decoding=len(decoding),
+                prefilling=bool(prefilling),
+                deferred_steps=self._deferred_steps,
+                deferred_loss=self._deferred_loss,
+                costs=self.costs,
+                max_defer_steps=limits.max_admission_defer_steps,
+            )
+            if chunks and not defer:
                 self._bypass_used = bypass
                 self._last_kind = StepKind.EXTEND
+                self._deferred_steps, self._deferred_loss = 0, 0.0
                 return StepPlan(StepKind.EXTEND, admit=admitted, extend=chunks, head_blocked=reason)
+            if defer:
+                plan = self._decode_plan(running, decoding, free_tokens)
+                if plan.kind is StepKind.DECODE:
+                    self._deferred_steps += 1
+                    self._deferred_loss += admission_loss(
+                        len(admitted), len(plan.decode), self.costs.decode_seconds or 0.0
+                    )
+                    plan.deferred = True
+                    plan.head_blocked = reason
+                return plan
             if not decoding and prefilling and free_tokens <= 0 and len(running) > 1:
                 # Prefill cannot proceed and nothing decodes: free the newest request's KV.
                 newest = max(running, key=lambda r: (r.admitted_time or 0.0, r.arrival_time))
                 return StepPlan(StepKind.IDLE, retract=[newest], head_blocked=reason)
         if decoding:
-            victims = plan_retractions(running, free_tokens, limits.decode_tokens_per_step)
-            batch = [r for r in decoding if all(r is not v for v in victims)]
-            if not batch:  # only prefilling requests remain: they continue next step
-                return StepPlan(StepKind.IDLE, retract=victims)
-            self._last_kind = StepKind.DECODE
-            return StepPlan(StepKind.DECODE, decode=batch, retract=victims)
+            return self._decode_plan(running, decoding, free_tokens)
         self._last_kind = StepKind.IDLE
         return StepPlan(StepKind.IDLE)
+
+    def _decode_plan(
+        self, running: Sequence[Request], decoding: Sequence[Request], free_tokens: int
+    ) -> StepPlan:
+        victims = plan_retractions(running, free_tokens, self.limits.decode_tokens_per_step)
+        batch = [r for r in decoding if all(r is not v for v in victims)]
+        if not batch:  # only prefilling requests remain: they continue next step
+            return StepPlan(StepKind.IDLE, retract=victims)
+        self._last_kind = StepKind.DECODE
+        return StepPlan(StepKind.DECODE, decode=batch, retract=victims)

@@ -26,10 +26,30 @@ class EngineObserver:
         """A request left the engine for good (finished, aborted or failed)."""
 
     def on_step(self, kind: str, batch_size: int, num_tokens: int, seconds: float) -> None:
-        """One extend or decode step ran."""
+        """One extend or decode step ran (``seconds``: the whole step, outputs included)."""
 
     def on_retract(self, request: Request) -> None:
         """A running request was evicted back to the queue to free KV cache."""
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Cumulative work of one step kind (extend or decode) since the engine started."""
+
+    steps: int = 0
+    requests: int = 0  # request-steps: the sum of the batch sizes
+    tokens: int = 0  # extend: prompt tokens prefilled; decode: tokens generated
+    seconds: float = 0.0  # inside the decoder: model forwards, drafting, sampling
+
+    @property
+    def mean_batch(self) -> float:
+        """Requests per step."""
+        return self.requests / self.steps if self.steps else 0.0
+
+    def add(self, requests: int, tokens: int, seconds: float) -> StepTotals:
+        return StepTotals(
+            self.steps + 1, self.requests + requests, self.tokens + tokens, self.seconds + seconds
+        )
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,23 @@ class EngineSnapshot:
     last_batch_size: int = 0
     steps: int = 0
     time: float = field(default_factory=time.time)
+    max_running_requests: int = 0
+    extend: StepTotals = StepTotals()
+    decode: StepTotals = StepTotals()
+    # Seconds the engine thread spent on steps outside the decoder (scheduling, outputs,
+    # detokenisation, stop checks): host work every step pays on top of the model.
+    engine_seconds: float = 0.0
+    # Extend steps that ran while requests were decoding (each one pauses every decode).
+    extends_during_decode: int = 0
+    # Decode steps that ran with free running slots while requests waited (deferred admission).
+    deferred_admission_steps: int = 0
+
+    @property
+    def decode_occupancy(self) -> float:
+        """Mean decode batch over ``max_running_requests`` (1.0: the batch was always full)."""
+        if not self.decode.steps or not self.max_running_requests:
+            return 0.0
+        return self.decode.mean_batch / self.max_running_requests
 
     @property
     def kv_usage(self) -> float:

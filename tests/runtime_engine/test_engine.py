@@ -264,3 +264,41 @@ def test_shutdown_drains_then_aborts_and_refuses_new_work(engine_assets, start_e
     late, _ = make_request([3, 4, 5], max_tokens=2)
     with pytest.raises(EngineClosedError):
         engine.submit(late)
+
+
+def _backlog(engine, work) -> list:
+    collected = []
+    for prompt, adapter, max_tokens in work:
+        r, c = make_request(prompt, adapter, max_tokens=max_tokens)
+        engine.submit(r)
+        collected.append(c)
+    wait_all(collected)
+    return [c.token_ids for c in collected]
+
+
+def test_batched_admission_under_a_backlog_changes_no_output_and_saves_extends(engine_assets, start_engine):
+    """With extends made expensive in the engine's learnt costs (as an eager forward is on
+    a GPU), a backlog is admitted in batches: fewer extend steps interrupt decoding, every
+    output stays the same, and the counters in the snapshot add up."""
+    work = [(p, a, 4 + (7 * i) % 27) for i, (p, a, _) in enumerate(_workload(7, 14))]  # staggered ends
+    cfg = engine_config(engine_assets, max_running_requests=4)
+    eager = start_engine(cfg, max_admission_defer_steps=0)
+    batched = start_engine(cfg, max_admission_defer_steps=3)
+    for tokens in (16, 256):
+        batched.scheduler.costs.observe_extend(10.0, tokens)  # seconds: far above any decode step
+    want = _backlog(eager, work)
+    assert _backlog(batched, work) == want
+
+    a, b = eager.snapshot, batched.snapshot
+    assert a.deferred_admission_steps == 0 and b.deferred_admission_steps > 0
+    assert b.extends_during_decode < a.extends_during_decode
+    for snap in (a, b):
+        generated = sum(len(t) for t in want)
+        # Every request's first token comes from its prefill, the rest from decode steps.
+        assert snap.decode.tokens == generated - len(work)
+        assert snap.extend.tokens == sum(len(p) for p, _, _ in work)
+        assert snap.extend.requests == len(work) and snap.extend.steps <= len(work)
+        assert snap.max_running_requests == 4 and 0 < snap.decode_occupancy <= 1
+        assert snap.decode.mean_batch == pytest.approx(snap.decode.requests / snap.decode.steps)
+        assert snap.decode.seconds > 0 and snap.extend.seconds > 0 and snap.engine_seconds > 0
+        assert snap.steps == snap.extend.steps + snap.decode.steps

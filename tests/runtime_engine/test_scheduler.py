@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
+from loraserve.runtime.engine.costs import StepCosts
 from loraserve.runtime.engine.request import Request, RequestState
 from loraserve.runtime.engine.scheduler import (
     BlockReason,
@@ -14,6 +16,7 @@ from loraserve.runtime.engine.scheduler import (
     StepKind,
     plan_retractions,
     select_admissions,
+    should_defer_admission,
 )
 from loraserve.runtime.sampling import SamplingParams
 
@@ -174,3 +177,109 @@ def test_a_decode_step_with_nothing_left_to_decode_is_idle():
     assert sched.plan([req(4)], [new_decode], free_tokens=100).kind is StepKind.EXTEND  # decode is due next
     plan = sched.plan([], [old_prefill, new_decode], free_tokens=0)
     assert plan.kind is StepKind.IDLE and plan.retract == [new_decode]
+
+
+# --------------------------------------------------------------------------- batched admission
+
+
+def gpu_like_costs(decode_s: float = 0.02, fixed_s: float = 0.1, per_token_s: float = 1e-5) -> StepCosts:
+    """Step costs as learnt from extends whose time is mostly fixed (an eager forward on a GPU)."""
+    costs = StepCosts()
+    for tokens in (128, 4096, 256, 128, 384):
+        costs.observe_extend(fixed_s + per_token_s * tokens, tokens)
+    for _ in range(5):
+        costs.observe_decode(decode_s)
+    return costs
+
+
+def test_step_costs_recover_the_fixed_part_of_an_extend():
+    costs = StepCosts()
+    assert costs.decode_seconds is None and costs.extend_fixed_seconds is None
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = rng.randrange(16, 4096)
+        costs.observe_extend(0.09 + 2e-5 * tokens + rng.uniform(-1e-3, 1e-3), tokens)
+        costs.observe_decode(0.02 + rng.uniform(-1e-3, 1e-3))
+    assert costs.extend_fixed_seconds == pytest.approx(0.09, abs=0.01)
+    assert costs.decode_seconds == pytest.approx(0.02, abs=0.002)
+    # Extends that all carry the same tokens cannot separate fixed from per-token cost:
+    # the mean counts as fixed (an upper bound).
+    same = StepCosts()
+    for _ in range(10):
+        same.observe_extend(0.3, 512)
+    assert same.extend_fixed_seconds == pytest.approx(0.3)
+    # Compute-bound extends (time proportional to tokens) have no fixed part to save.
+    linear = StepCosts()
+    for tokens in (100, 1000, 3000, 500, 2000):
+        linear.observe_extend(1e-4 * tokens, tokens)
+    assert linear.extend_fixed_seconds == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="decay"):
+        StepCosts(decay=1.0)
+
+
+def _defer(**kw) -> bool:
+    args = dict(
+        num_admissible=2,
+        num_waiting=10,
+        num_decoding=30,
+        prefilling=False,
+        deferred_steps=0,
+        deferred_loss=0.0,
+        costs=gpu_like_costs(),
+        max_defer_steps=8,
+    )
+    args.update(kw)
+    return should_defer_admission(**args)
+
+
+def test_admission_waits_only_under_a_backlog_while_cheaper_than_an_extend():
+    assert _defer()
+    assert not _defer(num_waiting=2), "no backlog: admit at once (light load keeps its latency)"
+    assert not _defer(num_decoding=0), "nothing decodes: an extend costs nobody anything"
+    assert not _defer(prefilling=True), "a prefill is under way: new requests ride along"
+    assert not _defer(num_admissible=0)
+    assert not _defer(deferred_steps=8), "bounded wait"
+    assert not _defer(costs=StepCosts()), "costs unknown yet"
+    # The forgone output reached one extend's fixed cost: admit now.
+    assert not _defer(deferred_loss=0.1)
+    # Many free slots forgo more output per step than the fixed cost: no point waiting.
+    assert not _defer(num_admissible=30, num_decoding=1, costs=gpu_like_costs(decode_s=0.2, fixed_s=0.1))
+    # Compute-bound extends have no fixed part: never worth waiting for.
+    assert not _defer(costs=gpu_like_costs(fixed_s=0.0, per_token_s=1e-4))
+
+
+def test_batched_admission_admits_everything_freed_in_one_extend_within_the_limit():
+    lim = limits(max_running_requests=8, max_loras_per_batch=4, max_admission_defer_steps=4)
+    sched = Scheduler(lim, costs=gpu_like_costs())
+    run = [running(req(4)) for _ in range(8)]
+    waiting = [req(4) for _ in range(12)]
+    queue = list(waiting)
+    plan = sched.plan(waiting, run, free_tokens=10_000)
+    assert plan.kind is StepKind.DECODE and not plan.deferred  # full: nothing to admit
+    kinds = []
+    for _ in range(6):
+        run.pop(0)  # one request finishes per step
+        plan = sched.plan(waiting, run, free_tokens=10_000)
+        kinds.append((plan.kind, plan.deferred, len(plan.admit)))
+        if plan.kind is StepKind.EXTEND:
+            for r in plan.admit:
+                waiting.remove(r)
+                run.append(running(r))
+            break
+    # Waits while slots free up (never past the limit), then admits all of them at once.
+    assert kinds[:-1] == [(StepKind.DECODE, True, 0)] * (len(kinds) - 1)
+    assert len(kinds) - 1 <= 4
+    assert kinds[-1][0] is StepKind.EXTEND and kinds[-1][2] == len(kinds) >= 2
+    assert plan.admit == queue[: len(plan.admit)]  # the queue's oldest, in order
+
+
+def test_batched_admission_off_admits_each_freed_slot_at_once():
+    sched = Scheduler(limits(max_admission_defer_steps=0), costs=gpu_like_costs())
+    run = [running(req(4)) for _ in range(7)]
+    plan = sched.plan([req(4) for _ in range(5)], run, free_tokens=10_000)
+    assert plan.kind is StepKind.EXTEND and len(plan.admit) == 1
+
+
+def test_max_admission_defer_steps_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_admission_defer_steps"):
+        limits(max_admission_defer_steps=-1)
