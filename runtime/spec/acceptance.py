@@ -12,7 +12,7 @@ The uniforms are inputs: the decoder draws them from each request's own generato
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,17 +23,31 @@ class Acceptance:
 
     accept_lens: torch.Tensor  # int64 [bs]: drafts accepted, 0..k-1
     tokens: torch.Tensor  # int64 [bs, k]: accepted drafts, then the target's token; -1 after
+    _host: tuple[list[int], list[list[int]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def num_new_tokens(self) -> torch.Tensor:
         """Tokens each request gains this step (accepted drafts + one from the target)."""
         return self.accept_lens + 1
 
+    def host(self) -> tuple[list[int], list[list[int]]]:
+        """``(accept_lens, token rows)`` as host lists: one device-to-host copy, kept for
+        every later reader of this step (the decoder, the drafter)."""
+        if self._host is None:
+            both = torch.cat([self.accept_lens.long()[:, None], self.tokens.long()], dim=1).tolist()
+            self._host = ([row[0] for row in both], [row[1:] for row in both])
+        return self._host
+
+    def host_accept_lens(self) -> list[int]:
+        """Drafts accepted per request, as a host list (see :meth:`host`)."""
+        return self.host()[0]
+
     def new_tokens(self) -> list[list[int]]:
         """Host lists of each request's new tokens, in order."""
-        lens = self.num_new_tokens.tolist()
-        rows = self.tokens.tolist()
-        return [row[:n] for row, n in zip(rows, lens, strict=True)]
+        lens, rows = self.host()
+        return [row[: n + 1] for row, n in zip(rows, lens, strict=True)]
 
 
 def _check_layout(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:

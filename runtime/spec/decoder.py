@@ -142,17 +142,18 @@ class SpeculativeDecoder:
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
         start = time.perf_counter()
         n = self.num_drafts
+        # Host list -> device without a blocking copy: the drafts are still being computed.
+        last = torch.tensor([r.last_token for r in requests], dtype=torch.int64)
         proposal = self.drafter.propose(requests, n)
         drafts = proposal.tokens.to(self.device)
-        last = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+        last = last.to(self.device, non_blocking=True)
         verify_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
         verify_start = time.perf_counter()
         output = self.runner.forward(
             self._target_batch(ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=self.k)
         )
         acceptance = self._accept(requests, drafts, output.logits, proposal.probs)
-        accept_lens = acceptance.accept_lens.tolist()
-        token_rows = acceptance.tokens.tolist()
+        accept_lens, token_rows = acceptance.host()  # the step's one wait for the device
         verify_seconds = time.perf_counter() - verify_start
         for req, accepted in zip(requests, accept_lens, strict=True):
             self.runner.kv.truncate(req.rid, n - accepted)

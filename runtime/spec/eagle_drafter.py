@@ -142,7 +142,7 @@ class EagleDrafter:
         k = acceptance.tokens.shape[1]
         feats = feats.view(len(requests), k, -1)
         items = []
-        for i, (req, accepted) in enumerate(zip(requests, acceptance.accept_lens.tolist(), strict=True)):
+        for i, (req, accepted) in enumerate(zip(requests, acceptance.host_accept_lens(), strict=True)):
             n = accepted + 1
             items.append((req, acceptance.tokens[i, :n], feats[i, :n]))
         self._append(items)

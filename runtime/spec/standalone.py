@@ -1,12 +1,16 @@
 """STANDALONE drafting: a small model with the target's tokenizer, its own runner and KV.
 
 The draft's cache mirrors the request's tokens: during prefill it runs the same chunks
-as the target; per step it decodes the last committed token, then one token per draft,
-and finally caches the last draft as well. After verify, entries of rejected drafts are
-truncated, so the cache holds every committed token but the target's newest one, and
-every step is made of decodes only (which CUDA graphs replay). A request whose draft
-cache is behind (new, or re-synced after a failure) first catches up in one extend. The draft runner has no adapter pool
-(``lora is None``): every adapter's requests get the same, base-model proposals.
+as the target; per step it decodes the last committed token, then one token per draft
+but the last (which nothing reads). After verify, entries of rejected drafts are
+truncated, so the cache holds every committed token but the target's newest one; when
+every draft was accepted it also lacks the last draft. The next step then starts with one
+uniform two-token forward (each request's last two committed tokens; a request missing
+only one drops its newest cached entry and recomputes it), so every step is made of
+fixed-width forwards that CUDA graphs replay, and no step pays a forward only to cache
+the last draft. A request whose draft cache is further behind (new, or re-synced after a
+failure) first catches up in one extend. The draft runner has no adapter pool (``lora is
+None``): every adapter's requests get the same, base-model proposals.
 """
 
 from __future__ import annotations
@@ -81,12 +85,19 @@ class StandaloneDrafter:
         if num_tokens == 0:
             return DraftProposal(tokens)
         rids = [r.rid for r in requests]
-        if all(self._cached(r) == r.num_tokens - 1 for r in requests):
+        missing = [r.num_tokens - self._cached(r) for r in requests]
+        if all(m == 1 for m in missing):
             # The usual case: only the last committed token is new, a (graph-able) decode.
-            last = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+            last = torch.tensor([r.last_token for r in requests], dtype=torch.int64)
             logits = self.runner.forward(
-                ForwardBatch(mode=ForwardMode.DECODE, request_ids=rids, input_ids=last)
+                ForwardBatch(
+                    mode=ForwardMode.DECODE,
+                    request_ids=rids,
+                    input_ids=last.to(self.device, non_blocking=True),
+                )
             ).logits
+        elif all(m in (1, 2) for m in missing) and all(r.num_tokens >= 2 for r in requests):
+            logits = self._two_token_step(requests, missing)
         else:  # a fresh or re-synced request: catch up on everything not yet cached
             logits = self._catch_up([(req, req.num_tokens) for req in requests], last_logits=True)
         assert logits is not None and logits.shape[0] == bs
@@ -102,18 +113,32 @@ class StandaloneDrafter:
             )
             tokens[:, j] = step_tokens
             probs.append(step_probs)
-        # Cache the last draft too, so that after verify only the target's own token is
-        # new and the next step again starts with a decode.
-        self.runner.forward(
-            ForwardBatch(mode=ForwardMode.DECODE, request_ids=rids, input_ids=tokens[:, -1].contiguous())
-        )
         if all(p is None for p in probs):
             return DraftProposal(tokens)
         return DraftProposal(tokens, torch.stack(probs, dim=1))  # type: ignore[arg-type]
 
+    def _two_token_step(self, requests: Sequence[Request], missing: Sequence[int]) -> torch.Tensor:
+        """One fixed-width forward over each request's last two committed tokens (after a
+        step that accepted every draft, the last draft and the bonus token are both new);
+        returns each request's last-row logits."""
+        for req, m in zip(requests, missing, strict=True):
+            if m == 1:
+                self.runner.kv.truncate(req.rid, 1)  # recompute it: every row has width 2
+        ids = [tok for req in requests for tok in _last_two(req)]
+        out = self.runner.forward(
+            ForwardBatch(
+                mode=ForwardMode.TARGET_VERIFY,
+                request_ids=[r.rid for r in requests],
+                input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
+                num_draft_tokens=2,
+            )
+        )
+        return out.logits.view(len(requests), 2, -1)[:, 1]
+
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
-        # The cache holds all_ids (before this step) plus every draft; keep the accepted ones.
-        for req, accepted in zip(requests, acceptance.accept_lens.tolist(), strict=True):
+        # The cache holds all_ids (before this step) plus every draft the draft model read
+        # (all but the last); keep the accepted ones.
+        for req, accepted in zip(requests, acceptance.host_accept_lens(), strict=True):
             keep = req.num_tokens + accepted
             held = self._cached(req)
             if held > keep:
@@ -121,3 +146,11 @@ class StandaloneDrafter:
 
     def release(self, request: Request) -> None:
         self.runner.kv.free(request.rid)
+
+
+def _last_two(req: Request) -> list[int]:
+    """The request's last two committed tokens (it has at least two)."""
+    out = req.output_ids
+    if len(out) >= 2:
+        return out[-2:]
+    return [*req.prompt_ids[-(2 - len(out)) :], *out]

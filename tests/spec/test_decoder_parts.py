@@ -97,6 +97,52 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version):
     assert "r" not in drafter.runner.kv
 
 
+def test_standalone_draft_state_after_verify_matches_a_fresh_catch_up(make_spec_config):
+    """After steps with every accept length (all accepted included), the incremental
+    draft proposes exactly what a draft that re-reads the committed tokens in one extend
+    proposes, and each step costs one draft forward per draft token (none to cache the
+    last draft)."""
+    config = make_spec_config("STANDALONE", "small")
+    runner = ModelRunner(config)
+    drafter = build_decoder(config=config, runner=runner, sampler=Sampler(0)).drafter
+    fresh = build_decoder(config=config, runner=runner, sampler=Sampler(0)).drafter
+    calls = {"n": 0}
+    forward = drafter.runner.forward
+
+    def counted(batch):
+        calls["n"] += 1
+        return forward(batch)
+
+    drafter.runner.forward = counted
+    gen = torch.Generator().manual_seed(3)
+    n = 3
+    req = Request(
+        rid="s",
+        prompt_ids=torch.randint(3, 500, (11,), generator=gen).tolist(),
+        params=SamplingParams(temperature=0.0),
+    )
+    req.prefill_target = req.num_tokens
+    drafter.on_extend([(req, req.num_tokens)], None, [None])
+    req.output_ids.append(42)
+    for accepted in (0, n, n, 1, n, 2, 0, n):
+        calls["n"] = 0
+        proposal = drafter.propose([req], n)
+        assert calls["n"] == n
+        fresh.release(req)
+        assert proposal.tokens.tolist() == fresh.propose([req], n).tokens.tolist()
+        tokens = torch.full((1, n + 1), -1, dtype=torch.int64)
+        tokens[0, :accepted] = proposal.tokens[0, :accepted]
+        tokens[0, accepted] = int(torch.randint(3, 500, (1,), generator=gen))
+        before = req.num_tokens
+        drafter.on_verify([req], Acceptance(torch.tensor([accepted]), tokens), None)
+        req.output_ids.extend(tokens[0, : accepted + 1].tolist())
+        # Every committed token but the newest is cached; after a full accept the last draft is not.
+        expected = before + accepted - (1 if accepted == n else 0)
+        assert drafter.runner.kv.seq_len("s") == expected
+    drafter.release(req)
+    assert "s" not in drafter.runner.kv
+
+
 def test_requests_at_the_context_limit_decode_one_token_without_drafting(make_spec_config):
     config = make_spec_config("STANDALONE", "same", context_length=32)
     runner = ModelRunner(config)
