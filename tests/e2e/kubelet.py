@@ -246,8 +246,10 @@ class Kubelet:
         container = pod_spec["containers"][0]
         port = next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == "http"), 8000)
         volumes = await self._volumes(namespace, pod_spec, workdir)
-        command = [self._resolve(c) for c in [*container.get("command", []), *container.get("args", [])]]
-        command = [self._rewrite(arg, container, volumes) for arg in command]
+        program, *args = [*container.get("command", []), *container.get("args", [])]
+        # The program is the image's own binary (here: this venv's script), never a path
+        # inside a pod volume, wherever the checkout lives (under /tmp, say).
+        command = [self._resolve(program), *(self._rewrite(arg, container, volumes) for arg in args)]
         command = [
             ip if prev == "--host" else arg for prev, arg in zip(["", *command[:-1]], command, strict=True)
         ]
