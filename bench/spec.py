@@ -88,6 +88,30 @@ def corpus_files(limit_bytes: int) -> tuple[list[Path], list[Path]]:
     return train, held
 
 
+def unseen_code_files(limit_bytes: int) -> list[Path]:
+    """Python sources no model here trains on: the installed torch package's own modules.
+
+    Prompts for the draft's distillation: the target continues code it has never seen,
+    as it does on the benchmark's held-out prompts (which stay out of every training set).
+    """
+    root = Path(torch.__file__).parent
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "test" not in p.parts and "testing" not in p.parts and p.name not in HELD_OUT
+    )
+    chosen, total = [], 0
+    for p in files[::3]:  # spread over the package rather than its first folders
+        size = p.stat().st_size
+        if size < 2000:
+            continue
+        if total + size > limit_bytes:
+            break
+        chosen.append(p)
+        total += size
+    return chosen
+
+
 def tokenize(tokenizer_dir: Path, files: list[Path]) -> torch.Tensor:
     from tokenizers import Tokenizer
 
@@ -140,13 +164,14 @@ def train_lm(
     seed: int,
     teacher=None,
     teacher_data: torch.Tensor | None = None,
+    teacher_fraction: float = 0.5,
 ):
     """Train a Llama of ``shape`` for ``seconds`` on random windows of ``data``.
 
     With a ``teacher``, the loss is the KL divergence from the teacher's next-token
-    distribution (distillation), and half of every batch comes from ``teacher_data``
-    (sequences the teacher generated itself, ``[n, seq + 1]``): the draft learns to
-    predict what the target says, which is what speculation accepts.
+    distribution (distillation), and ``teacher_fraction`` of every batch comes from
+    ``teacher_data`` (sequences the teacher generated itself, ``[n, seq + 1]``): the draft
+    learns to predict what the target says, which is what speculation accepts.
     """
     import transformers
 
@@ -174,7 +199,7 @@ def train_lm(
         scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        n_corpus = batch if teacher_data is None else batch // 2
+        n_corpus = batch if teacher_data is None else batch - max(1, round(batch * teacher_fraction))
         starts = torch.randint(0, data.numel() - seq - 1, (n_corpus,), generator=gen)
         idx = starts[:, None] + torch.arange(seq + 1)[None, :]
         window = data[idx.to(device)]
@@ -226,16 +251,15 @@ def teacher_sequences(
     new_tokens: int,
     seed: int,
 ) -> torch.Tensor:
-    """Greedy continuations by ``model`` of random training-corpus windows, ``[count, prompt+new]``.
+    """Greedy continuations by ``model`` of random windows of ``data``, ``[count, prompt+new]``.
 
-    Prompts come from the training corpus only, never from the held-out files the
-    benchmark prompts are cut from.
+    ``data`` is never the held-out files the benchmark prompts are cut from.
     """
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
     prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
     chunks = []
-    for part in prompts.split(256):
+    for part in prompts.split(512):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.generate(
                 input_ids=part,
@@ -351,15 +375,53 @@ class RunResult:
     generated: int
     outputs: dict[str, list[int]] = field(default_factory=dict)
     spec: dict | None = None
+    steps: dict = field(default_factory=dict)
+
+
+def graph_count(runner) -> int:
+    graphs = getattr(runner, "graphs", None)
+    return graphs.num_graphs if graphs is not None else 0
+
+
+def step_breakdown(engine: Engine, seconds: float, graphs_captured: int) -> dict:
+    """Where a run's wall time went, from the engine's counters."""
+    snap = engine.snapshot
+    ext, dec = snap.extend, snap.decode
+    return {
+        "extend_steps": ext.steps,
+        "extend_requests": ext.requests,
+        "extend_s": round(ext.seconds, 3),
+        "extend_ms_per_step": round(1e3 * ext.seconds / max(ext.steps, 1), 2),
+        "extends_during_decode": snap.extends_during_decode,
+        "decode_steps": dec.steps,
+        "decode_s": round(dec.seconds, 3),
+        "decode_ms_per_step": round(1e3 * dec.seconds / max(dec.steps, 1), 2),
+        "mean_decode_batch": round(dec.mean_batch, 2),
+        "decode_occupancy": round(snap.decode_occupancy, 3),
+        "tokens_per_decode_step": round(dec.tokens / max(dec.steps, 1), 2),
+        "engine_s": round(snap.engine_seconds, 3),
+        "other_s": round(seconds - ext.seconds - dec.seconds - snap.engine_seconds, 3),
+        "deferred_admission_steps": snap.deferred_admission_steps,
+        "graphs_captured": graphs_captured,
+    }
 
 
 def run_workload(
-    config: RuntimeConfig, runner: ModelRunner, decoder, work: Workload, concurrency: int, tag: str
+    config: RuntimeConfig,
+    runner: ModelRunner,
+    decoder,
+    work: Workload,
+    concurrency: int,
+    tag: str,
+    *,
+    defer_steps: int | None = None,
 ) -> RunResult:
     """All requests submitted at once; the engine runs ``concurrency`` at a time."""
     config = config.copy()
     config.scheduler.max_running_requests = concurrency
-    engine = Engine(config, runner, decoder=decoder)
+    engine = Engine(config, runner, decoder=decoder, max_admission_defer_steps=defer_steps)
+    drafter_runner = getattr(getattr(decoder, "drafter", None), "runner", None)
+    graphs_before = graph_count(runner) + graph_count(drafter_runner)
     engine.refresh_adapters()
     done = threading.Event()
     outputs: dict[str, list[int]] = {}
@@ -397,7 +459,10 @@ def run_workload(
     if errors:
         raise RuntimeError(f"{tag}: {errors[:3]}")
     generated = sum(len(v) for v in outputs.values())
-    return RunResult(generated / seconds, seconds, generated, outputs)
+    captured = graph_count(runner) + graph_count(drafter_runner) - graphs_before
+    return RunResult(
+        generated / seconds, seconds, generated, outputs, steps=step_breakdown(engine, seconds, captured)
+    )
 
 
 def spec_summary(decoder) -> dict:
@@ -441,10 +506,42 @@ def main(argv: list[str] | None = None) -> int:
         help="distill: KL to the target on its own continuations + corpus; corpus: plain LM training",
     )
     ap.add_argument(
+        "--distill-prompts",
+        choices=("unseen", "corpus"),
+        default="unseen",
+        help="teacher prompts: unseen code (torch's modules) at the benchmark's prompt length, continued past"
+        " the longest request; corpus: training-corpus windows, 192-token sequences (run 2)",
+    )
+    ap.add_argument("--distill-seq", type=int, default=None, help="draft distillation sequence length")
+    ap.add_argument("--distill-count", type=int, default=None, help="teacher continuations (default 1024)")
+    ap.add_argument(
+        "--teacher-fraction",
+        type=float,
+        default=None,
+        help="share of each draft batch from teacher continuations (default 0.75 unseen, 0.5 corpus)",
+    )
+    ap.add_argument(
         "--waves",
         type=int,
         default=None,
         help="requests per concurrency level = waves x concurrency (keeps the batch full; default 3, smoke 1)",
+    )
+    ap.add_argument(
+        "--defer-steps",
+        type=int,
+        default=None,
+        help="decode steps admission may wait to batch prefills (default: the engine's; 0: admit at once)",
+    )
+    ap.add_argument(
+        "--ab-defer",
+        default="",
+        help="comma list of concurrencies at which speculation is also timed with admission batching off",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds from the start after which optional runs (--ab-defer) are skipped",
     )
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -456,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     small_shape, draft_shape = ("smoke-small", "smoke-draft") if smoke else ("small", "draft")
     target_shape = args.target_shape or ("smoke-big" if smoke else "8b")
     t_target = args.train_target_s if args.train_target_s is not None else (8 if smoke else 60)
-    t_draft = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 30)
+    t_draft = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 45)
     vocab = 512 if smoke else 8192
     waves = args.waves or (1 if smoke else 3)
     started = time.monotonic()
@@ -477,16 +574,39 @@ def main(argv: list[str] | None = None) -> int:
     log(f"target-small trained: {t_info}")
     if args.draft_training == "distill":
         t0 = time.monotonic()
-        gen_len = 64 if smoke else 192
+        if args.distill_prompts == "unseen":
+            # The serving regime: prompts of the benchmark's length from code the target never
+            # saw, continued past the longest sequence a request reaches.
+            unseen_files = unseen_code_files(1_000_000 if smoke else 8_000_000)
+            prompt_data = tokenize(tok_dir, unseen_files)
+            gen_len = args.distill_seq or 64 * math.ceil((prompt_len + gen_tokens + k) / 64)
+            teacher_prompt = prompt_len
+            source = f"{len(unseen_files)} unseen torch modules ({prompt_data.numel():,} tokens)"
+        else:  # run 2's recipe
+            prompt_data = data
+            gen_len = args.distill_seq or (64 if smoke else 192)
+            teacher_prompt = gen_len // 3
+            source = "the training corpus"
         distill_data = teacher_sequences(
-            target_small, data, device, count=32 if smoke else 1024, prompt_len=gen_len // 3,
-            new_tokens=gen_len - gen_len // 3 + 1, seed=3,
+            target_small, prompt_data, device, count=args.distill_count or (32 if smoke else 1024),
+            prompt_len=teacher_prompt, new_tokens=gen_len - teacher_prompt + 1, seed=3,
         )  # fmt: skip
-        log(f"teacher continuations: {tuple(distill_data.shape)} in {time.monotonic() - t0:.1f} s")
+        teacher_s = time.monotonic() - t0
+        log(f"teacher continuations: {tuple(distill_data.shape)} of {source} in {teacher_s:.1f} s")
+        fraction = args.teacher_fraction if args.teacher_fraction is not None else (
+            0.75 if args.distill_prompts == "unseen" else 0.5
+        )  # fmt: skip
         draft, d_info = train_lm(
             draft_shape, vocab, data, t_draft, device, seq=gen_len, batch=batch, lr=2e-3 if smoke else 1e-3,
-            seed=2, teacher=target_small, teacher_data=distill_data,
+            seed=2, teacher=target_small, teacher_data=distill_data, teacher_fraction=fraction,
         )  # fmt: skip
+        d_info.update(
+            teacher_prompts=source,
+            teacher_sequences=list(distill_data.shape),
+            teacher_seconds=round(teacher_s, 1),
+            teacher_fraction=fraction,
+            seq=gen_len,
+        )
     else:
         draft, d_info = train_lm(
             draft_shape,
@@ -568,37 +688,36 @@ def main(argv: list[str] | None = None) -> int:
     decoder = build_decoder(config=spec_config, runner=runner, sampler=sampler)
     plain = StandardDecoder(runner, sampler)
 
+    opts = MeasureOptions(
+        k=k,
+        gen_tokens=gen_tokens,
+        waves=waves,
+        defer_steps=args.defer_steps,
+        ab_defer=frozenset(int(c) for c in args.ab_defer.split(",") if c.strip()),
+        deadline=started + args.deadline_s if args.deadline_s else float("inf"),
+    )
     rows, details = [], {}
+
+    def report() -> str:
+        lines = _report(
+            args, argv, device, target_shape, target_params, t_info, d_info, k, gen_tokens, prompt_len,
+            check, rows, notes, details,
+        )  # fmt: skip
+        text = "\n".join(lines) + "\n"
+        if args.out:  # after every phase: a run cut short keeps what it measured
+            meta = {"target": t_info, "draft": d_info, "k": k, "check": check, "argv": argv or sys.argv[1:]}
+            Path(args.out).with_suffix(".json").write_text(json.dumps({**details, "setup": meta}, indent=1))
+            Path(args.out).write_text(text)
+        return text
+
     for c in conc:
         try:
-            rows.append(
-                _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details, waves)
-            )
+            rows.append(_measure(config, spec_config, runner, plain, decoder, pool, c, opts, details))
         except Exception as exc:  # keep what was measured; say what failed
             notes.append(f"concurrency {c} failed: {type(exc).__name__}: {exc}")
             log(notes[-1])
-        if args.out:
-            Path(args.out).with_suffix(".json").write_text(json.dumps(details, indent=1))
-
-    lines = _report(
-        args,
-        argv,
-        device,
-        target_shape,
-        target_params,
-        t_info,
-        d_info,
-        k,
-        gen_tokens,
-        prompt_len,
-        check,
-        rows,
-        notes,
-    )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+        report()
+    print(report())
     log(f"total {time.monotonic() - started:.0f} s")
     if smoke:
         bad = [r for r in rows if r[5] != r[6]]
@@ -608,30 +727,64 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(config, spec_config, runner, plain, decoder, pool, c, k, gen_tokens, details, waves):
+@dataclass
+class MeasureOptions:
+    k: int
+    gen_tokens: int
+    waves: int
+    defer_steps: int | None = None  # admission batching limit (None: the engine's default)
+    ab_defer: frozenset[int] = frozenset()  # concurrencies also timed with admission batching off (0)
+    deadline: float = float("inf")  # time.monotonic() after which optional runs are skipped
+
+
+def _measure(config, spec_config, runner, plain, decoder, pool, c, opts: MeasureOptions, details):
     """One concurrency level: a warm-up of each path (captures its CUDA graphs for the batch
     and context buckets the timed run meets), then the timed runs.
 
     ``waves * c`` requests keep ``c`` running as earlier ones finish, so speculative
     requests finishing at different steps do not leave the batch draining (concurrency 1
-    runs at least 5 requests, one after another: base and each adapter).
+    runs at least 5 requests, one after another: base and each adapter). Speculative
+    requests finish at different steps, so their batch sizes and context lengths mix in
+    ways the plain run never meets: its warm-up is the timed workload's shape (other
+    prompts), and the graphs any timed run still had to capture are reported.
     """
+    k, gen_tokens, waves = opts.k, opts.gen_tokens, opts.waves
     count = max(5, waves) if c == 1 else waves * c
     warm = make_workload(pool, max(c, 2), gen_tokens, offset=100)
+    warm_spec = make_workload(pool, count if c > 1 else 2, gen_tokens, offset=100)
     bench = make_workload(pool, count, gen_tokens, offset=0)
     run_workload(config, runner, plain, warm, c, f"warm-off-{c}")
     off = run_workload(config, runner, plain, bench, c, f"off-{c}")
-    run_workload(spec_config, runner, decoder, warm, c, f"warm-on-{c}")
+    run_workload(spec_config, runner, decoder, warm_spec, c, f"warm-on-{c}", defer_steps=opts.defer_steps)
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
-    on = run_workload(spec_config, runner, decoder, bench, c, f"on-{c}")
+    on = run_workload(spec_config, runner, decoder, bench, c, f"on-{c}", defer_steps=opts.defer_steps)
     summary = spec_summary(decoder)
     same = sum(off.outputs[f"off-{c}-{i}"] == on.outputs[f"on-{c}-{i}"] for i in range(count))
     speedup = on.tokens_per_s / off.tokens_per_s
-    details[c] = {"off_s": off.seconds, "on_s": on.seconds, "generated": on.generated, **summary}
+    details[c] = {
+        "off_s": off.seconds,
+        "on_s": on.seconds,
+        "generated": on.generated,
+        **summary,
+        "off_steps": off.steps,
+        "on_steps": on.steps,
+    }
     log(
         f"concurrency {c}: off {off.tokens_per_s:,.1f} tok/s, spec {on.tokens_per_s:,.1f} tok/s, x{speedup:.2f}; "
         f"{summary}; identical outputs {same}/{count}"
     )
+    log(f"concurrency {c} steps: off {off.steps}; spec {on.steps}")
+    if c in opts.ab_defer:
+        if time.monotonic() + 1.5 * on.seconds > opts.deadline:
+            log(f"concurrency {c}: no time left for the run without admission batching")
+        else:
+            plain_sched = run_workload(spec_config, runner, decoder, bench, c, f"nodefer-{c}", defer_steps=0)
+            details[c]["on_nodefer_s"] = plain_sched.seconds
+            details[c]["on_nodefer_steps"] = plain_sched.steps
+            log(
+                f"concurrency {c}: spec without admission batching {plain_sched.tokens_per_s:,.1f} tok/s"
+                f" (x{plain_sched.tokens_per_s / off.tokens_per_s:.2f}); steps {plain_sched.steps}"
+            )
     return (c, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count)
 
 
@@ -671,6 +824,7 @@ def _report(
     check,
     rows,
     notes,
+    details,
 ) -> list[str]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     try:
@@ -692,7 +846,13 @@ def _report(
         f" {t_info['params'] / 1e6:.0f} M params, {t_info['steps']} steps, {t_info['tokens'] / 1e6:.1f} M tokens, final loss {t_info['final_loss']:.2f}",
         f"- draft (STANDALONE, {d_info['training']} training): {SHAPES['smoke-draft' if args.smoke else 'draft']};"
         f" {d_info['params'] / 1e6:.0f} M params,"
-        f" {d_info['steps']} steps, {d_info['tokens'] / 1e6:.1f} M tokens, final loss {d_info['final_loss']:.2f}",
+        f" {d_info['steps']} steps, {d_info['tokens'] / 1e6:.1f} M tokens, final loss {d_info['final_loss']:.2f}"
+        + (
+            f"; teacher continuations {d_info['teacher_sequences']} of {d_info['teacher_prompts']}"
+            f" ({d_info['teacher_seconds']} s), {d_info['teacher_fraction']:.0%} of each batch, sequences of {d_info['seq']}"
+            if "teacher_prompts" in d_info
+            else ""
+        ),
         f"- verify width k = {k} (num_steps {k - 1}); greedy; prompts {prompt_len} held-out stdlib tokens; {gen_tokens} new tokens per request;"
         f" 4 adapters (rank 16, all linear modules, B ~ N(0, {args.adapter_b_std}^2)) + base, request i uses base or adapter i % 5;"
         f" concurrency 1 runs {max(5, args.waves or 1)} requests one after another, concurrency c runs"
@@ -707,7 +867,35 @@ def _report(
             f"| {c} | {off:,.1f} | {on:,.1f} | {speedup:.2f}x | {s['mean_accept']} of {k - 1} | {s['accept_rate']} | {per} |"
             f" {s['verify_ms']} | {s['step_ms']} | {same}/{count} |"
         )
+    lines += _time_table(details)
     lines += [""] + [f"- {n}" for n in notes]
+    return lines
+
+
+def _time_table(details: dict) -> list[str]:
+    """Where each timed run's wall time went, from the engine's step counters."""
+    lines = [
+        "",
+        "Where the time went (engine counters; decoder seconds by step kind, engine = host work outside"
+        " the decoder; graphs = CUDA graphs the timed run itself had to capture):",
+        "",
+        "| concurrency | run | wall s | extend steps (during decode) | ms / extend | decode steps | mean batch |"
+        " ms / decode step | tokens / decode step | engine s | deferred steps | graphs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c, d in details.items():
+        runs = [("no spec", d.get("off_s"), d.get("off_steps")), ("spec", d.get("on_s"), d.get("on_steps"))]
+        if "on_nodefer_steps" in d:
+            runs.append(("spec, admission at once", d["on_nodefer_s"], d["on_nodefer_steps"]))
+        for name, wall, st in runs:
+            if not st:
+                continue
+            lines.append(
+                f"| {c} | {name} | {wall:.2f} | {st['extend_steps']} ({st['extends_during_decode']}) |"
+                f" {st['extend_ms_per_step']} | {st['decode_steps']} | {st['mean_decode_batch']} |"
+                f" {st['decode_ms_per_step']} | {st['tokens_per_decode_step']} | {st['engine_s']} |"
+                f" {st['deferred_admission_steps']} | {st['graphs_captured']} |"
+            )
     return lines
 
 

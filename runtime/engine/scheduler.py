@@ -322,7 +322,9 @@ class Scheduler:
                 self._last_kind = StepKind.EXTEND
                 self._deferred_steps, self._deferred_loss = 0, 0.0
                 return StepPlan(StepKind.EXTEND, admit=admitted, extend=chunks, head_blocked=reason)
-            if defer:
+            if not defer:  # nothing admissible: a later wait starts afresh
+                self._deferred_steps, self._deferred_loss = 0, 0.0
+            else:
                 plan = self._decode_plan(running, decoding, free_tokens)
                 if plan.kind is StepKind.DECODE:
                     self._deferred_steps += 1
