@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..model_runner import ModelRunner
     from . import context
     from .follower import Follower
-    from .group import destroy_group, init_group
+    from .group import init_group
     from .health import EXIT_TP_FAILURE, reset_health
 
     config, options, random_weights = pickle.load(sys.stdin.buffer)
@@ -86,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loraserve tensor-parallel rank {args.rank} failed: {exc}", file=sys.stderr, flush=True)
         # No clean-up: collectives other ranks abandoned may never complete.
         os._exit(EXIT_TP_FAILURE)
-    destroy_group()
-    return 0
+    # Told to stop by rank 0: nothing is left to tear down. Destroying a gloo group (or
+    # letting interpreter exit destroy it) can abort in C++ ("terminate called without an
+    # active exception") when rank 0 leaves the group at the same moment, turning a clean
+    # stop into SIGABRT; exit directly once output is flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
