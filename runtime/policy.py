@@ -167,26 +167,36 @@ class AdapterDeclaration:
 # --------------------------------------------------------------------------- resolution
 
 
-def resolve_algorithm(config: RuntimeConfig) -> tuple[SpecAlgorithm, str | None]:
-    """The algorithm that actually runs, and a note saying how it was resolved (or None).
+def resolve_speculative(
+    requested: SpecAlgorithm | str, draft_architecture: str | None = None
+) -> tuple[SpecAlgorithm, str | None]:
+    """The algorithm that runs for ``requested`` with a draft of ``draft_architecture``,
+    and a note saying how it was resolved (or None).
 
     NEXTN (a model's own next-n head) runs as EAGLE; EAGLE or NEXTN with a Gemma-4
-    assistant draft runs as FROZEN_KV_MTP. ``speculative.draft_model_architecture`` must
-    be known for the latter (the runtime reads it from the draft's config.json first).
+    assistant draft runs as FROZEN_KV_MTP. Raises ``ValueError`` on an unknown name.
     """
-    spec = config.speculative
-    requested = SpecAlgorithm(spec.algorithm)
-    architecture = spec.draft_model_architecture
+    requested = SpecAlgorithm(requested)
     if (
         requested in (SpecAlgorithm.EAGLE, SpecAlgorithm.NEXTN)
-        and architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
+        and draft_architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
     ):
         return SpecAlgorithm.FROZEN_KV_MTP, (
-            f"{requested.value} with the Gemma-4 assistant draft {architecture} resolves to FROZEN_KV_MTP"
+            f"{requested.value} with the Gemma-4 assistant draft {draft_architecture} resolves to FROZEN_KV_MTP"
         )
     if requested is SpecAlgorithm.NEXTN:
         return SpecAlgorithm.EAGLE, "NEXTN resolves to EAGLE"
     return requested, None
+
+
+def resolve_algorithm(config: RuntimeConfig) -> tuple[SpecAlgorithm, str | None]:
+    """The algorithm that actually runs for ``config``, and the resolution note (or None).
+
+    ``speculative.draft_model_architecture`` must be known for the Gemma-4 case (the
+    runtime reads it from the draft's config.json first).
+    """
+    spec = config.speculative
+    return resolve_speculative(spec.algorithm, spec.draft_model_architecture)
 
 
 def effective_config(config: RuntimeConfig) -> tuple[RuntimeConfig, str | None]:

@@ -9,10 +9,9 @@ The target's :class:`RuntimeConfig` is deep-copied first and never mutated.
 
 from __future__ import annotations
 
+from ..capabilities import CAPABILITIES, Capabilities
 from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
-
-IMPLEMENTED = (SpecAlgorithm.NGRAM, SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3)
-"""Algorithms the speculative decoder runs (NEXTN resolves to EAGLE)."""
+from ..policy import resolve_speculative
 
 
 class SpeculativeConfigError(ValueError):
@@ -23,19 +22,20 @@ class SpeculativeConfigError(ValueError):
         self.field = field
 
 
-def resolve_algorithm(algorithm: SpecAlgorithm | str) -> SpecAlgorithm:
-    """The algorithm that actually runs: NEXTN (a model's own next-n head) is EAGLE."""
-    algorithm = SpecAlgorithm(algorithm)
-    return SpecAlgorithm.EAGLE if algorithm is SpecAlgorithm.NEXTN else algorithm
+def resolve_algorithm(algorithm: SpecAlgorithm | str, draft_architecture: str | None = None) -> SpecAlgorithm:
+    """The algorithm that actually runs, resolved exactly as the compatibility policy does
+    (NEXTN is EAGLE; EAGLE or NEXTN with a Gemma-4 assistant draft is FROZEN_KV_MTP)."""
+    return resolve_speculative(algorithm, draft_architecture)[0]
 
 
-def validate_speculative(spec: SpeculativeConfig) -> SpecAlgorithm:
+def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = CAPABILITIES) -> SpecAlgorithm:
     """Check the settings the decoder depends on; return the resolved algorithm.
 
-    Raises :class:`SpeculativeConfigError` naming the field and the fix.
+    Which algorithms run comes from ``capabilities`` (the table the admission webhook
+    judges by too). Raises :class:`SpeculativeConfigError` naming the field and the fix.
     """
     try:
-        algorithm = resolve_algorithm(spec.algorithm)
+        algorithm = resolve_algorithm(spec.algorithm, spec.draft_model_architecture)
     except ValueError:
         raise SpeculativeConfigError(
             "speculative.algorithm", f"unknown speculative.algorithm {spec.algorithm!r}"
@@ -44,11 +44,14 @@ def validate_speculative(spec: SpeculativeConfig) -> SpecAlgorithm:
         raise SpeculativeConfigError(
             "speculative.algorithm", "speculative decoding is disabled (speculative.algorithm is NONE)"
         )
-    if algorithm not in IMPLEMENTED:
-        names = ", ".join(a.value for a in (*IMPLEMENTED, SpecAlgorithm.NEXTN))
+    if not capabilities.implements(algorithm):
+        runnable = sorted(a.value for a in capabilities.algorithms if a is not SpecAlgorithm.NONE)
+        names = ", ".join([*runnable, SpecAlgorithm.NEXTN.value])
+        requested = SpecAlgorithm(spec.algorithm)
+        how = "" if requested is algorithm else f" ({requested.value} resolves to it)"
         raise SpeculativeConfigError(
             "speculative.algorithm",
-            f"speculative.algorithm {algorithm.value} is not implemented; use one of {names}",
+            f"speculative.algorithm {algorithm.value}{how} is not implemented in this runtime; use one of {names}",
         )
     if spec.top_k != 1:
         raise SpeculativeConfigError(

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
+from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
 from loraserve.runtime.config import RaggedVerify, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.policy import check_config
 from loraserve.runtime.spec.draft_config import (
     SpeculativeConfigError,
     build_draft_config,
@@ -74,6 +76,31 @@ def test_ngram_needs_no_draft_path():
 def test_nextn_resolves_to_eagle():
     assert resolve_algorithm(SpecAlgorithm.NEXTN) is SpecAlgorithm.EAGLE
     assert resolve_algorithm("EAGLE3") is SpecAlgorithm.EAGLE3
+
+
+@pytest.mark.parametrize("requested", [SpecAlgorithm.NEXTN, SpecAlgorithm.EAGLE])
+def test_gemma4_assistant_draft_resolves_as_the_policy_does(requested):
+    """The decoder and the admission policy resolve alike: EAGLE/NEXTN with a Gemma-4
+    assistant draft is FROZEN_KV_MTP, which this image does not run, and both say so."""
+    target = _target()
+    target.speculative.algorithm = requested
+    target.speculative.draft_model_architecture = "Gemma4AssistantForCausalLM"
+    assert resolve_algorithm(requested, "Gemma4AssistantForCausalLM") is SpecAlgorithm.FROZEN_KV_MTP
+    with pytest.raises(SpeculativeConfigError, match="FROZEN_KV_MTP") as err:
+        validate_speculative(target.speculative)
+    assert err.value.field == "speculative.algorithm"
+    assert f"{requested.value} resolves to it" in str(err.value)
+    assert "algorithm-unavailable" in check_config(target).rules()
+
+
+def test_runnable_algorithms_come_from_the_capability_table():
+    """Flipping an algorithm in the image's capabilities is what lets the decoder run it."""
+    target = _target()
+    assert validate_speculative(target.speculative, CAPABILITIES) is SpecAlgorithm.EAGLE3
+    without = Capabilities(algorithms=CAPABILITIES.algorithms - {SpecAlgorithm.EAGLE3})
+    with pytest.raises(SpeculativeConfigError, match="EAGLE3 is not implemented") as err:
+        validate_speculative(target.speculative, without)
+    assert "EAGLE3" not in str(err.value).split("use one of")[1]
 
 
 @pytest.mark.parametrize(
