@@ -236,6 +236,7 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
     _flag(args, "--max-total-tokens", sch.max_total_tokens)
     _flag(args, "--chunked-prefill-size", sch.chunked_prefill_size)
     _flag(args, "--max-prefill-tokens", sch.max_prefill_tokens)
+    _flag(args, "--max-admission-defer-steps", sch.max_admission_defer_steps)
     _flag(args, "--overlap-schedule", sch.overlap_schedule)
     _flag(args, "--two-batch-overlap", sch.two_batch_overlap)
     _flag(args, "--kv-memory-fraction", sch.kv_memory_fraction)

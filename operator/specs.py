@@ -163,6 +163,7 @@ class RuntimeSpec(_Spec):
     max_total_tokens: int | None = Field(default=None, ge=1)
     chunked_prefill_size: int = Field(default=2048, ge=1)
     max_prefill_tokens: int = Field(default=8192, ge=1)
+    max_admission_defer_steps: int = Field(default=8, ge=0, le=1024)
     kv_memory_fraction: float = Field(default=0.85, gt=0, le=1)
     image: str | None = Field(default=None, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

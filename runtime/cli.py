@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--chunked-prefill-size", type=int, default=d.scheduler.chunked_prefill_size)
     g.add_argument("--max-prefill-tokens", type=int, default=d.scheduler.max_prefill_tokens)
+    g.add_argument(
+        "--max-admission-defer-steps",
+        type=int,
+        default=d.scheduler.max_admission_defer_steps,
+        help="decode steps admission may wait under a backlog to batch prefills (0: admit at once)",
+    )
     g.add_argument("--overlap-schedule", action=bool_flag, default=d.scheduler.overlap_schedule)
     g.add_argument("--two-batch-overlap", action=bool_flag, default=d.scheduler.two_batch_overlap)
     g.add_argument("--kv-memory-fraction", type=float, default=d.scheduler.kv_memory_fraction)
@@ -224,6 +230,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     sch.max_total_tokens = args.max_total_tokens
     sch.chunked_prefill_size = args.chunked_prefill_size
     sch.max_prefill_tokens = args.max_prefill_tokens
+    sch.max_admission_defer_steps = args.max_admission_defer_steps
     sch.overlap_schedule = args.overlap_schedule
     sch.two_batch_overlap = args.two_batch_overlap
     sch.kv_memory_fraction = args.kv_memory_fraction

@@ -127,6 +127,9 @@ class SchedulerConfig:
     max_total_tokens: int | None = None  # KV token budget; None: derived from free memory
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
+    # Decode steps admission may wait, under a backlog, to prefill several arrivals in one
+    # extend instead of pausing every decode once per arrival (0: admit at once).
+    max_admission_defer_steps: int = 8
     overlap_schedule: bool = False
     two_batch_overlap: bool = False
     kv_memory_fraction: float = 0.85

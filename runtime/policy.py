@@ -286,6 +286,12 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
         "scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, 1, "chunked-prefill"
     )
     out += _at_least("scheduler.max_prefill_tokens", config.scheduler.max_prefill_tokens, 1, "max-prefill")
+    out += _at_least(
+        "scheduler.max_admission_defer_steps",
+        config.scheduler.max_admission_defer_steps,
+        0,
+        "max-admission-defer",
+    )
     fraction = config.scheduler.kv_memory_fraction
     if not 0 < fraction <= 1:
         out.append(

@@ -55,8 +55,8 @@ class Engine:
         max_admission_defer_steps: int | None = None,
     ) -> None:
         """``max_admission_defer_steps``: how many decode steps admission may wait to batch
-        prefills under a backlog (None: ``scheduler.max_admission_defer_steps`` of the
-        configuration where it has one, else the scheduler's default; 0: never)."""
+        prefills under a backlog (None: the configuration's ``scheduler.max_admission_defer_steps``;
+        0: never)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -76,7 +76,9 @@ class Engine:
             max_prefill_tokens=sched.max_prefill_tokens,
             decode_tokens_per_step=max(int(self.decoder.tokens_per_step), 1),
             max_head_bypass=max(max_running, 1),
-            **_defer_limit(max_admission_defer_steps, sched),
+            max_admission_defer_steps=(
+                sched.max_admission_defer_steps if max_admission_defer_steps is None else max_admission_defer_steps
+            ),
         )
         self.scheduler = Scheduler(self.limits)
         self.model_context_len = self._model_context_len()
@@ -719,11 +721,6 @@ class Engine:
         if not known:
             raise ValueError("cannot tell the context length: set model.context_length")
         return min(known)
-
-
-def _defer_limit(explicit: int | None, sched) -> dict:
-    value = explicit if explicit is not None else getattr(sched, "max_admission_defer_steps", None)
-    return {} if value is None else {"max_admission_defer_steps": int(value)}
 
 
 class _DecoderTimer:

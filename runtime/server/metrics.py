@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.request import Request
 from ..engine.stats import EngineObserver, EngineSnapshot
@@ -245,6 +245,7 @@ class _SnapshotCollector:
         )
         g.add_metric([name], self.m.adapters_loaded())
         yield g
+        yield from _step_totals(snap, name)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on LoRA requests.",
@@ -255,3 +256,49 @@ class _SnapshotCollector:
             snap.time if snap.time else time.time(),
         )
         yield info
+
+
+def _step_totals(snap: EngineSnapshot, name: str):
+    """The engine's cumulative step counters: where serving time goes, per step kind.
+
+    Decoder seconds against host seconds show how much of a step is the model; extends
+    during decode and deferred admission steps show what batched admission trades.
+    """
+    kinds = (("extend", snap.extend), ("decode", snap.decode))
+    for metric, doc, attr in (
+        ("loraserve:engine_steps", "Engine steps, by kind.", "steps"),
+        ("loraserve:engine_step_requests", "Requests summed over steps (batch sizes), by kind.", "requests"),
+        ("loraserve:engine_step_tokens", "Tokens prefilled (extend) or generated (decode).", "tokens"),
+        ("loraserve:engine_decoder_seconds", "Seconds inside the decoder (model, drafting, sampling).", "seconds"),
+    ):
+        c = CounterMetricFamily(metric, doc, labels=["model_name", "kind"])
+        for kind, totals in kinds:
+            c.add_metric([name, kind], getattr(totals, attr))
+        yield c
+    for metric, doc, value in (
+        (
+            "loraserve:engine_host_seconds",
+            "Seconds of engine-thread work outside the decoder (scheduling, outputs, detokenising).",
+            snap.engine_seconds,
+        ),
+        (
+            "loraserve:extends_during_decode",
+            "Extend steps that paused running decodes.",
+            snap.extends_during_decode,
+        ),
+        (
+            "loraserve:deferred_admission_steps",
+            "Decode steps run while admissible requests waited, to batch their prefill.",
+            snap.deferred_admission_steps,
+        ),
+    ):
+        c = CounterMetricFamily(metric, doc, labels=["model_name"])
+        c.add_metric([name], value)
+        yield c
+    g = GaugeMetricFamily(
+        "loraserve:decode_occupancy",
+        "Mean decode batch over max running requests (1 = always full).",
+        labels=["model_name"],
+    )
+    g.add_metric([name], snap.decode_occupancy)
+    yield g

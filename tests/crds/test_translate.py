@@ -86,6 +86,7 @@ PERTURBATIONS = [
     ("runtime.maxRunningRequests", 7, "scheduler.max_running_requests", 7),
     ("runtime.maxTotalTokens", 100000, "scheduler.max_total_tokens", 100000),
     ("runtime.chunkedPrefillSize", 512, "scheduler.chunked_prefill_size", 512),
+    ("runtime.maxAdmissionDeferSteps", 0, "scheduler.max_admission_defer_steps", 0),
     ("runtime.maxPrefillTokens", 1024, "scheduler.max_prefill_tokens", 1024),
     ("runtime.overlapSchedule", True, "scheduler.overlap_schedule", True),
     ("runtime.twoBatchOverlap", True, "scheduler.two_batch_overlap", True),

@@ -282,8 +282,11 @@ def test_batched_admission_under_a_backlog_changes_no_output_and_saves_extends(e
     output stays the same, and the counters in the snapshot add up."""
     work = [(p, a, 4 + (7 * i) % 27) for i, (p, a, _) in enumerate(_workload(7, 14))]  # staggered ends
     cfg = engine_config(engine_assets, max_running_requests=4)
-    eager = start_engine(cfg, max_admission_defer_steps=0)
-    batched = start_engine(cfg, max_admission_defer_steps=3)
+    eager_cfg = engine_config(engine_assets, max_running_requests=4)
+    eager_cfg.scheduler.max_admission_defer_steps = 0  # from the configuration (--max-admission-defer-steps)
+    eager = start_engine(eager_cfg)
+    batched = start_engine(cfg, max_admission_defer_steps=3)  # an explicit override
+    assert (eager.limits.max_admission_defer_steps, batched.limits.max_admission_defer_steps) == (0, 3)
     for tokens in (16, 256):
         batched.scheduler.costs.observe_extend(10.0, tokens)  # seconds: far above any decode step
     want = _backlog(eager, work)

@@ -79,6 +79,28 @@ async def test_counters_and_histograms_move(server):
     ) == 1
     assert _value(after, "loraserve:adapters_loaded") == len(server.config.lora.adapters)
     assert _value(after, "loraserve:kv_cache_total_tokens") == server.config.scheduler.max_total_tokens
+    # The engine's step counters: one extend for the prompt (its first token), six decode
+    # tokens. The snapshot is published after the step that answered the request, so it
+    # may trail the response by that one step: scrape until it has caught up.
+    ext = {"model_name": "tiny-base", "kind": "extend"}
+    dec = {"model_name": "tiny-base", "kind": "decode"}
+
+    def delta(name: str, **labels) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    for _ in range(100):
+        if delta("loraserve:engine_step_tokens_total", **dec) >= 6:
+            break
+        await asyncio.sleep(0.02)
+        after = await _scrape(server)
+    assert delta("loraserve:engine_step_tokens_total", **dec) == 6
+    assert delta("loraserve:engine_steps_total", **ext) >= 1
+    assert delta("loraserve:engine_step_tokens_total", **ext) == prompt
+    assert delta("loraserve:engine_decoder_seconds_total", **dec) > 0
+    assert delta("loraserve:engine_host_seconds_total", **m) > 0
+    assert 0 < _value(after, "loraserve:decode_occupancy", **m) <= 1
+    assert "loraserve:deferred_admission_steps_total" in after
+    assert "loraserve:extends_during_decode_total" in after
 
 
 async def test_lora_requests_info_and_queue_gauges_follow_running_adapters(server):
