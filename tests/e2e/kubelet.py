@@ -75,6 +75,12 @@ class PodProc:
     deleted: bool = False
     pending_status: bool = True
     restart_at: float | None = None
+    # The readiness probe's timeoutSeconds and failureThreshold from the pod template: a
+    # kubelet marks a ready pod unready only after that many failures in a row, so one slow
+    # answer on a loaded machine does not take the pod out of service.
+    probe_timeout_s: float = 1.0
+    probe_failure_threshold: int = 3
+    probe_failures: int = 0
 
 
 @dataclass
@@ -255,6 +261,9 @@ class Kubelet:
         ]
         env = await self._env(namespace, name, container)
         pod = PodProc(namespace, name, deployment, thash, ip, port, workdir, command, env)
+        probe = container.get("readinessProbe") or {}
+        pod.probe_timeout_s = float(probe.get("timeoutSeconds", 1))
+        pod.probe_failure_threshold = int(probe.get("failureThreshold", 3))
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -371,6 +380,7 @@ class Kubelet:
             handle.close()
         pod.started_at = time.monotonic()
         pod.ready = False
+        pod.probe_failures = 0
 
     async def _set_ready(self, pod: PodProc, ready: bool, phase: str = "Running") -> None:
         pod.ready = ready
@@ -408,11 +418,14 @@ class Kubelet:
         ok = False
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             async with self._session.get(
-                f"http://{pod.ip}:{pod.port}/ready", timeout=aiohttp.ClientTimeout(total=2)
+                f"http://{pod.ip}:{pod.port}/ready", timeout=aiohttp.ClientTimeout(total=pod.probe_timeout_s)
             ) as resp:
                 ok = resp.status == 200
-        if ok != pod.ready:
-            await self._set_ready(pod, ok)
+        pod.probe_failures = 0 if ok else pod.probe_failures + 1
+        if ok and not pod.ready:
+            await self._set_ready(pod, True)  # successThreshold 1
+        elif pod.ready and pod.probe_failures >= pod.probe_failure_threshold:
+            await self._set_ready(pod, False)
 
     async def _delete_pod(self, pod: PodProc) -> None:
         pod.deleted = True

@@ -97,6 +97,15 @@ async def loaded_everywhere(cluster, names, *, count: int = 2) -> bool:
     return True
 
 
+async def describe(cluster, names) -> str:
+    """Pods and the named Adapters' status, for an assertion's message."""
+    lines = [f"pods: {[(p.name, p.ready, p.restarts) for p in pods(cluster)]}"]
+    for name in names:
+        status = ((await adapter(cluster, name)) or {}).get("status") or {}
+        lines.append(f"{name}: {status.get('phase')} {[(e['pod'], e['state']) for e in status.get('pods') or []]}")
+    return "\n".join(lines)
+
+
 def operator_writes(cluster, since: int) -> list[str]:
     """Write requests the operator (its own client or kopf) sent after request number ``since``."""
     writes = []
@@ -304,7 +313,7 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
 
     # The serve and the good adapters were never disturbed.
     assert (await serve(cluster))["status"]["phase"] == "Running"
-    assert await loaded_everywhere(cluster, BASE_ADAPTERS)
+    assert await loaded_everywhere(cluster, BASE_ADAPTERS), await describe(cluster, BASE_ADAPTERS)
     for pod in pods(cluster):
         status_code, _ = await complete(pod, "alpha")
         assert status_code == 200
