@@ -16,16 +16,21 @@ read, in kopf's default registry (:func:`register` adds them to another registry
 
 The judging functions (``judge_serve``, ``judge_adapter``, ``derived_defaults``) are pure;
 the handlers only fetch from the indexes and report. :func:`configure_webhook_server`
-sets up kopf's HTTPS server, from mounted certificate files or a generated self-signed CA.
+sets up kopf's HTTPS server, from mounted certificate files (presented as they are renewed,
+see :class:`ReloadingWebhookServer`) or a generated self-signed CA.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import logging
+import math
 import os
+import ssl
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,7 @@ from .specs import (
     parse_adapter_spec,
     parse_loraserve_spec,
 )
-from .tls import TLSFiles, check_files, generate_self_signed
+from .tls import CertificateReloader, Reload, TLSFiles, check_files, generate_self_signed
 from .translate import (
     ADAPTER_FIELD_PATHS,
     adapter_declaration,
@@ -69,6 +74,7 @@ __all__ = [
     "SERVE_LABEL",
     "VALIDATE_ADAPTER",
     "VALIDATE_LORASERVE",
+    "ReloadingWebhookServer",
     "Verdict",
     "WebhookServerConfig",
     "adapter_labels",
@@ -447,6 +453,11 @@ register(kopf.get_default_registry())
 # --------------------------------------------------------------------------- the server
 
 ENV_PREFIX = "LORASERVE_WEBHOOK_"
+DEFAULT_CERT_RELOAD_S = 20.0
+"""How often mounted certificate files are reread: cert-manager renews days before expiry,
+and the kubelet takes up to a minute or so to update a mounted Secret anyway."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -454,7 +465,8 @@ class WebhookServerConfig:
     """Where the webhook server listens and which certificate it presents.
 
     From the environment (the chart sets these): ``LORASERVE_WEBHOOK_ADDR``, ``_PORT``,
-    ``_HOST``, ``_CERT_FILE``, ``_KEY_FILE``, ``_CA_FILE``, ``_CERT_DIR``, ``_MANAGED``.
+    ``_HOST``, ``_CERT_FILE``, ``_KEY_FILE``, ``_CA_FILE``, ``_CERT_DIR``, ``_MANAGED``,
+    ``_CERT_RELOAD_S``.
     """
 
     addr: str = "0.0.0.0"
@@ -470,6 +482,16 @@ class WebhookServerConfig:
     managed: str | None = None
     """Name of the Validating/MutatingWebhookConfiguration kopf keeps pointed at this server;
     None leaves them to the installer (the chart)."""
+    cert_reload_s: float = DEFAULT_CERT_RELOAD_S
+    """Seconds between rereads of mounted certificate files (renewals are applied without a
+    restart); unused for a self-signed certificate, which is never renewed."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cert_reload_s) and self.cert_reload_s > 0):
+            raise ValueError(
+                f"cert_reload_s ({ENV_PREFIX}CERT_RELOAD_S) must be a number of seconds greater than 0 "
+                f"(default {DEFAULT_CERT_RELOAD_S:g}), got {self.cert_reload_s!r}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookServerConfig:
@@ -494,6 +516,18 @@ class WebhookServerConfig:
                 f"set both {ENV_PREFIX}CERT_FILE and {ENV_PREFIX}KEY_FILE (mounted PEM files), or neither "
                 "for a self-signed certificate"
             )
+        reload_text = get("CERT_RELOAD_S")
+        reload_s = DEFAULT_CERT_RELOAD_S
+        if reload_text is not None:
+            try:
+                reload_s = float(reload_text)
+            except ValueError:
+                reload_s = math.nan
+            if not (math.isfinite(reload_s) and reload_s > 0):
+                raise ValueError(
+                    f"{ENV_PREFIX}CERT_RELOAD_S must be a number of seconds greater than 0 "
+                    f"(default {DEFAULT_CERT_RELOAD_S:g}), got {reload_text!r}"
+                )
         return cls(
             addr=get("ADDR") or cls.addr,
             port=port,
@@ -503,6 +537,7 @@ class WebhookServerConfig:
             cafile=get("CA_FILE"),
             cert_dir=get("CERT_DIR"),
             managed=get("MANAGED"),
+            cert_reload_s=reload_s,
         )
 
     def hostnames(self) -> list[str]:
@@ -512,31 +547,107 @@ class WebhookServerConfig:
         return names or ["localhost", "127.0.0.1"]
 
 
+class ReloadingWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS webhook server, presenting renewed certificate files without a restart.
+
+    kopf's own server notices changed files by closing its listener and building a new
+    one: connections are refused in between, and a renewal caught half-way makes the new
+    context raise, which ends the webhook server for good. Here the SSL context is the
+    ``reloader``'s, loaded from one checked read of the files; every ``reload_interval_s``
+    the reloader rereads them and loads a renewed pair into that same context, so new
+    handshakes present it while the listener and its connections stay up. kopf's restart
+    path is never entered. A changed CA bundle is yielded as a new client configuration
+    (kopf patches it into the webhook configurations it manages).
+    """
+
+    def __init__(self, *, reloader: CertificateReloader, reload_interval_s: float, **kwargs: Any) -> None:
+        files = reloader.files
+        super().__init__(
+            context=reloader.context,
+            certfile=str(files.certfile),
+            pkeyfile=str(files.keyfile),
+            cafile=str(files.cafile) if files.cafile else None,
+            **kwargs,
+        )
+        self.reloader = reloader
+        self.reload_interval_s = reload_interval_s
+        self._errors: set[str] = set()
+
+    def _build_ssl(self) -> tuple[bytes | None, ssl.SSLContext | None]:
+        # kopf would load the files into the context once more: a second read, which could
+        # meet a swap half-way. The reloader has loaded a checked pair into it already.
+        return self.reloader.current.ca_bundle, self.reloader.context
+
+    async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
+        # kopf's generator listens and yields the client configuration; it is never advanced
+        # again (advancing it is what restarts the listener), only closed when we are.
+        served = super().__call__(fn)
+        try:
+            client_config = await anext(served)
+            yield client_config
+            bundle = self.reloader.current.ca_bundle
+            while True:
+                await asyncio.sleep(self.reload_interval_s)
+                # On the event loop's thread, which also creates connections from the context.
+                self._poll()
+                if self.reloader.current.ca_bundle != bundle:
+                    bundle = self.reloader.current.ca_bundle
+                    client_config = kopf.WebhookClientConfig(
+                        client_config, caBundle=base64.b64encode(bundle).decode("ascii")
+                    )
+                    yield client_config
+        finally:
+            await served.aclose()
+
+    def _poll(self) -> Reload | None:
+        try:
+            return self.reloader.poll()
+        except Exception as error:  # a defect here must not stop admission
+            text = repr(error)
+            if text not in self._errors:
+                self._errors.add(text)
+                logger.exception("webhook TLS certificate check failed; the served certificate is unchanged")
+            return None
+
+
 def configure_webhook_server(
     settings: kopf.OperatorSettings, config: WebhookServerConfig | None = None
 ) -> TLSFiles:
     """Point kopf's admission server at ``config`` (default: from the environment).
 
     Mounted certificate files are checked now, so a bad mount stops the operator at
-    start-up with the file named; without files, a self-signed CA is generated. Returns
-    the files in use (``cafile`` is the bundle clients and webhook configurations trust).
+    start-up with the file named, and are then reread every ``config.cert_reload_s``
+    seconds so that a renewal is served without a restart; without files, a self-signed
+    CA is generated. Returns the files in use (``cafile`` is the bundle clients and
+    webhook configurations trust).
     """
     config = config or WebhookServerConfig.from_env()
+    server: kopf.WebhookServer
     if config.certfile and config.keyfile:
         files = check_files(config.certfile, config.keyfile, config.cafile)
+        reloader = CertificateReloader(files)
+        reloader.load()
+        server = ReloadingWebhookServer(
+            addr=config.addr,
+            port=config.port,
+            host=config.host,
+            reloader=reloader,
+            reload_interval_s=config.cert_reload_s,
+        )
     else:
         directory = (
             Path(config.cert_dir) if config.cert_dir else Path(tempfile.mkdtemp(prefix="loraserve-webhook-"))
         )
         files = generate_self_signed(directory, config.hostnames())
-    settings.admission.server = kopf.WebhookServer(
-        addr=config.addr,
-        port=config.port,
-        host=config.host,
-        certfile=str(files.certfile),
-        pkeyfile=str(files.keyfile),
-        cafile=str(files.cafile) if files.cafile else None,
-    )
+        server = kopf.WebhookServer(
+            addr=config.addr,
+            port=config.port,
+            host=config.host,
+            certfile=str(files.certfile),
+            pkeyfile=str(files.keyfile),
+            cafile=str(files.cafile) if files.cafile else None,
+        )
+    settings.admission.server = server
     settings.admission.managed = config.managed
     return files
 
