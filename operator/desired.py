@@ -59,6 +59,9 @@ RUNTIME_NAME = "loraserve-runtime"
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _HF_SOURCE = re.compile(r"^hf://(?P<repo>[^@]+?)(?:@(?P<revision>.+))?$")
+FETCH_COMMAND = "loraserve-fetch"
+FETCHED_SCHEMES = ("hf://", "https://", "s3://")
+"""Model sources an init container downloads into the models volume before the runtime starts."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -296,16 +299,10 @@ def problems(spec: LoRAServeSpec, config: RuntimeConfig) -> list[str]:
                 f"{path}: claim {claim!r} is not mounted by this serve; fix: set spec.storage.models "
                 f"(or spec.storage.adapters) to type PersistentVolumeClaim with claimName {claim!r}"
             )
-        elif source.startswith(("https://", "s3://")):
+        elif source.startswith(FETCHED_SCHEMES) and storage.models.read_only:
             found.append(
-                f"{path}: {source.split('://')[0]}:// model sources are not fetched by the runtime pods; "
-                "fix: use hf://<repo>[@<revision>], or copy the model to a PersistentVolumeClaim and use "
-                "pvc://<claim>/<path>"
-            )
-        elif source.startswith("hf://") and storage.models.read_only:
-            found.append(
-                f"{path}: an hf:// model is downloaded into the models volume, which is read-only; fix: set "
-                "spec.storage.models.readOnly to false, or use pvc://<claim>/<path>"
+                f"{path}: an {source.split('://')[0]}:// model is downloaded into the models volume, which is "
+                "read-only; fix: set spec.storage.models.readOnly to false, or use pvc://<claim>/<path>"
             )
     if storage.models.mount_path == storage.adapters.mount_path:
         found.append(
@@ -410,25 +407,36 @@ def _resources(spec: LoRAServeSpec) -> dict:
 def _fetch_containers(
     spec: LoRAServeSpec, image: str, pull_policy: str, storage_mounts: list[dict]
 ) -> list[dict]:
-    """Init containers that download hf:// model and draft sources into the models volume."""
+    """Init containers that download remote model and draft sources into the models volume.
+
+    ``hf://`` runs ``hf download``; ``https://`` and ``s3://`` run ``loraserve-fetch SOURCE
+    DEST``, which is atomic and skips a model already fetched, so a restarting pod does not
+    download again. Both see the user's ``spec.runtime.env``: HF_TOKEN, AWS_* credentials
+    and endpoint, SSL_CERT_FILE or proxies, literal or from Secrets.
+    """
     containers = []
     sources = [("model", spec.model.source, spec.model.revision)]
     if spec.speculative.draft_model is not None:
         sources.append(("draft", spec.speculative.draft_model.source, spec.speculative.draft_model.revision))
     for role, source, revision in sources:
         match = _HF_SOURCE.match(source)
-        if not match:
+        if match:
+            dest = pod_path(source, spec.storage, revision=revision)
+            rev = revision or hf_revision(source) or "main"
+            command = ["hf", "download", match.group("repo"), "--revision", rev, "--local-dir", dest]
+            env = [e for e in _user_env(spec) if e["name"] != "HF_HUB_OFFLINE"]
+            env.append({"name": "HF_HUB_OFFLINE", "value": "0"})  # the image is offline by default
+        elif source.startswith(("https://", "s3://")):
+            command = [FETCH_COMMAND, source, pod_path(source, spec.storage)]
+            env = _user_env(spec)
+        else:
             continue
-        dest = pod_path(source, spec.storage, revision=revision)
-        rev = revision or hf_revision(source) or "main"
-        env = [e for e in _user_env(spec) if e["name"] != "HF_HUB_OFFLINE"]
-        env.append({"name": "HF_HUB_OFFLINE", "value": "0"})  # the image is offline by default
         containers.append(
             {
                 "name": f"{role}-fetch",
                 "image": image,
                 "imagePullPolicy": pull_policy,
-                "command": ["hf", "download", match.group("repo"), "--revision", rev, "--local-dir", dest],
+                "command": command,
                 "env": env,
                 "volumeMounts": storage_mounts + _scratch_mounts(),
                 "securityContext": _container_security(),

@@ -34,14 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
 import hashlib
-import hmac
 import os
 import re
 import shutil
-import ssl
-import tarfile
 import tempfile
 import urllib.parse
 from collections.abc import Mapping
@@ -50,24 +46,14 @@ from pathlib import Path
 
 import aiohttp
 
+from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
+from ..remote import S3_BUCKET_RE, SourceError, fetch_to, listing_digest, safe_extract, tls_connector
+from ..remote import s3_endpoint as s3_endpoint
+from ..remote import s3_request as s3_request
+from ..remote import sigv4_sign as sigv4_sign
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
-
-
-class SourceError(Exception):
-    """An adapter source could not be resolved.
-
-    ``field`` is the request field at fault (``lora_path`` or ``sha256``). ``transient``
-    is true for failures worth retrying (network errors, 5xx, throttling); false when the
-    source itself is wrong (bad URL, missing file, checksum mismatch, 4xx).
-    """
-
-    def __init__(self, message: str, *, field: str = "lora_path", transient: bool = False) -> None:
-        super().__init__(message)
-        self.field = field
-        self.transient = transient
 
 
 @dataclass
@@ -134,7 +120,7 @@ def parse_source(source: str, *, allow_http: bool = False) -> ParsedSource:
         bucket, _, key = rest.partition("/")
         if not bucket or not key.strip("/"):
             raise SourceError(f"lora_path {source!r}: use s3://<bucket>/<key or prefix>")
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        if not S3_BUCKET_RE.fullmatch(bucket):
             raise SourceError(f"lora_path {source!r}: {bucket!r} is not a valid S3 bucket name")
         _check_relative(key, source)
         return ParsedSource("s3", source, path=key.strip("/"), bucket=bucket)
@@ -170,17 +156,10 @@ def check_sha256(value: object) -> str | None:
 def adapter_digest(directory: str | Path) -> str:
     """The canonical digest of an adapter directory (see the module docstring)."""
     directory = Path(directory)
-    listing = []
     for name in ADAPTER_FILES:
-        path = directory / name
-        if not path.is_file():
+        if not (directory / name).is_file():
             raise SourceError(f"adapter directory {str(directory)!r} has no {name}")
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        listing.append(f"{h.hexdigest()}  {name}\n")
-    return hashlib.sha256("".join(listing).encode()).hexdigest()
+    return listing_digest(directory, ADAPTER_FILES)
 
 
 def verify_digest(directory: Path, expected: str | None) -> None:
@@ -266,85 +245,6 @@ class _Fetch:
     headers: dict[str, str]
 
 
-def s3_endpoint(env: Mapping[str, str]) -> str:
-    """The S3 endpoint: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or AWS for the region."""
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        return endpoint.rstrip("/")
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return f"https://s3.{region}.amazonaws.com"
-
-
-def s3_request(
-    bucket: str, key: str, env: Mapping[str, str], *, now: _dt.datetime | None = None
-) -> tuple[str, dict[str, str]]:
-    """URL and headers of a GET for one object (path-style), SigV4-signed when keyed."""
-    endpoint = s3_endpoint(env)
-    quoted_key = urllib.parse.quote(key, safe="/-_.~")
-    url = f"{endpoint}/{bucket}/{quoted_key}"
-    access, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if not access or not secret:
-        return url, {}
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-    headers = {"x-amz-content-sha256": "UNSIGNED-PAYLOAD"}
-    if env.get("AWS_SESSION_TOKEN"):
-        headers["x-amz-security-token"] = env["AWS_SESSION_TOKEN"]
-    headers = sigv4_sign("GET", url, headers, access, secret, region, "s3", now=now)
-    return url, headers
-
-
-def sigv4_sign(
-    method: str,
-    url: str,
-    headers: Mapping[str, str],
-    access_key: str,
-    secret_key: str,
-    region: str,
-    service: str,
-    *,
-    payload_hash: str | None = None,
-    now: _dt.datetime | None = None,
-) -> dict[str, str]:
-    """AWS Signature Version 4: return ``headers`` plus host, x-amz-date and Authorization.
-
-    ``payload_hash`` defaults to the ``x-amz-content-sha256`` header. Query parameters are
-    canonicalised (sorted, RFC 3986-encoded) as the specification requires.
-    """
-    now = now or _dt.datetime.now(_dt.UTC)
-    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
-    date = now.strftime("%Y%m%d")
-    parts = urllib.parse.urlsplit(url)
-    host = parts.netloc
-    out = {k: v for k, v in headers.items()}
-    out["host"] = host
-    out["x-amz-date"] = amz_date
-    if payload_hash is None:
-        payload_hash = out.get("x-amz-content-sha256", hashlib.sha256(b"").hexdigest())
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    canonical_query = "&".join(
-        f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}" for k, v in sorted(query)
-    )
-    lowered = {k.lower().strip(): " ".join(str(v).split()) for k, v in out.items()}
-    signed = sorted(lowered)
-    canonical_headers = "".join(f"{k}:{lowered[k]}\n" for k in signed)
-    signed_headers = ";".join(signed)
-    canonical_request = "\n".join(
-        [method, parts.path or "/", canonical_query, canonical_headers, signed_headers, payload_hash]
-    )
-    scope = f"{date}/{region}/{service}/aws4_request"
-    to_sign = "\n".join(
-        ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest()]
-    )
-    key = f"AWS4{secret_key}".encode()
-    for part in (date, region, service, "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out["Authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={signed_headers}, Signature={signature}"
-    )
-    return out
-
-
 def hf_request(repo: str, revision: str, filename: str, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """URL and headers for one file of a Hugging Face repository at a revision."""
     endpoint = (env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
@@ -384,83 +284,25 @@ async def _download(parsed: ParsedSource, tmp: Path, settings: SourceSettings) -
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s, sock_connect=30)
     files_dir = tmp / "files"
     files_dir.mkdir()
-    connector = None
-    if settings.ca_file:
-        connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=settings.ca_file))
+    connector = tls_connector(settings.ca_file)
+    subject = f"lora_path {parsed.raw!r}"
     async with aiohttp.ClientSession(timeout=timeout, trust_env=True, connector=connector) as session:
         for name, fetch in _fetches(parsed, settings.env):
-            await _fetch_to(session, fetch, files_dir / name, parsed.raw, settings.max_bytes)
+            await fetch_to(
+                session,
+                fetch.url,
+                fetch.headers,
+                files_dir / name,
+                subject=subject,
+                max_bytes=settings.max_bytes,
+            )
     if (files_dir / "archive").is_file():
         extracted = tmp / "extracted"
         await asyncio.to_thread(
-            _safe_extract, files_dir / "archive", extracted, parsed.raw, settings.max_bytes
+            safe_extract, files_dir / "archive", extracted, subject=subject, max_bytes=settings.max_bytes
         )
         return _find_adapter_dir(extracted, parsed.raw)
     return files_dir
-
-
-async def _fetch_to(
-    session: aiohttp.ClientSession, fetch: _Fetch, dest: Path, source: str, max_bytes: int
-) -> None:
-    shown = fetch.url.split("?", 1)[0]
-    try:
-        async with session.get(fetch.url, headers=fetch.headers, allow_redirects=True) as resp:
-            if resp.status != 200:
-                body = (await resp.content.read(512)).decode("utf-8", "replace").strip()
-                transient = resp.status >= 500 or resp.status in (408, 429)
-                hint = {
-                    401: "check the credentials",
-                    403: "check the credentials and the object's permissions",
-                    404: "check the path and revision",
-                }.get(resp.status, "")
-                raise SourceError(
-                    f"lora_path {source!r}: GET {shown} answered {resp.status}"
-                    + (f" ({hint})" if hint else "")
-                    + (f": {body[:200]}" if body else ""),
-                    transient=transient,
-                )
-            if resp.content_length is not None and resp.content_length > max_bytes:
-                raise SourceError(
-                    f"lora_path {source!r}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit"
-                )
-            written = 0
-            with dest.open("wb") as f:
-                async for chunk in resp.content.iter_chunked(_CHUNK):
-                    written += len(chunk)
-                    if written > max_bytes:
-                        raise SourceError(f"lora_path {source!r}: {shown} exceeds the {max_bytes}-byte limit")
-                    f.write(chunk)
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise SourceError(
-            f"lora_path {source!r}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
-        ) from exc
-
-
-def _safe_extract(archive: Path, dest: Path, source: str, max_bytes: int) -> None:
-    """Extract regular files and directories only, never outside ``dest``."""
-    dest.mkdir()
-    try:
-        with tarfile.open(archive, "r:*") as tar:
-            total = 0
-            members = []
-            for m in tar.getmembers():
-                if not (m.isfile() or m.isdir()):
-                    raise SourceError(
-                        f"lora_path {source!r}: the archive holds a link or device ({m.name!r}); refused"
-                    )
-                if m.name.startswith("/") or ".." in Path(m.name).parts:
-                    raise SourceError(
-                        f"lora_path {source!r}: the archive member {m.name!r} escapes the archive"
-                    )
-                total += m.size
-                if total > max_bytes:
-                    raise SourceError(
-                        f"lora_path {source!r}: the archive unpacks past the {max_bytes}-byte limit"
-                    )
-                members.append(m)
-            tar.extractall(dest, members=members, filter="data")
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise SourceError(f"lora_path {source!r}: not a readable tar archive: {exc}") from exc
 
 
 def _find_adapter_dir(root: Path, source: str) -> Path:

@@ -63,6 +63,30 @@ SPECS = {
         "storage": {"models": {"size": "200Gi"}, "adapters": {"size": "20Gi"}},
         "service": {"type": "LoadBalancer", "port": 443},
     },
+    "remote-https-s3": {
+        "model": {"source": "https://models.example.com/llama-3.1-8b/model.tar.gz"},
+        "speculative": {
+            "algorithm": "STANDALONE",
+            "draftModel": {"source": "s3://acme-models/drafts/llama-3.2-1b/"},
+            "numSteps": 3,
+            "numDraftTokens": 4,
+        },
+        "runtime": {
+            "env": [
+                {"name": "AWS_ENDPOINT_URL", "value": "https://minio.storage.svc:9000"},
+                {"name": "AWS_REGION", "value": "eu-central-1"},
+                {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3", "key": "id"}}},
+                {
+                    "name": "AWS_SECRET_ACCESS_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": "s3", "key": "secret"}},
+                },
+                {"name": "SSL_CERT_FILE", "value": "/etc/ssl/private-ca/ca.pem"},
+            ]
+        },
+        "storage": {
+            "models": {"type": "PersistentVolumeClaim", "claimName": "model-cache", "mountPath": "/data"}
+        },
+    },
     "ngram-cpu": {
         "model": {"source": "/opt/models/qwen"},
         "speculative": {"algorithm": "NGRAM", "numSteps": 4, "ngram": {"minMatch": 2, "maxMatch": 5}},
@@ -145,6 +169,46 @@ def test_pod_is_locked_down_and_probed() -> None:
     assert fetch["model-fetch"]["command"][:3] == ["hf", "download", "meta-llama/Llama-3.1-8B-Instruct"]
     assert "5206a32" in fetch["model-fetch"]["command"]
     assert {"name": "HF_HUB_OFFLINE", "value": "0"} in fetch["model-fetch"]["env"]
+
+
+def test_https_and_s3_models_are_fetched_by_init_containers() -> None:
+    """https:// and s3:// model and draft sources run `loraserve-fetch SOURCE DEST` before the
+    runtime starts, with the user's env (secrets included) and the models volume writable;
+    the runtime then reads the very directories the fetch wrote."""
+    plan, _ = _objects(SPECS["remote-https-s3"])
+    pod = plan.deployment["spec"]["template"]["spec"]
+    fetch = {c["name"]: c for c in pod["initContainers"]}
+    assert list(fetch) == ["model-fetch", "draft-fetch"]
+    model_dest = "/data/https/models.example.com/llama-3.1-8b/model.tar.gz"
+    draft_dest = "/data/s3/acme-models/drafts/llama-3.2-1b/"
+    assert fetch["model-fetch"]["command"] == [
+        "loraserve-fetch",
+        "https://models.example.com/llama-3.1-8b/model.tar.gz",
+        model_dest,
+    ]
+    assert fetch["draft-fetch"]["command"] == [
+        "loraserve-fetch",
+        "s3://acme-models/drafts/llama-3.2-1b/",
+        draft_dest,
+    ]
+    user_env = SPECS["remote-https-s3"]["runtime"]["env"]
+    runtime = pod["containers"][0]
+    for container in fetch.values():
+        assert container["env"] == user_env, "AWS_* and TLS settings reach the fetch, secrets by reference"
+        assert container["image"] == SETTINGS.image
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["models"] == {"name": "models", "mountPath": "/data", "readOnly": False}
+        assert {"tmp", "cache"} <= set(mounts)
+    args = runtime["args"]
+    assert args[args.index("--model") + 1] == model_dest
+    assert args[args.index("--draft-model") + 1] == draft_dest
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "model-cache", "readOnly": False}
+
+
+def test_local_sources_need_no_init_container() -> None:
+    plan, _ = _objects(SPECS["minimal"])
+    assert "initContainers" not in plan.deployment["spec"]["template"]["spec"]
 
 
 def test_owner_references_and_labels_on_everything() -> None:
@@ -244,9 +308,23 @@ def test_desired_state_is_a_pure_function() -> None:
         ),
         (
             {"model": {"source": "https://models.example/llama.tar"}},
-            "spec.model.source: https:// model sources",
+            "spec.model.source: an https:// model is downloaded into the models volume, which is read-only",
         ),
-        ({"model": {"source": "s3://bucket/llama"}}, "spec.model.source: s3:// model sources"),
+        (
+            {"model": {"source": "s3://bucket/llama"}},
+            "spec.model.source: an s3:// model is downloaded into the models volume, which is read-only",
+        ),
+        (
+            {
+                "speculative": {
+                    "algorithm": "STANDALONE",
+                    "draftModel": {"source": "s3://bucket/draft"},
+                    "numSteps": 3,
+                    "numDraftTokens": 4,
+                }
+            },
+            "spec.speculative.draftModel.source: an s3:// model is downloaded into the models volume",
+        ),
         (
             {"model": {"source": "hf://org/m"}, "storage": {"models": {"readOnly": True}}},
             "the models volume, which is read-only",
