@@ -53,12 +53,12 @@ def _arg(name: str) -> str:
     raise AssertionError(f"the final stage declares no ARG {name}")
 
 
-def test_both_entrypoints_are_package_scripts_that_load() -> None:
+def test_every_entrypoint_is_a_package_script_that_loads() -> None:
     label = next(
         rest for word, rest in _final_stage() if word == "LABEL" and "io.loraserve.entrypoints" in rest
     )
     named = re.search(r'io\.loraserve\.entrypoints="([^"]+)"', label).group(1).split()
-    assert named == ["loraserve-runtime", "loraserve-operator"]
+    assert named == ["loraserve-runtime", "loraserve-operator", "loraserve-fetch"]
     installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts")}
     for script in named:
         assert script in SCRIPTS, f"{script} is not in pyproject's [project.scripts]"
@@ -72,7 +72,7 @@ def test_both_entrypoints_are_package_scripts_that_load() -> None:
 
 def test_entrypoints_start(tmp_path: Path) -> None:
     bindir = Path(sys.executable).parent
-    for script in ("loraserve-runtime", "loraserve-operator"):
+    for script in ("loraserve-runtime", "loraserve-operator", "loraserve-fetch"):
         result = subprocess.run(
             [str(bindir / script), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=120
         )
@@ -100,6 +100,7 @@ def test_chart_runs_the_operator_entrypoint(render) -> None:
     assert container["command"] == ["loraserve-operator"]
     assert container["image"] == DEFAULT_IMAGE
     assert desired.RUNTIME_COMMAND in SCRIPTS
+    assert desired.FETCH_COMMAND in SCRIPTS  # the serving pods' init containers run it
 
 
 def test_build_context_holds_what_the_dockerfile_copies() -> None:

@@ -71,6 +71,7 @@ def test_wheel_holds_every_package_and_no_loraserve_init(wheel, checkout_package
     assert not any("__pycache__" in n or n.startswith(("tests/", "operator/", "runtime/")) for n in names)
     assert "loraserve-runtime = loraserve.runtime.__main__:main" in scripts
     assert "loraserve-operator = loraserve.operator.__main__:main" in scripts
+    assert "loraserve-fetch = loraserve.runtime.fetch:main" in scripts
 
 
 def test_built_wheel_imports_without_the_checkout(installed, tmp_path, checkout_packages):
