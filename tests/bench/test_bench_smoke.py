@@ -1,0 +1,54 @@
+"""The benchmark scripts run end to end on the CPU (``--smoke``), so a change that breaks
+one is caught here rather than on the GPU, where device time is scarce. Each run also
+carries the script's own correctness checks, asserted below; the speeds are not."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-P", str(REPO / "bench" / script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_runtime_bench_smoke(tmp_path):
+    """Base vs multi-LoRA decode: the report has both batch rows and the script's
+    checks hold (graph = eager, chosen backend = torch reference, adapters change logits)."""
+    out = tmp_path / "runtime.md"
+    _bench("runtime.py", "--out", str(out))
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| smoke |")]
+    assert [row.split("|")[4].strip() for row in rows] == ["1", "4"]
+    checks = dict(re.findall(r"(\w+_vs_\w+) ([0-9.e+-]+)", text))
+    assert float(checks["graph_vs_eager"]) < 1e-5
+    assert float(checks["backend_vs_torch_reference"]) < 1e-5
+    assert float(checks["adapter_vs_base"]) > 1e-3
+
+
+def test_tensor_parallel_bench_smoke(tmp_path):
+    """TP=2 over gloo equals TP=1 (greedy agreement 1.0, float32 error at rounding level)."""
+    out = tmp_path / "tp.md"
+    _bench("tp.py", "--out", str(out))
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| TP=2 vs TP=1"))
+    max_diff, _, agreement = (cell.strip() for cell in row.split("|")[2:5])
+    assert float(agreement) == 1.0
+    assert float(max_diff) < 1e-4
+    assert "| control message, verify-sized" in text  # the draft-placement measurement ran
