@@ -6,7 +6,9 @@
 2. starts ``loraserve-runtime`` as a subprocess on a free local port with an admin token;
 3. loads both adapters through the admin API (and shows that the token is required);
 4. sends requests for the base model and each adapter, one streamed, one seeded twice;
-5. prints the outputs and a summary of ``/metrics``, then stops the server with SIGTERM.
+5. prints the outputs and a summary of ``/metrics``, then stops the server with SIGTERM;
+6. starts it again with STANDALONE speculative decoding (the draft runs without adapters)
+   and shows every model's output unchanged, with a per-adapter accept length.
 
 The model is random, so its text is gibberish; what the demo shows is the serving path.
 """
@@ -52,7 +54,7 @@ class Demo:
         self.token = secrets.token_urlsafe(24)
         self.proc: subprocess.Popen | None = None
 
-    def start_server(self, model_dir: Path) -> None:
+    def start_server(self, model_dir: Path, extra: list[str] | None = None) -> None:
         token_file = self.workdir / "admin-token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
@@ -70,9 +72,13 @@ class Demo:
             "--admin-token-file", str(token_file),
             "--adapter-cache-dir", str(self.workdir / "adapter-cache"),
             "--log-level", "WARNING",
+            *(extra or []),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        print(f"$ loraserve-runtime --model {model_dir} --port {self.port} ... (pid follows)")
+        shown = " ".join(extra or [])
+        print(f"$ loraserve-runtime --model {model_dir} --port {self.port} {shown} ... (pid follows)")
+        if getattr(self, "log", None) is not None:
+            self.log.close()
         self.log = (self.workdir / "server.log").open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         print(f"  server pid {self.proc.pid}, log {self.workdir / 'server.log'}")
@@ -100,6 +106,58 @@ class Demo:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+async def _load_adapters(demo: Demo, session: aiohttp.ClientSession, adapters: dict[str, Path]) -> None:
+    admin = {"Authorization": f"Bearer {demo.token}"}
+    for name, path in adapters.items():
+        async with session.post(
+            demo.url + "/v1/load_lora_adapter", headers=admin, json={"lora_name": name, "lora_path": str(path)}
+        ) as r:
+            body = await r.json()
+            assert r.status == 200, body
+
+
+async def _complete(demo: Demo, session: aiohttp.ClientSession, model: str, prompt: str) -> dict:
+    async with session.post(
+        demo.url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+    ) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
+async def run_speculative(demo: Demo, assets, prompt: str, plain: dict[str, str]) -> None:
+    """A second server with STANDALONE speculation. The draft is the base model itself and
+    runs without adapters; the target verifies each request with its own adapter. Output
+    equals the plain server's for every model; only the accept length depends on the adapter."""
+    print("== speculative decoding: an adapter-free draft, verified with each request's adapter")
+    t0 = time.monotonic()
+    demo.start_server(
+        assets.model_dir,
+        ["--speculative-algorithm", "STANDALONE", "--draft-model", str(assets.model_dir), "--num-steps", "3"],
+    )
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await demo.wait_ready(session)
+        await _load_adapters(demo, session, assets.adapters)
+        print(f"  ready with adapters loaded after {time.monotonic() - t0:.1f}s")
+        models = list(plain)
+        results = await asyncio.gather(*(_complete(demo, session, m, prompt) for m in models))
+        for model, body in zip(models, results, strict=True):
+            spec = body["usage"].get("speculative") or {}
+            same = body["choices"][0]["text"] == plain[model]
+            print(
+                f"  {model:10s} same output as without speculation: {same}; "
+                f"accepted {spec.get('accepted_tokens', 0)} of {spec.get('draft_tokens', 0)} drafts, "
+                f"mean {spec.get('mean_accept_length', 0.0):.2f} per step"
+            )
+            if not same:
+                raise RuntimeError(f"{model}: speculative output differs from the plain server's")
+        print("  (the base model accepts every draft; adapters accept fewer, with the same output)")
+    code = demo.stop_server()
+    if code != 0:
+        raise RuntimeError(f"the speculative server exited with {code}")
 
 
 async def run(demo: Demo) -> None:
@@ -148,23 +206,8 @@ async def run(demo: Demo) -> None:
         print("== completions (greedy, 24 tokens each, sent concurrently)")
         prompt = "def fibonacci(n):\n"
         targets = ["tiny-llama", *assets.adapters]
-
-        async def complete(model: str) -> dict:
-            async with session.post(
-                demo.url + "/v1/completions",
-                json={
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": 24,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            ) as r:
-                body = await r.json()
-                assert r.status == 200, body
-                return body
-
-        results = await asyncio.gather(*(complete(m) for m in targets))
+        results = await asyncio.gather(*(_complete(demo, session, m, prompt) for m in targets))
+        plain = {m: body["choices"][0]["text"] for m, body in zip(targets, results, strict=True)}
         for model, body in zip(targets, results, strict=True):
             c = body["choices"][0]
             print(f"  {model:10s} [{c['finish_reason']}] {_short(c['text'])!r}")
@@ -231,9 +274,11 @@ async def run(demo: Demo) -> None:
             text = await r.text()
         print_metrics(text)
     code = demo.stop_server()
-    print(f"\nserver stopped by SIGTERM, exit code {code}; demo took {time.monotonic() - t0:.1f}s")
+    print(f"\nserver stopped by SIGTERM, exit code {code}\n")
     if code != 0:
         raise RuntimeError(f"the server exited with {code}")
+    await run_speculative(demo, assets, prompt, plain)
+    print(f"\ndemo took {time.monotonic() - t0:.1f}s")
 
 
 def print_metrics(text: str) -> None:

@@ -28,4 +28,8 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "max_tokens: 0 -> 400" in out
     assert "vllm:lora_requests_info" in out
     assert "exit code 0" in out
+    # Speculation with an adapter-free draft leaves every model's greedy output unchanged.
+    same = [line for line in out.splitlines() if "same output as without speculation" in line]
+    assert len(same) == 3 and all("without speculation: True" in line for line in same), same
+    assert "mean 3.00 per step" in same[0], "the base model accepts every draft of its own copy"
     assert (tmp_path / "cache" / "model" / ".complete").is_file(), "assets are cached for the next run"
