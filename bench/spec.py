@@ -20,8 +20,20 @@ Method (everything is built inside the run; nothing is downloaded):
    those of the trained model. ``--target-shape trained`` serves the small model as is.
 4. Four random PEFT adapters (all linear modules, rank 16, small B) are loaded; request
    ``i`` of a workload uses base, or adapter ``i % 5``.
+   ``--draft eagle`` trains an EAGLE head instead (``--draft standalone,eagle``: both): one
+   Llama decoder layer of the small target's shape over the target's own final normed
+   hidden state, sharing its embeddings and LM head (the runtime's EAGLE format and
+   equations, ``loraserve.runtime.spec.eagle_format``). The input at position ``i`` is
+   ``fc([embed(x[i+1]), feature[i]])``; the loss is KL to the target's distribution of
+   ``x[i+2]`` plus a smooth-L1 pull towards ``feature[i+1]``, on the same batches as the
+   STANDALONE distillation, for ``--train-draft-s``. Training unrolls a second draft step
+   on the head's own predicted feature (as serving's steps 2..k run); ``--eagle-unroll 1``
+   trains teacher-forced only. For the 8B-shaped target the head is expanded the same
+   function-preserving way, and a check compares the served head's proposals and output
+   features with the trained head's on held-out prompts.
 5. For concurrency 1, 8 and 32, the same greedy workload runs through the real engine
-   without speculation and with STANDALONE speculation (the trained draft). Tokens/s is
+   without speculation and with each draft's speculation (EAGLE first, so that under
+   ``--deadline-s`` a second draft's run is the one skipped). Tokens/s is
    generated tokens over wall time (prefill included); accept lengths come from the
    decoder's metrics, overall and per adapter. Outputs of the two runs are compared.
    The engine's step counters say where each run's time went (extend and decode steps,
@@ -29,6 +41,7 @@ Method (everything is built inside the run; nothing is downloaded):
 
     python bench/spec.py --smoke                # CPU, tiny models, a minute
     python bench/spec.py --out results.md       # GPU
+    python bench/spec.py --out results.md --draft standalone,eagle --deadline-s 480
 """
 
 from __future__ import annotations
@@ -67,6 +80,7 @@ SHAPES = {
     "draft": (384, 2, 6, 3, 64, 1024),
     "8b": (4096, 32, 32, 8, 128, 14336),
 }
+DRAFTS = ("standalone", "eagle")
 HELD_OUT = ("difflib.py", "heapq.py", "textwrap.py", "shlex.py", "fractions.py", "bisect.py", "sched.py")
 
 
@@ -171,6 +185,7 @@ def train_lm(
     teacher=None,
     teacher_data: torch.Tensor | None = None,
     teacher_fraction: float = 0.5,
+    max_steps: int | None = None,
 ):
     """Train a Llama of ``shape`` for ``seconds`` on random windows of ``data``.
 
@@ -178,6 +193,8 @@ def train_lm(
     distribution (distillation), and ``teacher_fraction`` of every batch comes from
     ``teacher_data`` (sequences the teacher generated itself, ``[n, seq + 1]``): the draft
     learns to predict what the target says, which is what speculation accepts.
+    ``max_steps`` also ends training (whichever comes first; the schedule follows the
+    larger of the time and step fractions).
     """
     import transformers
 
@@ -196,15 +213,9 @@ def train_lm(
     autocast = {"device_type": device.type, "dtype": torch.bfloat16, "enabled": device.type == "cuda"}
     start, step, losses = time.monotonic(), 0, []
     loss = torch.zeros(())
-    warmup = 50
-    while True:
-        elapsed = time.monotonic() - start
-        if elapsed >= seconds:
-            break
-        frac = elapsed / seconds
-        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    while (frac := _progress(time.monotonic() - start, seconds, step, max_steps)) < 1.0:
         for group in opt.param_groups:
-            group["lr"] = lr * scale
+            group["lr"] = lr * _lr_scale(step, frac)
         n_corpus = batch if teacher_data is None else batch - max(1, round(batch * teacher_fraction))
         starts = torch.randint(0, data.numel() - seq - 1, (n_corpus,), generator=gen)
         idx = starts[:, None] + torch.arange(seq + 1)[None, :]
@@ -332,6 +343,450 @@ def expand_into(runner: ModelRunner, small: dict[str, torch.Tensor], small_shape
         layer.post_attention_layernorm.weight[:hs] = w(p + "post_attention_layernorm.weight") * scale
     m.model.norm.weight[:hs] = w("model.norm.weight") * scale
     m.lm_head.weight[:, :hs] = w("lm_head.weight")
+
+
+# --------------------------------------------------------------------------- EAGLE head
+
+# Checkpoint names (``loraserve.runtime.spec.eagle_format``) of the head's parameters.
+EAGLE_NAMES = {
+    "fc": "fc.weight",
+    "q_proj": "layers.0.self_attn.q_proj.weight",
+    "k_proj": "layers.0.self_attn.k_proj.weight",
+    "v_proj": "layers.0.self_attn.v_proj.weight",
+    "o_proj": "layers.0.self_attn.o_proj.weight",
+    "gate_proj": "layers.0.mlp.gate_proj.weight",
+    "up_proj": "layers.0.mlp.up_proj.weight",
+    "down_proj": "layers.0.mlp.down_proj.weight",
+    "input_norm": "layers.0.input_layernorm.weight",
+    "post_norm": "layers.0.post_attention_layernorm.weight",
+}
+# Keys an EAGLE config.json takes over from its target's (eagle_builder does the same).
+EAGLE_COPIED_KEYS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "hidden_act", "bos_token_id",
+    "eos_token_id", "pad_token_id",
+)  # fmt: skip
+
+
+class EagleHead(torch.nn.Module):
+    """The runtime's EAGLE draft layer (version 1, with input norm) as a trainable module.
+
+    The equations of ``eagle_format`` / ``EagleDraftModel``: the input at position ``i`` is
+    ``fc([embed(x[i+1]), feature[i]])`` (feature = the target's final normed hidden state),
+    then one Llama decoder layer with causal attention at positions ``0..T-1``; the output
+    is the predicted ``feature[i+1]`` and ``lm_head(output)`` (no norm) the distribution of
+    ``x[i+2]``. The target's embeddings and LM head are frozen buffers, never trained.
+    """
+
+    def __init__(self, shape: str, embed: torch.Tensor, lm_head: torch.Tensor, *, eps: float, theta: float):
+        super().__init__()
+        hidden, _, heads, kv, head_dim, inter = SHAPES[shape]
+        self.shape, self.eps = shape, eps
+        self.heads, self.kv_heads, self.head_dim = heads, kv, head_dim
+
+        def lin(fan_in: int, fan_out: int) -> torch.nn.Linear:
+            return torch.nn.Linear(fan_in, fan_out, bias=False)
+
+        self.fc = lin(2 * hidden, hidden)
+        self.q_proj, self.k_proj = lin(hidden, heads * head_dim), lin(hidden, kv * head_dim)
+        self.v_proj, self.o_proj = lin(hidden, kv * head_dim), lin(heads * head_dim, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            lin(hidden, inter),
+            lin(hidden, inter),
+            lin(inter, hidden),
+        )
+        self.input_norm = torch.nn.Parameter(torch.ones(hidden))
+        self.post_norm = torch.nn.Parameter(torch.ones(hidden))
+        self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim),
+            persistent=False,
+        )
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The head's weights under their ``eagle_format`` names (float32, CPU)."""
+        out = {}
+        for attr, name in EAGLE_NAMES.items():
+            p = getattr(self, attr)
+            weight = p if isinstance(p, torch.nn.Parameter) else p.weight
+            out[name] = weight.detach().float().cpu().contiguous()
+        return out
+
+    @torch.no_grad()
+    def round_to_bf16(self) -> None:
+        """Round the weights and the shared embeddings / LM head to bfloat16 values: what is
+        saved and served (``save_hf`` stores the target in bfloat16 too)."""
+        for t in [*self.parameters(), self.embed, self.lm_head]:
+            t.copy_(t.to(torch.bfloat16).float())
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return out.float() @ self.lm_head.T
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in float32 (as Llama and the runtime do), back in ``x``'s dtype under autocast."""
+        xf = x.float()
+        return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ang = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def _qkv(self, ids: torch.Tensor, feats: torch.Tensor):
+        """Residual, rotated q / k and v of input pairs ``(ids, feats)`` ``[B, T]`` at positions 0..T-1."""
+        b, t = ids.shape
+        residual = self.fc(torch.cat([torch.nn.functional.embedding(ids, self.embed), feats.float()], -1))
+        x = self._norm(residual, self.input_norm)
+        pos = torch.arange(t, device=ids.device)
+
+        def split(y: torch.Tensor, n: int) -> torch.Tensor:
+            return y.view(b, t, n, self.head_dim).transpose(1, 2)
+
+        q = self._rope(split(self.q_proj(x), self.heads), pos)
+        k = self._rope(split(self.k_proj(x), self.kv_heads), pos)
+        groups = self.heads // self.kv_heads
+        v = split(self.v_proj(x), self.kv_heads).repeat_interleave(groups, 1)
+        return residual, q, k.repeat_interleave(groups, 1), v
+
+    def _finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        h = residual + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        m = self._norm(h, self.post_norm)
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Output features ``[B, T, H]`` of the input pairs ``(ids[:, i], feats[:, i])``."""
+        residual, q, k, v = self._qkv(ids, feats)
+        return self._finish(
+            residual, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
+
+    def unrolled(self, ids: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two draft steps at once: step 1 as :meth:`forward`; step 2 at position ``j`` takes
+        the head's own step-1 output of ``j - 1`` as its feature and attends to the step-1
+        (target-feature) entries ``< j`` plus itself, as serving's second draft step does.
+        Row 0 of step 2 has no predecessor (it repeats step 1's input)."""
+        residual, q, k, v = self._qkv(ids, feats)
+        out1 = self._finish(
+            residual, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
+        own = torch.cat([feats[:, :1].to(out1.dtype), out1[:, :-1]], 1)
+        residual2, q2, k2, v2 = self._qkv(ids, own)
+        t = ids.shape[1]
+        scale = self.head_dim**-0.5
+        past = (q2 @ k.transpose(-1, -2)) * scale  # [B, h, T, T] against step-1 entries
+        earlier = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(-1)
+        past = past.masked_fill(~earlier, float("-inf"))
+        self_score = (q2 * k2).sum(-1, keepdim=True) * scale
+        p = torch.cat([past, self_score], -1).float().softmax(-1).to(v.dtype)
+        attn2 = p[..., :t] @ v + p[..., t:] * v2
+        return out1, self._finish(residual2, attn2)
+
+    @torch.no_grad()
+    def propose(
+        self, ids: list[int], feats: torch.Tensor, first: int, steps: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """Greedy proposals after a prompt ``ids`` with target features ``feats`` ``[P, H]``
+        and the target's next token ``first``, recomputing the whole sequence each step;
+        returns the tokens and the head's output feature of each step ``[steps, H]``.
+
+        One layer: an entry's K/V depend only on its own input pair, so recomputing the
+        pairs (target features, then the head's own outputs) equals serving's cached run.
+        """
+        pair_ids = [*ids[1:], first]
+        pair_feats = feats.float()
+        tokens: list[int] = []
+        outs = []
+        for _ in range(steps):
+            o = self(torch.tensor([pair_ids], device=feats.device), pair_feats[None])[0, -1]
+            tokens.append(int(self.logits(o).argmax()))
+            outs.append(o)
+            pair_ids.append(tokens[-1])
+            pair_feats = torch.cat([pair_feats, o[None]])
+        return tokens, torch.stack(outs)
+
+
+def _progress(elapsed: float, seconds: float, step: int, max_steps: int | None) -> float:
+    """Share of the training budget spent: time, or steps when ``max_steps`` caps them."""
+    frac = elapsed / seconds if seconds > 0 else 1.0
+    return max(frac, step / max_steps) if max_steps else frac
+
+
+def _lr_scale(step: int, frac: float, warmup: int = 50) -> float:
+    """Linear warm-up, then cosine decay to 10% over the time budget (as ``train_lm``)."""
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass
+class EagleTraining:
+    """How the EAGLE head trains (``--eagle-*`` options)."""
+
+    seconds: float
+    seq: int
+    batch: int
+    lr: float
+    teacher_fraction: float = 0.5
+    noise: float = 0.0  # EAGLE's uniform feature noise U(-noise, noise) on the step-1 input
+    unroll: int = 2  # 1: teacher forcing only; 2: also the step on the head's own feature
+    feature_weight: float = 0.1  # smooth-L1 on the feature, next to KL to the target on the token
+    seed: int = 4
+    max_steps: int | None = None  # also ends training (a shared CPU trains as far as an idle one)
+
+
+def target_features(target, window: torch.Tensor) -> torch.Tensor:
+    """The target's final normed hidden states ``[B, L, H]``: the feature the runtime feeds."""
+    autocast = window.device.type == "cuda"
+    with (
+        torch.no_grad(),
+        torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast),
+    ):
+        return target.model(input_ids=window).last_hidden_state.float()
+
+
+def eagle_loss(head: EagleHead, target, window: torch.Tensor, opts: EagleTraining):
+    """EAGLE's loss on token windows ``[B, L]``: per draft step, KL from the target's
+    next-token distribution plus ``feature_weight`` x smooth-L1 to the target's feature.
+
+    Returns (loss, per-step top-1 agreement with the target's greedy token).
+    """
+    feats = target_features(target, window)
+    ids, inputs, want = window[:, 1:], feats[:, :-1], feats[:, 1:]
+    if opts.noise:
+        inputs = inputs + (2 * torch.rand_like(inputs) - 1) * opts.noise
+    with torch.no_grad():
+        teacher = torch.log_softmax(head.logits(want), -1)
+    autocast = window.device.type == "cuda"
+    with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
+        outs = list(head.unrolled(ids, inputs)) if opts.unroll == 2 else [head(ids, inputs)]
+    loss, top1 = torch.zeros((), device=window.device), []
+    for step, out in enumerate(outs):
+        out, t_logp, w = out[:, step:], teacher[:, step:], want[:, step:]  # step 2 has no row 0
+        logp = torch.log_softmax(head.logits(out), -1)
+        vocab = logp.shape[-1]
+        kl = torch.nn.functional.kl_div(
+            logp.reshape(-1, vocab), t_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
+        )
+        loss = loss + kl + opts.feature_weight * torch.nn.functional.smooth_l1_loss(out.float(), w)
+        top1.append(float((logp.argmax(-1) == t_logp.argmax(-1)).float().mean()))
+    return loss, top1
+
+
+def train_eagle_head(
+    target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
+    opts: EagleTraining,
+) -> tuple[EagleHead, dict]:  # fmt: skip
+    """Train an EAGLE head over the frozen ``target`` for ``opts.seconds``.
+
+    Batches mix corpus windows and the target's own greedy continuations (``teacher_data``,
+    ``[n, seq + 1]``; the STANDALONE draft's distillation data) in ``teacher_fraction``.
+    """
+    cfg = target.config
+    head = EagleHead(
+        shape, target.model.embed_tokens.weight, target.lm_head.weight, eps=cfg.rms_norm_eps,
+        theta=float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]),
+    ).to(device)  # fmt: skip
+    torch.manual_seed(opts.seed)
+    for p in head.parameters():  # norms start at 1; the rest as a Llama initialises
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    params = list(head.parameters())
+    optim = torch.optim.AdamW(
+        params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
+    )
+    gen = torch.Generator().manual_seed(opts.seed)
+    data = data.to(device)
+    start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
+    while (frac := _progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
+        for group in optim.param_groups:
+            group["lr"] = opts.lr * _lr_scale(step, frac)
+        n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
+        starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
+        window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
+        if n_teacher:
+            rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
+            window = torch.cat(
+                [window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(device)]
+            )
+        loss, top1 = eagle_loss(head, target, window, opts)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+    head.eval()
+    return head, {
+        "steps": step,
+        "tokens": step * opts.batch * opts.seq,
+        "final_loss": round(loss.item(), 3),
+        "train_top1": [round(a, 3) for a in top1],
+        "params": sum(p.numel() for p in params),
+        "noise": opts.noise,
+        "unroll": opts.unroll,
+        "feature_weight": opts.feature_weight,
+        "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
+        "seq": opts.seq,
+    }
+
+
+@torch.no_grad()
+def eagle_heldout_top1(
+    head: EagleHead, target, held_ids: torch.Tensor, device: torch.device, *, seq: int
+) -> list[float]:
+    """Per-step top-1 agreement with the target's greedy token on held-out windows
+    (step 2 on the head's own step-1 feature): an offline proxy of multi-step acceptance."""
+    n = min(16, (held_ids.numel() - 1) // (seq + 1))
+    window = held_ids[: n * (seq + 1)].view(n, seq + 1).to(device)
+    opts = EagleTraining(seconds=0, seq=seq, batch=n, lr=0, unroll=2)
+    _, top1 = eagle_loss(head, target, window, opts)
+    return [round(a, 3) for a in top1]
+
+
+def eagle_config(target_raw: dict, intermediate: int) -> dict:
+    """config.json of an EAGLE head for the target whose config.json is ``target_raw``."""
+    raw = {key: target_raw[key] for key in EAGLE_COPIED_KEYS if key in target_raw}
+    raw.update(
+        architectures=["LlamaForCausalLMEagle"],
+        model_type="llama",
+        num_hidden_layers=1,
+        intermediate_size=intermediate,
+        target_hidden_size=target_raw["hidden_size"],
+        bias=False,
+        tie_word_embeddings=False,
+        # float32 on disk: the expansion's rescaled norm weights are not bfloat16 values;
+        # the runtime casts to the serving dtype, as it does for the expanded target
+        torch_dtype="float32",
+    )
+    return raw
+
+
+def save_eagle_head(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> Path:
+    """Write an EAGLE draft directory (``eagle_format``): config.json + model.safetensors (float32)."""
+    from safetensors.torch import save_file
+
+    from loraserve.runtime.spec.eagle_format import eagle_config_from_dict
+
+    config = eagle_config_from_dict(raw)
+    shapes = config.tensor_shapes()
+    wrong = {n: tuple(t.shape) for n, t in tensors.items() if shapes.get(n) != tuple(t.shape)}
+    if wrong or set(shapes) != set(tensors):
+        raise ValueError(
+            f"EAGLE head tensors do not fit their config: {wrong or sorted(set(shapes) ^ set(tensors))}"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(raw, indent=1))
+    save_file({n: t.float().contiguous() for n, t in tensors.items()}, str(dest / "model.safetensors"))
+    return dest
+
+
+@torch.no_grad()
+def expand_eagle_head(
+    small: dict[str, torch.Tensor], small_shape: str, big_shape: str
+) -> dict[str, torch.Tensor]:
+    """The small head's weights placed in a head of ``big_shape`` that computes the same function
+    on the expanded target's features (``expand_into``): the embedding and feature inputs are
+    zero-padded, so fc reads only their first ``Hs`` dimensions and writes only its first
+    ``Hs`` outputs; extra heads and MLP units have zero weights and add nothing; RMSNorm
+    weights scale by ``sqrt(Hs/Hb)`` (the config's eps is the big target's, ``eps * Hs/Hb``).
+    """
+    hs, _, ns, kvs, d, _ = SHAPES[small_shape]
+    hb, _, nb, kvb, db, ib = SHAPES[big_shape]
+    if db != d or nb // kvb != ns // kvs:
+        raise ValueError(f"{big_shape} must keep {small_shape}'s head_dim {d} and GQA group size {ns // kvs}")
+    scale = math.sqrt(hs / hb)
+    big = {
+        "fc.weight": torch.zeros(hb, 2 * hb),
+        EAGLE_NAMES["q_proj"]: torch.zeros(nb * d, hb),
+        EAGLE_NAMES["k_proj"]: torch.zeros(kvb * d, hb),
+        EAGLE_NAMES["v_proj"]: torch.zeros(kvb * d, hb),
+        EAGLE_NAMES["o_proj"]: torch.zeros(hb, nb * d),
+        EAGLE_NAMES["gate_proj"]: torch.zeros(ib, hb),
+        EAGLE_NAMES["up_proj"]: torch.zeros(ib, hb),
+        EAGLE_NAMES["down_proj"]: torch.zeros(hb, ib),
+        EAGLE_NAMES["input_norm"]: torch.zeros(hb),
+        EAGLE_NAMES["post_norm"]: torch.zeros(hb),
+    }
+    fc = small["fc.weight"]
+    big["fc.weight"][:hs, :hs] = fc[:, :hs]  # the embedding half
+    big["fc.weight"][:hs, hb : hb + hs] = fc[:, hs:]  # the feature half
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        w = small[EAGLE_NAMES[name]]
+        big[EAGLE_NAMES[name]][: w.shape[0], :hs] = w
+    for name in ("o_proj", "down_proj"):
+        w = small[EAGLE_NAMES[name]]
+        big[EAGLE_NAMES[name]][:hs, : w.shape[1]] = w
+    for name in ("input_norm", "post_norm"):
+        big[EAGLE_NAMES[name]][:hs] = small[EAGLE_NAMES[name]] * scale
+    return big
+
+
+@torch.no_grad()
+def _eagle_check(
+    runner: ModelRunner,
+    head_dir: Path,
+    head: EagleHead,
+    small_dir: Path,
+    prompts: list[list[int]],
+    steps: int,
+) -> dict:
+    """The served head (``head_dir``, loaded by the runtime, on the serving target's features)
+    against the trained head on the trained target's features, greedy after each held-out
+    prompt: the share of proposals that agree, the relative difference of the output
+    features (the served head's first ``Hs`` dimensions) and the largest relative norm of
+    its padded dimensions, which must stay zero."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.model import ForwardBatch
+    from loraserve.runtime.spec.eagle_model import base_weight
+    from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+
+    device = runner.device
+    ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
+    longest = max(len(p) for p in prompts) + steps + 1
+    served = EagleDraftRunner(
+        str(head_dir), target_arch=runner.arch, embed_weight=base_weight(runner.embed_tokens),
+        lm_head_weight=base_weight(runner.lm_head), dtype=runner.dtype, device=device,
+        max_total_tokens=2 * longest, max_requests=2, max_context_len=longest,
+    )  # fmt: skip
+    ref_head = head.to(device=device, dtype=torch.float32)
+    hs = head.fc.weight.shape[0]
+    same = total = 0
+    rel = padded = 0.0
+    pairs = []
+    for prompt in prompts:
+        ids = torch.tensor(prompt, device=device)
+        batch = ForwardBatch(
+            ForwardMode.EXTEND, ["eagle-check"], ids, extend_lens=[len(prompt)], return_hidden=True
+        )
+        out = runner.forward(batch)
+        runner.kv.free("eagle-check")
+        first = int(out.logits[-1].argmax())
+        pair_ids = torch.tensor([*prompt[1:], first])
+        tail = served.forward(["c"], pair_ids, out.hidden_states, [len(prompt)])[-1:]
+        got, tails = [], []
+        for j in range(steps):
+            if j:
+                tail = served.forward(["c"], torch.tensor([got[-1]]), tail, [1], from_target=False)
+            got.append(int(served.compute_logits(tail).argmax()))
+            tails.append(tail[0].float())
+        served.kv.free("c")
+        want, want_out = ref_head.propose(prompt, target_features(ref, ids[None])[0], first, steps)
+        got_out = torch.stack(tails)
+        rel = max(rel, float((got_out[:, :hs] - want_out).norm() / want_out.norm()))
+        padded = max(padded, float(got_out[:, hs:].norm() / got_out.norm()))
+        same += sum(a == b for a, b in zip(got, want, strict=True))
+        total += steps
+        pairs.append((want, got))
+    del ref, served
+    return {
+        "proposal_agreement": round(same / total, 3),
+        "rel_feature_diff": round(rel, 5),
+        "padded_norm": round(padded, 6),
+        "first_prompt": {"trained": pairs[0][0], "served": pairs[0][1]},
+    }
 
 
 def write_adapter(dest: Path, raw_cfg: dict, *, rank: int, seed: int, b_std: float) -> Path:
@@ -474,8 +929,12 @@ def run_workload(
 def spec_summary(decoder) -> dict:
     snap = decoder.metrics.snapshot()
     per = {name or "base": round(s.mean_accept_len, 2) for name, s in sorted(snap.per_adapter.items())}
+    hist = snap.overall.histogram
+    steps = max(sum(hist), 1)
     return {
         "mean_accept": round(snap.overall.mean_accept_len, 2),
+        # P(draft j of a step is accepted) = share of steps accepting at least j drafts
+        "per_position": [round(sum(hist[j:]) / steps, 3) for j in range(1, len(hist))],
         "accept_rate": round(snap.overall.accept_rate, 3),
         "per_adapter_mean_accept": per,
         "histogram": snap.overall.histogram,
@@ -547,9 +1006,37 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline-s",
         type=float,
         default=None,
-        help="seconds from the start after which optional runs (--ab-defer) are skipped",
+        help="seconds from the start after which optional runs (--ab-defer, a second draft) are skipped",
+    )
+    ap.add_argument(
+        "--draft",
+        default="standalone",
+        help="comma list of drafts, each its own speculative run against the same no-spec baseline:"
+        " standalone (a small distilled Llama) and/or eagle (an EAGLE head over the target's features)",
+    )
+    ap.add_argument(
+        "--eagle-noise", type=float, default=0.0, help="EAGLE training: U(-a, a) noise on features"
+    )
+    ap.add_argument(
+        "--eagle-unroll",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="EAGLE training: 2 also trains the second draft step on the head's own feature",
+    )
+    ap.add_argument(
+        "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
+    )
+    ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
+    ap.add_argument(
+        "--max-steps",
+        default=None,
+        help="TARGET,STANDALONE,EAGLE: optimizer-step caps next to the time budgets (0: no cap), so a"
+        " comparison on a shared CPU trains each model as far as an idle machine would",
     )
     args = ap.parse_args(argv)
+    drafts = parse_drafts(args.draft)
+    cap_target, cap_standalone, cap_eagle = parse_max_steps(args.max_steps)
     smoke = args.smoke
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
     k = args.k or (4 if smoke else 6)
@@ -569,68 +1056,64 @@ def main(argv: list[str] | None = None) -> int:
     tok_dir = write_tokenizer(work / "tokenizer", vocab)
     train_files, held = corpus_files(2_000_000 if smoke else 40_000_000)
     data = tokenize(tok_dir, train_files)
+    held_ids = tokenize(tok_dir, held)
     log(
         f"corpus: {len(train_files)} files, {data.numel():,} tokens; held-out prompt files: {[p.name for p in held]}"
     )
 
     seq, batch = (64, 16) if smoke else (512, 48)
     target_small, t_info = train_lm(
-        small_shape, vocab, data, t_target, device, seq=seq, batch=batch, lr=1.5e-3 if smoke else 6e-4, seed=1
+        small_shape,
+        vocab,
+        data,
+        t_target,
+        device,
+        seq=seq,
+        batch=batch,
+        lr=1.5e-3 if smoke else 6e-4,
+        seed=1,
+        max_steps=cap_target,
     )
     log(f"target-small trained: {t_info}")
-    if args.draft_training == "distill":
-        t0 = time.monotonic()
-        if args.distill_prompts == "unseen":
-            # The serving regime: prompts of the benchmark's length from code the target never
-            # saw, continued past the longest sequence a request reaches.
-            unseen_files = unseen_code_files(1_000_000 if smoke else 8_000_000)
-            prompt_data = tokenize(tok_dir, unseen_files)
-            gen_len = args.distill_seq or 64 * math.ceil((prompt_len + gen_tokens + k) / 64)
-            teacher_prompt = prompt_len
-            source = f"{len(unseen_files)} unseen torch modules ({prompt_data.numel():,} tokens)"
-        else:  # run 2's recipe
-            prompt_data = data
-            gen_len = args.distill_seq or (64 if smoke else 192)
-            teacher_prompt = gen_len // 3
-            source = "the training corpus"
-        distill_data = teacher_sequences(
-            target_small, prompt_data, device, count=args.distill_count or (32 if smoke else 1024),
-            prompt_len=teacher_prompt, new_tokens=gen_len - teacher_prompt + 1, seed=3,
-        )  # fmt: skip
-        teacher_s = time.monotonic() - t0
-        log(f"teacher continuations: {tuple(distill_data.shape)} of {source} in {teacher_s:.1f} s")
-        fraction = args.teacher_fraction if args.teacher_fraction is not None else (
-            0.75 if args.distill_prompts == "unseen" else 0.5
-        )  # fmt: skip
-        draft, d_info = train_lm(
-            draft_shape, vocab, data, t_draft, device, seq=gen_len, batch=batch, lr=2e-3 if smoke else 1e-3,
-            seed=2, teacher=target_small, teacher_data=distill_data, teacher_fraction=fraction,
-        )  # fmt: skip
-        d_info.update(
-            teacher_prompts=source,
-            teacher_sequences=list(distill_data.shape),
-            teacher_seconds=round(teacher_s, 1),
-            teacher_fraction=fraction,
-            seq=gen_len,
-        )
-    else:
-        draft, d_info = train_lm(
+    teacher = None
+    if args.draft_training == "distill" or "eagle" in drafts:
+        teacher = _teacher_data(args, target_small, data, tok_dir, device, smoke=smoke, k=k,
+                                prompt_len=prompt_len, gen_tokens=gen_tokens)  # fmt: skip
+    infos: dict[str, dict] = {}
+    draft_dir = head = None
+    if "standalone" in drafts:
+        draft, infos["standalone"] = _train_standalone(
+            args,
+            target_small,
             draft_shape,
             vocab,
             data,
+            teacher,
             t_draft,
             device,
             seq=seq,
             batch=batch,
-            lr=2e-3 if smoke else 1e-3,
-            seed=2,
+            smoke=smoke,
+            max_steps=cap_standalone,
         )
-    d_info["training"] = args.draft_training
-    log(f"draft trained: {d_info}")
+        draft_dir = save_hf(draft, work / "draft", tok_dir)
+        del draft
+    if "eagle" in drafts:
+        assert teacher is not None
+        opts = EagleTraining(
+            seconds=t_draft, seq=teacher.seq, batch=batch, lr=args.eagle_lr or (2e-3 if smoke else 1e-3),
+            teacher_fraction=teacher.fraction, noise=args.eagle_noise, unroll=args.eagle_unroll,
+            feature_weight=args.eagle_feature_weight, max_steps=cap_eagle,
+        )  # fmt: skip
+        head, infos["eagle"] = train_eagle_head(target_small, small_shape, data, teacher.data, device, opts)
+        head.round_to_bf16()  # what is served
+        infos["eagle"]["heldout_top1"] = eagle_heldout_top1(
+            head, target_small, held_ids, device, seq=teacher.seq
+        )
+        log(f"EAGLE head trained: {infos['eagle']}")
     small_dir = save_hf(target_small, work / "target-small", tok_dir)
-    draft_dir = save_hf(draft, work / "draft", tok_dir)
     small_state = {n: t.detach() for n, t in target_small.state_dict().items()}
-    del target_small, draft
+    del target_small
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -650,6 +1133,13 @@ def main(argv: list[str] | None = None) -> int:
 
         copy_tokenizer(tok_dir, target_dir)
         random_weights = True
+    head_dir = None
+    if head is not None:
+        tensors = head.checkpoint()
+        if target_shape != "trained":
+            tensors = expand_eagle_head(tensors, small_shape, target_shape)
+        head_dir = save_eagle_head(tensors, eagle_config(raw, raw["intermediate_size"]), work / "eagle")
+        del tensors
     adapters = {
         f"ad{i}": write_adapter(work / f"ad{i}", raw, rank=16, seed=10 + i, b_std=args.adapter_b_std)
         for i in range(4)
@@ -679,19 +1169,27 @@ def main(argv: list[str] | None = None) -> int:
         f"target runner ({target_shape}, {target_params / 1e9:.2f} B params) built in {time.monotonic() - t0:.1f} s"
     )
 
-    # Check: the serving target computes the trained model's function.
-    held_ids = tokenize(tok_dir, held)
+    # Checks: the serving target computes the trained model's function; the served EAGLE
+    # head proposes what the trained head proposes.
     pool = [held_ids[i : i + prompt_len].tolist() for i in range(0, held_ids.numel() - prompt_len, 499)]
     check = _expansion_check(runner, small_dir, pool[0], device)
     log(f"serving target vs trained model on a held-out prompt: {check}")
+    if head is not None and head_dir is not None:
+        infos["eagle"]["check"] = _eagle_check(runner, head_dir, head, small_dir, pool[:4], k - 1)
+        log(f"served EAGLE head vs trained head on held-out prompts: {infos['eagle']['check']}")
 
-    spec_config = config.copy()
-    spec_config.speculative.algorithm = SpecAlgorithm.STANDALONE
-    spec_config.speculative.draft_model_path = str(draft_dir)
-    spec_config.speculative.num_steps = k - 1
-    spec_config.speculative.num_draft_tokens = k
     sampler = Sampler(0)
-    decoder = build_decoder(config=spec_config, runner=runner, sampler=sampler)
+    spec_configs, decoders = {}, {}
+    for name in drafts:
+        spec_config = config.copy()
+        spec_config.speculative.algorithm = (
+            SpecAlgorithm.EAGLE if name == "eagle" else SpecAlgorithm.STANDALONE
+        )
+        spec_config.speculative.draft_model_path = str(head_dir if name == "eagle" else draft_dir)
+        spec_config.speculative.num_steps = k - 1
+        spec_config.speculative.num_draft_tokens = k
+        spec_configs[name] = spec_config
+        decoders[name] = build_decoder(config=spec_config, runner=runner, sampler=sampler)
     plain = StandardDecoder(runner, sampler)
 
     opts = MeasureOptions(
@@ -702,35 +1200,164 @@ def main(argv: list[str] | None = None) -> int:
         ab_defer=frozenset(int(c) for c in args.ab_defer.split(",") if c.strip()),
         deadline=started + args.deadline_s if args.deadline_s else float("inf"),
     )
-    rows, details = [], {}
+    rows: list[Row] = []
+    details: dict = {}
 
     def report() -> str:
         lines = _report(
-            args, argv, device, target_shape, target_params, t_info, d_info, k, gen_tokens, prompt_len,
+            args, argv, device, target_shape, target_params, t_info, infos, k, gen_tokens, prompt_len,
             check, rows, notes, details,
         )  # fmt: skip
         text = "\n".join(lines) + "\n"
         if args.out:  # after every phase: a run cut short keeps what it measured
-            meta = {"target": t_info, "draft": d_info, "k": k, "check": check, "argv": argv or sys.argv[1:]}
+            meta = {"target": t_info, "drafts": infos, "k": k, "check": check, "argv": argv or sys.argv[1:]}
             Path(args.out).with_suffix(".json").write_text(json.dumps({**details, "setup": meta}, indent=1))
             Path(args.out).write_text(text)
         return text
 
+    # EAGLE first at every level: under --deadline-s a later draft's run is the one skipped.
+    order = sorted(drafts, key=lambda name: name != "eagle")
     for c in conc:
         try:
-            rows.append(_measure(config, spec_config, runner, plain, decoder, pool, c, opts, details))
+            bench_work, off = _measure_off(config, runner, plain, pool, c, opts)
         except Exception as exc:  # keep what was measured; say what failed
-            notes.append(f"concurrency {c} failed: {type(exc).__name__}: {exc}")
+            notes.append(f"concurrency {c} failed without speculation: {type(exc).__name__}: {exc}")
             log(notes[-1])
+            continue
+        details[c] = {"off_s": off.seconds, "off_steps": off.steps, "spec": {}}
+        for i, name in enumerate(order):
+            last = details[c]["spec"].get(order[0], {}).get("on_s", 0.0)
+            if i > 0 and time.monotonic() + 2.5 * last > opts.deadline:
+                notes.append(f"concurrency {c}: {name} skipped, the --deadline-s budget is spent")
+                log(notes[-1])
+                continue
+            try:
+                rows.append(
+                    _measure_spec(
+                        spec_configs[name],
+                        runner,
+                        decoders[name],
+                        name,
+                        pool,
+                        c,
+                        opts,
+                        off,
+                        bench_work,
+                        details[c]["spec"],
+                    )
+                )
+            except Exception as exc:
+                notes.append(f"concurrency {c} {name} failed: {type(exc).__name__}: {exc}")
+                log(notes[-1])
         report()
     print(report())
     log(f"total {time.monotonic() - started:.0f} s")
     if smoke:
-        bad = [r for r in rows if r[5] != r[6]]
+        bad = [(r.concurrency, r.draft) for r in rows if r.same != r.count]
+        eagle_check = infos.get("eagle", {}).get("check")
+        if eagle_check and (
+            eagle_check["proposal_agreement"] != 1.0 or eagle_check["rel_feature_diff"] > 1e-4
+        ):
+            notes.append(
+                f"the served EAGLE head proposes other tokens than the trained head: {infos['eagle']['check']}"
+            )
         if bad or notes:
-            print(f"smoke: outputs differ or runs failed: {[r[0] for r in bad]} {notes}")
+            print(f"smoke: outputs differ or runs failed: {bad} {notes}")
             return 1
     return 0
+
+
+def parse_max_steps(value: str | None) -> tuple[int | None, int | None, int | None]:
+    """``--max-steps TARGET,STANDALONE,EAGLE``: step caps (0 or empty: none)."""
+    if not value:
+        return None, None, None
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts if p):
+        raise SystemExit(
+            f"--max-steps {value!r}: give three step counts TARGET,STANDALONE,EAGLE, e.g. 2000,1500,800"
+        )
+    caps = [int(p) if p else 0 for p in parts]
+    return caps[0] or None, caps[1] or None, caps[2] or None
+
+
+def parse_drafts(value: str) -> list[str]:
+    """``--draft``: a comma list of ``standalone`` and ``eagle``, each at most once."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in DRAFTS]
+    if not names or bad or len(set(names)) != len(names):
+        raise SystemExit(
+            f"--draft {value!r}: give a comma list of distinct drafts from {list(DRAFTS)}, e.g. --draft standalone,eagle"
+        )
+    return names
+
+
+@dataclass
+class TeacherData:
+    """The target's own greedy continuations (plus how they were made) for draft training."""
+
+    data: torch.Tensor  # [n, seq + 1]
+    seq: int
+    fraction: float  # share of each draft batch taken from ``data``
+    info: dict
+
+
+def _teacher_data(args, target, data, tok_dir, device, *, smoke, k, prompt_len, gen_tokens) -> TeacherData:
+    """Greedy continuations of the target for the drafts' distillation (``--distill-prompts``)."""
+    t0 = time.monotonic()
+    if args.distill_prompts == "unseen":
+        # The serving regime: prompts of the benchmark's length from code the target never
+        # saw, continued past the longest sequence a request reaches.
+        unseen_files = unseen_code_files(1_000_000 if smoke else 8_000_000)
+        prompt_data = tokenize(tok_dir, unseen_files)
+        gen_len = args.distill_seq or 64 * math.ceil((prompt_len + gen_tokens + k) / 64)
+        teacher_prompt = prompt_len
+        source = f"{len(unseen_files)} unseen torch modules ({prompt_data.numel():,} tokens)"
+    else:  # run 2's recipe
+        prompt_data = data
+        gen_len = args.distill_seq or (64 if smoke else 192)
+        teacher_prompt = gen_len // 3
+        source = "the training corpus"
+    out = teacher_sequences(
+        target, prompt_data, device, count=args.distill_count or (32 if smoke else 1024),
+        prompt_len=teacher_prompt, new_tokens=gen_len - teacher_prompt + 1, seed=3,
+    )  # fmt: skip
+    seconds = time.monotonic() - t0
+    log(f"teacher continuations: {tuple(out.shape)} of {source} in {seconds:.1f} s")
+    fraction = args.teacher_fraction if args.teacher_fraction is not None else (
+        0.75 if args.distill_prompts == "unseen" else 0.5
+    )  # fmt: skip
+    info = {"teacher_prompts": source, "teacher_sequences": list(out.shape), "teacher_seconds": round(seconds, 1),
+            "teacher_fraction": fraction, "seq": gen_len}  # fmt: skip
+    return TeacherData(out, gen_len, fraction, info)
+
+
+def _train_standalone(
+    args, target, draft_shape, vocab, data, teacher, seconds, device, *, seq, batch, smoke, max_steps
+):
+    """The STANDALONE draft: distilled from ``target`` on ``teacher`` data, or trained on the corpus."""
+    lr = 2e-3 if smoke else 1e-3
+    if args.draft_training == "distill":
+        draft, info = train_lm(
+            draft_shape, vocab, data, seconds, device, seq=teacher.seq, batch=batch, lr=lr, seed=2,
+            teacher=target, teacher_data=teacher.data, teacher_fraction=teacher.fraction, max_steps=max_steps,
+        )  # fmt: skip
+        info.update(teacher.info)
+    else:
+        draft, info = train_lm(
+            draft_shape,
+            vocab,
+            data,
+            seconds,
+            device,
+            seq=seq,
+            batch=batch,
+            lr=lr,
+            seed=2,
+            max_steps=max_steps,
+        )
+    info["training"] = args.draft_training
+    log(f"STANDALONE draft trained: {info}")
+    return draft, info
 
 
 @dataclass
@@ -743,55 +1370,75 @@ class MeasureOptions:
     deadline: float = float("inf")  # time.monotonic() after which optional runs are skipped
 
 
-def _measure(config, spec_config, runner, plain, decoder, pool, c, opts: MeasureOptions, details):
-    """One concurrency level: a warm-up of each path (captures its CUDA graphs for the batch
-    and context buckets the timed run meets), then the timed runs.
+@dataclass
+class Row:
+    """One (concurrency, draft) result against the no-spec run at that concurrency."""
+
+    concurrency: int
+    draft: str
+    off_tps: float
+    on_tps: float
+    speedup: float
+    summary: dict
+    same: int
+    count: int
+
+
+def _request_count(c: int, waves: int) -> int:
+    return max(5, waves) if c == 1 else waves * c
+
+
+def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[Workload, RunResult]:
+    """The no-spec baseline at concurrency ``c``: a warm-up, then the timed workload.
 
     ``waves * c`` requests keep ``c`` running as earlier ones finish, so speculative
     requests finishing at different steps do not leave the batch draining (concurrency 1
-    runs at least 5 requests, one after another: base and each adapter). Speculative
-    requests finish at different steps, so their batch sizes and context lengths mix in
-    ways the plain run never meets: its warm-up is the timed workload's shape (other
-    prompts), and the graphs any timed run still had to capture are reported.
+    runs at least 5 requests, one after another: base and each adapter).
     """
-    k, gen_tokens, waves = opts.k, opts.gen_tokens, opts.waves
-    count = max(5, waves) if c == 1 else waves * c
-    warm = make_workload(pool, max(c, 2), gen_tokens, offset=100)
-    warm_spec = make_workload(pool, count if c > 1 else 2, gen_tokens, offset=100)
-    bench = make_workload(pool, count, gen_tokens, offset=0)
+    count = _request_count(c, opts.waves)
+    warm = make_workload(pool, max(c, 2), opts.gen_tokens, offset=100)
+    bench = make_workload(pool, count, opts.gen_tokens, offset=0)
     run_workload(config, runner, plain, warm, c, f"warm-off-{c}")
-    off = run_workload(config, runner, plain, bench, c, f"off-{c}")
-    run_workload(spec_config, runner, decoder, warm_spec, c, f"warm-on-{c}", defer_steps=opts.defer_steps)
+    return bench, run_workload(config, runner, plain, bench, c, f"off-{c}")
+
+
+def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
+                  details: dict) -> Row:  # fmt: skip
+    """One draft at concurrency ``c``: a warm-up (captures the CUDA graphs for the batch and
+    context buckets the timed run meets), then the same workload as the baseline.
+
+    Speculative requests finish at different steps, so their batch sizes and context
+    lengths mix in ways the plain run never meets: the warm-up is the timed workload's
+    shape (other prompts), and the graphs the timed run still had to capture are reported.
+    """
+    k, count = opts.k, len(bench.prompts)
+    warm_spec = make_workload(pool, count if c > 1 else 2, opts.gen_tokens, offset=100)
+    run_workload(spec_config, runner, decoder, warm_spec, c, f"warm-{name}-{c}", defer_steps=opts.defer_steps)
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
-    on = run_workload(spec_config, runner, decoder, bench, c, f"on-{c}", defer_steps=opts.defer_steps)
+    on = run_workload(spec_config, runner, decoder, bench, c, f"{name}-{c}", defer_steps=opts.defer_steps)
     summary = spec_summary(decoder)
-    same = sum(off.outputs[f"off-{c}-{i}"] == on.outputs[f"on-{c}-{i}"] for i in range(count))
+    same = sum(off.outputs[f"off-{c}-{i}"] == on.outputs[f"{name}-{c}-{i}"] for i in range(count))
     speedup = on.tokens_per_s / off.tokens_per_s
-    details[c] = {
-        "off_s": off.seconds,
-        "on_s": on.seconds,
-        "generated": on.generated,
-        **summary,
-        "off_steps": off.steps,
-        "on_steps": on.steps,
-    }
+    details[name] = {"on_s": on.seconds, "generated": on.generated, **summary, "on_steps": on.steps}
     log(
-        f"concurrency {c}: off {off.tokens_per_s:,.1f} tok/s, spec {on.tokens_per_s:,.1f} tok/s, x{speedup:.2f}; "
-        f"{summary}; identical outputs {same}/{count}"
+        f"concurrency {c} {name}: off {off.tokens_per_s:,.1f} tok/s, spec {on.tokens_per_s:,.1f} tok/s,"
+        f" x{speedup:.2f}; {summary}; identical outputs {same}/{count}"
     )
-    log(f"concurrency {c} steps: off {off.steps}; spec {on.steps}")
+    log(f"concurrency {c} {name} steps: off {off.steps}; spec {on.steps}")
     if c in opts.ab_defer:
         if time.monotonic() + 1.5 * on.seconds > opts.deadline:
-            log(f"concurrency {c}: no time left for the run without admission batching")
+            log(f"concurrency {c} {name}: no time left for the run without admission batching")
         else:
-            plain_sched = run_workload(spec_config, runner, decoder, bench, c, f"nodefer-{c}", defer_steps=0)
-            details[c]["on_nodefer_s"] = plain_sched.seconds
-            details[c]["on_nodefer_steps"] = plain_sched.steps
+            plain_sched = run_workload(
+                spec_config, runner, decoder, bench, c, f"nodefer-{name}-{c}", defer_steps=0
+            )
+            details[name]["on_nodefer_s"] = plain_sched.seconds
+            details[name]["on_nodefer_steps"] = plain_sched.steps
             log(
-                f"concurrency {c}: spec without admission batching {plain_sched.tokens_per_s:,.1f} tok/s"
+                f"concurrency {c} {name}: spec without admission batching {plain_sched.tokens_per_s:,.1f} tok/s"
                 f" (x{plain_sched.tokens_per_s / off.tokens_per_s:.2f}); steps {plain_sched.steps}"
             )
-    return (c, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count)
+    return Row(c, name, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count)
 
 
 @torch.no_grad()
@@ -823,12 +1470,12 @@ def _report(
     target_shape,
     target_params,
     t_info,
-    d_info,
+    infos,
     k,
     gen_tokens,
     prompt_len,
     check,
-    rows,
+    rows: list[Row],
     notes,
     details,
 ) -> list[str]:
@@ -839,43 +1486,79 @@ def _report(
         triton_v = triton.__version__
     except ImportError:
         triton_v = "absent"
+    import transformers
+
+    small = "smoke-small" if args.smoke else "small"
     lines = [
         f"# Speculative decoding with co-batched LoRA adapters ({datetime.date.today().isoformat()})",
         "",
-        f"- device: {gpu}; torch {torch.__version__}; triton {triton_v}; python {platform.python_version()}",
+        f"- device: {gpu}; torch {torch.__version__}; triton {triton_v}; transformers {transformers.__version__};"
+        f" python {platform.python_version()}",
         f"- command: `python bench/spec.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- serving target: {target_shape} shape, {target_params / 1e9:.2f} B parameters,"
         f" {'bf16, CUDA graphs on' if device.type == 'cuda' else 'float32, no CUDA graphs'};"
         " computes the trained small target's function"
         f" (check on a held-out prompt: {check})",
-        f"- trained small target: {SHAPES['smoke-small' if args.smoke else 'small']} (hidden, layers, heads, kv, head_dim, mlp);"
-        f" {t_info['params'] / 1e6:.0f} M params, {t_info['steps']} steps, {t_info['tokens'] / 1e6:.1f} M tokens, final loss {t_info['final_loss']:.2f}",
-        f"- draft (STANDALONE, {d_info['training']} training): {SHAPES['smoke-draft' if args.smoke else 'draft']};"
-        f" {d_info['params'] / 1e6:.0f} M params,"
-        f" {d_info['steps']} steps, {d_info['tokens'] / 1e6:.1f} M tokens, final loss {d_info['final_loss']:.2f}"
-        + (
-            f"; teacher continuations {d_info['teacher_sequences']} of {d_info['teacher_prompts']}"
-            f" ({d_info['teacher_seconds']} s), {d_info['teacher_fraction']:.0%} of each batch, sequences of {d_info['seq']}"
-            if "teacher_prompts" in d_info
-            else ""
-        ),
+        f"- trained small target: {SHAPES[small]} (hidden, layers, heads, kv, head_dim, mlp);"
+        f" {_count(t_info['params'])} params, {t_info['steps']} steps, {t_info['tokens'] / 1e6:.1f} M tokens, final loss {t_info['final_loss']:.2f}",
+    ]
+    d_info = infos.get("standalone")
+    if d_info:
+        lines.append(
+            f"- draft STANDALONE ({d_info['training']} training): {SHAPES['smoke-draft' if args.smoke else 'draft']};"
+            f" {_count(d_info['params'])} params,"
+            f" {d_info['steps']} steps, {d_info['tokens'] / 1e6:.1f} M tokens, final loss {d_info['final_loss']:.2f}"
+            + (
+                f"; teacher continuations {d_info['teacher_sequences']} of {d_info['teacher_prompts']}"
+                f" ({d_info['teacher_seconds']} s), {d_info['teacher_fraction']:.0%} of each batch, sequences of {d_info['seq']}"
+                if "teacher_prompts" in d_info
+                else ""
+            )
+        )
+    e_info = infos.get("eagle")
+    if e_info:
+        served = (
+            "expanded function-preservingly to the serving shape"
+            if target_shape != "trained"
+            else "as trained"
+        )
+        lines.append(
+            f"- draft EAGLE: one Llama layer of the small target's shape over its final normed hidden state"
+            f" (shares its embeddings and lm_head), {served}; {_count(e_info['params'])} trained params,"
+            f" {e_info['steps']} steps, {e_info['tokens'] / 1e6:.1f} M tokens, final loss {e_info['final_loss']:.2f};"
+            f" KL to the target + {e_info['feature_weight']} x smooth-L1 on the feature, unrolled steps"
+            f" {e_info['unroll']}, feature noise {e_info['noise']}, teacher continuations"
+            f" {e_info['teacher_fraction']:.0%} of each batch, sequences of {e_info['seq']};"
+            f" held-out top-1 agreement with the target per draft step {e_info['heldout_top1']};"
+            f" served head vs trained head: {e_info.get('check')}"
+        )
+    lines += [
         f"- verify width k = {k} (num_steps {k - 1}); greedy; prompts {prompt_len} held-out stdlib tokens; {gen_tokens} new tokens per request;"
         f" 4 adapters (rank 16, all linear modules, B ~ N(0, {args.adapter_b_std}^2)) + base, request i uses base or adapter i % 5;"
         f" concurrency 1 runs {max(5, args.waves or 1)} requests one after another, concurrency c runs"
         f" {args.waves or (1 if args.smoke else 3)} x c requests, c at a time",
         "",
-        "| concurrency | no spec tok/s | spec tok/s | speedup | mean accepted drafts / step | accept rate | per-adapter mean accepted | verify ms | step ms | identical outputs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| concurrency | draft | no spec tok/s | spec tok/s | speedup | mean accepted drafts / step"
+        " | accepted at draft position 1.. | accept rate | per-adapter mean accepted | verify ms | step ms | identical outputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c, off, on, speedup, s, same, count in rows:
+    for r in rows:
+        s = r.summary
         per = ", ".join(f"{n} {v}" for n, v in s["per_adapter_mean_accept"].items())
+        pos = " / ".join(str(p) for p in s["per_position"])
         lines.append(
-            f"| {c} | {off:,.1f} | {on:,.1f} | {speedup:.2f}x | {s['mean_accept']} of {k - 1} | {s['accept_rate']} | {per} |"
-            f" {s['verify_ms']} | {s['step_ms']} | {same}/{count} |"
+            f"| {r.concurrency} | {r.draft} | {r.off_tps:,.1f} | {r.on_tps:,.1f} | {r.speedup:.2f}x |"
+            f" {s['mean_accept']} of {k - 1} | {pos} | {s['accept_rate']} | {per} |"
+            f" {s['verify_ms']} | {s['step_ms']} | {r.same}/{r.count} |"
         )
     lines += _time_table(details)
     lines += [""] + [f"- {n}" for n in notes]
     return lines
+
+
+def _count(n: int) -> str:
+    """A parameter count for the report: 139.6 k, 9.5 M."""
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
 
 
 def _time_table(details: dict) -> list[str]:
@@ -890,9 +1573,13 @@ def _time_table(details: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, d in details.items():
-        runs = [("no spec", d.get("off_s"), d.get("off_steps")), ("spec", d.get("on_s"), d.get("on_steps"))]
-        if "on_nodefer_steps" in d:
-            runs.append(("spec, admission at once", d["on_nodefer_s"], d["on_nodefer_steps"]))
+        runs = [("no spec", d.get("off_s"), d.get("off_steps"))]
+        for name, spec in d.get("spec", {}).items():
+            runs.append((f"spec {name}", spec.get("on_s"), spec.get("on_steps")))
+            if "on_nodefer_steps" in spec:
+                runs.append(
+                    (f"spec {name}, admission at once", spec["on_nodefer_s"], spec["on_nodefer_steps"])
+                )
         for name, wall, st in runs:
             if not st:
                 continue
