@@ -11,7 +11,11 @@ tell the difference through the API:
   with the args the operator wrote) as a local process on the pod's own loopback address
   (``127.a.b.n``), with Secret volumes written to files, emptyDirs as fresh directories and
   PersistentVolumeClaims as host directories; probes ``/ready`` and writes the pod's Ready
-  condition; a process that exits is restarted in place (restartPolicy Always).
+  condition; a process that exits is restarted in place (restartPolicy Always). A pod's
+  ``initContainers`` run first, one at a time, each to completion, with the same command,
+  environment and volume handling; one that fails is retried with the crash backoff and the
+  pod stays Pending (``Init:Error``); they are not run again when the main container
+  restarts, only for a new pod. The status carries ``initContainerStatuses``.
 * **garbage collector**: objects whose controller owner is gone are deleted.
 
 A process cannot get a private mount namespace here, so a claim's directory must be mounted
@@ -54,6 +58,52 @@ def template_hash(template: dict) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def crash_backoff(restarts: int) -> float:
+    """Seconds before restarting a container that exited: CrashLoopBackOff, shortened (0.2 s doubling to 10 s)."""
+    return min(0.2 * 2 ** min(restarts, 6), 10.0)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+TERMINATION_LOG_TAIL = 2048
+"""Bytes of a failed container's log a kubelet copies into ``terminated.message`` under
+``terminationMessagePolicy: FallbackToLogsOnError``."""
+
+
+@dataclass
+class InitContainer:
+    """One of a pod's init containers: its command line and environment, and how its runs went."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    # terminationMessagePolicy FallbackToLogsOnError: a failure's message is its log's tail
+    # (the default policy, File, reads /dev/termination-log, which nothing here writes).
+    message_from_log: bool = False
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: str = ""
+    state: dict = field(default_factory=lambda: {"waiting": {"reason": "PodInitializing"}})
+    last_state: dict = field(default_factory=dict)
+    logs: list[Path] = field(default_factory=list)  # one per run, oldest first
+
+    @property
+    def completed(self) -> bool:
+        return self.state.get("terminated", {}).get("exitCode") == 0
+
+    def status(self) -> dict:
+        """This container's entry of the pod's ``status.initContainerStatuses``."""
+        return {
+            "name": self.name,
+            "ready": self.completed,
+            "restartCount": self.restarts,
+            "state": self.state,
+            "lastState": self.last_state,
+        }
+
+
 @dataclass
 class PodProc:
     """One pod: its API object's identity and its container process."""
@@ -81,6 +131,13 @@ class PodProc:
     probe_timeout_s: float = 1.0
     probe_failure_threshold: int = 3
     probe_failures: int = 0
+    # Run in order before the main container; ``init_next`` is the one running or due.
+    init: list[InitContainer] = field(default_factory=list)
+    init_next: int = 0
+
+    @property
+    def initialized(self) -> bool:
+        return self.init_next >= len(self.init)
 
 
 @dataclass
@@ -252,15 +309,19 @@ class Kubelet:
         container = pod_spec["containers"][0]
         port = next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == "http"), 8000)
         volumes = await self._volumes(namespace, pod_spec, workdir)
-        program, *args = [*container.get("command", []), *container.get("args", [])]
-        # The program is the image's own binary (here: this venv's script), never a path
-        # inside a pod volume, wherever the checkout lives (under /tmp, say).
-        command = [self._resolve(program), *(self._rewrite(arg, container, volumes) for arg in args)]
-        command = [
-            ip if prev == "--host" else arg for prev, arg in zip(["", *command[:-1]], command, strict=True)
-        ]
+        command = self._command(container, volumes, ip)
         env = await self._env(namespace, name, container)
         pod = PodProc(namespace, name, deployment, thash, ip, port, workdir, command, env)
+        pod.started_at = time.monotonic()  # the pod's age until its main container starts
+        pod.init = [
+            InitContainer(
+                name=spec["name"],
+                command=self._command(spec, volumes, ip),
+                env=await self._env(namespace, name, spec),
+                message_from_log=spec.get("terminationMessagePolicy") == "FallbackToLogsOnError",
+            )
+            for spec in pod_spec.get("initContainers", [])
+        ]
         probe = container.get("readinessProbe") or {}
         pod.probe_timeout_s = float(probe.get("timeoutSeconds", 1))
         pod.probe_failure_threshold = int(probe.get("failureThreshold", 3))
@@ -283,13 +344,23 @@ class Kubelet:
                 ],
             },
             "spec": {**pod_spec, "nodeName": "stand-in"},
-            "status": {"phase": "Pending", "podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]},
+            "status": self._status(pod),
         }
         await self._req("POST", f"/api/v1/namespaces/{namespace}/pods", body)
         pod.pending_status = False
         self.pods[(namespace, name)] = pod
-        await self._start(pod)
+        await self._advance(pod)
         return pod
+
+    def _command(self, container: dict, volumes: dict[str, tuple[Path, bool]], ip: str) -> list[str]:
+        """A container's command line as this machine runs it: program resolved, volume paths rewritten."""
+        program, *args = [*container.get("command", []), *container.get("args", [])]
+        # The program is the image's own binary (here: this venv's script), never a path
+        # inside a pod volume, wherever the checkout lives (under /tmp, say).
+        command = [self._resolve(program), *(self._rewrite(arg, container, volumes) for arg in args)]
+        return [
+            ip if prev == "--host" else arg for prev, arg in zip(["", *command[:-1]], command, strict=True)
+        ]
 
     def _resolve(self, arg: str) -> str:
         if arg.startswith("loraserve-"):
@@ -367,49 +438,137 @@ class Kubelet:
                     env[item["name"]] = base64.b64decode(value).decode()
         return env
 
+    @staticmethod
+    async def _spawn(
+        command: list[str], env: dict[str, str], cwd: Path, log_path: Path
+    ) -> asyncio.subprocess.Process:
+        handle = log_path.open("wb")
+        try:
+            return await asyncio.create_subprocess_exec(
+                *command, env=env, cwd=cwd, stdout=handle, stderr=asyncio.subprocess.STDOUT
+            )
+        finally:
+            handle.close()
+
     async def _start(self, pod: PodProc) -> None:
         if not _port_free(pod.ip, pod.port):
             raise RuntimeError(f"{pod.ip}:{pod.port} is taken on this machine; the pod cannot bind it")
         pod.log_path = pod.workdir / f"runtime-{pod.restarts}.log"
-        handle = pod.log_path.open("wb")
-        try:
-            pod.process = await asyncio.create_subprocess_exec(
-                *pod.command, env=pod.env, cwd=pod.workdir, stdout=handle, stderr=asyncio.subprocess.STDOUT
-            )
-        finally:
-            handle.close()
+        pod.process = await self._spawn(pod.command, pod.env, pod.workdir, pod.log_path)
         pod.started_at = time.monotonic()
         pod.ready = False
         pod.probe_failures = 0
 
-    async def _set_ready(self, pod: PodProc, ready: bool, phase: str = "Running") -> None:
-        pod.ready = ready
-        status = {
-            "phase": phase,
+    async def _advance(self, pod: PodProc) -> None:
+        """Start the pod's next init container, or its main container once all of them completed."""
+        if pod.initialized:
+            await self._start(pod)
+        else:
+            await self._start_init(pod, pod.init[pod.init_next])
+        await self._patch_status(pod)
+
+    async def _start_init(self, pod: PodProc, init: InitContainer) -> None:
+        log_path = pod.workdir / f"init-{init.name}-{init.restarts}.log"  # names are unique in a pod
+        init.logs.append(log_path)
+        init.started_at = _now()
+        try:
+            init.process = await self._spawn(init.command, init.env, pod.workdir, log_path)
+        except OSError as exc:
+            # The program is missing or not executable: a kubelet reports StartError (128).
+            await self._init_failed(pod, init, 128, "StartError", f"starting {init.command[0]!r}: {exc}")
+            return
+        init.state = {"running": {"startedAt": init.started_at}}
+
+    async def _step_init(self, pod: PodProc) -> None:
+        """Follow the running init container: on to the next when it succeeds, retry when it fails."""
+        init = pod.init[pod.init_next]
+        if init.process is None:
+            # Failed, waiting out the backoff (restartPolicy Always retries init containers).
+            if pod.restart_at is not None and time.monotonic() >= pod.restart_at:
+                pod.restart_at = None
+                init.restarts += 1
+                await self._start_init(pod, init)
+                await self._patch_status(pod)
+            return
+        code = init.process.returncode
+        if code is None:
+            return
+        init.process = None
+        if code == 0:
+            init.state = {"terminated": self._terminated(init, 0, "Completed")}
+            pod.init_next += 1
+            await self._advance(pod)
+            return
+        message = _log_tail(init.logs[-1]) if init.message_from_log else ""
+        await self._init_failed(pod, init, code, "Error", message)
+
+    async def _init_failed(
+        self, pod: PodProc, init: InitContainer, code: int, reason: str, message: str
+    ) -> None:
+        """Record a failed run of ``init`` and schedule its retry after the crash backoff."""
+        log.info("pod %s: init container %s failed (%s %s), retrying", pod.name, init.name, reason, code)
+        # Init:Error until the backoff passes; lastState keeps the failure while it runs again.
+        init.state = init.last_state = {"terminated": self._terminated(init, code, reason, message)}
+        pod.restart_at = time.monotonic() + crash_backoff(init.restarts)
+        await self._patch_status(pod)
+
+    @staticmethod
+    def _terminated(init: InitContainer, code: int, reason: str, message: str = "") -> dict:
+        terminated = {"exitCode": code, "reason": reason, "startedAt": init.started_at, "finishedAt": _now()}
+        if message:
+            terminated["message"] = message
+        return terminated
+
+    def _status(self, pod: PodProc) -> dict:
+        """The pod's ``status`` as a kubelet reports it."""
+        initialized = pod.initialized
+        if pod.process is not None:
+            main_state: dict = {"running": {}}
+        else:
+            main_state = {"waiting": {"reason": "ContainerCreating" if initialized else "PodInitializing"}}
+        status: dict = {
+            "phase": "Running" if pod.process is not None else "Pending",
             "podIP": pod.ip,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-            "containerStatuses": [{"name": "runtime", "ready": ready, "restartCount": pod.restarts}],
+            "conditions": [
+                {"type": "Initialized", "status": "True" if initialized else "False"},
+                {"type": "Ready", "status": "True" if pod.ready else "False"},
+            ],
+            "containerStatuses": [
+                {"name": "runtime", "ready": pod.ready, "restartCount": pod.restarts, "state": main_state}
+            ],
         }
+        if pod.init:
+            status["initContainerStatuses"] = [init.status() for init in pod.init]
+        return status
+
+    async def _patch_status(self, pod: PodProc) -> None:
         await self._req(
             "PATCH",
             f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status",
-            {"status": status},
+            {"status": self._status(pod)},
             ok404=True,
         )
+
+    async def _set_ready(self, pod: PodProc, ready: bool) -> None:
+        pod.ready = ready
+        await self._patch_status(pod)
 
     async def _probe_all(self) -> None:
         await asyncio.gather(*(self._probe(p) for p in list(self.pods.values()) if not p.deleted))
 
     async def _probe(self, pod: PodProc) -> None:
         assert self._session is not None
+        if not pod.initialized:
+            await self._step_init(pod)
+            return
         if pod.process is not None and pod.process.returncode is not None:
-            # The container exited: not ready, restarted in place (restartPolicy Always).
+            # The container exited: not ready, restarted in place (restartPolicy Always); the
+            # init containers stay completed (a kubelet re-runs them only for a new sandbox).
             log.info("pod %s: runtime exited with %s, restarting", pod.name, pod.process.returncode)
             if pod.ready:
                 await self._set_ready(pod, False)
             if pod.restart_at is None:
-                # CrashLoopBackOff, shortened: 0.2 s doubling up to 10 s.
-                pod.restart_at = time.monotonic() + min(0.2 * 2 ** min(pod.restarts, 6), 10.0)
+                pod.restart_at = time.monotonic() + crash_backoff(pod.restarts)
             if time.monotonic() >= pod.restart_at:
                 pod.restarts += 1
                 pod.restart_at = None
@@ -440,7 +599,13 @@ class Kubelet:
 
     @staticmethod
     async def _terminate(pod: PodProc) -> None:
-        process = pod.process
+        await asyncio.gather(
+            *(Kubelet._stop_process(c.process) for c in pod.init if c.process is not None),
+            Kubelet._stop_process(pod.process),
+        )
+
+    @staticmethod
+    async def _stop_process(process: asyncio.subprocess.Process | None) -> None:
         if process is None or process.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -468,6 +633,19 @@ class Kubelet:
         """Kill a pod's runtime process (SIGKILL), as an OOM kill or a crash would."""
         assert pod.process is not None
         pod.process.kill()
+
+    @staticmethod
+    def init_logs(pod: PodProc, name: str) -> list[str]:
+        """Every run's log of the pod's init container ``name``, oldest first (``kubectl logs -c``, all runs)."""
+        init = next((c for c in pod.init if c.name == name), None)
+        if init is None:
+            raise KeyError(f"pod {pod.name} has no init container {name!r}: {[c.name for c in pod.init]}")
+        return [path.read_text(errors="replace") for path in init.logs if path.exists()]
+
+
+def _log_tail(path: Path, limit: int = TERMINATION_LOG_TAIL) -> str:
+    data = path.read_bytes()
+    return data[-limit:].decode("utf-8", "replace").strip()
 
 
 def _port_free(ip: str, port: int) -> bool:
