@@ -52,3 +52,20 @@ def test_tensor_parallel_bench_smoke(tmp_path):
     assert float(agreement) == 1.0
     assert float(max_diff) < 1e-4
     assert "| control message, verify-sized" in text  # the draft-placement measurement ran
+
+
+def test_speculative_bench_smoke_with_both_drafts(tmp_path):
+    """Train a tiny target, a STANDALONE draft and an EAGLE head, serve the expanded target
+    with 4 adapters: both drafts run at every concurrency, the served target computes the
+    trained one's function, and every speculative output equals the no-spec output."""
+    out = tmp_path / "spec.md"
+    _bench("spec.py", "--draft", "standalone,eagle", "--out", str(out), timeout=900)
+    text = out.read_text()
+    assert "'argmax_agreement': 1.0" in text
+    rows = [line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|standalone) \|", line)]
+    assert {(r[1].strip(), r[2].strip()) for r in rows} == {
+        (c, d) for c in ("1", "2", "4") for d in ("eagle", "standalone")
+    }
+    for row in rows:
+        done, total = row[-2].strip().split("/")
+        assert done == total and int(total) > 0, row
