@@ -440,6 +440,8 @@ def _fetch_containers(
                 "env": env,
                 "volumeMounts": storage_mounts + _scratch_mounts(),
                 "securityContext": _container_security(),
+                # A failed fetch's last lines (which name the fix) become the status message.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
             }
         )
     return containers

@@ -195,6 +195,7 @@ def test_https_and_s3_models_are_fetched_by_init_containers() -> None:
     runtime = pod["containers"][0]
     for container in fetch.values():
         assert container["env"] == user_env, "AWS_* and TLS settings reach the fetch, secrets by reference"
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", "a failed fetch says why"
         assert container["image"] == SETTINGS.image
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["models"] == {"name": "models", "mountPath": "/data", "readOnly": False}
