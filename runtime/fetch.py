@@ -43,11 +43,9 @@ import argparse
 import asyncio
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -69,12 +67,13 @@ from .remote import (
     SourceError,
     fetch_bytes,
     fetch_to,
-    file_sha256,
     is_archive_name,
+    listing_digest,
     s3_request,
     safe_extract,
     tls_connector,
 )
+from .remote import check_sha256 as remote_check_sha256
 
 log = logging.getLogger("loraserve.fetch")
 
@@ -99,7 +98,6 @@ EXIT_OK = 0
 EXIT_TRANSFER = 1
 EXIT_BAD_SOURCE = 2
 
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _LISTING_LIMIT = 64 << 20  # one ListObjectsV2 page (1000 keys) is far below this
 _INDEX_LIMIT = 64 << 20
 _MAX_PAGES = 100_000
@@ -214,23 +212,18 @@ def _check_relative(path: str, subject: str) -> None:
 
 
 def check_sha256(value: str | None) -> str | None:
-    """Normalise an optional digest; raise naming ``--sha256`` when malformed."""
-    if value is None:
-        return None
-    if not _SHA256_RE.match(value.strip().lower()):
-        raise SourceError("--sha256 must be 64 hexadecimal characters", field="sha256")
-    return value.strip().lower()
+    """Normalise an optional digest (surrounding blanks dropped); raise naming ``--sha256``."""
+    return remote_check_sha256(value.strip() if value is not None else None, name="--sha256")
 
 
 def model_digest(directory: str | Path) -> str:
     """The digest of a model directory: see the module docstring."""
     directory = Path(directory)
+    # Names sorted by code point, as `LC_ALL=C sort` does.
     names = sorted(
         p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MARKER
     )
-    # The same listing sha256sum prints (names sorted by code point, as `LC_ALL=C sort` does).
-    listing = "".join(f"{file_sha256(directory / name)}  {name}\n" for name in names)
-    return hashlib.sha256(listing.encode()).hexdigest()
+    return listing_digest(directory, names)
 
 
 def read_marker(directory: Path) -> Marker | None:

@@ -9,6 +9,7 @@ example ``lora_path 'https://...'``), so each caller keeps its own wording.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import hmac
@@ -16,7 +17,7 @@ import re
 import ssl
 import tarfile
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -188,6 +189,27 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, shown: str, subject: s
     )
 
 
+@contextlib.asynccontextmanager
+async def _checked_get(
+    session: aiohttp.ClientSession, url: str | yarl.URL, headers: Mapping[str, str], *, subject: str
+) -> AsyncIterator[tuple[aiohttp.ClientResponse, str]]:
+    """One GET whose status is already checked; yields the response and the URL as shown
+    in messages (without its query string, which may carry presigned credentials).
+
+    Network errors, and I/O errors while the body is consumed, become transient
+    :class:`SourceError` s.
+    """
+    shown = str(url).split("?", 1)[0]
+    try:
+        async with session.get(url, headers=dict(headers), allow_redirects=True) as resp:
+            await _raise_for_status(resp, shown, subject)
+            yield resp, shown
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise SourceError(
+            f"{subject}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
+        ) from exc
+
+
 async def fetch_to(
     session: aiohttp.ClientSession,
     url: str | yarl.URL,
@@ -203,26 +225,17 @@ async def fetch_to(
     transient for 5xx / 408 / 429 and network errors. Query strings (which may carry
     presigned credentials) never appear in messages.
     """
-    shown = str(url).split("?", 1)[0]
-    try:
-        async with session.get(url, headers=dict(headers), allow_redirects=True) as resp:
-            await _raise_for_status(resp, shown, subject)
-            if resp.content_length is not None and resp.content_length > max_bytes:
-                raise SourceError(
-                    f"{subject}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit"
-                )
-            written = 0
-            with dest.open("wb") as f:
-                async for chunk in resp.content.iter_chunked(CHUNK):
-                    written += len(chunk)
-                    if written > max_bytes:
-                        raise SourceError(f"{subject}: {shown} exceeds the {max_bytes}-byte limit")
-                    f.write(chunk)
-            return written
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise SourceError(
-            f"{subject}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
-        ) from exc
+    async with _checked_get(session, url, headers, subject=subject) as (resp, shown):
+        if resp.content_length is not None and resp.content_length > max_bytes:
+            raise SourceError(f"{subject}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit")
+        written = 0
+        with dest.open("wb") as f:
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                written += len(chunk)
+                if written > max_bytes:
+                    raise SourceError(f"{subject}: {shown} exceeds the {max_bytes}-byte limit")
+                f.write(chunk)
+        return written
 
 
 async def fetch_bytes(
@@ -234,18 +247,11 @@ async def fetch_bytes(
     max_bytes: int,
 ) -> bytes:
     """One GET whose (small) body is returned in memory; errors as :func:`fetch_to`."""
-    shown = str(url).split("?", 1)[0]
-    try:
-        async with session.get(url, headers=dict(headers), allow_redirects=True) as resp:
-            await _raise_for_status(resp, shown, subject)
-            body = await resp.content.read(max_bytes + 1)
-            if len(body) > max_bytes:
-                raise SourceError(f"{subject}: {shown} exceeds the {max_bytes}-byte limit")
-            return body
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise SourceError(
-            f"{subject}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
-        ) from exc
+    async with _checked_get(session, url, headers, subject=subject) as (resp, shown):
+        body = await resp.content.read(max_bytes + 1)
+        if len(body) > max_bytes:
+            raise SourceError(f"{subject}: {shown} exceeds the {max_bytes}-byte limit")
+        return body
 
 
 # --- archives and digests ---------------------------------------------------------------------
@@ -274,6 +280,18 @@ def safe_extract(archive: Path, dest: Path, *, subject: str, max_bytes: int) -> 
             tar.extractall(dest, members=members, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise SourceError(f"{subject}: not a readable tar archive: {exc}") from exc
+
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_sha256(value: object, *, name: str = "sha256") -> str | None:
+    """Normalise an optional hex digest (lower case); raise naming ``name`` when malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _SHA256_RE.match(value.lower()):
+        raise SourceError(f"{name} must be 64 hexadecimal characters", field="sha256")
+    return value.lower()
 
 
 def file_sha256(path: Path) -> str:

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 import urllib.parse
@@ -47,13 +46,20 @@ from pathlib import Path
 import aiohttp
 
 from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
-from ..remote import S3_BUCKET_RE, SourceError, fetch_to, listing_digest, safe_extract, tls_connector
+from ..remote import (
+    S3_BUCKET_RE,
+    SourceError,
+    check_sha256,
+    fetch_to,
+    listing_digest,
+    safe_extract,
+    tls_connector,
+)
 from ..remote import s3_endpoint as s3_endpoint
 from ..remote import s3_request as s3_request
 from ..remote import sigv4_sign as sigv4_sign
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -142,15 +148,6 @@ def parse_source(source: str, *, allow_http: bool = False) -> ParsedSource:
 def _check_relative(path: str, source: str) -> None:
     if any(part == ".." for part in path.split("/")):
         raise SourceError(f"lora_path {source!r}: '..' is not allowed in the path")
-
-
-def check_sha256(value: object) -> str | None:
-    """Normalise an optional digest; raise naming ``sha256`` when malformed."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not _SHA256_RE.match(value.lower()):
-        raise SourceError("sha256 must be 64 hexadecimal characters", field="sha256")
-    return value.lower()
 
 
 def adapter_digest(directory: str | Path) -> str:
