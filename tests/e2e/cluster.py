@@ -199,3 +199,36 @@ async def wait_for(
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last seen: {last!r}")
+
+
+async def pod_models(pod) -> dict[str, dict]:
+    """What a runtime pod serves, by model id (base and adapters)."""
+    async with aiohttp.ClientSession() as http, http.get(f"http://{pod.ip}:{pod.port}/v1/models") as resp:
+        assert resp.status == 200
+        return {entry["id"]: entry for entry in (await resp.json())["data"]}
+
+
+async def pod_complete(pod, model: str) -> tuple[int, dict]:
+    """A short greedy completion from one runtime pod: (HTTP status, body)."""
+    body = {"model": model, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"http://{pod.ip}:{pod.port}/v1/completions", json=body) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def kill_and_wait_for_reload(kubelet, pod, adapters, *, timeout: float) -> None:
+    """Kill ``pod``'s runtime process; return once it has restarted, is Ready again and
+    serves every named adapter loaded after the kill (a fresh load, not a stale answer)."""
+    restarts = pod.restarts
+    killed_at = int(time.time())
+    kubelet.kill(pod)
+
+    async def reloaded() -> bool:
+        if pod.restarts <= restarts or not pod.ready:
+            return False
+        held = await pod_models(pod)
+        return all(name in held and held[name]["created"] >= killed_at for name in adapters)
+
+    await wait_for(reloaded, timeout=timeout, what=f"{', '.join(adapters)} reloaded on restarted pod {pod.name}")

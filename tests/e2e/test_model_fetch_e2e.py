@@ -13,13 +13,11 @@ import io
 import ssl
 import sys
 import tarfile
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 import trustme
@@ -31,6 +29,8 @@ from loraserve.runtime.fetch import MARKER
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
 assets = sys.modules["_loraserve_e2e_assets"]
 wait_for = cluster_mod.wait_for
+models = cluster_mod.pod_models
+complete = cluster_mod.pod_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -124,21 +124,6 @@ async def api_pod(cluster, pod) -> dict:
     return body
 
 
-async def complete(pod, model: str) -> tuple[int, dict]:
-    body = {"model": model, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(f"http://{pod.ip}:{pod.port}/v1/completions", json=body) as resp,
-    ):
-        return resp.status, await resp.json()
-
-
-async def models(pod) -> dict[str, dict]:
-    async with aiohttp.ClientSession() as http, http.get(f"http://{pod.ip}:{pod.port}/v1/models") as resp:
-        assert resp.status == 200
-        return {entry["id"]: entry for entry in (await resp.json())["data"]}
-
-
 async def alpha_loaded(cluster, count: int) -> bool:
     """Adapter alpha is Ready and Loaded on exactly the ``count`` ready pods of the fetched serve."""
     ready = {p.name for p in pods(cluster, FETCHED) if p.ready}
@@ -196,16 +181,7 @@ async def test_a_restarted_runtime_does_not_fetch_again(cluster, model_server) -
     fetched = dict(model_server.requests)
     victim = pods(cluster, FETCHED)[0]
     restarts = victim.restarts
-    killed_at = time.time()
-    cluster.kubelet.kill(victim)
-
-    async def back() -> bool:
-        if victim.restarts <= restarts or not victim.ready:
-            return False
-        held = await models(victim)
-        return "alpha" in held and held["alpha"]["created"] >= int(killed_at)
-
-    await wait_for(back, timeout=TIMEOUT, what=f"{victim.name} restarted with alpha reloaded")
+    await cluster_mod.kill_and_wait_for_reload(cluster.kubelet, victim, ["alpha"], timeout=TIMEOUT)
     await wait_for(lambda: alpha_loaded(cluster, 2), timeout=TIMEOUT, what="alpha Loaded on both pods again")
     assert dict(model_server.requests) == fetched, "a restarted runtime downloads nothing"
     assert len(cluster.kubelet.init_logs(victim, "model-fetch")) == 1, "the init container did not run again"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 import sys
-import time
 
 import aiohttp
 import kubernetes_validate
@@ -28,6 +27,8 @@ from loraserve.operator.webhooks import WebhookServerConfig
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
 assets = sys.modules["_loraserve_e2e_assets"]
 wait_for = cluster_mod.wait_for
+models = cluster_mod.pod_models
+complete = cluster_mod.pod_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
@@ -65,22 +66,6 @@ async def serve(cluster) -> dict | None:
 
 def pods(cluster) -> list:
     return cluster.kubelet.pods_of(NS, SERVE)
-
-
-async def models(pod) -> dict[str, dict]:
-    """What a runtime pod serves, by model id (base and adapters)."""
-    async with aiohttp.ClientSession() as http, http.get(f"http://{pod.ip}:{pod.port}/v1/models") as resp:
-        assert resp.status == 200
-        return {entry["id"]: entry for entry in (await resp.json())["data"]}
-
-
-async def complete(pod, model: str) -> tuple[int, dict]:
-    body = {"model": model, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(f"http://{pod.ip}:{pod.port}/v1/completions", json=body) as resp,
-    ):
-        return resp.status, await resp.json()
 
 
 async def loaded_everywhere(cluster, names, *, count: int = 2) -> bool:
@@ -243,17 +228,7 @@ async def test_a_converged_cluster_gets_no_writes(cluster) -> None:
 
 async def test_killed_runtime_and_replaced_pod_get_all_adapters_again(cluster) -> None:
     victim = pods(cluster)[0]
-    restarts = victim.restarts
-    killed_at = time.time()
-    cluster.kubelet.kill(victim)
-
-    async def reloaded() -> bool:
-        if victim.restarts <= restarts or not victim.ready:
-            return False
-        held = await models(victim)
-        return all(name in held and held[name]["created"] >= int(killed_at) for name in BASE_ADAPTERS)
-
-    await wait_for(reloaded, timeout=TIMEOUT, what=f"adapters reloaded on restarted pod {victim.name}")
+    await cluster_mod.kill_and_wait_for_reload(cluster.kubelet, victim, BASE_ADAPTERS, timeout=TIMEOUT)
     await wait_for(
         lambda: loaded_everywhere(cluster, BASE_ADAPTERS), timeout=TIMEOUT, what="status Ready again"
     )

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tarfile
@@ -23,7 +22,6 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
-import trustme
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from safetensors.torch import load_file, save_file
@@ -199,17 +197,6 @@ class ObjectServer:
         app = web.Application()
         app.router.add_get("/{tail:.*}", self.handle)
         return app
-
-
-@pytest.fixture
-def tls(tmp_path):
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(server_ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    return server_ctx, str(ca_file)
 
 
 async def _serve(server: ObjectServer, ssl_ctx=None) -> TestServer:

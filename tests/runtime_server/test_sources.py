@@ -10,13 +10,11 @@ import hashlib
 import io
 import os
 import shutil
-import ssl
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
-import trustme
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -143,17 +141,6 @@ class FileServer:
         app = web.Application()
         app.router.add_get("/{tail:.*}", self.handle)
         return app
-
-
-@pytest.fixture
-def tls(tmp_path):
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(server_ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    return server_ctx, str(ca_file)
 
 
 async def _serve(files, *, ssl_ctx=None, require=None):
