@@ -487,11 +487,7 @@ class WebhookServerConfig:
     restart); unused for a self-signed certificate, which is never renewed."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.cert_reload_s) and self.cert_reload_s > 0):
-            raise ValueError(
-                f"cert_reload_s ({ENV_PREFIX}CERT_RELOAD_S) must be a number of seconds greater than 0 "
-                f"(default {DEFAULT_CERT_RELOAD_S:g}), got {self.cert_reload_s!r}"
-            )
+        _check_reload_s(self.cert_reload_s, f"cert_reload_s ({ENV_PREFIX}CERT_RELOAD_S)", self.cert_reload_s)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebhookServerConfig:
@@ -523,11 +519,7 @@ class WebhookServerConfig:
                 reload_s = float(reload_text)
             except ValueError:
                 reload_s = math.nan
-            if not (math.isfinite(reload_s) and reload_s > 0):
-                raise ValueError(
-                    f"{ENV_PREFIX}CERT_RELOAD_S must be a number of seconds greater than 0 "
-                    f"(default {DEFAULT_CERT_RELOAD_S:g}), got {reload_text!r}"
-                )
+            _check_reload_s(reload_s, f"{ENV_PREFIX}CERT_RELOAD_S", reload_text)
         return cls(
             addr=get("ADDR") or cls.addr,
             port=port,
@@ -545,6 +537,14 @@ class WebhookServerConfig:
         if self.addr not in ("0.0.0.0", "::", ""):
             names.append(self.addr)
         return names or ["localhost", "127.0.0.1"]
+
+
+def _check_reload_s(value: float, name: str, shown: object) -> None:
+    """Refuse a reload interval that is not a finite number of seconds above 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{name} must be a number of seconds greater than 0 (default {DEFAULT_CERT_RELOAD_S:g}), got {shown!r}"
+        )
 
 
 class ReloadingWebhookServer(kopf.WebhookServer):
