@@ -66,6 +66,7 @@ def _import_kernels():
 
 K = _import_kernels()
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
+from loraserve.kernels.overlap import OverlapMode, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
@@ -398,6 +399,70 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     return checks
 
 
+def check_overlap(backend, module: Module, device, gen, overlap: OverlapMode, mode: str, max_bs: int, k: int) -> list[Check]:
+    """``linear_with_lora`` captured in a graph (base GEMM + LoRA on a side stream), replayed with new slots."""
+    checks = []
+    dtype = torch.bfloat16
+    num_slots, R = 6, 16
+    fm = forward_mode(mode)
+    meta = GraphLoRAMetadata(fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device)
+    info = meta.capture_info(max_bs)
+    T = info.total_tokens
+    S = len(module.widths)
+    x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
+    W = (torch.randn(module.out_dim, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
+    B = make_b(num_slots, module.out_dim, R, True, generator=gen).to(device, dtype)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    result: dict[str, torch.Tensor] = {}
+
+    def step():
+        result["y"] = linear_with_lora(backend, x, A, B, info, module.offsets, lambda: F.linear(x, W), mode=overlap, side=side)
+
+    if device.type == "cuda":
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            step()
+        torch.cuda.current_stream().wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = graph.replay
+    else:
+        replay = step
+    for trial in range(3):
+        real_bs = max(1, max_bs - trial * (max_bs // 3))
+        slots = [int(torch.randint(-1, num_slots, (1,), generator=gen)) for _ in range(real_bs)]
+        ranks = [int(torch.randint(0, R + 1, (1,), generator=gen)) for _ in range(num_slots)]
+        scalings = [0.25 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+        meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
+        x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
+        if "y" in result:  # a graph's output buffer: poisoned, every row must be rewritten
+            result["y"].fill_(float("nan"))
+        replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        base = F.linear(x, W).double()
+        row_slots = info.token_slots.tolist()
+        delta = reference_delta(x, A, B, row_slots, ranks, scalings, module.offsets)
+        got = result["y"].double() - base
+        active = torch.tensor([s >= 0 and ranks[s] > 0 for s in row_slots], device=device)
+        err = ((got - delta).norm() / delta.norm().clamp_min(1e-30)).item() if bool(active.any()) else 0.0
+        # base rows: the GEMM's output (bf16) plus nothing
+        base_ok = bool((got[~active].abs() <= 1e-2 * base[~active].abs() + 1e-3).all())
+        finite = bool(torch.isfinite(result["y"]).all())
+        checks.append(
+            Check(
+                f"overlap-{overlap.value} {mode} {module.name} bs{real_bs}/{max_bs} trial{trial}",
+                err < TOL[dtype] and base_ok and finite,
+                err,
+                f"base rows = GEMM: {base_ok}, all written: {finite}",
+            )
+        )
+    return checks
+
+
 def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
     gen = torch.Generator().manual_seed(1234)
     backend = TritonLoRABackend()
@@ -445,6 +510,10 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
         ):
             c.name = f"[{tag}] {c.name}"
             checks.append(c)
+    # Beside the base GEMM on a second stream, both joins, under graph capture.
+    for overlap in (OverlapMode.DELTA, OverlapMode.SHRINK):
+        checks += check_overlap(backend, qkv, device, gen, overlap, "verify", 8, 4)
+        checks += check_overlap(backend, modules["gate_up"], device, gen, overlap, "decode", 16, 1)
     variants = [("pdl", TritonLoRABackend(pdl=True))] if pdl_supported(device) and not fast else []
     for tag, variant in variants:
         for w in works:
@@ -548,9 +617,22 @@ class ModuleCase:
         return [(lambda i=i: baseline(i)) for i in range(self.sets)]
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted, or a dash where a variant has no such number."""
+    return "-" if value is None else format(value, spec)
+
+
 def describe(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in asdict(cfg).items())
 
+
+# variant -> (overlap mode, high-priority side stream); the backend is the default one
+OVERLAPS = {
+    "overlap-delta": (OverlapMode.DELTA, False),
+    "overlap-delta-hp": (OverlapMode.DELTA, True),
+    "overlap-shrink": (OverlapMode.SHRINK, False),
+    "overlap-shrink-hp": (OverlapMode.SHRINK, True),
+}
 
 BACKENDS = {
     "default": lambda: TritonLoRABackend(),
@@ -716,8 +798,8 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
                 res = layer_case(device, modules, base, w, gen, reps, variant)
                 results.append(res)
                 print(
-                    f"layer {w.label():28s} {variant:10s} lora {res['lora_us']:7.2f} us  base {res['base_us']:7.2f} us"
-                    f"  lora/base {res['lora_pct_of_base']:5.1f}%  in-situ +{res['increment_pct']:5.1f}%"
+                    f"layer {w.label():28s} {variant:17s} lora {fmt(res['lora_us'], '7.2f')} us  base {res['base_us']:7.2f} us"
+                    f"  lora/base {fmt(res['lora_pct_of_base'], '5.1f')}%  in-situ +{res['increment_pct']:5.1f}%"
                     f"  paths {res['paths']}",
                     flush=True,
                 )
@@ -730,7 +812,8 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
     dt = torch.bfloat16
     layers = len(base)
-    backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=True)
+    overlap = OVERLAPS.get(variant)
+    backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=variant == "pdl")
     R = w.pool_rank
     slots = request_slots(w, gen)
     info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
@@ -767,23 +850,33 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         for name in modules:
             outs[name] = F.linear(inputs[name], base[li][name])
 
+    side = None
+    if overlap is not None and device.type == "cuda":
+        side = torch.cuda.Stream(device, priority=-1 if overlap[1] else 0)
+
     def both_layer(li: int) -> None:
         for name, m in modules.items():
-            y = F.linear(inputs[name], base[li][name])
             A, B = lora[li][name]
-            backend.apply(inputs[name], A, B, info, y, m.offsets)
+            x, W = inputs[name], base[li][name]
+            if overlap is None:
+                y = F.linear(x, W)
+                backend.apply(x, A, B, info, y, m.offsets)
+            else:
+                y = linear_with_lora(backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=overlap[0], side=side)
+            outs[name] = y
 
-    t_lora = time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
+    # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
+    t_lora = None if overlap else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
     t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
     t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
     return {
         "workload": w.label(),
         "variant": variant,
         "tokens": T,
-        "lora_us": t_lora * 1e3,
+        "lora_us": None if t_lora is None else t_lora * 1e3,
         "base_us": t_base * 1e3,
         "base_plus_lora_us": t_both * 1e3,
-        "lora_pct_of_base": 100 * t_lora / t_base,
+        "lora_pct_of_base": None if t_lora is None else 100 * t_lora / t_base,
         "increment_pct": 100 * (t_both - t_base) / t_base,
         "paths": ",".join(f"{k}:{v}" for k, v in paths.items()),
     }
@@ -794,6 +887,8 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 
 ALL = ("qkv", "o", "gate_up", "down")
 PATHS3 = ("default", "two-launch", "fused")
+# The layer targets: the default (two launches per module, serial) and each overlapped join.
+LAYER = ("default", "overlap-delta", "overlap-delta-hp", "overlap-shrink", "overlap-shrink-hp")
 
 
 def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
@@ -831,14 +926,14 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
 
 def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     if tiny:
-        return [(Workload("decode", 2, 1, 16, rank_major_b=True), PATHS3)]
+        return [(Workload("decode", 2, 1, 16, rank_major_b=True), (*PATHS3, "overlap-delta", "overlap-shrink"))]
     return [
-        (Workload("decode", 1, 1, 16, rank_major_b=True), PATHS3),
-        (Workload("decode", 32, 8, 16, rank_major_b=True), PATHS3),
-        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), PATHS3),
-        (Workload("decode", 64, 64, 16, rank_major_b=True), PATHS3),
-        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), PATHS3),
-        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), PATHS3),
+        (Workload("decode", 1, 1, 16, rank_major_b=True), LAYER),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), LAYER),
+        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), LAYER),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), LAYER),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), LAYER),
+        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), LAYER),
     ]
 
 
@@ -874,7 +969,7 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {x['workload']} | {x['variant']} | {x['tokens']} | {x['lora_us']:.2f} | {x['base_us']:.2f} | {x['lora_pct_of_base']:.1f} "
+        f"| {x['workload']} | {x['variant']} | {x['tokens']} | {fmt(x['lora_us'], '.2f')} | {x['base_us']:.2f} | {fmt(x['lora_pct_of_base'], '.1f')} "
         f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} | {x['paths']} |"
         for x in layer
     ]
@@ -963,7 +1058,10 @@ def main() -> int:
     # Short table last: what the reply shows.
     print("\n== layer: LoRA vs base GEMMs ==")
     for x in layer:
-        print(f"{x['workload']:28s} {x['variant']:10s} lora {x['lora_us']:7.2f}us base {x['base_us']:7.2f}us {x['lora_pct_of_base']:5.1f}%  in-situ +{x['increment_pct']:4.1f}%")
+        print(
+            f"{x['workload']:28s} {x['variant']:17s} lora {fmt(x['lora_us'], '7.2f')}us base {x['base_us']:7.2f}us "
+            f"{fmt(x['lora_pct_of_base'], '5.1f')}%  in-situ +{x['increment_pct']:4.1f}%"
+        )
     print("== modules: triton us / torch us / %copyBW ==")
     for r in rows:
         print(f"{r.module:7s} {r.workload:26s} {r.variant:10s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")

@@ -8,6 +8,7 @@ HTTP or Kubernetes.
 from .backend import LoRABackend
 from .graph_metadata import GraphLoRAMetadata
 from .metadata import ForwardMode, LoRABatchInfo, build_batch_info, token_counts
+from .overlap import OverlapMode, OverlapPolicy, linear_with_lora
 from .reference import TorchLoRABackend
 
 __all__ = [
@@ -15,9 +16,12 @@ __all__ = [
     "GraphLoRAMetadata",
     "LoRABackend",
     "LoRABatchInfo",
+    "OverlapMode",
+    "OverlapPolicy",
     "TorchLoRABackend",
     "build_batch_info",
     "get_backend",
+    "linear_with_lora",
     "token_counts",
 ]
 

@@ -71,6 +71,25 @@ class LoRABackend(abc.ABC):
         xa = self.shrink(x, A, info, num_slices=len(slice_offsets) - 1)
         self.expand(xa, B, info, out, slice_offsets)
 
+    def shrink_stage(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> torch.Tensor:
+        """The first half of :meth:`apply`: an intermediate only :meth:`expand_stage` reads.
+
+        Split so a caller can run the shrink beside other work (the base GEMM on another
+        stream) and the expand after it. The base version is :meth:`shrink`'s ``xa``.
+        """
+        return self.shrink(x, A, info, num_slices=num_slices)
+
+    def expand_stage(
+        self,
+        stage: torch.Tensor,
+        B: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """The second half of :meth:`apply`: add the delta from :meth:`shrink_stage`'s result."""
+        self.expand(stage, B, info, out, slice_offsets)
+
     def embedding(
         self,
         ids: torch.Tensor,

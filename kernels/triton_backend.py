@@ -269,8 +269,47 @@ class TritonLoRABackend(LoRABackend):
             partial = torch.empty(fused.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
             if launch_fused(x, A, B, out, partial, info, slice_offsets, fused, sem, _sm_count(x.device)):
                 return
-        pdl = self._pdl(x.device)
+        partial = self._shrink_partials(x, A, info, num_slices, max_rank)
+        launch_expand(
+            partial, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=self._pdl(x.device)
+        )
+
+    def _shrink_partials(
+        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int, max_rank: int
+    ) -> torch.Tensor:
         config = self.shrink_config(info, x, num_slices, max_rank)
-        partial = torch.empty(config.split_k, x.shape[0], width, dtype=torch.float32, device=x.device)
-        launch_shrink(x, A, partial, info, num_slices, config, pdl=pdl)
-        launch_expand(partial, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=pdl)
+        partial = torch.empty(config.split_k, x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
+        launch_shrink(x, A, partial, info, num_slices, config, pdl=self._pdl(x.device))
+        return partial
+
+    def shrink_stage(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> torch.Tensor:
+        """Split-K partial sums ``[split, T, slices*max_rank]`` (float32) for :meth:`expand_stage`."""
+        max_rank, _ = check_shapes(x, A, info, num_slices)
+        _check_runtime(x, A)
+        _check_ranks(info, A.shape[0], max_rank)
+        info = ensure_tiles(info)
+        if x.shape[0] == 0 or info.num_tiles == 0:  # nothing to shrink; expand_stage skips too
+            return torch.empty(1, x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
+        return self._shrink_partials(x, A, info, num_slices, max_rank)
+
+    def expand_stage(
+        self,
+        stage: torch.Tensor,
+        B: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """Add the delta from :meth:`shrink_stage`'s partial sums into ``out``."""
+        slice_offsets = tuple(slice_offsets)
+        if stage.dim() != 3:
+            raise ValueError(f"expand_stage takes shrink_stage's [split, T, width] partials, got {tuple(stage.shape)}")
+        check_expand_shapes(stage.shape[1:], B, info, out, slice_offsets)
+        _check_runtime(stage, B, out)
+        _check_ranks(info, B.shape[0], B.shape[2])
+        info = ensure_tiles(info)
+        if out.shape[0] == 0 or info.num_tiles == 0:
+            return
+        launch_expand(
+            stage, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=self._pdl(out.device)
+        )

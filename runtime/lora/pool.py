@@ -18,11 +18,13 @@ partial delta is zero and the embedding's all-reduce adds each token's delta onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from loraserve.kernels import LoRABackend, LoRABatchInfo
+from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora
 
 from ..model.layers.parallel import VocabParallelEmbedding
 from ..model.llama import LlamaForCausalLM
@@ -57,10 +59,21 @@ class LoRAContext:
     are None when no request of the batch uses an adapter: the hooks then do nothing.
     """
 
-    def __init__(self, backend: LoRABackend):
+    def __init__(self, backend: LoRABackend, overlap: OverlapPolicy | None = None):
         self.backend = backend
         self.info: LoRABatchInfo | None = None
         self.logits_info: LoRABatchInfo | None = None
+        # Decode/verify-sized batches run each module's LoRA beside its base GEMM on a
+        # second stream (``loraserve.kernels.overlap``); ``LORASERVE_LORA_OVERLAP`` overrides.
+        self.overlap = overlap if overlap is not None else OverlapPolicy.from_env()
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The second stream for ``device`` (one per context, created on first use)."""
+        stream = self._side.get(device)
+        if stream is None:
+            stream = self._side[device] = torch.cuda.Stream(device)
+        return stream
 
     def set(self, info: LoRABatchInfo | None, logits_info: LoRABatchInfo | None) -> None:
         self.info = info
@@ -85,6 +98,15 @@ class LinearLoRAHook:
         info = self.ctx.logits_info if self.logits else self.ctx.info
         if info is not None:
             self.ctx.backend.apply(x, self.A, self.B, info, out, self.slice_offsets)
+
+    def linear(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``base()`` (the layer's GEMM on ``x``) plus the batch's LoRA delta, overlapped where it pays."""
+        info = self.ctx.logits_info if self.logits else self.ctx.info
+        if info is None:
+            return base()
+        mode = self.ctx.overlap.mode_for(x.shape[0], x.device)
+        side = None if mode is OverlapMode.SERIAL else self.ctx.side_stream(x.device)
+        return linear_with_lora(self.ctx.backend, x, self.A, self.B, info, self.slice_offsets, base, mode=mode, side=side)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.kernels import ForwardMode, build_batch_info, get_backend
+from loraserve.kernels import ForwardMode, OverlapMode, build_batch_info, get_backend, linear_with_lora
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 from loraserve.kernels.triton_backend import TritonLoRABackend
 from loraserve.kernels.triton_ops.fused import barrier_timeouts
@@ -103,3 +103,48 @@ def test_fused_barrier_holds_over_many_launches(make_pool, gen):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, once * (4 * launches), rtol=1e-4, atol=1e-3)
     assert not barrier_timeouts("cuda")
+
+
+@pytest.mark.parametrize("overlap", [OverlapMode.DELTA, OverlapMode.SHRINK])
+@pytest.mark.parametrize("mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4)])
+def test_overlapped_linear_replays_new_batches(mode, k, overlap, make_pool, gen, check_output):
+    """The base GEMM and the LoRA on a second stream, captured as a fork/join and replayed
+    with new slots: the output equals the GEMM plus the float64 delta, base rows equal the
+    GEMM bit for bit, and every row of the graph's (poisoned) output is rewritten."""
+    pool = make_pool(in_dim=512, widths=(256, 64, 64), ranks=[16] * 5, max_rank=16, dtype=torch.bfloat16)
+    backend = get_backend("triton", "cuda")
+    meta = GraphLoRAMetadata(mode, 16, 5, num_draft_tokens=k if k > 1 else None, device="cuda")
+    info = meta.capture_info(16)
+    x, _ = pool.inputs(gen, info.total_tokens)
+    W = (torch.randn(pool.out_dim, 512, generator=gen) / 512**0.5).to("cuda", torch.bfloat16)
+    side = torch.cuda.Stream()
+    held = {}
+
+    def step():
+        held["y"] = linear_with_lora(
+            backend, x, pool.A, pool.B, info, pool.offsets, lambda: torch.nn.functional.linear(x, W), mode=overlap,
+            side=side,
+        )
+
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for real_bs in (16, 11, 3):
+        slots = torch.randint(-1, 5, (real_bs,), generator=gen).tolist()
+        pool.ranks = torch.randint(0, 17, (5,), generator=gen).tolist()
+        pool.scalings = (torch.rand(5, generator=gen) + 0.25).tolist()
+        meta.update(slots, pool.ranks, pool.scalings, num_draft_tokens=k if k > 1 else None, batch_size=16)
+        x.copy_(pool.inputs(gen, info.total_tokens)[0])
+        held["y"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        base = torch.nn.functional.linear(x, W)
+        if overlap is OverlapMode.SHRINK:  # the expand adds into the GEMM's own output
+            check_output(info, pool, x, base, held["y"])
+        else:  # GEMM + bf16 delta: base rows get + 0, LoRA rows one extra rounding
+            check_output(info, pool, x, base, held["y"], tol=4e-2)

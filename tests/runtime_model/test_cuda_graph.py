@@ -89,10 +89,15 @@ def test_extend_and_large_batches_bypass_graphs(assets, make_runner, ops):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend):
+@pytest.mark.parametrize("overlap", ["delta", "shrink"])
+def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend, overlap, monkeypatch):
+    """Graphs with each module's LoRA beside its GEMM on a second stream (``overlap``)
+    against eager forwards that run them one after the other."""
+    from loraserve.kernels.overlap import OVERLAP_ENV
     from loraserve.runtime.model_runner import ModelRunner
 
     def build(graphs: bool):
+        monkeypatch.setenv(OVERLAP_ENV, overlap if graphs else "serial")
         config = make_config(assets.models["llama-gqa"], backend=backend)
         config.device = "cuda"
         config.cuda_graph.enabled = graphs

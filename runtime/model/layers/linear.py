@@ -8,6 +8,7 @@ loading and LoRA slicing agree on the layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 class LoRAHook(Protocol):
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the batch's LoRA delta for ``x`` into ``out`` in place."""
+
+    def linear(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``base()`` plus the batch's LoRA delta for ``x`` (the hook may run both side by side)."""
 
 
 class Linear(nn.Module):
@@ -54,10 +58,9 @@ class Linear(nn.Module):
         return tuple(offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            self.lora.apply(x, out)
-        return out
+        if self.lora is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.lora.linear(x, lambda: F.linear(x, self.weight, self.bias))
 
 
 class VocabEmbedding(nn.Module):

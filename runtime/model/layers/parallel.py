@@ -52,9 +52,11 @@ class RowParallelLinear(Linear):
         self.adds_bias = group.rank == 0  # the sum must carry the bias once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias if self.adds_bias else None)
-        if self.lora is not None:
-            self.lora.apply(x, out)  # a partial delta: it joins the same all-reduce
+        bias = self.bias if self.adds_bias else None
+        if self.lora is None:
+            out = F.linear(x, self.weight, bias)
+        else:  # a partial delta: it joins the same all-reduce
+            out = self.lora.linear(x, lambda: F.linear(x, self.weight, bias))
         return self.group.all_reduce(out)
 
 
