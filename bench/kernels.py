@@ -66,7 +66,7 @@ def _import_kernels():
 
 K = _import_kernels()
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
-from loraserve.kernels.overlap import OverlapMode, linear_with_lora  # noqa: E402
+from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
@@ -626,12 +626,11 @@ def describe(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in asdict(cfg).items())
 
 
-# variant -> (overlap mode, high-priority side stream); the backend is the default one
+# variant -> the join beside the base GEMM (None: the runtime's policy); default backend
 OVERLAPS = {
-    "overlap-delta": (OverlapMode.DELTA, False),
-    "overlap-delta-hp": (OverlapMode.DELTA, True),
-    "overlap-shrink": (OverlapMode.SHRINK, False),
-    "overlap-shrink-hp": (OverlapMode.SHRINK, True),
+    "overlap-auto": None,
+    "overlap-delta": OverlapMode.DELTA,
+    "overlap-shrink": OverlapMode.SHRINK,
 }
 
 BACKENDS = {
@@ -812,7 +811,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
     dt = torch.bfloat16
     layers = len(base)
-    overlap = OVERLAPS.get(variant)
+    overlapped = variant in OVERLAPS
     backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=variant == "pdl")
     R = w.pool_rank
     slots = request_slots(w, gen)
@@ -850,23 +849,24 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         for name in modules:
             outs[name] = F.linear(inputs[name], base[li][name])
 
-    side = None
-    if overlap is not None and device.type == "cuda":
-        side = torch.cuda.Stream(device, priority=-1 if overlap[1] else 0)
+    side = torch.cuda.Stream(device) if overlapped and device.type == "cuda" else None
+    overlap = OVERLAPS.get(variant) or OverlapPolicy().mode_for(T, info.num_tiles, torch.device("cuda"))
+    if overlapped:
+        paths = {name: f"{p}+{overlap.value}" for name, p in paths.items()}
 
     def both_layer(li: int) -> None:
         for name, m in modules.items():
             A, B = lora[li][name]
             x, W = inputs[name], base[li][name]
-            if overlap is None:
+            if not overlapped:
                 y = F.linear(x, W)
                 backend.apply(x, A, B, info, y, m.offsets)
             else:
-                y = linear_with_lora(backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=overlap[0], side=side)
+                y = linear_with_lora(backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=overlap, side=side)
             outs[name] = y
 
     # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
-    t_lora = None if overlap else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
+    t_lora = None if overlapped else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
     t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
     t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
     return {
@@ -888,7 +888,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 ALL = ("qkv", "o", "gate_up", "down")
 PATHS3 = ("default", "two-launch", "fused")
 # The layer targets: the default (two launches per module, serial) and each overlapped join.
-LAYER = ("default", "overlap-delta", "overlap-delta-hp", "overlap-shrink", "overlap-shrink-hp")
+LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink")
 
 
 def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
@@ -926,7 +926,7 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
 
 def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     if tiny:
-        return [(Workload("decode", 2, 1, 16, rank_major_b=True), (*PATHS3, "overlap-delta", "overlap-shrink"))]
+        return [(Workload("decode", 2, 1, 16, rank_major_b=True), (*PATHS3, *OVERLAPS))]
     return [
         (Workload("decode", 1, 1, 16, rank_major_b=True), LAYER),
         (Workload("decode", 32, 8, 16, rank_major_b=True), LAYER),
@@ -934,6 +934,10 @@ def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
         (Workload("decode", 64, 64, 16, rank_major_b=True), LAYER),
         (Workload("verify", 32, 32, 16, 4, rank_major_b=True), LAYER),
         (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), LAYER),
+        # where the two joins cross over (the policy's delta_max_tiles)
+        (Workload("decode", 2, 2, 16, rank_major_b=True), LAYER),
+        (Workload("decode", 4, 4, 16, rank_major_b=True), LAYER),
+        (Workload("verify", 1, 1, 16, 6, rank_major_b=True), LAYER),
     ]
 
 

@@ -41,18 +41,23 @@ class OverlapMode(enum.Enum):
 
 @dataclass(frozen=True)
 class OverlapPolicy:
-    """When a module's LoRA runs beside its base GEMM.
+    """When a module's LoRA runs beside its base GEMM, and with which join.
 
-    ``max_tokens``: batches with more token rows run serially (at prefill sizes the GEMM
-    is compute-bound and fills the GPU, and ``DELTA``'s buffer traffic grows with tokens).
+    ``mode`` None is the measured choice (H200, one Llama-3-8B layer, see
+    ``bench/results/2026-12-03-kernels-h200.md``): ``DELTA`` for batches of at most
+    ``delta_max_tiles`` LoRA tiles (batch 1: LoRA added +7% to the layer, serial +24%),
+    ``SHRINK`` above (at 8-64 tiles the side stream's expand no longer fits beside the
+    GEMM and ``DELTA`` lost to serial; ``SHRINK`` won everywhere). ``max_tokens``: larger
+    batches run serially (at prefill sizes the GEMM is compute-bound and fills the GPU).
     """
 
-    mode: OverlapMode = OverlapMode.DELTA
+    mode: OverlapMode | None = None
     max_tokens: int = 512
+    delta_max_tiles: int = 2
 
     @classmethod
     def from_env(cls, value: str | None = None) -> OverlapPolicy:
-        """``LORASERVE_LORA_OVERLAP``: ``delta`` (default), ``shrink`` or ``serial``/``off``."""
+        """``LORASERVE_LORA_OVERLAP``: ``auto`` (default), ``delta``, ``shrink`` or ``serial``/``off``."""
         raw = (os.environ.get(OVERLAP_ENV, "") if value is None else value).strip().lower()
         if raw in ("", "auto"):
             return cls()
@@ -62,14 +67,20 @@ class OverlapPolicy:
             return cls(OverlapMode(raw))
         except ValueError:
             raise ValueError(
-                f"{OVERLAP_ENV}={raw!r} is not a LoRA overlap mode: use delta, shrink or serial"
+                f"{OVERLAP_ENV}={raw!r} is not a LoRA overlap mode: use auto, delta, shrink or serial"
             ) from None
 
-    def mode_for(self, tokens: int, device: torch.device) -> OverlapMode:
-        """The mode for one module call of ``tokens`` rows on ``device``."""
+    def mode_for(self, tokens: int, tiles: int, device: torch.device) -> OverlapMode:
+        """The mode for one module call over ``tokens`` rows in ``tiles`` LoRA tiles on ``device``.
+
+        ``tiles`` is the batch info's tile count (for a CUDA graph, the capture's
+        capacity), fixed for a capture like every other launch decision.
+        """
         if device.type != "cuda" or tokens > self.max_tokens:
             return OverlapMode.SERIAL
-        return self.mode
+        if self.mode is not None:
+            return self.mode
+        return OverlapMode.DELTA if tiles <= self.delta_max_tiles else OverlapMode.SHRINK
 
 
 def linear_with_lora(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels import LoRABackend, LoRABatchInfo
+from loraserve.kernels.metadata import ensure_tiles
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora
 
 from ..model.layers.parallel import VocabParallelEmbedding
@@ -104,7 +105,7 @@ class LinearLoRAHook:
         info = self.ctx.logits_info if self.logits else self.ctx.info
         if info is None:
             return base()
-        mode = self.ctx.overlap.mode_for(x.shape[0], x.device)
+        mode = self.ctx.overlap.mode_for(x.shape[0], ensure_tiles(info).num_tiles, x.device)
         side = None if mode is OverlapMode.SERIAL else self.ctx.side_stream(x.device)
         return linear_with_lora(self.ctx.backend, x, self.A, self.B, info, self.slice_offsets, base, mode=mode, side=side)
 

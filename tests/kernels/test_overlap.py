@@ -23,8 +23,8 @@ from loraserve.kernels.overlap import OVERLAP_ENV
 
 @pytest.mark.parametrize(
     "raw,mode",
-    [("", OverlapMode.DELTA), ("auto", OverlapMode.DELTA), ("delta", OverlapMode.DELTA),
-     ("SHRINK", OverlapMode.SHRINK), ("serial", OverlapMode.SERIAL), ("off", OverlapMode.SERIAL)],
+    [("", None), ("auto", None), ("delta", OverlapMode.DELTA), ("SHRINK", OverlapMode.SHRINK),
+     ("serial", OverlapMode.SERIAL), ("off", OverlapMode.SERIAL)],
 )  # fmt: skip
 def test_policy_from_env(raw, mode, monkeypatch):
     monkeypatch.setenv(OVERLAP_ENV, raw)
@@ -33,16 +33,21 @@ def test_policy_from_env(raw, mode, monkeypatch):
 
 def test_policy_rejects_unknown_mode_naming_the_variable_and_values(monkeypatch):
     monkeypatch.setenv(OVERLAP_ENV, "sideways")
-    with pytest.raises(ValueError, match=f"{OVERLAP_ENV}='sideways'.*delta, shrink or serial"):
+    with pytest.raises(ValueError, match=f"{OVERLAP_ENV}='sideways'.*auto, delta, shrink or serial"):
         OverlapPolicy.from_env()
 
 
-def test_policy_overlaps_only_small_batches_on_cuda():
-    policy = OverlapPolicy(OverlapMode.SHRINK, max_tokens=64)
+def test_policy_joins_by_tiles_and_overlaps_only_small_batches_on_cuda():
+    auto = OverlapPolicy(max_tokens=64, delta_max_tiles=2)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert policy.mode_for(64, cuda) is OverlapMode.SHRINK
-    assert policy.mode_for(65, cuda) is OverlapMode.SERIAL  # prefill-sized: serial
-    assert policy.mode_for(8, cpu) is OverlapMode.SERIAL  # no second stream off CUDA
+    assert auto.mode_for(1, 1, cuda) is OverlapMode.DELTA
+    assert auto.mode_for(12, 2, cuda) is OverlapMode.DELTA  # e.g. verify, 2 requests of 6
+    assert auto.mode_for(8, 3, cuda) is OverlapMode.SHRINK
+    assert auto.mode_for(65, 3, cuda) is OverlapMode.SERIAL  # prefill-sized: serial
+    assert auto.mode_for(1, 1, cpu) is OverlapMode.SERIAL  # no second stream off CUDA
+    pinned = OverlapPolicy(OverlapMode.SHRINK, max_tokens=64)
+    assert pinned.mode_for(1, 1, cuda) is OverlapMode.SHRINK
+    assert pinned.mode_for(65, 1, cuda) is OverlapMode.SERIAL
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
