@@ -876,8 +876,12 @@ def run_workload(
     tag: str,
     *,
     defer_steps: int | None = None,
+    profiler=None,
 ) -> RunResult:
-    """All requests submitted at once; the engine runs ``concurrency`` at a time."""
+    """All requests submitted at once; the engine runs ``concurrency`` at a time.
+
+    ``profiler``: a ``torch.profiler.profile`` started and stopped on the engine's own
+    thread (the profiler records the thread that starts it)."""
     config = config.copy()
     config.scheduler.max_running_requests = concurrency
     engine = Engine(config, runner, decoder=decoder, max_admission_defer_steps=defer_steps)
@@ -910,12 +914,16 @@ def run_workload(
         reqs.append(Request(rid=rid, prompt_ids=prompt, adapter=adapter, sink=sink_for(rid),
                             params=SamplingParams(max_tokens=work.gen_tokens, temperature=0.0, ignore_eos=True)))  # fmt: skip
     engine.start()
+    if profiler is not None:
+        engine.call(profiler.start).result()
     start = time.perf_counter()
     for req in reqs:
         engine.submit(req)
     if not done.wait(600):
         raise RuntimeError(f"{tag}: timed out")
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        engine.call(profiler.stop).result()
     engine.shutdown(drain_timeout_s=1.0)
     if errors:
         raise RuntimeError(f"{tag}: {errors[:3]}")
@@ -1001,6 +1009,12 @@ def main(argv: list[str] | None = None) -> int:
         "--ab-defer",
         default="",
         help="comma list of concurrencies at which speculation is also timed with admission batching off",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="directory: after each draft's timed run at concurrency 1, profile one more request with"
+        " torch.profiler and write the operator table there (where a step's time goes)",
     )
     ap.add_argument(
         "--deadline-s",
@@ -1199,6 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
         defer_steps=args.defer_steps,
         ab_defer=frozenset(int(c) for c in args.ab_defer.split(",") if c.strip()),
         deadline=started + args.deadline_s if args.deadline_s else float("inf"),
+        profile=Path(args.profile) if args.profile else None,
     )
     rows: list[Row] = []
     details: dict = {}
@@ -1368,6 +1383,7 @@ class MeasureOptions:
     defer_steps: int | None = None  # admission batching limit (None: the engine's default)
     ab_defer: frozenset[int] = frozenset()  # concurrencies also timed with admission batching off (0)
     deadline: float = float("inf")  # time.monotonic() after which optional runs are skipped
+    profile: Path | None = None  # where to write operator profiles of one request per draft at c=1
 
 
 @dataclass
@@ -1425,6 +1441,8 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
         f" x{speedup:.2f}; {summary}; identical outputs {same}/{count}"
     )
     log(f"concurrency {c} {name} steps: off {off.steps}; spec {on.steps}")
+    if opts.profile is not None and c == 1:
+        _profile_run(spec_config, runner, decoder, name, pool, opts)
     if c in opts.ab_defer:
         if time.monotonic() + 1.5 * on.seconds > opts.deadline:
             log(f"concurrency {c} {name}: no time left for the run without admission batching")
@@ -1439,6 +1457,27 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
                 f" (x{plain_sched.tokens_per_s / off.tokens_per_s:.2f}); steps {plain_sched.steps}"
             )
     return Row(c, name, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count)
+
+
+def _profile_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOptions) -> None:
+    """One request under torch.profiler, on the engine's thread; writes the operator table
+    sorted by host time and by device time to ``opts.profile``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert opts.profile is not None
+    opts.profile.mkdir(parents=True, exist_ok=True)
+    work = make_workload(pool, 1, min(opts.gen_tokens, 64), offset=200)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities)
+    result = run_workload(spec_config, runner, decoder, work, 1, f"profile-{name}", profiler=prof)
+    table = prof.key_averages()
+    text = [f"# {name}: one request, {result.generated} tokens in {result.seconds:.3f} s; steps {result.steps}"]
+    for key in ("cpu_time_total", "self_cpu_time_total", "cuda_time_total"):
+        if key == "cuda_time_total" and not torch.cuda.is_available():
+            continue
+        text += [f"\n## sorted by {key}", table.table(sort_by=key, row_limit=30)]
+    (opts.profile / f"profile-{name}.txt").write_text("\n".join(text))
+    log(f"profile of {name} written to {opts.profile}")
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ import torch
 from loraserve.kernels import ForwardMode, get_backend
 
 from .config import RuntimeConfig
+from .cuda_graph import context_bucket
 from .kv import Allocation, KVCache, derive_max_total_tokens, kv_bytes_per_token
 from .lora import LoRAManager
 from .model import (
@@ -378,7 +379,9 @@ class ModelRunner:
             prefix_lens=torch.tensor(alloc.prefix_lens, dtype=torch.int64).to(device, non_blocking=True),
             out_cache_loc=alloc.out_cache_loc,
             max_q=max_q,
-            max_ctx=max(alloc.seq_lens),
+            # Bucketed like the graphs' contexts: eager shapes then repeat, so every
+            # shape-keyed choice below (GEMM heuristics, attention plans) is reused.
+            max_ctx=context_bucket(max(alloc.seq_lens), self.kv.max_context_len),
             groups=self.attn_groups,
             q_lens=(torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True) if mode is ForwardMode.EXTEND else None),
             sliding_window=self.arch.sliding_window,

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from ..cuda_graph import context_bucket
 from ..kv import KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
@@ -107,7 +108,8 @@ class EagleDraftRunner:
                 prefix_lens=torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device),
                 out_cache_loc=alloc.out_cache_loc,
                 max_q=max(lens),
-                max_ctx=max(alloc.seq_lens),
+                # bucketed as the target's contexts: a new length each step would be a new shape
+                max_ctx=context_bucket(max(alloc.seq_lens), self.kv.max_context_len),
                 groups=self.config.layer.num_heads // self.config.layer.num_kv_heads,
                 q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
             )
