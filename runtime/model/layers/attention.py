@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA backends for eager (uncaptured) CUDA steps: every one but cuDNN's (see Attention.forward).
+EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -115,7 +119,15 @@ class Attention(nn.Module):
             padded.index_copy_(0, meta.q_dest, qh)
             qh = padded
         qh = qh.view(bs, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, kvh, g * max_q, hd)
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
+        if qh.is_cuda and not torch.cuda.is_current_stream_capturing():
+            # Eager steps (extend, EAGLE drafts) skip cuDNN attention: on the H200 it spent
+            # ~2 ms of host time per call (plan lookup) for ~10 µs on the device, which made
+            # an eager EAGLE draft step cost 6x a graphed STANDALONE one
+            # (bench/results/2026-12-03-spec-h200.md). Captured graphs pay that once.
+            with sdpa_kernel(EAGER_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
         out = out.view(bs, kvh, g, max_q, hd).permute(0, 3, 1, 2, 4).reshape(bs * max_q, kvh * g * hd)
         if meta.q_dest is not None:
             out = out.index_select(0, meta.q_dest)
