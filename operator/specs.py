@@ -124,6 +124,7 @@ class SpeculativeSpec(_Spec):
     ragged_verify: RaggedVerify = RaggedVerify.STATIC
     draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
     ngram: NgramSpec = Field(default_factory=NgramSpec)
+    disable_batch_size: int = Field(default=0, ge=0, le=4096)
 
 
 class LoRASpec(_Spec):

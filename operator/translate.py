@@ -49,6 +49,7 @@ FIELD_PATHS: dict[str, str] = {
     "speculative.draft_load_format": "spec.speculative.draftLoadFormat",
     "speculative.ngram_min": "spec.speculative.ngram.minMatch",
     "speculative.ngram_max": "spec.speculative.ngram.maxMatch",
+    "speculative.disable_batch_size": "spec.speculative.disableBatchSize",
     "lora.enabled": "spec.lora.enabled",
     "lora.max_loras_per_batch": "spec.lora.maxLorasPerBatch",
     "lora.max_loaded_loras": "spec.lora.maxLoadedLoras",
@@ -217,6 +218,7 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             draft_load_format=speculative.draft_load_format,
             ngram_min=speculative.ngram.min_match,
             ngram_max=speculative.ngram.max_match,
+            disable_batch_size=speculative.disable_batch_size,
         ),
         lora=LoRAConfig(
             enabled=spec.lora.enabled,

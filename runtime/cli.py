@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-load-format", default=d.speculative.draft_load_format)
     g.add_argument("--ngram-min", type=int, default=d.speculative.ngram_min)
     g.add_argument("--ngram-max", type=int, default=d.speculative.ngram_max)
+    g.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=d.speculative.disable_batch_size,
+        help="decode steps of at least this many requests skip drafting, one token each (0: always speculate)",
+    )
 
     g = p.add_argument_group("LoRA")
     g.add_argument("--enable-lora", action=bool_flag, default=d.lora.enabled)
@@ -209,6 +215,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     s.draft_load_format = args.draft_load_format
     s.ngram_min = args.ngram_min
     s.ngram_max = args.ngram_max
+    s.disable_batch_size = args.speculative_disable_batch_size
 
     lora = cfg.lora
     lora.enabled = args.enable_lora

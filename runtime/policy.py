@@ -408,6 +408,10 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
                 related=("speculative.ngram_max",),
             )
         )
+    # Checked whatever the algorithm, as the CRD does; a nonzero value with NONE is harmless.
+    out += _at_least(
+        "speculative.disable_batch_size", spec.disable_batch_size, 0, "speculative-disable-batch-size"
+    )
     if requested is SpecAlgorithm.NONE:
         return out
     if requested.needs_draft_model and not spec.draft_model_path:

@@ -309,6 +309,11 @@ def test_ngram_window():
         ("context-length", {"model__context_length": 0}, {"model__context_length": 4096}),
         ("kv-fraction", {"scheduler__kv_memory_fraction": 1.5}, {"scheduler__kv_memory_fraction": 1.0}),
         ("max-running", {"scheduler__max_running_requests": 0}, {"scheduler__max_running_requests": 1}),
+        (
+            "speculative-disable-batch-size",
+            {"speculative__disable_batch_size": -1},
+            {"speculative__disable_batch_size": 0},
+        ),
         ("port", {"server__port": 70000}, {"server__port": 8080}),
         ("cuda-graph-bs", {"cuda_graph__max_bs": 0}, {"cuda_graph__max_bs": 8}),
         (
@@ -339,6 +344,16 @@ def test_ngram_window():
 def test_basic_sanity(rule, bad, good):
     assert rule in rules(config(**bad))
     assert rule not in rules(config(**{**bad, **good}))
+
+
+def test_disable_batch_size_bound_names_field_and_fix_and_any_algorithm_may_set_it():
+    (violation,) = policy.check_config(config(speculative__disable_batch_size=-1), EVERYTHING).violations
+    assert violation.render() == (
+        "speculative.disable_batch_size: must be at least 0, got -1; "
+        "fix: set speculative.disable_batch_size to 0 or more"
+    )
+    for algorithm in (A.NONE, A.NGRAM, A.EAGLE):
+        assert policy.check_config(config(algorithm, speculative__disable_batch_size=32), EVERYTHING).ok
 
 
 def test_unknown_enum_strings_are_violations_not_crashes():

@@ -76,6 +76,7 @@ PERTURBATIONS = [
     ("speculative.draftLoadFormat", "safetensors", "speculative.draft_load_format", "safetensors"),
     ("speculative.ngram.minMatch", 2, "speculative.ngram_min", 2),
     ("speculative.ngram.maxMatch", 7, "speculative.ngram_max", 7),
+    ("speculative.disableBatchSize", 32, "speculative.disable_batch_size", 32),
     ("lora.enabled", False, "lora.enabled", False),
     ("lora.maxLorasPerBatch", 3, "lora.max_loras_per_batch", 3),
     ("lora.maxLoadedLoras", 5, "lora.max_loaded_loras", 5),

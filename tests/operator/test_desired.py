@@ -89,7 +89,12 @@ SPECS = {
     },
     "ngram-cpu": {
         "model": {"source": "/opt/models/qwen"},
-        "speculative": {"algorithm": "NGRAM", "numSteps": 4, "ngram": {"minMatch": 2, "maxMatch": 5}},
+        "speculative": {
+            "algorithm": "NGRAM",
+            "numSteps": 4,
+            "ngram": {"minMatch": 2, "maxMatch": 5},
+            "disableBatchSize": 16,
+        },
         "gpus": 0,
         "replicas": 1,
         "adminTokenSecretName": "my-admin-token",
@@ -252,6 +257,7 @@ def test_command_line_parses_back_to_the_same_configuration(name: str) -> None:
 RELEVANT = {
     "lora.maxRank": lambda s: s.setdefault("lora", {}).update(maxRank=128),
     "speculative.algorithm": lambda s: s.setdefault("speculative", {}).update(algorithm="NGRAM"),
+    "speculative.disableBatchSize": lambda s: s.setdefault("speculative", {}).update(disableBatchSize=16),
     "model.source": lambda s: s["model"].update(source="pvc://models/llama-3-70b"),
     "model.dtype": lambda s: s["model"].update(dtype="float16"),
     "runtime.maxRunningRequests": lambda s: s.setdefault("runtime", {}).update(maxRunningRequests=7),

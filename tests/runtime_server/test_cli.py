@@ -36,7 +36,7 @@ def test_flags_become_the_configuration(assets, tmp_path):
         "--lora-target-modules", "q_proj", "v_proj", "--speculative-algorithm", "ngram", "--num-steps", "5",
         "--port", "9001", "--host", "127.0.0.1", "--admin-token-file", str(token), "--dtype", "float32",
         "--device", "cpu", "--max-running-requests", "7", "--max-total-tokens", "4096", "--no-enable-lora",
-        "--max-admission-defer-steps", "0",
+        "--max-admission-defer-steps", "0", "--speculative-disable-batch-size", "16",
     ])  # fmt: skip
     assert cfg.model.architecture == "LlamaForCausalLM"  # read from config.json
     assert cfg.lora.adapters == {
@@ -51,6 +51,11 @@ def test_flags_become_the_configuration(assets, tmp_path):
     assert (cfg.server.port, cfg.server.host, cfg.server.admin_token) == (9001, "127.0.0.1", "s3cret")
     assert (cfg.scheduler.max_running_requests, cfg.scheduler.max_total_tokens) == (7, 4096)
     assert cfg.scheduler.max_admission_defer_steps == 0
+    assert cfg.speculative.disable_batch_size == 16
+    assert (
+        _parse(["--model", "m"]).speculative.disable_batch_size
+        == RuntimeConfig().speculative.disable_batch_size
+    )
     assert _parse(["--model", "m", "--lora-target-modules", "all"]).lora.target_modules[-1] == "lm_head"
     assert (
         config_from_args(
@@ -78,6 +83,7 @@ def test_the_operators_command_line_round_trips(assets):
     cfg.lora.target_modules = ("q_proj", "o_proj", "lm_head")
     cfg.scheduler.max_total_tokens = 1234
     cfg.scheduler.max_admission_defer_steps = 3
+    cfg.speculative.disable_batch_size = 12
     cfg.cuda_graph.enabled = True
     cfg.cuda_graph.max_bs = 16
     cfg.seed = 5
