@@ -98,6 +98,9 @@ class SpeculativeConfig:
     draft_load_format: str = "auto"  # applies to the draft only
     ngram_min: int = 1
     ngram_max: int = 4
+    # A decode step of at least this many requests runs without drafting (one token each,
+    # the drafter kept in sync); speculation resumes below it. 0: always speculate.
+    disable_batch_size: int = 0
 
     @property
     def enabled(self) -> bool:

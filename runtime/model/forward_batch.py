@@ -100,3 +100,12 @@ class ForwardOutput:
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: torch.Tensor | None = None
+
+    def select_rows(self, rows: Sequence[int]) -> ForwardOutput:
+        """The output of token rows ``rows`` only (a decode batch has one row per request)."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.logits.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index.to(t.device))
+
+        return ForwardOutput(pick(self.logits), pick(self.hidden_states), pick(self.aux_hidden_states))

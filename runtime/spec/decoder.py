@@ -14,7 +14,11 @@ One step, for a batch of decoding requests:
    :class:`SpecMetrics`).
 
 A request too close to the context limit to verify ``k`` tokens decodes one token
-without speculation in the same step.
+without speculation in the same step. A step of at least
+``speculative.disable_batch_size`` requests (when set) skips drafting altogether: one
+ordinary decode forward, whose results the drafter still sees (``on_decode``), so
+speculation resumes where it left off once the batch is smaller again. Large batches are
+where a verify of ``bs × k`` rows stops being nearly free.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.algorithm = algorithm
         self.k = int(config.speculative.num_draft_tokens)
+        self.disable_batch_size = int(config.speculative.disable_batch_size)
         self.num_drafts = self.k - 1
         self.tokens_per_step = self.k
         self.device = getattr(runner, "device", torch.device("cpu"))
@@ -112,12 +117,18 @@ class SpeculativeDecoder:
         spec_rows = [i for i, ok in enumerate(fits) if ok]
         plain_rows = [i for i, ok in enumerate(fits) if not ok]
         outputs: list[StepOutput | None] = [None] * len(requests)
+        if spec_rows and 0 < self.disable_batch_size <= len(requests):
+            plain_rows = list(range(len(requests)))
+            spec_rows = []
+            self.metrics.record_undrafted(len(requests))
         try:
             if spec_rows:
                 for i, out in zip(spec_rows, self._speculate([requests[i] for i in spec_rows]), strict=True):
                     outputs[i] = out
             if plain_rows:
-                for i, out in zip(plain_rows, self._plain([requests[i] for i in plain_rows]), strict=True):
+                plain = [requests[i] for i in plain_rows]
+                outs = self._plain(plain, keep_drafting=[fits[i] for i in plain_rows])
+                for i, out in zip(plain_rows, outs, strict=True):
                     outputs[i] = out
         except BaseException:
             # The engine restores the target's cache and retries request by request; the
@@ -127,17 +138,36 @@ class SpeculativeDecoder:
             raise
         return outputs  # type: ignore[return-value]
 
-    def _plain(self, requests: Sequence[Request]) -> list[StepOutput]:
-        """One ordinary decode step for requests within ``k`` tokens of the context limit."""
-        for req in requests:
-            self.drafter.release(req)  # they never speculate again
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            request_ids=[r.rid for r in requests],
-            input_ids=torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
-            lora_names=[r.adapter for r in requests],
+    def _plain(self, requests: Sequence[Request], keep_drafting: Sequence[bool]) -> list[StepOutput]:
+        """One ordinary decode step. Requests within ``k`` tokens of the context limit
+        (``keep_drafting`` False) never speculate again and drop their draft state; the
+        others (a batch too large to draft for) hand the drafter what it needs to resume."""
+        for req, keep in zip(requests, keep_drafting, strict=True):
+            if not keep:
+                self.drafter.release(req)
+        synced = [i for i, keep in enumerate(keep_drafting) if keep]
+        output = self.runner.forward(
+            self._target_batch(
+                ForwardMode.DECODE,
+                requests,
+                torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
+            )
+            if synced
+            else ForwardBatch(
+                mode=ForwardMode.DECODE,
+                request_ids=[r.rid for r in requests],
+                input_ids=torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
+                lora_names=[r.adapter for r in requests],
+            )
         )
-        return sample_rows(self.sampler, self.runner.forward(batch).logits, requests)
+        outs = sample_rows(self.sampler, output.logits, requests)
+        if synced:
+            self.drafter.on_decode(
+                [requests[i] for i in synced],
+                [outs[i].token_ids[0] for i in synced],
+                output.select_rows(synced) if len(synced) < len(requests) else output,
+            )
+        return outs
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
         start = time.perf_counter()

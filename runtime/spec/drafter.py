@@ -49,6 +49,11 @@ class Drafter(Protocol):
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
         """The target verified the last proposal; drop rejected draft state, keep the rest."""
 
+    def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
+        """The target decoded one token per request without drafting (a batch too large to
+        draft for): ``tokens[i]`` follows ``requests[i].last_token``; ``output`` has one row
+        per request (with hidden states when the drafter needs them)."""
+
     def release(self, request: Request) -> None:
         """Forget a request (finished, retracted, or its draft state is no longer trusted)."""
 

@@ -147,6 +147,17 @@ class EagleDrafter:
             items.append((req, acceptance.tokens[i, :n], feats[i, :n]))
         self._append(items)
 
+    def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
+        # The decoded position's feature and the token that followed it: the same pair a
+        # verify that accepted no draft would commit.
+        feats = self._features(output)
+        self._append(
+            [
+                (req, torch.tensor([int(tok)], dtype=torch.int64), feats[i : i + 1])
+                for i, (req, tok) in enumerate(zip(requests, tokens, strict=True))
+            ]
+        )
+
     def release(self, request: Request) -> None:
         self._states.pop(request.rid, None)
         self.runner.kv.free(request.rid)

@@ -77,6 +77,8 @@ class SpecSnapshot:
     per_adapter: dict[str, AcceptStats]
     verify_seconds: TimeHistogram
     step_seconds: TimeHistogram
+    undrafted_steps: int = 0  # decode steps that skipped drafting (speculative.disable_batch_size)
+    undrafted_requests: int = 0  # request-steps in them
 
 
 def _copy_stats(stats: AcceptStats) -> AcceptStats:
@@ -98,6 +100,14 @@ class SpecMetrics:
         self._per_adapter: dict[str, AcceptStats] = {}
         self._verify = TimeHistogram()
         self._step = TimeHistogram()
+        self._undrafted_steps = 0
+        self._undrafted_requests = 0
+
+    def record_undrafted(self, requests: int) -> None:
+        """One decode step of ``requests`` requests that ran without drafting."""
+        with self._lock:
+            self._undrafted_steps += 1
+            self._undrafted_requests += int(requests)
 
     def record_step(
         self,
@@ -129,6 +139,8 @@ class SpecMetrics:
                 per_adapter={k: _copy_stats(v) for k, v in self._per_adapter.items()},
                 verify_seconds=_copy_hist(self._verify),
                 step_seconds=_copy_hist(self._step),
+                undrafted_steps=self._undrafted_steps,
+                undrafted_requests=self._undrafted_requests,
             )
 
     def collector(self, prefix: str = "loraserve:spec"):
@@ -189,6 +201,16 @@ class _Collector:
         yield drafted
         yield accepted
         yield lengths
+        undrafted = CounterMetricFamily(
+            f"{p}_undrafted_steps", "Decode steps run without drafting (batch at or above disable_batch_size)"
+        )
+        undrafted.add_metric([], snap.undrafted_steps)
+        yield undrafted
+        undrafted_requests = CounterMetricFamily(
+            f"{p}_undrafted_request_steps", "Request-steps decoded without drafting"
+        )
+        undrafted_requests.add_metric([], snap.undrafted_requests)
+        yield undrafted_requests
         for name, hist, text in (
             ("verify_seconds", snap.verify_seconds, "Target verify forward plus acceptance, per step"),
             ("step_seconds", snap.step_seconds, "Whole speculative step (draft, verify, accept), per step"),

@@ -47,5 +47,8 @@ class NgramDrafter:
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
         return None
 
+    def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
+        return None  # as on_extend: the index catches up from all_ids
+
     def release(self, request: Request) -> None:
         self._indexes.pop(request.rid, None)

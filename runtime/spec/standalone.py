@@ -144,6 +144,10 @@ class StandaloneDrafter:
             if held > keep:
                 self.runner.kv.truncate(req.rid, held - keep)
 
+    def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
+        """Nothing now: the draft cache falls behind and catches up in one extend when
+        drafting resumes (``propose``), rather than paying a draft forward every step."""
+
     def release(self, request: Request) -> None:
         self.runner.kv.free(request.rid)
 

@@ -222,6 +222,7 @@ def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_ru
     steps = float(snap.per_adapter["attn-r8"].verify_steps)
     assert f'loraserve:spec_step_accept_length_count{{adapter="attn-r8"}} {steps}' in text
     assert "loraserve:spec_verify_seconds_bucket" in text
+    assert "loraserve:spec_undrafted_steps_total 0.0" in text  # disable_batch_size off: every step drafted
 
     # Next to the server's own registry (per-request counters): no name clashes.
     from loraserve.runtime.server.metrics import Metrics

@@ -110,3 +110,52 @@ def test_retraction_under_kv_pressure_stays_lossless(make_spec_config, engine_ru
     run = engine_run(make_spec_config(algorithm, draft, max_total_tokens=260), requests)
     _check_same(run, requests, {rid: base.outputs[rid].tokens for rid, *_ in requests})
     assert sum(req.num_retractions for req in run.requests.values()) > 0
+
+
+@pytest.mark.parametrize("case", ["ngram", "standalone-same", "standalone-small", "eagle", "eagle3"])
+def test_large_batches_skip_drafting_and_resume_losslessly(make_spec_config, engine_run, baseline, case):
+    """``speculative.disable_batch_size`` 4 with 5 running: steps of 4-5 requests decode one
+    token each without drafting, later steps (fewer requests left) speculate again. Output
+    is unchanged, both kinds of step happen, and the drafter stays in sync across the switch:
+    before every proposal an EAGLE draft holds exactly one (feature, next token) pair per
+    committed position, and the STANDALONE draft that is the base model itself still
+    accepts nearly every draft for base requests."""
+    requests, expected = baseline
+    algorithm, draft = CASES[case]
+    config = make_spec_config(algorithm, draft, max_running_requests=5)
+    config.speculative.disable_batch_size = 4
+    out_of_sync: list[tuple[str, int, int]] = []
+    proposals = []
+
+    def spy(decoder):
+        drafter = decoder.drafter
+        propose = drafter.propose
+
+        def checked(reqs, n):
+            proposals.append(len(reqs))
+            assert len(reqs) < 4, "a batch at disable_batch_size was drafted for"
+            states = getattr(drafter, "_states", None)
+            if states is not None:  # EAGLE: pairs for positions 0 .. num_tokens - 2
+                for r in reqs:
+                    held = states[r.rid].committed
+                    if held != r.num_tokens - 1:
+                        out_of_sync.append((r.rid, held, r.num_tokens - 1))
+            return propose(reqs, n)
+
+        drafter.propose = checked
+
+    run = engine_run(config, requests, decoder_hook=spy)
+    _check_same(run, requests, expected)
+    snap = run.engine.decoder.metrics.snapshot()
+    assert snap.undrafted_steps > 0 and snap.undrafted_requests >= 4 * snap.undrafted_steps
+    assert proposals and snap.overall.verify_steps > 0
+    assert not out_of_sync, out_of_sync[:5]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(run.engine.decoder.metrics.collector())
+    text = generate_latest(registry).decode()
+    assert f"loraserve:spec_undrafted_steps_total {float(snap.undrafted_steps)}" in text
+    assert f"loraserve:spec_undrafted_request_steps_total {float(snap.undrafted_requests)}" in text
+    if case == "standalone-same":
+        assert snap.per_adapter[""].accept_rate > 0.9
