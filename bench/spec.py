@@ -948,6 +948,7 @@ def spec_summary(decoder) -> dict:
         "histogram": snap.overall.histogram,
         "verify_ms": round(1e3 * snap.verify_seconds.total / max(snap.verify_seconds.count, 1), 2),
         "step_ms": round(1e3 * snap.step_seconds.total / max(snap.step_seconds.count, 1), 2),
+        "undrafted_steps": snap.undrafted_steps,
     }
 
 
@@ -1009,6 +1010,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ab-defer",
         default="",
         help="comma list of concurrencies at which speculation is also timed with admission batching off",
+    )
+    ap.add_argument(
+        "--disable-batch-size",
+        type=int,
+        default=0,
+        help="speculative.disable_batch_size for every draft: steps of at least this many requests skip"
+        " drafting (0: always draft)",
     )
     ap.add_argument(
         "--profile",
@@ -1202,6 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_config.speculative.draft_model_path = str(head_dir if name == "eagle" else draft_dir)
         spec_config.speculative.num_steps = k - 1
         spec_config.speculative.num_draft_tokens = k
+        spec_config.speculative.disable_batch_size = args.disable_batch_size
         spec_configs[name] = spec_config
         decoders[name] = build_decoder(config=spec_config, runner=runner, sampler=sampler)
     plain = StandardDecoder(runner, sampler)
