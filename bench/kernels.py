@@ -338,6 +338,30 @@ def check_public_shrink(backend, w: Workload, module: Module, dtype, device, gen
     return Check(f"shrink {module.name} {w.label()} {str(dtype)[6:]}", ok, worst, f"all written={written}")
 
 
+def captured(step, device):
+    """``step`` captured in a CUDA graph (warmed up on a side stream first); returns its replay.
+    Off CUDA, ``step`` itself."""
+    if device.type != "cuda":
+        return step
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def random_batch(gen, bs: int, num_slots: int, max_rank: int) -> tuple[list[int], list[int], list[float]]:
+    """Fresh per-request slots (-1: base model), per-slot ranks (0..max_rank) and scalings."""
+    slots = [int(torch.randint(-1, num_slots, (1,), generator=gen)) for _ in range(bs)]
+    ranks = [int(torch.randint(0, max_rank + 1, (1,), generator=gen)) for _ in range(num_slots)]
+    scalings = [0.25 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+    return slots, ranks, scalings
+
+
 def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k: int) -> list[Check]:
     """Capture one apply at max_bs, then replay with fresh slots/ranks each time."""
     checks = []
@@ -356,23 +380,10 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     def step():
         backend.apply(x, A, B, info, out, module.offsets)
 
-    if device.type == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        replay = graph.replay
-    else:
-        replay = step
+    replay = captured(step, device)
     for trial in range(3):
         real_bs = max(1, max_bs - trial * (max_bs // 3))
-        slots = [int(torch.randint(-1, num_slots, (1,), generator=gen)) for _ in range(real_bs)]
-        ranks = [int(torch.randint(0, R + 1, (1,), generator=gen)) for _ in range(num_slots)]
-        scalings = [0.25 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+        slots, ranks, scalings = random_batch(gen, real_bs, num_slots, R)
         meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
         x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
         out.copy_(torch.randn(T, module.out_dim, generator=gen).to(device, dtype))
@@ -419,23 +430,10 @@ def check_overlap(backend, module: Module, device, gen, overlap: OverlapMode, mo
     def step():
         result["y"] = linear_with_lora(backend, x, A, B, info, module.offsets, lambda: F.linear(x, W), mode=overlap, side=side)
 
-    if device.type == "cuda":
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            step()
-        torch.cuda.current_stream().wait_stream(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        replay = graph.replay
-    else:
-        replay = step
+    replay = captured(step, device)
     for trial in range(3):
         real_bs = max(1, max_bs - trial * (max_bs // 3))
-        slots = [int(torch.randint(-1, num_slots, (1,), generator=gen)) for _ in range(real_bs)]
-        ranks = [int(torch.randint(0, R + 1, (1,), generator=gen)) for _ in range(num_slots)]
-        scalings = [0.25 + torch.rand(1, generator=gen).item() for _ in range(num_slots)]
+        slots, ranks, scalings = random_batch(gen, real_bs, num_slots, R)
         meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
         x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
         if "y" in result:  # a graph's output buffer: poisoned, every row must be rewritten

@@ -23,6 +23,19 @@ pytestmark = [
 ]
 
 
+def capture(step) -> torch.cuda.CUDAGraph:
+    """``step`` warmed up on a side stream (compiles, allocates), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
@@ -53,14 +66,7 @@ def test_graph_replays_new_batches(mode, k, path, make_pool, gen, check_output):
     meta = GraphLoRAMetadata(mode, 16, 5, num_draft_tokens=k if k > 1 else None, device="cuda")
     info = meta.capture_info(16)
     x, out = pool.inputs(gen, info.total_tokens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backend.apply(x, pool.A, pool.B, info, out, pool.offsets)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.apply(x, pool.A, pool.B, info, out, pool.offsets)
+    graph = capture(lambda: backend.apply(x, pool.A, pool.B, info, out, pool.offsets))
     for real_bs in (16, 11, 3):
         slots = torch.randint(-1, 5, (real_bs,), generator=gen).tolist()
         pool.ranks = torch.randint(0, 17, (5,), generator=gen).tolist()
@@ -126,14 +132,7 @@ def test_overlapped_linear_replays_new_batches(mode, k, overlap, make_pool, gen,
             side=side,
         )
 
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        step()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for real_bs in (16, 11, 3):
         slots = torch.randint(-1, 5, (real_bs,), generator=gen).tolist()
         pool.ranks = torch.randint(0, 17, (5,), generator=gen).tolist()
