@@ -629,7 +629,9 @@ OVERLAPS = {
     "overlap-auto": None,
     "overlap-delta": OverlapMode.DELTA,
     "overlap-shrink": OverlapMode.SHRINK,
+    "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
 }
+MIXED_DELTA = ("gate_up", "down")
 
 BACKENDS = {
     "default": lambda: TritonLoRABackend(),
@@ -849,8 +851,12 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 
     side = torch.cuda.Stream(device) if overlapped and device.type == "cuda" else None
     overlap = OVERLAPS.get(variant) or OverlapPolicy().mode_for(T, info.num_tiles, torch.device("cuda"))
+    modes = {
+        name: (OverlapMode.DELTA if name in MIXED_DELTA else OverlapMode.SHRINK) if overlap == "mixed" else overlap
+        for name in modules
+    }
     if overlapped:
-        paths = {name: f"{p}+{overlap.value}" for name, p in paths.items()}
+        paths = {name: f"{p}+{modes[name].value}" for name, p in paths.items()}
 
     def both_layer(li: int) -> None:
         for name, m in modules.items():
@@ -860,7 +866,9 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
                 y = F.linear(x, W)
                 backend.apply(x, A, B, info, y, m.offsets)
             else:
-                y = linear_with_lora(backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=overlap, side=side)
+                y = linear_with_lora(
+                    backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=modes[name], side=side
+                )
             outs[name] = y
 
     # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
@@ -886,7 +894,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 ALL = ("qkv", "o", "gate_up", "down")
 PATHS3 = ("default", "two-launch", "fused")
 # The layer targets: the default (two launches per module, serial) and each overlapped join.
-LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink")
+LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink", "overlap-mixed")
 
 
 def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
