@@ -119,10 +119,9 @@ class EagleDrafter:
         probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):
             if j > 0:
-                hidden = self.runner.forward(
-                    rids, tokens[rows, j - 1], hidden, [1] * len(rids), from_target=False
-                )
-            logits = self.runner.compute_logits(hidden)
+                hidden, logits = self.runner.step(rids, tokens[rows, j - 1], hidden)
+            else:
+                logits = self.runner.compute_logits(hidden)
             step_tokens, step_probs = choose_drafts(logits, reqs, self.sampler)
             tokens[rows, j] = step_tokens
             probs.append(step_probs)

@@ -17,6 +17,7 @@ from ..kv import KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
+from .eagle_graphs import EagleGraphRunner
 from .eagle_model import EagleDraftModel
 
 
@@ -41,7 +42,10 @@ class EagleDraftRunner:
         architecture: str | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        cuda_graph_max_bs: int = 0,
     ):
+        """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
+        from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager)."""
         self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
         self.config.check_target(target_arch)
         tensors = _draft_tensors(path, self.config, load_format, seed)
@@ -69,6 +73,9 @@ class EagleDraftRunner:
             max_requests=max_requests,
             max_context_len=max_context_len,
         )
+        self.graphs: EagleGraphRunner | None = None
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            self.graphs = EagleGraphRunner(self, max_bs=cuda_graph_max_bs)
 
     @property
     def version(self) -> int:
@@ -127,6 +134,25 @@ class EagleDraftRunner:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def step(
+        self, request_ids: Sequence[Hashable], input_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: a row per request from its previous draft token and the head's own
+        output feature; returns ``(output features [bs, H], logits [bs, vocab])``. Replayed
+        from a CUDA graph where one is available, else eager. On failure the cache is left
+        as it was."""
+        bs = len(request_ids)
+        if self.graphs is None or not self.graphs.can_run(bs):
+            hidden = self.forward(request_ids, input_ids, features, [1] * bs, from_target=False)
+            return hidden, self.compute_logits(hidden)
+        alloc = self.kv.allocate(request_ids, [1] * bs)
+        try:
+            return self.graphs.run(alloc, input_ids.to(self.device), features.to(self.device, self.dtype))
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
 
 
 def _draft_tensors(

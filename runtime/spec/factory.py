@@ -95,6 +95,7 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
             architecture=spec.draft_model_architecture,
             load_format=spec.draft_load_format,
             seed=config.seed,
+            cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
         )
     except ModelConfigError as exc:
         hint = ""

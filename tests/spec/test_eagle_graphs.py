@@ -1,0 +1,111 @@
+"""The EAGLE head's single-row draft steps replayed from padded static buffers / CUDA graphs.
+
+On the CPU the graph runner executes its static, padded path eagerly (``use_graphs=False``):
+everything but the capture itself, against the eager ragged forward. On a GPU the same
+oracle runs with real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.runtime.model import build_model, load_arch_config
+from loraserve.runtime.spec.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+
+from .test_greedy_oracle import CASES, _check_same, _requests
+
+
+def _pair(spec_assets, version: int, device: str, max_bs: int, use_graphs: bool):
+    """Two runners of one draft: the first steps through the graph runner, the second eagerly."""
+    arch = load_arch_config(spec_assets.target)
+    target = build_model(
+        arch, dtype=torch.float32, device=torch.device(device), max_positions=256, model_dir=spec_assets.target
+    )
+
+    def make() -> EagleDraftRunner:
+        return EagleDraftRunner(
+            str(spec_assets.eagle if version == 1 else spec_assets.eagle3),
+            target_arch=arch,
+            embed_weight=target.embed_tokens.weight,
+            lm_head_weight=target.lm_head.weight,
+            dtype=torch.float32,
+            device=device,
+            max_total_tokens=1024,
+            max_requests=8,
+            max_context_len=256,
+        )
+
+    graphed, eager = make(), make()
+    graphed.graphs = EagleGraphRunner(graphed, max_bs=max_bs, use_graphs=use_graphs)
+    return graphed, eager
+
+
+def _check_steps(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    feature = graphed.model.feature_size
+    lengths = {"a": 9, "b": 4, "c": 30, "d": 2, "e": 7}
+    rids = list(lengths)
+    ids = torch.cat([torch.randint(3, 500, (n,), generator=gen) for n in lengths.values()]).to(device)
+    feats = torch.randn(sum(lengths.values()), feature, generator=gen).to(device)
+    outs = {}
+    for name, runner in (("graphed", graphed), ("eager", eager)):  # the same ragged history
+        outs[name] = runner.forward(rids, ids, feats, list(lengths.values()))
+    torch.testing.assert_close(outs["graphed"], outs["eager"], rtol=0, atol=0)
+    ends = torch.tensor(list(lengths.values())).cumsum(0) - 1
+    hidden = {name: out[ends.to(out.device)] for name, out in outs.items()}
+    # 3 requests padded to a bucket of 4, then all 5 (> max_bs: eager), then 2 again.
+    for step, batch in enumerate((["a", "b", "c"], rids, ["c", "e"], ["a", "b", "c"])):
+        rows = torch.tensor([rids.index(r) for r in batch], device=device)
+        tokens = torch.randint(3, 500, (len(batch),), generator=gen).to(device)
+        got = graphed.step(batch, tokens, hidden["graphed"][rows])
+        want = eager.step(batch, tokens, hidden["eager"][rows])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, msg=f"features, step {step}")
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, msg=f"logits, step {step}")
+        for name, (h, _) in (("graphed", got), ("eager", want)):
+            hidden[name] = hidden[name].index_copy(0, rows, h)
+    for r in rids:
+        assert graphed.kv.seq_len(r) == eager.kv.seq_len(r)
+    # Same cache contents everywhere but the padding slot 0 that padded rows write.
+    for buffers in ("k_buffers", "v_buffers"):
+        a, b = getattr(graphed.kv, buffers)[0], getattr(eager.kv, buffers)[0]
+        torch.testing.assert_close(a[1:], b[1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_static_padded_steps_equal_eager(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+    _check_steps(graphed, eager, "cpu")
+    assert sorted(graphed.graphs._graphs) == [(2, 64), (4, 64)]  # (padded batch, context bucket)
+
+
+def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets):
+    """EAGLE through the engine with its single-row steps on the padded static path."""
+    requests = _requests(count=10, seed=4)
+    expected = engine_run(make_spec_config(), requests)
+    algorithm, draft = CASES["eagle"]
+    runners = []
+
+    def use_static_graphs(decoder):
+        runner = decoder.drafter.runner
+        runner.graphs = EagleGraphRunner(runner, max_bs=4, use_graphs=False)
+        runners.append(runner)
+
+    run = engine_run(make_spec_config(algorithm, draft, max_running_requests=6), requests, decoder_hook=use_static_graphs)
+    _check_same(run, requests, {rid: expected.outputs[rid].tokens for rid, *_ in requests})
+    assert runners[0].graphs._graphs  # the static path was taken
+
+
+def test_graphs_are_only_built_on_cuda(spec_assets):
+    with pytest.raises(ValueError, match="use_graphs=False"):
+        _pair(spec_assets, 1, "cpu", max_bs=4, use_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("version", [1, 3])
+def test_captured_steps_equal_eager_on_gpu(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+    _check_steps(graphed, eager, "cuda")
+    assert graphed.graphs.num_graphs == 2 and not graphed.graphs.disabled
