@@ -125,6 +125,7 @@ class SpeculativeSpec(_Spec):
     draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
     ngram: NgramSpec = Field(default_factory=NgramSpec)
     disable_batch_size: int = Field(default=0, ge=0, le=4096)
+    auto_disable: bool = False
 
 
 class LoRASpec(_Spec):

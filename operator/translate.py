@@ -50,6 +50,7 @@ FIELD_PATHS: dict[str, str] = {
     "speculative.ngram_min": "spec.speculative.ngram.minMatch",
     "speculative.ngram_max": "spec.speculative.ngram.maxMatch",
     "speculative.disable_batch_size": "spec.speculative.disableBatchSize",
+    "speculative.auto_disable": "spec.speculative.autoDisable",
     "lora.enabled": "spec.lora.enabled",
     "lora.max_loras_per_batch": "spec.lora.maxLorasPerBatch",
     "lora.max_loaded_loras": "spec.lora.maxLoadedLoras",
@@ -219,6 +220,7 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             ngram_min=speculative.ngram.min_match,
             ngram_max=speculative.ngram.max_match,
             disable_batch_size=speculative.disable_batch_size,
+            auto_disable=speculative.auto_disable,
         ),
         lora=LoRAConfig(
             enabled=spec.lora.enabled,

@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.speculative.disable_batch_size,
         help="decode steps of at least this many requests skip drafting, one token each (0: always speculate)",
     )
+    g.add_argument(
+        "--speculative-auto-disable",
+        action=bool_flag,
+        default=d.speculative.auto_disable,
+        help="per batch-size bucket, draft only while drafting yields more tokens/s than plain decoding "
+        "(measured on this serve's own steps)",
+    )
 
     g = p.add_argument_group("LoRA")
     g.add_argument("--enable-lora", action=bool_flag, default=d.lora.enabled)
@@ -216,6 +223,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     s.ngram_min = args.ngram_min
     s.ngram_max = args.ngram_max
     s.disable_batch_size = args.speculative_disable_batch_size
+    s.auto_disable = args.speculative_auto_disable
 
     lora = cfg.lora
     lora.enabled = args.enable_lora

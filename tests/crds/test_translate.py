@@ -77,6 +77,7 @@ PERTURBATIONS = [
     ("speculative.ngram.minMatch", 2, "speculative.ngram_min", 2),
     ("speculative.ngram.maxMatch", 7, "speculative.ngram_max", 7),
     ("speculative.disableBatchSize", 32, "speculative.disable_batch_size", 32),
+    ("speculative.autoDisable", True, "speculative.auto_disable", True),
     ("lora.enabled", False, "lora.enabled", False),
     ("lora.maxLorasPerBatch", 3, "lora.max_loras_per_batch", 3),
     ("lora.maxLoadedLoras", 5, "lora.max_loaded_loras", 5),

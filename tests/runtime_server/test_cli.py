@@ -37,6 +37,7 @@ def test_flags_become_the_configuration(assets, tmp_path):
         "--port", "9001", "--host", "127.0.0.1", "--admin-token-file", str(token), "--dtype", "float32",
         "--device", "cpu", "--max-running-requests", "7", "--max-total-tokens", "4096", "--no-enable-lora",
         "--max-admission-defer-steps", "0", "--speculative-disable-batch-size", "16",
+        "--speculative-auto-disable",
     ])  # fmt: skip
     assert cfg.model.architecture == "LlamaForCausalLM"  # read from config.json
     assert cfg.lora.adapters == {
@@ -56,6 +57,9 @@ def test_flags_become_the_configuration(assets, tmp_path):
         _parse(["--model", "m"]).speculative.disable_batch_size
         == RuntimeConfig().speculative.disable_batch_size
     )
+    assert cfg.speculative.auto_disable is True
+    assert _parse(["--model", "m"]).speculative.auto_disable is RuntimeConfig().speculative.auto_disable
+    assert _parse(["--model", "m", "--no-speculative-auto-disable"]).speculative.auto_disable is False
     assert _parse(["--model", "m", "--lora-target-modules", "all"]).lora.target_modules[-1] == "lm_head"
     assert (
         config_from_args(
@@ -84,6 +88,7 @@ def test_the_operators_command_line_round_trips(assets):
     cfg.scheduler.max_total_tokens = 1234
     cfg.scheduler.max_admission_defer_steps = 3
     cfg.speculative.disable_batch_size = 12
+    cfg.speculative.auto_disable = True
     cfg.cuda_graph.enabled = True
     cfg.cuda_graph.max_bs = 16
     cfg.seed = 5
