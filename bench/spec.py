@@ -1019,6 +1019,11 @@ def main(argv: list[str] | None = None) -> int:
         " drafting (0: always draft)",
     )
     ap.add_argument(
+        "--auto-disable",
+        action="store_true",
+        help="speculative.auto_disable for every draft: draft per batch-size bucket only while it measures faster",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         help="directory: after each draft's timed run at concurrency 1, profile one more request with"
@@ -1211,6 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_config.speculative.num_steps = k - 1
         spec_config.speculative.num_draft_tokens = k
         spec_config.speculative.disable_batch_size = args.disable_batch_size
+        spec_config.speculative.auto_disable = args.auto_disable
         spec_configs[name] = spec_config
         decoders[name] = build_decoder(config=spec_config, runner=runner, sampler=sampler)
     plain = StandardDecoder(runner, sampler)

@@ -101,6 +101,9 @@ class SpeculativeConfig:
     # A decode step of at least this many requests runs without drafting (one token each,
     # the drafter kept in sync); speculation resumes below it. 0: always speculate.
     disable_batch_size: int = 0
+    # Per batch-size bucket, draft only while drafting yields more tokens/s than plain
+    # decoding, as measured on this serve's own steps (both kinds re-measured now and then).
+    auto_disable: bool = False
 
     @property
     def enabled(self) -> bool:

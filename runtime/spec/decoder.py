@@ -18,7 +18,9 @@ without speculation in the same step. A step of at least
 ``speculative.disable_batch_size`` requests (when set) skips drafting altogether: one
 ordinary decode forward, whose results the drafter still sees (``on_decode``), so
 speculation resumes where it left off once the batch is smaller again. Large batches are
-where a verify of ``bs × k`` rows stops being nearly free.
+where a verify of ``bs × k`` rows stops being nearly free. With
+``speculative.auto_disable`` the choice is made per batch-size bucket from the measured
+throughput of both kinds of step (:mod:`.switch`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..sampling import Sampler, processed_probs
 from .acceptance import Acceptance, greedy_accept, rejection_accept
 from .drafter import Drafter
 from .metrics import SpecMetrics
+from .switch import SpeculationSwitch
 
 log = logging.getLogger("loraserve.spec")
 
@@ -61,6 +64,7 @@ class SpeculativeDecoder:
         self.algorithm = algorithm
         self.k = int(config.speculative.num_draft_tokens)
         self.disable_batch_size = int(config.speculative.disable_batch_size)
+        self.switch = SpeculationSwitch() if config.speculative.auto_disable else None
         self.num_drafts = self.k - 1
         self.tokens_per_step = self.k
         self.device = getattr(runner, "device", torch.device("cpu"))
@@ -117,10 +121,15 @@ class SpeculativeDecoder:
         spec_rows = [i for i, ok in enumerate(fits) if ok]
         plain_rows = [i for i, ok in enumerate(fits) if not ok]
         outputs: list[StepOutput | None] = [None] * len(requests)
-        if spec_rows and 0 < self.disable_batch_size <= len(requests):
-            plain_rows = list(range(len(requests)))
+        start = time.perf_counter()
+        bs = len(requests)
+        pure = not (spec_rows and plain_rows)  # one kind of step: its timing says something
+        if spec_rows and (
+            0 < self.disable_batch_size <= bs or (self.switch is not None and not self.switch.should_draft(bs))
+        ):
+            plain_rows = list(range(bs))
             spec_rows = []
-            self.metrics.record_undrafted(len(requests))
+            self.metrics.record_undrafted(bs)
         try:
             if spec_rows:
                 for i, out in zip(spec_rows, self._speculate([requests[i] for i in spec_rows]), strict=True):
@@ -136,6 +145,13 @@ class SpeculativeDecoder:
             for req in requests:
                 self.drafter.release(req)
             raise
+        if self.switch is not None and pure:
+            self.switch.record(
+                bs,
+                drafted=bool(spec_rows),
+                tokens=sum(len(out.token_ids) for out in outputs if out is not None),
+                seconds=time.perf_counter() - start,
+            )
         return outputs  # type: ignore[return-value]
 
     def _plain(self, requests: Sequence[Request], keep_drafting: Sequence[bool]) -> list[StepOutput]:
