@@ -60,11 +60,7 @@ class EagleDrafter:
         items = [item for item in items if item[1].numel()]
         if not items:
             return
-        for req, _, _ in items:
-            state = self._states.setdefault(req.rid, _State())
-            held = self.runner.kv.seq_len(req.rid)
-            if held > state.committed:  # speculative entries from the last proposal
-                self.runner.kv.truncate(req.rid, held - state.committed)
+        self._drop_speculative([req for req, _, _ in items])
         lens = [int(ids.numel()) for _, ids, _ in items]
         out = self.runner.forward(
             [req.rid for req, _, _ in items],
@@ -76,6 +72,35 @@ class EagleDrafter:
         ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
         tails = out.index_select(0, ends)
         for (req, _, _), n, tail in zip(items, lens, tails, strict=True):
+            state = self._states[req.rid]
+            state.committed += n
+            state.tail = tail
+
+    def _drop_speculative(self, requests: Sequence[Request]) -> None:
+        """Truncate the entries the last proposal wrote past each request's committed pairs."""
+        for req in requests:
+            state = self._states.setdefault(req.rid, _State())
+            held = self.runner.kv.seq_len(req.rid)
+            if held > state.committed:
+                self.runner.kv.truncate(req.rid, held - state.committed)
+
+    def _append_verified(
+        self, requests: Sequence[Request], tokens: torch.Tensor, feats: torch.Tensor, keep: Sequence[int]
+    ) -> None:
+        """Feed all ``k`` verified positions of every request in one uniform (graph-replayed)
+        forward, then drop the entries past each request's ``keep`` committed pairs. The
+        head is causal: the kept rows never attend to the dropped ones."""
+        bs, k = tokens.shape
+        self._drop_speculative(requests)
+        out = self.runner.forward_uniform(
+            [r.rid for r in requests], tokens.clamp_min(0).reshape(-1), feats.reshape(bs * k, -1), k
+        )
+        for req, n in zip(requests, keep, strict=True):
+            if n < k:
+                self.runner.kv.truncate(req.rid, k - n)
+        last = torch.tensor([n - 1 for n in keep], device=out.device)
+        tails = out.view(bs, k, -1)[torch.arange(bs, device=out.device), last]
+        for req, n, tail in zip(requests, keep, tails, strict=True):
             state = self._states[req.rid]
             state.committed += n
             state.tail = tail
@@ -140,6 +165,11 @@ class EagleDrafter:
         feats = self._features(output)
         k = acceptance.tokens.shape[1]
         feats = feats.view(len(requests), k, -1)
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.can_run(len(requests)):
+            keep = [a + 1 for a in acceptance.host_accept_lens()]
+            self._append_verified(requests, acceptance.tokens, feats, keep)
+            return
         items = []
         for i, (req, accepted) in enumerate(zip(requests, acceptance.host_accept_lens(), strict=True)):
             n = accepted + 1

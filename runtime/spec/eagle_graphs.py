@@ -1,22 +1,26 @@
-"""CUDA graphs for the EAGLE head's one-token draft steps.
+"""CUDA graphs for the EAGLE head's uniform steps.
 
-After the first proposal (which reads the target's features), every further draft step
-of a request is one row: the previous draft token and the head's own output feature.
-Those steps are uniform, so like the target's decode they are padded to a batch-size
-bucket and a power-of-two context, and replayed from a graph per (batch, context) pair.
-Eager, each such step is a few dozen small launches plus attention metadata built on
-the host; at batch 1 that host work, not the GPU, set the EAGLE step's cost
-(``bench/results/2026-12-03-spec-h200.md``).
+Two kinds of draft forward are uniform (every request carries the same number of rows),
+so like the target's decode they are padded to a batch-size bucket and a power-of-two
+context and replayed from a graph per shape:
 
-Padded rows use KV row 0 and slot 0, which the cache never hands out. The ragged steps
-(feeding the target's features after prefill and verify) stay eager.
+- the single-row draft steps of a proposal after the first: the previous draft token and
+  the head's own output feature;
+- feeding the target's features after a verify: every request's ``k`` verified positions
+  go in, and the entries past each request's accepted ones are truncated afterwards (the
+  head is causal, so the kept rows never see the dropped ones).
+
+Eager, each forward is a few dozen small launches plus attention metadata built on the
+host; at batch 1 that host work, not the GPU, set the EAGLE step's cost
+(``bench/results/2026-12-03-spec-h200.md``). Padded rows use KV row 0 and slot 0, which
+the cache never hands out. Prefill chunks (ragged) stay eager.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,27 +34,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraserve.spec")
 
 
+class _Key(NamedTuple):
+    width: int  # rows per request
+    from_target: bool  # the features are the target's (else the head's own outputs)
+    batch_size: int  # padded
+    context: int  # key columns
+
+
 @dataclass
 class _Static:
-    input_ids: torch.Tensor  # int64 [max_bs]
-    features: torch.Tensor  # [max_bs, hidden]: the head's previous output
+    input_ids: torch.Tensor  # int64 [max_bs * width]
+    features: torch.Tensor  # [max_bs * width, feature width]
     rows: torch.Tensor  # int64 [max_bs]
     prefix_lens: torch.Tensor  # int64 [max_bs]
-    out_cache_loc: torch.Tensor  # int64 [max_bs]
+    out_cache_loc: torch.Tensor  # int64 [max_bs * width]
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None
     hidden: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # single-row steps only: the next proposal reads them
 
 
 class EagleGraphRunner:
-    """Pads single-row EAGLE draft steps into static buffers and replays captured graphs.
+    """Pads uniform EAGLE draft forwards into static buffers and replays captured graphs.
 
     ``use_graphs=False`` runs the same padded static path eagerly (the CPU tests use it).
-    A capture that fails turns graphs off for this runner (logged); steps then run eagerly.
+    A capture that fails turns graphs off for this runner (logged); forwards then run eagerly.
     """
 
     def __init__(self, runner: EagleDraftRunner, *, max_bs: int, use_graphs: bool | None = None):
@@ -62,12 +73,8 @@ class EagleGraphRunner:
         self.max_bs = int(max_bs)
         self.batch_sizes = graph_batch_sizes(self.max_bs)
         self.disabled = False
-        z = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)  # noqa: E731
-        hidden = runner.model.hidden_size
-        self._static = _Static(
-            z(), torch.zeros(self.max_bs, hidden, dtype=runner.dtype, device=self.device), z(), z(), z()
-        )
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._static: dict[tuple[int, bool], _Static] = {}
+        self._graphs: dict[_Key, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
@@ -77,25 +84,34 @@ class EagleGraphRunner:
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
 
-    def run(self, alloc: Allocation, input_ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for ``alloc``'s requests (one new row each, already allocated);
-        returns ``(output features [bs, hidden], logits [bs, vocab] float32)``."""
+    def run(
+        self,
+        alloc: Allocation,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        width: int = 1,
+        from_target: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``width`` rows per request of ``alloc`` (already allocated); returns the output
+        features ``[bs * width, H]`` and, for single-row steps on the head's own features,
+        the logits ``[bs, vocab]`` (float32)."""
         bs = len(alloc.seq_lens)
         padded = padded_batch_size(self.batch_sizes, bs)
         assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
-        context = context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len)
-        s = self._static
-        s.input_ids[:bs].copy_(input_ids, non_blocking=True)
-        s.input_ids[bs:padded].zero_()
-        s.features[:bs].copy_(features)
-        s.features[bs:padded].zero_()
+        key = _Key(width, from_target, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
+        s = self._static_for(width, from_target)
+        n, total = padded * width, bs * width
+        s.input_ids[:total].copy_(input_ids, non_blocking=True)
+        s.input_ids[total:n].zero_()
+        s.features[:total].copy_(features)
+        s.features[total:n].zero_()
         s.rows[:bs].copy_(alloc.rows)
         s.rows[bs:padded].zero_()
         s.prefix_lens[:bs].copy_(torch.tensor(alloc.prefix_lens, dtype=torch.int64), non_blocking=True)
         s.prefix_lens[bs:padded].zero_()
-        s.out_cache_loc[:bs].copy_(alloc.out_cache_loc)
-        s.out_cache_loc[bs:padded].zero_()
-        key = (padded, context)
+        s.out_cache_loc[:total].copy_(alloc.out_cache_loc)
+        s.out_cache_loc[total:n].zero_()
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
@@ -104,37 +120,56 @@ class EagleGraphRunner:
             graph.graph.replay()
         else:
             graph = self._run_static(key)
-        return graph.hidden[:bs].clone(), graph.logits[:bs].clone()
+        logits = None if graph.logits is None else graph.logits[:bs].clone()
+        return graph.hidden[:total].clone(), logits
 
-    def _body(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        padded, context = key
-        s, runner = self._static, self.runner
+    def _static_for(self, width: int, from_target: bool) -> _Static:
+        static = self._static.get((width, from_target))
+        if static is None:
+            model = self.runner.model
+            rows = self.max_bs * width
+            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
+            feature = model.feature_size if from_target else model.hidden_size
+            static = _Static(
+                z(rows),
+                torch.zeros(rows, feature, dtype=self.runner.dtype, device=self.device),
+                z(self.max_bs),
+                z(self.max_bs),
+                z(rows),
+            )
+            self._static[(width, from_target)] = static
+        return static
+
+    def _body(self, key: _Key) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s, runner = self._static[(key.width, key.from_target)], self.runner
         layer = runner.config.layer
+        n = key.batch_size * key.width
         meta = build_attention_metadata(
             req_to_token=runner.kv.req_to_token,
-            rows=s.rows[:padded],
-            prefix_lens=s.prefix_lens[:padded],
-            out_cache_loc=s.out_cache_loc[:padded],
-            max_q=1,
-            max_ctx=context,
+            rows=s.rows[: key.batch_size],
+            prefix_lens=s.prefix_lens[: key.batch_size],
+            out_cache_loc=s.out_cache_loc[:n],
+            max_q=key.width,
+            max_ctx=key.context,
             groups=layer.num_heads // layer.num_kv_heads,
             q_lens=None,
         )
         hidden = runner.model(
-            s.input_ids[:padded],
-            s.features[:padded],
+            s.input_ids[:n],
+            s.features[:n],
             meta,
             runner.kv.k_buffers[0],
             runner.kv.v_buffers[0],
-            from_target=False,
+            from_target=key.from_target,
         )
-        return hidden, runner.model.compute_logits(hidden)
+        single = key.width == 1 and not key.from_target
+        return hidden, runner.model.compute_logits(hidden) if single else None
 
-    def _run_static(self, key: tuple[int, int]) -> _Graph:
+    def _run_static(self, key: _Key) -> _Graph:
         hidden, logits = self._body(key)
         return _Graph(None, hidden, logits)
 
-    def _capture(self, key: tuple[int, int]) -> _Graph:
+    def _capture(self, key: _Key) -> _Graph:
         if not self.use_graphs or self.disabled:
             return self._run_static(key)
         try:
@@ -151,6 +186,6 @@ class EagleGraphRunner:
             graph.replay()
             return _Graph(graph, hidden, logits)
         except RuntimeError:
-            log.exception("capturing the EAGLE draft step (batch %d, context %d) failed; drafting eagerly", *key)
+            log.exception("capturing the EAGLE draft forward %s failed; drafting eagerly", key)
             self.disabled = True
             return self._run_static(key)

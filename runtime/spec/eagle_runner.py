@@ -136,6 +136,30 @@ class EagleDraftRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def forward_uniform(
+        self, request_ids: Sequence[Hashable], input_ids: torch.Tensor, features: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """Append ``width`` of the target's (feature, next token) pairs for every request;
+        returns the output features ``[bs * width, H]``. Replayed from a CUDA graph where one
+        is available. On failure the cache is left as it was."""
+        bs = len(request_ids)
+        if self.graphs is None or not self.graphs.can_run(bs):
+            return self.forward(request_ids, input_ids, features, [width] * bs, from_target=True)
+        alloc = self.kv.allocate(request_ids, [width] * bs)
+        try:
+            hidden, _ = self.graphs.run(
+                alloc,
+                input_ids.to(self.device),
+                features.to(self.device, self.dtype),
+                width=width,
+                from_target=True,
+            )
+            return hidden
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+
+    @torch.inference_mode()
     def step(
         self, request_ids: Sequence[Hashable], input_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

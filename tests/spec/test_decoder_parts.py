@@ -14,6 +14,7 @@ from loraserve.runtime.spec import build_decoder
 from loraserve.runtime.spec.acceptance import Acceptance
 from loraserve.runtime.spec.draft_config import SpeculativeConfigError
 from loraserve.runtime.spec.eagle_drafter import EagleDrafter
+from loraserve.runtime.spec.eagle_graphs import EagleGraphRunner
 from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
 from loraserve.runtime.spec.metrics import SpecMetrics
 
@@ -31,10 +32,13 @@ def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
     ]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-graph-path"])
 @pytest.mark.parametrize("version", [1, 3])
-def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version):
+def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, graphs):
     """After steps with every accept length, the draft's last output equals that of a
-    drafter fed the same committed (feature, token) pairs in one go."""
+    drafter fed the same committed (feature, token) pairs in one go. With graphs the
+    verified positions go in as one uniform k-row forward (then truncated), and the
+    single-row steps through the padded static path."""
     from loraserve.runtime.model import build_model, load_arch_config
 
     arch = load_arch_config(spec_assets.target)
@@ -57,6 +61,8 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version):
         return EagleDrafter(runner, Sampler(0), arch.vocab_size)
 
     drafter = make()
+    if graphs:
+        drafter.runner.graphs = EagleGraphRunner(drafter.runner, max_bs=2, use_graphs=False)
     width = drafter.runner.model.feature_size
     gen = torch.Generator().manual_seed(version)
     k = 4
@@ -93,6 +99,8 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version):
     fresh = make()
     out = fresh.runner.forward(["r"], torch.tensor(pairs_ids), torch.cat(pairs_feats), [len(pairs_ids)])
     torch.testing.assert_close(drafter._states["r"].tail, out[-1], rtol=1e-5, atol=1e-5)
+    if graphs:  # both uniform kinds took the static path
+        assert {(key.width, key.from_target) for key in drafter.runner.graphs._graphs} == {(1, False), (k, True)}
     drafter.release(req)
     assert "r" not in drafter.runner.kv
 

@@ -65,6 +65,16 @@ def _check_steps(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, msg=f"logits, step {step}")
         for name, (h, _) in (("graphed", got), ("eager", want)):
             hidden[name] = hidden[name].index_copy(0, rows, h)
+    # The verified positions of 3 requests as one uniform k-row forward, then truncated.
+    k, batch, keep = 4, ["a", "c", "e"], [1, 4, 2]
+    tokens = torch.randint(3, 500, (len(batch) * k,), generator=gen).to(device)
+    target_feats = torch.randn(len(batch) * k, feature, generator=gen).to(device)
+    got = graphed.forward_uniform(batch, tokens, target_feats, k)
+    want = eager.forward(batch, tokens, target_feats, [k] * len(batch), from_target=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for runner in (graphed, eager):
+        for r, n in zip(batch, keep, strict=True):
+            runner.kv.truncate(r, k - n)
     for r in rids:
         assert graphed.kv.seq_len(r) == eager.kv.seq_len(r)
     # Same cache contents everywhere but the padding slot 0 that padded rows write.
@@ -77,7 +87,8 @@ def _check_steps(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str
 def test_static_padded_steps_equal_eager(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
     _check_steps(graphed, eager, "cpu")
-    assert sorted(graphed.graphs._graphs) == [(2, 64), (4, 64)]  # (padded batch, context bucket)
+    shapes = sorted((key.width, key.from_target, key.batch_size, key.context) for key in graphed.graphs._graphs)
+    assert shapes == [(1, False, 2, 64), (1, False, 4, 64), (4, True, 4, 64)]
 
 
 def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets):
@@ -108,4 +119,4 @@ def test_graphs_are_only_built_on_cuda(spec_assets):
 def test_captured_steps_equal_eager_on_gpu(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
     _check_steps(graphed, eager, "cuda")
-    assert graphed.graphs.num_graphs == 2 and not graphed.graphs.disabled
+    assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
