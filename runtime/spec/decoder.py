@@ -178,11 +178,18 @@ class SpeculativeDecoder:
         )
         outs = sample_rows(self.sampler, output.logits, requests)
         if synced:
-            self.drafter.on_decode(
-                [requests[i] for i in synced],
-                [outs[i].token_ids[0] for i in synced],
-                output.select_rows(synced) if len(synced) < len(requests) else output,
-            )
+            kept = [requests[i] for i in synced]
+            try:
+                self.drafter.on_decode(
+                    kept,
+                    [outs[i].token_ids[0] for i in synced],
+                    output.select_rows(synced) if len(synced) < len(requests) else output,
+                )
+            except Exception:
+                # As after a prefill: the target's tokens stand; these drafts start over.
+                log.exception("draft update after a step without drafting failed; drafting resumes afresh")
+                for req in kept:
+                    self.drafter.release(req)
         return outs
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:

@@ -205,6 +205,35 @@ def test_a_failing_draft_step_loses_nothing(make_spec_config, engine_run, case):
         assert run.outputs[rid].tokens == base.outputs[rid].tokens
 
 
+def test_a_failing_draft_update_after_an_undrafted_step_loses_nothing(make_spec_config, engine_run):
+    """The drafter fails while taking in a step decoded without drafting (batch at
+    disable_batch_size): the target's tokens stand, those drafts start over, outputs stay exact."""
+    requests = _greedy_requests(6, seed=7, adapters=(None, "attn-r8", "emb-head"))
+    base = engine_run(make_spec_config(), requests)
+    failures = {"left": 1}
+
+    def flaky(decoder):
+        on_decode = decoder.drafter.on_decode
+
+        def failing_once(reqs, tokens, output):
+            if failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("injected draft failure")
+            return on_decode(reqs, tokens, output)
+
+        decoder.drafter.on_decode = failing_once
+
+    config = make_spec_config("EAGLE", "eagle", max_running_requests=4)
+    config.speculative.disable_batch_size = 3
+    run = engine_run(config, requests, decoder_hook=flaky)
+    assert failures["left"] == 0
+    for rid, *_ in requests:
+        assert run.outputs[rid].error is None
+        assert run.outputs[rid].tokens == base.outputs[rid].tokens
+    snap = run.engine.decoder.metrics.snapshot()
+    assert snap.undrafted_steps > 1 and snap.overall.verify_steps > 0
+
+
 def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_run):
     from prometheus_client import CollectorRegistry, generate_latest
 
