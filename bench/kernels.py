@@ -25,6 +25,7 @@ Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -615,6 +616,25 @@ class ModuleCase:
         return [(lambda i=i: baseline(i)) for i in range(self.sets)]
 
 
+@contextlib.contextmanager
+def sm_carveout(sms: int):
+    """Ask cuBLAS to leave ``sms`` SMs unused (torch's experimental carve-out; kernels
+    chosen at capture keep it in the graph). Raises if this torch has no such knob."""
+    if not sms:
+        yield
+        return
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if setter is None or getter is None:
+        raise RuntimeError(f"torch {torch.__version__} has no cuBLAS SM carve-out")
+    before = getter()
+    setter(sms)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
 def fmt(value: float | None, spec: str) -> str:
     """``value`` formatted, or a dash where a variant has no such number."""
     return "-" if value is None else format(value, spec)
@@ -630,7 +650,11 @@ OVERLAPS = {
     "overlap-delta": OverlapMode.DELTA,
     "overlap-shrink": OverlapMode.SHRINK,
     "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
+    "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
 }
+# variant -> SMs the base GEMMs leave free (torch's experimental cuBLAS SM carve-out); the
+# base-only timing keeps every SM, so what the GEMMs lose shows in the increment
+CARVEOUTS = {"overlap-delta-carve16": 16}
 MIXED_DELTA = ("gate_up", "down")
 
 BACKENDS = {
@@ -874,7 +898,8 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
     t_lora = None if overlapped else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
     t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
-    t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
+    with sm_carveout(CARVEOUTS.get(variant, 0)):
+        t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
     return {
         "workload": w.label(),
         "variant": variant,
@@ -894,7 +919,7 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 ALL = ("qkv", "o", "gate_up", "down")
 PATHS3 = ("default", "two-launch", "fused")
 # The layer targets: the default (two launches per module, serial) and each overlapped join.
-LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink", "overlap-mixed")
+LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink", "overlap-mixed", "overlap-delta-carve16")
 
 
 def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
