@@ -59,6 +59,15 @@ def context_bucket(max_ctx: int, limit: int) -> int:
     return min(bucket, limit)
 
 
+def fill_padded(dst: torch.Tensor, src: torch.Tensor, valid: int, padded: int) -> None:
+    """``dst[:valid] = src`` and ``dst[valid:padded] = 0``: a static buffer for one replay.
+
+    Zeros make padded rows use the KV cache's reserved row 0 and slot 0 and token id 0.
+    """
+    dst[:valid].copy_(src, non_blocking=True)
+    dst[valid:padded].zero_()
+
+
 class GraphKey(NamedTuple):
     mode: ForwardMode
     width: int  # tokens per request
@@ -130,14 +139,10 @@ class CudaGraphRunner:
 
         static = self._static_inputs(width)
         n = padded_bs * width
-        static.input_ids[:total].copy_(batch.input_ids, non_blocking=True)
-        static.input_ids[total:n].zero_()
-        static.rows[:bs].copy_(alloc.rows)
-        static.rows[bs:padded_bs].zero_()
-        static.prefix_lens[:bs].copy_(torch.tensor(alloc.prefix_lens, dtype=torch.int64), non_blocking=True)
-        static.prefix_lens[bs:padded_bs].zero_()
-        static.out_cache_loc[:total].copy_(alloc.out_cache_loc)
-        static.out_cache_loc[total:n].zero_()
+        fill_padded(static.input_ids, batch.input_ids, total, n)
+        fill_padded(static.rows, alloc.rows, bs, padded_bs)
+        fill_padded(static.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded_bs)
+        fill_padded(static.out_cache_loc, alloc.out_cache_loc, total, n)
 
         lora = runner.lora
         if lora is not None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..cuda_graph import context_bucket, graph_batch_sizes, padded_batch_size
+from ..cuda_graph import context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
 from ..kv import Allocation
 from ..model.layers import build_attention_metadata
 
@@ -102,16 +102,11 @@ class EagleGraphRunner:
         key = _Key(width, from_target, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
         s = self._static_for(width, from_target)
         n, total = padded * width, bs * width
-        s.input_ids[:total].copy_(input_ids, non_blocking=True)
-        s.input_ids[total:n].zero_()
-        s.features[:total].copy_(features)
-        s.features[total:n].zero_()
-        s.rows[:bs].copy_(alloc.rows)
-        s.rows[bs:padded].zero_()
-        s.prefix_lens[:bs].copy_(torch.tensor(alloc.prefix_lens, dtype=torch.int64), non_blocking=True)
-        s.prefix_lens[bs:padded].zero_()
-        s.out_cache_loc[:total].copy_(alloc.out_cache_loc)
-        s.out_cache_loc[total:n].zero_()
+        fill_padded(s.input_ids, input_ids, total, n)
+        fill_padded(s.features, features, total, n)
+        fill_padded(s.rows, alloc.rows, bs, padded)
+        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        fill_padded(s.out_cache_loc, alloc.out_cache_loc, total, n)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
