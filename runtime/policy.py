@@ -676,6 +676,18 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
         out.append(
             PolicyWarning("adaptive-ignored", "speculative.adaptive", "ignored without speculative decoding")
         )
+    if requested is not SpecAlgorithm.NONE and spec.disable_batch_size > config.scheduler.max_running_requests:
+        out.append(
+            PolicyWarning(
+                "disable-batch-size-unreachable",
+                "speculative.disable_batch_size",
+                f"{spec.disable_batch_size} is above {{scheduler.max_running_requests}} "
+                f"({config.scheduler.max_running_requests}): no step is that large, so every step drafts",
+            )
+        )
+    if requested is SpecAlgorithm.NONE and (spec.disable_batch_size or spec.auto_disable):
+        field = "speculative.auto_disable" if spec.auto_disable else "speculative.disable_batch_size"
+        out.append(PolicyWarning("spec-switch-ignored", field, "ignored without speculative decoding"))
     if not config.lora.enabled and config.lora.overlap_loading:
         out.append(
             PolicyWarning("overlap-loading-ignored", "lora.overlap_loading", "ignored with LoRA disabled")

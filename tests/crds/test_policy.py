@@ -386,6 +386,8 @@ def test_embedding_modules_under_eagle_family_warn():
         ("large-rank", {"lora__max_rank": policy.LARGE_RANK + 1}, {"lora__max_rank": policy.LARGE_RANK}),
         ("draft-ignored", {"speculative__draft_model_path": "/d"}, {"speculative__draft_model_path": None}),
         ("adaptive-ignored", {"speculative__adaptive": True}, {"speculative__adaptive": False}),
+        ("spec-switch-ignored", {"speculative__auto_disable": True}, {"speculative__auto_disable": False}),
+        ("spec-switch-ignored", {"speculative__disable_batch_size": 8}, {"speculative__disable_batch_size": 0}),
         (
             "cuda-graph-partial",
             {"cuda_graph__enabled": True, "cuda_graph__max_bs": 8},
@@ -397,6 +399,18 @@ def test_costly_settings_warn(rule, warned, quiet):
     assert rule in warning_rules(config(**warned))
     assert rule not in warning_rules(config(**quiet))
     assert policy.check_config(config(**warned), EVERYTHING).ok  # warnings never refuse
+
+
+def test_a_disable_batch_size_no_step_reaches_warns():
+    running = {"scheduler__max_running_requests": 32}
+    warned = config(A.NGRAM, speculative__disable_batch_size=33, **running)
+    report = policy.check_config(warned, EVERYTHING)
+    assert report.ok and "disable-batch-size-unreachable" in report.warning_rules()
+    text = next(w.render() for w in report.warnings if w.rule == "disable-batch-size-unreachable")
+    assert "speculative.disable_batch_size" in text and "32" in text and "every step drafts" in text
+    for value in (0, 32):
+        quiet = config(A.NGRAM, speculative__disable_batch_size=value, **running)
+        assert "disable-batch-size-unreachable" not in warning_rules(quiet)
 
 
 # --------------------------------------------------------------------------- the report
