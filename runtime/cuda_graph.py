@@ -17,9 +17,9 @@ static buffers and padding, executed eagerly, so the padding logic is testable t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from loraserve.kernels import ForwardMode
 
 from .model import ForwardBatch, ForwardOutput
 from .model.layers import build_attention_metadata
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .kv import Allocation
@@ -66,6 +68,26 @@ def fill_padded(dst: torch.Tensor, src: torch.Tensor, valid: int, padded: int) -
     """
     dst[:valid].copy_(src, non_blocking=True)
     dst[valid:padded].zero_()
+
+
+def capture_graph(body: Callable[[], T], device: torch.device, pool, *, warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``body`` captured into a CUDA graph in ``pool``; returns the graph and its output tensors.
+
+    Warm-up runs on a side stream first (kernel compilation, allocator). They compute this
+    very step (KV writes are idempotent); the replay after capture produces the returned
+    values.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = body()
+    graph.replay()
+    return graph, outputs
 
 
 class GraphKey(NamedTuple):
@@ -233,17 +255,7 @@ class CudaGraphRunner:
             return self._run_static(key, static)
         if key.lora:
             self._lora_meta[key.width].capture_info(key.batch_size)
-        # Warm up on a side stream (kernel compilation, allocator), then capture. The
-        # warm-up runs compute this very step (KV writes are idempotent), the replay below
-        # produces the returned values.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body(key, static)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden, aux = self._body(key, static)
-        graph.replay()
+        graph, (logits, hidden, aux) = capture_graph(
+            lambda: self._body(key, static), self.device, self._pool, warmups=2
+        )
         return _Graph(graph, logits, hidden, aux)

@@ -71,14 +71,17 @@ class SpeculativeDecoder:
         self.metrics = SpecMetrics(algorithm.value, self.k)
 
     # ------------------------------------------------------------------ prefill
-    def _target_batch(self, mode: ForwardMode, requests: Sequence[Request], input_ids: torch.Tensor, **kw):
+    def _target_batch(
+        self, mode: ForwardMode, requests: Sequence[Request], input_ids: torch.Tensor, *, features: bool = True, **kw
+    ):
+        """A target batch; ``features``: with the hidden states the drafter reads."""
         return ForwardBatch(
             mode=mode,
             request_ids=[r.rid for r in requests],
             input_ids=input_ids,
             lora_names=[r.adapter for r in requests],
-            return_hidden=self.drafter.needs_hidden,
-            hidden_layers=self.drafter.hidden_layers,
+            return_hidden=features and self.drafter.needs_hidden,
+            hidden_layers=self.drafter.hidden_layers if features else None,
             **kw,
         )
 
@@ -162,20 +165,8 @@ class SpeculativeDecoder:
             if not keep:
                 self.drafter.release(req)
         synced = [i for i, keep in enumerate(keep_drafting) if keep]
-        output = self.runner.forward(
-            self._target_batch(
-                ForwardMode.DECODE,
-                requests,
-                torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
-            )
-            if synced
-            else ForwardBatch(
-                mode=ForwardMode.DECODE,
-                request_ids=[r.rid for r in requests],
-                input_ids=torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device),
-                lora_names=[r.adapter for r in requests],
-            )
-        )
+        ids = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+        output = self.runner.forward(self._target_batch(ForwardMode.DECODE, requests, ids, features=bool(synced)))
         outs = sample_rows(self.sampler, output.logits, requests)
         if synced:
             kept = [requests[i] for i in synced]

@@ -70,8 +70,11 @@ class EagleDrafter:
             from_target=True,
         )
         ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
-        tails = out.index_select(0, ends)
-        for (req, _, _), n, tail in zip(items, lens, tails, strict=True):
+        self._commit([req for req, _, _ in items], lens, out.index_select(0, ends))
+
+    def _commit(self, requests: Sequence[Request], counts: Sequence[int], tails: torch.Tensor) -> None:
+        """Record ``counts[i]`` new committed pairs for request ``i``, whose last output is ``tails[i]``."""
+        for req, n, tail in zip(requests, counts, tails, strict=True):
             state = self._states[req.rid]
             state.committed += n
             state.tail = tail
@@ -99,11 +102,7 @@ class EagleDrafter:
             if n < k:
                 self.runner.kv.truncate(req.rid, k - n)
         last = torch.tensor([n - 1 for n in keep], device=out.device)
-        tails = out.view(bs, k, -1)[torch.arange(bs, device=out.device), last]
-        for req, n, tail in zip(requests, keep, tails, strict=True):
-            state = self._states[req.rid]
-            state.committed += n
-            state.tail = tail
+        self._commit(requests, keep, out.view(bs, k, -1)[torch.arange(bs, device=out.device), last])
 
     def on_extend(
         self, chunks: Sequence[tuple[Request, int]], output: ForwardOutput, first_tokens: Sequence[int | None]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..cuda_graph import context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
+from ..cuda_graph import capture_graph, context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
 from ..kv import Allocation
 from ..model.layers import build_attention_metadata
 
@@ -168,17 +168,7 @@ class EagleGraphRunner:
         if not self.use_graphs or self.disabled:
             return self._run_static(key)
         try:
-            # Warm-up on a side stream (compilation, allocator), then capture; the KV
-            # writes of this step are idempotent, the replay below produces the result.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._body(key)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                hidden, logits = self._body(key)
-            graph.replay()
+            graph, (hidden, logits) = capture_graph(lambda: self._body(key), self.device, self._pool)
             return _Graph(graph, hidden, logits)
         except RuntimeError:
             log.exception("capturing the EAGLE draft forward %s failed; drafting eagerly", key)

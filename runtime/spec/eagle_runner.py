@@ -145,19 +145,8 @@ class EagleDraftRunner:
         bs = len(request_ids)
         if self.graphs is None or not self.graphs.can_run(bs):
             return self.forward(request_ids, input_ids, features, [width] * bs, from_target=True)
-        alloc = self.kv.allocate(request_ids, [width] * bs)
-        try:
-            hidden, _ = self.graphs.run(
-                alloc,
-                input_ids.to(self.device),
-                features.to(self.device, self.dtype),
-                width=width,
-                from_target=True,
-            )
-            return hidden
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
+        hidden, _ = self._replay(request_ids, input_ids, features, width, from_target=True)
+        return hidden
 
     @torch.inference_mode()
     def step(
@@ -171,9 +160,31 @@ class EagleDraftRunner:
         if self.graphs is None or not self.graphs.can_run(bs):
             hidden = self.forward(request_ids, input_ids, features, [1] * bs, from_target=False)
             return hidden, self.compute_logits(hidden)
-        alloc = self.kv.allocate(request_ids, [1] * bs)
+        hidden, logits = self._replay(request_ids, input_ids, features, 1, from_target=False)
+        assert logits is not None
+        return hidden, logits
+
+    def _replay(
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        width: int,
+        *,
+        from_target: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Allocate ``width`` rows per request and run them through the graph runner; on
+        failure the allocation is rolled back."""
+        assert self.graphs is not None
+        alloc = self.kv.allocate(request_ids, [width] * len(request_ids))
         try:
-            return self.graphs.run(alloc, input_ids.to(self.device), features.to(self.device, self.dtype))
+            return self.graphs.run(
+                alloc,
+                input_ids.to(self.device),
+                features.to(self.device, self.dtype),
+                width=width,
+                from_target=from_target,
+            )
         except BaseException:
             self.kv.rollback(alloc)
             raise
