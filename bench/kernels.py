@@ -651,10 +651,12 @@ OVERLAPS = {
     "overlap-shrink": OverlapMode.SHRINK,
     "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
     "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
+    "overlap-delta-carve32": OverlapMode.DELTA,
+    "overlap-shrink-carve16": OverlapMode.SHRINK,
 }
 # variant -> SMs the base GEMMs leave free (torch's experimental cuBLAS SM carve-out); the
 # base-only timing keeps every SM, so what the GEMMs lose shows in the increment
-CARVEOUTS = {"overlap-delta-carve16": 16}
+CARVEOUTS = {"overlap-delta-carve16": 16, "overlap-delta-carve32": 32, "overlap-shrink-carve16": 16}
 MIXED_DELTA = ("gate_up", "down")
 
 BACKENDS = {
@@ -919,7 +921,18 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
 ALL = ("qkv", "o", "gate_up", "down")
 PATHS3 = ("default", "two-launch", "fused")
 # The layer targets: the default (two launches per module, serial) and each overlapped join.
-LAYER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink", "overlap-mixed", "overlap-delta-carve16")
+LAYER = (
+    "default",
+    "overlap-auto",
+    "overlap-delta",
+    "overlap-shrink",
+    "overlap-mixed",
+    "overlap-delta-carve16",
+    "overlap-delta-carve32",
+    "overlap-shrink-carve16",
+)
+# where the two joins cross over: the joins alone
+CROSSOVER = ("default", "overlap-auto", "overlap-delta", "overlap-shrink")
 
 
 def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
@@ -966,9 +979,9 @@ def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
         (Workload("verify", 32, 32, 16, 4, rank_major_b=True), LAYER),
         (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), LAYER),
         # where the two joins cross over (the policy's delta_max_tiles)
-        (Workload("decode", 2, 2, 16, rank_major_b=True), LAYER),
-        (Workload("decode", 4, 4, 16, rank_major_b=True), LAYER),
-        (Workload("verify", 1, 1, 16, 6, rank_major_b=True), LAYER),
+        (Workload("decode", 2, 2, 16, rank_major_b=True), CROSSOVER),
+        (Workload("decode", 4, 4, 16, rank_major_b=True), CROSSOVER),
+        (Workload("verify", 1, 1, 16, 6, rank_major_b=True), CROSSOVER),
     ]
 
 

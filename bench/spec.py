@@ -276,7 +276,8 @@ def teacher_sequences(
     starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
     prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
     chunks = []
-    for part in prompts.split(512):
+    # large batches on a GPU: generation of a small model is bound by per-step latency
+    for part in prompts.split(2048 if device.type == "cuda" else 512):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.generate(
                 input_ids=part,
@@ -1024,6 +1025,12 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative.auto_disable for every draft: draft per batch-size bucket only while it measures faster",
     )
     ap.add_argument(
+        "--auto-disable-ab",
+        action="store_true",
+        help="also time each draft with speculative.auto_disable on, as its own run (DRAFT+auto) against the"
+        " same baseline, so one call measures the switch beside plain speculation",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         help="directory: after each draft's timed run at concurrency 1, profile one more request with"
@@ -1207,16 +1214,19 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = Sampler(0)
     spec_configs, decoders = {}, {}
-    for name in drafts:
+    runs = [(name, name, args.auto_disable) for name in drafts]
+    if args.auto_disable_ab:
+        runs += [(f"{name}+auto", name, True) for name in drafts if not args.auto_disable]
+    for name, draft, auto in runs:
         spec_config = config.copy()
         spec_config.speculative.algorithm = (
-            SpecAlgorithm.EAGLE if name == "eagle" else SpecAlgorithm.STANDALONE
+            SpecAlgorithm.EAGLE if draft == "eagle" else SpecAlgorithm.STANDALONE
         )
-        spec_config.speculative.draft_model_path = str(head_dir if name == "eagle" else draft_dir)
+        spec_config.speculative.draft_model_path = str(head_dir if draft == "eagle" else draft_dir)
         spec_config.speculative.num_steps = k - 1
         spec_config.speculative.num_draft_tokens = k
         spec_config.speculative.disable_batch_size = args.disable_batch_size
-        spec_config.speculative.auto_disable = args.auto_disable
+        spec_config.speculative.auto_disable = auto
         spec_configs[name] = spec_config
         decoders[name] = build_decoder(config=spec_config, runner=runner, sampler=sampler)
     plain = StandardDecoder(runner, sampler)
@@ -1246,7 +1256,7 @@ def main(argv: list[str] | None = None) -> int:
         return text
 
     # EAGLE first at every level: under --deadline-s a later draft's run is the one skipped.
-    order = sorted(drafts, key=lambda name: name != "eagle")
+    order = sorted(decoders, key=lambda name: (not name.startswith("eagle"), name))
     for c in conc:
         try:
             bench_work, off = _measure_off(config, runner, plain, pool, c, opts)
@@ -1593,8 +1603,9 @@ def _report(
         f" {args.waves or (1 if args.smoke else 3)} x c requests, c at a time",
         "",
         "| concurrency | draft | no spec tok/s | spec tok/s | speedup | mean accepted drafts / step"
-        " | accepted at draft position 1.. | accept rate | per-adapter mean accepted | verify ms | step ms | identical outputs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | accepted at draft position 1.. | accept rate | per-adapter mean accepted | verify ms | step ms"
+        " | undrafted steps | identical outputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r.summary
@@ -1603,7 +1614,7 @@ def _report(
         lines.append(
             f"| {r.concurrency} | {r.draft} | {r.off_tps:,.1f} | {r.on_tps:,.1f} | {r.speedup:.2f}x |"
             f" {s['mean_accept']} of {k - 1} | {pos} | {s['accept_rate']} | {per} |"
-            f" {s['verify_ms']} | {s['step_ms']} | {r.same}/{r.count} |"
+            f" {s['verify_ms']} | {s['step_ms']} | {s.get('undrafted_steps', 0)} | {r.same}/{r.count} |"
         )
     lines += _time_table(details)
     lines += [""] + [f"- {n}" for n in notes]
