@@ -17,6 +17,7 @@ static buffers and padding, executed eagerly, so the padding logic is testable t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -29,6 +30,7 @@ from .model import ForwardBatch, ForwardOutput
 from .model.layers import build_attention_metadata
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .kv import Allocation
@@ -133,6 +135,7 @@ class CudaGraphRunner:
         self._inputs: dict[int, _StaticInputs] = {}
         self._lora_meta: dict[int, object] = {}
         self._graphs: dict[GraphKey, _Graph] = {}
+        self.capture_failures = 0
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
@@ -255,7 +258,16 @@ class CudaGraphRunner:
             return self._run_static(key, static)
         if key.lora:
             self._lora_meta[key.width].capture_info(key.batch_size)
-        graph, (logits, hidden, aux) = capture_graph(
-            lambda: self._body(key, static), self.device, self._pool, warmups=2
-        )
+        try:
+            graph, (logits, hidden, aux) = capture_graph(
+                lambda: self._body(key, static), self.device, self._pool, warmups=2
+            )
+        except RuntimeError:
+            # A failed capture leaves its pool mid-recording, so every later capture would
+            # fail too: serve the rest of this process eagerly (graphs captured before still
+            # replay) instead of failing every step.
+            log.exception("capturing the forward %s failed; running uncaptured steps eagerly from now on", key)
+            self.use_graphs = False
+            self.capture_failures += 1
+            return self._run_static(key, static)
         return _Graph(graph, logits, hidden, aux)

@@ -75,6 +75,47 @@ def test_static_padded_path_equals_eager(assets, make_runner, ops):
     assert graphed.kv.num_free_tokens == eager.kv.num_free_tokens
 
 
+def test_failed_capture_falls_back_to_eager_for_good(assets, make_runner, ops, monkeypatch):
+    """A capture that fails (as a CUDA capture does when an op inside it is illegal) costs
+    that step nothing: it runs eagerly, and the runner stops capturing, since the failed
+    capture's pool would fail every later one. Capture itself needs a GPU; the failure is
+    injected where the runner calls it."""
+    import loraserve.runtime.cuda_graph as cuda_graph
+
+    calls = []
+
+    def failing_capture(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    names = {"all-r16": assets.adapters["all-r16"]}
+    model_dir = assets.models["llama-gqa"]
+    eager = make_runner(model_dir, adapters=names)
+    graphed = make_runner(model_dir, adapters=names)
+    graphed.graphs = CudaGraphRunner(graphed, max_bs=8, use_graphs=False)
+    graphed.graphs.use_graphs = True  # as on a GPU, up to the capture
+    monkeypatch.setattr(cuda_graph, "capture_graph", failing_capture)
+    gen = torch.Generator().manual_seed(3)
+    rids, lora = ["a", "b"], ["all-r16", None]
+    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (5, 11)]
+    for r in (eager, graphed):
+        ops.extend(r, rids, prompts, names=lora)
+    for _ in range(2):
+        tok = torch.randint(3, 512, (2,), generator=gen)
+        torch.testing.assert_close(
+            ops.decode(graphed, rids, tok, names=lora).logits,
+            ops.decode(eager, rids, tok, names=lora).logits,
+            atol=TOL,
+            rtol=0,
+        )
+    tok = torch.randint(3, 512, (1,), generator=gen)  # another bucket: no second capture attempt
+    torch.testing.assert_close(
+        ops.decode(graphed, ["a"], tok).logits, ops.decode(eager, ["a"], tok).logits, atol=TOL, rtol=0
+    )
+    assert len(calls) == 1
+    assert graphed.graphs.capture_failures == 1 and not graphed.graphs.use_graphs
+
+
 def test_extend_and_large_batches_bypass_graphs(assets, make_runner, ops):
     runner = make_runner(assets.models["llama-gqa"])
     runner.graphs = CudaGraphRunner(runner, max_bs=2, use_graphs=False)
@@ -134,3 +175,45 @@ def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend
     # eagerly (its host-side segment loops cannot be captured), base batches replay.
     assert graphed.graphs.num_graphs == (3 if backend == "triton" else 1)  # decode x2, verify
     assert graphed.graphs.lora_in_graphs == (backend == "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_serving_shape_captures_after_eager_warmups(tmp_path, make_config, ops):
+    """bf16 with 128-wide heads, the shape where SDPA would pick cuDNN attention: every graph
+    capture (after its eager warm-ups) succeeds and replays what eager forwards compute.
+
+    Regression: eager steps once excluded cuDNN while captures did not, so cuDNN's first
+    call (its plan build) happened inside a capture, which failed the serve's first decode.
+    """
+    from loraserve.runtime.devmodels import build_tiny_model
+    from loraserve.runtime.model_runner import ModelRunner
+
+    model = build_tiny_model(
+        tmp_path / "bf16", hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024,
+        dtype="bfloat16", seed=5,
+    )  # fmt: skip
+
+    def build(graphs: bool) -> ModelRunner:
+        config = make_config(model, backend="triton")
+        config.device = "cuda"
+        config.model.dtype = "bfloat16"
+        config.cuda_graph.enabled = graphs
+        config.cuda_graph.max_bs = 8
+        return ModelRunner(config)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:  # bf16: padded batches may pick other GEMM kernels
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    eager, graphed = build(False), build(True)
+    rids = ["a", "b", "c"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (40, 7, 129)]
+    for r in (eager, graphed):
+        ops.extend(r, rids, prompts)
+    for _ in range(4):
+        tok = torch.randint(3, 512, (3,), generator=gen)
+        assert rel(ops.decode(graphed, rids, tok).logits, ops.decode(eager, rids, tok).logits) < 1e-2
+    blocks = [torch.randint(3, 512, (4,), generator=gen) for _ in rids]
+    assert rel(ops.verify(graphed, rids, blocks).logits, ops.verify(eager, rids, blocks).logits) < 1e-2
+    assert graphed.graphs.num_graphs >= 2  # decode and verify replayed from captures

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# SDPA backends for eager (uncaptured) CUDA steps: every one but cuDNN's (see Attention.forward).
-EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA backends for every CUDA step, eager or captured: all but cuDNN's (see Attention.forward).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -119,12 +119,13 @@ class Attention(nn.Module):
             padded.index_copy_(0, meta.q_dest, qh)
             qh = padded
         qh = qh.view(bs, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, kvh, g * max_q, hd)
-        if qh.is_cuda and not torch.cuda.is_current_stream_capturing():
-            # Eager steps (extend, EAGLE drafts) skip cuDNN attention: on the H200 it spent
-            # ~2 ms of host time per call (plan lookup) for ~10 µs on the device, which made
-            # an eager EAGLE draft step cost 6x a graphed STANDALONE one
-            # (bench/results/2026-12-03-spec-h200.md). Captured graphs pay that once.
-            with sdpa_kernel(EAGER_SDPA_BACKENDS):
+        if qh.is_cuda:
+            # Never cuDNN attention: on the H200 it spent ~2 ms of host time per eager call
+            # (plan lookup) for ~10 µs on the device (bench/results/2026-12-03-spec-h200.md),
+            # and a backend chosen only inside capture would build its plan there, after
+            # warm-ups that ran another backend; that capture fails. One set of backends for
+            # eager steps, warm-ups and captures.
+            with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
