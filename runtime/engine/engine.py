@@ -689,6 +689,7 @@ class Engine:
         waiting_adapters = sorted({r.adapter for r in self._waiting if r.adapter is not None})
         with self._cv:
             queued = sum(1 for kind, _ in self._inbox if kind == "submit")
+        graphs = getattr(self.runner, "graphs", None)  # a local runner's; remote ranks report none
         self.snapshot = EngineSnapshot(
             num_running=len(self._running),
             num_waiting=len(self._waiting) + queued,
@@ -705,6 +706,8 @@ class Engine:
             engine_seconds=self._engine_seconds,
             extends_during_decode=self._extends_during_decode,
             deferred_admission_steps=self._deferred_steps,
+            cuda_graphs=int(getattr(graphs, "num_graphs", 0)),
+            cuda_graph_capture_failures=int(getattr(graphs, "capture_failures", 0)),
         )
 
     # ------------------------------------------------------------------ runner facts

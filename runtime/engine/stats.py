@@ -76,6 +76,10 @@ class EngineSnapshot:
     extends_during_decode: int = 0
     # Decode steps that ran with free running slots while requests waited (deferred admission).
     deferred_admission_steps: int = 0
+    # CUDA graphs the target's runner holds, and captures that failed (each failure turns
+    # the runner's capturing off: uncaptured steps then run eagerly, which a serve should see).
+    cuda_graphs: int = 0
+    cuda_graph_capture_failures: int = 0
 
     @property
     def decode_occupancy(self) -> float:

@@ -291,6 +291,11 @@ def _step_totals(snap: EngineSnapshot, name: str):
             "Decode steps run while admissible requests waited, to batch their prefill.",
             snap.deferred_admission_steps,
         ),
+        (
+            "loraserve:cuda_graph_capture_failures",
+            "CUDA graph captures that failed; after one, uncaptured steps run eagerly.",
+            snap.cuda_graph_capture_failures,
+        ),
     ):
         c = CounterMetricFamily(metric, doc, labels=["model_name"])
         c.add_metric([name], value)
@@ -301,4 +306,9 @@ def _step_totals(snap: EngineSnapshot, name: str):
         labels=["model_name"],
     )
     g.add_metric([name], snap.decode_occupancy)
+    yield g
+    g = GaugeMetricFamily(
+        "loraserve:cuda_graphs", "CUDA graphs the target's runner holds (captured steps).", labels=["model_name"]
+    )
+    g.add_metric([name], snap.cuda_graphs)
     yield g

@@ -101,6 +101,11 @@ async def test_counters_and_histograms_move(server):
     assert 0 < _value(after, "loraserve:decode_occupancy", **m) <= 1
     assert "loraserve:deferred_admission_steps_total" in after
     assert "loraserve:extends_during_decode_total" in after
+    # CPU serve: no CUDA graphs, no failed captures (exported, so a GPU serve that falls
+    # back to eager steps after a failed capture shows it)
+    assert _value(after, "loraserve:cuda_graphs", **m) == 0
+    assert _value(after, "loraserve:cuda_graph_capture_failures_total", **m) == 0
+    assert "loraserve:cuda_graph_capture_failures_total" in after
 
 
 async def test_lora_requests_info_and_queue_gauges_follow_running_adapters(server):
