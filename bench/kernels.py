@@ -70,6 +70,7 @@ from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
+from loraserve.kernels.triton_ops.configs import MAX_PARTIAL_COLUMNS, rank_block  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
 from loraserve.kernels.triton_ops.fused import barrier_timeouts  # noqa: E402
 from loraserve.kernels.triton_ops.pdl import pdl_supported  # noqa: E402
@@ -653,7 +654,10 @@ OVERLAPS = {
     "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
     "overlap-delta-carve32": OverlapMode.DELTA,
     "overlap-shrink-carve16": OverlapMode.SHRINK,
+    "tuned-shrink": OverlapMode.SHRINK,  # the tune phase's configurations, shrink join
 }
+# variants that take each module's configuration from the tune phase of the same run
+TUNED = ("tuned", "tuned-shrink")
 # variant -> SMs the base GEMMs leave free (torch's experimental cuBLAS SM carve-out); the
 # base-only timing keeps every SM, so what the GEMMs lose shows in the increment
 CARVEOUTS = {"overlap-delta-carve16": 16, "overlap-delta-carve32": 32, "overlap-shrink-carve16": 16}
@@ -805,7 +809,7 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
 # -- whole layer -------------------------------------------------------------------------
 
 
-def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list[dict]:
+def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=None) -> list[dict]:
     """LoRA of all seven modules (4 apply calls) vs the base GEMMs, over ``layers`` layers' weights."""
     gen = torch.Generator().manual_seed(3)
     dt = torch.bfloat16
@@ -820,7 +824,8 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
                 print(f"[deadline] skipping layer {w.label()} {variant}", flush=True)
                 continue
             try:
-                res = layer_case(device, modules, base, w, gen, reps, variant)
+                label = w.label().replace(" [graph]", "")
+                res = layer_case(device, modules, base, w, gen, reps, variant, (tuned or {}).get(label))
                 results.append(res)
                 print(
                     f"layer {w.label():28s} {variant:17s} lora {fmt(res['lora_us'], '7.2f')} us  base {res['base_us']:7.2f} us"
@@ -833,12 +838,23 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline) -> list
     return results
 
 
-def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "default") -> dict:
-    """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved."""
+def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "default", tuned=None) -> dict:
+    """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved.
+
+    ``tuned`` ({module: best of ``tune_module``}) gives each module its own two-launch
+    configuration (the ``tuned*`` variants)."""
     dt = torch.bfloat16
     layers = len(base)
     overlapped = variant in OVERLAPS
     backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=variant == "pdl")
+    backends = {name: backend for name in modules}
+    if variant in TUNED:
+        if not tuned or set(tuned) != set(modules):
+            raise RuntimeError(f"{variant}: no tuned configuration for every module of {w.label()}")
+        backends = {
+            name: TritonLoRABackend(fused=False, shrink_config=t["shrink"], expand_config=t["expand"])
+            for name, t in tuned.items()
+        }
     R = w.pool_rank
     slots = request_slots(w, gen)
     info = batch_info(w, slots, [w.rank] * w.adapters, [1.0 / w.rank] * w.adapters, device)
@@ -862,14 +878,14 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         for _ in range(layers)
     ]
     paths = {
-        name: path_of(backend, info, inputs[name], lora[0][name][1], m.offsets).split(" ")[0]
+        name: path_of(backends[name], info, inputs[name], lora[0][name][1], m.offsets).split(" ")[0]
         for name, m in modules.items()
     }
 
     def lora_layer(li: int) -> None:
         for name, m in modules.items():
             A, B = lora[li][name]
-            backend.apply(inputs[name], A, B, info, outs[name], m.offsets)
+            backends[name].apply(inputs[name], A, B, info, outs[name], m.offsets)
 
     def base_layer(li: int) -> None:
         for name in modules:
@@ -890,11 +906,12 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
             x, W = inputs[name], base[li][name]
             if not overlapped:
                 y = F.linear(x, W)
-                backend.apply(x, A, B, info, y, m.offsets)
+                backends[name].apply(x, A, B, info, y, m.offsets)
             else:
                 y = linear_with_lora(
-                    backend, x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=modes[name], side=side
-                )
+                    backends[name], x, A, B, info, m.offsets, lambda x=x, W=W: F.linear(x, W), mode=modes[name],
+                    side=side,
+                )  # fmt: skip
             outs[name] = y
 
     # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
@@ -913,6 +930,86 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
         "increment_pct": 100 * (t_both - t_base) / t_base,
         "paths": ",".join(f"{k}:{v}" for k, v in paths.items()),
     }
+
+
+def tune_module(case: ModuleCase, w: Workload, m: Module, device, sms: int, reps: int) -> tuple[dict, list[dict]]:
+    """Coordinate search around the two-launch defaults of one module and batch: the shrink
+    (K split, K step) with the default expand, then the expand (column blocks, tile width)
+    with the best shrink. Returns the best pair and every timing."""
+    S, R = len(m.widths), w.pool_rank
+    info = case.info
+    sc0 = pick_shrink(num_tiles=info.num_tiles, tile_m=info.tile_m, num_slices=S, max_rank=R, in_dim=m.in_dim,
+                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    ec0 = pick_expand(num_tiles=info.num_tiles, tile_m=info.tile_m, widths=m.widths, max_rank=R,
+                      dtype=torch.bfloat16, num_sms=sms)  # fmt: skip
+    tried: list[dict] = []
+
+    def timed(sc: ShrinkConfig, ec: ExpandConfig) -> float:
+        backend = TritonLoRABackend(fused=False, shrink_config=sc, expand_config=ec)
+        t = time_replays(case.triton_fns(backend), device, reps) * 1e3
+        tried.append({"module": m.name, "workload": w.label(), "us": t, "shrink": describe(sc), "expand": describe(ec)})
+        return t
+
+    best = {"shrink": sc0, "expand": ec0, "us": timed(sc0, ec0)}
+    default_us = best["us"]
+    partial_limit = max(1, MAX_PARTIAL_COLUMNS // rank_block(R))
+    for split in sorted({sc0.split_k, 2 * sc0.split_k, 4 * sc0.split_k}):
+        for bk in (128, 256):
+            sc = ShrinkConfig(sc0.block_n, bk, split, sc0.num_warps, sc0.num_stages)
+            if sc == sc0 or split > partial_limit or split > math.ceil(m.in_dim / bk):
+                continue
+            t = timed(sc, ec0)
+            if t < best["us"]:
+                best = {"shrink": sc, "expand": ec0, "us": t}
+    sc = best["shrink"]
+    expands = [ExpandConfig(ec0.block_n, ec0.block_r, g, ec0.num_warps, ec0.num_stages) for g in (1, 2, 4)]
+    expands.append(ExpandConfig(256, ec0.block_r, ec0.col_blocks, 8, ec0.num_stages))
+    for ec in expands:
+        if ec == best["expand"]:
+            continue
+        t = timed(sc, ec)
+        if t < best["us"]:
+            best = {"shrink": sc, "expand": ec, "us": t}
+    best["default_us"] = default_us
+    return best, tried
+
+
+def tune(device, modules, workloads, l2_bytes, reps, deadline) -> tuple[dict[str, dict], list[dict]]:
+    """``tune_module`` for every module of each workload: {workload label: {module: best}}."""
+    gen = torch.Generator().manual_seed(13)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    tuned: dict[str, dict] = {}
+    record: list[dict] = []
+    for w in workloads:
+        for name, m in modules.items():
+            if time.time() > deadline:
+                print(f"[deadline] skipping tune {w.label()} {name}", flush=True)
+                continue
+            try:
+                case = ModuleCase(w, m, device, gen, l2_bytes, max_sets=512 if device.type == "cuda" else 2)
+                best, tried = tune_module(case, w, m, device, sms, reps)
+            except Exception:
+                traceback.print_exc()
+                continue
+            record += tried
+            tuned.setdefault(w.label(), {})[name] = best
+            print(
+                f"tune {w.label():24s} {name:8s} default {best['default_us']:7.2f} us -> {best['us']:7.2f} us"
+                f"  shrink[{describe(best['shrink'])}] expand[{describe(best['expand'])}]",
+                flush=True,
+            )
+    return tuned, record
+
+
+def tune_workloads(tiny: bool) -> list[Workload]:
+    """The layer targets' shapes (non-graph metadata; the graph variant reuses the configs)."""
+    if tiny:
+        return [Workload("decode", 4, 2, 16, rank_major_b=True)]
+    return [
+        Workload("decode", 32, 8, 16, rank_major_b=True),
+        Workload("decode", 64, 64, 16, rank_major_b=True),
+        Workload("verify", 32, 32, 16, 4, rank_major_b=True),
+    ]
 
 
 # -- main --------------------------------------------------------------------------------
@@ -985,7 +1082,20 @@ def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     ]
 
 
-def markdown(env, checks, rows, sweeps, layer) -> str:
+def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
+    """The layer targets only: the defaults against the tune phase's configurations."""
+    variants = ("default", "overlap-auto", "tuned", "tuned-shrink")
+    if tiny:
+        return [(Workload("decode", 4, 2, 16, rank_major_b=True), variants)]
+    return [
+        (Workload("decode", 32, 8, 16, rank_major_b=True), variants),
+        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), variants),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), variants),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), variants),
+    ]
+
+
+def markdown(env, checks, rows, sweeps, layer, tuned=None) -> str:
     lines = ["# LoRA kernels", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", "## Correctness (float64 reference)", "", "| check | ok | rel. error | detail |", "|---|---|---|---|"]
@@ -1021,10 +1131,23 @@ def markdown(env, checks, rows, sweeps, layer) -> str:
         f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} | {x['paths']} |"
         for x in layer
     ]
+    if tuned:
+        lines += [
+            "",
+            "## Tune phase (two launches; best per module and workload)",
+            "",
+            "| workload | module | default µs | best µs | shrink | expand |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {label} | {name} | {b['default_us']:.2f} | {b['us']:.2f} | {describe(b['shrink'])} | {describe(b['expand'])} |"
+            for label, per in tuned.items()
+            for name, b in per.items()
+        ]
     return "\n".join(lines) + "\n"
 
 
-def save(out_dir: Path, env, checks, rows, sweeps, layer) -> None:
+def save(out_dir: Path, env, checks, rows, sweeps, layer, tuned=None, tune_record=()) -> None:
     """Write ``kernels.json`` and ``kernels.md`` with what has been measured so far."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -1033,9 +1156,14 @@ def save(out_dir: Path, env, checks, rows, sweeps, layer) -> None:
         "modules": [asdict(r) for r in rows],
         "sweep": sweeps,
         "layer": layer,
+        "tuned": {
+            label: {name: {**b, "shrink": asdict(b["shrink"]), "expand": asdict(b["expand"])} for name, b in per.items()}
+            for label, per in (tuned or {}).items()
+        },
+        "tune_record": list(tune_record),
     }
     (out_dir / "kernels.json").write_text(json.dumps(payload, indent=1, default=str))
-    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer))
+    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer, tuned))
 
 
 def main() -> int:
@@ -1045,6 +1173,18 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer,pdl")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="before the layer phase, search launch configurations per module on the layer targets' shapes;"
+        " the layer phase then also times those (variants tuned, tuned-shrink)",
+    )
+    parser.add_argument(
+        "--layer",
+        choices=("all", "targets"),
+        default="all",
+        help="layer scenarios: all (every join and crossover shape) or targets (the four targets, defaults vs tuned)",
+    )
     args = parser.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -1086,22 +1226,32 @@ def main() -> int:
     sweeps: list[dict] = []
     layer: list[dict] = []
     save(out_dir, env, checks, rows, sweeps, layer)
-    layer_deadline = time.time() + 0.45 * max(0.0, deadline - time.time())
+    tuned: dict[str, dict] = {}
+    tune_record: list[dict] = []
+    if args.tune:
+        tune_deadline = time.time() + 0.5 * max(0.0, deadline - time.time())
+        tuned, tune_record = tune(device, modules, tune_workloads(tiny), l2_bytes, args.reps, tune_deadline)
+        print(f"tune done ({time.time() - t0:.0f}s)", flush=True)
+        save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
+    layer_deadline = time.time() + (0.9 if args.layer == "targets" else 0.45) * max(0.0, deadline - time.time())
+    scenarios = target_scenarios(tiny) if args.layer == "targets" else layer_scenarios(tiny)
+    if not args.tune:
+        scenarios = [(w, tuple(v for v in vs if v not in TUNED)) for w, vs in scenarios]
     if "layer" not in skip:
-        layer = bench_layer(device, modules, layer_scenarios(tiny), args.reps, 2 if tiny else 32, layer_deadline)
+        layer = bench_layer(device, modules, scenarios, args.reps, 2 if tiny else 32, layer_deadline, tuned)
     print(f"layer done ({time.time() - t0:.0f}s)", flush=True)
-    save(out_dir, env, checks, rows, sweeps, layer)
+    save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
     if "bench" not in skip:
         rows = bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
     print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
-    save(out_dir, env, checks, rows, sweeps, layer)
+    save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     if "sweep" not in skip:
         sweeps = sweep(device, modules, sweep_workloads(tiny), copy_bw, l2_bytes, args.reps, deadline)
     print(f"sweep done ({time.time() - t0:.0f}s)", flush=True)
     env["barrier_timeouts"] = barrier_timeouts(device)
 
-    save(Path(args.out), env, checks, rows, sweeps, layer)
+    save(Path(args.out), env, checks, rows, sweeps, layer, tuned, tune_record)
 
     # Short table last: what the reply shows.
     print("\n== layer: LoRA vs base GEMMs ==")
