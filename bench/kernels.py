@@ -617,6 +617,62 @@ class ModuleCase:
         return [(lambda i=i: baseline(i)) for i in range(self.sets)]
 
 
+def trace_replay(fns: list, device: torch.device, path: Path) -> dict:
+    """Kernel timeline of one graph replay of ``fns``: every kernel's stream, start and
+    duration (µs from the first kernel), written to ``path`` as CSV; returns a summary:
+    wall span, and how much of the side streams' kernel time ran while a kernel of the
+    capturing stream was running."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [
+        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+    ]
+    if not kernels:
+        return {"kernels": 0}
+    t0 = min(e.time_range.start for e in kernels)
+    rows = sorted(
+        ((getattr(e, "device_resource_id", 0), e.time_range.start - t0, e.time_range.elapsed_us(), e.name) for e in kernels),
+        key=lambda r: r[1],
+    )
+    path.write_text("stream,start_us,dur_us,kernel\n" + "".join(f"{r[0]},{r[1]:.2f},{r[2]:.2f},{r[3][:90]!r}\n" for r in rows))
+    # The capturing stream is the one that ran the first kernel (a base GEMM or the LoRA's fork).
+    streams: dict[int, list[tuple[float, float]]] = {}
+    for sid, start, dur, _ in rows:
+        streams.setdefault(sid, []).append((start, start + dur))
+    main = max(streams, key=lambda sid: sum(b - a for a, b in streams[sid]))
+    busy = streams[main]
+    side_total = side_overlap = 0.0
+    for sid, spans in streams.items():
+        if sid == main:
+            continue
+        for a, b in spans:
+            side_total += b - a
+            side_overlap += sum(max(0.0, min(b, d) - max(a, c)) for c, d in busy)
+    return {
+        "kernels": len(rows),
+        "span_us": round(max(r[1] + r[2] for r in rows), 2),
+        "main_stream_busy_us": round(sum(b - a for a, b in busy), 2),
+        "side_kernel_us": round(side_total, 2),
+        "side_overlapped_us": round(side_overlap, 2),
+    }
+
+
 @contextlib.contextmanager
 def sm_carveout(sms: int):
     """Ask cuBLAS to leave ``sms`` SMs unused (torch's experimental carve-out; kernels
@@ -809,7 +865,7 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
 # -- whole layer -------------------------------------------------------------------------
 
 
-def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=None) -> list[dict]:
+def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=None, trace_dir=None) -> list[dict]:
     """LoRA of all seven modules (4 apply calls) vs the base GEMMs, over ``layers`` layers' weights."""
     gen = torch.Generator().manual_seed(3)
     dt = torch.bfloat16
@@ -825,7 +881,7 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=N
                 continue
             try:
                 label = w.label().replace(" [graph]", "")
-                res = layer_case(device, modules, base, w, gen, reps, variant, (tuned or {}).get(label))
+                res = layer_case(device, modules, base, w, gen, reps, variant, (tuned or {}).get(label), trace_dir)
                 results.append(res)
                 print(
                     f"layer {w.label():28s} {variant:17s} lora {fmt(res['lora_us'], '7.2f')} us  base {res['base_us']:7.2f} us"
@@ -838,7 +894,9 @@ def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=N
     return results
 
 
-def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "default", tuned=None) -> dict:
+def layer_case(
+    device, modules, base, w: Workload, gen, reps, variant: str = "default", tuned=None, trace_dir: Path | None = None
+) -> dict:
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved.
 
     ``tuned`` ({module: best of ``tune_module``}) gives each module its own two-launch
@@ -919,7 +977,13 @@ def layer_case(device, modules, base, w: Workload, gen, reps, variant: str = "de
     t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
     with sm_carveout(CARVEOUTS.get(variant, 0)):
         t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
+    trace = None
+    if trace_dir is not None and device.type == "cuda":
+        name = f"trace-{w.label()}-{variant}".replace(" ", "_").replace("[", "").replace("]", "").replace("ᵀ", "T")
+        trace = trace_replay([lambda: both_layer(0)], device, trace_dir / f"{name}.csv")
+        print(f"trace {w.label()} {variant}: {trace}", flush=True)
     return {
+        "trace": trace,
         "workload": w.label(),
         "variant": variant,
         "tokens": T,
@@ -1180,6 +1244,12 @@ def main() -> int:
         " the layer phase then also times those (variants tuned, tuned-shrink)",
     )
     parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="layer phase: also write each case's kernel timeline (one replay of one layer) as CSV, with how much"
+        " of the side stream's kernels overlapped the main stream's",
+    )
+    parser.add_argument(
         "--layer",
         choices=("all", "targets"),
         default="all",
@@ -1238,7 +1308,12 @@ def main() -> int:
     if not args.tune:
         scenarios = [(w, tuple(v for v in vs if v not in TUNED)) for w, vs in scenarios]
     if "layer" not in skip:
-        layer = bench_layer(device, modules, scenarios, args.reps, 2 if tiny else 32, layer_deadline, tuned)
+        if args.trace:
+            (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+        layer = bench_layer(
+            device, modules, scenarios, args.reps, 2 if tiny else 32, layer_deadline, tuned,
+            out_dir / "traces" if args.trace else None,
+        )  # fmt: skip
     print(f"layer done ({time.time() - t0:.0f}s)", flush=True)
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
