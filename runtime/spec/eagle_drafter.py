@@ -140,6 +140,12 @@ class EagleDrafter:
         rids = [r.rid for r in reqs]
         hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
         rows = torch.tensor(live, device=self.device)
+        if num_tokens > 1 and all(r.params.greedy for r in reqs) and self.runner.can_chain(len(reqs)):
+            # Greedy: the argmax feeds the next step on the device, all steps in one replay.
+            first = self.runner.compute_logits(hidden).argmax(dim=-1)
+            tokens[rows, 0] = first
+            tokens[rows, 1:] = self.runner.draft_chain(rids, first, hidden, num_tokens - 1)
+            return DraftProposal(tokens)
         probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):
             if j > 0:

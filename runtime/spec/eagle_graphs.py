@@ -14,6 +14,11 @@ Eager, each forward is a few dozen small launches plus attention metadata built 
 host; at batch 1 that host work, not the GPU, set the EAGLE step's cost
 (``bench/results/2026-12-03-spec-h200.md``). Padded rows use KV row 0 and slot 0, which
 the cache never hands out. Prefill chunks (ragged) stay eager.
+
+A greedy proposal's steps after the first also run as one *chain* graph: every step's
+argmax feeds the next inside the graph, so ``n`` draft steps cost one replay and one set of
+host work instead of ``n`` (their KV rows are allocated up front; each step's query sees
+its own position only, as it would step by step).
 """
 
 from __future__ import annotations
@@ -39,6 +44,21 @@ class _Key(NamedTuple):
     from_target: bool  # the features are the target's (else the head's own outputs)
     batch_size: int  # padded
     context: int  # key columns
+
+
+class _ChainKey(NamedTuple):
+    steps: int  # greedy draft steps in one replay
+    batch_size: int  # padded
+    context: int  # key columns, enough for the last step
+
+
+@dataclass
+class _ChainStatic:
+    first_ids: torch.Tensor  # int64 [max_bs]: each request's first draft token
+    hidden: torch.Tensor  # [max_bs, H]: the head's output that proposed it
+    rows: torch.Tensor  # int64 [max_bs]
+    prefix_lens: torch.Tensor  # int64 [max_bs]: cached entries before the chain
+    out_cache_loc: torch.Tensor  # int64 [max_bs * steps], request-major
 
 
 @dataclass
@@ -75,11 +95,15 @@ class EagleGraphRunner:
         self.disabled = False
         self._static: dict[tuple[int, bool], _Static] = {}
         self._graphs: dict[_Key, _Graph] = {}
+        self._chain_static: dict[int, _ChainStatic] = {}
+        self._chains: dict[_ChainKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
     def num_graphs(self) -> int:
-        return sum(g.graph is not None for g in self._graphs.values())
+        return sum(g.graph is not None for g in self._graphs.values()) + sum(
+            graph is not None for graph, _ in self._chains.values()
+        )
 
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
@@ -117,6 +141,74 @@ class EagleGraphRunner:
             graph = self._run_static(key)
         logits = None if graph.logits is None else graph.logits[:bs].clone()
         return graph.hidden[:total].clone(), logits
+
+    def run_chain(self, alloc: Allocation, first_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` greedy draft steps per request of ``alloc`` (``steps`` rows each, already
+        allocated), from each request's first draft token and the head output that proposed
+        it; returns the tokens ``[bs, steps]``."""
+        bs = len(alloc.seq_lens)
+        padded = padded_batch_size(self.batch_sizes, bs)
+        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
+        key = _ChainKey(steps, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
+        s = self._chain_static_for(steps)
+        fill_padded(s.first_ids, first_ids, bs, padded)
+        fill_padded(s.hidden, hidden, bs, padded)
+        fill_padded(s.rows, alloc.rows, bs, padded)
+        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * steps, padded * steps)
+        entry = self._chains.get(key)
+        if entry is None:
+            entry = self._capture_chain(key)
+            self._chains[key] = entry
+        elif entry[0] is not None:
+            entry[0].replay()
+        else:
+            entry = (None, self._chain_body(key))
+        return entry[1][:bs].clone()
+
+    def _chain_static_for(self, steps: int) -> _ChainStatic:
+        static = self._chain_static.get(steps)
+        if static is None:
+            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
+            hidden = torch.zeros(self.max_bs, self.runner.model.hidden_size, dtype=self.runner.dtype, device=self.device)
+            static = _ChainStatic(z(self.max_bs), hidden, z(self.max_bs), z(self.max_bs), z(self.max_bs * steps))
+            self._chain_static[steps] = static
+        return static
+
+    def _chain_body(self, key: _ChainKey) -> torch.Tensor:
+        s, runner = self._chain_static[key.steps], self.runner
+        layer = runner.config.layer
+        bs = key.batch_size
+        locs = s.out_cache_loc[: bs * key.steps].view(bs, key.steps)
+        tokens, hidden = s.first_ids[:bs], s.hidden[:bs]
+        out = []
+        for j in range(key.steps):
+            meta = build_attention_metadata(
+                req_to_token=runner.kv.req_to_token,
+                rows=s.rows[:bs],
+                prefix_lens=s.prefix_lens[:bs] + j,
+                out_cache_loc=locs[:, j],
+                max_q=1,
+                max_ctx=key.context,
+                groups=layer.num_heads // layer.num_kv_heads,
+                q_lens=None,
+            )
+            hidden = runner.model(
+                tokens, hidden, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=False
+            )
+            tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
+            out.append(tokens)
+        return torch.stack(out, dim=1)
+
+    def _capture_chain(self, key: _ChainKey) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+        if not self.use_graphs or self.disabled:
+            return None, self._chain_body(key)
+        try:
+            return capture_graph(lambda: self._chain_body(key), self.device, self._pool)
+        except RuntimeError:
+            log.exception("capturing the EAGLE draft chain %s failed; drafting eagerly", key)
+            self.disabled = True
+            return None, self._chain_body(key)
 
     def _static_for(self, width: int, from_target: bool) -> _Static:
         static = self._static.get((width, from_target))

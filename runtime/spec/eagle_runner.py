@@ -164,6 +164,28 @@ class EagleDraftRunner:
         assert logits is not None
         return hidden, logits
 
+    def can_chain(self, batch_size: int) -> bool:
+        """Whether greedy draft steps of this batch run as one graph chain (:meth:`draft_chain`)."""
+        return self.graphs is not None and self.graphs.can_run(batch_size)
+
+    @torch.inference_mode()
+    def draft_chain(
+        self, request_ids: Sequence[Hashable], first_ids: torch.Tensor, hidden: torch.Tensor, steps: int
+    ) -> torch.Tensor:
+        """``steps`` greedy draft steps per request after its first draft token ``first_ids``
+        (proposed from the head output ``hidden``), as one replay; returns the tokens
+        ``[bs, steps]``. The same tokens and cache entries as ``steps`` calls of :meth:`step`
+        with the argmax fed back. On failure the cache is left as it was."""
+        assert self.graphs is not None
+        alloc = self.kv.allocate(request_ids, [steps] * len(request_ids))
+        try:
+            return self.graphs.run_chain(
+                alloc, first_ids.to(self.device), hidden.to(self.device, self.dtype), steps
+            )
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+
     def _replay(
         self,
         request_ids: Sequence[Hashable],

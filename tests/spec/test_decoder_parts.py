@@ -99,8 +99,9 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, gr
     fresh = make()
     out = fresh.runner.forward(["r"], torch.tensor(pairs_ids), torch.cat(pairs_feats), [len(pairs_ids)])
     torch.testing.assert_close(drafter._states["r"].tail, out[-1], rtol=1e-5, atol=1e-5)
-    if graphs:  # both uniform kinds took the static path
-        assert {(key.width, key.from_target) for key in drafter.runner.graphs._graphs} == {(1, False), (k, True)}
+    if graphs:  # the verified positions and the greedy proposals' chains took the static path
+        assert {(key.width, key.from_target) for key in drafter.runner.graphs._graphs} == {(k, True)}
+        assert {key.steps for key in drafter.runner.graphs._chains} == {k - 2}
     drafter.release(req)
     assert "r" not in drafter.runner.kv
 

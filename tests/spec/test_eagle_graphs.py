@@ -83,6 +83,49 @@ def _check_steps(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str
         torch.testing.assert_close(a[1:], b[1:], rtol=1e-5, atol=1e-5)
 
 
+def _check_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str) -> None:
+    """A greedy chain of draft steps in one replay against the same steps one at a time."""
+    gen = torch.Generator().manual_seed(6)
+    feature = graphed.model.feature_size
+    lengths = {"a": 9, "b": 4, "c": 30, "d": 61}  # "d" crosses a context bucket mid-chain
+    rids = list(lengths)
+    ids = torch.cat([torch.randint(3, 500, (n,), generator=gen) for n in lengths.values()]).to(device)
+    feats = torch.randn(sum(lengths.values()), feature, generator=gen).to(device)
+    ends = torch.tensor(list(lengths.values())).cumsum(0) - 1
+    tails = {}
+    for name, runner in (("graphed", graphed), ("eager", eager)):
+        tails[name] = runner.forward(rids, ids, feats, list(lengths.values()))[ends.to(device)]
+    steps = 4
+    for batch in (["a", "b", "c"], ["d"], rids):
+        rows = torch.tensor([rids.index(r) for r in batch], device=device)
+        first = graphed.compute_logits(tails["graphed"][rows]).argmax(-1)
+        chained = graphed.draft_chain(batch, first, tails["graphed"][rows], steps)
+        want, tokens, hidden = [], first, tails["eager"][rows]
+        for _ in range(steps):
+            hidden, logits = eager.step(batch, tokens, hidden)
+            tokens = logits.argmax(-1)
+            want.append(tokens)
+        assert torch.equal(chained, torch.stack(want, 1)), batch
+        # the chain wrote the same draft entries: the next forward over them agrees
+        probe_ids = torch.randint(3, 500, (len(batch),), generator=gen).to(device)
+        probe = torch.randn(len(batch), feature, generator=gen).to(device)
+        got = graphed.forward(batch, probe_ids, probe, [1] * len(batch))
+        ref = eager.forward(batch, probe_ids, probe, [1] * len(batch))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        for runner in (graphed, eager):
+            for r in batch:
+                runner.kv.truncate(r, steps + 1)
+        assert [graphed.kv.seq_len(r) for r in rids] == [eager.kv.seq_len(r) for r in rids]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_static_chain_equals_single_steps(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+    eager.graphs = None
+    _check_chain(graphed, eager, "cpu")
+    assert sorted(graphed.graphs._chains) == [(4, 1, 128), (4, 4, 64), (4, 4, 128)]
+
+
 @pytest.mark.parametrize("version", [1, 3])
 def test_static_padded_steps_equal_eager(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
@@ -106,6 +149,7 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
     run = engine_run(make_spec_config(algorithm, draft, max_running_requests=6), requests, decoder_hook=use_static_graphs)
     _check_same(run, requests, {rid: expected.outputs[rid].tokens for rid, *_ in requests})
     assert runners[0].graphs._graphs  # the static path was taken
+    assert runners[0].graphs._chains  # greedy proposals ran as chains
 
 
 def test_graphs_are_only_built_on_cuda(spec_assets):
@@ -119,4 +163,14 @@ def test_graphs_are_only_built_on_cuda(spec_assets):
 def test_captured_steps_equal_eager_on_gpu(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
     _check_steps(graphed, eager, "cuda")
+    assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("version", [1, 3])
+def test_captured_chain_equals_single_steps_on_gpu(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+    eager.graphs = None
+    _check_chain(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
