@@ -92,6 +92,19 @@ def capture_graph(body: Callable[[], T], device: torch.device, pool, *, warmups:
     return graph, outputs
 
 
+def capture_or_eager(
+    body: Callable[[], T], device: torch.device, pool, *, what: object, warmups: int = 1
+) -> tuple[torch.cuda.CUDAGraph | None, T]:
+    """:func:`capture_graph`, or where the capture fails (logged) no graph and ``body``'s
+    outputs computed eagerly. A failed capture leaves its pool mid-recording, so every
+    later capture in it would fail too: a caller that gets no graph stops capturing."""
+    try:
+        return capture_graph(body, device, pool, warmups=warmups)
+    except RuntimeError:
+        log.exception("capturing %s failed; running uncaptured steps eagerly from now on", what)
+        return None, body()
+
+
 class GraphKey(NamedTuple):
     mode: ForwardMode
     width: int  # tokens per request
@@ -258,16 +271,10 @@ class CudaGraphRunner:
             return self._run_static(key, static)
         if key.lora:
             self._lora_meta[key.width].capture_info(key.batch_size)
-        try:
-            graph, (logits, hidden, aux) = capture_graph(
-                lambda: self._body(key, static), self.device, self._pool, warmups=2
-            )
-        except RuntimeError:
-            # A failed capture leaves its pool mid-recording, so every later capture would
-            # fail too: serve the rest of this process eagerly (graphs captured before still
-            # replay) instead of failing every step.
-            log.exception("capturing the forward %s failed; running uncaptured steps eagerly from now on", key)
+        graph, (logits, hidden, aux) = capture_or_eager(
+            lambda: self._body(key, static), self.device, self._pool, what=f"the forward {key}", warmups=2
+        )
+        if graph is None:  # graphs captured before still replay
             self.use_graphs = False
             self.capture_failures += 1
-            return self._run_static(key, static)
         return _Graph(graph, logits, hidden, aux)

@@ -23,20 +23,20 @@ its own position only, as it would step by step).
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from ..cuda_graph import capture_graph, context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
+from ..cuda_graph import capture_or_eager, context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
 from ..kv import Allocation
 from ..model.layers import build_attention_metadata
 
 if TYPE_CHECKING:
     from .eagle_runner import EagleDraftRunner
 
-log = logging.getLogger("loraserve.spec")
+T = TypeVar("T")
 
 
 class _Key(NamedTuple):
@@ -70,13 +70,6 @@ class _Static:
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None
-    hidden: torch.Tensor
-    logits: torch.Tensor | None  # single-row steps only: the next proposal reads them
-
-
 class EagleGraphRunner:
     """Pads uniform EAGLE draft forwards into static buffers and replays captured graphs.
 
@@ -94,16 +87,15 @@ class EagleGraphRunner:
         self.batch_sizes = graph_batch_sizes(self.max_bs)
         self.disabled = False
         self._static: dict[tuple[int, bool], _Static] = {}
-        self._graphs: dict[_Key, _Graph] = {}
+        # key -> (captured graph, or None on the static path; the body's output tensors)
+        self._graphs: dict[_Key, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._chain_static: dict[int, _ChainStatic] = {}
         self._chains: dict[_ChainKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
     def num_graphs(self) -> int:
-        return sum(g.graph is not None for g in self._graphs.values()) + sum(
-            graph is not None for graph, _ in self._chains.values()
-        )
+        return sum(graph is not None for table in (self._graphs, self._chains) for graph, _ in table.values())
 
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
@@ -131,16 +123,8 @@ class EagleGraphRunner:
         fill_padded(s.rows, alloc.rows, bs, padded)
         fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, total, n)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture(key)
-            self._graphs[key] = graph
-        elif graph.graph is not None:
-            graph.graph.replay()
-        else:
-            graph = self._run_static(key)
-        logits = None if graph.logits is None else graph.logits[:bs].clone()
-        return graph.hidden[:total].clone(), logits
+        hidden, logits = self._replay(self._graphs, key, lambda: self._body(key))
+        return hidden[:total].clone(), None if logits is None else logits[:bs].clone()
 
     def run_chain(self, alloc: Allocation, first_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` greedy draft steps per request of ``alloc`` (``steps`` rows each, already
@@ -156,15 +140,24 @@ class EagleGraphRunner:
         fill_padded(s.rows, alloc.rows, bs, padded)
         fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * steps, padded * steps)
-        entry = self._chains.get(key)
+        return self._replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
+
+    def _replay(self, table: dict, key, body: Callable[[], T]) -> T:
+        """``body``'s outputs for ``key``: its graph replayed, captured on first use, or run
+        eagerly (the static path, or after a failed capture turned graphs off)."""
+        entry = table.get(key)
         if entry is None:
-            entry = self._capture_chain(key)
-            self._chains[key] = entry
+            if not self.use_graphs or self.disabled:
+                entry = (None, body())
+            else:
+                entry = capture_or_eager(body, self.device, self._pool, what=f"the EAGLE draft forward {key}")
+                self.disabled = entry[0] is None
+            table[key] = entry
         elif entry[0] is not None:
             entry[0].replay()
         else:
-            entry = (None, self._chain_body(key))
-        return entry[1][:bs].clone()
+            entry = (None, body())
+        return entry[1]
 
     def _chain_static_for(self, steps: int) -> _ChainStatic:
         static = self._chain_static.get(steps)
@@ -199,16 +192,6 @@ class EagleGraphRunner:
             tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
             out.append(tokens)
         return torch.stack(out, dim=1)
-
-    def _capture_chain(self, key: _ChainKey) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-        if not self.use_graphs or self.disabled:
-            return None, self._chain_body(key)
-        try:
-            return capture_graph(lambda: self._chain_body(key), self.device, self._pool)
-        except RuntimeError:
-            log.exception("capturing the EAGLE draft chain %s failed; drafting eagerly", key)
-            self.disabled = True
-            return None, self._chain_body(key)
 
     def _static_for(self, width: int, from_target: bool) -> _Static:
         static = self._static.get((width, from_target))
@@ -251,18 +234,3 @@ class EagleGraphRunner:
         )
         single = key.width == 1 and not key.from_target
         return hidden, runner.model.compute_logits(hidden) if single else None
-
-    def _run_static(self, key: _Key) -> _Graph:
-        hidden, logits = self._body(key)
-        return _Graph(None, hidden, logits)
-
-    def _capture(self, key: _Key) -> _Graph:
-        if not self.use_graphs or self.disabled:
-            return self._run_static(key)
-        try:
-            graph, (hidden, logits) = capture_graph(lambda: self._body(key), self.device, self._pool)
-            return _Graph(graph, hidden, logits)
-        except RuntimeError:
-            log.exception("capturing the EAGLE draft forward %s failed; drafting eagerly", key)
-            self.disabled = True
-            return self._run_static(key)
