@@ -178,28 +178,17 @@ def time_replays(fns: list, device: torch.device, reps: int) -> float:
         for fn in fns:
             fn()
         return (time.perf_counter() - t0) * 1e3 / len(fns)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()  # warm-up: compiles, and keeps allocations out of the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
+    replay = captured(lambda: [fn() for fn in fns], device)
+    replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / len(fns))
-    del graph
     return statistics.median(times)
 
 
@@ -341,8 +330,8 @@ def check_public_shrink(backend, w: Workload, module: Module, dtype, device, gen
 
 
 def captured(step, device):
-    """``step`` captured in a CUDA graph (warmed up on a side stream first); returns its replay.
-    Off CUDA, ``step`` itself."""
+    """``step`` captured in a CUDA graph (warmed up on a side stream first: compiles, and keeps
+    allocations out of the capture); returns its replay. Off CUDA, ``step`` itself."""
     if device.type != "cuda":
         return step
     warm = torch.cuda.Stream()
@@ -624,21 +613,12 @@ def trace_replay(fns: list, device: torch.device, path: Path) -> dict:
     base kernel was running."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
+    replay = captured(lambda: [fn() for fn in fns], device)
     for _ in range(3):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
     kernels = [
         e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
