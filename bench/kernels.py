@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -70,9 +70,10 @@ from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
-from loraserve.kernels.triton_ops.configs import MAX_PARTIAL_COLUMNS, rank_block  # noqa: E402
+from loraserve.kernels.triton_ops.configs import MAX_PARTIAL_COLUMNS, GemmConfig, gemm_config, rank_block  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
 from loraserve.kernels.triton_ops.fused import barrier_timeouts  # noqa: E402
+from loraserve.kernels.triton_ops.gemm_expand import gemm_linear, launch_gemm_expand  # noqa: E402
 from loraserve.kernels.triton_ops.pdl import pdl_supported  # noqa: E402
 from loraserve.kernels.triton_ops.shrink import launch_shrink  # noqa: E402
 
@@ -305,6 +306,49 @@ def check_apply(backend, w: Workload, module: Module, dtype, device, gen, ranks=
     return Check(name, ok, err, f"worst row {worst_row:.1e}, base rows untouched={untouched}")
 
 
+def check_epilogue(backend, w: Workload, module: Module, dtype, device, gen, base_requests=1) -> Check:
+    """The base GEMM with the expand in its epilogue against float64: ``x Wᵀ + delta`` and the
+    delta alone (what the output carries beyond the float64 base), base rows equal to the base."""
+    R = w.pool_rank
+    ranks = [w.rank] * w.adapters
+    scalings = [0.5 + torch.rand(1, generator=gen).item() for _ in range(w.adapters)]
+    slots = request_slots(w, gen)
+    slots = slots[: len(slots) - base_requests] + [-1] * base_requests
+    info = batch_info(w, slots, ranks, scalings, device)
+    T = info.total_tokens
+    S = len(module.widths)
+    x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
+    W = (torch.randn(module.out_dim, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
+        device, dtype
+    )
+    A = (torch.randn(w.adapters, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
+        device, dtype
+    )
+    B = make_b(w.adapters, module.out_dim, R, w.rank_major_b, generator=gen).to(device, dtype)
+    stage = backend.shrink_stage(x, A, info, S)
+    cfg = gemm_config(T, module.out_dim, module.in_dim, dtype, num_sms(device))
+    out = torch.full((T, module.out_dim), float("nan"), dtype=dtype, device=device)
+    launch_gemm_expand(x, W, None, stage, B, info, module.offsets, cfg, out=out)
+    row_slots = info.token_slots.tolist()
+    base = x.double() @ W.double().T
+    delta = reference_delta(x, A, B, row_slots, ranks, scalings, module.offsets)
+    err = ((out.double() - base - delta).norm() / (base + delta).norm()).item()
+    delta_err = ((out.double() - base - delta).norm() / delta.norm().clamp_min(1e-30)).item()
+    active = torch.tensor([s >= 0 for s in row_slots], device=device)
+    base_err = ((out.double()[~active] - base[~active]).norm() / base[~active].norm().clamp_min(1e-30)).item()
+    tol = TOL[dtype]
+    ok = all(math.isfinite(e) for e in (err, delta_err, base_err)) and err < tol and delta_err < 4 * tol
+    ok = ok and (not base_requests or base_err < tol)
+    name = f"gemm+expand {module.name} {w.label()} {str(dtype)[6:]}"
+    return Check(
+        name, ok, err, f"delta err {delta_err:.1e}, base rows err {base_err:.1e}, cfg {describe(cfg)}"
+    )
+
+
+def num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def check_public_shrink(backend, w: Workload, module: Module, dtype, device, gen) -> Check:
     """The public shrink into a NaN-poisoned buffer: every LoRA row and rank column written."""
     R = w.pool_rank
@@ -479,6 +523,12 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
         forced = TritonLoRABackend(shrink_config=sc, expand_config=ec)
         checks.append(check_apply(forced, works[1], qkv, torch.bfloat16, device, gen))
     checks.append(check_public_shrink(backend, works[0], qkv, torch.bfloat16, device, gen))
+    # The base GEMM with the expand in its epilogue (rank-major B, as the pool stores it).
+    for module in modules.values():
+        for w in works:
+            checks.append(check_epilogue(backend, replace(w, rank_major_b=True), module, torch.bfloat16, device, gen))
+    for dtype in (torch.float16, torch.float32):
+        checks.append(check_epilogue(backend, works[1], qkv, dtype, device, gen))
     checks += check_graph(backend, qkv, device, gen, "verify", 8, 4)
     checks += check_graph(backend, modules["down"], device, gen, "decode", 16, 1)
     rank_major = Workload("decode", bs, 4, 16, 1, 64, rank_major_b=True)
@@ -696,6 +746,13 @@ TUNED = ("tuned", "tuned-shrink")
 CARVEOUTS = {"overlap-delta-carve16": 16, "overlap-delta-carve32": 32, "overlap-shrink-carve16": 16}
 MIXED_DELTA = ("gate_up", "down")
 
+# variants whose base GEMM is the Triton kernel (triton_ops/gemm_expand.py) instead of cuBLAS:
+# "gemm-only" without LoRA (the kernel's own cost against cuBLAS), "epilogue" the shrink then
+# the GEMM with the expand in its epilogue, "epilogue-auto" the delta join at <= 2 tiles (the
+# runtime's choice there) and the epilogue above
+TRITON_GEMM = ("gemm-only", "epilogue", "epilogue-auto")
+EPILOGUE = ("default", "overlap-auto", *TRITON_GEMM)
+
 BACKENDS = {
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
@@ -880,7 +937,7 @@ def layer_case(
     configuration (the ``tuned*`` variants)."""
     dt = torch.bfloat16
     layers = len(base)
-    overlapped = variant in OVERLAPS
+    overlapped = variant in OVERLAPS or variant in TRITON_GEMM
     backend = BACKENDS[variant]() if variant in BACKENDS else TritonLoRABackend(pdl=variant == "pdl")
     backends = {name: backend for name in modules}
     if variant in TUNED:
@@ -932,13 +989,34 @@ def layer_case(
         name: (OverlapMode.DELTA if name in MIXED_DELTA else OverlapMode.SHRINK) if overlap == "mixed" else overlap
         for name in modules
     }
-    if overlapped:
+    gemm_cfgs: dict[str, GemmConfig] = {
+        name: gemm_config(T, m.out_dim, m.in_dim, dt, num_sms(device)) for name, m in modules.items()
+    }
+    delta_join = variant == "epilogue-auto" and info.num_tiles <= OverlapPolicy().delta_max_tiles
+    if variant in TRITON_GEMM:
+        paths = {name: "delta" if delta_join else f"{variant}[{describe(gemm_cfgs[name])}]" for name in modules}
+    elif overlapped:
         paths = {name: f"{p}+{modes[name].value}" for name, p in paths.items()}
+
+    def triton_gemm(name: str, m: Module, li: int) -> torch.Tensor:
+        A, B = lora[li][name]
+        x, W = inputs[name], base[li][name]
+        if variant == "gemm-only":
+            return gemm_linear(x, W, None, gemm_cfgs[name])
+        if delta_join:
+            return linear_with_lora(
+                backend, x, A, B, info, m.offsets, lambda: F.linear(x, W), mode=OverlapMode.DELTA, side=side
+            )
+        stage = backend.shrink_stage(x, A, info, len(m.widths))
+        return launch_gemm_expand(x, W, None, stage, B, info, m.offsets, gemm_cfgs[name])
 
     def both_layer(li: int) -> None:
         for name, m in modules.items():
             A, B = lora[li][name]
             x, W = inputs[name], base[li][name]
+            if variant in TRITON_GEMM:
+                outs[name] = triton_gemm(name, m, li)
+                continue
             if not overlapped:
                 y = F.linear(x, W)
                 backends[name].apply(x, A, B, info, y, m.offsets)
@@ -971,6 +1049,55 @@ def layer_case(
         "increment_pct": 100 * (t_both - t_base) / t_base,
         "paths": ",".join(f"{k}:{v}" for k, v in paths.items()),
     }
+
+
+def bench_gemm(device, modules, reps: int, deadline: float, sets: int = 8) -> list[dict]:
+    """The Triton base GEMM (no LoRA) against cuBLAS per module and token count: the heuristic's
+    configuration and a few alternatives, each replayed from a graph over ``sets`` weight copies
+    (so W streams from memory, as in a model's step)."""
+    dt = torch.bfloat16
+    sms = num_sms(device)
+    tiny = device.type != "cuda"
+    results = []
+    for name, m in modules.items():
+        Ws = [
+            torch.randn(m.out_dim, m.in_dim, device=device, dtype=dt) * 0.02
+            for _ in range(2 if tiny else sets)
+        ]
+        for T in (1, 4) if tiny else (1, 32, 64, 128, 256):
+            if time.time() > deadline:
+                print(f"[deadline] skipping gemm {name} T={T}", flush=True)
+                continue
+            x = torch.randn(T, m.in_dim, device=device, dtype=dt)
+            t_cublas = time_replays([lambda W=W, x=x: F.linear(x, W) for W in Ws], device, reps)
+            heur = gemm_config(T, m.out_dim, m.in_dim, dt, sms)
+            cands = [heur] + [
+                GemmConfig(heur.block_m, bn, bk, 4, st)
+                for bn, bk, st in ((32, 256, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3))
+                if (bn, bk, st) != (heur.block_n, heur.block_k, heur.num_stages)
+            ]
+            mb = m.out_dim * m.in_dim * 2 / 1e6
+            for i, cfg in enumerate(cands[: 1 if tiny else None]):
+                try:
+                    t = time_replays(
+                        [lambda W=W, x=x, cfg=cfg: gemm_linear(x, W, None, cfg) for W in Ws], device, reps
+                    )
+                except Exception as exc:  # a configuration that does not compile: recorded, not fatal
+                    print(f"gemm {name} T={T} {describe(cfg)}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                row = {
+                    "module": name, "tokens": T, "config": describe(cfg), "heuristic": i == 0,
+                    "cublas_us": t_cublas * 1e3, "triton_us": t * 1e3, "ratio": t / t_cublas,
+                    "cublas_tb_s": mb / (t_cublas * 1e3), "triton_tb_s": mb / (t * 1e3),
+                }  # fmt: skip
+                results.append(row)
+                print(
+                    f"gemm {name:7s} T={T:<4d} cuBLAS {row['cublas_us']:7.2f} us ({row['cublas_tb_s']:.2f} TB/s)"
+                    f"  triton {row['triton_us']:7.2f} us ({row['triton_tb_s']:.2f} TB/s) x{row['ratio']:.3f}"
+                    f"  {'*' if i == 0 else ' '}{describe(cfg)}",
+                    flush=True,
+                )
+    return results
 
 
 def tune_module(case: ModuleCase, w: Workload, m: Module, device, sms: int, reps: int) -> tuple[dict, list[dict]]:
@@ -1123,6 +1250,20 @@ def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     ]
 
 
+def epilogue_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
+    """The layer targets (and batch 1) with the expand in a Triton base GEMM's epilogue."""
+    if tiny:
+        return [(Workload("decode", 4, 2, 16, rank_major_b=True), EPILOGUE)]
+    return [
+        (Workload("decode", 1, 1, 16, rank_major_b=True), EPILOGUE),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), EPILOGUE),
+        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), EPILOGUE),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), EPILOGUE),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), EPILOGUE),
+        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), EPILOGUE),
+    ]
+
+
 def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets only: the defaults against the tune phase's configurations."""
     variants = ("default", "overlap-auto", "tuned", "tuned-shrink")
@@ -1138,7 +1279,16 @@ def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 def markdown(env, checks, rows, sweeps, layer, tuned=None) -> str:
     lines = ["# LoRA kernels", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- {k}: {v}" for k, v in env.items() if k != "gemm"]
+    if env.get("gemm"):
+        lines += ["", "## Triton base GEMM (no LoRA) vs cuBLAS (graph replay, 8 weight copies rotating; * = heuristic)",
+                  "", "| module | tokens | cuBLAS µs | TB/s | Triton µs | TB/s | Triton / cuBLAS | configuration |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {g['module']} | {g['tokens']} | {g['cublas_us']:.2f} | {g['cublas_tb_s']:.2f} | {g['triton_us']:.2f} "
+            f"| {g['triton_tb_s']:.2f} | {g['ratio']:.3f} | {'*' if g['heuristic'] else ''}{g['config']} |"
+            for g in env["gemm"]
+        ]
     lines += ["", "## Correctness (float64 reference)", "", "| check | ok | rel. error | detail |", "|---|---|---|---|"]
     lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.error:.2e} | {c.detail} |" for c in checks]
     lines += [
@@ -1228,9 +1378,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--layer",
-        choices=("all", "targets"),
+        choices=("all", "targets", "epilogue"),
         default="all",
-        help="layer scenarios: all (every join and crossover shape) or targets (the four targets, defaults vs tuned)",
+        help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
+        " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
+        " Triton GEMM alone against cuBLAS per module)",
     )
     args = parser.parse_args()
     t0 = time.time()
@@ -1280,10 +1432,14 @@ def main() -> int:
         tuned, tune_record = tune(device, modules, tune_workloads(tiny), l2_bytes, args.reps, tune_deadline)
         print(f"tune done ({time.time() - t0:.0f}s)", flush=True)
         save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
-    layer_deadline = time.time() + (0.9 if args.layer == "targets" else 0.45) * max(0.0, deadline - time.time())
-    scenarios = target_scenarios(tiny) if args.layer == "targets" else layer_scenarios(tiny)
+    layer_deadline = time.time() + (0.45 if args.layer == "all" else 0.9) * max(0.0, deadline - time.time())
+    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios}.get(args.layer, layer_scenarios)(tiny)
     if not args.tune:
         scenarios = [(w, tuple(v for v in vs if v not in TUNED)) for w, vs in scenarios]
+    if args.layer == "epilogue" and "gemm" not in skip:
+        gemm_deadline = time.time() + 0.35 * max(0.0, deadline - time.time())
+        env["gemm"] = bench_gemm(device, modules, args.reps, gemm_deadline)
+        print(f"gemm done ({time.time() - t0:.0f}s)", flush=True)
     if "layer" not in skip:
         if args.trace:
             (out_dir / "traces").mkdir(parents=True, exist_ok=True)

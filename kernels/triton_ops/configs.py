@@ -205,3 +205,60 @@ def pick_fused(
     # The partial sums' buffer holds the most splits any batch may use: one live tile.
     split = max(1, min(split_limit, programs // per_tile))
     return FusedConfig(programs=programs, split_k=split, block_k=block_k, block_r=block_r, block_n=block_n)
+
+
+# Base GEMM with the LoRA expand in its epilogue (triton_ops/gemm_expand.py). Untuned
+# starting points: decode/verify GEMMs stream the weight once, so the choice aims at
+# enough programs and enough weight bytes in flight per SM rather than at reuse.
+GEMM_PROGRAMS_PER_SM = 2  # programs aimed for per SM before the column tile shrinks
+GEMM_TILE_BYTES = 16 * 1024  # weight bytes one K step of a program loads
+GEMM_SMEM_BYTES = 192 * 1024  # shared memory one program's pipeline buffers may take
+GEMM_MAX_STAGES = 5
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Base GEMM tiles: ``block_m`` token rows x ``block_n`` output columns per program,
+    ``block_k`` input columns a step, ``num_stages`` steps of loads in flight."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def gemm_config(tokens: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> GemmConfig:
+    """Tiles for ``[tokens, k] @ [n, k]ᵀ`` at decode/verify sizes (memory-bound: W streamed once).
+
+    - ``block_m``: the token count rounded up to a power of two, 16 (``tl.dot``'s minimum)
+      to 128; more tokens take several row tiles, which run next to each other and so
+      read each weight tile from L2 after the first.
+    - ``block_n``: the widest of 128/64/32/16 that still gives ``GEMM_PROGRAMS_PER_SM``
+      programs per SM (N = 4096 at one row tile on 132 SMs: 16), so every SM streams part
+      of W without splitting K; but at least half the tokens (up to 128), since every
+      column tile re-reads its rows of x from L2: x's reads stay within twice W's bytes.
+    - ``block_k``: about ``GEMM_TILE_BYTES`` of W per step (narrow column tiles take
+      longer steps), 64..256, shorter where three steps of x and W would not fit
+      ``GEMM_SMEM_BYTES``, and no longer than K needs.
+    - ``num_stages``: as many steps in flight as ``GEMM_SMEM_BYTES`` holds, 2..5.
+    """
+    elem = 4 if dtype == torch.float32 else 2
+    block_m = min(128, max(16, next_pow2(tokens)))
+    m_tiles = cdiv(max(tokens, 1), block_m)
+    min_block_n = max(16, min(128, next_pow2(tokens) // 2))
+    block_n = min_block_n
+    for cand in (128, 64, 32):
+        if cand > min_block_n and m_tiles * cdiv(n, cand) >= GEMM_PROGRAMS_PER_SM * num_sms:
+            block_n = cand
+            break
+    block_k = min(256, max(64, GEMM_TILE_BYTES // (block_n * elem)))
+    while block_k > 32 and 3 * (block_n + block_m) * block_k * elem > GEMM_SMEM_BYTES:
+        block_k //= 2
+    block_k = max(16, min(block_k, next_pow2(k)))
+    stage_bytes = (block_n + block_m) * block_k * elem
+    num_stages = max(2, min(GEMM_MAX_STAGES, GEMM_SMEM_BYTES // stage_bytes))
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return GemmConfig(
+        block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages
+    )
