@@ -37,17 +37,22 @@ Method (everything is built inside the run; nothing is downloaded):
    generated tokens over wall time (prefill included); accept lengths come from the
    decoder's metrics, overall and per adapter. Outputs of the two runs are compared.
    The engine's step counters say where each run's time went (extend and decode steps,
-   batch occupancy, host work, CUDA graphs captured during the timed run).
+   batch occupancy, host work, CUDA graphs captured during the timed run). Concurrency 1
+   runs ``--c1-requests`` requests (default 10) one after another. ``--phases DIR`` then
+   times one more request per draft, and the same request without speculation, call by
+   call inside each decode step (host time and CUDA-event spans; ``PhaseRecorder``).
 
     python bench/spec.py --smoke                # CPU, tiny models, a minute
     python bench/spec.py --out results.md       # GPU
     python bench/spec.py --out results.md --draft standalone,eagle --deadline-s 480
+    python bench/spec.py --out results.md --draft eagle --concurrency 1 --phases phases/
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -988,7 +993,9 @@ def main(argv: list[str] | None = None) -> int:
         " trains on (torch's modules) at the benchmark's prompt length, continued past the longest request",
     )
     ap.add_argument("--distill-seq", type=int, default=None, help="draft distillation sequence length")
-    ap.add_argument("--distill-count", type=int, default=None, help="teacher continuations (default 8192; smoke 32)")
+    ap.add_argument(
+        "--distill-count", type=int, default=None, help="teacher continuations (default 8192; smoke 32)"
+    )
     ap.add_argument(
         "--teacher-fraction",
         type=float,
@@ -1037,6 +1044,19 @@ def main(argv: list[str] | None = None) -> int:
         " torch.profiler and write the operator table there (where a step's time goes)",
     )
     ap.add_argument(
+        "--phases",
+        default=None,
+        help="directory: after each draft's timed run at concurrency 1, run one more request through the"
+        " speculative and the plain decoder with their methods timed on the host and (CUDA events) on the"
+        " GPU, and write phases-DRAFT.md there (where a step's time goes, without a profiler's distortion)",
+    )
+    ap.add_argument(
+        "--c1-requests",
+        type=int,
+        default=10,
+        help="requests concurrency 1 runs, one after another (base and each adapter in turn; default 10)",
+    )
+    ap.add_argument(
         "--deadline-s",
         type=float,
         default=None,
@@ -1069,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
         " comparison on a shared CPU trains each model as far as an idle machine would",
     )
     args = ap.parse_args(argv)
+    if args.c1_requests < 1:
+        raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
     cap_target, cap_standalone, cap_eagle = parse_max_steps(args.max_steps)
     smoke = args.smoke
@@ -1239,6 +1261,8 @@ def main(argv: list[str] | None = None) -> int:
         ab_defer=frozenset(int(c) for c in args.ab_defer.split(",") if c.strip()),
         deadline=started + args.deadline_s if args.deadline_s else float("inf"),
         profile=Path(args.profile) if args.profile else None,
+        phases=Path(args.phases) if args.phases else None,
+        c1_requests=args.c1_requests,
     )
     rows: list[Row] = []
     details: dict = {}
@@ -1284,6 +1308,7 @@ def main(argv: list[str] | None = None) -> int:
                         off,
                         bench_work,
                         details[c]["spec"],
+                        plain=(config, plain),
                     )
                 )
             except Exception as exc:
@@ -1411,6 +1436,8 @@ class MeasureOptions:
     ab_defer: frozenset[int] = frozenset()  # concurrencies also timed with admission batching off (0)
     deadline: float = float("inf")  # time.monotonic() after which optional runs are skipped
     profile: Path | None = None  # where to write operator profiles of one request per draft at c=1
+    phases: Path | None = None  # where to write per-phase timings of one request per draft at c=1
+    c1_requests: int = 10  # requests concurrency 1 runs, one after another
 
 
 @dataclass
@@ -1427,8 +1454,10 @@ class Row:
     count: int
 
 
-def _request_count(c: int, waves: int) -> int:
-    return max(5, waves) if c == 1 else waves * c
+def _request_count(c: int, waves: int, c1_requests: int) -> int:
+    """Requests of a workload: ``c1_requests`` at concurrency 1 (one after another, so the
+    sample of accept lengths comes from that many prompts), else ``waves * c``."""
+    return c1_requests if c == 1 else waves * c
 
 
 def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[Workload, RunResult]:
@@ -1436,9 +1465,9 @@ def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[
 
     ``waves * c`` requests keep ``c`` running as earlier ones finish, so speculative
     requests finishing at different steps do not leave the batch draining (concurrency 1
-    runs at least 5 requests, one after another: base and each adapter).
+    runs ``--c1-requests`` requests, one after another, cycling through base and each adapter).
     """
-    count = _request_count(c, opts.waves)
+    count = _request_count(c, opts.waves, opts.c1_requests)
     warm = make_workload(pool, max(c, 2), opts.gen_tokens, offset=100)
     bench = make_workload(pool, count, opts.gen_tokens, offset=0)
     run_workload(config, runner, plain, warm, c, f"warm-off-{c}")
@@ -1446,13 +1475,15 @@ def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[
 
 
 def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
-                  details: dict) -> Row:  # fmt: skip
+                  details: dict, *, plain: tuple | None = None) -> Row:  # fmt: skip
     """One draft at concurrency ``c``: a warm-up (captures the CUDA graphs for the batch and
     context buckets the timed run meets), then the same workload as the baseline.
 
     Speculative requests finish at different steps, so their batch sizes and context
     lengths mix in ways the plain run never meets: the warm-up is the timed workload's
     shape (other prompts), and the graphs the timed run still had to capture are reported.
+    ``plain``: ``(config, decoder)`` of the no-spec baseline, timed beside the draft by
+    ``--phases``.
     """
     k, count = opts.k, len(bench.prompts)
     warm_spec = make_workload(pool, count if c > 1 else 2, opts.gen_tokens, offset=100)
@@ -1470,6 +1501,8 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
     log(f"concurrency {c} {name} steps: off {off.steps}; spec {on.steps}")
     if opts.profile is not None and c == 1:
         _profile_run(spec_config, runner, decoder, name, pool, opts)
+    if opts.phases is not None and c == 1:
+        details[name]["phases"] = _phases_run(spec_config, runner, decoder, name, pool, opts, plain)
     if c in opts.ab_defer:
         if time.monotonic() + 1.5 * on.seconds > opts.deadline:
             log(f"concurrency {c} {name}: no time left for the run without admission batching")
@@ -1498,13 +1531,432 @@ def _profile_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOpt
     prof = profile(activities=activities)
     result = run_workload(spec_config, runner, decoder, work, 1, f"profile-{name}", profiler=prof)
     table = prof.key_averages()
-    text = [f"# {name}: one request, {result.generated} tokens in {result.seconds:.3f} s; steps {result.steps}"]
+    text = [
+        f"# {name}: one request, {result.generated} tokens in {result.seconds:.3f} s; steps {result.steps}"
+    ]
     for key in ("cpu_time_total", "self_cpu_time_total", "cuda_time_total"):
         if key == "cuda_time_total" and not torch.cuda.is_available():
             continue
         text += [f"\n## sorted by {key}", table.table(sort_by=key, row_limit=30)]
     (opts.profile / f"profile-{name}.txt").write_text("\n".join(text))
     log(f"profile of {name} written to {opts.profile}")
+
+
+# --------------------------------------------------------------------------- phases (--phases)
+
+PHASE_TOKENS = 96  # new tokens of the one request each decoder runs under --phases
+PHASE_WARMUP_STEPS = 3  # leading decode steps left out of the summary
+
+
+@dataclass
+class Span:
+    """One timed call: host ``perf_counter`` at its start and end, CUDA events recorded on
+    the current stream just before and just after it (None off CUDA), and the timed calls
+    made inside it."""
+
+    name: str
+    start: object = None  # torch.cuda.Event (or anything with elapsed_time) | None
+    end: object = None
+    t0: float = 0.0
+    t1: float = 0.0
+    children: list[Span] = field(default_factory=list)
+    tokens: int = 0  # a decoder step's generated tokens
+
+
+def _elapsed_ms(a, b) -> float | None:
+    """Milliseconds on the GPU from event ``a`` to event ``b`` (None without events)."""
+    return None if a is None or b is None else float(a.elapsed_time(b))
+
+
+class PhaseRecorder:
+    """Times a decoder's steps and the calls inside them by wrapping bound methods on the
+    instances (``obj.method = timed(obj.method)``); :meth:`restore` puts them back.
+
+    Per call: host seconds around it (no synchronize: what the host spends issuing it, or
+    waiting where the call itself waits) and a pair of CUDA events before and after it
+    (the GPU span from the first to the last work the call queued, idle time inside
+    included). Events are read after the run (:meth:`close`, one synchronize). Calls made
+    outside ``decoder.step`` (prefill) are not recorded; extends are only noted, so a gap
+    between two steps that holds one is left out of the between-steps time.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.steps: list[Span] = []
+        self.extends: list[tuple[float, float]] = []
+        self._stack: list[Span] = []
+        self._saved: list[tuple[object, str, bool, object]] = []
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wrap(self, obj, attr: str, name, *, after=None, restore: bool = True) -> bool:
+        """Time ``obj.attr`` as phase ``name`` (a string, or a function of the call's
+        arguments returning one); ``after(result)`` runs outside the timing. False when
+        ``obj`` has no such method."""
+        fn = getattr(obj, attr, None) if obj is not None else None
+        own = getattr(obj, "__dict__", None)
+        if fn is None or not callable(fn) or own is None:
+            return False
+        if restore:
+            self._saved.append((obj, attr, attr in own, own.get(attr)))
+        recorder = self
+
+        def timed(*args, **kwargs):
+            if not recorder._stack:
+                return fn(*args, **kwargs)
+            span = Span(name(*args, **kwargs) if callable(name) else name, start=recorder._event())
+            recorder._stack[-1].children.append(span)
+            recorder._stack.append(span)
+            span.t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                span.t1 = time.perf_counter()
+                recorder._stack.pop()
+                span.end = recorder._event()
+            if after is not None:
+                after(out)
+            return out
+
+        setattr(obj, attr, timed)
+        return True
+
+    def wrap_decoder(self, decoder) -> None:
+        """``decoder.step`` (each call one recorded step) and ``decoder.extend`` (noted)."""
+        step_fn, extend_fn = decoder.step, decoder.extend
+        recorder = self
+
+        def step(requests):
+            span = Span("decoder.step", start=recorder._event())
+            recorder._stack = [span]
+            span.t0 = time.perf_counter()
+            try:
+                outs = step_fn(requests)
+            finally:
+                span.t1 = time.perf_counter()
+                recorder._stack = []
+                span.end = recorder._event()
+                recorder.steps.append(span)
+            span.tokens = sum(len(out.token_ids) for out in outs if out is not None)
+            return outs
+
+        def extend(chunks):
+            t0 = time.perf_counter()
+            try:
+                return extend_fn(chunks)
+            finally:
+                recorder.extends.append((t0, time.perf_counter()))
+
+        for attr, fn in (("step", step), ("extend", extend)):
+            self._saved.append((decoder, attr, attr in vars(decoder), vars(decoder).get(attr)))
+            setattr(decoder, attr, fn)
+
+    def instrument(self, decoder) -> None:
+        """The phases of a step: the target's forwards (by mode), and for a speculative
+        decoder the drafter's calls, the draft runner's (those it has) and acceptance
+        (``decoder._accept``; the wait for the device is its result's ``host()``)."""
+        self.wrap_decoder(decoder)
+        runner = getattr(decoder, "runner", None)
+        self.wrap(runner, "forward", _mode_label("target.forward"))
+        drafter = getattr(decoder, "drafter", None)
+        if drafter is None:
+            return
+        for method in ("propose", "on_verify", "on_decode"):
+            self.wrap(drafter, method, f"drafter.{method}")
+        self.wrap(
+            decoder, "_accept", "decoder._accept",
+            after=lambda acceptance: self.wrap(acceptance, "host", "acceptance.host", restore=False),
+        )  # fmt: skip
+        draft_runner = getattr(drafter, "runner", None)
+        if draft_runner is not None and draft_runner is not runner:
+            for method in ("forward", "forward_uniform", "draft_chain", "compute_logits", "step"):
+                label = _mode_label("draft.forward") if method == "forward" else f"draft.{method}"
+                self.wrap(draft_runner, method, label)
+
+    def restore(self) -> None:
+        """Put every wrapped method back (instance attributes that were not there are removed)."""
+        while self._saved:
+            obj, attr, had, old = self._saved.pop()
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)
+
+    def close(self) -> None:
+        """Wait once for the device, so every recorded event can be read."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def overhead_us(self, calls: int = 200) -> float:
+        """Host microseconds one wrapped call adds (a no-op timed ``calls`` times, events
+        included on CUDA) over calling it bare."""
+        import types
+
+        probe = types.SimpleNamespace(noop=lambda: None)
+        bare = probe.noop
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            bare()
+        bare_s = time.perf_counter() - t0
+        saved, self._saved = self._saved, []
+        self.wrap(probe, "noop", "noop")
+        self._stack = [Span("probe")]
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            probe.noop()
+        timed_s = time.perf_counter() - t0
+        self._stack = []
+        self.restore()
+        self._saved = saved
+        return max(timed_s - bare_s, 0.0) / calls * 1e6
+
+
+def _mode_label(prefix: str):
+    """A phase name for a forward: ``prefix[MODE]`` from its batch's ``mode`` when it has one."""
+
+    def label(*args, **kwargs) -> str:
+        batch = args[0] if args else kwargs.get("batch")
+        mode = getattr(batch, "mode", None)
+        return f"{prefix}[{mode.name}]" if mode is not None else prefix
+
+    return label
+
+
+@dataclass
+class PhaseRow:
+    """One call (or gap) of one step's timeline (:func:`phase_rows`)."""
+
+    key: str  # the path of names from the step down, " / "-separated
+    parent: str  # the parent's key ("" for the step itself)
+    label: str
+    depth: int  # 1: called by the step itself
+    index: int  # position among the parent's rows
+    host_ms: float
+    gpu_ms: float | None
+
+
+def phase_rows(span: Span, elapsed=_elapsed_ms, depth: int = 1, parent: str = "") -> list[PhaseRow]:
+    """The timeline of one step: a row per timed call inside ``span`` (pre-order), with a
+    ``(gap) A → B`` row before, between and after the calls of every parent: host time not
+    inside a timed call, and GPU time between one call's end event and the next one's
+    start event (work queued outside the timed calls, or the GPU idle while the host
+    works). A parent's children and gaps add up to the parent."""
+    rows: list[PhaseRow] = []
+    prefix = f"{parent} / " if parent else ""
+    index = 0
+
+    def add(label: str, host_s: float, start, end) -> str:
+        nonlocal index
+        key = f"{prefix}{label}"
+        rows.append(PhaseRow(key, parent, label, depth, index, 1e3 * host_s, elapsed(start, end)))
+        index += 1
+        return key
+
+    prev_name, prev_t, prev_event = "start", span.t0, span.start
+    for child in span.children:
+        add(f"(gap) {prev_name} → {child.name}", child.t0 - prev_t, prev_event, child.start)
+        key = add(child.name, child.t1 - child.t0, child.start, child.end)
+        rows += phase_rows(child, elapsed, depth + 1, key)
+        prev_name, prev_t, prev_event = child.name, child.t1, child.end
+    if span.children:
+        add(f"(gap) {prev_name} → end", span.t1 - prev_t, prev_event, span.end)
+    return rows
+
+
+def _mean_median(values: list[float | None]) -> list[float] | None:
+    got = [v for v in values if v is not None]
+    if not got:
+        return None
+    ordered = sorted(got)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return [round(sum(got) / len(got), 4), round(median, 4)]
+
+
+def summarize_phases(
+    steps: list[Span],
+    extends: list[tuple[float, float]],
+    *,
+    skip: int = PHASE_WARMUP_STEPS,
+    elapsed=_elapsed_ms,
+) -> dict:
+    """Per-step means and medians of every phase (``phase_rows``) over ``steps[skip:]``
+    (all of them when there are no more), plus per-step totals: the step's host time and
+    GPU span, and the engine's time between one step's end and the next one's start (host;
+    on the GPU, end event to start event), gaps that hold an extend left out."""
+    skip = skip if len(steps) > skip else 0
+    used = steps[skip:]
+    first: dict[str, PhaseRow] = {}  # each key's row at its earliest place among its parent's rows
+    per_step: list[dict[str, list]] = []
+    for span in used:
+        sums: dict[str, list] = {}
+        for row in phase_rows(span, elapsed):
+            if row.key not in first or row.index < first[row.key].index:
+                first[row.key] = row
+            cell = sums.setdefault(row.key, [0, 0.0, None])
+            cell[0] += 1
+            cell[1] += row.host_ms
+            if row.gpu_ms is not None:
+                cell[2] = (cell[2] or 0.0) + row.gpu_ms
+        per_step.append(sums)
+    children: dict[str, list[PhaseRow]] = {}
+    for row in first.values():  # dicts keep first-seen order: the tie-break
+        children.setdefault(row.parent, []).append(row)
+    order: list[str] = []
+
+    def visit(parent: str) -> None:
+        for row in sorted(children.get(parent, []), key=lambda r: r.index):
+            order.append(row.key)
+            visit(row.key)
+
+    visit("")
+    timed = any(s.start is not None for s in used)  # CUDA events: a step without a phase spent 0 ms in it
+    rows = []
+    for key in order:
+        label, depth = first[key].label, first[key].depth
+        cells = [s.get(key, (0, 0.0, 0.0 if timed else None)) for s in per_step]
+        rows.append({
+            "phase": key, "label": label, "depth": depth, "gap": label.startswith("(gap)"),
+            "calls": round(sum(c[0] for c in cells) / max(len(cells), 1), 2),
+            "host_ms": _mean_median([c[1] for c in cells]),
+            "gpu_ms": _mean_median([c[2] for c in cells]),
+        })  # fmt: skip
+    between_host, between_gpu = [], []
+    for a, b in itertools.pairwise(used):
+        if any(a.t1 <= t0 < b.t0 for t0, _ in extends):
+            continue
+        between_host.append(1e3 * (b.t0 - a.t1))
+        between_gpu.append(elapsed(a.end, b.start))
+    tokens = sum(s.tokens for s in used)
+    return {
+        "steps": len(used),
+        "skipped": skip,
+        "tokens_per_step": round(tokens / max(len(used), 1), 3),
+        "rows": rows,
+        "step_host_ms": _mean_median([1e3 * (s.t1 - s.t0) for s in used]),
+        "step_gpu_ms": _mean_median([elapsed(s.start, s.end) for s in used]),
+        "between_host_ms": _mean_median(between_host),
+        "between_gpu_ms": _mean_median(between_gpu),
+        "timed_calls_per_step": round(sum(_count_spans(s) for s in used) / max(len(used), 1), 2),
+    }
+
+
+def _count_spans(span: Span) -> int:
+    return sum(1 + _count_spans(child) for child in span.children)
+
+
+def _ms(cell: list[float] | None, i: int) -> str:
+    return "–" if cell is None else f"{cell[i]:.3f}"
+
+
+def phases_markdown(name: str, runs: dict[str, dict], meta: dict) -> str:
+    """``phases-<draft>.md``: a table per decoder from :func:`summarize_phases`."""
+    lines = [
+        f"# Phases of one request at concurrency 1: {name} ({meta['device']})",
+        "",
+        f"One request ({meta['prompt_tokens']}-token held-out prompt, adapter {meta['adapter'] or 'base'},"
+        f" {meta['new_tokens']} new tokens, greedy) through each decoder; the first {PHASE_WARMUP_STEPS}"
+        " decode steps are left out. Host ms: `perf_counter` around the call, no synchronize (issuing it, or"
+        " waiting where the call itself waits). GPU span ms: CUDA events recorded before and after the call"
+        " on the current stream, read after the run (from the first to the last work it queued, idle time"
+        " inside included). Indented rows are calls made inside the row above them; `(gap) A → B` rows are"
+        " what lies between two timed calls of the same parent: host work that is not timed (tensor"
+        " building, cache truncation, a sampler's wait for the device) and on the GPU either work queued"
+        " there or idle time while the host works. Within a parent, children and gaps add up to it.",
+        f"Instrumentation: about {meta['overhead_us']:.1f} µs of host time per timed call (measured on a"
+        " no-op), included in the gaps.",
+    ]
+    for kind, s in runs.items():
+        lines += [
+            "",
+            f"## {kind}: {s['steps']} steps timed ({s['skipped']} skipped), {s['tokens_per_step']} tokens / step,"
+            f" {s['timed_calls_per_step']} timed calls / step; run {s['generated']} tokens in {s['seconds']:.3f} s,"
+            f" graphs captured during it {s['graphs_captured']}",
+            "",
+            "| phase | calls / step | host ms / step (mean) | host ms (median) | GPU span ms / step (mean)"
+            " | GPU span ms (median) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in s["rows"]:
+            indent = "· " * (row["depth"] - 1)
+            label = row["label"] if row["gap"] else f"`{row['label']}`"
+            lines.append(
+                f"| {indent}{label} | {row['calls']:g} | {_ms(row['host_ms'], 0)} | {_ms(row['host_ms'], 1)} |"
+                f" {_ms(row['gpu_ms'], 0)} | {_ms(row['gpu_ms'], 1)} |"
+            )
+        lines += [
+            f"| **step** (`decoder.step`, start to end) | 1 | {_ms(s['step_host_ms'], 0)} |"
+            f" {_ms(s['step_host_ms'], 1)} | {_ms(s['step_gpu_ms'], 0)} | {_ms(s['step_gpu_ms'], 1)} |",
+            f"| **between steps** (engine: one step's end to the next one's start) | 1 |"
+            f" {_ms(s['between_host_ms'], 0)} | {_ms(s['between_host_ms'], 1)} | {_ms(s['between_gpu_ms'], 0)} |"
+            f" {_ms(s['between_gpu_ms'], 1)} |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _phases_one_line(runs: dict[str, dict]) -> str:
+    parts = []
+    for kind, s in runs.items():
+        top = ", ".join(
+            f"{r['label']} {_ms(r['host_ms'], 0)}/{_ms(r['gpu_ms'], 0)}"
+            for r in s["rows"]
+            if r["depth"] == 1 and not r["gap"]
+        )
+        parts.append(
+            f"{kind}: step host {_ms(s['step_host_ms'], 0)} ms, GPU span {_ms(s['step_gpu_ms'], 0)} ms,"
+            f" between steps {_ms(s['between_host_ms'], 0)} ms, {s['tokens_per_step']} tokens/step"
+            f" (host/GPU ms: {top})"
+        )
+    return "; ".join(parts)
+
+
+def _phases_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOptions, plain) -> dict:
+    """One request through the speculative decoder, then (``plain``: ``(config, decoder)``)
+    the same request through the plain one, each with its phases timed
+    (:class:`PhaseRecorder`); writes ``phases-<name>.md`` to ``opts.phases`` and returns the
+    summaries for the details JSON."""
+    assert opts.phases is not None
+    opts.phases.mkdir(parents=True, exist_ok=True)
+    work = make_workload(pool, 1, min(opts.gen_tokens, PHASE_TOKENS), offset=300)
+    cuda = torch.device(runner.device).type == "cuda"
+    runs = [("spec", spec_config, decoder)] + ([("plain", *plain)] if plain is not None else [])
+    results: dict[str, dict] = {}
+    outputs = {}
+    overhead = PhaseRecorder(cuda).overhead_us()
+    for kind, config, dec in runs:
+        recorder = PhaseRecorder(cuda)
+        recorder.instrument(dec)
+        try:
+            result = run_workload(config, runner, dec, work, 1, f"phases-{name}-{kind}")
+        finally:
+            recorder.restore()
+        recorder.close()
+        summary = summarize_phases(recorder.steps, recorder.extends)
+        summary.update(
+            generated=result.generated, seconds=round(result.seconds, 4),
+            graphs_captured=result.steps.get("graphs_captured", 0),
+        )  # fmt: skip
+        results[kind] = summary
+        outputs[kind] = next(iter(result.outputs.values()), [])
+    meta = {
+        "device": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        "prompt_tokens": len(work.prompts[0]), "adapter": work.adapters[0], "new_tokens": work.gen_tokens,
+        "overhead_us": overhead,
+    }  # fmt: skip
+    text = phases_markdown(name, results, meta)
+    if "plain" in outputs:
+        same = outputs["spec"] == outputs["plain"]
+        text += f"\nOutputs of the two runs identical: {'yes' if same else 'NO'}.\n"
+        results["identical_outputs"] = same
+    results["overhead_us_per_call"] = round(overhead, 2)
+    (opts.phases / f"phases-{name}.md").write_text(text)
+    log(f"phases {name}: {_phases_one_line({k: v for k, v in results.items() if isinstance(v, dict)})}")
+    return results
 
 
 @torch.no_grad()
@@ -1601,7 +2053,7 @@ def _report(
     lines += [
         f"- verify width k = {k} (num_steps {k - 1}); greedy; prompts {prompt_len} held-out stdlib tokens; {gen_tokens} new tokens per request;"
         f" 4 adapters (rank 16, all linear modules, B ~ N(0, {args.adapter_b_std}^2)) + base, request i uses base or adapter i % 5;"
-        f" concurrency 1 runs {max(5, args.waves or 1)} requests one after another, concurrency c runs"
+        f" concurrency 1 runs {args.c1_requests} requests one after another, concurrency c runs"
         f" {args.waves or (1 if args.smoke else 3)} x c requests, c at a time",
         "",
         "| concurrency | draft | no spec tok/s | spec tok/s | speedup | mean accepted drafts / step"

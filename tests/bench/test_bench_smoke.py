@@ -4,6 +4,7 @@ carries the script's own correctness checks, asserted below; the speeds are not.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -57,12 +58,31 @@ def test_tensor_parallel_bench_smoke(tmp_path):
 def test_speculative_bench_smoke_with_both_drafts(tmp_path):
     """Train a tiny target, a STANDALONE draft and an EAGLE head, serve the expanded target
     with 4 adapters: both drafts run at every concurrency, the served target computes the
-    trained one's function, and every speculative output equals the no-spec output."""
-    out = tmp_path / "spec.md"
-    _bench("spec.py", "--draft", "standalone,eagle", "--out", str(out), timeout=900)
+    trained one's function, and every speculative output equals the no-spec output.
+    ``--phases`` times one more request per draft at concurrency 1, phase by phase."""
+    out, phases = tmp_path / "spec.md", tmp_path / "phases"
+    _bench(
+        "spec.py", "--draft", "standalone,eagle", "--out", str(out), "--phases", str(phases),
+        "--c1-requests", "6", timeout=900,
+    )  # fmt: skip
     text = out.read_text()
+    assert "concurrency 1 runs 6 requests" in text
+    details = json.loads(out.with_suffix(".json").read_text())
+    for draft in ("eagle", "standalone"):
+        table = (phases / f"phases-{draft}.md").read_text()
+        for row in (
+            "| `drafter.propose` |",
+            "| `target.forward[TARGET_VERIFY]` |",
+            "| `target.forward[DECODE]` |",
+        ):
+            assert row in table, (draft, table)
+        assert "Outputs of the two runs identical: yes." in table
+        summary = details["1"]["spec"][draft]["phases"]
+        assert summary["spec"]["steps"] > 0 and summary["plain"]["tokens_per_step"] == 1.0
     assert "'argmax_agreement': 1.0" in text
-    rows = [line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|standalone) \|", line)]
+    rows = [
+        line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|standalone) \|", line)
+    ]
     assert {(r[1].strip(), r[2].strip()) for r in rows} == {
         (c, d) for c in ("1", "2", "4") for d in ("eagle", "standalone")
     }
