@@ -964,6 +964,44 @@ def make_workload(prompt_pool: list[list[int]], count: int, gen_tokens: int, off
     return Workload(prompts, [names[(offset + i) % len(names)] for i in range(count)], gen_tokens)
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts), or
+    None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def identity_by_kind(adapters: list[str | None], outs_a: list[list[int]], outs_b: list[list[int]]) -> dict:
+    """Token-for-token agreement of two runs of the same requests, split into base-model and
+    adapter requests: ``{kind: {"identical", "count", "mean_first_divergence"}}``.
+
+    On a GPU in bf16 two batch shapes can round near-tied argmaxes differently (a verify of
+    k rows against a decode of one), so speculation's agreement is read against the same
+    split for two plain runs that differ only in batch shape: a LoRA bug shows as adapter
+    requests diverging more, or earlier, than base requests and than that floor.
+    """
+    kinds: dict[str, dict] = {}
+    for adapter, a, b in zip(adapters, outs_a, outs_b, strict=True):
+        kind = "base" if adapter is None else "adapter"
+        k = kinds.setdefault(kind, {"identical": 0, "count": 0, "first": []})
+        k["count"] += 1
+        at = first_divergence(a, b)
+        if at is None:
+            k["identical"] += 1
+        else:
+            k["first"].append(at)
+    return {
+        kind: {
+            "identical": k["identical"],
+            "count": k["count"],
+            "mean_first_divergence": round(sum(k["first"]) / len(k["first"]), 1) if k["first"] else None,
+        }
+        for kind, k in sorted(kinds.items())
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -1266,6 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[Row] = []
     details: dict = {}
+    plain_runs: dict[int, tuple[Workload, RunResult]] = {}
 
     def report() -> str:
         lines = _report(
@@ -1289,6 +1328,9 @@ def main(argv: list[str] | None = None) -> int:
             log(notes[-1])
             continue
         details[c] = {"off_s": off.seconds, "off_steps": off.steps, "spec": {}}
+        plain_runs[c] = (bench_work, off)
+        if c != min(plain_runs):  # the batch-shape floor: the same prompts, plain, at the lowest concurrency
+            details[c]["floor"] = _plain_floor(plain_runs, min(plain_runs), c)
         for i, name in enumerate(order):
             last = details[c]["spec"].get(order[0], {}).get("on_s", 0.0)
             if i > 0 and time.monotonic() + 2.5 * last > opts.deadline:
@@ -1453,6 +1495,7 @@ class Row:
     summary: dict
     same: int
     count: int
+    identity: dict = field(default_factory=dict)  # identity_by_kind: spec vs plain at this concurrency
 
 
 def _request_count(c: int, waves: int, c1_requests: int) -> int:
@@ -1475,6 +1518,18 @@ def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[
     return bench, run_workload(config, runner, plain, bench, c, f"off-{c}")
 
 
+def _plain_floor(plain_runs: dict[int, tuple[Workload, RunResult]], lo: int, c: int) -> dict:
+    """Plain decoding at concurrency ``lo`` against concurrency ``c`` on the prompts both ran
+    (the workloads share their first prompts): divergence from batch shape alone."""
+    (work_lo, run_lo), (work_c, run_c) = plain_runs[lo], plain_runs[c]
+    n = min(len(work_lo.prompts), len(work_c.prompts))
+    return identity_by_kind(
+        work_lo.adapters[:n],
+        [run_lo.outputs[f"off-{lo}-{i}"] for i in range(n)],
+        [run_c.outputs[f"off-{c}-{i}"] for i in range(n)],
+    ) | {"against": lo}
+
+
 def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
                   details: dict, *, plain: tuple | None = None) -> Row:  # fmt: skip
     """One draft at concurrency ``c``: a warm-up (captures the CUDA graphs for the batch and
@@ -1493,8 +1548,15 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
     on = run_workload(spec_config, runner, decoder, bench, c, f"{name}-{c}", defer_steps=opts.defer_steps)
     summary = spec_summary(decoder)
     same = sum(off.outputs[f"off-{c}-{i}"] == on.outputs[f"{name}-{c}-{i}"] for i in range(count))
+    identity = identity_by_kind(
+        bench.adapters,
+        [off.outputs[f"off-{c}-{i}"] for i in range(count)],
+        [on.outputs[f"{name}-{c}-{i}"] for i in range(count)],
+    )
     speedup = on.tokens_per_s / off.tokens_per_s
-    details[name] = {"on_s": on.seconds, "generated": on.generated, **summary, "on_steps": on.steps}
+    details[name] = {
+        "on_s": on.seconds, "generated": on.generated, **summary, "on_steps": on.steps, "identity": identity,
+    }  # fmt: skip
     log(
         f"concurrency {c} {name}: off {off.tokens_per_s:,.1f} tok/s, spec {on.tokens_per_s:,.1f} tok/s,"
         f" x{speedup:.2f}; {summary}; identical outputs {same}/{count}"
@@ -1517,7 +1579,7 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
                 f"concurrency {c} {name}: spec without admission batching {plain_sched.tokens_per_s:,.1f} tok/s"
                 f" (x{plain_sched.tokens_per_s / off.tokens_per_s:.2f}); steps {plain_sched.steps}"
             )
-    return Row(c, name, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count)
+    return Row(c, name, off.tokens_per_s, on.tokens_per_s, speedup, summary, same, count, identity)
 
 
 def _profile_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOptions) -> None:
@@ -2071,8 +2133,41 @@ def _report(
             f" {s['mean_accept']} of {k - 1} | {pos} | {s['accept_rate']} | {per} |"
             f" {s['verify_ms']} | {s['step_ms']} | {s.get('undrafted_steps', 0)} | {r.same}/{r.count} |"
         )
+    lines += _identity_table(rows, details)
     lines += _time_table(details)
     lines += [""] + [f"- {n}" for n in notes]
+    return lines
+
+
+def _identity_table(rows: list[Row], details: dict) -> list[str]:
+    """Identical outputs split into base-model and adapter requests, beside the floor that
+    batch shape alone gives plain decoding."""
+
+    def cell(d: dict | None) -> str:
+        if not d:
+            return "–"
+        first = d["mean_first_divergence"]
+        return f"{d['identical']}/{d['count']}" + ("" if first is None else f" (first diff at {first})")
+
+    lines = [
+        "",
+        "Identical outputs by request kind (identical / requests, mean token index of the first difference"
+        " among those that differ); the floor compares plain decoding at the lowest concurrency with plain"
+        " decoding at this one, on the prompts both ran:",
+        "",
+        "| concurrency | comparison | base-model requests | adapter requests |",
+        "|---|---|---|---|",
+    ]
+    for c, d in details.items():
+        floor = d.get("floor")
+        if floor:
+            lines.append(f"| {c} | plain c={floor['against']} vs plain c={c} (floor) | {cell(floor.get('base'))} |"
+                         f" {cell(floor.get('adapter'))} |")  # fmt: skip
+        for r in rows:
+            if r.concurrency == c and r.identity:
+                lines.append(
+                    f"| {c} | {r.draft} vs plain | {cell(r.identity.get('base'))} | {cell(r.identity.get('adapter'))} |"
+                )
     return lines
 
 

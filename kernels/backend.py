@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import os
 
 import torch
 
@@ -164,3 +165,14 @@ def check_expand_shapes(
             f"got shape {xa_shape}"
         )
     return max_rank
+
+
+def check_triton_device(tensors: tuple[torch.Tensor, ...], what: str, cpu_hint: str = "set TRITON_INTERPRET=1") -> None:
+    """All of ``tensors`` on one device, and that device one Triton can run on: CUDA, or the
+    CPU under the interpreter. ``what`` names the caller in the errors, ``cpu_hint`` the fix."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"{what} tensors must share one device, got {t.device} and {device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the Triton {what} runs on CUDA tensors (got {device}); on the CPU {cpu_hint}")

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .backend import LoRABackend, check_expand_shapes, check_shapes
+from .backend import LoRABackend, check_expand_shapes, check_shapes, check_triton_device
 from .metadata import LoRABatchInfo, ensure_tiles
 from .triton_ops import (
     ExpandConfig,
@@ -58,15 +58,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _check_runtime(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"LoRA tensors must share one device, got {t.device} and {device}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"the Triton LoRA backend runs on CUDA tensors (got {device}); on the CPU use "
-            "get_backend('torch') or set TRITON_INTERPRET=1"
-        )
+    check_triton_device(tensors, "LoRA backend", "use get_backend('torch') or set TRITON_INTERPRET=1")
     for t in tensors:
         if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"unsupported dtype {t.dtype}: use one of float16, bfloat16, float32")

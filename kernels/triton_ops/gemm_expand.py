@@ -30,13 +30,11 @@ shrink it needs first is no longer hidden beside the GEMM.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_expand_shapes
+from ..backend import check_expand_shapes, check_triton_device
 from ..metadata import LoRABatchInfo
 from .configs import GemmConfig, next_pow2
 from .shrink import dot_precision, upcast_dot
@@ -201,17 +199,6 @@ def _gemm_expand_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_in[None, :] & n_in[:, None])
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"gemm tensors must share one device, got {t.device} and {device}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"the Triton GEMM runs on CUDA tensors (got {device}); on the CPU set TRITON_INTERPRET=1"
-        )
-
-
 def _check_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
@@ -296,7 +283,7 @@ def gemm_linear(
     ``[T, N]`` in x's dtype (written in place when given), accumulated in float32.
     """
     out = _check_linear(x, weight, bias, out)
-    _check_device(*(t for t in (x, weight, bias, out) if t is not None))
+    check_triton_device(tuple(t for t in (x, weight, bias, out) if t is not None), "GEMM")
     _launch(x, weight, bias, out, config, None)
     return out
 
@@ -355,6 +342,6 @@ def launch_gemm_expand(
     if info.token_slots.numel() < x.shape[0]:
         raise ValueError(f"info.token_slots has {info.token_slots.numel()} rows, x has {x.shape[0]}")
     tensors = [x, weight, out, stage, B, info.token_slots, info.lora_ranks, info.scalings]
-    _check_device(*tensors, *([bias] if bias is not None else []))
+    check_triton_device((*tensors, *([bias] if bias is not None else [])), "GEMM")
     _launch(x, weight, bias, out, config, (stage, B, info, slice_offsets))
     return out

@@ -89,3 +89,12 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
     for row in rows:
         done, total = row[-2].strip().split("/")
         assert done == total and int(total) > 0, row
+    # The agreement report: the batch-shape floor for each concurrency above the lowest, and
+    # every draft identical to plain decoding for base-model and adapter requests alike.
+    assert "| 2 | plain c=1 vs plain c=2 (floor) |" in text and "| 4 | plain c=1 vs plain c=4 (floor) |" in text
+    kinds = [line.split("|")[3:5] for line in text.splitlines() if " vs plain |" in line]
+    assert len(kinds) == 6, text
+    for cells in kinds:
+        for cell in cells:
+            done, total = cell.strip().split("/")
+            assert done == total and int(total) > 0, cells
