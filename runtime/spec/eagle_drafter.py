@@ -127,24 +127,27 @@ class EagleDrafter:
 
     def propose(self, requests: Sequence[Request], num_tokens: int) -> DraftProposal:
         bs = len(requests)
-        tokens = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
-        tokens = tokens[:, None].repeat(1, max(num_tokens, 0))
         live = [
             i
             for i, r in enumerate(requests)
             if (s := self._states.get(r.rid)) is not None and s.tail is not None
         ]
+        reqs = [requests[i] for i in live]
+        chain = num_tokens > 1 and bool(reqs) and all(r.params.greedy for r in reqs)
+        if chain and len(live) == bs and self.runner.can_chain(bs):
+            # Greedy, every request with draft state (the usual step): the first token's argmax
+            # and every later step in one replay, nothing else launched.
+            hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
+            return DraftProposal(self.runner.draft_chain([r.rid for r in reqs], hidden, num_tokens))
+        tokens = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
+        tokens = tokens[:, None].repeat(1, max(num_tokens, 0))
         if num_tokens == 0 or not live:
             return DraftProposal(tokens)
-        reqs = [requests[i] for i in live]
         rids = [r.rid for r in reqs]
         hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
         rows = torch.tensor(live, device=self.device)
-        if num_tokens > 1 and all(r.params.greedy for r in reqs) and self.runner.can_chain(len(reqs)):
-            # Greedy: the argmax feeds the next step on the device, all steps in one replay.
-            first = self.runner.compute_logits(hidden).argmax(dim=-1)
-            tokens[rows, 0] = first
-            tokens[rows, 1:] = self.runner.draft_chain(rids, first, hidden, num_tokens - 1)
+        if chain and self.runner.can_chain(len(reqs)):
+            tokens[rows] = self.runner.draft_chain(rids, hidden, num_tokens)
             return DraftProposal(tokens)
         probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):

@@ -54,8 +54,7 @@ class _ChainKey(NamedTuple):
 
 @dataclass
 class _ChainStatic:
-    first_ids: torch.Tensor  # int64 [max_bs]: each request's first draft token
-    hidden: torch.Tensor  # [max_bs, H]: the head's output that proposed it
+    hidden: torch.Tensor  # [max_bs, H]: the head's output that proposes each request's first token
     rows: torch.Tensor  # int64 [max_bs]
     prefix_lens: torch.Tensor  # int64 [max_bs]: cached entries before the chain
     out_cache_loc: torch.Tensor  # int64 [max_bs * steps], request-major
@@ -126,16 +125,15 @@ class EagleGraphRunner:
         hidden, logits = self._replay(self._graphs, key, lambda: self._body(key))
         return hidden[:total].clone(), None if logits is None else logits[:bs].clone()
 
-    def run_chain(self, alloc: Allocation, first_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
-        """``steps`` greedy draft steps per request of ``alloc`` (``steps`` rows each, already
-        allocated), from each request's first draft token and the head output that proposed
-        it; returns the tokens ``[bs, steps]``."""
+    def run_chain(self, alloc: Allocation, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+        """Each request's first greedy draft token from the head output ``hidden``, then
+        ``steps`` draft steps per request of ``alloc`` (``steps`` rows each, already
+        allocated); returns the tokens ``[bs, steps + 1]``."""
         bs = len(alloc.seq_lens)
         padded = padded_batch_size(self.batch_sizes, bs)
         assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
         key = _ChainKey(steps, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
         s = self._chain_static_for(steps)
-        fill_padded(s.first_ids, first_ids, bs, padded)
         fill_padded(s.hidden, hidden, bs, padded)
         fill_padded(s.rows, alloc.rows, bs, padded)
         fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
@@ -164,7 +162,7 @@ class EagleGraphRunner:
         if static is None:
             z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
             hidden = torch.zeros(self.max_bs, self.runner.model.hidden_size, dtype=self.runner.dtype, device=self.device)
-            static = _ChainStatic(z(self.max_bs), hidden, z(self.max_bs), z(self.max_bs), z(self.max_bs * steps))
+            static = _ChainStatic(hidden, z(self.max_bs), z(self.max_bs), z(self.max_bs * max(steps, 1)))
             self._chain_static[steps] = static
         return static
 
@@ -173,8 +171,9 @@ class EagleGraphRunner:
         layer = runner.config.layer
         bs = key.batch_size
         locs = s.out_cache_loc[: bs * key.steps].view(bs, key.steps)
-        tokens, hidden = s.first_ids[:bs], s.hidden[:bs]
-        out = []
+        hidden = s.hidden[:bs]
+        tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
+        out = [tokens]
         for j in range(key.steps):
             meta = build_attention_metadata(
                 req_to_token=runner.kv.req_to_token,

@@ -169,19 +169,19 @@ class EagleDraftRunner:
         return self.graphs is not None and self.graphs.can_run(batch_size)
 
     @torch.inference_mode()
-    def draft_chain(
-        self, request_ids: Sequence[Hashable], first_ids: torch.Tensor, hidden: torch.Tensor, steps: int
-    ) -> torch.Tensor:
-        """``steps`` greedy draft steps per request after its first draft token ``first_ids``
-        (proposed from the head output ``hidden``), as one replay; returns the tokens
-        ``[bs, steps]``. The same tokens and cache entries as ``steps`` calls of :meth:`step`
-        with the argmax fed back. On failure the cache is left as it was."""
+    def draft_chain(self, request_ids: Sequence[Hashable], hidden: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``num_tokens`` greedy draft tokens per request, as one replay: the first from the head
+        output ``hidden`` (the LM head's argmax), each later one from a draft step fed the
+        previous token; returns ``[bs, num_tokens]``. The same tokens and cache entries as
+        :meth:`compute_logits` then ``num_tokens - 1`` calls of :meth:`step` with the argmax
+        fed back. On failure the cache is left as it was."""
         assert self.graphs is not None
+        if num_tokens < 1:
+            raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
+        steps = num_tokens - 1
         alloc = self.kv.allocate(request_ids, [steps] * len(request_ids))
         try:
-            return self.graphs.run_chain(
-                alloc, first_ids.to(self.device), hidden.to(self.device, self.dtype), steps
-            )
+            return self.graphs.run_chain(alloc, hidden.to(self.device, self.dtype), steps)
         except BaseException:
             self.kv.rollback(alloc)
             raise

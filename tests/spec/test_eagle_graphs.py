@@ -98,9 +98,10 @@ def _check_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str
     steps = 4
     for batch in (["a", "b", "c"], ["d"], rids):
         rows = torch.tensor([rids.index(r) for r in batch], device=device)
-        first = graphed.compute_logits(tails["graphed"][rows]).argmax(-1)
-        chained = graphed.draft_chain(batch, first, tails["graphed"][rows], steps)
-        want, tokens, hidden = [], first, tails["eager"][rows]
+        chained = graphed.draft_chain(batch, tails["graphed"][rows], steps + 1)
+        hidden = tails["eager"][rows]
+        tokens = eager.compute_logits(hidden).argmax(-1)
+        want = [tokens]
         for _ in range(steps):
             hidden, logits = eager.step(batch, tokens, hidden)
             tokens = logits.argmax(-1)
