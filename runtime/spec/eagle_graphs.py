@@ -15,10 +15,11 @@ host; at batch 1 that host work, not the GPU, set the EAGLE step's cost
 (``bench/results/2026-12-03-spec-h200.md``). Padded rows use KV row 0 and slot 0, which
 the cache never hands out. Prefill chunks (ragged) stay eager.
 
-A greedy proposal's steps after the first also run as one *chain* graph: every step's
-argmax feeds the next inside the graph, so ``n`` draft steps cost one replay and one set of
-host work instead of ``n`` (their KV rows are allocated up front; each step's query sees
-its own position only, as it would step by step).
+A greedy proposal runs as one *chain* graph: the LM head's argmax of each request's tail
+gives the first token, and every step's argmax feeds the next inside the graph, so ``n``
+draft tokens cost one replay and one set of host work instead of ``n`` (the steps' KV rows
+are allocated up front; each step's query sees its own position only, as it would step by
+step).
 """
 
 from __future__ import annotations
