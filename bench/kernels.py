@@ -1233,16 +1233,22 @@ def sweep_workloads(tiny: bool) -> list[tuple[Workload, str]]:
     ]
 
 
+# The layer targets' shapes (and batch 1, and 8 adapters at batch 8 from graph metadata).
+LAYER_SHAPES = (
+    Workload("decode", 1, 1, 16, rank_major_b=True),
+    Workload("decode", 32, 8, 16, rank_major_b=True),
+    Workload("decode", 32, 8, 16, rank_major_b=True, graph=True),
+    Workload("decode", 64, 64, 16, rank_major_b=True),
+    Workload("verify", 32, 32, 16, 4, rank_major_b=True),
+    Workload("decode", 8, 8, 16, rank_major_b=True, graph=True),
+)
+
+
 def layer_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     if tiny:
         return [(Workload("decode", 2, 1, 16, rank_major_b=True), (*PATHS3, *OVERLAPS))]
     return [
-        (Workload("decode", 1, 1, 16, rank_major_b=True), LAYER),
-        (Workload("decode", 32, 8, 16, rank_major_b=True), LAYER),
-        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), LAYER),
-        (Workload("decode", 64, 64, 16, rank_major_b=True), LAYER),
-        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), LAYER),
-        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), LAYER),
+        *((w, LAYER) for w in LAYER_SHAPES),
         # where the two joins cross over (the policy's delta_max_tiles)
         (Workload("decode", 2, 2, 16, rank_major_b=True), CROSSOVER),
         (Workload("decode", 4, 4, 16, rank_major_b=True), CROSSOVER),
@@ -1254,14 +1260,7 @@ def epilogue_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets (and batch 1) with the expand in a Triton base GEMM's epilogue."""
     if tiny:
         return [(Workload("decode", 4, 2, 16, rank_major_b=True), EPILOGUE)]
-    return [
-        (Workload("decode", 1, 1, 16, rank_major_b=True), EPILOGUE),
-        (Workload("decode", 32, 8, 16, rank_major_b=True), EPILOGUE),
-        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), EPILOGUE),
-        (Workload("decode", 64, 64, 16, rank_major_b=True), EPILOGUE),
-        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), EPILOGUE),
-        (Workload("decode", 8, 8, 16, rank_major_b=True, graph=True), EPILOGUE),
-    ]
+    return [(w, EPILOGUE) for w in LAYER_SHAPES]
 
 
 def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
