@@ -133,22 +133,28 @@ class EagleDrafter:
             if (s := self._states.get(r.rid)) is not None and s.tail is not None
         ]
         reqs = [requests[i] for i in live]
-        chain = num_tokens > 1 and bool(reqs) and all(r.params.greedy for r in reqs)
-        if chain and len(live) == bs and self.runner.can_chain(bs):
-            # Greedy, every request with draft state (the usual step): the first token's argmax
-            # and every later step in one replay, nothing else launched.
+        chained = None
+        if (
+            num_tokens > 1
+            and reqs
+            and all(r.params.greedy for r in reqs)
+            and self.runner.can_chain(len(reqs))
+        ):
+            # Greedy: the first token's argmax and every later step in one replay.
             hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-            return DraftProposal(self.runner.draft_chain([r.rid for r in reqs], hidden, num_tokens))
+            chained = self.runner.draft_chain([r.rid for r in reqs], hidden, num_tokens)
+            if len(live) == bs:  # the usual step: nothing else to launch
+                return DraftProposal(chained)
         tokens = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
         tokens = tokens[:, None].repeat(1, max(num_tokens, 0))
         if num_tokens == 0 or not live:
             return DraftProposal(tokens)
+        rows = torch.tensor(live, device=self.device)
+        if chained is not None:
+            tokens[rows] = chained
+            return DraftProposal(tokens)
         rids = [r.rid for r in reqs]
         hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-        rows = torch.tensor(live, device=self.device)
-        if chain and self.runner.can_chain(len(reqs)):
-            tokens[rows] = self.runner.draft_chain(rids, hidden, num_tokens)
-            return DraftProposal(tokens)
         probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):
             if j > 0:

@@ -169,26 +169,15 @@ class EagleGraphRunner:
 
     def _chain_body(self, key: _ChainKey) -> torch.Tensor:
         s, runner = self._chain_static[key.steps], self.runner
-        layer = runner.config.layer
         bs = key.batch_size
         locs = s.out_cache_loc[: bs * key.steps].view(bs, key.steps)
         hidden = s.hidden[:bs]
         tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
         out = [tokens]
         for j in range(key.steps):
-            meta = build_attention_metadata(
-                req_to_token=runner.kv.req_to_token,
-                rows=s.rows[:bs],
-                prefix_lens=s.prefix_lens[:bs] + j,
-                out_cache_loc=locs[:, j],
-                max_q=1,
-                max_ctx=key.context,
-                groups=layer.num_heads // layer.num_kv_heads,
-                q_lens=None,
-            )
-            hidden = runner.model(
-                tokens, hidden, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=False
-            )
+            hidden = self._head(
+                s.rows[:bs], s.prefix_lens[:bs] + j, locs[:, j], 1, key.context, tokens, hidden, from_target=False
+            )  # fmt: skip
             tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
             out.append(tokens)
         return torch.stack(out, dim=1)
@@ -211,26 +200,40 @@ class EagleGraphRunner:
         return static
 
     def _body(self, key: _Key) -> tuple[torch.Tensor, torch.Tensor | None]:
-        s, runner = self._static[(key.width, key.from_target)], self.runner
+        s = self._static[(key.width, key.from_target)]
+        bs, n = key.batch_size, key.batch_size * key.width
+        hidden = self._head(
+            s.rows[:bs], s.prefix_lens[:bs], s.out_cache_loc[:n], key.width, key.context,
+            s.input_ids[:n], s.features[:n], from_target=key.from_target,
+        )  # fmt: skip
+        single = key.width == 1 and not key.from_target
+        return hidden, self.runner.model.compute_logits(hidden) if single else None
+
+    def _head(
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        width: int,
+        context: int,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        from_target: bool,
+    ) -> torch.Tensor:
+        """One uniform forward of the draft head (``width`` rows per request) on static tensors."""
+        runner = self.runner
         layer = runner.config.layer
-        n = key.batch_size * key.width
         meta = build_attention_metadata(
             req_to_token=runner.kv.req_to_token,
-            rows=s.rows[: key.batch_size],
-            prefix_lens=s.prefix_lens[: key.batch_size],
-            out_cache_loc=s.out_cache_loc[:n],
-            max_q=key.width,
-            max_ctx=key.context,
+            rows=rows,
+            prefix_lens=prefix_lens,
+            out_cache_loc=out_cache_loc,
+            max_q=width,
+            max_ctx=context,
             groups=layer.num_heads // layer.num_kv_heads,
             q_lens=None,
         )
-        hidden = runner.model(
-            s.input_ids[:n],
-            s.features[:n],
-            meta,
-            runner.kv.k_buffers[0],
-            runner.kv.v_buffers[0],
-            from_target=key.from_target,
+        return runner.model(
+            input_ids, features, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=from_target
         )
-        single = key.width == 1 and not key.from_target
-        return hidden, runner.model.compute_logits(hidden) if single else None
