@@ -1547,12 +1547,12 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
     on = run_workload(spec_config, runner, decoder, bench, c, f"{name}-{c}", defer_steps=opts.defer_steps)
     summary = spec_summary(decoder)
-    same = sum(off.outputs[f"off-{c}-{i}"] == on.outputs[f"{name}-{c}-{i}"] for i in range(count))
     identity = identity_by_kind(
         bench.adapters,
         [off.outputs[f"off-{c}-{i}"] for i in range(count)],
         [on.outputs[f"{name}-{c}-{i}"] for i in range(count)],
     )
+    same = sum(kind["identical"] for kind in identity.values())
     speedup = on.tokens_per_s / off.tokens_per_s
     details[name] = {
         "on_s": on.seconds, "generated": on.generated, **summary, "on_steps": on.steps, "identity": identity,
