@@ -855,7 +855,7 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
     two-launch default's time split into its shrink and its expand."""
     gen = torch.Generator().manual_seed(11)
     results = []
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = num_sms(device)
     for w, mname in workloads:
         m = modules[mname]
         if time.time() > deadline:
@@ -1145,7 +1145,7 @@ def tune_module(case: ModuleCase, w: Workload, m: Module, device, sms: int, reps
 def tune(device, modules, workloads, l2_bytes, reps, deadline) -> tuple[dict[str, dict], list[dict]]:
     """``tune_module`` for every module of each workload: {workload label: {module: best}}."""
     gen = torch.Generator().manual_seed(13)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = num_sms(device)
     tuned: dict[str, dict] = {}
     record: list[dict] = []
     for w in workloads:
