@@ -62,7 +62,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -1089,6 +1089,12 @@ def main(argv: list[str] | None = None) -> int:
         " GPU, and write phases-DRAFT.md there (where a step's time goes, without a profiler's distortion)",
     )
     ap.add_argument(
+        "--k-sweep",
+        default="",
+        help="comma list of other num_draft_tokens values to time at concurrency 1 with the first draft"
+        " (the same trained draft and workload; rows DRAFT-kN), e.g. 4,8,10",
+    )
+    ap.add_argument(
         "--c1-requests",
         type=int,
         default=10,
@@ -1130,6 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.c1_requests < 1:
         raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
+    sweep = parse_k_sweep(args.k_sweep)
     cap_target, cap_standalone, cap_eagle = parse_max_steps(args.max_steps)
     smoke = args.smoke
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
@@ -1356,6 +1363,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 notes.append(f"concurrency {c} {name} failed: {type(exc).__name__}: {exc}")
                 log(notes[-1])
+        if c == 1 and sweep:
+            _k_sweep(sweep, order[0], spec_configs[order[0]], runner, sampler, pool, opts, off, bench_work,
+                     details[c]["spec"], rows, notes)  # fmt: skip
         report()
     print(report())
     log(f"total {time.monotonic() - started:.0f} s")
@@ -1372,6 +1382,46 @@ def main(argv: list[str] | None = None) -> int:
             print(f"smoke: outputs differ or runs failed: {bad} {notes}")
             return 1
     return 0
+
+
+def parse_k_sweep(value: str) -> list[int]:
+    """``--k-sweep 4,8``: the other verify widths to time at concurrency 1 (each >= 2)."""
+    try:
+        ks = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--k-sweep {value!r}: give a comma list of integers, e.g. 4,8,10") from None
+    if any(k < 2 for k in ks):
+        raise SystemExit(f"--k-sweep {value!r}: every width must be >= 2 (one draft token at least)")
+    return ks
+
+
+def _k_sweep(ks, name, base_config, runner, sampler, pool, opts: MeasureOptions, off, bench, details, rows, notes):
+    """``name``'s draft at concurrency 1 with each other verify width in ``ks``: a decoder of
+    its own per width (its draft runner and graphs), the same workload and baseline."""
+    for width in ks:
+        if width == opts.k:
+            continue
+        last = details.get(name, {}).get("on_s", 0.0)
+        if time.monotonic() + 2.5 * last > opts.deadline:
+            notes.append(f"--k-sweep: k = {width} and later skipped, the --deadline-s budget is spent")
+            log(notes[-1])
+            return
+        config = base_config.copy()
+        config.speculative.num_steps = width - 1
+        config.speculative.num_draft_tokens = width
+        decoder = build_decoder(config=config, runner=runner, sampler=sampler)
+        try:
+            rows.append(
+                _measure_spec(config, runner, decoder, f"{name}-k{width}", pool, 1,
+                              replace(opts, k=width, profile=None, phases=None), off, bench, details)  # fmt: skip
+            )
+        except Exception as exc:
+            notes.append(f"--k-sweep k = {width} failed: {type(exc).__name__}: {exc}")
+            log(notes[-1])
+        finally:
+            del decoder
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def parse_max_steps(value: str | None) -> tuple[int | None, int | None, int | None]:

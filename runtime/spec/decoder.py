@@ -192,16 +192,19 @@ class SpeculativeDecoder:
         drafts = proposal.tokens.to(self.device)
         last = last.to(self.device, non_blocking=True)
         verify_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
-        verify_start = time.perf_counter()
+        timer = _VerifyTimer(self.device)
         output = self.runner.forward(
             self._target_batch(ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=self.k)
         )
         acceptance = self._accept(requests, drafts, output.logits, proposal.probs)
+        timer.stop()
+        # Before the host reads the acceptance: a drafter may queue its next work on the
+        # device right behind the verify (EAGLE: the feed and the next proposal).
+        self.drafter.on_verify(requests, acceptance, output)
         accept_lens, token_rows = acceptance.host()  # the step's one wait for the device
-        verify_seconds = time.perf_counter() - verify_start
+        verify_seconds = timer.seconds()
         for req, accepted in zip(requests, accept_lens, strict=True):
             self.runner.kv.truncate(req.rid, n - accepted)
-        self.drafter.on_verify(requests, acceptance, output)
         logprobs = self._logprobs(requests, output.logits, acceptance)
         outs = [
             StepOutput(
@@ -263,3 +266,33 @@ class SpeculativeDecoder:
 
     def on_finish(self, request: Request) -> None:
         self.drafter.release(request)
+
+
+class _VerifyTimer:
+    """Time of the target-verify forward plus acceptance.
+
+    On CUDA, events on the stream: the host may queue the drafter's next work behind the
+    verify before it waits, so the host's clock would count that work too. Elsewhere the
+    work is synchronous and the host's clock is the measure."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Call once the host has waited for the device past :meth:`stop`."""
+        if self._cuda:
+            return self._start.elapsed_time(self._end) / 1000.0
+        assert self._t1 is not None
+        return self._t1 - self._t0

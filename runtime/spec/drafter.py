@@ -47,7 +47,11 @@ class Drafter(Protocol):
         """``num_tokens`` drafts per request, continuing ``request.all_ids``."""
 
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
-        """The target verified the last proposal; drop rejected draft state, keep the rest."""
+        """The target verified the last proposal; drop rejected draft state, keep the rest.
+
+        Called before the decoder reads ``acceptance`` on the host: device work queued here
+        runs right behind the verify, and ``acceptance.host()`` (cached, one copy for all
+        readers) is where the host waits for it."""
 
     def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
         """The target decoded one token per request without drafting (a batch too large to

@@ -10,6 +10,12 @@ while proposing are truncated after verify and replaced by the target's real fea
 A request whose draft state was lost (a failed step) proposes its last token until the
 next verify supplies features again; rotary attention depends only on relative
 positions, so the draft resumes from there without recomputing the past.
+
+After a greedy verify of a batch the graphs hold, :meth:`EagleDrafter.on_verify` queues
+the feed and the next step's proposal as one replay before it reads the acceptance on the
+host (:meth:`.EagleDraftRunner.feed_chain`); :meth:`EagleDrafter.propose` then hands out
+those tokens without launching anything. The GPU goes from the verify straight into the
+draft instead of idling while the host does the step's bookkeeping.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ class _State:
     tail: torch.Tensor | None = None  # draft output at the last committed pair [H]
 
 
+@dataclass
+class _Pending:
+    """The next proposal, computed with the feed after a verify (see :meth:`EagleDrafter.propose`)."""
+
+    index: dict[str, int]  # request id -> its row of ``tokens``
+    tokens: torch.Tensor  # int64 [bs, num_tokens] on the device
+
+
 class EagleDrafter:
     """Drives an :class:`EagleDraftRunner` from the target's hidden states."""
 
@@ -44,6 +58,7 @@ class EagleDrafter:
         self.needs_hidden = runner.version != 3
         self.hidden_layers: tuple[int, ...] | None = runner.aux_layer_ids if runner.version == 3 else None
         self._states: dict[str, _State] = {}
+        self._pending: _Pending | None = None
 
     @property
     def lora(self):
@@ -107,6 +122,7 @@ class EagleDrafter:
     def on_extend(
         self, chunks: Sequence[tuple[Request, int]], output: ForwardOutput, first_tokens: Sequence[int | None]
     ) -> None:
+        self._invalidate([req for req, _ in chunks])
         feats = self._features(output)
         items = []
         offset = 0
@@ -126,6 +142,9 @@ class EagleDrafter:
         self._append(items)
 
     def propose(self, requests: Sequence[Request], num_tokens: int) -> DraftProposal:
+        ready = self._take_pending(requests, num_tokens)
+        if ready is not None:
+            return DraftProposal(ready)
         bs = len(requests)
         live = [
             i
@@ -133,6 +152,7 @@ class EagleDrafter:
             if (s := self._states.get(r.rid)) is not None and s.tail is not None
         ]
         reqs = [requests[i] for i in live]
+        self._drop_speculative(reqs)  # entries of a proposal computed ahead and not used
         chained = None
         if (
             num_tokens > 1
@@ -175,10 +195,64 @@ class EagleDrafter:
                 full[rows, j] = torch.nn.functional.one_hot(tokens[rows, j], self.vocab_size).to(full.dtype)
         return DraftProposal(tokens, full)
 
+    def _take_pending(self, requests: Sequence[Request], num_tokens: int) -> torch.Tensor | None:
+        """The proposal computed ahead for these requests (any subset of its batch, any
+        order), or None; either way it is used at most once."""
+        pending, self._pending = self._pending, None
+        if pending is None or num_tokens != pending.tokens.shape[1] or not requests:
+            return None
+        rows = [pending.index.get(r.rid) for r in requests]
+        if any(i is None for i in rows):
+            return None
+        if rows == list(range(len(pending.index))):
+            return pending.tokens
+        return pending.tokens.index_select(0, torch.tensor(rows, device=pending.tokens.device))
+
+    def _can_propose_ahead(self, requests: Sequence[Request], width: int) -> bool:
+        """Whether the feed and the next proposal can run as one replay for this batch."""
+        steps = width - 2  # the next proposal is width - 1 tokens: the first, then steps
+        if steps < 0 or not all(r.params.greedy for r in requests) or not self.runner.can_chain(len(requests)):
+            return False
+        kv = self.runner.kv
+        committed = [s.committed if (s := self._states.get(r.rid)) is not None else 0 for r in requests]
+        if any(c + width + steps > kv.max_context_len for c in committed):
+            return False  # near the context limit: feed only, propose next step
+        # the feed first frees the entries of the last proposal past the committed ones
+        freed = sum(max(0, kv.seq_len(r.rid) - c) for r, c in zip(requests, committed, strict=True))
+        return kv.num_free_tokens + freed >= len(requests) * (width + steps)
+
+    def _feed_and_propose(self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor) -> None:
+        """Feed the verified positions and propose the next step's drafts in one replay,
+        queued before the host reads the acceptance (the step's one wait comes after it)."""
+        bs, width = acceptance.tokens.shape
+        self._drop_speculative(requests)
+        tokens, tails = self.runner.feed_chain(
+            [r.rid for r in requests],
+            acceptance.tokens.clamp_min(0).reshape(-1),
+            feats.reshape(bs * width, -1),
+            acceptance.accept_lens,
+            width,
+            width - 1,
+        )
+        keep = [a + 1 for a in acceptance.host_accept_lens()]
+        self._commit(requests, keep, tails)
+        self._pending = _Pending({r.rid: i for i, r in enumerate(requests)}, tokens)
+
+    def _invalidate(self, requests: Sequence[Request]) -> None:
+        """Drop a proposal computed ahead if any of these requests' draft state changes."""
+        if self._pending is not None and any(r.rid in self._pending.index for r in requests):
+            self._pending = None
+
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
+        """Called before the host has read ``acceptance`` (the decoder's contract), so the
+        feed and the next proposal queue right behind the verify on the device."""
+        self._pending = None
         feats = self._features(output)
         k = acceptance.tokens.shape[1]
         feats = feats.view(len(requests), k, -1)
+        if self._can_propose_ahead(requests, k):
+            self._feed_and_propose(requests, acceptance, feats)
+            return
         graphs = self.runner.graphs
         if graphs is not None and graphs.can_run(len(requests)):
             keep = [a + 1 for a in acceptance.host_accept_lens()]
@@ -191,6 +265,7 @@ class EagleDrafter:
         self._append(items)
 
     def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
+        self._invalidate(requests)
         # The decoded position's feature and the token that followed it: the same pair a
         # verify that accepted no draft would commit.
         feats = self._features(output)
@@ -202,5 +277,6 @@ class EagleDrafter:
         )
 
     def release(self, request: Request) -> None:
+        self._invalidate([request])
         self._states.pop(request.rid, None)
         self.runner.kv.free(request.rid)

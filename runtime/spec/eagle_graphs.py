@@ -20,6 +20,12 @@ gives the first token, and every step's argmax feeds the next inside the graph, 
 draft tokens cost one replay and one set of host work instead of ``n`` (the steps' KV rows
 are allocated up front; each step's query sees its own position only, as it would step by
 step).
+
+After a greedy verify, feeding the verified positions and the next proposal run as one
+*feed-chain* graph, queued before the host has read the acceptance: the accepted counts
+stay on the device, where they pick each request's tail row and place the chain's rows
+right after the accepted entries. The verify, the acceptance and the whole draft then run
+back to back on the GPU with no host round trip between them.
 """
 
 from __future__ import annotations
@@ -53,12 +59,29 @@ class _ChainKey(NamedTuple):
     context: int  # key columns, enough for the last step
 
 
+class _FeedChainKey(NamedTuple):
+    width: int  # verified positions fed per request
+    steps: int  # greedy draft steps after the first token
+    batch_size: int  # padded
+    context: int  # key columns, enough for every row allocated
+
+
 @dataclass
 class _ChainStatic:
     hidden: torch.Tensor  # [max_bs, H]: the head's output that proposes each request's first token
     rows: torch.Tensor  # int64 [max_bs]
     prefix_lens: torch.Tensor  # int64 [max_bs]: cached entries before the chain
     out_cache_loc: torch.Tensor  # int64 [max_bs * steps], request-major
+
+
+@dataclass
+class _FeedChainStatic:
+    input_ids: torch.Tensor  # int64 [max_bs * width]: the token after each verified position
+    features: torch.Tensor  # [max_bs * width, feature width]: the target's features there
+    rows: torch.Tensor  # int64 [max_bs]
+    prefix_lens: torch.Tensor  # int64 [max_bs]: committed entries before the feed
+    slots: torch.Tensor  # int64 [max_bs * (width + steps)], request-major: every row allocated
+    accept: torch.Tensor  # int64 [max_bs]: drafts accepted (the tail is fed row ``accept``)
 
 
 @dataclass
@@ -91,11 +114,16 @@ class EagleGraphRunner:
         self._graphs: dict[_Key, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._chain_static: dict[int, _ChainStatic] = {}
         self._chains: dict[_ChainKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._feed_static: dict[tuple[int, int], _FeedChainStatic] = {}
+        self._feed_chains: dict[
+            _FeedChainKey, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
     def num_graphs(self) -> int:
-        return sum(graph is not None for table in (self._graphs, self._chains) for graph, _ in table.values())
+        tables = (self._graphs, self._chains, self._feed_chains)
+        return sum(graph is not None for table in tables for graph, _ in table.values())
 
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
@@ -141,6 +169,37 @@ class EagleGraphRunner:
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * steps, padded * steps)
         return self._replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
 
+    def run_feed_chain(
+        self,
+        alloc: Allocation,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        accept: torch.Tensor,
+        *,
+        width: int,
+        steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``width`` verified pairs per request of ``alloc`` (``width + steps`` rows each,
+        already allocated), then propose greedily from each request's tail, the output at row
+        ``accept[i]`` (a device tensor, never read on the host): the first token from the LM
+        head, then ``steps`` draft steps placed right after the accepted entries. Returns the
+        tokens ``[bs, steps + 1]`` and the tails ``[bs, H]``."""
+        bs = len(alloc.seq_lens)
+        padded = padded_batch_size(self.batch_sizes, bs)
+        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
+        context = context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len)
+        key = _FeedChainKey(width, steps, padded, context)
+        s = self._feed_static_for(width, steps)
+        n, total = padded * width, bs * width
+        fill_padded(s.input_ids, input_ids, total, n)
+        fill_padded(s.features, features, total, n)
+        fill_padded(s.rows, alloc.rows, bs, padded)
+        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        fill_padded(s.slots, alloc.out_cache_loc, bs * (width + steps), padded * (width + steps))
+        fill_padded(s.accept, accept, bs, padded)
+        tokens, tails = self._replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
+        return tokens[:bs].clone(), tails[:bs].clone()
+
     def _replay(self, table: dict, key, body: Callable[[], T]) -> T:
         """``body``'s outputs for ``key``: its graph replayed, captured on first use, or run
         eagerly (the static path, or after a failed capture turned graphs off)."""
@@ -167,18 +226,54 @@ class EagleGraphRunner:
             self._chain_static[steps] = static
         return static
 
+    def _feed_static_for(self, width: int, steps: int) -> _FeedChainStatic:
+        static = self._feed_static.get((width, steps))
+        if static is None:
+            model, max_bs = self.runner.model, self.max_bs
+            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
+            features = torch.zeros(max_bs * width, model.feature_size, dtype=self.runner.dtype, device=self.device)
+            static = _FeedChainStatic(
+                z(max_bs * width), features, z(max_bs), z(max_bs), z(max_bs * (width + steps)), z(max_bs)
+            )
+            self._feed_static[(width, steps)] = static
+        return static
+
     def _chain_body(self, key: _ChainKey) -> torch.Tensor:
-        s, runner = self._chain_static[key.steps], self.runner
+        s = self._chain_static[key.steps]
         bs = key.batch_size
         locs = s.out_cache_loc[: bs * key.steps].view(bs, key.steps)
-        hidden = s.hidden[:bs]
-        tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
+        return self._chain(s.rows[:bs], s.prefix_lens[:bs], locs, key.context, s.hidden[:bs])
+
+    def _feed_chain_body(self, key: _FeedChainKey) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._feed_static[(key.width, key.steps)]
+        bs, width, steps = key.batch_size, key.width, key.steps
+        slots = s.slots[: bs * (width + steps)].view(bs, width + steps)
+        rows, prefix, accept = s.rows[:bs], s.prefix_lens[:bs], s.accept[:bs]
+        n = bs * width
+        hidden = self._head(
+            rows, prefix, slots[:, :width].reshape(-1), width, key.context,
+            s.input_ids[:n], s.features[:n], from_target=True,
+        )  # fmt: skip
+        tail = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
+        # Draft entry ``accept + 1 + j`` of the allocation holds chain step ``j``: right after
+        # the kept pairs, over the rejected positions' rows (the head is causal and the chain
+        # runs after the feed, so nothing kept reads them).
+        offsets = accept[:, None] + 1 + torch.arange(steps, device=self.device)[None, :]
+        locs = slots.gather(1, offsets)
+        return self._chain(rows, prefix + accept + 1, locs, key.context, tail), tail
+
+    def _chain(
+        self, rows: torch.Tensor, prefix_lens: torch.Tensor, locs: torch.Tensor, context: int, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Greedy tokens ``[bs, steps + 1]``: the LM head's argmax of ``hidden``, then one
+        single-row head step per column of ``locs`` (each fed the previous token and output),
+        the first at position ``prefix_lens``."""
+        model = self.runner.model
+        tokens = model.compute_logits(hidden).argmax(dim=-1)
         out = [tokens]
-        for j in range(key.steps):
-            hidden = self._head(
-                s.rows[:bs], s.prefix_lens[:bs] + j, locs[:, j], 1, key.context, tokens, hidden, from_target=False
-            )  # fmt: skip
-            tokens = runner.model.compute_logits(hidden).argmax(dim=-1)
+        for j in range(locs.shape[1]):
+            hidden = self._head(rows, prefix_lens + j, locs[:, j], 1, context, tokens, hidden, from_target=False)
+            tokens = model.compute_logits(hidden).argmax(dim=-1)
             out.append(tokens)
         return torch.stack(out, dim=1)
 

@@ -186,6 +186,43 @@ class EagleDraftRunner:
             self.kv.rollback(alloc)
             raise
 
+    @torch.inference_mode()
+    def feed_chain(
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        accept_lens: torch.Tensor,
+        width: int,
+        num_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a greedy verify, in one replay: append ``width`` of the target's (feature,
+        next token) pairs per request, and propose ``num_tokens`` greedy drafts from the pair
+        at ``accept_lens[i]`` (a device tensor: the host need not have read it). Returns the
+        drafts ``[bs, num_tokens]`` and the tails ``[bs, H]``.
+
+        The cache gains ``width + num_tokens - 1`` entries per request; the caller keeps the
+        first ``accept_lens[i] + 1`` (the rest are the rejected positions and the proposal's
+        own entries, which the next update truncates). On failure the cache is left as it was.
+        """
+        assert self.graphs is not None
+        if num_tokens < 1:
+            raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
+        steps = num_tokens - 1
+        alloc = self.kv.allocate(request_ids, [width + steps] * len(request_ids))
+        try:
+            return self.graphs.run_feed_chain(
+                alloc,
+                input_ids.to(self.device),
+                features.to(self.device, self.dtype),
+                accept_lens.to(self.device, torch.int64),
+                width=width,
+                steps=steps,
+            )
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
+
     def _replay(
         self,
         request_ids: Sequence[Hashable],

@@ -32,13 +32,16 @@ def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
     ]
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-graph-path"])
+@pytest.mark.parametrize(
+    "graphs", [None, "ahead", "feed-then-propose"], ids=["eager", "static-propose-ahead", "static-feed-then-propose"]
+)
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, graphs):
     """After steps with every accept length, the draft's last output equals that of a
     drafter fed the same committed (feature, token) pairs in one go. With graphs the
-    verified positions go in as one uniform k-row forward (then truncated), and the
-    single-row steps through the padded static path."""
+    verified positions go in through the padded static path: with the next proposal in
+    the same replay (``ahead``: the cache then also holds that proposal's entries past the
+    committed ones), or as one uniform k-row forward, then truncated, and a chain."""
     from loraserve.runtime.model import build_model, load_arch_config
 
     arch = load_arch_config(spec_assets.target)
@@ -63,6 +66,8 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, gr
     drafter = make()
     if graphs:
         drafter.runner.graphs = EagleGraphRunner(drafter.runner, max_bs=2, use_graphs=False)
+    if graphs == "feed-then-propose":
+        drafter._can_propose_ahead = lambda requests, width: False
     width = drafter.runner.model.feature_size
     gen = torch.Generator().manual_seed(version)
     k = 4
@@ -94,14 +99,20 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, gr
         pairs_ids.extend(new)
         pairs_feats.append(feats[: accepted + 1])
         req.output_ids.extend(new)
-        assert drafter.runner.kv.seq_len("r") == len(pairs_ids)
+        assert drafter._states["r"].committed == len(pairs_ids)
+        ahead = k - 1 - 1 + k - (accepted + 1) if graphs == "ahead" else 0  # chain rows, rejected rows
+        assert drafter.runner.kv.seq_len("r") == len(pairs_ids) + ahead
 
     fresh = make()
     out = fresh.runner.forward(["r"], torch.tensor(pairs_ids), torch.cat(pairs_feats), [len(pairs_ids)])
     torch.testing.assert_close(drafter._states["r"].tail, out[-1], rtol=1e-5, atol=1e-5)
     if graphs:  # the verified positions and the greedy proposals' chains took the static path
-        assert {(key.width, key.from_target) for key in drafter.runner.graphs._graphs} == {(k, True)}
-        assert {key.steps for key in drafter.runner.graphs._chains} == {k - 2}
+        static = drafter.runner.graphs
+        assert {key.steps for key in static._chains} == {k - 2}  # the first proposal, after the prefill
+        if graphs == "ahead":
+            assert {(key.width, key.steps) for key in static._feed_chains} == {(k, k - 2)} and not static._graphs
+        else:
+            assert {(key.width, key.from_target) for key in static._graphs} == {(k, True)} and not static._feed_chains
     drafter.release(req)
     assert "r" not in drafter.runner.kv
 

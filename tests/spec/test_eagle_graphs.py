@@ -119,6 +119,65 @@ def _check_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str
         assert [graphed.kv.seq_len(r) for r in rids] == [eager.kv.seq_len(r) for r in rids]
 
 
+def _check_feed_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device: str) -> None:
+    """Feeding k verified pairs and the next greedy proposal as one replay, with the accepted
+    counts on the device, against the same work done eagerly with the counts on the host:
+    feed, truncate the rejected entries, argmax of the tail, single steps."""
+    gen = torch.Generator().manual_seed(7)
+    feature = graphed.model.feature_size
+    lengths = {"a": 9, "b": 4, "c": 30, "d": 58}  # "d" needs 64 columns, then 128
+    rids = list(lengths)
+    ids = torch.cat([torch.randint(3, 500, (n,), generator=gen) for n in lengths.values()]).to(device)
+    feats = torch.randn(sum(lengths.values()), feature, generator=gen).to(device)
+    for runner in (graphed, eager):
+        runner.forward(rids, ids, feats, list(lengths.values()))
+    k, num_tokens = 4, 3
+    # every accepted count 0..k-1 appears, in batches the graphs pad (3 -> 4) and hold exactly
+    for batch, accepted in ((["a", "b", "c"], [0, 3, 1]), (rids, [2, 0, 3, 1]), (["d"], [3])):
+        bs = len(batch)
+        tokens = torch.randint(3, 500, (bs * k,), generator=gen).to(device)
+        target_feats = torch.randn(bs * k, feature, generator=gen).to(device)
+        accept = torch.tensor(accepted, device=device)
+        before = [graphed.kv.seq_len(r) for r in batch]
+        drafts, tails = graphed.feed_chain(batch, tokens, target_feats, accept, k, num_tokens)
+        assert [graphed.kv.seq_len(r) for r in batch] == [n + k + num_tokens - 1 for n in before]
+
+        out = eager.forward(batch, tokens, target_feats, [k] * bs, from_target=True).view(bs, k, -1)
+        for r, a in zip(batch, accepted, strict=True):
+            eager.kv.truncate(r, k - (a + 1))
+        hidden = out[torch.arange(bs, device=device), accept]
+        torch.testing.assert_close(tails, hidden, rtol=1e-5, atol=1e-5)
+        step_tokens = eager.compute_logits(hidden).argmax(-1)
+        want = [step_tokens]
+        for _ in range(num_tokens - 1):
+            hidden, logits = eager.step(batch, step_tokens, hidden)
+            step_tokens = logits.argmax(-1)
+            want.append(step_tokens)
+        assert torch.equal(drafts, torch.stack(want, 1)), (batch, accepted)
+
+        # The kept pairs and the chain's entries sit at the same positions in both caches:
+        # drop the graphed cache's extra rows and a forward over the rest agrees.
+        for r, a in zip(batch, accepted, strict=True):
+            graphed.kv.truncate(r, k - (a + 1))
+        assert [graphed.kv.seq_len(r) for r in rids] == [eager.kv.seq_len(r) for r in rids]
+        probe_ids = torch.randint(3, 500, (bs,), generator=gen).to(device)
+        probe = torch.randn(bs, feature, generator=gen).to(device)
+        got = graphed.forward(batch, probe_ids, probe, [1] * bs)
+        ref = eager.forward(batch, probe_ids, probe, [1] * bs)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        for runner in (graphed, eager):  # back to the committed pairs, as the drafter does
+            for r in batch:
+                runner.kv.truncate(r, num_tokens)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_static_feed_chain_equals_eager_feed_then_steps(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+    eager.graphs = None
+    _check_feed_chain(graphed, eager, "cpu")
+    assert sorted(graphed.graphs._feed_chains) == [(4, 2, 1, 128), (4, 2, 4, 64)]
+
+
 @pytest.mark.parametrize("version", [1, 3])
 def test_static_chain_equals_single_steps(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
@@ -135,8 +194,11 @@ def test_static_padded_steps_equal_eager(spec_assets, version):
     assert shapes == [(1, False, 2, 64), (1, False, 4, 64), (4, True, 4, 64)]
 
 
-def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets):
-    """EAGLE through the engine with its single-row steps on the padded static path."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["propose-ahead", "feed-then-propose"])
+def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets, ahead):
+    """EAGLE through the engine with every draft forward on the padded static path: with the
+    next proposal queued behind each verify (the greedy default), and with the feed and the
+    proposal as separate forwards (what sampled batches and batches near the limits take)."""
     requests = _requests(count=10, seed=4)
     expected = engine_run(make_spec_config(), requests)
     algorithm, draft = CASES["eagle"]
@@ -146,11 +208,17 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
         runner = decoder.drafter.runner
         runner.graphs = EagleGraphRunner(runner, max_bs=4, use_graphs=False)
         runners.append(runner)
+        if not ahead:
+            decoder.drafter._can_propose_ahead = lambda requests, width: False
 
     run = engine_run(make_spec_config(algorithm, draft, max_running_requests=6), requests, decoder_hook=use_static_graphs)
     _check_same(run, requests, {rid: expected.outputs[rid].tokens for rid, *_ in requests})
-    assert runners[0].graphs._graphs  # the static path was taken
-    assert runners[0].graphs._chains  # greedy proposals ran as chains
+    graphs = runners[0].graphs
+    assert graphs._chains  # proposals after a prefill (and without propose-ahead) ran as chains
+    if ahead:
+        assert graphs._feed_chains and not graphs._graphs  # every verify fed and proposed at once
+    else:
+        assert graphs._graphs and not graphs._feed_chains  # uniform feeds, then chains
 
 
 def test_graphs_are_only_built_on_cuda(spec_assets):
@@ -174,4 +242,14 @@ def test_captured_chain_equals_single_steps_on_gpu(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
     eager.graphs = None
     _check_chain(graphed, eager, "cuda")
+    assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("version", [1, 3])
+def test_captured_feed_chain_equals_eager_on_gpu(spec_assets, version):
+    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+    eager.graphs = None
+    _check_feed_chain(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
