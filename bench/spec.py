@@ -1411,10 +1411,8 @@ def _k_sweep(ks, name, base_config, runner, sampler, pool, opts: MeasureOptions,
         config.speculative.num_draft_tokens = width
         decoder = build_decoder(config=config, runner=runner, sampler=sampler)
         try:
-            rows.append(
-                _measure_spec(config, runner, decoder, f"{name}-k{width}", pool, 1,
-                              replace(opts, k=width, profile=None, phases=None), off, bench, details)  # fmt: skip
-            )
+            sweep_opts = replace(opts, k=width, profile=None, phases=None)
+            rows.append(_measure_spec(config, runner, decoder, f"{name}-k{width}", pool, 1, sweep_opts, off, bench, details))
         except Exception as exc:
             notes.append(f"--k-sweep k = {width} failed: {type(exc).__name__}: {exc}")
             log(notes[-1])
@@ -2180,7 +2178,7 @@ def _report(
         pos = " / ".join(str(p) for p in s["per_position"])
         lines.append(
             f"| {r.concurrency} | {r.draft} | {r.off_tps:,.1f} | {r.on_tps:,.1f} | {r.speedup:.2f}x |"
-            f" {s['mean_accept']} of {k - 1} | {pos} | {s['accept_rate']} | {per} |"
+            f" {s['mean_accept']} of {len(s['per_position'])} | {pos} | {s['accept_rate']} | {per} |"
             f" {s['verify_ms']} | {s['step_ms']} | {s.get('undrafted_steps', 0)} | {r.same}/{r.count} |"
         )
     lines += _identity_table(rows, details)
