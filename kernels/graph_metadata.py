@@ -4,10 +4,17 @@ A captured graph replays fixed kernel launches with fixed pointers, so the metad
 read must live in buffers that never move, and the launch grids must be sized for the
 largest batch the graph can see. :class:`GraphLoRAMetadata` preallocates one int32 buffer
 on the device (plus a pinned host twin) for ``max_bs`` requests of ``width`` tokens each
-(width 1 for decode, ``k`` for target-verify: verify buffers are sized in tokens, not
-requests). Every captured batch size gets a :class:`LoRABatchInfo` whose tensors are
-views into that buffer and whose host counts are the capture's maxima; :meth:`update`
-rewrites the buffer in place before each replay with one non-blocking copy.
+(width 1 for decode, ``k`` for target-verify, ``extend_len`` for an extend padded to a
+fixed length: buffers are sized in tokens, not requests). Every captured batch size gets
+a :class:`LoRABatchInfo` whose tensors are views into that buffer and whose host counts
+are the capture's maxima; :meth:`update` rewrites the buffer in place before each replay
+with one non-blocking copy.
+
+An extend graph sees a uniform layout: every request carries exactly ``extend_len``
+rows (the runtime pads one request's prompt chunk to a width bucket), one segment per
+request in request order, as :func:`~.metadata.host_layout` lays out an extend whose
+lengths are all equal. The counts come from :func:`~.metadata.token_counts` like every
+other batch's.
 
 A replay must use the width the graph was captured with: the token layout (and so every
 row index baked into the tile table) depends on it, so a different width raises.
@@ -25,10 +32,12 @@ from .metadata import (
     ForwardMode,
     LoRABatchInfo,
     check_slots,
+    default_tile_m,
     host_layout,
     max_tiles,
     pack_int32,
     tile_tables,
+    token_counts,
 )
 
 _SECTIONS = (
@@ -55,34 +64,37 @@ class GraphLoRAMetadata:
         num_slots: int,
         *,
         num_draft_tokens: int | None = None,
+        extend_len: int | None = None,
         device: torch.device | str = "cuda",
-        tile_m: int = TILE_M_CHOICES[0],
+        tile_m: int | None = None,
     ) -> None:
-        if mode is ForwardMode.EXTEND:
+        """``num_draft_tokens``: target-verify's rows per request; ``extend_len``: an extend
+        graph's (every request padded to it). ``tile_m`` defaults to
+        :func:`~.metadata.default_tile_m` for the mode and width (16 for decode/verify)."""
+        if mode is ForwardMode.TARGET_VERIFY and (num_draft_tokens is None or num_draft_tokens < 1):
+            raise ValueError(f"target-verify graphs need num_draft_tokens >= 1, got {num_draft_tokens}")
+        if mode is ForwardMode.EXTEND and (extend_len is None or extend_len < 1):
             raise ValueError(
-                "CUDA-graph LoRA metadata covers decode and target-verify (fixed tokens per request); "
-                "run extend batches eagerly with build_batch_info"
+                f"extend graphs need extend_len >= 1 (every request padded to that many rows), got {extend_len}; "
+                "run ragged extend batches eagerly with build_batch_info"
             )
-        if mode is ForwardMode.TARGET_VERIFY:
-            if num_draft_tokens is None or num_draft_tokens < 1:
-                raise ValueError(f"target-verify graphs need num_draft_tokens >= 1, got {num_draft_tokens}")
-            width = int(num_draft_tokens)
-        else:
-            width = 1
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.mode = mode
+        self.max_bs = int(max_bs)
+        # The per-request row counts token_counts needs for this mode (None where it has none).
+        self._extend_len = extend_len if mode is ForwardMode.EXTEND else None
+        self._draft_tokens = num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else None
+        self.max_tokens, self.width = self._counts(self.max_bs)
+        tile_m = default_tile_m(mode, self.width) if tile_m is None else tile_m
         if tile_m not in TILE_M_CHOICES:
             raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}, got {tile_m}")
-        self.mode = mode
-        self.width = width
-        self.max_bs = int(max_bs)
         self.num_slots = int(num_slots)
         self.tile_m = tile_m
         self.device = torch.device(device)
-        self.max_tokens = self.max_bs * width
-        self.tile_capacity = max_tiles(self.max_tokens, self.max_bs, tile_m)
+        self.tile_capacity = self.capacity(self.max_bs)
 
         sizes = {
             "seg_indptr": self.max_bs + 1,
@@ -110,6 +122,11 @@ class GraphLoRAMetadata:
         # A valid all-base-model layout, so a warm-up run before capture does no work.
         self._write([], [0] * self.num_slots, [0.0] * self.num_slots, self.max_bs)
 
+    def _counts(self, batch_size: int) -> tuple[int, int]:
+        """``(rows, rows per request)`` of ``batch_size`` requests in this layout."""
+        lens = None if self._extend_len is None else [self._extend_len] * batch_size
+        return token_counts(self.mode, batch_size, extend_lens=lens, num_draft_tokens=self._draft_tokens)
+
     # -- views -------------------------------------------------------------------------
 
     def _view(self, buf: torch.Tensor, name: str, length: int | None = None) -> torch.Tensor:
@@ -124,7 +141,13 @@ class GraphLoRAMetadata:
 
     def capacity(self, batch_size: int) -> int:
         """Tile-table entries (and so shrink/expand programs per column block) for a batch size."""
-        return max_tiles(batch_size * self.width, batch_size, self.tile_m)
+        tokens, width = self._counts(batch_size)
+        if self.mode is ForwardMode.EXTEND:
+            # Exact: every request is its own segment of exactly ``width`` rows. The bound
+            # below would add a tile per segment, and a larger count can tip the choices
+            # made from it (the LoRA overlap mode) away from those of the eager extend.
+            return batch_size * -(-width // self.tile_m)
+        return max_tiles(tokens, batch_size, self.tile_m)
 
     def capture_info(self, batch_size: int) -> LoRABatchInfo:
         """The batch info to capture a graph with for ``batch_size`` requests (padded batches).
@@ -143,15 +166,16 @@ class GraphLoRAMetadata:
         info = self._infos.get(batch_size)
         if info is not None:
             return info
-        tokens = batch_size * self.width
+        tokens, width = self._counts(batch_size)
         dev = self._device_buf
         info = LoRABatchInfo(
             mode=self.mode,
             batch_size=batch_size,
             total_tokens=tokens,
-            max_tokens_per_request=self.width,
+            max_tokens_per_request=width,
             num_segments=batch_size,
-            max_segment_len=tokens,
+            # decode/verify group requests of one adapter into a segment; extend does not
+            max_segment_len=width if self.mode is ForwardMode.EXTEND else tokens,
             seg_indptr=self._view(dev, "seg_indptr", batch_size + 1),
             seg_lens=self._view(dev, "seg_lens", batch_size),
             weight_indices=self._view(dev, "weight_indices", batch_size),
@@ -227,8 +251,12 @@ class GraphLoRAMetadata:
         """Fill the host twin for ``slots`` padded to ``batch_size`` and send it in one copy."""
         padded = [int(s) for s in slots] + [-1] * (batch_size - len(slots))
         check_slots(padded, lora_ranks, scalings)
-        mode_k = self.width if self.mode is ForwardMode.TARGET_VERIFY else None
-        layout = host_layout(self.mode, padded, lora_ranks, num_draft_tokens=mode_k, tile_m=self.tile_m)
+        lens = None if self._extend_len is None else [self._extend_len] * batch_size
+        layout = host_layout(
+            self.mode, padded, lora_ranks, extend_lens=lens, num_draft_tokens=self._draft_tokens, tile_m=self.tile_m
+        )
+        # Extend keeps request order (no permutation); the buffer's is then the identity.
+        permutation = layout.permutation if layout.permutation is not None else list(range(layout.total_tokens))
         capacity = self.capacity(batch_size)
         assert len(layout.tiles) <= capacity, (len(layout.tiles), capacity)
 
@@ -238,12 +266,11 @@ class GraphLoRAMetadata:
         nseg = len(layout.weight_indices)
         indptr = layout.seg_indptr + [layout.seg_indptr[-1]] * (batch_size - nseg)
         weights = layout.weight_indices + [-1] * (batch_size - nseg)
-        assert layout.permutation is not None
         sections = {
             "seg_indptr": torch.tensor(indptr, dtype=torch.int32),
             "seg_lens": torch.tensor([b - a for a, b in itertools.pairwise(indptr)], dtype=torch.int32),
             "weight_indices": torch.tensor(weights, dtype=torch.int32),
-            "permutation": torch.tensor(layout.permutation, dtype=torch.int32),
+            "permutation": torch.tensor(permutation, dtype=torch.int32),
             "token_slots": torch.tensor(layout.token_slots, dtype=torch.int32),
             "ranks": torch.tensor([int(r) for r in lora_ranks], dtype=torch.int32),
             "scalings": torch.tensor([float(v) for v in scalings], dtype=torch.float32).view(torch.int32),
@@ -251,9 +278,7 @@ class GraphLoRAMetadata:
         }
         for name, values in sections.items():
             self._view(host, name, values.numel()).copy_(values)
-        table, rows = tile_tables(
-            layout.tiles, layout.weight_indices, layout.permutation, lora_ranks, scalings, self.tile_m
-        )
+        table, rows = tile_tables(layout.tiles, layout.weight_indices, permutation, lora_ranks, scalings, self.tile_m)
         tiles = self._tiles_view(host, capacity)
         tiles.fill_(0)
         tiles[:, 0] = -1  # unused entries: programs that stop at once
@@ -266,4 +291,4 @@ class GraphLoRAMetadata:
             self._device_buf.copy_(self._host_buf, non_blocking=True)
             self._copy_done.record()
         self._ranks_cpu = [int(r) for r in lora_ranks]
-        return indptr, weights, layout.permutation
+        return indptr, weights, permutation

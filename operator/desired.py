@@ -248,6 +248,7 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
     _flag(args, "--cuda-graph", config.cuda_graph.enabled)
     if config.cuda_graph.enabled:
         _flag(args, "--cuda-graph-max-bs", config.cuda_graph.max_bs)
+        _flag(args, "--cuda-graph-max-prefill-tokens", config.cuda_graph.max_prefill_tokens)
     _flag(args, "--tensor-parallel-size", config.parallel.tensor_parallel_size)
     _flag(args, "--device", config.device)
     _flag(args, "--seed", config.seed)

@@ -145,6 +145,7 @@ class LoRASpec(_Spec):
 class CudaGraphSpec(_Spec):
     enabled: bool = False
     max_batch_size: int = Field(default=64, ge=1)
+    max_prefill_tokens: int = Field(default=512, ge=0)
 
 
 class EnvVar(_Spec):

@@ -70,6 +70,7 @@ FIELD_PATHS: dict[str, str] = {
     "scheduler.kv_memory_fraction": "spec.runtime.kvMemoryFraction",
     "cuda_graph.enabled": "spec.runtime.cudaGraph.enabled",
     "cuda_graph.max_bs": "spec.runtime.cudaGraph.maxBatchSize",
+    "cuda_graph.max_prefill_tokens": "spec.runtime.cudaGraph.maxPrefillTokens",
     "parallel.tensor_parallel_size": "spec.gpus",
     "device": "spec.gpus",
     "server.admin_token": "spec.adminTokenSecretName",
@@ -242,7 +243,9 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             kv_memory_fraction=spec.runtime.kv_memory_fraction,
         ),
         cuda_graph=CudaGraphConfig(
-            enabled=spec.runtime.cuda_graph.enabled, max_bs=spec.runtime.cuda_graph.max_batch_size
+            enabled=spec.runtime.cuda_graph.enabled,
+            max_bs=spec.runtime.cuda_graph.max_batch_size,
+            max_prefill_tokens=spec.runtime.cuda_graph.max_prefill_tokens,
         ),
         server=ServerConfig(port=RUNTIME_PORT, adapter_cache_dir=cache_dir),
         parallel=ParallelConfig(tensor_parallel_size=max(spec.gpus, 1)),

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     g.add_argument("--cuda-graph", action=bool_flag, default=d.cuda_graph.enabled)
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph.max_bs)
+    g.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=int,
+        default=d.cuda_graph.max_prefill_tokens,
+        help="one-request prefill chunks of up to this many tokens replay CUDA graphs (0: prefill runs eagerly)",
+    )
     g.add_argument("--tensor-parallel-size", type=int, default=d.parallel.tensor_parallel_size)
     g.add_argument("--seed", type=int, default=d.seed)
 
@@ -252,6 +258,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
 
     cfg.cuda_graph.enabled = args.cuda_graph
     cfg.cuda_graph.max_bs = args.cuda_graph_max_bs
+    cfg.cuda_graph.max_prefill_tokens = args.cuda_graph_max_prefill_tokens
     cfg.parallel.tensor_parallel_size = args.tensor_parallel_size
     cfg.device = args.device
     cfg.seed = args.seed

@@ -145,6 +145,10 @@ class SchedulerConfig:
 class CudaGraphConfig:
     enabled: bool = False
     max_bs: int = 64
+    # Extend batches of one request with at most this many new tokens (a prompt, or one
+    # chunk of it) replay graphs too: an eager prefill is bound by host time at small
+    # batches. 0: every extend runs eagerly.
+    max_prefill_tokens: int = 512
 
 
 @dataclass

@@ -1,15 +1,23 @@
-"""Decode and target-verify through CUDA graphs, one per batch-size and context bucket.
+"""Decode, target-verify and one-request prefill through CUDA graphs, per shape bucket.
 
-A batch is padded to the smallest captured batch size that holds it (padding requests
-use table row 0 and KV slot 0, the cache's padding row and slot) and its context to a
-power-of-two bucket, then written into static input buffers and replayed. Graphs are
-captured lazily, the first time a (mode, width, batch bucket, context bucket, LoRA,
-outputs) combination is seen, and share one memory pool.
+A decode or verify batch is padded to the smallest captured batch size that holds it
+(padding requests use table row 0 and KV slot 0, the cache's padding row and slot) and
+its context to a power-of-two bucket, then written into static input buffers and
+replayed. An extend batch of one request (a prompt, or one chunk of it, of at most
+``cuda_graph.max_prefill_tokens`` tokens, wanting only its last position's logits) is
+padded the same way along its tokens, to a width bucket (:func:`prefill_widths`): padded
+rows are token 0 written to KV slot 0 at the positions after the real ones, so causal
+attention hides them from the real rows; the graph computes the logits of the last real
+row only, picked by a static index. Graphs are captured lazily, the first time a (mode,
+width, batch bucket, context bucket, LoRA, outputs) combination is seen, and share one
+memory pool. :meth:`CudaGraphRunner.can_run` alone decides which batches replay.
 
 LoRA inside a graph needs metadata in fixed buffers
 (:class:`loraserve.kernels.graph_metadata.GraphLoRAMetadata`) and a backend whose
 launches read only device tensors (Triton). With any other backend, batches that use an
-adapter run eagerly and only all-base batches replay graphs.
+adapter run eagerly and only all-base batches replay graphs. A prefill's decoder rows are
+one uniform extend segment of its width; its lm_head sees the one last row, through a
+one-request decode layout, as the eager extend's does.
 
 Everything except capture itself also runs on the CPU (``use_graphs=False``): the same
 static buffers and padding, executed eagerly, so the padding logic is testable there.
@@ -33,6 +41,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from loraserve.kernels.graph_metadata import GraphLoRAMetadata
+
     from .kv import Allocation
     from .model_runner import ModelRunner
 
@@ -47,8 +57,30 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def prefill_widths(max_tokens: int) -> list[int]:
+    """Captured prefill widths: 16, 32, 64, then 128, 192, 256, 384, 512, 768, ... (each
+    power of two and 1.5 times it) below ``max_tokens``, and ``max_tokens`` itself.
+
+    A chunk pads by at most 2x below 128 tokens, where its GPU work is small anyway, and
+    by at most 1.5x above. ``max_tokens`` 0: no widths (every extend runs eagerly).
+    """
+    if max_tokens < 0:
+        raise ValueError(
+            f"cuda_graph.max_prefill_tokens must be >= 0 (0 runs every prefill eagerly), got {max_tokens}"
+        )
+    if max_tokens == 0:
+        return []
+    widths = [16, 32, 64]
+    p = 128
+    while p < max_tokens:
+        widths += [p, p + p // 2]
+        p *= 2
+    return sorted({w for w in widths if w < max_tokens} | {max_tokens})
+
+
 def padded_batch_size(sizes: Sequence[int], batch_size: int) -> int | None:
-    """The smallest size in ``sizes`` that holds ``batch_size`` requests, or None."""
+    """The smallest size in ``sizes`` that holds ``batch_size`` (requests, or a prefill's
+    tokens in :func:`prefill_widths`), or None."""
     fits = [s for s in sizes if s >= batch_size]
     return min(fits) if fits else None
 
@@ -121,6 +153,7 @@ class _StaticInputs:
     rows: torch.Tensor  # int64 [max_bs]
     prefix_lens: torch.Tensor  # int64 [max_bs]
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
+    last: torch.Tensor  # int64 [1]: a prefill's last real row, the one its logits are of
 
 
 @dataclass
@@ -132,9 +165,16 @@ class _Graph:
 
 
 class CudaGraphRunner:
-    """Pads decode / target-verify batches into static buffers and replays captured graphs."""
+    """Pads decode / target-verify / one-request extend batches into static buffers and
+    replays captured graphs.
 
-    def __init__(self, runner: ModelRunner, *, max_bs: int, use_graphs: bool | None = None):
+    ``max_prefill_tokens``: the longest extend chunk that replays (0, the default here:
+    every extend runs eagerly; the model runner passes ``cuda_graph.max_prefill_tokens``).
+    """
+
+    def __init__(
+        self, runner: ModelRunner, *, max_bs: int, max_prefill_tokens: int = 0, use_graphs: bool | None = None
+    ):
         self.runner = runner
         self.device = runner.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
@@ -142,11 +182,14 @@ class CudaGraphRunner:
             raise ValueError("CUDA graphs need a CUDA device; use use_graphs=False to run the static path eagerly")
         self.max_bs = int(max_bs)
         self.batch_sizes = graph_batch_sizes(self.max_bs)
+        self.prefill_widths = prefill_widths(int(max_prefill_tokens))
         lora = runner.lora
         # Adapters inside graphs only with a backend that reads device tensors alone.
         self.lora_in_graphs = lora is not None and (not self.use_graphs or lora.backend.name == "triton")
-        self._inputs: dict[int, _StaticInputs] = {}
-        self._lora_meta: dict[int, object] = {}
+        # Keyed by (mode, width): a prefill width may equal a verify width, and their
+        # buffers differ (one request vs max_bs; an extend vs a verify LoRA layout).
+        self._inputs: dict[tuple[ForwardMode, int], _StaticInputs] = {}
+        self._lora_meta: dict[tuple[ForwardMode, int], GraphLoRAMetadata] = {}
         self._graphs: dict[GraphKey, _Graph] = {}
         self.capture_failures = 0
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -157,44 +200,70 @@ class CudaGraphRunner:
 
     def can_run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> bool:
         """Whether this batch takes the graph path (else the runner runs it eagerly)."""
+        if any(s >= 0 for s in slots) and not self.lora_in_graphs:
+            return False
+        if batch.mode is ForwardMode.EXTEND:
+            return self._prefill_width(batch, alloc) is not None
         if batch.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             return False
-        if batch.batch_size > self.max_bs:
-            return False
-        return not (any(s >= 0 for s in slots) and not self.lora_in_graphs)
+        return batch.batch_size <= self.max_bs
+
+    def _prefill_width(self, batch: ForwardBatch, alloc: Allocation) -> int | None:
+        """The width an extend batch is padded to, or None where it runs eagerly: more than
+        one request (ragged rows), every position's logits wanted, or too many tokens."""
+        if batch.batch_size != 1 or batch.return_all_logits:
+            return None
+        tokens, _ = batch.token_counts()
+        width = padded_batch_size(self.prefill_widths, tokens)
+        # Padded rows take the positions after the real ones: past the context length
+        # they would index beyond the rotary table (a chunk at the very end of it).
+        if width is None or alloc.prefix_lens[0] + width > self.runner.kv.max_context_len:
+            return None
+        return width
 
     # ------------------------------------------------------------------ run
     def run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> ForwardOutput:
         runner = self.runner
         total, width = batch.token_counts()
         bs = batch.batch_size
-        padded_bs = padded_batch_size(self.batch_sizes, bs)
-        assert padded_bs is not None
+        extend = batch.mode is ForwardMode.EXTEND
+        if extend:  # one request, its chunk padded to a width bucket
+            width, padded_bs = self._prefill_width(batch, alloc), 1
+        else:
+            padded_bs = padded_batch_size(self.batch_sizes, bs)
+        assert width is not None and padded_bs is not None
+        # The real rows' context: padded prefill rows attend to whatever the bucket holds.
         context = context_bucket(max(alloc.seq_lens), runner.kv.max_context_len)
         uses_lora = any(s >= 0 for s in slots)
         aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
         key = GraphKey(batch.mode, width, padded_bs, context, uses_lora, batch.return_hidden, aux_layers)
 
-        static = self._static_inputs(width)
+        static = self._static_inputs(batch.mode, width)
         n = padded_bs * width
         fill_padded(static.input_ids, batch.input_ids, total, n)
         fill_padded(static.rows, alloc.rows, bs, padded_bs)
         fill_padded(static.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded_bs)
         fill_padded(static.out_cache_loc, alloc.out_cache_loc, total, n)
+        if extend:
+            static.last.fill_(total - 1)
 
         lora = runner.lora
         if lora is not None:
-            info = None
+            info = logits_info = None
             if uses_lora:
+                ranks, scalings = lora.slot_ranks(), lora.slot_scalings()
                 meta = self._graph_lora_meta(batch.mode, width)
-                info = meta.update(
-                    list(slots),
-                    lora.slot_ranks(),
-                    lora.slot_scalings(),
-                    num_draft_tokens=batch.num_draft_tokens,
-                    batch_size=padded_bs,
+                info = logits_info = meta.update(
+                    list(slots), ranks, scalings, num_draft_tokens=batch.num_draft_tokens, batch_size=padded_bs
                 )
-            lora.ctx.set(info, info)
+                if extend:
+                    # The lm_head sees the last row only: a one-request decode's layout, as in
+                    # the eager extend. The decode graphs' metadata holds it (updated before
+                    # each of their replays, so sharing it is safe).
+                    logits_info = self._graph_lora_meta(ForwardMode.DECODE, 1).update(
+                        list(slots), ranks, scalings, batch_size=1
+                    )
+            lora.ctx.set(info, logits_info)
         try:
             graph = self._graphs.get(key)
             if graph is None:
@@ -208,34 +277,39 @@ class CudaGraphRunner:
             if lora is not None:
                 lora.ctx.clear()
         return ForwardOutput(
-            logits=graph.logits[:total].clone(),
+            # extend: one row of logits per request (its last), as the eager extend returns
+            logits=graph.logits[: bs if extend else total].clone(),
             hidden_states=graph.hidden[:total].clone() if graph.hidden is not None else None,
             aux_hidden_states=graph.aux[:total].clone() if graph.aux is not None else None,
         )
 
     # ------------------------------------------------------------------ internals
-    def _static_inputs(self, width: int) -> _StaticInputs:
-        static = self._inputs.get(width)
+    def _max_requests(self, mode: ForwardMode) -> int:
+        return 1 if mode is ForwardMode.EXTEND else self.max_bs
+
+    def _static_inputs(self, mode: ForwardMode, width: int) -> _StaticInputs:
+        static = self._inputs.get((mode, width))
         if static is None:
-            tokens = self.max_bs * width
+            reqs = self._max_requests(mode)
             z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
-            static = _StaticInputs(z(tokens), z(self.max_bs), z(self.max_bs), z(tokens))
-            self._inputs[width] = static
+            static = _StaticInputs(z(reqs * width), z(reqs), z(reqs), z(reqs * width), z(1))
+            self._inputs[(mode, width)] = static
         return static
 
-    def _graph_lora_meta(self, mode: ForwardMode, width: int):
-        meta = self._lora_meta.get(width)
+    def _graph_lora_meta(self, mode: ForwardMode, width: int) -> GraphLoRAMetadata:
+        meta = self._lora_meta.get((mode, width))
         if meta is None:
             from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 
             meta = GraphLoRAMetadata(
                 mode,
-                self.max_bs,
+                self._max_requests(mode),
                 self.runner.lora.num_slots,
                 num_draft_tokens=width if mode is ForwardMode.TARGET_VERIFY else None,
+                extend_len=width if mode is ForwardMode.EXTEND else None,
                 device=self.device,
             )
-            self._lora_meta[width] = meta
+            self._lora_meta[(mode, width)] = meta
         return meta
 
     def _body(self, key: GraphKey, static: _StaticInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -255,7 +329,12 @@ class CudaGraphRunner:
         hidden, aux = runner.model(
             static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers
         )
-        logits = runner.model.compute_logits(hidden)
+        if key.mode is ForwardMode.EXTEND:
+            # The last real row's logits only (the index is an input: one graph serves
+            # every chunk length of the bucket), not a vocabulary row per padded token.
+            logits = runner.model.compute_logits(hidden.index_select(0, static.last))
+        else:
+            logits = runner.model.compute_logits(hidden)
         return (
             logits,
             hidden if key.return_hidden else None,
@@ -270,7 +349,9 @@ class CudaGraphRunner:
         if not self.use_graphs:
             return self._run_static(key, static)
         if key.lora:
-            self._lora_meta[key.width].capture_info(key.batch_size)
+            self._lora_meta[(key.mode, key.width)].capture_info(key.batch_size)
+            if key.mode is ForwardMode.EXTEND:
+                self._lora_meta[(ForwardMode.DECODE, 1)].capture_info(1)  # the lm_head's row
         graph, (logits, hidden, aux) = capture_or_eager(
             lambda: self._body(key, static), self.device, self._pool, what=f"the forward {key}", warmups=2
         )

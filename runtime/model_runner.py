@@ -1,8 +1,11 @@
 """The model runner: one model, its KV cache and (for the target) its adapter pool.
 
 ``forward`` runs one batch in any mode (extend, decode, target-verify), appending the
-batch's tokens to the KV cache; callers drop rejected tokens through ``runner.kv``. A
-draft runner (``is_draft=True``) is built from the same class but has no adapter pool
+batch's tokens to the KV cache; callers drop rejected tokens through ``runner.kv``. With
+``cuda_graph.enabled`` on a GPU, decode and target-verify batches and one-request prefill
+chunks of up to ``cuda_graph.max_prefill_tokens`` tokens replay CUDA graphs
+(``loraserve.runtime.cuda_graph``; its ``can_run`` decides); every other batch runs
+eagerly, with the same results. A draft runner (``is_draft=True``) is built from the same class but has no adapter pool
 at all: ``runner.lora is None`` and it always runs the base weights.
 
 Tensor parallelism (``parallel.tensor_parallel_size > 1``, target only): the process
@@ -186,7 +189,9 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graph.enabled:
             from .cuda_graph import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self, max_bs=config.cuda_graph.max_bs)
+            self.graphs = CudaGraphRunner(
+                self, max_bs=config.cuda_graph.max_bs, max_prefill_tokens=config.cuda_graph.max_prefill_tokens
+            )
 
         # Followers hold the adapters rank 0 loads, replayed from its journal.
         if self.lora is not None and (self.tp is None or self.tp.group.is_driver):

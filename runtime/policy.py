@@ -307,6 +307,16 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
             Violation("port", "server.port", f"must be a TCP port, got {config.server.port}", "use 1-65535")
         )
     out += _at_least("cuda_graph.max_bs", config.cuda_graph.max_bs, 1, "cuda-graph-bs")
+    if config.cuda_graph.max_prefill_tokens < 0:
+        out.append(
+            Violation(
+                "cuda-graph-prefill",
+                "cuda_graph.max_prefill_tokens",
+                f"must be at least 0, got {config.cuda_graph.max_prefill_tokens}",
+                "set {cuda_graph.max_prefill_tokens} to 0 (prefills run eagerly) or to the longest single "
+                "prefill chunk to replay from CUDA graphs, such as 512",
+            )
+        )
     if config.cuda_graph.enabled and config.device == "cpu":
         out.append(
             Violation(

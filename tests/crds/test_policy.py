@@ -316,6 +316,7 @@ def test_ngram_window():
         ),
         ("port", {"server__port": 70000}, {"server__port": 8080}),
         ("cuda-graph-bs", {"cuda_graph__max_bs": 0}, {"cuda_graph__max_bs": 8}),
+        ("cuda-graph-prefill", {"cuda_graph__max_prefill_tokens": -1}, {"cuda_graph__max_prefill_tokens": 0}),
         (
             "lora-pinned-unknown",
             {"lora__pinned": ("a",)},
@@ -354,6 +355,14 @@ def test_disable_batch_size_bound_names_field_and_fix_and_any_algorithm_may_set_
     )
     for algorithm in (A.NONE, A.NGRAM, A.EAGLE):
         assert policy.check_config(config(algorithm, speculative__disable_batch_size=32), EVERYTHING).ok
+
+
+def test_prefill_graph_bound_names_field_and_fix():
+    (violation,) = policy.check_config(config(cuda_graph__max_prefill_tokens=-8), EVERYTHING).violations
+    assert violation.render() == (
+        "cuda_graph.max_prefill_tokens: must be at least 0, got -8; fix: set cuda_graph.max_prefill_tokens "
+        "to 0 (prefills run eagerly) or to the longest single prefill chunk to replay from CUDA graphs, such as 512"
+    )
 
 
 def test_unknown_enum_strings_are_violations_not_crashes():

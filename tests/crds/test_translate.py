@@ -95,6 +95,7 @@ PERTURBATIONS = [
     ("runtime.kvMemoryFraction", 0.5, "scheduler.kv_memory_fraction", 0.5),
     ("runtime.cudaGraph.enabled", True, "cuda_graph.enabled", True),
     ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
+    ("runtime.cudaGraph.maxPrefillTokens", 128, "cuda_graph.max_prefill_tokens", 128),
     ("gpus", 4, "parallel.tensor_parallel_size", 4),
 ]
 

@@ -11,14 +11,56 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.kernels import ForwardMode, get_backend
+from loraserve.kernels import ForwardMode, build_batch_info, get_backend
 from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 from loraserve.kernels.triton_backend import TritonLoRABackend
 
 
-def test_extend_is_rejected_with_the_fix():
-    with pytest.raises(ValueError, match="run extend batches eagerly"):
+def test_extend_needs_a_fixed_length_with_the_fix():
+    with pytest.raises(ValueError, match=r"extend graphs need extend_len >= 1.*run ragged extend batches eagerly"):
         GraphLoRAMetadata(ForwardMode.EXTEND, 4, 2, device="cpu")
+
+
+@pytest.mark.parametrize("width,tile_m,tiles", [(16, 16, 1), (40, 64, 1), (128, 64, 2), (192, 64, 3)])
+def test_extend_layout_is_the_eager_layout_of_equal_lengths(width, tile_m, tiles):
+    """A padded extend (one request, as the runtime's prefill graphs use it): one segment
+    in request order, the tile height extend picks for that length, and the same segments,
+    rows and tiles build_batch_info gives an eager extend of that length. The capacity is
+    the exact tile count, so launch-size choices made from it match the eager extend's."""
+    meta = GraphLoRAMetadata(ForwardMode.EXTEND, 1, 3, extend_len=width, device="cpu")
+    assert (meta.width, meta.max_tokens, meta.tile_m) == (width, width, tile_m)
+    info = meta.capture_info(1)
+    assert (info.total_tokens, info.max_tokens_per_request, info.max_segment_len) == (width, width, width)
+    assert info.num_tiles == meta.capacity(1) == meta.tile_capacity == tiles
+    ranks, scalings = [8, 0, 4], [2.0, 1.0, 0.5]
+    for slot in (2, 1, -1, 0):
+        got = meta.update([slot], ranks, scalings, batch_size=1)
+        want = build_batch_info(ForwardMode.EXTEND, [slot], ranks, scalings, extend_lens=[width], device="cpu")
+        assert got is info and got.tile_m == want.tile_m
+        assert got.seg_indptr_cpu == want.seg_indptr_cpu and got.weight_indices_cpu == want.weight_indices_cpu
+        assert got.permutation_cpu == list(range(width)) and want.permutation_cpu is None
+        assert got.token_slots.tolist() == want.token_slots.tolist()
+        n_live = int(got.live_tiles.item())
+        assert n_live == want.num_tiles == (tiles if slot in (0, 2) else 0)  # base and rank-0 slots: none
+        assert torch.equal(got.tiles[:n_live], want.tiles) and torch.equal(got.tile_rows[:n_live], want.tile_rows)
+        assert bool((got.tiles[n_live:, 0] == -1).all())
+
+
+def test_extend_counts_come_from_token_counts(monkeypatch):
+    """The graph metadata asks token_counts for its rows, as every other batch does."""
+    import loraserve.kernels.graph_metadata as graph_metadata
+
+    calls = []
+    real = graph_metadata.token_counts
+
+    def counting(mode, batch_size, **kw):
+        calls.append((mode, batch_size, kw))
+        return real(mode, batch_size, **kw)
+
+    monkeypatch.setattr(graph_metadata, "token_counts", counting)
+    meta = GraphLoRAMetadata(ForwardMode.EXTEND, 2, 2, extend_len=24, device="cpu")
+    assert meta.max_tokens == 48 and meta.capture_info(2).total_tokens == 48
+    assert (ForwardMode.EXTEND, 2, {"extend_lens": [24, 24], "num_draft_tokens": None}) in calls
 
 
 def test_verify_buffers_are_sized_in_tokens():
@@ -66,18 +108,21 @@ def test_update_keeps_pointers_and_launch_sizes(gen):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-launch"])
-@pytest.mark.parametrize("mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
+@pytest.mark.parametrize(
+    "mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3), (ForwardMode.EXTEND, 20)]
+)
 def test_recorded_launches_compute_each_new_batch(mode, k, fused, make_pool, gen, check_apply):
     """Launch with the capture-time info after every update, as a graph replay does."""
     pool = make_pool(in_dim=24, widths=(16, 8, 8), ranks=[8, 8, 8, 8], max_rank=8)
-    meta = GraphLoRAMetadata(mode, 6, 4, num_draft_tokens=k if k > 1 else None, device="cpu")
+    lens = {"extend_len": k} if mode is ForwardMode.EXTEND else {"num_draft_tokens": k if k > 1 else None}
+    meta = GraphLoRAMetadata(mode, 6, 4, device="cpu", **lens)
     info = meta.capture_info(6)
     backend = TritonLoRABackend(fused=fused)
     for real in (6, 4):
         slots = torch.randint(-1, 4, (real,), generator=gen).tolist()
         pool.ranks = torch.randint(0, 9, (4,), generator=gen).tolist()
         pool.scalings = (torch.rand(4, generator=gen) + 0.25).tolist()
-        updated = meta.update(slots, pool.ranks, pool.scalings, num_draft_tokens=k if k > 1 else None, batch_size=6)
+        updated = meta.update(slots, pool.ranks, pool.scalings, num_draft_tokens=lens.get("num_draft_tokens"), batch_size=6)
         assert updated is info
         x, out0 = pool.inputs(gen, info.total_tokens)
         check_apply(backend, info, pool, x, out0)

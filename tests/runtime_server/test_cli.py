@@ -91,6 +91,7 @@ def test_the_operators_command_line_round_trips(assets):
     cfg.speculative.auto_disable = True
     cfg.cuda_graph.enabled = True
     cfg.cuda_graph.max_bs = 16
+    cfg.cuda_graph.max_prefill_tokens = 128
     cfg.seed = 5
     parsed = _parse(runtime_args(cfg))
     assert parsed.to_dict() == cfg.to_dict()
