@@ -252,4 +252,4 @@ def test_captured_feed_chain_equals_eager_on_gpu(spec_assets, version):
     graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
     eager.graphs = None
     _check_feed_chain(graphed, eager, "cuda")
-    assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
+    assert graphed.graphs.num_graphs == 2 and not graphed.graphs.disabled  # as the static test's keys
