@@ -107,6 +107,34 @@ def test_update_keeps_pointers_and_launch_sizes(gen):
     assert meta.update([1], [8, 16, 0, 4], [1.0] * 4, num_draft_tokens=2) is info4
 
 
+def test_an_unchanged_layout_is_not_written_again(gen):
+    """Steps of one running batch repeat their layout: the second update writes nothing,
+    and any change (a slot, a rank, a scaling, the batch size) writes the new layout."""
+    meta = GraphLoRAMetadata(ForwardMode.TARGET_VERIFY, 8, 4, num_draft_tokens=2, device="cpu")
+    meta.capture_info(4), meta.capture_info(8)
+    writes = []
+    write = meta._write
+    meta._write = lambda *args: writes.append(args) or write(*args)
+    ranks, scalings = [8, 16, 0, 4], [1.0, 0.5, 1.0, 2.0]
+    first = meta.update([0, 1, 1], ranks, scalings)
+    snapshot = (first.token_slots.tolist(), first.tiles.tolist(), first.seg_indptr_cpu, first.permutation_cpu)
+    assert meta.update([0, 1, 1], ranks, scalings) is first and len(writes) == 1
+    assert (first.token_slots.tolist(), first.tiles.tolist(), first.seg_indptr_cpu, first.permutation_cpu) == snapshot
+    for args in (  # each differs from the one before in one field: each is written
+        ([0, 1, 3], ranks, scalings, 4),
+        ([0, 1, 3], [8, 16, 0, 8], scalings, 4),
+        ([0, 1, 3], [8, 16, 0, 8], [1.0, 0.5, 1.0, 1.0], 4),
+        ([0, 1, 3], [8, 16, 0, 8], [1.0, 0.5, 1.0, 1.0], 8),
+    ):
+        info = meta.update(args[0], args[1], args[2], batch_size=args[3])
+        assert writes[-1][0] == args[0] and writes[-1][3] == args[3]
+        assert info.token_slots.tolist()[:6] == [s for s in sorted(args[0]) for _ in range(2)]
+    assert len(writes) == 5
+    # the layout back to the first: written again (the buffers held the last one)
+    assert meta.update([0, 1, 1], ranks, scalings).token_slots.tolist()[:6] == snapshot[0][:6]
+    assert len(writes) == 6
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-launch"])
 @pytest.mark.parametrize(
     "mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3), (ForwardMode.EXTEND, 20)]
