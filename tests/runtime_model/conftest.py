@@ -98,6 +98,24 @@ def make_runner():
     return make
 
 
+@pytest.fixture
+def static_graph_pair(assets, make_runner):
+    """``static_graph_pair(adapter_names, **graph_kwargs) -> (eager, graphed)``: two runners of
+    the llama-gqa model with those test adapters loaded; ``graphed`` runs decode / verify /
+    prefill batches through a :class:`CudaGraphRunner` on its padded static path
+    (``use_graphs=False``: everything but the capture, on the CPU)."""
+    from loraserve.runtime.cuda_graph import CudaGraphRunner
+
+    def make(adapter_names, **graph_kwargs) -> tuple[ModelRunner, ModelRunner]:
+        names = {n: assets.adapters[n] for n in adapter_names}
+        eager = make_runner(assets.models["llama-gqa"], adapters=names)
+        graphed = make_runner(assets.models["llama-gqa"], adapters=names)
+        graphed.graphs = CudaGraphRunner(graphed, use_graphs=False, **graph_kwargs)
+        return eager, graphed
+
+    return make
+
+
 _HF_CACHE: dict[tuple[str, str | None], torch.nn.Module] = {}
 
 

@@ -30,12 +30,8 @@ def test_buckets():
         graph_batch_sizes(0)
 
 
-def test_static_padded_path_equals_eager(assets, make_runner, ops):
-    names = {n: assets.adapters[n] for n in ("attn-r8", "all-r16", "emb-head")}
-    model_dir = assets.models["llama-gqa"]
-    eager = make_runner(model_dir, adapters=names)
-    graphed = make_runner(model_dir, adapters=names)
-    graphed.graphs = CudaGraphRunner(graphed, max_bs=8, use_graphs=False)
+def test_static_padded_path_equals_eager(static_graph_pair, ops):
+    eager, graphed = static_graph_pair(("attn-r8", "all-r16", "emb-head"), max_bs=8)
     gen = torch.Generator().manual_seed(0)
     rids = ["a", "b", "c"]  # 3 requests: padded to 4
     lora = ["all-r16", None, "emb-head"]
@@ -75,7 +71,7 @@ def test_static_padded_path_equals_eager(assets, make_runner, ops):
     assert graphed.kv.num_free_tokens == eager.kv.num_free_tokens
 
 
-def test_failed_capture_falls_back_to_eager_for_good(assets, make_runner, ops, monkeypatch):
+def test_failed_capture_falls_back_to_eager_for_good(static_graph_pair, ops, monkeypatch):
     """A capture that fails (as a CUDA capture does when an op inside it is illegal) costs
     that step nothing: it runs eagerly, and the runner stops capturing, since the failed
     capture's pool would fail every later one. Capture itself needs a GPU; the failure is
@@ -88,11 +84,7 @@ def test_failed_capture_falls_back_to_eager_for_good(assets, make_runner, ops, m
         calls.append(args)
         raise RuntimeError("operation failed due to a previous error during capture")
 
-    names = {"all-r16": assets.adapters["all-r16"]}
-    model_dir = assets.models["llama-gqa"]
-    eager = make_runner(model_dir, adapters=names)
-    graphed = make_runner(model_dir, adapters=names)
-    graphed.graphs = CudaGraphRunner(graphed, max_bs=8, use_graphs=False)
+    eager, graphed = static_graph_pair(("all-r16",), max_bs=8)
     graphed.graphs.use_graphs = True  # as on a GPU, up to the capture
     monkeypatch.setattr(cuda_graph, "capture_graph", failing_capture)
     gen = torch.Generator().manual_seed(3)

@@ -45,16 +45,12 @@ def _assert_same_cache(got, want) -> None:
 
 
 @pytest.mark.parametrize("adapter", [None, "all-r16", "emb-head"])
-def test_static_prefill_path_equals_eager(assets, make_runner, ops, adapter):
+def test_static_prefill_path_equals_eager(static_graph_pair, ops, adapter):
     """Chunks of 1, 5, 17 and 100 tokens (none a bucket size), a second chunk after a
     prefix, hidden and aux hidden outputs: the last row's logits, every real row's hidden
     states and the cache equal the eager extend's; padded rows wrote slot 0 and nothing
     else; decoding on from that cache matches the eager runner token for token."""
-    names = {n: assets.adapters[n] for n in ("all-r16", "emb-head")}
-    model_dir = assets.models["llama-gqa"]
-    eager = make_runner(model_dir, adapters=names)
-    graphed = make_runner(model_dir, adapters=names)
-    graphed.graphs = CudaGraphRunner(graphed, max_bs=4, max_prefill_tokens=128, use_graphs=False)
+    eager, graphed = static_graph_pair(("all-r16", "emb-head"), max_bs=4, max_prefill_tokens=128)
     gen = torch.Generator().manual_seed(7)
     # Requests already in the cache (a batch of two: eager in both runners).
     others = ["x", "y"]
@@ -155,14 +151,10 @@ def test_prefill_graph_routing(assets, make_config, ops):
     assert runner.graphs.num_graphs == 1
 
 
-def test_prefill_and_verify_of_one_width_keep_separate_buffers(assets, make_runner, ops):
+def test_prefill_and_verify_of_one_width_keep_separate_buffers(static_graph_pair, ops):
     """A prefill padded to 16 and a verify of 16 tokens per request share a width but
     neither their static inputs nor their LoRA layouts."""
-    names = {"attn-r8": assets.adapters["attn-r8"]}
-    model_dir = assets.models["llama-gqa"]
-    eager = make_runner(model_dir, adapters=names)
-    graphed = make_runner(model_dir, adapters=names)
-    graphed.graphs = CudaGraphRunner(graphed, max_bs=4, max_prefill_tokens=32, use_graphs=False)
+    eager, graphed = static_graph_pair(("attn-r8",), max_bs=4, max_prefill_tokens=32)
     gen = torch.Generator().manual_seed(2)
     rids, lora = ["a", "b"], ["attn-r8", None]
     prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (4, 6)]
