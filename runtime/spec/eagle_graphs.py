@@ -93,6 +93,13 @@ class _Static:
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
 
 
+def _fill_requests(rows: torch.Tensor, prefix_lens: torch.Tensor, alloc: Allocation, padded: int) -> None:
+    """The per-request static inputs every draft graph reads: table rows and cached lengths."""
+    bs = len(alloc.seq_lens)
+    fill_padded(rows, alloc.rows, bs, padded)
+    fill_padded(prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+
+
 class EagleGraphRunner:
     """Pads uniform EAGLE draft forwards into static buffers and replays captured graphs.
 
@@ -140,16 +147,13 @@ class EagleGraphRunner:
         """``width`` rows per request of ``alloc`` (already allocated); returns the output
         features ``[bs * width, H]`` and, for single-row steps on the head's own features,
         the logits ``[bs, vocab]`` (float32)."""
-        bs = len(alloc.seq_lens)
-        padded = padded_batch_size(self.batch_sizes, bs)
-        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
-        key = _Key(width, from_target, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
+        bs, padded, context = self._shape(alloc)
+        key = _Key(width, from_target, padded, context)
         s = self._static_for(width, from_target)
         n, total = padded * width, bs * width
         fill_padded(s.input_ids, input_ids, total, n)
         fill_padded(s.features, features, total, n)
-        fill_padded(s.rows, alloc.rows, bs, padded)
-        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, total, n)
         hidden, logits = self._replay(self._graphs, key, lambda: self._body(key))
         return hidden[:total].clone(), None if logits is None else logits[:bs].clone()
@@ -158,14 +162,11 @@ class EagleGraphRunner:
         """Each request's first greedy draft token from the head output ``hidden``, then
         ``steps`` draft steps per request of ``alloc`` (``steps`` rows each, already
         allocated); returns the tokens ``[bs, steps + 1]``."""
-        bs = len(alloc.seq_lens)
-        padded = padded_batch_size(self.batch_sizes, bs)
-        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
-        key = _ChainKey(steps, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len))
+        bs, padded, context = self._shape(alloc)
+        key = _ChainKey(steps, padded, context)
         s = self._chain_static_for(steps)
         fill_padded(s.hidden, hidden, bs, padded)
-        fill_padded(s.rows, alloc.rows, bs, padded)
-        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * steps, padded * steps)
         return self._replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
 
@@ -184,21 +185,24 @@ class EagleGraphRunner:
         ``accept[i]`` (a device tensor, never read on the host): the first token from the LM
         head, then ``steps`` draft steps placed right after the accepted entries. Returns the
         tokens ``[bs, steps + 1]`` and the tails ``[bs, H]``."""
-        bs = len(alloc.seq_lens)
-        padded = padded_batch_size(self.batch_sizes, bs)
-        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
-        context = context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len)
+        bs, padded, context = self._shape(alloc)
         key = _FeedChainKey(width, steps, padded, context)
         s = self._feed_static_for(width, steps)
         n, total = padded * width, bs * width
         fill_padded(s.input_ids, input_ids, total, n)
         fill_padded(s.features, features, total, n)
-        fill_padded(s.rows, alloc.rows, bs, padded)
-        fill_padded(s.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
         fill_padded(s.slots, alloc.out_cache_loc, bs * (width + steps), padded * (width + steps))
         fill_padded(s.accept, accept, bs, padded)
         tokens, tails = self._replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
         return tokens[:bs].clone(), tails[:bs].clone()
+
+    def _shape(self, alloc: Allocation) -> tuple[int, int, int]:
+        """``(requests, padded batch size, context bucket)`` of a forward over ``alloc``."""
+        bs = len(alloc.seq_lens)
+        padded = padded_batch_size(self.batch_sizes, bs)
+        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
+        return bs, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len)
 
     def _replay(self, table: dict, key, body: Callable[[], T]) -> T:
         """``body``'s outputs for ``key``: its graph replayed, captured on first use, or run

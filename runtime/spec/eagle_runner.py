@@ -8,12 +8,13 @@ tokens as the target's, so the draft can never run out before the target does.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from ..cuda_graph import context_bucket
-from ..kv import KVCache
+from ..kv import Allocation, KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
@@ -179,12 +180,8 @@ class EagleDraftRunner:
         if num_tokens < 1:
             raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
         steps = num_tokens - 1
-        alloc = self.kv.allocate(request_ids, [steps] * len(request_ids))
-        try:
+        with self._allocated(request_ids, steps) as alloc:
             return self.graphs.run_chain(alloc, hidden.to(self.device, self.dtype), steps)
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
 
     @torch.inference_mode()
     def feed_chain(
@@ -209,8 +206,7 @@ class EagleDraftRunner:
         if num_tokens < 1:
             raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
         steps = num_tokens - 1
-        alloc = self.kv.allocate(request_ids, [width + steps] * len(request_ids))
-        try:
+        with self._allocated(request_ids, width + steps) as alloc:
             return self.graphs.run_feed_chain(
                 alloc,
                 input_ids.to(self.device),
@@ -219,9 +215,6 @@ class EagleDraftRunner:
                 width=width,
                 steps=steps,
             )
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
 
     def _replay(
         self,
@@ -235,8 +228,7 @@ class EagleDraftRunner:
         """Allocate ``width`` rows per request and run them through the graph runner; on
         failure the allocation is rolled back."""
         assert self.graphs is not None
-        alloc = self.kv.allocate(request_ids, [width] * len(request_ids))
-        try:
+        with self._allocated(request_ids, width) as alloc:
             return self.graphs.run(
                 alloc,
                 input_ids.to(self.device),
@@ -244,6 +236,13 @@ class EagleDraftRunner:
                 width=width,
                 from_target=from_target,
             )
+
+    @contextmanager
+    def _allocated(self, request_ids: Sequence[Hashable], rows: int) -> Iterator[Allocation]:
+        """``rows`` new cache entries per request, rolled back if the body fails."""
+        alloc = self.kv.allocate(request_ids, [rows] * len(request_ids))
+        try:
+            yield alloc
         except BaseException:
             self.kv.rollback(alloc)
             raise
