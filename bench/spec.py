@@ -1032,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--distill-seq", type=int, default=None, help="draft distillation sequence length")
     ap.add_argument(
-        "--distill-count", type=int, default=None, help="teacher continuations (default 16384; smoke 32)"
+        "--distill-count", type=int, default=None, help="teacher continuations (default 24576; smoke 32)"
     )
     ap.add_argument(
         "--teacher-fraction",
@@ -1147,7 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
     small_shape, draft_shape = ("smoke-small", "smoke-draft") if smoke else ("small", "draft")
     target_shape = args.target_shape or ("smoke-big" if smoke else "8b")
     t_target = args.train_target_s if args.train_target_s is not None else (8 if smoke else 60)
-    t_draft = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 170)
+    t_draft = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 240)
     vocab = 512 if smoke else 8192
     waves = args.waves or (1 if smoke else 3)
     started = time.monotonic()
@@ -1473,10 +1473,11 @@ def _teacher_data(args, target, data, tok_dir, device, *, smoke, k, prompt_len, 
         teacher_prompt = gen_len // 3
         source = "the training corpus"
     out = teacher_sequences(
-        # 16384 on a GPU: with 1024 the EAGLE head memorised them (training top-1 0.78, held
-        # out 0.44), 8192 and 70 s of training held out 0.47-0.49, 16384 and 170 s 0.53
-        # (bench/results/2026-12-03-spec-h200.md, runs 5, 7 and 10)
-        target, prompt_data, device, count=args.distill_count or (32 if smoke else 16384),
+        # 24576 on a GPU: with 1024 the EAGLE head memorised them (training top-1 0.78, held
+        # out 0.44), 8192 and 70 s of training held out 0.47-0.49, 16384 and 170 s 0.52-0.53,
+        # 24576 and 240 s 0.52-0.53 with 2.22 of 5 drafts accepted against 2.03-2.12
+        # (bench/results/2026-12-03-spec-h200.md, runs 5, 7, 10-12)
+        target, prompt_data, device, count=args.distill_count or (32 if smoke else 24576),
         prompt_len=teacher_prompt, new_tokens=gen_len - teacher_prompt + 1, seed=3,
     )  # fmt: skip
     seconds = time.monotonic() - t0
