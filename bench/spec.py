@@ -51,6 +51,7 @@ Method (everything is built inside the run; nothing is downloaded):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -1692,12 +1693,20 @@ class PhaseRecorder:
     between two steps that holds one is left out of the between-steps time.
     """
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, *, annotate: bool = False):
         self.cuda = cuda
+        self.annotate = annotate  # also open a torch.profiler range named for each call
         self.steps: list[Span] = []
         self.extends: list[tuple[float, float]] = []
         self._stack: list[Span] = []
         self._saved: list[tuple[object, str, bool, object]] = []
+
+    def current(self) -> str | None:
+        """The innermost call being timed now (None outside a step)."""
+        return self._stack[-1].name if self._stack else None
+
+    def _range(self, name: str):
+        return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()
 
     def _event(self):
         if not self.cuda:
@@ -1726,7 +1735,8 @@ class PhaseRecorder:
             recorder._stack.append(span)
             span.t0 = time.perf_counter()
             try:
-                out = fn(*args, **kwargs)
+                with recorder._range(span.name):
+                    out = fn(*args, **kwargs)
             finally:
                 span.t1 = time.perf_counter()
                 recorder._stack.pop()
@@ -1748,7 +1758,8 @@ class PhaseRecorder:
             recorder._stack = [span]
             span.t0 = time.perf_counter()
             try:
-                outs = step_fn(requests)
+                with recorder._range("decoder.step (own work)"):
+                    outs = step_fn(requests)
             finally:
                 span.t1 = time.perf_counter()
                 recorder._stack = []
@@ -2066,9 +2077,54 @@ def _phases_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOpti
         text += f"\nOutputs of the two runs identical: {'yes' if same else 'NO'}.\n"
         results["identical_outputs"] = same
     results["overhead_us_per_call"] = round(overhead, 2)
+    text += (
+        "\n## Kernels and synchronizations\n\nOne more run of the same request per decoder, "
+        "untimed, under torch.profiler and torch's CUDA sync debug mode.\n\n"
+    )
+    for kind, config, dec in runs:
+        text += _traced_phases(config, runner, dec, work, name, kind, cuda) + "\n"
     (opts.phases / f"phases-{name}.md").write_text(text)
     log(f"phases {name}: {_phases_one_line({k: v for k, v in results.items() if isinstance(v, dict)})}")
     return results
+
+
+def _load_phase_trace():
+    """``bench/phase_trace.py``, loaded by path: putting ``bench/`` on ``sys.path`` would let
+    ``bench/operator.py`` shadow the standard library's ``operator``."""
+    import importlib.util
+
+    name = "loraserve_bench_phase_trace"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("phase_trace.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _traced_phases(config, runner, decoder, work, name: str, kind: str, cuda: bool) -> str:
+    """One request through ``decoder`` under torch.profiler and the sync debug mode: GPU
+    kernel time and synchronizing calls charged to the phase that caused them (markdown)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trace = _load_phase_trace()
+    recorder = PhaseRecorder(cuda, annotate=True)
+    recorder.instrument(decoder)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    syncs = trace.SyncTrace(recorder.current)
+    try:
+        with syncs:
+            run_workload(config, runner, decoder, work, 1, f"trace-{name}-{kind}", profiler=prof)
+    finally:
+        recorder.restore()
+    recorder.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        table = trace.kernels_by_phase(path)
+    log(f"trace {name} {kind}: {sum(syncs.sites.values())} synchronizing calls, {len(recorder.steps)} steps")
+    return trace.trace_markdown(kind, table, syncs.sites, len(recorder.steps))
 
 
 @torch.no_grad()

@@ -26,19 +26,45 @@ class Acceptance:
     _host: tuple[list[int], list[list[int]]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _staged: tuple[torch.Tensor, torch.cuda.Event] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def num_new_tokens(self) -> torch.Tensor:
         """Tokens each request gains this step (accepted drafts + one from the target)."""
         return self.accept_lens + 1
 
+    def stage(self) -> None:
+        """Queue the device-to-host copy now (CUDA: into pinned memory, behind an event).
+
+        :meth:`host` then waits for the work queued before this call only, not for what is
+        queued after it: the drafter's next proposal runs on the device while the host does
+        the step's bookkeeping and queues the next verify behind it. Elsewhere a no-op."""
+        if self._staged is not None or self._host is not None or self.accept_lens.device.type != "cuda":
+            return
+        both = self._packed()
+        pinned = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        pinned.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._staged = (pinned, done)
+
     def host(self) -> tuple[list[int], list[list[int]]]:
         """``(accept_lens, token rows)`` as host lists: one device-to-host copy, kept for
         every later reader of this step (the decoder, the drafter)."""
         if self._host is None:
-            both = torch.cat([self.accept_lens.long()[:, None], self.tokens.long()], dim=1).tolist()
+            if self._staged is not None:
+                pinned, done = self._staged
+                done.synchronize()
+                both = pinned.tolist()
+            else:
+                both = self._packed().tolist()
             self._host = ([row[0] for row in both], [row[1:] for row in both])
         return self._host
+
+    def _packed(self) -> torch.Tensor:
+        return torch.cat([self.accept_lens.long()[:, None], self.tokens.long()], dim=1)
 
     def host_accept_lens(self) -> list[int]:
         """Drafts accepted per request, as a host list (see :meth:`host`)."""

@@ -198,8 +198,11 @@ class SpeculativeDecoder:
         )
         acceptance = self._accept(requests, drafts, output.logits, proposal.probs)
         timer.stop()
-        # Before the host reads the acceptance: a drafter may queue its next work on the
-        # device right behind the verify (EAGLE: the feed and the next proposal).
+        # The acceptance's copy to the host is queued here, so reading it waits for the
+        # verify only. The drafter then queues its next work right behind the verify (EAGLE:
+        # the feed and the next proposal), and the device runs it while the host does this
+        # step's bookkeeping and queues the next verify behind it.
+        acceptance.stage()
         self.drafter.on_verify(requests, acceptance, output)
         accept_lens, token_rows = acceptance.host()  # the step's one wait for the device
         verify_seconds = timer.seconds()

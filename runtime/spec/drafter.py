@@ -50,8 +50,9 @@ class Drafter(Protocol):
         """The target verified the last proposal; drop rejected draft state, keep the rest.
 
         Called before the decoder reads ``acceptance`` on the host: device work queued here
-        runs right behind the verify, and ``acceptance.host()`` (cached, one copy for all
-        readers) is where the host waits for it."""
+        runs right behind the verify. ``acceptance.host()`` (cached, one copy for all
+        readers) is where the host waits, for the verify only: its copy was staged before
+        this call, so the work queued here keeps the device busy while the host goes on."""
 
     def on_decode(self, requests: Sequence[Request], tokens: Sequence[int], output: ForwardOutput) -> None:
         """The target decoded one token per request without drafting (a batch too large to

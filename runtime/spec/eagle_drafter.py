@@ -15,7 +15,9 @@ After a greedy verify of a batch the graphs hold, :meth:`EagleDrafter.on_verify`
 the feed and the next step's proposal as one replay before it reads the acceptance on the
 host (:meth:`.EagleDraftRunner.feed_chain`); :meth:`EagleDrafter.propose` then hands out
 those tokens without launching anything. The GPU goes from the verify straight into the
-draft instead of idling while the host does the step's bookkeeping.
+draft, and the host, which waits for the verify's acceptance only (its copy is staged
+before the draft is queued), does the step's bookkeeping and queues the next verify while
+the draft runs.
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ class EagleDrafter:
 
     def _feed_and_propose(self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor) -> None:
         """Feed the verified positions and propose the next step's drafts in one replay,
-        queued before the host reads the acceptance (the step's one wait comes after it)."""
+        queued before the host reads the acceptance (that read waits for the verify, not
+        for this replay)."""
         bs, width = acceptance.tokens.shape
         self._drop_speculative(requests)
         tokens, tails = self.runner.feed_chain(

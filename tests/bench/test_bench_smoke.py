@@ -77,6 +77,7 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
         ):
             assert row in table, (draft, table)
         assert "Outputs of the two runs identical: yes." in table
+        assert "### spec:" in table and "### plain:" in table  # the traced runs' tables
         summary = details["1"]["spec"][draft]["phases"]
         assert summary["spec"]["steps"] > 0 and summary["plain"]["tokens_per_step"] == 1.0
     assert "'argmax_agreement': 1.0" in text

@@ -177,3 +177,34 @@ def test_shape_errors_name_the_argument():
             torch.rand(2, 3),
             torch.rand(2, 3, 5),
         )
+
+
+def _staging_case(device: str):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 4, 13, generator=gen)
+    drafts = logits.argmax(-1)[:, :-1].clone()
+    drafts[1, 0] = (drafts[1, 0] + 1) % 13  # one row rejects its first draft
+    return drafts.to(device), logits.to(device)
+
+
+def test_staging_keeps_what_the_host_reads():
+    """``stage()`` before ``host()`` (a no-op off CUDA) reads the same lists as ``host()`` alone."""
+    drafts, logits = _staging_case("cpu")
+    staged = greedy_accept(drafts, logits)
+    staged.stage()
+    assert staged.host() == greedy_accept(drafts, logits).host()
+    assert staged.host()[0][1] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_acceptance_is_read_without_waiting_for_later_work():
+    """The decoder stages the acceptance before the drafter queues its next proposal: reading
+    it must wait for the verify only, so the host works while the proposal runs."""
+    drafts, logits = _staging_case("cuda")
+    expected = greedy_accept(drafts.cpu(), logits.cpu()).host()
+    acceptance = greedy_accept(drafts, logits)
+    acceptance.stage()
+    torch.cuda._sleep(500_000_000)  # stands in for the draft's replay: ~0.25 s of device time
+    assert acceptance.host() == expected
+    assert not torch.cuda.current_stream().query(), "host() waited for work queued after stage()"
+    torch.cuda.synchronize()
