@@ -219,6 +219,7 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
         _flag(args, "--adaptive-speculation", s.adaptive)
         _flag(args, "--ragged-verify", s.ragged_verify.value)
         _flag(args, "--draft-load-format", s.draft_load_format)
+        _flag(args, "--speculative-token-map", s.token_map)
         _flag(args, "--ngram-min", s.ngram_min)
         _flag(args, "--ngram-max", s.ngram_max)
         _flag(args, "--speculative-disable-batch-size", s.disable_batch_size)

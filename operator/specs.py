@@ -63,6 +63,12 @@ def _matching(pattern: str, message: str):
 
 
 SourceURI = Annotated[str, Field(max_length=2048), _matching(SOURCE_PATTERN, SOURCE_MESSAGE)]
+# A file inside the draft's source; RE2 (CEL) has no lookahead, so ".." is a second rule there.
+TOKEN_MAP_PATTERN = r"^(?!.*\.\.)[^/\s]\S*\.(json|safetensors|pt)$"
+TOKEN_MAP_MESSAGE = (
+    "must be a relative path inside the draft model's source ending in .json, .safetensors or .pt"
+)
+TokenMapPath = Annotated[str, Field(max_length=512), _matching(TOKEN_MAP_PATTERN, TOKEN_MAP_MESSAGE)]
 Sha256 = Annotated[str, _matching(SHA256_PATTERN, SHA256_MESSAGE)]
 
 
@@ -103,6 +109,7 @@ class DraftModelSpec(_Spec):
     source: SourceURI
     revision: str | None = Field(default=None, max_length=256)
     architecture: str | None = Field(default=None, max_length=128)
+    token_map: TokenMapPath | None = None  # EAGLE family: the tokens the draft predicts over
 
 
 class NgramSpec(_Spec):

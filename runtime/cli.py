@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ragged-verify", default=d.speculative.ragged_verify.value, choices=[r.value for r in RaggedVerify]
     )
     g.add_argument("--draft-load-format", default=d.speculative.draft_load_format)
+    g.add_argument(
+        "--speculative-token-map",
+        default=None,
+        help="EAGLE/EAGLE3: a .json/.safetensors/.pt list of token ids the draft predicts over "
+        "(relative: a file of the draft's directory)",
+    )
     g.add_argument("--ngram-min", type=int, default=d.speculative.ngram_min)
     g.add_argument("--ngram-max", type=int, default=d.speculative.ngram_max)
     g.add_argument(
@@ -226,6 +232,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     s.adaptive = args.adaptive_speculation
     s.ragged_verify = RaggedVerify(args.ragged_verify)
     s.draft_load_format = args.draft_load_format
+    s.token_map = args.speculative_token_map
     s.ngram_min = args.ngram_min
     s.ngram_max = args.ngram_max
     s.disable_batch_size = args.speculative_disable_batch_size

@@ -96,6 +96,10 @@ class SpeculativeConfig:
     adaptive: bool = False  # vary num_steps at run time
     ragged_verify: RaggedVerify = RaggedVerify.STATIC
     draft_load_format: str = "auto"  # applies to the draft only
+    # EAGLE family: a file of token ids (JSON list, safetensors or .pt tensor; relative paths
+    # are files of the draft's directory). The draft predicts over those tokens only, through
+    # those rows of the target's lm_head: a smaller LM head per draft step (FR-Spec).
+    token_map: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     # A decode step of at least this many requests runs without drafting (one token each,

@@ -448,6 +448,17 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
                 kind=Kind.UNAVAILABLE,
             )
         )
+    if spec.token_map and not algorithm.is_eagle_family:
+        out.append(
+            Violation(
+                "token-map-algorithm",
+                "speculative.token_map",
+                f"a token map selects rows of the target's lm_head for an EAGLE-family draft; "
+                f"{_named(algorithm, note)} drafts without the target's lm_head",
+                "unset {speculative.token_map}, or use EAGLE or EAGLE3",
+                related=("speculative.algorithm",),
+            )
+        )
     out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
     out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
     out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")
@@ -681,6 +692,10 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
                 "speculative.draft_model_path",
                 f"{requested.value} uses no draft model; it is ignored",
             )
+        )
+    if requested is SpecAlgorithm.NONE and spec.token_map:
+        out.append(
+            PolicyWarning("token-map-ignored", "speculative.token_map", "ignored without speculative decoding")
         )
     if requested is SpecAlgorithm.NONE and spec.adaptive:
         out.append(

@@ -46,12 +46,14 @@ def build_eagle_draft(
     seed: int = 0,
     init_std: float = 0.05,
     dtype: str = "float32",
+    draft_vocab: Sequence[int] | None = None,
 ) -> Path:
     """Write an EAGLE (``version=1``) or EAGLE3 (``version=3``) draft for ``target_dir``.
 
     ``aux_layer_ids``: EAGLE3 feature streams (default: low, middle and high layers).
     ``input_norm``: EAGLE only; False writes the original layout without the layer's
-    input norm.
+    input norm. ``draft_vocab``: target token ids; the draft gets its own LM head over
+    these tokens (``draft_vocab_size`` and a ``d2t`` map, as EAGLE3 training writes them).
     """
     architecture = {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(version)
     if architecture is None:
@@ -79,6 +81,8 @@ def build_eagle_draft(
             list(aux_layer_ids) if aux_layer_ids is not None else list(default_aux_layers(target.num_layers))
         )
         raw["eagle_aux_hidden_state_layer_ids"] = ids
+    if draft_vocab is not None:
+        raw["draft_vocab_size"] = len(draft_vocab)
     config = eagle_config_from_dict(raw)
     config.check_target(target)
 
@@ -87,6 +91,10 @@ def build_eagle_draft(
         del shapes[INPUT_NORM]
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
+    if draft_vocab is not None:
+        # draft row i predicts target token draft_vocab[i] = i + d2t[i]
+        shapes.pop("d2t", None)
+        tensors["d2t"] = torch.tensor(list(draft_vocab), dtype=torch.int64) - torch.arange(len(draft_vocab))
     for name, shape in sorted(shapes.items()):
         if name.endswith("norm.weight"):
             tensor = torch.ones(shape)

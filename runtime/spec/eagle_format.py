@@ -29,9 +29,13 @@ name                                            shape                           
 .. [1] optional for EAGLE: without it the fc output feeds attention directly, as in the
    original EAGLE layout.
 
-Token embeddings and the LM head are never stored: the draft takes the target's BASE
-``embed_tokens`` and ``lm_head`` (no adapter), so it has the target's vocabulary and its
-``hidden_size`` must equal the target's.
+Token embeddings are never stored: the draft takes the target's BASE ``embed_tokens``
+(no adapter), so its ``hidden_size`` must equal the target's. The LM head is the
+target's BASE ``lm_head`` too, unless config.json sets ``draft_vocab_size`` (as EAGLE3
+training writes its drafts): then the checkpoint holds its own ``lm_head.weight``
+``[draft_vocab_size, H]`` and, when ``draft_vocab_size`` is below the target's vocabulary,
+``d2t`` ``[draft_vocab_size]`` (int64; draft row ``i`` predicts target token ``i + d2t[i]``).
+``t2d`` (a training-time mask) is ignored. See :mod:`.draft_vocab`.
 
 Semantics. EAGLE: the feature of position ``i`` is the target's final (normed) hidden
 state there; the draft input at position ``i`` is ``fc([embed(x[i+1]), feature[i]])``, its
@@ -65,6 +69,11 @@ class EagleDraftConfig:
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...]  # EAGLE3: target layers feeding the feature
     fc_bias: bool
+    draft_vocab_size: int | None = None  # set: the checkpoint's own lm_head has this many rows
+
+    @property
+    def own_lm_head(self) -> bool:
+        return self.draft_vocab_size is not None
 
     @property
     def hidden_size(self) -> int:
@@ -105,6 +114,10 @@ class EagleDraftConfig:
         if self.version == 3:
             shapes["layers.0.hidden_norm.weight"] = (h,)
             shapes["norm.weight"] = (h,)
+        if self.draft_vocab_size is not None:
+            shapes["lm_head.weight"] = (self.draft_vocab_size, h)
+            if self.draft_vocab_size < self.layer.vocab_size:
+                shapes["d2t"] = (self.draft_vocab_size,)
         return shapes
 
     def check_target(self, target: ModelArchConfig) -> None:
@@ -122,6 +135,11 @@ class EagleDraftConfig:
         if self.layer.vocab_size != target.vocab_size:
             raise ModelConfigError(
                 f"EAGLE draft vocab_size {self.layer.vocab_size} must equal the target's {target.vocab_size}"
+            )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= target.vocab_size:
+            raise ModelConfigError(
+                f"EAGLE draft draft_vocab_size {self.draft_vocab_size} must be between 1 and the target's "
+                f"vocab_size {target.vocab_size}"
             )
         for layer_id in self.aux_layer_ids:
             if not 0 <= layer_id <= target.num_layers:
@@ -165,12 +183,18 @@ def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = Non
                 f"target layer indices, got {ids!r}"
             )
         aux = tuple(ids)
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)):
+        raise ModelConfigError(
+            f"EAGLE draft config.json draft_vocab_size must be an integer, got {draft_vocab!r}"
+        )
     return EagleDraftConfig(
         version=version,
         layer=layer,
         target_hidden_size=target_hidden,
         aux_layer_ids=aux,
         fc_bias=bool(raw.get("bias", False)),
+        draft_vocab_size=draft_vocab,
     )
 
 
@@ -188,29 +212,37 @@ def load_eagle_config(path: str | Path, *, architecture_override: str | None = N
     return eagle_config_from_dict(raw, architecture_override=architecture_override)
 
 
-def load_eagle_tensors(path: str | Path, config: EagleDraftConfig) -> dict[str, torch.Tensor]:
-    """Read and check every tensor of an EAGLE draft (names and shapes)."""
+def load_eagle_tensors(
+    path: str | Path, config: EagleDraftConfig, *, exclude: tuple[Path, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Read and check every tensor of an EAGLE draft (names and shapes). ``exclude``: files
+    of the directory that are not weights (a token map kept beside them)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    skip = {Path(f).resolve() for f in exclude}
+    files = sorted(f for f in Path(path).glob("*.safetensors") if f.resolve() not in skip)
     if not files:
         raise ModelConfigError(f"no *.safetensors files in EAGLE draft directory {path}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(str(file)).items():
             tensors[name.removeprefix("model.")] = tensor
-    if "d2t" in tensors or "t2d" in tensors:
+    tensors.pop("t2d", None)  # the training-time target-to-draft mask
+    if "d2t" in tensors and not config.own_lm_head:
         raise ModelConfigError(
-            f"EAGLE draft {path} has a reduced draft vocabulary (d2t/t2d); this format needs a draft "
-            "that predicts over the target's full vocabulary through the target's lm_head"
+            f"EAGLE draft {path} has a d2t vocabulary map but its config.json sets no draft_vocab_size: "
+            "set draft_vocab_size to the number of rows of its lm_head.weight"
         )
-    # Checkpoints that carry their own copy of the target's embeddings / head: the draft
-    # uses the target's base weights instead, so these are ignored.
-    for shared in ("embed_tokens.weight", "lm_head.weight"):
-        tensors.pop(shared, None)
+    # Checkpoints that carry their own copy of the target's embeddings (or, without
+    # draft_vocab_size, of its head): the draft uses the target's base weights instead.
+    tensors.pop("embed_tokens.weight", None)
+    if not config.own_lm_head:
+        tensors.pop("lm_head.weight", None)
     expected = config.tensor_shapes()
     if config.version == 1 and INPUT_NORM not in tensors:
         del expected[INPUT_NORM]
+    if config.own_lm_head and "d2t" in tensors and "d2t" not in expected:
+        expected["d2t"] = (config.draft_vocab_size,)  # optional at full size: a permutation
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:

@@ -273,11 +273,11 @@ class EagleGraphRunner:
         single-row head step per column of ``locs`` (each fed the previous token and output),
         the first at position ``prefix_lens``."""
         model = self.runner.model
-        tokens = model.compute_logits(hidden).argmax(dim=-1)
+        tokens = model.greedy_tokens(hidden)
         out = [tokens]
         for j in range(locs.shape[1]):
             hidden = self._head(rows, prefix_lens + j, locs[:, j], 1, context, tokens, hidden, from_target=False)
-            tokens = model.compute_logits(hidden).argmax(dim=-1)
+            tokens = model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out, dim=1)
 

@@ -1,10 +1,11 @@
 """The EAGLE / EAGLE3 draft head: one decoder layer over the target's features.
 
 Built from the runtime's own layers (fused projections, rope table, paged attention), so
-it runs wherever the target runs. The token embedding and LM head are the target's BASE
-weights, held by reference: the draft reads the weight tensors directly and never calls
-the target's modules, so no adapter hook can reach a draft proposal. See
-:mod:`.eagle_format` for the checkpoint layout and the exact equations.
+it runs wherever the target runs. The token embedding and (unless the checkpoint has its
+own) the LM head are the target's BASE weights, held by reference: the draft reads the
+weight tensors directly and never calls the target's modules, so no adapter hook can reach
+a draft proposal. See :mod:`.eagle_format` for the checkpoint layout and the exact
+equations, :mod:`.draft_vocab` for the vocabulary a draft predicts over.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.layers import Attention, AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
+from .draft_vocab import DraftVocab
 from .eagle_format import EagleDraftConfig
 
 _FUSED = {
@@ -50,7 +52,7 @@ class EagleDraftModel(nn.Module):
         config: EagleDraftConfig,
         *,
         embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
+        vocab: DraftVocab,
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -59,10 +61,10 @@ class EagleDraftModel(nn.Module):
         super().__init__()
         layer = config.layer
         h = config.hidden_size
-        if embed_weight.shape[1] != h or lm_head_weight.shape[1] != h:
+        if embed_weight.shape[1] != h or vocab.head_weight.shape[1] != h:
             raise ValueError(
-                f"the target's embeddings {tuple(embed_weight.shape)} / lm_head {tuple(lm_head_weight.shape)} "
-                f"do not fit a draft of hidden_size {h}"
+                f"the target's embeddings {tuple(embed_weight.shape)} / the draft's LM head "
+                f"{tuple(vocab.head_weight.shape)} do not fit a draft of hidden_size {h}"
             )
         self.config = config
         self.version = config.version
@@ -95,7 +97,7 @@ class EagleDraftModel(nn.Module):
         # detach(): a plain tensor view of the same storage, so nn.Module does not adopt
         # the target's Parameters as the draft's own.
         self._embed_weight = embed_weight.detach()
-        self._lm_head_weight = lm_head_weight.detach()
+        self.vocab = vocab
         self.lora = None  # a draft never carries adapters
 
     @property
@@ -151,10 +153,15 @@ class EagleDraftModel(nn.Module):
         return self.o_proj(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits (float32) through the target's base LM head."""
-        if self.norm is not None:
-            hidden = self.norm(hidden)
-        return F.linear(hidden.to(self._lm_head_weight.dtype), self._lm_head_weight).float()
+        """Logits (float32) over the target's vocabulary, ``-inf`` outside the draft's."""
+        return self.vocab.full_logits(self._final(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of :meth:`compute_logits` (target ids), scoring the draft's vocabulary only."""
+        return self.vocab.greedy(self._final(hidden))
+
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.norm is None else self.norm(hidden)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checkpoint tensors (already checked by :func:`load_eagle_tensors`)."""

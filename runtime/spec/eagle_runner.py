@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,14 @@ from ..cuda_graph import context_bucket
 from ..kv import Allocation, KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
+from .draft_vocab import (
+    DraftVocab,
+    TokenMapError,
+    load_token_map,
+    own_head_vocab,
+    resolve_token_map,
+    target_head_vocab,
+)
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
 from .eagle_graphs import EagleGraphRunner
 from .eagle_model import EagleDraftModel
@@ -44,18 +53,28 @@ class EagleDraftRunner:
         load_format: str = "auto",
         seed: int = 0,
         cuda_graph_max_bs: int = 0,
+        token_map: str | None = None,
     ):
         """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
-        from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager)."""
+        from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager). ``token_map``: a file of
+        token ids the draft predicts over, through those rows of the target's LM head
+        (:func:`.draft_vocab.load_token_map`; relative paths are files of the draft's
+        directory)."""
         self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
         self.config.check_target(target_arch)
-        tensors = _draft_tensors(path, self.config, load_format, seed)
+        map_file = resolve_token_map(token_map, path) if token_map else None
+        tensors = _draft_tensors(
+            path, self.config, load_format, seed, exclude=(map_file,) if map_file else ()
+        )
         self.device = torch.device(device)
         self.dtype = dtype
+        self.vocab = _draft_vocab(
+            self.config, tensors, lm_head_weight, map_file, path, dtype=dtype, device=self.device
+        )
         self.model = EagleDraftModel(
             self.config,
             embed_weight=embed_weight,
-            lm_head_weight=lm_head_weight,
+            vocab=self.vocab,
             max_positions=max_context_len,
             dtype=dtype,
             device=self.device,
@@ -170,7 +189,9 @@ class EagleDraftRunner:
         return self.graphs is not None and self.graphs.can_run(batch_size)
 
     @torch.inference_mode()
-    def draft_chain(self, request_ids: Sequence[Hashable], hidden: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def draft_chain(
+        self, request_ids: Sequence[Hashable], hidden: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
         """``num_tokens`` greedy draft tokens per request, as one replay: the first from the head
         output ``hidden`` (the LM head's argmax), each later one from a draft step fed the
         previous token; returns ``[bs, num_tokens]``. The same tokens and cache entries as
@@ -248,8 +269,38 @@ class EagleDraftRunner:
             raise
 
 
+def _draft_vocab(
+    config: EagleDraftConfig,
+    tensors: dict[str, torch.Tensor],
+    target_lm_head: torch.Tensor,
+    token_map: Path | None,
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DraftVocab:
+    """The draft's LM head and vocabulary; takes ``lm_head.weight`` and ``d2t`` out of ``tensors``."""
+    vocab_size = int(target_lm_head.shape[0])
+    if config.own_lm_head:
+        if token_map:
+            raise TokenMapError(
+                f"speculative.token_map is set, but the EAGLE draft {path} has its own lm_head "
+                f"({config.draft_vocab_size} tokens, draft_vocab_size in its config.json): a token map "
+                "selects rows of the target's lm_head; unset speculative.token_map"
+            )
+        head = tensors.pop("lm_head.weight").to(device=device, dtype=dtype)
+        return own_head_vocab(head, tensors.pop("d2t", None), vocab_size)
+    if token_map is None:
+        return target_head_vocab(target_lm_head, None, "the target's base lm_head")
+    return target_head_vocab(
+        target_lm_head,
+        load_token_map(token_map, vocab_size),
+        f"the target's base lm_head, token map {token_map}",
+    )
+
+
 def _draft_tensors(
-    path: str, config: EagleDraftConfig, load_format: str, seed: int
+    path: str, config: EagleDraftConfig, load_format: str, seed: int, *, exclude: tuple[Path, ...] = ()
 ) -> dict[str, torch.Tensor]:
     """The draft's weights per ``speculative.draft_load_format``.
 
@@ -258,15 +309,19 @@ def _draft_tensors(
     since loading one can run arbitrary code.
     """
     if load_format in ("auto", "safetensors"):
-        return load_eagle_tensors(path, config)
+        return load_eagle_tensors(path, config, exclude=exclude)
     if load_format == "dummy":
         generator = torch.Generator().manual_seed(seed)
-        return {
+        tensors = {
             name: torch.ones(shape)
             if name.endswith("norm.weight")
             else torch.randn(shape, generator=generator) * 0.02
             for name, shape in config.tensor_shapes().items()
+            if name != "d2t"
         }
+        if "d2t" in config.tensor_shapes():
+            tensors["d2t"] = torch.zeros(config.draft_vocab_size or 0, dtype=torch.int64)  # the first tokens
+        return tensors
     raise ModelConfigError(
         f"speculative.draft_load_format {load_format!r} cannot load an EAGLE draft: use 'auto' or "
         "'safetensors' (pickle 'pt' weights are refused), or 'dummy' for random weights"

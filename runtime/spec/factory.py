@@ -2,13 +2,14 @@
 
 The draft is built next to an already-built target runner: it follows the target's
 device, dtype, context length and KV capacity, and takes the target's BASE embeddings
-and LM head (EAGLE family). Settings that cannot run raise
+and (unless the checkpoint has its own) LM head (EAGLE family). Settings that cannot run raise
 :class:`~.draft_config.SpeculativeConfigError` naming the field and the fix.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from ..config import RuntimeConfig, SpecAlgorithm
@@ -19,6 +20,8 @@ from .draft_config import SpeculativeConfigError, build_draft_config, validate_s
 from .drafter import Drafter
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+log = logging.getLogger("loraserve.spec")
 
 
 def _check_load_format(fmt: str) -> None:
@@ -76,6 +79,7 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
         _check_same_tokenizer(runner.model_path, draft_runner.model_path)
         return StandaloneDrafter(draft_runner, sampler, runner.vocab_size), algorithm
 
+    from .draft_vocab import TokenMapError
     from .eagle_drafter import EagleDrafter
     from .eagle_model import base_weight
     from .eagle_runner import EagleDraftRunner
@@ -96,7 +100,10 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
             load_format=spec.draft_load_format,
             seed=config.seed,
             cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
+            token_map=spec.token_map,
         )
+    except TokenMapError as exc:
+        raise SpeculativeConfigError("speculative.token_map", str(exc)) from exc
     except ModelConfigError as exc:
         hint = ""
         if requested is SpecAlgorithm.NEXTN:
@@ -110,6 +117,9 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
             f"speculative.algorithm is {requested.value} but {spec.draft_model_path} is an {have} draft: "
             f"set speculative.algorithm to {have}",
         )
+    log.info(
+        "%s draft %s predicts over %s", algorithm.value, spec.draft_model_path, draft_runner.vocab.source
+    )
     return EagleDrafter(draft_runner, sampler, runner.vocab_size), algorithm
 
 

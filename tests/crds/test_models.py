@@ -162,3 +162,32 @@ def test_spec_errors_name_the_users_fields():
     with pytest.raises(specs.SpecError) as caught:
         specs.parse_loraserve_spec({})
     assert caught.value.problems == ["spec.model: Field required"]
+
+
+@pytest.mark.parametrize(
+    "token_map,ok",
+    [
+        ("freq_32768.pt", True),
+        ("maps/hot.safetensors", True),
+        ("hot.json", True),
+        ("/abs/hot.json", False),
+        ("../outside.json", False),
+        ("maps/../../x.pt", False),
+        ("hot.bin", False),
+        ("with space.json", False),
+    ],
+)
+def test_token_map_rule_agrees_between_cel_and_model(kit, token_map, ok):
+    """``spec.speculative.draftModel.tokenMap``: a relative file of the draft's source."""
+    spec = {
+        "model": {"source": "/models/m"},
+        "speculative": {"algorithm": "EAGLE", "draftModel": {"source": "/models/d", "tokenMap": token_map}},
+    }
+    obj = {"apiVersion": specs.API_VERSION, "kind": "LoRAServe", "metadata": {"name": "m"}, "spec": spec}
+    cel_ok = kit.admit(obj).valid
+    try:
+        specs.parse_loraserve_spec(spec)
+        model_ok = True
+    except specs.SpecError:
+        model_ok = False
+    assert (cel_ok, model_ok) == (ok, ok)

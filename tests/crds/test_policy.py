@@ -249,6 +249,22 @@ def test_pickle_draft_checkpoints_are_refused_and_safe_formats_pass(fmt):
     assert finding.field == "speculative.draft_load_format" and "safetensors" in finding.fix
 
 
+@pytest.mark.parametrize("algorithm", list(SpecAlgorithm))
+def test_a_token_map_needs_a_draft_over_the_target_head(algorithm):
+    """A token map picks rows of the target's lm_head: EAGLE-family drafts only (NEXTN runs as
+    EAGLE); elsewhere refused, naming the field; without speculation only a warning."""
+    c = config(algorithm, lora=False, speculative__token_map="freq_32768.pt")
+    refused = "token-map-algorithm" in rules(c)
+    assert refused == (algorithm is not A.NONE and not algorithm.is_eagle_family)
+    assert ("token-map-ignored" in warning_rules(c)) == (algorithm is A.NONE)
+    assert not {"token-map-algorithm"} & rules(config(algorithm, lora=False))
+    if refused:
+        (finding,) = [
+            v for v in policy.check_config(c, EVERYTHING).violations if v.rule == "token-map-algorithm"
+        ]
+        assert finding.field == "speculative.token_map" and "EAGLE" in finding.fix
+
+
 def test_chain_drafts_verify_num_steps_plus_one():
     assert "chain-draft-tokens" in rules(
         config(A.EAGLE, speculative__num_steps=5, speculative__num_draft_tokens=4)
@@ -396,7 +412,11 @@ def test_embedding_modules_under_eagle_family_warn():
         ("draft-ignored", {"speculative__draft_model_path": "/d"}, {"speculative__draft_model_path": None}),
         ("adaptive-ignored", {"speculative__adaptive": True}, {"speculative__adaptive": False}),
         ("spec-switch-ignored", {"speculative__auto_disable": True}, {"speculative__auto_disable": False}),
-        ("spec-switch-ignored", {"speculative__disable_batch_size": 8}, {"speculative__disable_batch_size": 0}),
+        (
+            "spec-switch-ignored",
+            {"speculative__disable_batch_size": 8},
+            {"speculative__disable_batch_size": 0},
+        ),
         (
             "cuda-graph-partial",
             {"cuda_graph__enabled": True, "cuda_graph__max_bs": 8},

@@ -115,13 +115,30 @@ def test_every_mapped_spec_field_is_perturbed():
     mapped = {
         c for c, crd in translate.FIELD_PATHS.items() if crd.startswith("spec.") and "Secret" not in crd
     }
-    # model.path is the source (tested below); device follows gpus; the admin token comes from a Secret.
+    # model.path is the source (tested below); the draft's fields need a draft model (tested
+    # below); device follows gpus; the admin token comes from a Secret.
     assert mapped - perturbed == {
         "model.path",
         "speculative.draft_model_path",
         "speculative.draft_model_architecture",
+        "speculative.token_map",
         "device",
     }
+
+
+def test_the_draft_model_fields_drive_the_draft_settings():
+    draft = {"source": "/models/eagle", "architecture": "LlamaForCausalLMEagle", "tokenMap": "maps/hot.json"}
+    config = translate.to_runtime_config(
+        _spec(**{"speculative.algorithm": "EAGLE", "speculative.draftModel": draft})
+    )
+    s = config.speculative
+    assert (s.draft_model_path, s.draft_model_architecture, s.token_map) == (
+        "/models/eagle",
+        "LlamaForCausalLMEagle",
+        "maps/hot.json",  # relative: the runtime reads it from the draft's directory
+    )
+    assert translate.to_runtime_config(_spec()).speculative.token_map is None
+    assert translate.crd_path("speculative.token_map") == "spec.speculative.draftModel.tokenMap"
 
 
 def test_gpus_pick_the_device():

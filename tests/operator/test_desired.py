@@ -63,6 +63,15 @@ SPECS = {
         "storage": {"models": {"size": "200Gi"}, "adapters": {"size": "20Gi"}},
         "service": {"type": "LoadBalancer", "port": 443},
     },
+    "eagle-token-map": {
+        "model": {"source": "pvc://models/llama-3-8b"},
+        "speculative": {
+            "algorithm": "EAGLE",
+            "draftModel": {"source": "pvc://models/eagle-llama-3-8b", "tokenMap": "freq_32768.pt"},
+            "numSteps": 5,
+        },
+        "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models", "readOnly": True}},
+    },
     "remote-https-s3": {
         "model": {"source": "https://models.example.com/llama-3.1-8b/model.tar.gz"},
         "speculative": {

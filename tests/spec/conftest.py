@@ -41,6 +41,7 @@ def chi_square():
 
 # --------------------------------------------------------------------------- models and engines
 
+import json  # noqa: E402
 import threading  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -72,6 +73,8 @@ class SpecAssets:
     same_draft: Path  # a copy of the target: every greedy draft is accepted
     eagle: Path
     eagle3: Path
+    eagle3_d2t: Path  # an EAGLE3 draft with its own LM head over half the vocabulary (d2t)
+    token_map: Path  # a third of the vocabulary, for an EAGLE draft over the target's head
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +85,10 @@ def spec_assets(tmp_path_factory) -> SpecAssets:
     root = tmp_path_factory.mktemp("spec_assets")
     target = build_tiny_model(root / "target", num_layers=3, seed=31)
     adapters = {name: build_adapter(root / "adapters" / name, target, **kw) for name, kw in ADAPTERS.items()}
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(35)).tolist()
+    token_map = root / "token_map.json"
+    token_map.write_text(json.dumps(order[: vocab // 3]))
     return SpecAssets(
         target=target,
         adapters=adapters,
@@ -91,6 +98,16 @@ def spec_assets(tmp_path_factory) -> SpecAssets:
         eagle3=build_eagle_draft(
             root / "eagle3", target, version=3, aux_layer_ids=[1, 2, 3], seed=34, init_std=0.1
         ),
+        eagle3_d2t=build_eagle_draft(
+            root / "eagle3-d2t",
+            target,
+            version=3,
+            aux_layer_ids=[1, 2, 3],
+            seed=36,
+            init_std=0.1,
+            draft_vocab=sorted(order[: vocab // 2]),
+        ),
+        token_map=token_map,
     )
 
 
@@ -123,9 +140,13 @@ def spec_config(
             "same": assets.same_draft,
             "eagle": assets.eagle,
             "eagle3": assets.eagle3,
+            "eagle3-d2t": assets.eagle3_d2t,
+            "eagle-token-map": assets.eagle,
         }
         if draft is not None:
             config.speculative.draft_model_path = str(paths[draft])
+        if draft == "eagle-token-map":
+            config.speculative.token_map = str(assets.token_map)
     return config
 
 

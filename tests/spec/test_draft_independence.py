@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
@@ -96,18 +97,26 @@ def test_standalone_proposals_are_bit_identical_without_the_adapter(
         assert proposal == expected
 
 
-def test_eagle_draft_uses_the_base_embeddings_and_head(make_spec_config):
+@pytest.mark.parametrize(
+    "case", [("EAGLE3", "eagle3"), ("EAGLE", "eagle-token-map")], ids=["whole-head", "token-map"]
+)
+def test_eagle_draft_uses_the_base_embeddings_and_head(make_spec_config, case):
     """With an embeddings + lm_head adapter active in the target, the EAGLE draft's logits
-    and embeddings are bit-identical to those with no adapter in play."""
+    and embeddings are bit-identical to those with no adapter in play: whether it shares the
+    target's head whole or takes rows of it for a token map."""
     from loraserve.runtime.sampling import Sampler
     from loraserve.runtime.spec import build_decoder
 
     runner = ModelRunner(make_spec_config())
-    decoder = build_decoder(config=make_spec_config("EAGLE3", "eagle3"), runner=runner, sampler=Sampler(0))
+    decoder = build_decoder(config=make_spec_config(*case), runner=runner, sampler=Sampler(0))
     draft = decoder.drafter.runner
     assert draft.lora is None and draft.model.lora is None
     assert draft.model._embed_weight.data_ptr() == runner.embed_tokens.weight.data_ptr()
-    assert draft.model._lm_head_weight.data_ptr() == runner.lm_head.weight.data_ptr()
+    if draft.vocab.to_target is None:
+        assert draft.vocab.head_weight.data_ptr() == runner.lm_head.weight.data_ptr()
+    else:
+        rows = runner.lm_head.weight.index_select(0, draft.vocab.to_target)
+        assert torch.equal(draft.vocab.head_weight, rows)  # the base head's rows, taken unwrapped
 
     hidden = torch.randn(5, runner.hidden_size)
     ids = torch.randint(0, runner.vocab_size, (5,))

@@ -150,7 +150,8 @@ def test_draft_shares_the_target_embeddings_and_head(target, tmp_path):
         max_context_len=32,
     )
     assert runner.model._embed_weight.data_ptr() == model.embed_tokens.weight.data_ptr()
-    assert runner.model._lm_head_weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert runner.model.vocab.head_weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert runner.model.vocab.to_target is None
     names = {n for n, _ in runner.model.named_parameters()}
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert runner.lora is None and runner.model.lora is None
@@ -201,3 +202,131 @@ def test_non_eagle_config_is_refused(target):
     path, _, _ = target
     with pytest.raises(ModelConfigError, match="not an EAGLE draft"):
         load_eagle_config(path)
+
+
+def _runner(draft_dir, arch, model, **kw):
+    return EagleDraftRunner(
+        str(draft_dir),
+        target_arch=arch,
+        embed_weight=model.embed_tokens.weight,
+        lm_head_weight=model.lm_head.weight,
+        dtype=torch.float32,
+        device="cpu",
+        max_total_tokens=128,
+        max_requests=4,
+        max_context_len=64,
+        **kw,
+    )
+
+
+def _draft_rows(arch, n, seed):
+    return sorted(torch.randperm(arch.vocab_size, generator=torch.Generator().manual_seed(seed))[:n].tolist())
+
+
+def _check_reduced_logits(runner, reference_logits, hidden, rows):
+    """Full-vocabulary logits: the reference at the draft's rows, -inf elsewhere; the greedy
+    token is the best of those rows, as a target id."""
+    logits = runner.compute_logits(hidden)
+    ids = torch.tensor(rows)
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(logits[:, outside]).all()
+    got = logits[:, ids].double()
+    assert torch.linalg.norm(got - reference_logits) / torch.linalg.norm(reference_logits) < 1e-5
+    expected = ids[reference_logits.argmax(-1)]
+    assert torch.equal(runner.model.greedy_tokens(hidden), expected)
+    assert torch.equal(logits.argmax(-1), expected)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_a_draft_with_its_own_reduced_head_predicts_target_ids(target, tmp_path, version):
+    """``draft_vocab_size`` + ``d2t`` (EAGLE3 training's layout): the draft's own LM head
+    scores its rows, and row ``i`` stands for target token ``i + d2t[i]``."""
+    path, arch, model = target
+    rows = _draft_rows(arch, arch.vocab_size // 3, seed=version)
+    draft_dir = build_eagle_draft(
+        tmp_path / "draft", path, version=version, seed=3, init_std=0.2, draft_vocab=rows
+    )
+    runner = _runner(draft_dir, arch, model)
+    assert runner.vocab.size == len(rows) and "d2t" in runner.vocab.source
+    head = load_file(str(draft_dir / "model.safetensors"))["lm_head.weight"]
+    hidden = torch.randn(5, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    final = runner.model._final(hidden)
+    _check_reduced_logits(runner, final.double() @ head.double().T, hidden, rows)
+
+
+def test_a_token_map_selects_rows_of_the_target_head(target, tmp_path):
+    """FR-Spec: the draft scores the listed tokens through those rows of the target's base
+    head (a copy: the target's weights are untouched); a relative path is a file of the
+    draft's directory, and every accepted file format reads the same ids."""
+    path, arch, model = target
+    draft_dir = build_eagle_draft(tmp_path / "draft", path, version=1, seed=4, init_std=0.2)
+    rows = _draft_rows(arch, 40, seed=9)
+    frequency_order = list(reversed(rows))  # maps list the most frequent first: order is free
+    (draft_dir / "map.json").write_text(json.dumps(frequency_order))
+    torch.save(torch.tensor(frequency_order), str(draft_dir / "map.pt"))
+    save_file({"hot": torch.tensor(frequency_order)}, str(tmp_path / "map.safetensors"))
+    before = model.lm_head.weight.clone()
+    hidden = torch.randn(6, arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    for name in ("map.json", str(draft_dir / "map.pt"), str(tmp_path / "map.safetensors")):
+        runner = _runner(draft_dir, arch, model, token_map=name)
+        assert runner.vocab.size == 40
+        assert runner.vocab.head_weight.data_ptr() != model.lm_head.weight.data_ptr()
+        reference = hidden.double() @ model.lm_head.weight.double()[rows].T
+        _check_reduced_logits(runner, reference, hidden, rows)
+    assert torch.equal(model.lm_head.weight, before)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ([1, 2, 2], "more than once"),
+        ([1, 10**6], "vocabulary is 0"),
+        ([], "non-empty"),
+        ({"ids": [1]}, "JSON list of integer"),
+        ([1.5], "JSON list of integer"),
+    ],
+)
+def test_bad_token_maps_are_named(target, tmp_path, content, message):
+    from loraserve.runtime.spec.draft_vocab import TokenMapError
+
+    path, arch, model = target
+    draft_dir = build_eagle_draft(tmp_path / "draft", path, version=1)
+    (draft_dir / "map.json").write_text(json.dumps(content))
+    with pytest.raises(TokenMapError, match=f"speculative.token_map .*map.json.*{message}"):
+        _runner(draft_dir, arch, model, token_map="map.json")
+    with pytest.raises(TokenMapError, match="not found"):
+        _runner(draft_dir, arch, model, token_map="missing.json")
+
+
+def test_own_head_checkpoint_mistakes_are_named(target, tmp_path):
+    """A d2t that maps two rows to one token or past the vocabulary, a reduced head without
+    d2t, and a token map beside a draft that has its own head."""
+    from loraserve.runtime.spec.draft_vocab import TokenMapError
+
+    path, arch, model = target
+    rows = _draft_rows(arch, 20, seed=2)
+    draft_dir = build_eagle_draft(tmp_path / "draft", path, version=3, draft_vocab=rows)
+    (draft_dir / "map.json").write_text(json.dumps(rows))
+    with pytest.raises(TokenMapError, match="has its own lm_head"):
+        _runner(draft_dir, arch, model, token_map="map.json")
+    clean = load_file(str(draft_dir / "model.safetensors"))
+    for edit, message in (
+        (lambda t: t["d2t"].__setitem__(1, t["d2t"][0] - 1), "more than once"),
+        (lambda t: t["d2t"].__setitem__(0, arch.vocab_size), "vocabulary is 0"),
+        (lambda t: t.pop("d2t"), "missing \\['d2t'\\]"),
+    ):
+        tensors = {k: v.clone() for k, v in clean.items()}
+        edit(tensors)
+        save_file(tensors, str(draft_dir / "model.safetensors"))
+        with pytest.raises(ModelConfigError, match=message):
+            _runner(draft_dir, arch, model)
+
+
+def test_a_safetensors_token_map_beside_the_weights_is_not_read_as_weights(target, tmp_path):
+    path, arch, model = target
+    draft_dir = build_eagle_draft(tmp_path / "draft", path, version=1)
+    rows = _draft_rows(arch, 16, seed=5)
+    save_file({"hot": torch.tensor(rows)}, str(draft_dir / "hot.safetensors"))
+    runner = _runner(draft_dir, arch, model, token_map="hot.safetensors")
+    assert runner.vocab.to_target.tolist() == rows

@@ -16,17 +16,26 @@ from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
 
 from .test_greedy_oracle import CASES, _check_same, _requests
 
+DRAFTS = ("eagle", "eagle3", "eagle3-d2t")
 
-def _pair(spec_assets, version: int, device: str, max_bs: int, use_graphs: bool):
+
+def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool):
     """Two runners of one draft: the first steps through the graph runner, the second eagerly."""
+    path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3, "eagle3-d2t": spec_assets.eagle3_d2t}[
+        draft
+    ]
     arch = load_arch_config(spec_assets.target)
     target = build_model(
-        arch, dtype=torch.float32, device=torch.device(device), max_positions=256, model_dir=spec_assets.target
+        arch,
+        dtype=torch.float32,
+        device=torch.device(device),
+        max_positions=256,
+        model_dir=spec_assets.target,
     )
 
     def make() -> EagleDraftRunner:
         return EagleDraftRunner(
-            str(spec_assets.eagle if version == 1 else spec_assets.eagle3),
+            str(path),
             target_arch=arch,
             embed_weight=target.embed_tokens.weight,
             lm_head_weight=target.lm_head.weight,
@@ -170,38 +179,46 @@ def _check_feed_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device
                 runner.kv.truncate(r, num_tokens)
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_static_feed_chain_equals_eager_feed_then_steps(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_static_feed_chain_equals_eager_feed_then_steps(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)
     eager.graphs = None
     _check_feed_chain(graphed, eager, "cpu")
     assert sorted(graphed.graphs._feed_chains) == [(4, 2, 1, 128), (4, 2, 4, 64)]
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_static_chain_equals_single_steps(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_static_chain_equals_single_steps(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)
     eager.graphs = None
     _check_chain(graphed, eager, "cpu")
     assert sorted(graphed.graphs._chains) == [(4, 1, 128), (4, 4, 64), (4, 4, 128)]
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_static_padded_steps_equal_eager(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cpu", max_bs=4, use_graphs=False)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_static_padded_steps_equal_eager(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)
     _check_steps(graphed, eager, "cpu")
-    shapes = sorted((key.width, key.from_target, key.batch_size, key.context) for key in graphed.graphs._graphs)
+    shapes = sorted(
+        (key.width, key.from_target, key.batch_size, key.context) for key in graphed.graphs._graphs
+    )
     assert shapes == [(1, False, 2, 64), (1, False, 4, 64), (4, True, 4, 64)]
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["propose-ahead", "feed-then-propose"])
-def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets, ahead):
+@pytest.mark.parametrize(
+    "ahead,case",
+    [(True, "eagle"), (False, "eagle"), (True, "eagle3-d2t")],
+    ids=["propose-ahead", "feed-then-propose", "propose-ahead-d2t"],
+)
+def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets, ahead, case):
     """EAGLE through the engine with every draft forward on the padded static path: with the
     next proposal queued behind each verify (the greedy default), and with the feed and the
-    proposal as separate forwards (what sampled batches and batches near the limits take)."""
+    proposal as separate forwards (what sampled batches and batches near the limits take);
+    and an EAGLE3 draft with its own reduced-vocabulary head (the chain maps its argmax to
+    target ids)."""
     requests = _requests(count=10, seed=4)
     expected = engine_run(make_spec_config(), requests)
-    algorithm, draft = CASES["eagle"]
+    algorithm, draft = CASES[case]
     runners = []
 
     def use_static_graphs(decoder):
@@ -211,7 +228,9 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
         if not ahead:
             decoder.drafter._can_propose_ahead = lambda requests, width: False
 
-    run = engine_run(make_spec_config(algorithm, draft, max_running_requests=6), requests, decoder_hook=use_static_graphs)
+    run = engine_run(
+        make_spec_config(algorithm, draft, max_running_requests=6), requests, decoder_hook=use_static_graphs
+    )
     _check_same(run, requests, {rid: expected.outputs[rid].tokens for rid, *_ in requests})
     graphs = runners[0].graphs
     assert graphs._chains  # proposals after a prefill (and without propose-ahead) ran as chains
@@ -223,23 +242,23 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
 
 def test_graphs_are_only_built_on_cuda(spec_assets):
     with pytest.raises(ValueError, match="use_graphs=False"):
-        _pair(spec_assets, 1, "cpu", max_bs=4, use_graphs=True)
+        _pair(spec_assets, "eagle", "cpu", max_bs=4, use_graphs=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("version", [1, 3])
-def test_captured_steps_equal_eager_on_gpu(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_captured_steps_equal_eager_on_gpu(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cuda", max_bs=4, use_graphs=True)
     _check_steps(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("version", [1, 3])
-def test_captured_chain_equals_single_steps_on_gpu(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_captured_chain_equals_single_steps_on_gpu(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cuda", max_bs=4, use_graphs=True)
     eager.graphs = None
     _check_chain(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 3 and not graphed.graphs.disabled
@@ -247,9 +266,9 @@ def test_captured_chain_equals_single_steps_on_gpu(spec_assets, version):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("version", [1, 3])
-def test_captured_feed_chain_equals_eager_on_gpu(spec_assets, version):
-    graphed, eager = _pair(spec_assets, version, "cuda", max_bs=4, use_graphs=True)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_captured_feed_chain_equals_eager_on_gpu(spec_assets, draft):
+    graphed, eager = _pair(spec_assets, draft, "cuda", max_bs=4, use_graphs=True)
     eager.graphs = None
     _check_feed_chain(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 2 and not graphed.graphs.disabled  # as the static test's keys

@@ -19,6 +19,8 @@ CASES = {
     "standalone-same": ("STANDALONE", "same"),
     "eagle": ("EAGLE", "eagle"),
     "eagle3": ("EAGLE3", "eagle3"),
+    "eagle3-d2t": ("EAGLE3", "eagle3-d2t"),  # its own LM head over half the vocabulary
+    "eagle-token-map": ("EAGLE", "eagle-token-map"),  # rows of the target's head (FR-Spec)
     "nextn": ("NEXTN", "eagle"),
 }
 

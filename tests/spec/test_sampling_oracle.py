@@ -67,6 +67,7 @@ def _reference(runner: ModelRunner, adapter: str | None) -> torch.Tensor:
         ("STANDALONE", "small", "emb-head"),
         ("STANDALONE", "same", "attn-r8"),
         ("EAGLE3", "eagle3", "all-r16"),
+        ("EAGLE3", "eagle3-d2t", "emb-head"),  # q is zero outside the draft's vocabulary
     ],
 )
 def test_joint_law_of_sampled_tokens_matches_the_target(
