@@ -27,6 +27,20 @@ def target(tmp_path_factory):
     return path, arch, model
 
 
+def _runner(draft_dir, arch, model, **kw) -> EagleDraftRunner:
+    """A CPU float32 draft runner over the module's target (``kw`` overrides the sizes)."""
+    sizes = {"max_total_tokens": 128, "max_requests": 4, "max_context_len": 64, **kw}
+    return EagleDraftRunner(
+        str(draft_dir),
+        target_arch=arch,
+        embed_weight=model.embed_tokens.weight,
+        lm_head_weight=model.lm_head.weight,
+        dtype=torch.float32,
+        device="cpu",
+        **sizes,
+    )
+
+
 def _rms(x, w, eps):
     return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -88,17 +102,7 @@ def test_cached_draft_layer_matches_reference(target, tmp_path, version, input_n
     draft_dir = build_eagle_draft(
         tmp_path / "draft", path, version=version, input_norm=input_norm, seed=7, init_std=0.2
     )
-    runner = EagleDraftRunner(
-        str(draft_dir),
-        target_arch=arch,
-        embed_weight=model.embed_tokens.weight,
-        lm_head_weight=model.lm_head.weight,
-        dtype=torch.float32,
-        device="cpu",
-        max_total_tokens=512,
-        max_requests=8,
-        max_context_len=128,
-    )
+    runner = _runner(draft_dir, arch, model, max_total_tokens=512, max_requests=8, max_context_len=128)
     cfg = runner.config
     tensors = load_eagle_tensors(draft_dir, cfg)
     gen = torch.Generator().manual_seed(version)
@@ -138,17 +142,7 @@ def test_cached_draft_layer_matches_reference(target, tmp_path, version, input_n
 def test_draft_shares_the_target_embeddings_and_head(target, tmp_path):
     path, arch, model = target
     draft_dir = build_eagle_draft(tmp_path / "draft", path, version=3, aux_layer_ids=[0, 2, 3])
-    runner = EagleDraftRunner(
-        str(draft_dir),
-        target_arch=arch,
-        embed_weight=model.embed_tokens.weight,
-        lm_head_weight=model.lm_head.weight,
-        dtype=torch.float32,
-        device="cpu",
-        max_total_tokens=64,
-        max_requests=2,
-        max_context_len=32,
-    )
+    runner = _runner(draft_dir, arch, model, max_total_tokens=64, max_requests=2, max_context_len=32)
     assert runner.model._embed_weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     assert runner.model.vocab.head_weight.data_ptr() == model.lm_head.weight.data_ptr()
     assert runner.model.vocab.to_target is None
@@ -202,21 +196,6 @@ def test_non_eagle_config_is_refused(target):
     path, _, _ = target
     with pytest.raises(ModelConfigError, match="not an EAGLE draft"):
         load_eagle_config(path)
-
-
-def _runner(draft_dir, arch, model, **kw):
-    return EagleDraftRunner(
-        str(draft_dir),
-        target_arch=arch,
-        embed_weight=model.embed_tokens.weight,
-        lm_head_weight=model.lm_head.weight,
-        dtype=torch.float32,
-        device="cpu",
-        max_total_tokens=128,
-        max_requests=4,
-        max_context_len=64,
-        **kw,
-    )
 
 
 def _draft_rows(arch, n, seed):
