@@ -28,7 +28,9 @@ Method (everything is built inside the run; nothing is downloaded):
    ``x[i+2]`` plus a smooth-L1 pull towards ``feature[i+1]``, on the same batches as the
    STANDALONE distillation, for ``--train-draft-s``. Training unrolls a second draft step
    on the head's own predicted feature (as serving's steps 2..k run); ``--eagle-unroll 1``
-   trains teacher-forced only. For the 8B-shaped target the head is expanded the same
+   trains teacher-forced only. The target's features of the training windows are computed
+   once before training (``--eagle-cache-gib``; 0: every step, as up to run 12), so the
+   training budget goes to the head. For the 8B-shaped target the head is expanded the same
    function-preserving way, and a check compares the served head's proposals and output
    features with the trained head's on held-out prompts.
 5. For concurrency 1, 8 and 32, the same greedy workload runs through the real engine
@@ -541,6 +543,7 @@ class EagleTraining:
     feature_weight: float = 0.1  # smooth-L1 on the feature, next to KL to the target on the token
     seed: int = 4
     max_steps: int | None = None  # also ends training (a shared CPU trains as far as an idle one)
+    cache_gib: float = 0.0  # > 0: the target's features of every training window computed once, up to this size
 
 
 def target_features(target, window: torch.Tensor) -> torch.Tensor:
@@ -553,13 +556,16 @@ def target_features(target, window: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=window).last_hidden_state.float()
 
 
-def eagle_loss(head: EagleHead, target, window: torch.Tensor, opts: EagleTraining):
+def eagle_loss(
+    head: EagleHead, target, window: torch.Tensor, opts: EagleTraining, feats: torch.Tensor | None = None
+):
     """EAGLE's loss on token windows ``[B, L]``: per draft step, KL from the target's
     next-token distribution plus ``feature_weight`` x smooth-L1 to the target's feature.
+    ``feats``: the target's features of ``window`` when already computed (:class:`FeatureCache`).
 
     Returns (loss, per-step top-1 agreement with the target's greedy token).
     """
-    feats = target_features(target, window)
+    feats = target_features(target, window) if feats is None else feats.float()
     ids, inputs, want = window[:, 1:], feats[:, :-1], feats[:, 1:]
     if opts.noise:
         inputs = inputs + (2 * torch.rand_like(inputs) - 1) * opts.noise
@@ -581,6 +587,58 @@ def eagle_loss(head: EagleHead, target, window: torch.Tensor, opts: EagleTrainin
     return loss, top1
 
 
+@dataclass
+class FeatureCache:
+    """Training windows with the target's features, computed once (``--eagle-cache-gib``).
+
+    The target is frozen, so its features of a window never change: computing them once
+    leaves every training step the head's own work (the target's forward was about 40% of
+    a step). Corpus windows are then fixed, non-overlapping slices of the corpus instead of
+    windows at random offsets."""
+
+    windows: torch.Tensor  # int64 [n, seq + 1], on the device
+    features: torch.Tensor  # bfloat16 [n, seq + 1, H], on the device
+
+    @classmethod
+    def build(cls, target, windows: torch.Tensor, device: torch.device, chunk: int = 256) -> FeatureCache:
+        windows = windows.to(device)
+        parts = [target_features(target, part).to(torch.bfloat16) for part in windows.split(chunk)]
+        return cls(windows, torch.cat(parts))
+
+    def sample(self, count: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.randint(0, self.windows.shape[0], (count,), generator=gen).to(self.windows.device)
+        return self.windows[rows], self.features[rows]
+
+
+def _feature_caches(
+    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: EagleTraining
+) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
+    """The corpus and teacher caches within ``opts.cache_gib`` (teacher rows first), or None."""
+    if opts.cache_gib <= 0:
+        return None
+    t0 = time.monotonic()
+    width = opts.seq + 1
+    per_row = width * target.config.hidden_size * 2  # bfloat16
+    budget = int(opts.cache_gib * 2**30) // per_row
+    n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget // 2)
+    n_corpus = min(data.numel() // width, budget - n_teacher)
+    if n_corpus < 1 or (teacher_data is not None and n_teacher < 1):
+        return None
+    corpus = FeatureCache.build(target, data[: n_corpus * width].view(n_corpus, width), device)
+    teacher = None
+    if n_teacher:
+        assert teacher_data is not None
+        teacher = FeatureCache.build(target, teacher_data[:n_teacher, :width], device)
+    info = {
+        "cached_corpus_windows": n_corpus,
+        "cached_teacher_windows": n_teacher,
+        "cache_gib": round((n_corpus + n_teacher) * per_row / 2**30, 2),
+        "cache_seconds": round(time.monotonic() - t0, 1),
+    }
+    log(f"EAGLE feature cache: {info}")
+    return corpus, teacher, info
+
+
 def train_eagle_head(
     target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
     opts: EagleTraining,
@@ -589,6 +647,8 @@ def train_eagle_head(
 
     Batches mix corpus windows and the target's own greedy continuations (``teacher_data``,
     ``[n, seq + 1]``; the STANDALONE draft's distillation data) in ``teacher_fraction``.
+    With ``opts.cache_gib`` the target's features of the windows are computed once, before
+    the clock starts (:class:`FeatureCache`); the time it takes is reported.
     """
     cfg = target.config
     head = EagleHead(
@@ -605,19 +665,28 @@ def train_eagle_head(
     )
     gen = torch.Generator().manual_seed(opts.seed)
     data = data.to(device)
+    caches = _feature_caches(target, data, teacher_data, device, opts)
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
     while (frac := _progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
         for group in optim.param_groups:
             group["lr"] = opts.lr * _lr_scale(step, frac)
         n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
-        starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
-        window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
-        if n_teacher:
-            rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
-            window = torch.cat(
-                [window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(device)]
-            )
-        loss, top1 = eagle_loss(head, target, window, opts)
+        if caches is not None:
+            corpus, teacher, _ = caches
+            window, feats = corpus.sample(opts.batch - n_teacher, gen)
+            if teacher is not None and n_teacher:
+                t_window, t_feats = teacher.sample(n_teacher, gen)
+                window, feats = torch.cat([window, t_window]), torch.cat([feats, t_feats])
+            loss, top1 = eagle_loss(head, target, window, opts, feats)
+        else:
+            starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
+            window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
+            if n_teacher:
+                rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
+                window = torch.cat(
+                    [window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(device)]
+                )
+            loss, top1 = eagle_loss(head, target, window, opts)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -635,6 +704,7 @@ def train_eagle_head(
         "feature_weight": opts.feature_weight,
         "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
         "seq": opts.seq,
+        **(caches[2] if caches is not None else {"feature_cache": "off"}),
     }
 
 
@@ -1128,6 +1198,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
     ap.add_argument(
+        "--eagle-cache-gib",
+        type=float,
+        default=None,
+        help="EAGLE training: compute the target's features of the training windows once, up to this many"
+        " GiB (teacher windows first, then fixed corpus slices), so each step is the head's work alone;"
+        " 0 computes them every step at random corpus offsets (runs up to 12). Default 32 (smoke 0.02)",
+    )
+    ap.add_argument(
         "--max-steps",
         default=None,
         help="TARGET,STANDALONE,EAGLE: optimizer-step caps next to the time budgets (0: no cap), so a"
@@ -1206,6 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=t_draft, seq=teacher.seq, batch=batch, lr=args.eagle_lr or (2e-3 if smoke else 1e-3),
             teacher_fraction=teacher.fraction, noise=args.eagle_noise, unroll=args.eagle_unroll,
             feature_weight=args.eagle_feature_weight, max_steps=cap_eagle,
+            cache_gib=args.eagle_cache_gib if args.eagle_cache_gib is not None else (0.02 if smoke else 32.0),
         )  # fmt: skip
         head, infos["eagle"] = train_eagle_head(target_small, small_shape, data, teacher.data, device, opts)
         head.round_to_bf16()  # what is served
@@ -1322,6 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
         text = "\n".join(lines) + "\n"
         if args.out:  # after every phase: a run cut short keeps what it measured
             meta = {"target": t_info, "drafts": infos, "k": k, "check": check, "argv": argv or sys.argv[1:]}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).with_suffix(".json").write_text(json.dumps({**details, "setup": meta}, indent=1))
             Path(args.out).write_text(text)
         return text

@@ -1,0 +1,62 @@
+"""``bench/spec.py``'s EAGLE head training with the target's features computed once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def target(bench):
+    import transformers
+
+    raw = bench.llama_config("smoke-small", 64)
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_cached_features_are_the_targets_features_of_their_windows(bench, target):
+    windows = torch.randint(0, 64, (7, 17), generator=torch.Generator().manual_seed(1))
+    cache = bench.FeatureCache.build(target, windows, torch.device("cpu"), chunk=3)
+    assert cache.features.dtype == torch.bfloat16 and cache.features.shape == (7, 17, 64)
+    want = bench.target_features(target, windows).to(torch.bfloat16)
+    assert torch.equal(cache.features, want)
+    picked, feats = cache.sample(5, torch.Generator().manual_seed(2))
+    for row, feat in zip(picked, feats, strict=True):
+        i = next(i for i in range(7) if torch.equal(windows[i], row))
+        assert torch.equal(feat, want[i])  # a sampled window comes with its own features
+
+
+def test_the_loss_on_cached_features_equals_the_loss_computing_them(bench, target):
+    head = bench.EagleHead(
+        "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
+    )
+    windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
+    opts = bench.EagleTraining(seconds=0, seq=16, batch=4, lr=0)
+    fresh, top_fresh = bench.eagle_loss(head, target, windows, opts)
+    feats = bench.target_features(target, windows)
+    cached, top_cached = bench.eagle_loss(head, target, windows, opts, feats)
+    assert torch.equal(fresh, cached) and top_fresh == top_cached
+
+
+def test_training_with_a_cache_reports_it_and_learns(bench, target):
+    data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(4))
+    teacher = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(5))
+    opts = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=30, cache_gib=0.001)
+    head, info = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    assert info["steps"] == 30
+    assert info["cached_teacher_windows"] == 24 and 0 < info["cached_corpus_windows"] <= 4000 // 17
+    off = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.0)
+    _, info_off = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), off)
+    assert info_off["feature_cache"] == "off"
+    # thirty steps lower the loss from where one step (same init and data) leaves it
+    one = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.001)
+    head_one, _ = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), one)
+    windows = teacher[:8]
+    with torch.no_grad():
+        trained_loss, _ = bench.eagle_loss(head, target, windows, opts)
+        start_loss, _ = bench.eagle_loss(head_one, target, windows, opts)
+    assert trained_loss < start_loss
