@@ -3,6 +3,7 @@
 #   loraserve-runtime   the serving process (GPU), started by the operator's Deployments
 #   loraserve-operator  the Kubernetes operator and its admission webhook (the Helm chart)
 #   loraserve-fetch     downloads https:// and s3:// models (the serving pods' init containers)
+#   loraserve-token-map builds an FR-Spec token map for an EAGLE draft from a corpus
 # The base brings CUDA and a CUDA build of torch (with its triton); the project adds the rest.
 
 ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
@@ -22,7 +23,7 @@ LABEL org.opencontainers.image.title="loraserve" \
       org.opencontainers.image.description="Many LoRA adapters on one base model, with speculative decoding" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      io.loraserve.entrypoints="loraserve-runtime loraserve-operator loraserve-fetch"
+      io.loraserve.entrypoints="loraserve-runtime loraserve-operator loraserve-fetch loraserve-token-map"
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -42,6 +43,7 @@ RUN set -eux; \
     command -v loraserve-runtime; \
     command -v loraserve-operator; \
     command -v loraserve-fetch; \
+    command -v loraserve-token-map; \
     python -c "import loraserve.runtime, loraserve.kernels, loraserve.operator"
 
 # A fixed numeric non-root user, so Kubernetes can enforce runAsNonRoot; group 0 keeps

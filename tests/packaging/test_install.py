@@ -72,6 +72,7 @@ def test_wheel_holds_every_package_and_no_loraserve_init(wheel, checkout_package
     assert "loraserve-runtime = loraserve.runtime.__main__:main" in scripts
     assert "loraserve-operator = loraserve.operator.__main__:main" in scripts
     assert "loraserve-fetch = loraserve.runtime.fetch:main" in scripts
+    assert "loraserve-token-map = loraserve.runtime.spec.token_map:main" in scripts
 
 
 def test_built_wheel_imports_without_the_checkout(installed, tmp_path, checkout_packages):
