@@ -2161,8 +2161,13 @@ def _phases_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOpti
         "\n## Kernels and synchronizations\n\nOne more run of the same request per decoder, "
         "untimed, under torch.profiler and torch's CUDA sync debug mode.\n\n"
     )
+    (opts.phases / f"phases-{name}.md").write_text(text)  # kept if a traced run fails
     for kind, config, dec in runs:
-        text += _traced_phases(config, runner, dec, work, name, kind, cuda) + "\n"
+        try:
+            text += _traced_phases(config, runner, dec, work, name, kind, cuda) + "\n"
+        except Exception as exc:  # the timed tables above stand without it
+            log(f"trace {name} {kind} failed: {exc!r}")
+            text += f"### {kind}: the traced run failed: `{exc!r}`\n\n"
     (opts.phases / f"phases-{name}.md").write_text(text)
     log(f"phases {name}: {_phases_one_line({k: v for k, v in results.items() if isinstance(v, dict)})}")
     return results
