@@ -27,7 +27,8 @@ Method (everything is built inside the run; nothing is downloaded):
    ``fc([embed(x[i+1]), feature[i]])``; the loss is KL to the target's distribution of
    ``x[i+2]`` plus a smooth-L1 pull towards ``feature[i+1]``, on the same batches as the
    STANDALONE distillation, for ``--train-draft-s``. Training unrolls a second draft step
-   on the head's own predicted feature (as serving's steps 2..k run); ``--eagle-unroll 1``
+   on the head's own predicted feature (as serving's steps 2..k run; ``--eagle-unroll S``
+   trains steps 2..S that way, EAGLE-3's training-time test); ``--eagle-unroll 1``
    trains teacher-forced only. The target's features of the training windows are computed
    once before training (``--eagle-cache-gib``; 0: every step, as up to run 12), so the
    training budget goes to the head. For the 8B-shaped target the head is expanded the same
@@ -473,26 +474,46 @@ class EagleHead(torch.nn.Module):
             residual, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         )
 
-    def unrolled(self, ids: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two draft steps at once: step 1 as :meth:`forward`; step 2 at position ``j`` takes
-        the head's own step-1 output of ``j - 1`` as its feature and attends to the step-1
-        (target-feature) entries ``< j`` plus itself, as serving's second draft step does.
-        Row 0 of step 2 has no predecessor (it repeats step 1's input)."""
+    def unrolled(self, ids: torch.Tensor, feats: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
+        """``steps`` draft steps at once (EAGLE-3's training-time test), one output per step.
+
+        Step 1 is :meth:`forward`. Step ``s`` at position ``j`` takes the head's own step
+        ``s - 1`` output of ``j - 1`` as its feature and attends as serving's ``s``-th chain
+        step does: to the step-1 (target-feature) entries up to ``j - s + 1``, to the step
+        ``r`` entry at ``j - s + r`` for ``1 < r < s``, and to itself. Rows ``j < s - 1`` have
+        too few predecessors; their values are computed but mean nothing (the loss skips them).
+        """
         residual, q, k, v = self._qkv(ids, feats)
-        out1 = self._finish(
-            residual, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        )
-        own = torch.cat([feats[:, :1].to(out1.dtype), out1[:, :-1]], 1)
-        residual2, q2, k2, v2 = self._qkv(ids, own)
+        outs = [
+            self._finish(residual, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        ]
         t = ids.shape[1]
         scale = self.head_dim**-0.5
-        past = (q2 @ k.transpose(-1, -2)) * scale  # [B, h, T, T] against step-1 entries
-        earlier = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(-1)
-        past = past.masked_fill(~earlier, float("-inf"))
-        self_score = (q2 * k2).sum(-1, keepdim=True) * scale
-        p = torch.cat([past, self_score], -1).float().softmax(-1).to(v.dtype)
-        attn2 = p[..., :t] @ v + p[..., t:] * v2
-        return out1, self._finish(residual2, attn2)
+        keys, values = [k], [v]  # per step: K / V of its entry at every position
+        for step in range(2, steps + 1):
+            prev = outs[-1]
+            own = torch.cat([feats[:, :1].to(prev.dtype), prev[:, :-1]], 1)
+            residual_s, q_s, k_s, v_s = self._qkv(ids, own)
+            # target-feature entries i <= j - step + 1
+            past = (q_s @ k.transpose(-1, -2)) * scale
+            allowed = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(-(step - 1))
+            scores = [past.masked_fill(~allowed, float("-inf"))]
+            shifted_v = []
+            for r in range(2, step):  # the step-r chain entry at j - step + r
+                shift = step - r
+                k_r = torch.cat([keys[r - 1][:, :, :1].expand(-1, -1, shift, -1), keys[r - 1][:, :, :-shift]], 2)
+                v_r = torch.cat([values[r - 1][:, :, :1].expand(-1, -1, shift, -1), values[r - 1][:, :, :-shift]], 2)
+                scores.append((q_s * k_r).sum(-1, keepdim=True) * scale)
+                shifted_v.append(v_r)
+            scores.append((q_s * k_s).sum(-1, keepdim=True) * scale)
+            p = torch.cat(scores, -1).float().softmax(-1).to(v.dtype)
+            attn = p[..., :t] @ v
+            for i, v_r in enumerate([*shifted_v, v_s]):
+                attn = attn + p[..., t + i : t + i + 1] * v_r
+            outs.append(self._finish(residual_s, attn))
+            keys.append(k_s)
+            values.append(v_s)
+        return outs
 
     @torch.no_grad()
     def propose(
@@ -539,7 +560,7 @@ class EagleTraining:
     lr: float
     teacher_fraction: float = 0.5
     noise: float = 0.0  # EAGLE's uniform feature noise U(-noise, noise) on the step-1 input
-    unroll: int = 2  # 1: teacher forcing only; 2: also the step on the head's own feature
+    unroll: int = 2  # draft steps trained per position: 1 teacher forcing only; s > 1 also steps 2..s on own features
     feature_weight: float = 0.1  # smooth-L1 on the feature, next to KL to the target on the token
     seed: int = 4
     max_steps: int | None = None  # also ends training (a shared CPU trains as far as an idle one)
@@ -573,10 +594,10 @@ def eagle_loss(
         teacher = torch.log_softmax(head.logits(want), -1)
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
-        outs = list(head.unrolled(ids, inputs)) if opts.unroll == 2 else [head(ids, inputs)]
+        outs = head.unrolled(ids, inputs, opts.unroll) if opts.unroll > 1 else [head(ids, inputs)]
     loss, top1 = torch.zeros((), device=window.device), []
     for step, out in enumerate(outs):
-        out, t_logp, w = out[:, step:], teacher[:, step:], want[:, step:]  # step 2 has no row 0
+        out, t_logp, w = out[:, step:], teacher[:, step:], want[:, step:]  # step s skips rows < s - 1
         logp = torch.log_softmax(head.logits(out), -1)
         vocab = logp.shape[-1]
         kl = torch.nn.functional.kl_div(
@@ -710,13 +731,13 @@ def train_eagle_head(
 
 @torch.no_grad()
 def eagle_heldout_top1(
-    head: EagleHead, target, held_ids: torch.Tensor, device: torch.device, *, seq: int
+    head: EagleHead, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, steps: int = 2
 ) -> list[float]:
     """Per-step top-1 agreement with the target's greedy token on held-out windows
-    (step 2 on the head's own step-1 feature): an offline proxy of multi-step acceptance."""
+    (steps 2.. on the head's own previous feature): an offline proxy of multi-step acceptance."""
     n = min(16, (held_ids.numel() - 1) // (seq + 1))
     window = held_ids[: n * (seq + 1)].view(n, seq + 1).to(device)
-    opts = EagleTraining(seconds=0, seq=seq, batch=n, lr=0, unroll=2)
+    opts = EagleTraining(seconds=0, seq=seq, batch=n, lr=0, unroll=steps)
     _, top1 = eagle_loss(head, target, window, opts)
     return [round(a, 3) for a in top1]
 
@@ -1189,9 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--eagle-unroll",
         type=int,
-        choices=(1, 2),
         default=2,
-        help="EAGLE training: 2 also trains the second draft step on the head's own feature",
+        help="EAGLE training: draft steps trained per position (training-time test); 1 teacher forcing"
+        " only, s > 1 also steps 2..s, each on the head's own previous feature (default 2)",
     )
     ap.add_argument(
         "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
@@ -1212,6 +1233,8 @@ def main(argv: list[str] | None = None) -> int:
         " comparison on a shared CPU trains each model as far as an idle machine would",
     )
     args = ap.parse_args(argv)
+    if args.eagle_unroll < 1:
+        ap.error(f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}")
     if args.c1_requests < 1:
         raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
@@ -1289,7 +1312,7 @@ def main(argv: list[str] | None = None) -> int:
         head, infos["eagle"] = train_eagle_head(target_small, small_shape, data, teacher.data, device, opts)
         head.round_to_bf16()  # what is served
         infos["eagle"]["heldout_top1"] = eagle_heldout_top1(
-            head, target_small, held_ids, device, seq=teacher.seq
+            head, target_small, held_ids, device, seq=teacher.seq, steps=max(2, opts.unroll)
         )
         log(f"EAGLE head trained: {infos['eagle']}")
     small_dir = save_hf(target_small, work / "target-small", tok_dir)

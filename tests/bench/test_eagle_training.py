@@ -60,3 +60,27 @@ def test_training_with_a_cache_reports_it_and_learns(bench, target):
         trained_loss, _ = bench.eagle_loss(head, target, windows, opts)
         start_loss, _ = bench.eagle_loss(head_one, target, windows, opts)
     assert trained_loss < start_loss
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_unrolled_steps_attend_as_the_serving_chain_does(bench, target, steps):
+    """Step ``s`` at position ``j`` equals one causal forward over the pairs serving's ``s``-th
+    chain step sees: target features up to ``j - s + 1``, then the chain's own entries, each
+    fed the previous step's output (an entry's K/V depend on its own pair only)."""
+    torch.manual_seed(7)
+    head = bench.EagleHead(
+        "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
+    )
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(8))
+    feats = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        outs = head.unrolled(ids, feats, steps)
+        assert len(outs) == steps
+        torch.testing.assert_close(outs[0], head(ids, feats))
+        for s in range(2, steps + 1):
+            for j in range(s - 1, ids.shape[1]):
+                committed = j - s + 1  # last position holding a target feature
+                chain = [outs[r - 2][:, committed + r - 2] for r in range(2, s + 1)]
+                pairs = torch.cat([feats[:, : committed + 1], torch.stack(chain, 1)], 1)
+                want = head(ids[:, : j + 1], pairs)[:, -1]
+                torch.testing.assert_close(outs[s - 1][:, j], want, rtol=1e-5, atol=1e-5)
