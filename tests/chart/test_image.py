@@ -58,7 +58,7 @@ def test_every_entrypoint_is_a_package_script_that_loads() -> None:
         rest for word, rest in _final_stage() if word == "LABEL" and "io.loraserve.entrypoints" in rest
     )
     named = re.search(r'io\.loraserve\.entrypoints="([^"]+)"', label).group(1).split()
-    assert named == ["loraserve-runtime", "loraserve-operator", "loraserve-fetch"]
+    assert named == ["loraserve-runtime", "loraserve-operator", "loraserve-fetch", "loraserve-token-map"]
     installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts")}
     for script in named:
         assert script in SCRIPTS, f"{script} is not in pyproject's [project.scripts]"
@@ -72,7 +72,7 @@ def test_every_entrypoint_is_a_package_script_that_loads() -> None:
 
 def test_entrypoints_start(tmp_path: Path) -> None:
     bindir = Path(sys.executable).parent
-    for script in ("loraserve-runtime", "loraserve-operator", "loraserve-fetch"):
+    for script in ("loraserve-runtime", "loraserve-operator", "loraserve-fetch", "loraserve-token-map"):
         result = subprocess.run(
             [str(bindir / script), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=120
         )

@@ -229,6 +229,19 @@ async def test_all_problems_come_back_at_once_with_warnings(lab):
     assert any(w.startswith("spec.runtime.image:") and "acme/rt:2" in w for w in review.warnings)
 
 
+async def test_a_token_map_is_refused_without_an_eagle_draft_naming_the_field(lab):
+    ns = "token-map"
+    draft = {"source": "/models/draft", "tokenMap": "maps/freq_32768.json"}
+    standalone = serve("s", ns, speculative={"algorithm": "STANDALONE", "draftModel": draft})
+    review = await lab.review(standalone, path=webhooks.VALIDATE_LORASERVE)
+    assert not review.allowed and review.code == 422
+    assert review.message.startswith("spec.speculative.draftModel.tokenMap: ")
+    assert "fix:" in review.message and "EAGLE" in review.message
+    eagle = serve("e", ns, speculative={"algorithm": "EAGLE", "draftModel": draft})
+    assert SpecAlgorithm.EAGLE in CAPABILITIES.algorithms
+    assert (await lab.review(eagle, path=webhooks.VALIDATE_LORASERVE)).allowed
+
+
 async def test_malformed_specs_are_refused_with_the_field(lab):
     ns = "malformed"
     review = await lab.review(serve("s", ns, lora={"maxRank": "big"}), path=webhooks.VALIDATE_LORASERVE)
