@@ -12,6 +12,7 @@ eager, the chosen backend vs the torch reference, and adapter vs base (it must d
 
     python bench/runtime.py --smoke                      # CPU, tiny model, seconds
     python bench/runtime.py --sizes 1b,8b --out r.md     # GPU
+    python bench/runtime.py --sizes 8b --attention sdpa,triton --prompt-len 4096 --out r.md
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def make_runner(model_dir: Path, args, backend: str) -> ModelRunner:
     config.lora.max_loaded_loras = args.adapters
     config.lora.target_modules = DEFAULT_LORA_MODULES
     config.lora.backend = backend
+    config.attention_backend = args.attention_backend
     max_bs = max(args.batch_sizes)
     context = args.prompt_len + args.warmup + (args.repeats + 1) * args.steps + 8
     checks = 4 * min(8, max_bs)  # requests of check_lora_path, 32-token prompts + 1 step
@@ -219,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default="auto", help="auto: triton when usable on CUDA, else torch")
     parser.add_argument("--no-graphs", dest="graphs", action="store_false")
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        help="comma list of decode attention backends, each timed in turn: sdpa, triton (paged kernel)",
+    )
     parser.add_argument("--deadline", type=float, default=0, help="seconds; skip sizes that start after it")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.device, args.dtype = "smoke", "cpu", "float32"
         args.batch_sizes, args.steps, args.repeats, args.warmup, args.prompt_len = "1,4", 4, 1, 1, 16
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     args.device = str(device)
@@ -246,22 +254,27 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{size}: skipped (past the --deadline of {args.deadline:.0f} s)")
             continue
         # Fall back step by step if a path fails on this machine; each failure is reported.
-        attempts = [(backend, args.graphs)]
-        if args.graphs:
-            attempts.append((backend, False))
-        if backend != "torch":
-            attempts.append(("torch", args.graphs))
-        for attempt_backend, graphs in attempts:
-            try:
-                rows += run_size(size, args, attempt_backend, graphs, notes)
-                break
-            except Exception as exc:
-                notes.append(f"{size}: backend={attempt_backend} graphs={graphs} failed: {type(exc).__name__}: {exc}")
-                print(notes[-1], flush=True)
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        _write_report(args, header, rows, notes)
+        for attention in attentions:
+            attempts = [(backend, args.graphs)]
+            if args.graphs:
+                attempts.append((backend, False))
+            if backend != "torch":
+                attempts.append(("torch", args.graphs))
+            sized = argparse.Namespace(**{**vars(args), "attention_backend": attention})
+            for attempt_backend, graphs in attempts:
+                try:
+                    rows += run_size(size, sized, attempt_backend, graphs, notes)
+                    break
+                except Exception as exc:
+                    notes.append(
+                        f"{size}: attention={attention} backend={attempt_backend} graphs={graphs} failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    print(notes[-1], flush=True)
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            _write_report(args, header, rows, notes)
     _write_report(args, header, rows, notes, final=True)
     return 0
 
@@ -280,7 +293,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
         build_s = time.perf_counter() - t0
         checks = check_lora_path(runner, args)
         notes.append(
-            f"{size} ({backend}, graphs {'on' if graphs else 'off'}): built in {build_s:.1f} s; "
+            f"{size} ({backend}, attention {args.attention_backend}, graphs {'on' if graphs else 'off'}): built in {build_s:.1f} s; "
             "checks, relative L2 of decode logits: " + ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
         )
         print(notes[-1], flush=True)
@@ -293,7 +306,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
             names = [f"a{i % args.adapters}" for i in range(bs)]
             lora = measure(runner, bs, names, args, f"lora{bs}")
             rows.append(
-                f"| {size} | {backend} | {'on' if graphs else 'off'} | {bs} | {base:,.0f} | "
+                f"| {size} | {args.attention_backend} | {backend} | {'on' if graphs else 'off'} | {bs} | {base:,.0f} | "
                 f"{lora:,.0f} ({len(set(names))} adapters) | {100 * lora / base:.1f}% |"
             )
             print(rows[-1], flush=True)
@@ -322,8 +335,8 @@ def _header(args, device: torch.device, backend: str, triton_note: str, argv) ->
         f"rank-{args.rank} adapters on {', '.join(DEFAULT_LORA_MODULES)}, request i uses adapter i % "
         f"{args.adapters}; requested LoRA backend: {backend} (triton: {triton_note})  ",
         f"Command: `{command}`\n",
-        "| model | LoRA backend | CUDA graphs | batch | base tok/s | multi-LoRA tok/s | LoRA / base |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | attention | LoRA backend | CUDA graphs | batch | base tok/s | multi-LoRA tok/s | LoRA / base |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
 

@@ -252,6 +252,7 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
         _flag(args, "--cuda-graph-max-prefill-tokens", config.cuda_graph.max_prefill_tokens)
     _flag(args, "--tensor-parallel-size", config.parallel.tensor_parallel_size)
     _flag(args, "--device", config.device)
+    _flag(args, "--attention-backend", config.attention_backend)
     _flag(args, "--seed", config.seed)
     _flag(args, "--host", config.server.host)
     _flag(args, "--port", config.server.port)

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("device")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     g.add_argument("--cuda-graph", action=bool_flag, default=d.cuda_graph.enabled)
+    g.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=("sdpa", "triton"),
+        help="decode/verify attention: sdpa gathers each context; triton reads the paged cache in place (CUDA)",
+    )
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph.max_bs)
     g.add_argument(
         "--cuda-graph-max-prefill-tokens",
@@ -268,6 +274,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     cfg.cuda_graph.max_prefill_tokens = args.cuda_graph_max_prefill_tokens
     cfg.parallel.tensor_parallel_size = args.tensor_parallel_size
     cfg.device = args.device
+    cfg.attention_backend = args.attention_backend
     cfg.seed = args.seed
 
     srv = cfg.server

@@ -181,6 +181,9 @@ class RuntimeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"  # auto | cpu | cuda
+    # Decode and target-verify attention: "sdpa" gathers each request's context for
+    # scaled_dot_product_attention; "triton" reads the paged cache in place (CUDA only).
+    attention_backend: str = "sdpa"
     seed: int = 0
 
     def copy(self) -> RuntimeConfig:

@@ -325,6 +325,7 @@ class CudaGraphRunner:
             groups=runner.attn_groups,
             q_lens=None,
             sliding_window=runner.arch.sliding_window,
+            backend=runner.attention_backend,
         )
         hidden, aux = runner.model(
             static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers

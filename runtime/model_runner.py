@@ -43,6 +43,7 @@ from .model import (
 )
 from .model.arch import ModelConfigError, parse_dtype
 from .model.layers import LMHead, VocabEmbedding, build_attention_metadata
+from .model.layers.attention import check_attention_backend
 from .parallel import context as tp_context
 from .parallel.errors import TensorParallelConfigError, TensorParallelError
 from .parallel.protocol import Kind
@@ -104,6 +105,11 @@ class ModelRunner:
         self.context_len = int(config.model.context_length or self.arch.max_position_embeddings)
         if self.context_len < 1:
             raise ModelConfigError(f"model.context_length must be >= 1, got {self.context_len}")
+        try:
+            check_attention_backend(config.attention_backend, self.device)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
+        self.attention_backend = config.attention_backend
 
         group = self.tp.group if self.tp is not None else None
         driver = self.tp.driver if self.tp is not None else None
@@ -390,6 +396,7 @@ class ModelRunner:
             groups=self.attn_groups,
             q_lens=(torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True) if mode is ForwardMode.EXTEND else None),
             sliding_window=self.arch.sliding_window,
+            backend=self.attention_backend,
         )
         last_only = mode is ForwardMode.EXTEND and not batch.return_all_logits
         if self.lora is not None:

@@ -332,6 +332,7 @@ class EagleGraphRunner:
             max_ctx=context,
             groups=layer.num_heads // layer.num_kv_heads,
             q_lens=None,
+            backend=runner.attention_backend,
         )
         return runner.model(
             input_ids, features, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=from_target

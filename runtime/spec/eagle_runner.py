@@ -54,12 +54,14 @@ class EagleDraftRunner:
         seed: int = 0,
         cuda_graph_max_bs: int = 0,
         token_map: str | None = None,
+        attention_backend: str = "sdpa",
     ):
         """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
         from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager). ``token_map``: a file of
         token ids the draft predicts over, through those rows of the target's LM head
         (:func:`.draft_vocab.load_token_map`; relative paths are files of the draft's
-        directory)."""
+        directory). ``attention_backend``: the target's (see :mod:`..model.layers.attention`)."""
+        self.attention_backend = attention_backend
         self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
         self.config.check_target(target_arch)
         map_file = resolve_token_map(token_map, path) if token_map else None
@@ -139,6 +141,7 @@ class EagleDraftRunner:
                 max_ctx=context_bucket(max(alloc.seq_lens), self.kv.max_context_len),
                 groups=self.config.layer.num_heads // self.config.layer.num_kv_heads,
                 q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
+                backend=self.attention_backend,
             )
             return self.model(
                 input_ids.to(self.device),

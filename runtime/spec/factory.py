@@ -101,6 +101,7 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
             seed=config.seed,
             cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
             token_map=spec.token_map,
+            attention_backend=runner.attention_backend,
         )
     except TokenMapError as exc:
         raise SpeculativeConfigError("speculative.token_map", str(exc)) from exc

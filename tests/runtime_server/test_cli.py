@@ -58,6 +58,8 @@ def test_flags_become_the_configuration(assets, tmp_path):
         == RuntimeConfig().speculative.disable_batch_size
     )
     assert cfg.speculative.auto_disable is True
+    assert cfg.attention_backend == "sdpa" == RuntimeConfig().attention_backend
+    assert _parse(["--model", "m", "--attention-backend", "triton"]).attention_backend == "triton"
     assert _parse(["--model", "m"]).speculative.auto_disable is RuntimeConfig().speculative.auto_disable
     assert _parse(["--model", "m", "--no-speculative-auto-disable"]).speculative.auto_disable is False
     assert _parse(["--model", "m", "--lora-target-modules", "all"]).lora.target_modules[-1] == "lm_head"
@@ -92,6 +94,7 @@ def test_the_operators_command_line_round_trips(assets):
     cfg.cuda_graph.enabled = True
     cfg.cuda_graph.max_bs = 16
     cfg.cuda_graph.max_prefill_tokens = 128
+    cfg.attention_backend = "triton"
     cfg.seed = 5
     parsed = _parse(runtime_args(cfg))
     assert parsed.to_dict() == cfg.to_dict()

@@ -7,6 +7,8 @@ oracle runs with real graphs.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ from .test_greedy_oracle import CASES, _check_same, _requests
 DRAFTS = ("eagle", "eagle3", "eagle3-d2t")
 
 
-def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool):
-    """Two runners of one draft: the first steps through the graph runner, the second eagerly."""
+def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool, attention: str = "sdpa"):
+    """Two runners of one draft: the first steps through the graph runner (on ``attention``),
+    the second eagerly (on SDPA)."""
     path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3, "eagle3-d2t": spec_assets.eagle3_d2t}[
         draft
     ]
@@ -33,7 +36,7 @@ def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool):
         model_dir=spec_assets.target,
     )
 
-    def make() -> EagleDraftRunner:
+    def make(attention: str = "sdpa") -> EagleDraftRunner:
         return EagleDraftRunner(
             str(path),
             target_arch=arch,
@@ -44,9 +47,10 @@ def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool):
             max_total_tokens=1024,
             max_requests=8,
             max_context_len=256,
+            attention_backend=attention,
         )
 
-    graphed, eager = make(), make()
+    graphed, eager = make(attention), make()
     graphed.graphs = EagleGraphRunner(graphed, max_bs=max_bs, use_graphs=use_graphs)
     return graphed, eager
 
@@ -238,6 +242,21 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
         assert graphs._feed_chains and not graphs._graphs  # every verify fed and proposed at once
     else:
         assert graphs._graphs and not graphs._feed_chains  # uniform feeds, then chains
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the paged kernel needs CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+@pytest.mark.parametrize("draft", ("eagle", "eagle3"))
+def test_draft_chains_on_the_paged_kernel_equal_sdpa_steps(spec_assets, draft):
+    """The chain and the feed-chain with the draft's attention on the Triton paged kernel
+    give the tokens and cache entries of eager SDPA steps."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for check in (_check_chain, _check_feed_chain):
+        graphed, eager = _pair(spec_assets, draft, device, max_bs=4, use_graphs=False, attention="triton")
+        eager.graphs = None
+        check(graphed, eager, device)
 
 
 def test_graphs_are_only_built_on_cuda(spec_assets):

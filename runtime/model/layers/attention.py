@@ -5,6 +5,10 @@ is gathered by slot index into a padded ``[batch, context, kv_heads, head_dim]``
 attended with a boolean mask built on the device from positions. No per-token host loops:
 the metadata below is computed once per forward and shared by every layer.
 
+With ``backend="triton"``, decode and target-verify batches (every request carries the same
+number of new tokens) skip the gather: :mod:`.paged_attention` reads the keys in place
+through the token table. Extend batches (ragged) always take the SDPA path.
+
 Grouped-query attention without copying K/V: the ``g = heads / kv_heads`` query heads
 that share a KV head are folded into the query-length dimension, so SDPA sees
 ``[batch, kv_heads, g * q_len, head_dim]`` queries against ``[batch, kv_heads, ctx,
@@ -13,15 +17,37 @@ head_dim]`` keys and the mask is tiled ``g`` times.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+if TYPE_CHECKING:  # triton is an optional dependency: the kernel module loads on first use
+    from .paged_attention import PagedAttentionInputs
+
 # SDPA backends for every CUDA step, eager or captured: all but cuDNN's (see Attention.forward).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+ATTENTION_BACKENDS = ("sdpa", "triton")
+
+
+def check_attention_backend(backend: str, device: torch.device, field: str = "attention_backend") -> None:
+    """Raise ``ValueError`` naming ``field`` when ``backend`` is unknown or cannot run on ``device``."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{field} must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{field}=triton needs the triton package (pip install 'loraserve[triton]'): or use {field}=sdpa")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{field}=triton needs a CUDA device (or TRITON_INTERPRET=1, for tests); this runtime is on "
+            f"{device.type}: use {field}=sdpa"
+        )
 
 
 @dataclass
@@ -33,9 +59,10 @@ class AttentionMetadata:
     max_ctx: int  # key columns gathered per request
     positions: torch.Tensor  # int64 [T]: each token's position in its request
     out_cache_loc: torch.Tensor  # int64 [T]: the KV slot each token is written to
-    kv_indices: torch.Tensor  # int64 [bs, max_ctx]: KV slots of each request's context
-    mask: torch.Tensor  # bool [bs, 1, groups * max_q, max_ctx]: True = may attend
+    kv_indices: torch.Tensor | None  # int64 [bs, max_ctx]: KV slots of each request's context
+    mask: torch.Tensor | None  # bool [bs, 1, groups * max_q, max_ctx]: True = may attend
     q_dest: torch.Tensor | None  # int64 [T]: padded row of each token; None when uniform
+    paged: PagedAttentionInputs | None = None  # set: the Triton kernel reads keys in place
 
 
 def build_attention_metadata(
@@ -49,6 +76,7 @@ def build_attention_metadata(
     groups: int,
     q_lens: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    backend: str = "sdpa",
 ) -> AttentionMetadata:
     """Build the metadata on the device of ``req_to_token``.
 
@@ -56,11 +84,35 @@ def build_attention_metadata(
     before this batch; ``q_lens``: new tokens per request for ragged (extend) batches, or
     None when every request carries exactly ``max_q`` (decode, target-verify). With
     ``q_lens`` None the ops are shape-static and can be captured in a CUDA graph.
+    ``backend="triton"`` gives uniform batches the paged kernel's inputs instead of a
+    gathered context and mask.
     """
     device = req_to_token.device
     bs = rows.shape[0]
     q_off = torch.arange(max_q, device=device)
     q_pos = prefix_lens[:, None] + q_off[None, :]  # [bs, max_q]
+    if backend == "triton" and q_lens is None:
+        from .paged_attention import PagedAttentionInputs
+
+        paged = PagedAttentionInputs(
+            req_to_token=req_to_token,
+            rows=rows,
+            prefix_lens=prefix_lens,
+            width=max_q,
+            max_context=max_ctx,
+            sliding_window=sliding_window,
+        )
+        return AttentionMetadata(
+            batch_size=bs,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            positions=q_pos.reshape(-1),
+            out_cache_loc=out_cache_loc,
+            kv_indices=None,
+            mask=None,
+            q_dest=None,
+            paged=paged,
+        )
     if q_lens is None:
         positions = q_pos.reshape(-1)
         q_dest = None
@@ -111,6 +163,11 @@ class Attention(nn.Module):
         bs, max_q = meta.batch_size, meta.max_q
         k_cache.index_copy_(0, meta.out_cache_loc, k.view(tokens, kvh, hd).to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_cache_loc, v.view(tokens, kvh, hd).to(v_cache.dtype))
+        if meta.paged is not None:
+            from .paged_attention import paged_attention
+
+            return paged_attention(q.view(tokens, kvh * g, hd), k_cache, v_cache, meta.paged, scale=self.scale)
+        assert meta.kv_indices is not None and meta.mask is not None
         keys = k_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)  # [bs, kvh, ctx, hd]
         values = v_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)
         qh = q.view(tokens, kvh, g, hd)

@@ -1,0 +1,181 @@
+"""The Triton paged attention (decode and target-verify) against the SDPA path.
+
+Both paths run through the same :class:`Attention` layer on copies of one random paged
+cache: the SDPA path gathers each request's context and masks it, the kernel reads the
+keys in place through the token table. Real Triton, under the interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.runtime.model.layers import Attention, build_attention_metadata
+from loraserve.runtime.model.layers.attention import check_attention_backend
+from loraserve.runtime.model.layers.paged_attention import BLOCK_N, choose_splits
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _case(gen, *, prefixes, width, heads, kv_heads, head_dim, dtype, context_cap, poison=True):
+    """A cache with random keys, a token table whose rows hold random distinct slots, and
+    this step's q/k/v. Entries past each request's context point at poisoned slots."""
+    bs = len(prefixes)
+    slots_total = 1 + sum(p + width for p in prefixes) + 64
+    k_cache = torch.randn(slots_total, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots_total, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.zeros(bs + 2, context_cap, dtype=torch.int64)
+    free = (torch.randperm(slots_total - 65, generator=gen) + 1).tolist()
+    poisoned = list(range(slots_total - 64, slots_total))
+    if poison:  # keys a kernel reading past a request's length would pick up
+        k_cache[poisoned] = 1e4
+        v_cache[poisoned] = 1e4
+    rows = torch.randperm(bs, generator=gen) + 1  # row 0 stays the padding row
+    out_loc = []
+    for i, p in enumerate(prefixes):
+        row = int(rows[i])
+        n = p + width
+        table[row, :n] = torch.tensor(free[:n])
+        free = free[n:]
+        table[row, n:] = torch.tensor(poisoned * (context_cap // 64 + 1))[: context_cap - n]
+        out_loc.append(table[row, p:n])
+    tokens = bs * width
+    q = torch.randn(tokens, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads * head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, kv_heads * head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, table, rows, torch.tensor(prefixes), torch.cat(out_loc), q, k, v
+
+
+def _run(backend, case, *, width, heads, kv_heads, head_dim, max_ctx, window=None):
+    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = case
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    meta = build_attention_metadata(
+        req_to_token=table,
+        rows=rows,
+        prefix_lens=prefixes,
+        out_cache_loc=out_loc,
+        max_q=width,
+        max_ctx=max_ctx,
+        groups=heads // kv_heads,
+        sliding_window=window,
+        backend=backend,
+    )
+    assert (meta.paged is not None) == (backend == "triton")
+    out = Attention(heads, kv_heads, head_dim)(q, k, v, k_cache, v_cache, meta)
+    return out, k_cache, v_cache
+
+
+SHAPES = [
+    # prefixes, width, heads, kv_heads, head_dim
+    pytest.param([5], 1, 4, 2, 16, id="decode-bs1-gqa2"),
+    pytest.param([0, 37, 130, 70], 1, 4, 1, 32, id="decode-bs4-mqa-multiblock"),
+    pytest.param([3, 150, 64], 4, 4, 2, 16, id="verify4-gqa2"),
+    pytest.param([90, 1], 6, 2, 2, 24, id="verify6-mha-headdim24"),
+    pytest.param([200], 3, 8, 2, 16, id="verify3-groups4-long"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("prefixes", "width", "heads", "kv_heads", "head_dim"), SHAPES)
+def test_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads, head_dim):
+    """Same outputs and the same cache writes as the SDPA path; keys past a request's
+    length (poisoned with 1e4) never leak in, though the context bucket covers them."""
+    cap = 256
+    case = _case(gen, prefixes=prefixes, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                 dtype=dtype, context_cap=cap)  # fmt: skip
+    bucket = max(p + width for p in prefixes)
+    bucket = 1 << (bucket - 1).bit_length()
+    shape = dict(width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    ref, k_ref, v_ref = _run("sdpa", case, max_ctx=bucket, **shape)
+    got, k_got, v_got = _run("triton", case, max_ctx=bucket, **shape)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert torch.isfinite(got.float()).all()
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+
+
+def test_queries_of_a_verify_block_see_only_earlier_positions(gen):
+    """Query j of a verify block attends to the prefix and drafts 0..j: changing the value
+    of the last draft changes the last query's output only."""
+    shape = dict(width=4, heads=2, kv_heads=1, head_dim=16)
+    case = _case(gen, prefixes=[9, 20], dtype=torch.float32, context_cap=64, **{k: shape[k] for k in ("width", "heads", "kv_heads", "head_dim")})
+    out_a, _, _ = _run("triton", case, max_ctx=32, **shape)
+    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = case
+    v2 = v.clone()
+    v2.view(2, 4, -1)[:, 3] += 5.0  # the last draft's value, both requests
+    out_b, _, _ = _run("triton", (k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v2), max_ctx=32, **shape)
+    diff = (out_a - out_b).abs().view(2, 4, -1).amax(-1)
+    assert (diff[:, :3] == 0).all(), "an earlier query saw a later draft"
+    assert (diff[:, 3] > 0).all()
+
+
+def test_sliding_window_matches_sdpa(gen):
+    shape = dict(width=3, heads=4, kv_heads=2, head_dim=16)
+    case = _case(gen, prefixes=[150, 20], dtype=torch.float32, context_cap=256, **shape)
+    ref, _, _ = _run("sdpa", case, max_ctx=256, window=40, **shape)
+    got, _, _ = _run("triton", case, max_ctx=256, window=40, **shape)
+    full, _, _ = _run("triton", case, max_ctx=256, **shape)
+    assert ((got - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+    assert not torch.allclose(got, full), "the window changed nothing: it is not applied"
+
+
+def test_splits_cover_the_context_whatever_their_number(gen, monkeypatch):
+    """The context is cut into ranges combined by their log-sum-exp: one range or many give
+    the same output."""
+    import loraserve.runtime.model.layers.paged_attention as pa
+
+    shape = dict(width=2, heads=2, kv_heads=1, head_dim=16)
+    case = _case(gen, prefixes=[300], dtype=torch.float32, context_cap=512, **shape)
+    outs = []
+    for sms in (1, 64):
+        monkeypatch.setattr(pa, "_INTERPRETER_SMS", sms)
+        outs.append(_run("triton", case, max_ctx=512, **shape)[0])
+    assert choose_splits(1, 1, 512, torch.device("cpu")) == 512 // BLOCK_N
+    assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < 1e-5
+
+
+def test_backend_choice_is_checked_naming_the_field(monkeypatch):
+    with pytest.raises(ValueError, match="attention_backend must be one of sdpa, triton"):
+        check_attention_backend("flash", torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"attention_backend=triton needs a CUDA device.*use attention_backend=sdpa"):
+        check_attention_backend("triton", torch.device("cpu"))
+    check_attention_backend("sdpa", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral"])
+def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture):
+    """Whole forwards (prefill on SDPA for both, then decode and target-verify) give the
+    same logits on either backend; mistral with a 6-token window shorter than the prompts."""
+    import json
+
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.config import RuntimeConfig
+    from loraserve.runtime.devmodels import build_tiny_model
+    from loraserve.runtime.model import ForwardBatch
+    from loraserve.runtime.model_runner import ModelRunner
+
+    model = build_tiny_model(tmp_path / architecture, architecture=architecture, seed=5)
+    if architecture == "mistral":
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["sliding_window"] = 6
+        (model / "config.json").write_text(json.dumps(cfg))
+    logits = {}
+    for backend in ("sdpa", "triton"):
+        config = RuntimeConfig()
+        config.model.path = str(model)
+        config.device = "cpu"
+        config.attention_backend = backend
+        config.scheduler.max_total_tokens = 512
+        runner = ModelRunner(config)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 70)]
+        rids = ["a", "b"]
+        runner.forward(ForwardBatch(ForwardMode.EXTEND, rids, torch.cat(prompts), extend_lens=[9, 70]))
+        dec = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, torch.tensor([7, 8]))).logits
+        block = torch.randint(0, 512, (2 * 4,), generator=gen)
+        ver = runner.forward(ForwardBatch(ForwardMode.TARGET_VERIFY, rids, block, num_draft_tokens=4)).logits
+        logits[backend] = (dec, ver)
+    for ref, got in zip(logits["sdpa"], logits["triton"], strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)
