@@ -1232,6 +1232,12 @@ def main(argv: list[str] | None = None) -> int:
         help="TARGET,STANDALONE,EAGLE: optimizer-step caps next to the time budgets (0: no cap), so a"
         " comparison on a shared CPU trains each model as far as an idle machine would",
     )
+    ap.add_argument(
+        "--attention-backend",
+        default="sdpa",
+        choices=("sdpa", "triton"),
+        help="the served target's (and EAGLE head's) decode/verify attention: sdpa, or triton's paged kernel",
+    )
     args = ap.parse_args(argv)
     if args.eagle_unroll < 1:
         ap.error(f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}")
@@ -1364,6 +1370,7 @@ def main(argv: list[str] | None = None) -> int:
     config.scheduler.max_total_tokens = max_c * (prompt_len + gen_tokens + 2 * k + 16) + 4096
     config.cuda_graph.enabled = device.type == "cuda"
     config.cuda_graph.max_bs = max_c
+    config.attention_backend = args.attention_backend
     t0 = time.monotonic()
     runner = ModelRunner(config, random_weights=random_weights)
     if random_weights:

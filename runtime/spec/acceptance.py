@@ -23,9 +23,12 @@ class Acceptance:
 
     accept_lens: torch.Tensor  # int64 [bs]: drafts accepted, 0..k-1
     tokens: torch.Tensor  # int64 [bs, k]: accepted drafts, then the target's token; -1 after
+    # Tree drafts: int64 [bs, depth + 1], the accepted path's nodes from the root; -1 after.
+    path: torch.Tensor | None = None
     _host: tuple[list[int], list[list[int]]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _host_path: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     _staged: tuple[torch.Tensor, torch.cuda.Event] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -60,11 +63,26 @@ class Acceptance:
                 both = pinned.tolist()
             else:
                 both = self._packed().tolist()
-            self._host = ([row[0] for row in both], [row[1:] for row in both])
+            width = 1 + self.tokens.shape[1]
+            self._host = ([row[0] for row in both], [row[1:width] for row in both])
+            if self.path is not None:
+                self._host_path = [row[width:] for row in both]
         return self._host
 
+    def host_path(self) -> list[list[int]]:
+        """Tree drafts: each request's accepted nodes from the root, as host lists (one copy
+        with :meth:`host`)."""
+        if self.path is None:
+            raise ValueError("a chain acceptance has no tree path")
+        self.host()
+        assert self._host_path is not None
+        return self._host_path
+
     def _packed(self) -> torch.Tensor:
-        return torch.cat([self.accept_lens.long()[:, None], self.tokens.long()], dim=1)
+        parts = [self.accept_lens.long()[:, None], self.tokens.long()]
+        if self.path is not None:
+            parts.append(self.path.long())
+        return torch.cat(parts, dim=1)
 
     def host_accept_lens(self) -> list[int]:
         """Drafts accepted per request, as a host list (see :meth:`host`)."""
