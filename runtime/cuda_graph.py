@@ -145,6 +145,7 @@ class GraphKey(NamedTuple):
     lora: bool  # the graph contains the LoRA ops
     return_hidden: bool
     hidden_layers: tuple[int, ...]
+    tree: bool = False  # a tree verify: positions and masks from the static tree buffers
 
 
 @dataclass
@@ -154,6 +155,17 @@ class _StaticInputs:
     prefix_lens: torch.Tensor  # int64 [max_bs]
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
     last: torch.Tensor  # int64 [1]: a prefill's last real row, the one its logits are of
+    tree_depths: torch.Tensor | None = None  # int64 [max_bs, width]: a tree verify's node depths
+    tree_ancestors: torch.Tensor | None = None  # bool [max_bs, width, width]
+
+    def tree_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree buffers, made on first use (a verify width that never sees a tree has none)."""
+        if self.tree_depths is None or self.tree_ancestors is None:
+            reqs, width = self.rows.shape[0], self.input_ids.shape[0] // self.rows.shape[0]
+            self.tree_depths = torch.zeros(reqs, width, dtype=torch.int64, device=self.rows.device)
+            eye = torch.eye(width, dtype=torch.bool, device=self.rows.device)
+            self.tree_ancestors = eye.repeat(reqs, 1, 1)
+        return self.tree_depths, self.tree_ancestors
 
 
 @dataclass
@@ -236,9 +248,15 @@ class CudaGraphRunner:
         context = context_bucket(max(alloc.seq_lens), runner.kv.max_context_len)
         uses_lora = any(s >= 0 for s in slots)
         aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
-        key = GraphKey(batch.mode, width, padded_bs, context, uses_lora, batch.return_hidden, aux_layers)
+        tree = batch.tree_depths is not None
+        key = GraphKey(batch.mode, width, padded_bs, context, uses_lora, batch.return_hidden, aux_layers, tree)
 
         static = self._static_inputs(batch.mode, width)
+        if tree:
+            # Padded requests keep depth 0 and see themselves only (their rows are dropped).
+            depths, ancestors = static.tree_buffers()
+            depths[:bs].copy_(batch.tree_depths, non_blocking=True)
+            ancestors[:bs].copy_(batch.tree_ancestors, non_blocking=True)
         n = padded_bs * width
         fill_padded(static.input_ids, batch.input_ids, total, n)
         fill_padded(static.rows, alloc.rows, bs, padded_bs)
@@ -326,6 +344,8 @@ class CudaGraphRunner:
             q_lens=None,
             sliding_window=runner.arch.sliding_window,
             backend=runner.attention_backend,
+            tree_depths=static.tree_depths[: key.batch_size] if key.tree else None,
+            tree_ancestors=static.tree_ancestors[: key.batch_size] if key.tree else None,
         )
         hidden, aux = runner.model(
             static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers

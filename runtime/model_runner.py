@@ -286,6 +286,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one batch; appends its tokens to the KV cache (rolled back on failure)."""
         batch.validate()
+        if batch.tree_depths is not None and self.tp is not None:
+            raise ForwardBatchError("tree_depths: a tree verify is not available with tensor parallelism (top_k 1)")
         aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
         bad = [i for i in aux_layers if not 0 <= i <= self.arch.num_layers]
         if bad:
@@ -397,6 +399,8 @@ class ModelRunner:
             q_lens=(torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True) if mode is ForwardMode.EXTEND else None),
             sliding_window=self.arch.sliding_window,
             backend=self.attention_backend,
+            tree_depths=None if batch.tree_depths is None else batch.tree_depths.to(device, non_blocking=True),
+            tree_ancestors=None if batch.tree_ancestors is None else batch.tree_ancestors.to(device, non_blocking=True),
         )
         last_only = mode is ForwardMode.EXTEND and not batch.return_all_logits
         if self.lora is not None:

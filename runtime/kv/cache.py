@@ -205,6 +205,43 @@ class KVCache:
         self._push_free(req.slots[req.length - num_tokens : req.length])
         req.length -= num_tokens
 
+    def keep(self, items: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
+        """For each ``(request, start, kept)``: of the request's entries from ``start`` on, keep
+        those at offsets ``kept`` (distinct), moved to ``start, start + 1, ...`` in that order,
+        and free the rest (a tree verify keeps its accepted path). The KV data stays in place;
+        only the token table changes, with one device write for the whole batch."""
+        with torch.inference_mode():  # the slot lists and the table are written under it elsewhere
+            self._keep(items)
+
+    def _keep(self, items: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[torch.Tensor] = []
+        for rid, start, kept in items:
+            req = self._require(rid)
+            offsets = [int(i) for i in kept]
+            tail = req.length - start
+            if start < 0 or tail < 0 or any(not 0 <= i < tail for i in offsets) or len(set(offsets)) != len(offsets):
+                raise KVCacheError(
+                    f"cannot keep offsets {offsets} of the {max(tail, 0)} entries request {rid!r} holds after {start}"
+                )
+            if offsets == list(range(len(offsets))):
+                self.truncate(rid, tail - len(offsets))
+                continue
+            old = req.slots[start : req.length].clone()
+            chosen = old[offsets]
+            dropped = torch.ones(tail, dtype=torch.bool)
+            dropped[offsets] = False
+            self._push_free(old[dropped])
+            req.slots[start : start + len(offsets)] = chosen
+            req.length = start + len(offsets)
+            rows += [req.row] * len(offsets)
+            cols += range(start, start + len(offsets))
+            values.append(chosen)
+        if values:
+            coords = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.req_to_token[coords[0], coords[1]] = torch.cat(values).to(self.device, non_blocking=True)
+
     def free(self, request_id: Hashable) -> None:
         """Release everything a request holds; unknown ids are ignored (idempotent)."""
         req = self._requests.pop(request_id, None)

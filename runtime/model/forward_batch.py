@@ -34,6 +34,11 @@ class ForwardBatch:
     return_all_logits: bool = False  # EXTEND: logits for every position, not just the last
     return_hidden: bool = False  # final (normed) hidden state of every token row
     hidden_layers: Sequence[int] | None = None  # residual stream entering these layers (EAGLE3)
+    # TARGET_VERIFY of a tree draft: each request's k tokens are tree nodes (node 0 the root),
+    # node n at position prefix + tree_depths[b, n], seeing the nodes m with
+    # tree_ancestors[b, n, m]. None: a chain (node n at prefix + n, seeing nodes 0..n).
+    tree_depths: torch.Tensor | None = None  # int64 [bs, k]
+    tree_ancestors: torch.Tensor | None = None  # bool [bs, k, k]
 
     @property
     def batch_size(self) -> int:
@@ -70,6 +75,19 @@ class ForwardBatch:
             bad = [i for i, n in enumerate(self.extend_lens) if int(n) < 1]
             if bad:
                 raise ForwardBatchError(f"extend_lens must be >= 1 for every request; requests {bad} have 0")
+        if (self.tree_depths is None) != (self.tree_ancestors is None):
+            raise ForwardBatchError("tree_depths and tree_ancestors come together (a tree verify) or not at all")
+        if self.tree_depths is not None:
+            if self.mode is not ForwardMode.TARGET_VERIFY:
+                raise ForwardBatchError(f"a tree is only verified in TARGET_VERIFY, not {self.mode.value}")
+            k = self.num_draft_tokens or 0
+            if tuple(self.tree_depths.shape) != (self.batch_size, k) or tuple(self.tree_ancestors.shape) != (
+                self.batch_size, k, k
+            ):  # fmt: skip
+                raise ForwardBatchError(
+                    f"tree_depths must be [{self.batch_size}, {k}] and tree_ancestors [{self.batch_size}, {k}, {k}], "
+                    f"got {tuple(self.tree_depths.shape)} and {tuple(self.tree_ancestors.shape)}"
+                )
         if self.return_all_logits and self.mode is not ForwardMode.EXTEND:
             raise ForwardBatchError("return_all_logits is for EXTEND; decode and verify return every row")
         try:

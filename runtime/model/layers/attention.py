@@ -77,6 +77,8 @@ def build_attention_metadata(
     q_lens: torch.Tensor | None = None,
     sliding_window: int | None = None,
     backend: str = "sdpa",
+    tree_depths: torch.Tensor | None = None,
+    tree_ancestors: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Build the metadata on the device of ``req_to_token``.
 
@@ -85,11 +87,19 @@ def build_attention_metadata(
     None when every request carries exactly ``max_q`` (decode, target-verify). With
     ``q_lens`` None the ops are shape-static and can be captured in a CUDA graph.
     ``backend="triton"`` gives uniform batches the paged kernel's inputs instead of a
-    gathered context and mask.
+    gathered context and mask. ``tree_depths`` / ``tree_ancestors`` (``[bs, max_q]`` /
+    ``[bs, max_q, max_q]``): the new tokens are a draft tree's nodes, each at ``prefix +
+    depth`` and seeing the cache and its own ancestors (SDPA; see :mod:`..spec.tree`).
     """
     device = req_to_token.device
     bs = rows.shape[0]
     q_off = torch.arange(max_q, device=device)
+    if tree_depths is not None:
+        assert tree_ancestors is not None and q_lens is None, "a tree verify is uniform"
+        return _tree_metadata(
+            req_to_token, rows, prefix_lens, out_cache_loc, max_q, max_ctx, groups, sliding_window,
+            tree_depths, tree_ancestors,
+        )  # fmt: skip
     q_pos = prefix_lens[:, None] + q_off[None, :]  # [bs, max_q]
     if backend == "triton" and q_lens is None:
         from .paged_attention import PagedAttentionInputs
@@ -135,6 +145,41 @@ def build_attention_metadata(
         kv_indices=kv_indices,
         mask=mask,
         q_dest=q_dest,
+    )
+
+
+def _tree_metadata(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    max_q: int,
+    max_ctx: int,
+    groups: int,
+    sliding_window: int | None,
+    depths: torch.Tensor,
+    ancestors: torch.Tensor,
+) -> AttentionMetadata:
+    from ...spec.tree import tree_attention_mask  # the tree's layout lives with the drafts
+
+    bs = rows.shape[0]
+    q_pos = prefix_lens[:, None] + depths  # [bs, max_q]
+    mask = tree_attention_mask(prefix_lens, ancestors, max_ctx, groups)
+    if sliding_window is not None:
+        # Cached keys sit at their index; the tree's own keys are ancestors, a few positions back.
+        key = torch.arange(max_ctx, device=req_to_token.device)
+        near = key[None, None, :] > q_pos[:, :, None] - sliding_window
+        near = near | (key[None, None, :] >= prefix_lens[:, None, None])
+        mask = mask & near[:, None, None].expand(bs, 1, groups, max_q, max_ctx).reshape(mask.shape)
+    return AttentionMetadata(
+        batch_size=bs,
+        max_q=max_q,
+        max_ctx=max_ctx,
+        positions=q_pos.reshape(-1),
+        out_cache_loc=out_cache_loc,
+        kv_indices=req_to_token.index_select(0, rows)[:, :max_ctx],
+        mask=mask,
+        q_dest=None,
     )
 
 
