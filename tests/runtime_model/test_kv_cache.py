@@ -145,13 +145,13 @@ def test_keep_moves_a_tree_path_to_the_front_and_frees_the_rest():
     x, y, z = (cache.token_slots(r).tolist() for r in "xyz")
     free_before = cache.num_free_tokens
     cache.keep([("x", 4, [0, 3, 5]), ("y", 2, [0, 1]), ("z", 3, [0])])
-    assert cache.token_slots("x").tolist() == x[:4] + [x[4], x[7], x[9]]
+    assert cache.token_slots("x").tolist() == [*x[:4], x[4], x[7], x[9]]
     assert cache.token_slots("y").tolist() == y[:4]  # a prefix: a plain truncate
     assert cache.token_slots("z").tolist() == z[:4]
     assert cache.num_free_tokens == free_before + 3 + 3 + 3
     for rid in "xyz":
         assert torch.equal(_table(cache, rid), cache.token_slots(rid))
-    freed = set(x[5:7] + [x[8]] + y[4:] + z[4:])
+    freed = set([*x[5:7], x[8], *y[4:], *z[4:]])
     again = cache.allocate(["w"], [9]).out_cache_loc.tolist()
     assert set(again) == freed  # exactly the dropped entries came back
     with pytest.raises(KVCacheError, match="cannot keep offsets"):

@@ -58,7 +58,7 @@ def test_each_node_sees_exactly_its_path(runners, path):
     for b in range(2):
         for n in range(7):
             rid = f"c{b}-{n}"
-            ids = [int(tokens[b, 0])] + [int(tokens[b, m]) for m in _path(parents, b, n)][: int(depths[b, n])]
+            ids = [int(tokens[b, 0]), *[int(tokens[b, m]) for m in _path(parents, b, n)][:int(depths[b, n])]]
             eager.forward(ForwardBatch(ForwardMode.EXTEND, [rid], prompts[b], extend_lens=[len(prompts[b])], lora_names=[names[b]]))
             chain = eager.forward(
                 ForwardBatch(ForwardMode.TARGET_VERIFY, [rid], torch.tensor(ids), num_draft_tokens=len(ids), lora_names=[names[b]])
@@ -87,7 +87,7 @@ def test_a_malformed_tree_is_refused_naming_the_field(runners):
     with pytest.raises(ForwardBatchError, match="tree_depths must be"):
         eager.forward(
             ForwardBatch(ForwardMode.TARGET_VERIFY, ["a", "b"], tokens.reshape(-1), num_draft_tokens=7,
-                         tree_depths=depths[:, :5], tree_ancestors=ancestors)  # fmt: skip
+                         tree_depths=depths[:, :5], tree_ancestors=ancestors)
         )
     with pytest.raises(ForwardBatchError, match="only verified in TARGET_VERIFY"):
         eager.forward(ForwardBatch(ForwardMode.DECODE, ["a", "b"], tokens[:, 0], tree_depths=depths, tree_ancestors=ancestors))
