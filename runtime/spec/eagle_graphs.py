@@ -21,6 +21,11 @@ draft tokens cost one replay and one set of host work instead of ``n`` (the step
 are allocated up front; each step's query sees its own position only, as it would step by
 step).
 
+Tree drafts (``top_k`` > 1) grow the same way as one *tree* graph (:func:`grow_tree`:
+each step runs the head on the frontier, every node seeing the request's cache and its
+own ancestors' entries), and after a tree verify the accepted path is fed and the next
+tree grown as one *feed-tree* graph.
+
 After a greedy verify, feeding the verified positions and the next proposal run as one
 *feed-chain* graph, queued before the host has read the acceptance: the accepted counts
 stay on the device, where they pick each request's tail row and place the chain's rows
@@ -38,7 +43,8 @@ import torch
 
 from ..cuda_graph import capture_or_eager, context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
 from ..kv import Allocation
-from ..model.layers import build_attention_metadata
+from ..model.layers import AttentionMetadata, build_attention_metadata
+from .tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
 
 if TYPE_CHECKING:
     from .eagle_runner import EagleDraftRunner
@@ -51,6 +57,13 @@ class _Key(NamedTuple):
     from_target: bool  # the features are the target's (else the head's own outputs)
     batch_size: int  # padded
     context: int  # key columns
+
+
+class _TreeKey(NamedTuple):
+    shape: TreeShape
+    width: int  # verified positions fed first (0: grow from the stored tails)
+    batch_size: int  # padded
+    context: int
 
 
 class _ChainKey(NamedTuple):
@@ -125,11 +138,12 @@ class EagleGraphRunner:
         self._feed_chains: dict[
             _FeedChainKey, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]
         ] = {}
+        self._trees: dict[_TreeKey, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, ...]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
     def num_graphs(self) -> int:
-        tables = (self._graphs, self._chains, self._feed_chains)
+        tables = (self._graphs, self._chains, self._feed_chains, self._trees)
         return sum(graph is not None for table in tables for graph, _ in table.values())
 
     def can_run(self, batch_size: int) -> bool:
@@ -196,6 +210,67 @@ class EagleGraphRunner:
         fill_padded(s.accept, accept, bs, padded)
         tokens, tails = self._replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
         return tokens[:bs].clone(), tails[:bs].clone()
+
+    def run_tree(self, alloc: Allocation, hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
+        """Grow each request's tree from the head output ``hidden`` (its tail) over the
+        ``shape.entries`` rows per request of ``alloc`` (already allocated)."""
+        bs, padded, context = self._shape(alloc)
+        key = _TreeKey(shape, 0, padded, context)
+        s = self._chain_static_for(shape.entries)
+        fill_padded(s.hidden, hidden, bs, padded)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        n = shape.entries
+        fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * n, padded * n)
+        out = self._replay(self._trees, key, lambda: self._tree_body(key))
+        return DraftTree(*(t[:bs].clone() for t in out), shape.num_steps)
+
+    def run_feed_tree(
+        self,
+        alloc: Allocation,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        accept: torch.Tensor,
+        *,
+        width: int,
+        shape: TreeShape,
+    ) -> tuple[DraftTree, torch.Tensor]:
+        """Feed ``width`` pairs of each request's accepted path, then grow its next tree from
+        the output at row ``accept[i]`` over the entries right after the accepted ones
+        (``width + shape.entries`` rows per request allocated). Returns the trees and the tails."""
+        bs, padded, context = self._shape(alloc)
+        key = _TreeKey(shape, width, padded, context)
+        s = self._feed_static_for(width, shape.entries)
+        n, total = padded * width, bs * width
+        fill_padded(s.input_ids, input_ids, total, n)
+        fill_padded(s.features, features, total, n)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        per = width + shape.entries
+        fill_padded(s.slots, alloc.out_cache_loc, bs * per, padded * per)
+        fill_padded(s.accept, accept, bs, padded)
+        *tree, tails = self._replay(self._trees, key, lambda: self._feed_tree_body(key))
+        return DraftTree(*(t[:bs].clone() for t in tree), shape.num_steps), tails[:bs].clone()
+
+    def _tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
+        s = self._chain_static[key.shape.entries]
+        bs, n = key.batch_size, key.shape.entries
+        locs = s.out_cache_loc[: bs * n].view(bs, n)
+        tree = grow_tree(self.runner, s.rows[:bs], s.prefix_lens[:bs], locs, key.context, s.hidden[:bs], key.shape)
+        return tree.tensors()
+
+    def _feed_tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
+        s = self._feed_static[(key.width, key.shape.entries)]
+        bs, width, entries = key.batch_size, key.width, key.shape.entries
+        slots = s.slots[: bs * (width + entries)].view(bs, width + entries)
+        rows, prefix, accept = s.rows[:bs], s.prefix_lens[:bs], s.accept[:bs]
+        n = bs * width
+        hidden = self._head(
+            rows, prefix, slots[:, :width].reshape(-1), width, key.context,
+            s.input_ids[:n], s.features[:n], from_target=True,
+        )  # fmt: skip
+        tail = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
+        offsets = accept[:, None] + 1 + torch.arange(entries, device=self.device)[None, :]
+        tree = grow_tree(self.runner, rows, prefix + accept + 1, slots.gather(1, offsets), key.context, tail, key.shape)
+        return (*tree.tensors(), tail)
 
     def _shape(self, alloc: Allocation) -> tuple[int, int, int]:
         """``(requests, padded batch size, context bucket)`` of a forward over ``alloc``."""
@@ -337,3 +412,50 @@ class EagleGraphRunner:
         return runner.model(
             input_ids, features, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=from_target
         )
+
+
+def grow_tree(
+    runner: EagleDraftRunner,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    locs: torch.Tensor,
+    context: int,
+    tails: torch.Tensor,
+    shape: TreeShape,
+) -> DraftTree:
+    """Grow every request's tree from its tail (the head's output at its last committed
+    pair): the frontier of step ``d`` goes in at position ``prefix + d - 1`` and into the
+    entries ``locs[:, (d - 1) * K : d * K]`` (table positions right after the prefix), each
+    node seeing the request's committed entries and its ancestors' (:mod:`.tree`). Static
+    shapes throughout: the graph runner captures it; eager callers pass their allocation."""
+    model = runner.model
+    layer = runner.config.layer
+    groups = layer.num_heads // layer.num_kv_heads
+    bs, k = rows.shape[0], shape.top_k
+    kv_indices = runner.kv.req_to_token.index_select(0, rows)[:, :context]
+    own = torch.eye(shape.entries, dtype=torch.bool, device=rows.device)
+
+    def step(tokens: torch.Tensor, feats: torch.Tensor, d: int, visible: torch.Tensor):
+        first = (d - 1) * k
+        seen = visible | own[first : first + k][None]
+        meta = AttentionMetadata(
+            batch_size=bs,
+            max_q=k,
+            max_ctx=context,
+            positions=(prefix_lens + d - 1)[:, None].expand(bs, k).reshape(-1),
+            out_cache_loc=locs[:, first : first + k].reshape(-1),
+            kv_indices=kv_indices,
+            mask=tree_attention_mask(prefix_lens, seen, context, groups),
+            q_dest=None,
+        )
+        hidden = model(
+            tokens.reshape(-1), feats.reshape(bs * k, -1), meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0],
+            from_target=False,
+        )  # fmt: skip
+        logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
+        return hidden.view(bs, k, -1), logprobs.view(bs, k, -1)
+
+    first_logprobs = torch.log_softmax(model.compute_logits(tails), dim=-1)
+    return expand_tree(
+        first_logprobs, tails, step, top_k=k, num_steps=shape.num_steps, num_nodes=shape.num_nodes
+    )

@@ -27,8 +27,9 @@ from .draft_vocab import (
     target_head_vocab,
 )
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
-from .eagle_graphs import EagleGraphRunner
+from .eagle_graphs import EagleGraphRunner, grow_tree
 from .eagle_model import EagleDraftModel
+from .tree import DraftTree, TreeShape
 
 
 class EagleDraftRunner:
@@ -239,6 +240,63 @@ class EagleDraftRunner:
                 width=width,
                 steps=steps,
             )
+
+    @torch.inference_mode()
+    def draft_tree(self, request_ids: Sequence[Hashable], hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
+        """Grow a greedy draft tree per request from the head output ``hidden`` (its tail):
+        one replay where the graphs hold the batch, else the same work eagerly. The cache
+        gains ``shape.entries`` entries per request (truncated by the next update)."""
+        hidden = hidden.to(self.device, self.dtype)
+        with self._allocated(request_ids, shape.entries) as alloc:
+            if self.graphs is not None and self.graphs.can_run(len(request_ids)):
+                return self.graphs.run_tree(alloc, hidden, shape)
+            prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
+            locs = alloc.out_cache_loc.view(len(request_ids), shape.entries)
+            return grow_tree(self, alloc.rows, prefix, locs, self._context(alloc), hidden, shape)
+
+    @torch.inference_mode()
+    def feed_tree(
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        accept_lens: torch.Tensor,
+        width: int,
+        shape: TreeShape,
+    ) -> tuple[DraftTree, torch.Tensor]:
+        """After a tree verify: append ``width`` pairs of each request's accepted path (the
+        target's features at the path's nodes, each with the token that followed), then grow
+        the next tree from the pair at ``accept_lens[i]``. As :meth:`feed_chain`, the caller
+        keeps the first ``accept_lens[i] + 1`` entries. Returns the trees and the tails."""
+        input_ids = input_ids.to(self.device)
+        features = features.to(self.device, self.dtype)
+        accept = accept_lens.to(self.device, torch.int64)
+        bs = len(request_ids)
+        with self._allocated(request_ids, width + shape.entries) as alloc:
+            if self.graphs is not None and self.graphs.can_run(bs):
+                return self.graphs.run_feed_tree(alloc, input_ids, features, accept, width=width, shape=shape)
+            slots = alloc.out_cache_loc.view(bs, width + shape.entries)
+            prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
+            context = self._context(alloc)
+            layer = self.config.layer
+            meta = build_attention_metadata(
+                req_to_token=self.kv.req_to_token,
+                rows=alloc.rows,
+                prefix_lens=prefix,
+                out_cache_loc=slots[:, :width].reshape(-1),
+                max_q=width,
+                max_ctx=context,
+                groups=layer.num_heads // layer.num_kv_heads,
+                backend=self.attention_backend,
+            )
+            hidden = self.model(input_ids, features, meta, self.kv.k_buffers[0], self.kv.v_buffers[0], from_target=True)
+            tails = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
+            offsets = accept[:, None] + 1 + torch.arange(shape.entries, device=self.device)[None, :]
+            tree = grow_tree(self, alloc.rows, prefix + accept + 1, slots.gather(1, offsets), context, tails, shape)
+            return tree, tails
+
+    def _context(self, alloc: Allocation) -> int:
+        return context_bucket(max(alloc.seq_lens), self.kv.max_context_len)
 
     def _replay(
         self,

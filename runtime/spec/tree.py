@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,20 @@ from .acceptance import Acceptance
 # Subtracted per level so a child's score is strictly below its parent's even when the
 # draft gives the child probability 1: the best-scored set is then closed under parents.
 _DEPTH_PENALTY = 1e-4
+
+
+class TreeShape(NamedTuple):
+    """How a tree grows: ``top_k`` children per expanded node, ``num_steps`` levels,
+    ``num_nodes`` verified per request (the root included)."""
+
+    top_k: int
+    num_steps: int
+    num_nodes: int
+
+    @property
+    def entries(self) -> int:
+        """Draft cache entries the growth writes per request (the frontier of each step after the first)."""
+        return (self.num_steps - 1) * self.top_k
 
 
 @dataclass
@@ -55,6 +70,13 @@ class DraftTree:
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.parents, self.depths, self.ancestors
+
+    def select(self, rows: torch.Tensor) -> DraftTree:
+        """The trees of requests ``rows`` (a device index)."""
+        return DraftTree(*(t.index_select(0, rows) for t in self.tensors()), self.max_depth)
 
     def with_root(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """Verify input ids ``[bs, N]``: each request's last token, then the drafts."""

@@ -291,3 +291,81 @@ def test_captured_feed_chain_equals_eager_on_gpu(spec_assets, draft):
     eager.graphs = None
     _check_feed_chain(graphed, eager, "cuda")
     assert graphed.graphs.num_graphs == 2 and not graphed.graphs.disabled  # as the static test's keys
+
+
+def _grow_by_single_steps(eager: EagleDraftRunner, rid: str, tail: torch.Tensor, shape) -> set[tuple[int, ...]]:
+    """EAGLE-2 growth for one request where every node's output comes from single draft
+    steps along its own path (the semantics a tree's masks must reproduce)."""
+    pen = 1e-4
+
+    def run_path(path: tuple[tuple[int, torch.Tensor], ...]):
+        hidden = logits = None
+        for tok, feat in path:
+            hidden, logits = eager.step([rid], torch.tensor([tok]), feat[None])
+        eager.kv.truncate(rid, len(path))
+        return hidden[0], torch.log_softmax(logits[0], -1)
+
+    first = torch.log_softmax(eager.compute_logits(tail[None])[0], -1).topk(shape.top_k)
+    frontier = [(float(s) - pen, ((int(t), tail),)) for s, t in zip(first.values, first.indices, strict=True)]
+    cands = [(s, tuple(t for t, _ in p)) for s, p in frontier]
+    for _ in range(1, shape.num_steps):
+        children = []
+        for score, path in frontier:
+            out, lp = run_path(path)
+            best = lp.topk(shape.top_k)
+            children += [(score + float(s) - pen, (*path, (int(t), out))) for s, t in zip(best.values, best.indices, strict=True)]
+        cands += [(s, tuple(t for t, _ in p)) for s, p in children]
+        frontier = sorted(children, key=lambda c: -c[0])[: shape.top_k]
+    return {p for _, p in sorted(cands, key=lambda c: -c[0])[: shape.num_nodes - 1]}
+
+
+def _tree_paths(tree, b: int) -> set[tuple[int, ...]]:
+    return {tuple(int(t) for t in tree.tokens[b][tree.ancestors[b, n]][1:]) for n in range(1, tree.num_nodes)}
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 15), (3, 3, 9)], ids=["every-candidate", "best-of-21"]
+)  # (top_k, num_steps, num_nodes); 15 nodes keep every candidate, so the deepest are judged too
+@pytest.mark.parametrize("graphs", [True, False], ids=["static-graph-path", "eager"])
+@pytest.mark.parametrize("draft", ("eagle", "eagle3"))
+def test_a_grown_tree_equals_growth_by_single_steps(spec_assets, draft, graphs, shape):
+    """Every node of a tree grown in one forward per level sees exactly its own path: the
+    tree equals EAGLE-2 growth where each node's output comes from single steps along its
+    path. Then feeding an accepted path and growing the next tree in one go equals a feed,
+    a truncation and a fresh growth."""
+    from loraserve.runtime.spec.tree import TreeShape
+
+    shape = TreeShape(*shape)
+    grown, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)
+    if not graphs:
+        grown.graphs = None
+    eager.graphs = None
+    gen = torch.Generator().manual_seed(8)
+    feature = grown.model.feature_size
+    lengths = {"a": 9, "b": 30, "c": 4}
+    rids = list(lengths)
+    ids = torch.cat([torch.randint(3, 500, (n,), generator=gen) for n in lengths.values()])
+    feats = torch.randn(sum(lengths.values()), feature, generator=gen)
+    ends = torch.tensor(list(lengths.values())).cumsum(0) - 1
+    tails = grown.forward(rids, ids, feats, list(lengths.values()))[ends]
+    eager.forward(rids, ids, feats, list(lengths.values()))
+    tree = grown.draft_tree(rids, tails, shape)
+    assert [grown.kv.seq_len(r) for r in rids] == [n + shape.entries for n in lengths.values()]
+    for b, rid in enumerate(rids):
+        assert _tree_paths(tree, b) == _grow_by_single_steps(eager, rid, tails[b], shape), rid
+
+    # feed a 3-wide path per request, accepting 0, 2 and 1 of its drafts
+    for r in rids:
+        grown.kv.truncate(r, shape.entries)
+    width, accept = 3, torch.tensor([0, 2, 1])
+    path_ids = torch.randint(3, 500, (3 * width,), generator=gen)
+    path_feats = torch.randn(3 * width, feature, generator=gen)
+    fed, fed_tails = grown.feed_tree(rids, path_ids, path_feats, accept, width, shape)
+    out = eager.forward(rids, path_ids, path_feats, [width] * 3, from_target=True).view(3, width, -1)
+    for r, a in zip(rids, accept.tolist(), strict=True):
+        eager.kv.truncate(r, width - a - 1)
+    want_tails = out[torch.arange(3), accept]
+    torch.testing.assert_close(fed_tails, want_tails, rtol=1e-5, atol=1e-5)
+    want = eager.draft_tree(rids, want_tails, shape)
+    for b in range(3):
+        assert _tree_paths(fed, b) == _tree_paths(want, b)
