@@ -1238,6 +1238,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("sdpa", "triton"),
         help="the served target's (and EAGLE head's) decode/verify attention: sdpa, or triton's paged kernel",
     )
+    ap.add_argument(
+        "--tree",
+        default="",
+        help="comma list of TOPK:TOKENS tree shapes, each also timed as its own EAGLE run (rows eagle-tTOPK-nTOKENS):"
+        " the same head grows trees of top-k TOPK over num_steps k - 1 and the target verifies TOKENS nodes, e.g. 2:10",
+    )
     args = ap.parse_args(argv)
     if args.eagle_unroll < 1:
         ap.error(f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}")
@@ -1245,6 +1251,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
     sweep = parse_k_sweep(args.k_sweep)
+    trees = parse_trees(args.tree)
+    if trees and "eagle" not in drafts:
+        raise SystemExit("--tree needs --draft eagle: trees are grown by the EAGLE head")
     cap_target, cap_standalone, cap_eagle = parse_max_steps(args.max_steps)
     smoke = args.smoke
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
@@ -1367,7 +1376,8 @@ def main(argv: list[str] | None = None) -> int:
     config.lora.target_modules = DEFAULT_LORA_MODULES
     config.lora.adapters = {n: str(p) for n, p in adapters.items()}
     config.scheduler.max_running_requests = max_c
-    config.scheduler.max_total_tokens = max_c * (prompt_len + gen_tokens + 2 * k + 16) + 4096
+    widest = max([k] + [tokens for _, tokens in trees])
+    config.scheduler.max_total_tokens = max_c * (prompt_len + gen_tokens + 2 * widest + 16) + 4096
     config.cuda_graph.enabled = device.type == "cuda"
     config.cuda_graph.max_bs = max_c
     config.attention_backend = args.attention_backend
@@ -1391,10 +1401,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = Sampler(0)
     spec_configs, decoders = {}, {}
-    runs = [(name, name, args.auto_disable) for name in drafts]
+    runs = [(name, name, args.auto_disable, None) for name in drafts]
     if args.auto_disable_ab:
-        runs += [(f"{name}+auto", name, True) for name in drafts if not args.auto_disable]
-    for name, draft, auto in runs:
+        runs += [(f"{name}+auto", name, True, None) for name in drafts if not args.auto_disable]
+    runs += [(f"eagle-t{top}-n{tokens}", "eagle", args.auto_disable, (top, tokens)) for top, tokens in trees]
+    for name, draft, auto, tree in runs:
         spec_config = config.copy()
         spec_config.speculative.algorithm = (
             SpecAlgorithm.EAGLE if draft == "eagle" else SpecAlgorithm.STANDALONE
@@ -1402,6 +1413,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_config.speculative.draft_model_path = str(head_dir if draft == "eagle" else draft_dir)
         spec_config.speculative.num_steps = k - 1
         spec_config.speculative.num_draft_tokens = k
+        if tree is not None:
+            spec_config.speculative.top_k, spec_config.speculative.num_draft_tokens = tree
         spec_config.speculative.disable_batch_size = args.disable_batch_size
         spec_config.speculative.auto_disable = auto
         spec_configs[name] = spec_config
@@ -1544,6 +1557,22 @@ def parse_max_steps(value: str | None) -> tuple[int | None, int | None, int | No
         )
     caps = [int(p) if p else 0 for p in parts]
     return caps[0] or None, caps[1] or None, caps[2] or None
+
+
+def parse_trees(value: str) -> list[tuple[int, int]]:
+    """``--tree 2:10,4:16``: (top_k, num_draft_tokens) tree shapes, top_k >= 2."""
+    shapes = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        try:
+            top, tokens = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise SystemExit(f"--tree {value!r}: give TOPK:TOKENS pairs, e.g. --tree 2:10") from None
+        if top < 2 or tokens < 2:
+            raise SystemExit(f"--tree {part!r}: TOPK must be >= 2 (1 is a chain) and TOKENS >= 2")
+        shapes.append((top, tokens))
+    return shapes
 
 
 def parse_drafts(value: str) -> list[str]:

@@ -35,8 +35,8 @@ class Capabilities:
     lora_graph_width_rebuild: bool = False
     """The runtime can rebuild LoRA graph metadata when the verify width changes at run
     time; until then adaptive speculation is refused with LoRA."""
-    tree_drafts: bool = False
-    """Draft trees (``top_k > 1``); until then only chain drafts run."""
+    tree_algorithms: frozenset[SpecAlgorithm] = frozenset()
+    """Algorithms whose drafts may be trees (``top_k > 1``) in this image; others draft chains."""
     dynamic_ragged_verify: bool = False
     """Per-request verify widths (``ragged_verify: dynamic``)."""
 
@@ -44,9 +44,13 @@ class Capabilities:
         return algorithm in self.algorithms
 
 
+TREE_DRAFTS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3})
+"""Algorithms this image grows draft trees for (greedy requests; sampled ones verify a chain)."""
+
 CAPABILITIES = Capabilities(
     algorithms=frozenset(
         algorithm for algorithm, implemented in IMPLEMENTED_ALGORITHMS.items() if implemented
     ),
+    tree_algorithms=TREE_DRAFTS,
 )
 """This image's capabilities; the default of every policy function."""

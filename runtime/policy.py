@@ -47,6 +47,7 @@ EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 LARGE_RANK = 256
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("sdpa", "triton")
 LORA_BACKENDS = ("auto", "triton", "torch")
 DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 
@@ -278,6 +279,7 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
         "parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, 1, "tensor-parallel"
     )
     out += _one_of("device", config.device, DEVICES, "device")
+    out += _one_of("attention_backend", config.attention_backend, ATTENTION_BACKENDS, "attention-backend")
     out += _at_least(
         "scheduler.max_running_requests", config.scheduler.max_running_requests, 1, "max-running"
     )
@@ -629,13 +631,30 @@ def _availability(
                 kind=Kind.UNAVAILABLE,
             )
         )
-    if algorithm is not SpecAlgorithm.NONE and spec.top_k > 1 and not caps.tree_drafts:
+    if (
+        algorithm in TREE_ALGORITHMS
+        and spec.top_k > 1
+        and algorithm not in caps.tree_algorithms
+    ):
+        trees = ", ".join(a.value for a in sorted(caps.tree_algorithms, key=_order)) or "no algorithm"
         out.append(
             Violation(
                 "tree-unavailable",
                 "speculative.top_k",
-                "tree drafts ({speculative.top_k} > 1)",
+                f"tree drafts ({{speculative.top_k}} > 1) with {_named(algorithm, note)}; this image grows "
+                f"trees for {trees}",
                 "set {speculative.top_k} to 1 (a chain draft)",
+                kind=Kind.UNAVAILABLE,
+            )
+        )
+    if algorithm is not SpecAlgorithm.NONE and spec.top_k > 1 and config.parallel.tensor_parallel_size > 1:
+        out.append(
+            Violation(
+                "tree-tensor-parallel",
+                "speculative.top_k",
+                "tree drafts ({speculative.top_k} > 1) with tensor parallelism",
+                "set {speculative.top_k} to 1 (a chain draft), or {parallel.tensor_parallel_size} to 1",
+                related=("parallel.tensor_parallel_size",),
                 kind=Kind.UNAVAILABLE,
             )
         )

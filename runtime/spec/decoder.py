@@ -42,6 +42,7 @@ from .acceptance import Acceptance, greedy_accept, rejection_accept
 from .drafter import Drafter
 from .metrics import SpecMetrics
 from .switch import SpeculationSwitch
+from .tree import TreeShape, greedy_tree_accept
 
 log = logging.getLogger("loraserve.spec")
 
@@ -62,11 +63,18 @@ class SpeculativeDecoder:
         self.sampler = sampler
         self.drafter = drafter
         self.algorithm = algorithm
-        self.k = int(config.speculative.num_draft_tokens)
-        self.disable_batch_size = int(config.speculative.disable_batch_size)
-        self.switch = SpeculationSwitch() if config.speculative.auto_disable else None
+        spec = config.speculative
+        # Tree drafts verify num_draft_tokens nodes; a batch with a sampled request verifies a
+        # chain of num_steps drafts instead (rejection sampling runs over chains).
+        self.tree: TreeShape | None = None
+        if spec.top_k > 1 and getattr(drafter, "supports_trees", False):
+            self.tree = TreeShape(int(spec.top_k), int(spec.num_steps), int(spec.num_draft_tokens))
+        self.k = int(spec.num_steps) + 1 if self.tree is not None else int(spec.num_draft_tokens)
+        self.disable_batch_size = int(spec.disable_batch_size)
+        self.switch = SpeculationSwitch() if spec.auto_disable else None
         self.num_drafts = self.k - 1
-        self.tokens_per_step = self.k
+        # KV rows a step may append to one request (the larger of the two verify widths)
+        self.tokens_per_step = max(self.k, self.tree.num_nodes if self.tree is not None else 0)
         self.device = getattr(runner, "device", torch.device("cpu"))
         self.metrics = SpecMetrics(algorithm.value, self.k)
 
@@ -120,7 +128,7 @@ class SpeculativeDecoder:
     def step(self, requests: Sequence[Request]) -> list[StepOutput]:
         """Draft, verify and accept for every request; 1..k new tokens each."""
         limit = self.runner.kv.max_context_len
-        fits = [r.num_tokens - 1 + self.k <= limit for r in requests]
+        fits = [r.num_tokens - 1 + self.tokens_per_step <= limit for r in requests]
         spec_rows = [i for i, ok in enumerate(fits) if ok]
         plain_rows = [i for i, ok in enumerate(fits) if not ok]
         outputs: list[StepOutput | None] = [None] * len(requests)
@@ -184,6 +192,8 @@ class SpeculativeDecoder:
         return outs
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
+        if self.tree is not None and all(r.params.greedy for r in requests):
+            return self._speculate_tree(requests, self.tree)
         start = time.perf_counter()
         n = self.num_drafts
         # Host list -> device without a blocking copy: the drafts are still being computed.
@@ -222,6 +232,55 @@ class SpeculativeDecoder:
             [r.adapter for r in requests],
             accept_lens,
             n,
+            verify_seconds=verify_seconds,
+            step_seconds=time.perf_counter() - start,
+        )
+        return outs
+
+    def _speculate_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[StepOutput]:
+        """A greedy tree step: grow, verify every node at once, keep the accepted path."""
+        start = time.perf_counter()
+        bs, n = len(requests), shape.num_nodes
+        last = torch.tensor([r.last_token for r in requests], dtype=torch.int64)
+        tree = self.drafter.propose_tree(requests, shape)  # type: ignore[attr-defined]
+        verify_ids = tree.with_root(last.to(self.device, non_blocking=True)).reshape(-1)
+        timer = _VerifyTimer(self.device)
+        output = self.runner.forward(
+            self._target_batch(
+                ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=n,
+                tree_depths=tree.depths, tree_ancestors=tree.ancestors,
+            )
+        )  # fmt: skip
+        logits = output.logits.view(bs, n, -1)
+        acceptance = greedy_tree_accept(tree, logits)
+        timer.stop()
+        acceptance.stage()  # as in a chain step: the host waits for the verify only
+        self.drafter.on_verify(requests, acceptance, output)
+        accept_lens, token_rows = acceptance.host()
+        paths = acceptance.host_path()
+        verify_seconds = timer.seconds()
+        kv = self.runner.kv
+        kv.keep(
+            [
+                (req.rid, kv.seq_len(req.rid) - n, path[: accepted + 1])
+                for req, path, accepted in zip(requests, paths, accept_lens, strict=True)
+            ]
+        )
+        path_logits = logits.gather(1, acceptance.path.clamp_min(0)[..., None].expand(-1, -1, logits.shape[-1]))
+        logprobs = self._logprobs(requests, path_logits.reshape(-1, logits.shape[-1]), acceptance)
+        outs = [
+            StepOutput(
+                token_ids=row[: accepted + 1],
+                logprobs=None if logprobs is None or logprobs[i] is None else logprobs[i][: accepted + 1],
+                num_draft_tokens=n - 1,
+                num_accepted=accepted,
+            )
+            for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
+        ]
+        self.metrics.record_step(
+            [r.adapter for r in requests],
+            accept_lens,
+            shape.num_steps,
             verify_seconds=verify_seconds,
             step_seconds=time.perf_counter() - start,
         )

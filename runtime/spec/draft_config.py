@@ -53,15 +53,28 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
             "speculative.algorithm",
             f"speculative.algorithm {algorithm.value}{how} is not implemented in this runtime; use one of {names}",
         )
-    if spec.top_k != 1:
+    if spec.top_k < 1:
+        raise SpeculativeConfigError("speculative.top_k", f"speculative.top_k must be >= 1, got {spec.top_k}")
+    if spec.top_k > 1 and algorithm not in capabilities.tree_algorithms:
+        trees = ", ".join(sorted(a.value for a in capabilities.tree_algorithms)) or "no algorithm"
         raise SpeculativeConfigError(
-            "speculative.top_k", f"speculative.top_k must be 1 (chain drafts), got {spec.top_k}"
+            "speculative.top_k",
+            f"speculative.top_k {spec.top_k} asks for tree drafts, which this runtime grows for {trees}, "
+            f"not {algorithm.value}: set speculative.top_k to 1",
         )
     if spec.num_steps < 1:
         raise SpeculativeConfigError(
             "speculative.num_steps", f"speculative.num_steps must be >= 1, got {spec.num_steps}"
         )
-    if spec.num_draft_tokens != spec.num_steps + 1:
+    if spec.top_k > 1:
+        most = 1 + spec.top_k + (spec.num_steps - 1) * spec.top_k**2
+        if not 2 <= spec.num_draft_tokens <= most:
+            raise SpeculativeConfigError(
+                "speculative.num_draft_tokens",
+                f"a tree of speculative.top_k {spec.top_k} over speculative.num_steps {spec.num_steps} offers "
+                f"{most - 1} candidates: speculative.num_draft_tokens must be 2..{most}, got {spec.num_draft_tokens}",
+            )
+    elif spec.num_draft_tokens != spec.num_steps + 1:
         raise SpeculativeConfigError(
             "speculative.num_draft_tokens",
             f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for "

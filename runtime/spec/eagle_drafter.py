@@ -18,6 +18,11 @@ those tokens without launching anything. The GPU goes from the verify straight i
 draft, and the host, which waits for the verify's acceptance only (its copy is staged
 before the draft is queued), does the step's bookkeeping and queues the next verify while
 the draft runs.
+
+Tree drafts (:meth:`EagleDrafter.propose_tree`, greedy batches): the tree grows from the
+same tails (:mod:`.tree`); after its verify the accepted path is fed like a chain's
+verified positions (the target's features at the path's nodes), and the next tree grows
+in the same replay.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..sampling import Sampler
 from .acceptance import Acceptance
 from .drafter import DraftProposal, choose_drafts
 from .eagle_runner import EagleDraftRunner
+from .tree import DraftTree, TreeShape, ancestor_closure
 
 
 @dataclass
@@ -46,14 +52,19 @@ class _Pending:
     """The next proposal, computed with the feed after a verify (see :meth:`EagleDrafter.propose`)."""
 
     index: dict[str, int]  # request id -> its row of ``tokens``
-    tokens: torch.Tensor  # int64 [bs, num_tokens] on the device
+    tokens: torch.Tensor | None  # int64 [bs, num_tokens] on the device (a chain)
+    tree: DraftTree | None = None  # or the trees grown ahead
 
 
 class EagleDrafter:
     """Drives an :class:`EagleDraftRunner` from the target's hidden states."""
 
-    def __init__(self, runner: EagleDraftRunner, sampler: Sampler, vocab_size: int):
+    supports_trees = True
+
+    def __init__(self, runner: EagleDraftRunner, sampler: Sampler, vocab_size: int, *, tree: TreeShape | None = None):
+        """``tree``: the shape of the trees :meth:`propose_tree` grows (None: chains only)."""
         self.runner = runner
+        self.tree_shape = tree
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = runner.device
@@ -198,21 +209,60 @@ class EagleDrafter:
         return DraftProposal(tokens, full)
 
     def _take_pending(self, requests: Sequence[Request], num_tokens: int) -> torch.Tensor | None:
-        """The proposal computed ahead for these requests (any subset of its batch, any
+        """The chain computed ahead for these requests (any subset of its batch, any
         order), or None; either way it is used at most once."""
         pending, self._pending = self._pending, None
-        if pending is None or num_tokens != pending.tokens.shape[1] or not requests:
+        if pending is None or pending.tokens is None or num_tokens != pending.tokens.shape[1] or not requests:
             return None
-        rows = [pending.index.get(r.rid) for r in requests]
-        if any(i is None for i in rows):
+        rows = self._pending_rows(pending, requests)
+        if rows is None:
             return None
-        if rows == list(range(len(pending.index))):
-            return pending.tokens
-        return pending.tokens.index_select(0, torch.tensor(rows, device=pending.tokens.device))
+        return pending.tokens if rows == list(range(len(pending.index))) else pending.tokens.index_select(0, self._index(rows))
 
-    def _can_propose_ahead(self, requests: Sequence[Request], width: int) -> bool:
-        """Whether the feed and the next proposal can run as one replay for this batch."""
-        steps = width - 2  # the next proposal is width - 1 tokens: the first, then steps
+    def _take_pending_tree(self, requests: Sequence[Request]) -> DraftTree | None:
+        """The trees grown ahead for these requests, or None (used at most once)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.tree is None or not requests:
+            return None
+        rows = self._pending_rows(pending, requests)
+        if rows is None:
+            return None
+        return pending.tree if rows == list(range(len(pending.index))) else pending.tree.select(self._index(rows))
+
+    @staticmethod
+    def _pending_rows(pending: _Pending, requests: Sequence[Request]) -> list[int] | None:
+        rows = [pending.index.get(r.rid) for r in requests]
+        return None if any(i is None for i in rows) else rows  # type: ignore[return-value]
+
+    def _index(self, rows: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(rows), device=self.device)
+
+    def propose_tree(self, requests: Sequence[Request], shape: TreeShape) -> DraftTree:
+        """A greedy draft tree per request (see :mod:`.tree`). A request whose draft state
+        was lost gets a tree whose drafts (-1) the target rejects: it gains one token."""
+        ready = self._take_pending_tree(requests)
+        if ready is not None:
+            return ready
+        live = [i for i, r in enumerate(requests) if (s := self._states.get(r.rid)) is not None and s.tail is not None]
+        reqs = [requests[i] for i in live]
+        self._drop_speculative(reqs)
+        if len(live) == len(requests):
+            hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
+            return self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
+        tree = blank_tree(len(requests), shape, self.device)
+        if reqs:
+            hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
+            grown = self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
+            rows = self._index(live)
+            for mine, theirs in zip(tree.tensors(), grown.tensors(), strict=True):
+                mine[rows] = theirs
+        return tree
+
+    def _can_propose_ahead(self, requests: Sequence[Request], width: int, steps: int | None = None) -> bool:
+        """Whether the feed and the next proposal (``steps`` more entries per request; a
+        chain's by default) can run as one replay for this batch."""
+        if steps is None:
+            steps = width - 2  # the next proposal is width - 1 tokens: the first, then steps
         if steps < 0 or not all(r.params.greedy for r in requests) or not self.runner.can_chain(len(requests)):
             return False
         kv = self.runner.kv
@@ -246,14 +296,41 @@ class EagleDrafter:
         if self._pending is not None and any(r.rid in self._pending.index for r in requests):
             self._pending = None
 
+    def _feed_tree_and_grow(
+        self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor, shape: TreeShape
+    ) -> None:
+        """The accepted paths fed and the next trees grown in one replay, queued before the
+        host reads the acceptance."""
+        bs, width = acceptance.tokens.shape
+        self._drop_speculative(requests)
+        tree, tails = self.runner.feed_tree(
+            [r.rid for r in requests],
+            acceptance.tokens.clamp_min(0).reshape(-1),
+            feats.reshape(bs * width, -1),
+            acceptance.accept_lens,
+            width,
+            shape,
+        )
+        self._commit(requests, [a + 1 for a in acceptance.host_accept_lens()], tails)
+        self._pending = _Pending({r.rid: i for i, r in enumerate(requests)}, None, tree)
+
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
         """Called before the host has read ``acceptance`` (the decoder's contract), so the
-        feed and the next proposal queue right behind the verify on the device."""
+        feed and the next proposal queue right behind the verify on the device. After a
+        tree verify the fed positions are the accepted path's nodes."""
         self._pending = None
         feats = self._features(output)
-        k = acceptance.tokens.shape[1]
-        feats = feats.view(len(requests), k, -1)
-        if self._can_propose_ahead(requests, k):
+        bs, k = len(requests), acceptance.tokens.shape[1]
+        if acceptance.path is not None:
+            nodes = feats.view(bs, -1, feats.shape[-1])
+            feats = nodes.gather(1, acceptance.path.clamp_min(0)[..., None].expand(bs, k, feats.shape[-1]))
+            shape = self.tree_shape
+            if shape is not None and self._can_propose_ahead(requests, k, shape.entries):
+                self._feed_tree_and_grow(requests, acceptance, feats, shape)
+                return
+        else:
+            feats = feats.view(bs, k, -1)
+        if acceptance.path is None and self._can_propose_ahead(requests, k):
             self._feed_and_propose(requests, acceptance, feats)
             return
         graphs = self.runner.graphs
@@ -283,3 +360,13 @@ class EagleDrafter:
         self._invalidate([request])
         self._states.pop(request.rid, None)
         self.runner.kv.free(request.rid)
+
+
+def blank_tree(batch_size: int, shape: TreeShape, device: torch.device) -> DraftTree:
+    """Trees whose drafts (-1) no target accepts: every node a child of the root."""
+    n = shape.num_nodes
+    parents = torch.zeros(batch_size, n, dtype=torch.long, device=device)
+    parents[:, 0] = -1
+    depths = (parents >= 0).long()
+    tokens = torch.full((batch_size, n), -1, dtype=torch.long, device=device)
+    return DraftTree(tokens, parents, depths, ancestor_closure(parents, shape.num_steps), shape.num_steps)

@@ -18,6 +18,7 @@ from ..sampling import Sampler
 from .decoder import SpeculativeDecoder
 from .draft_config import SpeculativeConfigError, build_draft_config, validate_speculative
 from .drafter import Drafter
+from .tree import TreeShape
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -121,7 +122,8 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
     log.info(
         "%s draft %s predicts over %s", algorithm.value, spec.draft_model_path, draft_runner.vocab.source
     )
-    return EagleDrafter(draft_runner, sampler, runner.vocab_size), algorithm
+    tree = TreeShape(spec.top_k, spec.num_steps, spec.num_draft_tokens) if spec.top_k > 1 else None
+    return EagleDrafter(draft_runner, sampler, runner.vocab_size, tree=tree), algorithm
 
 
 def build_decoder(*, config: RuntimeConfig, runner, sampler: Sampler) -> SpeculativeDecoder:

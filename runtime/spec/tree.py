@@ -79,8 +79,9 @@ class DraftTree:
         return DraftTree(*(t.index_select(0, rows) for t in self.tensors()), self.max_depth)
 
     def with_root(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Verify input ids ``[bs, N]``: each request's last token, then the drafts."""
-        return torch.cat([last_tokens.reshape(-1, 1).to(self.tokens), self.tokens[:, 1:]], dim=1)
+        """Verify input ids ``[bs, N]``: each request's last token, then the drafts. A node
+        without a draft (-1, never accepted) goes in as token 0; its result is never used."""
+        return torch.cat([last_tokens.reshape(-1, 1).to(self.tokens), self.tokens[:, 1:].clamp_min(0)], dim=1)
 
 
 def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

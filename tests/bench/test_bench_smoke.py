@@ -61,12 +61,12 @@ def test_tensor_parallel_bench_smoke(tmp_path):
 def test_speculative_bench_smoke_with_both_drafts(tmp_path):
     """Train a tiny target, a STANDALONE draft and an EAGLE head, serve the expanded target
     with 4 adapters: both drafts run at every concurrency, the served target computes the
-    trained one's function, and every speculative output equals the no-spec output.
-    ``--phases`` times one more request per draft at concurrency 1, phase by phase."""
+    trained one's function, and every speculative output equals the no-spec output; so does
+    the EAGLE head's tree run (``--tree``). ``--phases`` times one more request per draft at concurrency 1, phase by phase."""
     out, phases = tmp_path / "spec.md", tmp_path / "phases"
     _bench(
         "spec.py", "--draft", "standalone,eagle", "--out", str(out), "--phases", str(phases),
-        "--c1-requests", "6", timeout=900,
+        "--c1-requests", "6", "--tree", "2:6", timeout=900,
     )  # fmt: skip
     text = out.read_text()
     assert "concurrency 1 runs 6 requests" in text
@@ -85,10 +85,10 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
         assert summary["spec"]["steps"] > 0 and summary["plain"]["tokens_per_step"] == 1.0
     assert "'argmax_agreement': 1.0" in text
     rows = [
-        line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|standalone) \|", line)
+        line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|eagle-t2-n6|standalone) \|", line)
     ]
     assert {(r[1].strip(), r[2].strip()) for r in rows} == {
-        (c, d) for c in ("1", "2", "4") for d in ("eagle", "standalone")
+        (c, d) for c in ("1", "2", "4") for d in ("eagle", "eagle-t2-n6", "standalone")
     }
     for row in rows:
         done, total = row[-2].strip().split("/")
@@ -97,7 +97,7 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
     # every draft identical to plain decoding for base-model and adapter requests alike.
     assert "| 2 | plain c=1 vs plain c=2 (floor) |" in text and "| 4 | plain c=1 vs plain c=4 (floor) |" in text
     kinds = [line.split("|")[3:5] for line in text.splitlines() if " vs plain |" in line]
-    assert len(kinds) == 6, text
+    assert len(kinds) == 9, text
     for cells in kinds:
         for cell in cells:
             done, total = cell.strip().split("/")

@@ -21,7 +21,7 @@ A = SpecAlgorithm
 EVERYTHING = Capabilities(
     algorithms=frozenset(SpecAlgorithm),
     lora_graph_width_rebuild=False,
-    tree_drafts=True,
+    tree_algorithms=frozenset(SpecAlgorithm),
     dynamic_ragged_verify=True,
 )
 """An image that implements every algorithm and feature: isolates compatibility from availability."""
@@ -219,8 +219,14 @@ def test_unavailable_is_distinct_from_incompatible():
 
 def test_tree_drafts_and_dynamic_verify_are_features_of_the_image():
     tree = config(A.EAGLE, speculative__top_k=4, speculative__num_draft_tokens=8)
-    assert "tree-unavailable" in rules(tree, dataclasses.replace(EVERYTHING, tree_drafts=False))
+    assert "tree-unavailable" in rules(tree, dataclasses.replace(EVERYTHING, tree_algorithms=frozenset()))
     assert "tree-unavailable" not in rules(tree, EVERYTHING)
+    # this image grows trees for the EAGLE family only
+    assert "tree-unavailable" not in rules(tree, CAPABILITIES)
+    standalone = config(A.STANDALONE, speculative__top_k=2, speculative__num_draft_tokens=6)
+    assert "tree-unavailable" in rules(standalone, CAPABILITIES)
+    assert "tree-tensor-parallel" in rules(config(A.EAGLE3, speculative__top_k=2, speculative__num_draft_tokens=6,
+                                                  parallel__tensor_parallel_size=2), CAPABILITIES)  # fmt: skip
     ragged = config(A.DFLASH, lora=False, speculative__ragged_verify=RaggedVerify.DYNAMIC)
     assert "ragged-unavailable" in rules(ragged, dataclasses.replace(EVERYTHING, dynamic_ragged_verify=False))
     assert "ragged-unavailable" not in rules(ragged, EVERYTHING)

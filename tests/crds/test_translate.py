@@ -14,7 +14,7 @@ from loraserve.runtime.capabilities import Capabilities
 from loraserve.runtime.config import RaggedVerify, SpecAlgorithm
 
 POLICY_SOURCE = Path(policy.__file__).read_text()
-EVERYTHING = Capabilities(algorithms=frozenset(SpecAlgorithm), tree_drafts=True, dynamic_ragged_verify=True)
+EVERYTHING = Capabilities(algorithms=frozenset(SpecAlgorithm), tree_algorithms=frozenset(SpecAlgorithm), dynamic_ragged_verify=True)
 CONFIG_PATH = re.compile(
     r"\b(?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+\b|\bdevice\b"
 )

@@ -2,7 +2,8 @@
 
 Both paths run through the same :class:`Attention` layer on copies of one random paged
 cache: the SDPA path gathers each request's context and masks it, the kernel reads the
-keys in place through the token table. Real Triton, under the interpreter on CPU.
+keys in place through the token table. Real Triton: compiled on a CUDA device when there
+is one, under the interpreter on the CPU otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from loraserve.runtime.model.layers.attention import check_attention_backend
 from loraserve.runtime.model.layers.paged_attention import BLOCK_N, choose_splits
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a serving-sized case; needs a CUDA device")
 
 
 def _case(gen, *, prefixes, width, heads, kv_heads, head_dim, dtype, context_cap, poison=True):
@@ -47,7 +50,7 @@ def _case(gen, *, prefixes, width, heads, kv_heads, head_dim, dtype, context_cap
 
 
 def _run(backend, case, *, width, heads, kv_heads, head_dim, max_ctx, window=None):
-    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = case
+    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = (t.to(DEVICE) for t in case)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     meta = build_attention_metadata(
         req_to_token=table,
@@ -72,6 +75,9 @@ SHAPES = [
     pytest.param([3, 150, 64], 4, 4, 2, 16, id="verify4-gqa2"),
     pytest.param([90, 1], 6, 2, 2, 24, id="verify6-mha-headdim24"),
     pytest.param([200], 3, 8, 2, 16, id="verify3-groups4-long"),
+    # Llama-3-8B's attention shape over long and short contexts in one batch
+    pytest.param([3000, 900, 17], 6, 32, 8, 128, id="verify6-8b-shape", marks=ON_CUDA),
+    pytest.param([3000, 1, 510, 64], 1, 32, 8, 128, id="decode-8b-shape", marks=ON_CUDA),
 ]
 
 
@@ -80,7 +86,7 @@ SHAPES = [
 def test_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads, head_dim):
     """Same outputs and the same cache writes as the SDPA path; keys past a request's
     length (poisoned with 1e4) never leak in, though the context bucket covers them."""
-    cap = 256
+    cap = 4096 if DEVICE.type == "cuda" else 256
     case = _case(gen, prefixes=prefixes, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                  dtype=dtype, context_cap=cap)  # fmt: skip
     bucket = max(p + width for p in prefixes)

@@ -106,8 +106,12 @@ def test_runnable_algorithms_come_from_the_capability_table():
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"top_k": 4}, "speculative.top_k"),
+        ({"top_k": 0}, "speculative.top_k"),
+        ({"algorithm": SpecAlgorithm.NGRAM, "draft_model_path": None, "top_k": 2}, "speculative.top_k"),
         ({"num_draft_tokens": 8}, "speculative.num_draft_tokens"),
+        # top_k 2 over 3 steps offers 2 + 2 * 4 = 10 candidates: 11 verified tokens at most.
+        ({"top_k": 2, "num_steps": 3, "num_draft_tokens": 12}, "speculative.num_draft_tokens"),
+        ({"top_k": 2, "num_steps": 3, "num_draft_tokens": 1}, "speculative.num_draft_tokens"),
         ({"num_steps": 0, "num_draft_tokens": 1}, "speculative.num_steps"),
         ({"ragged_verify": RaggedVerify.DYNAMIC}, "speculative.ragged_verify"),
         ({"adaptive": True}, "speculative.adaptive"),
@@ -130,3 +134,14 @@ def test_bad_settings_name_the_field(change, field):
     for key in change:
         after["speculative"][key] = before["speculative"][key]
     assert after == before
+
+
+def test_tree_drafts_build_for_eagle_family_only():
+    target = _target()
+    target.speculative.top_k, target.speculative.num_steps, target.speculative.num_draft_tokens = 2, 3, 11
+    draft = build_draft_config(target)
+    assert (draft.speculative.top_k, draft.speculative.num_draft_tokens) == (2, 11)
+    target.speculative.algorithm, target.speculative.draft_model_path = SpecAlgorithm.NGRAM, None
+    with pytest.raises(SpeculativeConfigError, match="grows for EAGLE, EAGLE3, not NGRAM") as err:
+        build_draft_config(target)
+    assert err.value.field == "speculative.top_k"
