@@ -830,10 +830,13 @@ def _eagle_check(
     steps: int,
 ) -> dict:
     """The served head (``head_dir``, loaded by the runtime, on the serving target's features)
-    against the trained head on the trained target's features, greedy after each held-out
-    prompt: the share of proposals that agree, the relative difference of the output
-    features (the served head's first ``Hs`` dimensions) and the largest relative norm of
-    its padded dimensions, which must stay zero."""
+    against the trained head on the trained target's features, after each held-out prompt.
+    The served head steps on the trained head's own proposals (teacher forcing), so one
+    near-tied argmax that bf16 flips costs one proposal instead of derailing the rest: the
+    share of proposals that agree, the smallest top-2 logit margin among those that do not
+    (a flip of a near-tie has a margin near bf16's rounding of the logits), the relative
+    difference of the output features (the served head's first ``Hs`` dimensions) and the
+    largest relative norm of its padded dimensions, which must stay zero."""
     from transformers import AutoModelForCausalLM
 
     from loraserve.kernels import ForwardMode
@@ -853,6 +856,7 @@ def _eagle_check(
     hs = head.fc.weight.shape[0]
     same = total = 0
     rel = padded = 0.0
+    margins: list[float] = []
     pairs = []
     for prompt in prompts:
         ids = torch.tensor(prompt, device=device)
@@ -862,16 +866,20 @@ def _eagle_check(
         out = runner.forward(batch)
         runner.kv.free("eagle-check")
         first = int(out.logits[-1].argmax())
+        want, want_out = ref_head.propose(prompt, target_features(ref, ids[None])[0], first, steps)
         pair_ids = torch.tensor([*prompt[1:], first])
         tail = served.forward(["c"], pair_ids, out.hidden_states, [len(prompt)])[-1:]
         got, tails = [], []
         for j in range(steps):
-            if j:
-                tail = served.forward(["c"], torch.tensor([got[-1]]), tail, [1], from_target=False)
-            got.append(int(served.compute_logits(tail).argmax()))
+            if j:  # the trained head's token, whatever the served head proposed
+                tail = served.forward(["c"], torch.tensor([want[j - 1]]), tail, [1], from_target=False)
+            logits = served.compute_logits(tail)[0]
+            got.append(int(logits.argmax()))
+            if got[-1] != want[j]:
+                top2 = logits.topk(2).values
+                margins.append(float(top2[0] - top2[1]))
             tails.append(tail[0].float())
         served.kv.free("c")
-        want, want_out = ref_head.propose(prompt, target_features(ref, ids[None])[0], first, steps)
         got_out = torch.stack(tails)
         rel = max(rel, float((got_out[:, :hs] - want_out).norm() / want_out.norm()))
         padded = max(padded, float(got_out[:, hs:].norm() / got_out.norm()))
@@ -881,6 +889,7 @@ def _eagle_check(
     del ref, served
     return {
         "proposal_agreement": round(same / total, 3),
+        "disagreeing_margin": round(min(margins), 4) if margins else None,
         "rel_feature_diff": round(rel, 5),
         "padded_norm": round(padded, 6),
         "first_prompt": {"trained": pairs[0][0], "served": pairs[0][1]},

@@ -171,7 +171,8 @@ def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture
     for backend in ("sdpa", "triton"):
         config = RuntimeConfig()
         config.model.path = str(model)
-        config.device = "cpu"
+        config.device = DEVICE.type
+        config.model.dtype = "float32"
         config.attention_backend = backend
         config.scheduler.max_total_tokens = 512
         runner = ModelRunner(config)
@@ -185,3 +186,49 @@ def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture
         logits[backend] = (dec, ver)
     for ref, got in zip(logits["sdpa"], logits["triton"], strict=True):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)
+
+
+def _random_tree(gen, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random trees of ``width`` nodes (node 0 the root, parents before children): their
+    depths ``[bs, width]`` and ancestor masks ``[bs, width, width]`` (a node sees itself)."""
+    from loraserve.runtime.spec.tree import ancestor_closure
+
+    parents = torch.full((bs, width), -1, dtype=torch.long)
+    for n in range(1, width):
+        parents[:, n] = torch.randint(0, n, (bs,), generator=gen)
+    depths = torch.zeros_like(parents)
+    for n in range(1, width):
+        depths[:, n] = depths.gather(1, parents[:, n : n + 1]).squeeze(1) + 1
+    return depths, ancestor_closure(parents, int(depths.max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("prefixes", "width", "heads", "kv_heads"), [([4, 90, 33], 7, 4, 2), ([130], 16, 8, 2)])
+def test_tree_verify_on_the_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads):
+    """A draft tree's verify: each node sees the prefix and its own ancestors (not its
+    siblings, not later nodes); the kernel gives the SDPA tree path's outputs and positions."""
+    head_dim = 16
+    case = _case(gen, prefixes=prefixes, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                 dtype=dtype, context_cap=256)  # fmt: skip
+    depths, ancestors = _random_tree(gen, len(prefixes), width)
+    causal = torch.ones(width, width, dtype=torch.bool).tril().expand_as(ancestors)
+    assert not torch.equal(ancestors, causal), "the trees are chains: nothing is tested beyond causality"
+    k_cache, v_cache, table, rows, prefix_lens, out_loc, q, k, v = (t.to(DEVICE) for t in case)
+    outs, positions = {}, {}
+    for backend in ("sdpa", "triton"):
+        meta = build_attention_metadata(
+            req_to_token=table, rows=rows, prefix_lens=prefix_lens, out_cache_loc=out_loc, max_q=width,
+            max_ctx=256, groups=heads // kv_heads, backend=backend,
+            tree_depths=depths.to(DEVICE), tree_ancestors=ancestors.to(DEVICE),
+        )  # fmt: skip
+        assert (meta.paged is not None) == (backend == "triton")
+        attn = Attention(heads, kv_heads, head_dim)
+        outs[backend] = attn(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+        positions[backend] = meta.positions
+    assert torch.equal(positions["triton"], positions["sdpa"])
+    ref, got = outs["sdpa"].double(), outs["triton"].double()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < TOL[dtype]
+    # and it is not the causal chain's attention over the same block
+    chain, _, _ = _run("triton", case, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_ctx=256)
+    assert ((chain.double() - ref).norm() / ref.norm()).item() > 10 * TOL[dtype]

@@ -1,6 +1,6 @@
 """Target-verify of a draft tree: every node's logits equal those of a chain verify of its
 root-to-node path, with adapters in the batch, on the eager path and on the graphs' padded
-static path; after keeping the accepted path the cache is the chain's."""
+static path (SDPA or the paged kernel); after keeping the accepted path the cache is the chain's."""
 
 from __future__ import annotations
 
@@ -40,10 +40,14 @@ def runners(static_graph_pair):
     return static_graph_pair(["attn-r8", "all-r16"], max_bs=4)
 
 
-@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("path", ["eager", "static", "static-paged"])
 def test_each_node_sees_exactly_its_path(runners, path):
+    """``static-paged``: the tree runs through the Triton paged kernel (interpreted on the
+    CPU); the chains it is compared with run on SDPA."""
     eager, graphed = runners
     runner = eager if path == "eager" else graphed
+    if path == "static-paged":
+        graphed.attention_backend = "triton"
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=gen) for n in (6, 11)]
     names = ["all-r16", None]

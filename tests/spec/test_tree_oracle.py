@@ -168,19 +168,21 @@ def test_long_accepted_paths_off_the_node_order_are_lossless(make_spec_config, e
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backends", [("torch", "sdpa"), ("triton", "triton")], ids=["torch-sdpa", "triton-paged"])
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("case", ["eagle", "eagle3"])
-def test_tree_drafts_under_cuda_graphs_are_lossless(make_spec_config, engine_run, case, backends):
+def test_tree_drafts_under_cuda_graphs_are_lossless(make_spec_config, engine_run, case, attention):
     """On a GPU with captured graphs (target tree verifies, the head's tree growth and
-    feed-tree replays), Triton LoRA kernels and the paged attention: the same tokens as
-    plain decoding on the same device."""
+    feed-tree replays) and Triton LoRA kernels, on either attention backend: the same
+    tokens as plain decoding on the same device."""
     requests = _requests(count=12, seed=5)
 
     def on_gpu(config):
         config.device = "cuda"
         config.cuda_graph.enabled = True
         config.cuda_graph.max_bs = 8
-        config.lora.backend, config.attention_backend = backends
+        # the Triton LoRA kernels: the torch reference's host-side segments keep adapter
+        # batches out of graphs
+        config.lora.backend, config.attention_backend = "triton", attention
         return config
 
     plain = engine_run(on_gpu(make_spec_config(max_running_requests=6)), requests)

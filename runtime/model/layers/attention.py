@@ -89,13 +89,26 @@ def build_attention_metadata(
     ``backend="triton"`` gives uniform batches the paged kernel's inputs instead of a
     gathered context and mask. ``tree_depths`` / ``tree_ancestors`` (``[bs, max_q]`` /
     ``[bs, max_q, max_q]``): the new tokens are a draft tree's nodes, each at ``prefix +
-    depth`` and seeing the cache and its own ancestors (SDPA; see :mod:`..spec.tree`).
+    depth`` and seeing the cache and its own ancestors (the paged kernel with
+    ``backend="triton"`` and no sliding window, else SDPA; see :mod:`..spec.tree`).
     """
     device = req_to_token.device
     bs = rows.shape[0]
     q_off = torch.arange(max_q, device=device)
     if tree_depths is not None:
         assert tree_ancestors is not None and q_lens is None, "a tree verify is uniform"
+        if backend == "triton" and sliding_window is None:
+            from .paged_attention import PagedAttentionInputs
+
+            paged = PagedAttentionInputs(
+                req_to_token=req_to_token, rows=rows, prefix_lens=prefix_lens, width=max_q,
+                max_context=max_ctx, tree_ancestors=tree_ancestors,
+            )  # fmt: skip
+            return AttentionMetadata(
+                batch_size=bs, max_q=max_q, max_ctx=max_ctx,
+                positions=(prefix_lens[:, None] + tree_depths).reshape(-1),
+                out_cache_loc=out_cache_loc, kv_indices=None, mask=None, q_dest=None, paged=paged,
+            )  # fmt: skip
         return _tree_metadata(
             req_to_token, rows, prefix_lens, out_cache_loc, max_q, max_ctx, groups, sliding_window,
             tree_depths, tree_ancestors,

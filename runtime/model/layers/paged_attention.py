@@ -11,7 +11,9 @@ one program each, so a batch of one still fills the GPU. A program holds every q
 that shares its KV head (``groups`` heads × ``width`` verify positions), runs an online
 softmax over its range and writes a normalised partial output and its log-sum-exp; a
 second kernel weighs the partials by their sums. Masking is causal by position (query
-``j`` of a request sits at ``prefix + j``), with an optional sliding window.
+``j`` of a request sits at ``prefix + j``), with an optional sliding window; for a draft
+tree's verify (``tree_ancestors``), query ``j`` sees the whole prefix and, of the block's
+own keys, its ancestors and itself.
 
 Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests compare it with the SDPA
 path).
@@ -50,6 +52,8 @@ class PagedAttentionInputs:
     width: int
     max_context: int
     sliding_window: int | None = None
+    # bool [bs, width, width]: a draft tree's verify; [b, j, i]: node j sees node i
+    tree_ancestors: torch.Tensor | None = None
 
 
 @functools.cache
@@ -78,6 +82,7 @@ def _split_kernel(
     prefix_ptr,
     part_o_ptr,
     part_lse_ptr,
+    anc_ptr,
     scale,
     window,
     table_width,
@@ -93,6 +98,7 @@ def _split_kernel(
     GROUPS: tl.constexpr,
     SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    TREE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -151,7 +157,18 @@ def _split_kernel(
         else:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if TREE:
+            # The block's keys sit at prefix + node; a node sees its ancestors among them.
+            node = offs_n - prefix
+            in_block = n_mask & (node >= 0)
+            seen = tl.load(
+                anc_ptr + (b * WIDTH + pos[:, None]) * WIDTH + node[None, :],
+                mask=m_valid[:, None] & in_block[None, :],
+                other=0,
+            )
+            allowed = n_mask[None, :] & ((offs_n[None, :] < prefix) | (seen != 0))
+        else:
+            allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
@@ -251,6 +268,13 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     table = inputs.req_to_token
     window = inputs.sliding_window
+    ancestors = inputs.tree_ancestors
+    if ancestors is not None:
+        if window is not None:
+            raise ValueError("a tree verify with a sliding window takes the SDPA path")
+        if ancestors.shape != (bs, width, width):
+            raise ValueError(f"tree_ancestors {tuple(ancestors.shape)} is not [{bs}, {width}, {width}]")
+        ancestors = ancestors.contiguous()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _split_kernel[(bs, num_kv_heads, splits)](
         q,
@@ -261,6 +285,7 @@ def paged_attention(
         inputs.prefix_lens,
         part_o,
         part_lse,
+        part_lse if ancestors is None else ancestors,  # any pointer when TREE is off
         float(scale),
         int(window or 0),
         table.shape[1],
@@ -276,6 +301,7 @@ def paged_attention(
         GROUPS=groups,
         SPLITS=splits,
         HAS_WINDOW=window is not None,
+        TREE=ancestors is not None,
         # The interpreter's dot reads bf16 as raw integers, and fp32 caches want exact dots.
         UPCAST=interpreted or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
