@@ -1253,6 +1253,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of TOPK:TOKENS tree shapes, each also timed as its own EAGLE run (rows eagle-tTOPK-nTOKENS):"
         " the same head grows trees of top-k TOPK over num_steps k - 1 and the target verifies TOKENS nodes, e.g. 2:10",
     )
+    ap.add_argument(
+        "--tree-max-batch-size",
+        type=int,
+        default=0,
+        help="speculative.tree_max_batch_size of the --tree runs: steps of more requests verify chains (0: trees always)",
+    )
     args = ap.parse_args(argv)
     if args.eagle_unroll < 1:
         ap.error(f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}")
@@ -1424,6 +1430,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_config.speculative.num_draft_tokens = k
         if tree is not None:
             spec_config.speculative.top_k, spec_config.speculative.num_draft_tokens = tree
+            spec_config.speculative.tree_max_batch_size = args.tree_max_batch_size
         spec_config.speculative.disable_batch_size = args.disable_batch_size
         spec_config.speculative.auto_disable = auto
         spec_configs[name] = spec_config

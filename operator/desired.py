@@ -223,6 +223,7 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
         _flag(args, "--ngram-min", s.ngram_min)
         _flag(args, "--ngram-max", s.ngram_max)
         _flag(args, "--speculative-disable-batch-size", s.disable_batch_size)
+        _flag(args, "--speculative-tree-max-batch-size", s.tree_max_batch_size)
         _flag(args, "--speculative-auto-disable", s.auto_disable)
     _flag(args, "--enable-lora", lora.enabled)
     if lora.enabled:

@@ -132,6 +132,7 @@ class SpeculativeSpec(_Spec):
     draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
     ngram: NgramSpec = Field(default_factory=NgramSpec)
     disable_batch_size: int = Field(default=0, ge=0, le=4096)
+    tree_max_batch_size: int = Field(default=0, ge=0, le=4096)
     auto_disable: bool = False
 
 

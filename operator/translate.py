@@ -51,6 +51,7 @@ FIELD_PATHS: dict[str, str] = {
     "speculative.ngram_min": "spec.speculative.ngram.minMatch",
     "speculative.ngram_max": "spec.speculative.ngram.maxMatch",
     "speculative.disable_batch_size": "spec.speculative.disableBatchSize",
+    "speculative.tree_max_batch_size": "spec.speculative.treeMaxBatchSize",
     "speculative.auto_disable": "spec.speculative.autoDisable",
     "lora.enabled": "spec.lora.enabled",
     "lora.max_loras_per_batch": "spec.lora.maxLorasPerBatch",
@@ -223,6 +224,7 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             ngram_min=speculative.ngram.min_match,
             ngram_max=speculative.ngram.max_match,
             disable_batch_size=speculative.disable_batch_size,
+            tree_max_batch_size=speculative.tree_max_batch_size,
             auto_disable=speculative.auto_disable,
         ),
         lora=LoRAConfig(

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps of at least this many requests skip drafting, one token each (0: always speculate)",
     )
     g.add_argument(
+        "--speculative-tree-max-batch-size",
+        type=int,
+        default=d.speculative.tree_max_batch_size,
+        help="tree drafts (--top-k > 1): decode steps of more than this many requests verify chains instead (0: trees always)",
+    )
+    g.add_argument(
         "--speculative-auto-disable",
         action=bool_flag,
         default=d.speculative.auto_disable,
@@ -242,6 +248,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     s.ngram_min = args.ngram_min
     s.ngram_max = args.ngram_max
     s.disable_batch_size = args.speculative_disable_batch_size
+    s.tree_max_batch_size = args.speculative_tree_max_batch_size
     s.auto_disable = args.speculative_auto_disable
 
     lora = cfg.lora

@@ -105,6 +105,10 @@ class SpeculativeConfig:
     # A decode step of at least this many requests runs without drafting (one token each,
     # the drafter kept in sync); speculation resumes below it. 0: always speculate.
     disable_batch_size: int = 0
+    # Tree drafts (top_k > 1): decode steps of more than this many requests verify chains
+    # of num_steps drafts instead, where a tree's extra verify rows cost more than they
+    # gain (bench/results/2026-12-04-spec-h200.md). 0: trees at every batch size.
+    tree_max_batch_size: int = 0
     # Per batch-size bucket, draft only while drafting yields more tokens/s than plain
     # decoding, as measured on this serve's own steps (both kinds re-measured now and then).
     auto_disable: bool = False

@@ -424,6 +424,9 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     out += _at_least(
         "speculative.disable_batch_size", spec.disable_batch_size, 0, "speculative-disable-batch-size"
     )
+    out += _at_least(
+        "speculative.tree_max_batch_size", spec.tree_max_batch_size, 0, "speculative-tree-max-batch-size"
+    )
     if requested is SpecAlgorithm.NONE:
         return out
     if requested.needs_draft_model and not spec.draft_model_path:
@@ -727,6 +730,14 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
                 "speculative.disable_batch_size",
                 f"{spec.disable_batch_size} is above {{scheduler.max_running_requests}} "
                 f"({config.scheduler.max_running_requests}): no step is that large, so every step drafts",
+            )
+        )
+    if requested is not SpecAlgorithm.NONE and spec.tree_max_batch_size and spec.top_k == 1:
+        out.append(
+            PolicyWarning(
+                "tree-batch-size-ignored",
+                "speculative.tree_max_batch_size",
+                "only tree drafts ({speculative.top_k} > 1) switch to chains by batch size; with top_k 1 it is ignored",
             )
         )
     if requested is SpecAlgorithm.NONE and (spec.disable_batch_size or spec.auto_disable):

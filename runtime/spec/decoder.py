@@ -70,6 +70,7 @@ class SpeculativeDecoder:
         if spec.top_k > 1 and getattr(drafter, "supports_trees", False):
             self.tree = TreeShape(int(spec.top_k), int(spec.num_steps), int(spec.num_draft_tokens))
         self.k = int(spec.num_steps) + 1 if self.tree is not None else int(spec.num_draft_tokens)
+        self.tree_max_batch_size = int(spec.tree_max_batch_size)  # 0: trees at every size
         self.disable_batch_size = int(spec.disable_batch_size)
         self.switch = SpeculationSwitch() if spec.auto_disable else None
         self.num_drafts = self.k - 1
@@ -192,7 +193,7 @@ class SpeculativeDecoder:
         return outs
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
-        if self.tree is not None and all(r.params.greedy for r in requests):
+        if self.tree is not None and self._tree_fits(requests):
             return self._speculate_tree(requests, self.tree)
         start = time.perf_counter()
         n = self.num_drafts
@@ -236,6 +237,12 @@ class SpeculativeDecoder:
             step_seconds=time.perf_counter() - start,
         )
         return outs
+
+    def _tree_fits(self, requests: Sequence[Request]) -> bool:
+        """Whether this step verifies a tree: an all-greedy batch (rejection sampling runs
+        over chains) no larger than ``speculative.tree_max_batch_size`` (when set)."""
+        limit = self.tree_max_batch_size
+        return (limit == 0 or len(requests) <= limit) and all(r.params.greedy for r in requests)
 
     def _speculate_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[StepOutput]:
         """A greedy tree step: grow, verify every node at once, keep the accepted path."""

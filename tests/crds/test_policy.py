@@ -336,6 +336,11 @@ def test_ngram_window():
             {"speculative__disable_batch_size": -1},
             {"speculative__disable_batch_size": 0},
         ),
+        (
+            "speculative-tree-max-batch-size",
+            {"speculative__tree_max_batch_size": -1},
+            {"speculative__tree_max_batch_size": 0},
+        ),
         ("port", {"server__port": 70000}, {"server__port": 8080}),
         ("cuda-graph-bs", {"cuda_graph__max_bs": 0}, {"cuda_graph__max_bs": 8}),
         ("cuda-graph-prefill", {"cuda_graph__max_prefill_tokens": -1}, {"cuda_graph__max_prefill_tokens": 0}),
@@ -551,3 +556,17 @@ def test_adapter_needs_lora_and_a_name_of_its_own():
     c = config(model__served_name="llama")
     assert "adapter-name-clash" in adapter_rules(c, adapter(name="llama"))
     assert "adapter-name-clash" not in adapter_rules(c, adapter(name="llama-sql"))
+
+
+def test_a_tree_batch_size_without_a_tree_warns():
+    """speculative.tree_max_batch_size only switches tree drafts to chains: with top_k 1 it
+    does nothing, which the policy says instead of refusing."""
+    tree = {"speculative__top_k": 2, "speculative__num_steps": 3, "speculative__num_draft_tokens": 8}
+    chain = config(A.EAGLE, speculative__tree_max_batch_size=4)
+    report = policy.check_config(chain, EVERYTHING)
+    assert report.ok and "tree-batch-size-ignored" in report.warning_rules()
+    text = next(w.render() for w in report.warnings if w.rule == "tree-batch-size-ignored")
+    assert "speculative.tree_max_batch_size" in text and "speculative.top_k" in text
+    trees = config(A.EAGLE, speculative__tree_max_batch_size=4, **tree)
+    assert policy.check_config(trees, EVERYTHING).ok
+    assert "tree-batch-size-ignored" not in warning_rules(trees)

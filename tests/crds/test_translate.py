@@ -77,6 +77,7 @@ PERTURBATIONS = [
     ("speculative.ngram.minMatch", 2, "speculative.ngram_min", 2),
     ("speculative.ngram.maxMatch", 7, "speculative.ngram_max", 7),
     ("speculative.disableBatchSize", 32, "speculative.disable_batch_size", 32),
+    ("speculative.treeMaxBatchSize", 4, "speculative.tree_max_batch_size", 4),
     ("speculative.autoDisable", True, "speculative.auto_disable", True),
     ("lora.enabled", False, "lora.enabled", False),
     ("lora.maxLorasPerBatch", 3, "lora.max_loras_per_batch", 3),

@@ -37,6 +37,7 @@ def test_flags_become_the_configuration(assets, tmp_path):
         "--port", "9001", "--host", "127.0.0.1", "--admin-token-file", str(token), "--dtype", "float32",
         "--device", "cpu", "--max-running-requests", "7", "--max-total-tokens", "4096", "--no-enable-lora",
         "--max-admission-defer-steps", "0", "--speculative-disable-batch-size", "16",
+        "--speculative-tree-max-batch-size", "4",
         "--speculative-auto-disable",
     ])  # fmt: skip
     assert cfg.model.architecture == "LlamaForCausalLM"  # read from config.json
@@ -53,6 +54,7 @@ def test_flags_become_the_configuration(assets, tmp_path):
     assert (cfg.scheduler.max_running_requests, cfg.scheduler.max_total_tokens) == (7, 4096)
     assert cfg.scheduler.max_admission_defer_steps == 0
     assert cfg.speculative.disable_batch_size == 16
+    assert cfg.speculative.tree_max_batch_size == 4
     assert (
         _parse(["--model", "m"]).speculative.disable_batch_size
         == RuntimeConfig().speculative.disable_batch_size

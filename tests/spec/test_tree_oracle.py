@@ -195,3 +195,24 @@ def test_tree_drafts_under_cuda_graphs_are_lossless(make_spec_config, engine_run
     decoder = seen[0]
     assert any(key.tree for key in decoder.runner.graphs._graphs), "no tree verify replayed a graph"
     assert decoder.drafter.runner.graphs._trees, "the head grew no tree from a graph"
+
+
+def test_batches_above_the_tree_batch_size_verify_chains(make_spec_config, engine_run, baseline):
+    """speculative.tree_max_batch_size 2: steps of one or two requests verify trees, larger
+    ones chains of num_steps drafts; requests move between the two as the batch drains, with
+    the drafter's state carried across, and output stays exact."""
+    requests, expected = baseline
+    config = _tree_config(make_spec_config, "eagle3", max_running_requests=5)
+    config.speculative.tree_max_batch_size = 2
+    run = engine_run(config, requests)
+    _check_same(run, requests, expected)
+    nodes, steps = TREE["num_draft_tokens"] - 1, TREE["num_steps"]
+    trees = chains = 0
+    for rid, *_ in requests:
+        stats = run.outputs[rid].spec
+        # draft_tokens = nodes * tree steps + steps * chain steps
+        tree_steps, rest = divmod(stats.draft_tokens - steps * stats.verify_steps, nodes - steps)
+        assert rest == 0 and 0 <= tree_steps <= stats.verify_steps
+        trees += tree_steps
+        chains += stats.verify_steps - tree_steps
+    assert trees > 0 and chains > 0
