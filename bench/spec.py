@@ -66,6 +66,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -1074,9 +1075,16 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def identity_by_kind(adapters: list[str | None], outs_a: list[list[int]], outs_b: list[list[int]]) -> dict:
+def identity_by_kind(
+    adapters: list[str | None],
+    outs_a: list[list[int]],
+    outs_b: list[list[int]],
+    gap: Callable[[int, int], float | None] | None = None,
+) -> dict:
     """Token-for-token agreement of two runs of the same requests, split into base-model and
-    adapter requests: ``{kind: {"identical", "count", "mean_first_divergence"}}``.
+    adapter requests: ``{kind: {"identical", "count", "mean_first_divergence", "max_gap"}}``.
+    ``gap(i, at)``: how far apart the target's logits put the two runs' tokens where request
+    ``i`` first differs (see :func:`first_difference_gap`); ``max_gap`` is the largest.
 
     On a GPU in bf16 two batch shapes can round near-tied argmaxes differently (a verify of
     k rows against a decode of one), so speculation's agreement is read against the same
@@ -1084,23 +1092,52 @@ def identity_by_kind(adapters: list[str | None], outs_a: list[list[int]], outs_b
     requests diverging more, or earlier, than base requests and than that floor.
     """
     kinds: dict[str, dict] = {}
-    for adapter, a, b in zip(adapters, outs_a, outs_b, strict=True):
+    for i, (adapter, a, b) in enumerate(zip(adapters, outs_a, outs_b, strict=True)):
         kind = "base" if adapter is None else "adapter"
-        k = kinds.setdefault(kind, {"identical": 0, "count": 0, "first": []})
+        k = kinds.setdefault(kind, {"identical": 0, "count": 0, "first": [], "gaps": []})
         k["count"] += 1
         at = first_divergence(a, b)
         if at is None:
             k["identical"] += 1
-        else:
-            k["first"].append(at)
+            continue
+        k["first"].append(at)
+        if gap is not None and (g := gap(i, at)) is not None:
+            k["gaps"].append(g)
     return {
         kind: {
             "identical": k["identical"],
             "count": k["count"],
             "mean_first_divergence": round(sum(k["first"]) / len(k["first"]), 1) if k["first"] else None,
+            "max_gap": round(max(k["gaps"]), 3) if k["gaps"] else None,
         }
         for kind, k in sorted(kinds.items())
     }
+
+
+def first_difference_gap(
+    runner: ModelRunner, prompt: list[int], adapter: str | None, a: list[int], b: list[int], at: int
+) -> float | None:
+    """|logit(a[at]) - logit(b[at])| of the target (with ``adapter``) after ``prompt`` and the
+    tokens both outputs share: near zero where the two runs differ by rounding a near-tie
+    (batch shape, verify width), large where one of them chose a token the target does not
+    prefer. None where one output ended first."""
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.model import ForwardBatch
+
+    if at >= min(len(a), len(b)):
+        return None
+    ids = torch.tensor([*prompt, *a[:at]])
+    out = runner.forward(
+        ForwardBatch(ForwardMode.EXTEND, ["gap-check"], ids, extend_lens=[len(ids)], lora_names=[adapter])
+    )
+    runner.kv.free("gap-check")
+    logits = out.logits[-1].float()
+    return abs(float(logits[a[at]] - logits[b[at]]))
+
+
+def gap_of(runner: ModelRunner, work: Workload, outs_a: list[list[int]], outs_b: list[list[int]]):
+    """The ``gap`` argument of :func:`identity_by_kind` for two runs of ``work``."""
+    return lambda i, at: first_difference_gap(runner, work.prompts[i], work.adapters[i], outs_a[i], outs_b[i], at)
 
 
 # --------------------------------------------------------------------------- main
@@ -1477,7 +1514,7 @@ def main(argv: list[str] | None = None) -> int:
         details[c] = {"off_s": off.seconds, "off_steps": off.steps, "spec": {}}
         plain_runs[c] = (bench_work, off)
         if c != min(plain_runs):  # the batch-shape floor: the same prompts, plain, at the lowest concurrency
-            details[c]["floor"] = _plain_floor(plain_runs, min(plain_runs), c)
+            details[c]["floor"] = _plain_floor(runner, plain_runs, min(plain_runs), c)
         for i, name in enumerate(order):
             last = details[c]["spec"].get(order[0], {}).get("on_s", 0.0)
             if i > 0 and time.monotonic() + 2.5 * last > opts.deadline:
@@ -1723,16 +1760,16 @@ def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[
     return bench, run_workload(config, runner, plain, bench, c, f"off-{c}")
 
 
-def _plain_floor(plain_runs: dict[int, tuple[Workload, RunResult]], lo: int, c: int) -> dict:
+def _plain_floor(runner: ModelRunner, plain_runs: dict[int, tuple[Workload, RunResult]], lo: int, c: int) -> dict:
     """Plain decoding at concurrency ``lo`` against concurrency ``c`` on the prompts both ran
     (the workloads share their first prompts): divergence from batch shape alone."""
     (work_lo, run_lo), (work_c, run_c) = plain_runs[lo], plain_runs[c]
     n = min(len(work_lo.prompts), len(work_c.prompts))
-    return identity_by_kind(
-        work_lo.adapters[:n],
-        [run_lo.outputs[f"off-{lo}-{i}"] for i in range(n)],
-        [run_c.outputs[f"off-{c}-{i}"] for i in range(n)],
-    ) | {"against": lo}
+    outs_lo = [run_lo.outputs[f"off-{lo}-{i}"] for i in range(n)]
+    outs_c = [run_c.outputs[f"off-{c}-{i}"] for i in range(n)]
+    return identity_by_kind(work_lo.adapters[:n], outs_lo, outs_c, gap_of(runner, work_lo, outs_lo, outs_c)) | {
+        "against": lo
+    }
 
 
 def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
@@ -1752,11 +1789,9 @@ def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOpti
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
     on = run_workload(spec_config, runner, decoder, bench, c, f"{name}-{c}", defer_steps=opts.defer_steps)
     summary = spec_summary(decoder)
-    identity = identity_by_kind(
-        bench.adapters,
-        [off.outputs[f"off-{c}-{i}"] for i in range(count)],
-        [on.outputs[f"{name}-{c}-{i}"] for i in range(count)],
-    )
+    outs_off = [off.outputs[f"off-{c}-{i}"] for i in range(count)]
+    outs_on = [on.outputs[f"{name}-{c}-{i}"] for i in range(count)]
+    identity = identity_by_kind(bench.adapters, outs_off, outs_on, gap_of(runner, bench, outs_off, outs_on))
     same = sum(kind["identical"] for kind in identity.values())
     speedup = on.tokens_per_s / off.tokens_per_s
     details[name] = {
@@ -2411,13 +2446,17 @@ def _identity_table(rows: list[Row], details: dict) -> list[str]:
     def cell(d: dict | None) -> str:
         if not d:
             return "–"
-        first = d["mean_first_divergence"]
-        return f"{d['identical']}/{d['count']}" + ("" if first is None else f" (first diff at {first})")
+        first, gap = d["mean_first_divergence"], d.get("max_gap")
+        if first is None:
+            return f"{d['identical']}/{d['count']}"
+        return f"{d['identical']}/{d['count']} (first diff at {first}" + ("" if gap is None else f"; gap ≤ {gap}") + ")"
 
     lines = [
         "",
         "Identical outputs by request kind (identical / requests, mean token index of the first difference"
-        " among those that differ); the floor compares plain decoding at the lowest concurrency with plain"
+        " among those that differ; gap: the largest |logit difference| the target, with the request's adapter,"
+        " puts between the two runs' tokens at a first difference: rounding flips near-ties, a bug picks"
+        " tokens far apart); the floor compares plain decoding at the lowest concurrency with plain"
         " decoding at this one, on the prompts both ran:",
         "",
         "| concurrency | comparison | base-model requests | adapter requests |",
