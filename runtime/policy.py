@@ -45,6 +45,9 @@ FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantF
 
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 LARGE_RANK = 256
+# Tree drafts verify num_draft_tokens rows per request; at 8 requests a 16-node tree was
+# already slower than a chain on the H200 (bench/results/2026-12-04-spec-h200.md).
+TREE_COSTLY_BATCH = 8
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("sdpa", "triton")
@@ -730,6 +733,17 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
                 "speculative.disable_batch_size",
                 f"{spec.disable_batch_size} is above {{scheduler.max_running_requests}} "
                 f"({config.scheduler.max_running_requests}): no step is that large, so every step drafts",
+            )
+        )
+    tree_batches = spec.tree_max_batch_size or config.scheduler.max_running_requests
+    if requested is not SpecAlgorithm.NONE and spec.top_k > 1 and tree_batches >= TREE_COSTLY_BATCH:
+        out.append(
+            PolicyWarning(
+                "tree-large-batches",
+                "speculative.tree_max_batch_size",
+                f"tree drafts verify {{speculative.num_draft_tokens}} ({spec.num_draft_tokens}) rows per request in "
+                f"steps of up to {tree_batches} requests; from {TREE_COSTLY_BATCH} requests on a chain was faster "
+                "in the benchmark: set {speculative.tree_max_batch_size} to the batch size where trees stop paying",
             )
         )
     if requested is not SpecAlgorithm.NONE and spec.tree_max_batch_size and spec.top_k == 1:

@@ -570,3 +570,19 @@ def test_a_tree_batch_size_without_a_tree_warns():
     trees = config(A.EAGLE, speculative__tree_max_batch_size=4, **tree)
     assert policy.check_config(trees, EVERYTHING).ok
     assert "tree-batch-size-ignored" not in warning_rules(trees)
+
+
+def test_trees_in_large_batches_warn():
+    """Legal but costly: trees in steps of TREE_COSTLY_BATCH requests or more."""
+    tree = {"speculative__top_k": 4, "speculative__num_steps": 5, "speculative__num_draft_tokens": 16}
+    big = config(A.EAGLE, scheduler__max_running_requests=32, **tree)
+    report = policy.check_config(big, EVERYTHING)
+    assert report.ok and "tree-large-batches" in report.warning_rules()
+    text = next(w.render() for w in report.warnings if w.rule == "tree-large-batches")
+    assert "speculative.tree_max_batch_size" in text and "16" in text and "32 requests" in text
+    small = policy.TREE_COSTLY_BATCH - 1
+    assert "tree-large-batches" not in warning_rules(
+        config(A.EAGLE, scheduler__max_running_requests=32, speculative__tree_max_batch_size=small, **tree)
+    )
+    assert "tree-large-batches" not in warning_rules(config(A.EAGLE, scheduler__max_running_requests=small, **tree))
+    assert "tree-large-batches" not in warning_rules(config(A.EAGLE, scheduler__max_running_requests=32))
