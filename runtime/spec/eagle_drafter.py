@@ -27,6 +27,7 @@ in the same replay.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -273,46 +274,28 @@ class EagleDrafter:
         freed = sum(max(0, kv.seq_len(r.rid) - c) for r, c in zip(requests, committed, strict=True))
         return kv.num_free_tokens + freed >= len(requests) * (width + steps)
 
-    def _feed_and_propose(self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor) -> None:
-        """Feed the verified positions and propose the next step's drafts in one replay,
-        queued before the host reads the acceptance (that read waits for the verify, not
-        for this replay)."""
+    def _feed_ahead(self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor, feed) -> None:
+        """Feed the verified positions and draft the next step (``feed``: the runner's
+        ``feed_chain`` or ``feed_tree`` with its last argument bound) in one replay, queued
+        before the host reads the acceptance (that read waits for the verify, not for this
+        replay)."""
         bs, width = acceptance.tokens.shape
         self._drop_speculative(requests)
-        tokens, tails = self.runner.feed_chain(
+        ahead, tails = feed(
             [r.rid for r in requests],
             acceptance.tokens.clamp_min(0).reshape(-1),
             feats.reshape(bs * width, -1),
             acceptance.accept_lens,
             width,
-            width - 1,
         )
-        keep = [a + 1 for a in acceptance.host_accept_lens()]
-        self._commit(requests, keep, tails)
-        self._pending = _Pending({r.rid: i for i, r in enumerate(requests)}, tokens)
+        self._commit(requests, [a + 1 for a in acceptance.host_accept_lens()], tails)
+        index = {r.rid: i for i, r in enumerate(requests)}
+        self._pending = _Pending(index, None, ahead) if isinstance(ahead, DraftTree) else _Pending(index, ahead)
 
     def _invalidate(self, requests: Sequence[Request]) -> None:
         """Drop a proposal computed ahead if any of these requests' draft state changes."""
         if self._pending is not None and any(r.rid in self._pending.index for r in requests):
             self._pending = None
-
-    def _feed_tree_and_grow(
-        self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor, shape: TreeShape
-    ) -> None:
-        """The accepted paths fed and the next trees grown in one replay, queued before the
-        host reads the acceptance."""
-        bs, width = acceptance.tokens.shape
-        self._drop_speculative(requests)
-        tree, tails = self.runner.feed_tree(
-            [r.rid for r in requests],
-            acceptance.tokens.clamp_min(0).reshape(-1),
-            feats.reshape(bs * width, -1),
-            acceptance.accept_lens,
-            width,
-            shape,
-        )
-        self._commit(requests, [a + 1 for a in acceptance.host_accept_lens()], tails)
-        self._pending = _Pending({r.rid: i for i, r in enumerate(requests)}, None, tree)
 
     def on_verify(self, requests: Sequence[Request], acceptance: Acceptance, output: ForwardOutput) -> None:
         """Called before the host has read ``acceptance`` (the decoder's contract), so the
@@ -326,12 +309,12 @@ class EagleDrafter:
             feats = nodes.gather(1, acceptance.path.clamp_min(0)[..., None].expand(bs, k, feats.shape[-1]))
             shape = self.tree_shape
             if shape is not None and self._can_propose_ahead(requests, k, shape.entries):
-                self._feed_tree_and_grow(requests, acceptance, feats, shape)
+                self._feed_ahead(requests, acceptance, feats, functools.partial(self.runner.feed_tree, shape=shape))
                 return
         else:
             feats = feats.view(bs, k, -1)
         if acceptance.path is None and self._can_propose_ahead(requests, k):
-            self._feed_and_propose(requests, acceptance, feats)
+            self._feed_ahead(requests, acceptance, feats, functools.partial(self.runner.feed_chain, num_tokens=k - 1))
             return
         graphs = self.runner.graphs
         if graphs is not None and graphs.can_run(len(requests)):

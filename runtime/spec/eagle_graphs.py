@@ -259,17 +259,8 @@ class EagleGraphRunner:
 
     def _feed_tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
         s = self._feed_static[(key.width, key.shape.entries)]
-        bs, width, entries = key.batch_size, key.width, key.shape.entries
-        slots = s.slots[: bs * (width + entries)].view(bs, width + entries)
-        rows, prefix, accept = s.rows[:bs], s.prefix_lens[:bs], s.accept[:bs]
-        n = bs * width
-        hidden = self._head(
-            rows, prefix, slots[:, :width].reshape(-1), width, key.context,
-            s.input_ids[:n], s.features[:n], from_target=True,
-        )  # fmt: skip
-        tail = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
-        offsets = accept[:, None] + 1 + torch.arange(entries, device=self.device)[None, :]
-        tree = grow_tree(self.runner, rows, prefix + accept + 1, slots.gather(1, offsets), key.context, tail, key.shape)
+        rows, prefix, locs, tail = self._fed(s, key.batch_size, key.width, key.shape.entries, key.context)
+        tree = grow_tree(self.runner, rows, prefix, locs, key.context, tail, key.shape)
         return (*tree.tensors(), tail)
 
     def _shape(self, alloc: Allocation) -> tuple[int, int, int]:
@@ -325,21 +316,28 @@ class EagleGraphRunner:
 
     def _feed_chain_body(self, key: _FeedChainKey) -> tuple[torch.Tensor, torch.Tensor]:
         s = self._feed_static[(key.width, key.steps)]
-        bs, width, steps = key.batch_size, key.width, key.steps
-        slots = s.slots[: bs * (width + steps)].view(bs, width + steps)
+        rows, prefix, locs, tail = self._fed(s, key.batch_size, key.width, key.steps, key.context)
+        return self._chain(rows, prefix, locs, key.context, tail), tail
+
+    def _fed(
+        self, s: _FeedChainStatic, bs: int, width: int, after: int, context: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The feed of ``width`` verified positions per request from the static inputs, and
+        where the next draft goes: ``(rows, prefix after the kept pairs, the next ``after``
+        entries' slots, each request's tail feature)``. Entry ``accept + 1 + j`` of the
+        allocation holds draft entry ``j``: right after the kept pairs, over the rejected
+        positions' rows (the head is causal and the draft runs after the feed, so nothing
+        kept reads them)."""
+        slots = s.slots[: bs * (width + after)].view(bs, width + after)
         rows, prefix, accept = s.rows[:bs], s.prefix_lens[:bs], s.accept[:bs]
         n = bs * width
         hidden = self._head(
-            rows, prefix, slots[:, :width].reshape(-1), width, key.context,
+            rows, prefix, slots[:, :width].reshape(-1), width, context,
             s.input_ids[:n], s.features[:n], from_target=True,
         )  # fmt: skip
         tail = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
-        # Draft entry ``accept + 1 + j`` of the allocation holds chain step ``j``: right after
-        # the kept pairs, over the rejected positions' rows (the head is causal and the chain
-        # runs after the feed, so nothing kept reads them).
-        offsets = accept[:, None] + 1 + torch.arange(steps, device=self.device)[None, :]
-        locs = slots.gather(1, offsets)
-        return self._chain(rows, prefix + accept + 1, locs, key.context, tail), tail
+        offsets = accept[:, None] + 1 + torch.arange(after, device=self.device)[None, :]
+        return rows, prefix + accept + 1, slots.gather(1, offsets), tail
 
     def _chain(
         self, rows: torch.Tensor, prefix_lens: torch.Tensor, locs: torch.Tensor, context: int, hidden: torch.Tensor

@@ -95,26 +95,12 @@ def build_attention_metadata(
     device = req_to_token.device
     bs = rows.shape[0]
     q_off = torch.arange(max_q, device=device)
-    if tree_depths is not None:
+    tree = tree_depths is not None
+    if tree:
         assert tree_ancestors is not None and q_lens is None, "a tree verify is uniform"
-        if backend == "triton" and sliding_window is None:
-            from .paged_attention import PagedAttentionInputs
-
-            paged = PagedAttentionInputs(
-                req_to_token=req_to_token, rows=rows, prefix_lens=prefix_lens, width=max_q,
-                max_context=max_ctx, tree_ancestors=tree_ancestors,
-            )  # fmt: skip
-            return AttentionMetadata(
-                batch_size=bs, max_q=max_q, max_ctx=max_ctx,
-                positions=(prefix_lens[:, None] + tree_depths).reshape(-1),
-                out_cache_loc=out_cache_loc, kv_indices=None, mask=None, q_dest=None, paged=paged,
-            )  # fmt: skip
-        return _tree_metadata(
-            req_to_token, rows, prefix_lens, out_cache_loc, max_q, max_ctx, groups, sliding_window,
-            tree_depths, tree_ancestors,
-        )  # fmt: skip
-    q_pos = prefix_lens[:, None] + q_off[None, :]  # [bs, max_q]
-    if backend == "triton" and q_lens is None:
+    q_pos = prefix_lens[:, None] + (tree_depths if tree else q_off[None, :])  # [bs, max_q]
+    # The paged kernel takes uniform batches; a tree with a sliding window stays on SDPA.
+    if backend == "triton" and q_lens is None and not (tree and sliding_window is not None):
         from .paged_attention import PagedAttentionInputs
 
         paged = PagedAttentionInputs(
@@ -124,6 +110,7 @@ def build_attention_metadata(
             width=max_q,
             max_context=max_ctx,
             sliding_window=sliding_window,
+            tree_ancestors=tree_ancestors,
         )
         return AttentionMetadata(
             batch_size=bs,
@@ -136,6 +123,11 @@ def build_attention_metadata(
             q_dest=None,
             paged=paged,
         )
+    if tree:
+        return _tree_metadata(
+            req_to_token, rows, prefix_lens, out_cache_loc, max_q, max_ctx, groups, sliding_window,
+            tree_depths, tree_ancestors,
+        )  # fmt: skip
     if q_lens is None:
         positions = q_pos.reshape(-1)
         q_dest = None
