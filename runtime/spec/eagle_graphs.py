@@ -176,12 +176,8 @@ class EagleGraphRunner:
         """Each request's first greedy draft token from the head output ``hidden``, then
         ``steps`` draft steps per request of ``alloc`` (``steps`` rows each, already
         allocated); returns the tokens ``[bs, steps + 1]``."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self._fill_chain(alloc, hidden, steps)
         key = _ChainKey(steps, padded, context)
-        s = self._chain_static_for(steps)
-        fill_padded(s.hidden, hidden, bs, padded)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
-        fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * steps, padded * steps)
         return self._replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
 
     def run_feed_chain(
@@ -199,28 +195,16 @@ class EagleGraphRunner:
         ``accept[i]`` (a device tensor, never read on the host): the first token from the LM
         head, then ``steps`` draft steps placed right after the accepted entries. Returns the
         tokens ``[bs, steps + 1]`` and the tails ``[bs, H]``."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, steps)
         key = _FeedChainKey(width, steps, padded, context)
-        s = self._feed_static_for(width, steps)
-        n, total = padded * width, bs * width
-        fill_padded(s.input_ids, input_ids, total, n)
-        fill_padded(s.features, features, total, n)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
-        fill_padded(s.slots, alloc.out_cache_loc, bs * (width + steps), padded * (width + steps))
-        fill_padded(s.accept, accept, bs, padded)
         tokens, tails = self._replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
         return tokens[:bs].clone(), tails[:bs].clone()
 
     def run_tree(self, alloc: Allocation, hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
         """Grow each request's tree from the head output ``hidden`` (its tail) over the
         ``shape.entries`` rows per request of ``alloc`` (already allocated)."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self._fill_chain(alloc, hidden, shape.entries)
         key = _TreeKey(shape, 0, padded, context)
-        s = self._chain_static_for(shape.entries)
-        fill_padded(s.hidden, hidden, bs, padded)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
-        n = shape.entries
-        fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * n, padded * n)
         out = self._replay(self._trees, key, lambda: self._tree_body(key))
         return DraftTree(*(t[:bs].clone() for t in out), shape.num_steps)
 
@@ -237,18 +221,37 @@ class EagleGraphRunner:
         """Feed ``width`` pairs of each request's accepted path, then grow its next tree from
         the output at row ``accept[i]`` over the entries right after the accepted ones
         (``width + shape.entries`` rows per request allocated). Returns the trees and the tails."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, shape.entries)
         key = _TreeKey(shape, width, padded, context)
-        s = self._feed_static_for(width, shape.entries)
+        *tree, tails = self._replay(self._trees, key, lambda: self._feed_tree_body(key))
+        return DraftTree(*(t[:bs].clone() for t in tree), shape.num_steps), tails[:bs].clone()
+
+    def _fill_chain(self, alloc: Allocation, hidden: torch.Tensor, entries: int) -> tuple[int, int, int]:
+        """Stage a chain's or a tree's inputs (tails, requests, ``entries`` slots each) in its
+        static buffers; returns :meth:`_shape`'s ``(bs, padded, context)``."""
+        bs, padded, context = self._shape(alloc)
+        s = self._chain_static_for(entries)
+        fill_padded(s.hidden, hidden, bs, padded)
+        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * entries, padded * entries)
+        return bs, padded, context
+
+    def _fill_feed(
+        self, alloc: Allocation, input_ids: torch.Tensor, features: torch.Tensor, accept: torch.Tensor,
+        width: int, entries: int,
+    ) -> tuple[int, int, int]:  # fmt: skip
+        """Stage a feed's inputs (``width`` pairs, then ``entries`` draft slots per request,
+        the accepted counts) in its static buffers; returns ``(bs, padded, context)``."""
+        bs, padded, context = self._shape(alloc)
+        s = self._feed_static_for(width, entries)
         n, total = padded * width, bs * width
         fill_padded(s.input_ids, input_ids, total, n)
         fill_padded(s.features, features, total, n)
         _fill_requests(s.rows, s.prefix_lens, alloc, padded)
-        per = width + shape.entries
+        per = width + entries
         fill_padded(s.slots, alloc.out_cache_loc, bs * per, padded * per)
         fill_padded(s.accept, accept, bs, padded)
-        *tree, tails = self._replay(self._trees, key, lambda: self._feed_tree_body(key))
-        return DraftTree(*(t[:bs].clone() for t in tree), shape.num_steps), tails[:bs].clone()
+        return bs, padded, context
 
     def _tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
         s = self._chain_static[key.shape.entries]
