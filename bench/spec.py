@@ -1979,15 +1979,19 @@ class PhaseRecorder:
         drafter = getattr(decoder, "drafter", None)
         if drafter is None:
             return
-        for method in ("propose", "on_verify", "on_decode"):
+        for method in ("propose", "propose_tree", "on_verify", "on_decode"):
             self.wrap(drafter, method, f"drafter.{method}")
+        kv = getattr(runner, "kv", None)
+        self.wrap(kv, "keep", "target.kv.keep")  # a tree step keeps its accepted path's entries
         self.wrap(
             decoder, "_accept", "decoder._accept",
             after=lambda acceptance: self.wrap(acceptance, "host", "acceptance.host", restore=False),
         )  # fmt: skip
         draft_runner = getattr(drafter, "runner", None)
         if draft_runner is not None and draft_runner is not runner:
-            for method in ("forward", "forward_uniform", "draft_chain", "compute_logits", "step"):
+            methods = ("forward", "forward_uniform", "draft_chain", "feed_chain", "draft_tree", "feed_tree",
+                       "compute_logits", "step")  # fmt: skip
+            for method in methods:
                 label = _mode_label("draft.forward") if method == "forward" else f"draft.{method}"
                 self.wrap(draft_runner, method, label)
 

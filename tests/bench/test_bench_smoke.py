@@ -83,6 +83,9 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
         assert "### spec:" in table and "### plain:" in table  # the traced runs' tables
         summary = details["1"]["spec"][draft]["phases"]
         assert summary["spec"]["steps"] > 0 and summary["plain"]["tokens_per_step"] == 1.0
+    tree_table = (phases / "phases-eagle-t2-n6.md").read_text()
+    for row in ("| `drafter.propose_tree` |", "| `target.kv.keep` |", "| `target.forward[TARGET_VERIFY]` |"):
+        assert row in tree_table, tree_table
     assert "'argmax_agreement': 1.0" in text
     rows = [
         line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| (eagle|eagle-t2-n6|standalone) \|", line)
