@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -228,8 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--deadline", type=float, default=0, help="seconds; skip sizes that start after it")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
+    parser.add_argument(
+        "--stall-dump-s",
+        type=float,
+        default=0,
+        help="every N seconds, print every thread's Python stack to stderr (0: off): where a run that stops"
+        " printing is waiting",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     args = parser.parse_args(argv)
+    if args.stall_dump_s > 0:
+        faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True, file=sys.stderr)
     if args.smoke:
         args.sizes, args.device, args.dtype = "smoke", "cpu", "float32"
         args.batch_sizes, args.steps, args.repeats, args.warmup, args.prompt_len = "1,4", 4, 1, 1, 16
@@ -302,6 +312,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
         if checks["backend_vs_torch_reference"] > 2e-2 or checks["graph_vs_eager"] > 2e-2:
             raise RuntimeError(f"LoRA path disagrees with its references: {checks}")
         for bs in args.batch_sizes:
+            print(f"{size} attention {args.attention_backend}: batch {bs} at {time.perf_counter() - t0:.1f} s", flush=True)
             base = measure(runner, bs, [None] * bs, args, f"base{bs}")
             names = [f"a{i % args.adapters}" for i in range(bs)]
             lora = measure(runner, bs, names, args, f"lora{bs}")
