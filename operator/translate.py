@@ -70,6 +70,7 @@ FIELD_PATHS: dict[str, str] = {
     "scheduler.overlap_schedule": "spec.runtime.overlapSchedule",
     "scheduler.two_batch_overlap": "spec.runtime.twoBatchOverlap",
     "scheduler.kv_memory_fraction": "spec.runtime.kvMemoryFraction",
+    "attention_backend": "spec.runtime.attentionBackend",
     "cuda_graph.enabled": "spec.runtime.cudaGraph.enabled",
     "cuda_graph.max_bs": "spec.runtime.cudaGraph.maxBatchSize",
     "cuda_graph.max_prefill_tokens": "spec.runtime.cudaGraph.maxPrefillTokens",
@@ -254,6 +255,7 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
         server=ServerConfig(port=RUNTIME_PORT, adapter_cache_dir=cache_dir),
         parallel=ParallelConfig(tensor_parallel_size=max(spec.gpus, 1)),
         device="cuda" if spec.gpus >= 1 else "cpu",
+        attention_backend=spec.runtime.attention_backend,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from pathlib import Path
@@ -94,6 +95,7 @@ PERTURBATIONS = [
     ("runtime.overlapSchedule", True, "scheduler.overlap_schedule", True),
     ("runtime.twoBatchOverlap", True, "scheduler.two_batch_overlap", True),
     ("runtime.kvMemoryFraction", 0.5, "scheduler.kv_memory_fraction", 0.5),
+    ("runtime.attentionBackend", "triton", "attention_backend", "triton"),
     ("runtime.cudaGraph.enabled", True, "cuda_graph.enabled", True),
     ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
     ("runtime.cudaGraph.maxPrefillTokens", 128, "cuda_graph.max_prefill_tokens", 128),
@@ -103,11 +105,13 @@ PERTURBATIONS = [
 
 @pytest.mark.parametrize(("spec_path", "value", "config_path", "expected"), PERTURBATIONS)
 def test_spec_field_drives_its_runtime_field(spec_path, value, config_path, expected):
-    section, _, name = config_path.partition(".")
+    def read(config):  # a section's field, or a top-level one (attention_backend)
+        return functools.reduce(getattr, config_path.split("."), config)
+
     before = translate.to_runtime_config(_spec())
     after = translate.to_runtime_config(_spec(**{spec_path: value}))
-    assert getattr(getattr(after, section), name) == expected
-    assert getattr(getattr(before, section), name) != expected, "pick a value that differs from the default"
+    assert read(after) == expected
+    assert read(before) != expected, "pick a value that differs from the default"
     assert translate.crd_path(config_path) == "spec." + spec_path
 
 

@@ -72,6 +72,19 @@ SPECS = {
         },
         "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models", "readOnly": True}},
     },
+    "eagle-tree-paged": {
+        "model": {"source": "pvc://models/llama-3-8b"},
+        "speculative": {
+            "algorithm": "EAGLE",
+            "draftModel": {"source": "pvc://models/eagle-llama-3-8b"},
+            "numSteps": 5,
+            "topK": 4,
+            "numDraftTokens": 16,
+            "treeMaxBatchSize": 4,
+        },
+        "runtime": {"attentionBackend": "triton"},
+        "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models", "readOnly": True}},
+    },
     "remote-https-s3": {
         "model": {"source": "https://models.example.com/llama-3.1-8b/model.tar.gz"},
         "speculative": {
@@ -269,6 +282,8 @@ RELEVANT = {
     "speculative.algorithm": lambda s: s.setdefault("speculative", {}).update(algorithm="NGRAM"),
     "speculative.disableBatchSize": lambda s: s.setdefault("speculative", {}).update(disableBatchSize=16),
     "speculative.autoDisable": lambda s: s.setdefault("speculative", {}).update(autoDisable=True),
+    "speculative.treeMaxBatchSize": lambda s: s.setdefault("speculative", {}).update(treeMaxBatchSize=2),
+    "runtime.attentionBackend": lambda s: s.setdefault("runtime", {}).update(attentionBackend="triton"),
     "model.source": lambda s: s["model"].update(source="pvc://models/llama-3-70b"),
     "model.dtype": lambda s: s["model"].update(dtype="float16"),
     "runtime.maxRunningRequests": lambda s: s.setdefault("runtime", {}).update(maxRunningRequests=7),
