@@ -84,6 +84,14 @@ class Acceptance:
             parts.append(self.path.long())
         return torch.cat(parts, dim=1)
 
+    def along_path(self, values: torch.Tensor) -> torch.Tensor:
+        """Tree drafts: the rows of ``values`` (``[bs, nodes, X]``, one row per tree node) at
+        each request's accepted path, ``[bs, depth + 1, X]`` (node 0's row past its end)."""
+        if self.path is None:
+            raise ValueError("a chain acceptance has no tree path")
+        bs, width = self.path.shape
+        return values.gather(1, self.path.clamp_min(0)[..., None].expand(bs, width, values.shape[-1]))
+
     def host_accept_lens(self) -> list[int]:
         """Drafts accepted per request, as a host list (see :meth:`host`)."""
         return self.host()[0]

@@ -215,26 +215,37 @@ class SpeculativeDecoder:
         # step's bookkeeping and queues the next verify behind it.
         acceptance.stage()
         self.drafter.on_verify(requests, acceptance, output)
-        accept_lens, token_rows = acceptance.host()  # the step's one wait for the device
+        accept_lens = acceptance.host_accept_lens()  # the step's one wait for the device
         verify_seconds = timer.seconds()
         for req, accepted in zip(requests, accept_lens, strict=True):
             self.runner.kv.truncate(req.rid, n - accepted)
         logprobs = self._logprobs(requests, output.logits, acceptance)
+        return self._outputs(requests, acceptance, logprobs, n, n, verify_seconds, time.perf_counter() - start)
+
+    def _outputs(
+        self,
+        requests: Sequence[Request],
+        acceptance: Acceptance,
+        logprobs: list[list[float] | None] | None,
+        drafted: int,
+        depth: int,
+        verify_seconds: float,
+        step_seconds: float,
+    ) -> list[StepOutput]:
+        """A verify step's outputs (``drafted`` draft tokens verified per request), recorded
+        in the metrics as accept lengths out of ``depth`` positions."""
+        accept_lens, token_rows = acceptance.host()
         outs = [
             StepOutput(
                 token_ids=row[: accepted + 1],
                 logprobs=None if logprobs is None or logprobs[i] is None else logprobs[i][: accepted + 1],
-                num_draft_tokens=n,
+                num_draft_tokens=drafted,
                 num_accepted=accepted,
             )
             for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
         ]
         self.metrics.record_step(
-            [r.adapter for r in requests],
-            accept_lens,
-            n,
-            verify_seconds=verify_seconds,
-            step_seconds=time.perf_counter() - start,
+            [r.adapter for r in requests], accept_lens, depth, verify_seconds=verify_seconds, step_seconds=step_seconds
         )
         return outs
 
@@ -263,8 +274,7 @@ class SpeculativeDecoder:
         timer.stop()
         acceptance.stage()  # as in a chain step: the host waits for the verify only
         self.drafter.on_verify(requests, acceptance, output)
-        accept_lens, token_rows = acceptance.host()
-        paths = acceptance.host_path()
+        accept_lens, paths = acceptance.host_accept_lens(), acceptance.host_path()
         verify_seconds = timer.seconds()
         kv = self.runner.kv
         kv.keep(
@@ -273,25 +283,10 @@ class SpeculativeDecoder:
                 for req, path, accepted in zip(requests, paths, accept_lens, strict=True)
             ]
         )
-        path_logits = logits.gather(1, acceptance.path.clamp_min(0)[..., None].expand(-1, -1, logits.shape[-1]))
-        logprobs = self._logprobs(requests, path_logits.reshape(-1, logits.shape[-1]), acceptance)
-        outs = [
-            StepOutput(
-                token_ids=row[: accepted + 1],
-                logprobs=None if logprobs is None or logprobs[i] is None else logprobs[i][: accepted + 1],
-                num_draft_tokens=n - 1,
-                num_accepted=accepted,
-            )
-            for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
-        ]
-        self.metrics.record_step(
-            [r.adapter for r in requests],
-            accept_lens,
-            shape.num_steps,
-            verify_seconds=verify_seconds,
-            step_seconds=time.perf_counter() - start,
+        logprobs = self._logprobs(requests, acceptance.along_path(logits).reshape(-1, logits.shape[-1]), acceptance)
+        return self._outputs(
+            requests, acceptance, logprobs, n - 1, shape.num_steps, verify_seconds, time.perf_counter() - start
         )
-        return outs
 
     def _accept(
         self,

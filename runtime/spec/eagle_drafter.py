@@ -247,16 +247,16 @@ class EagleDrafter:
         live = [i for i, r in enumerate(requests) if (s := self._states.get(r.rid)) is not None and s.tail is not None]
         reqs = [requests[i] for i in live]
         self._drop_speculative(reqs)
-        if len(live) == len(requests):
-            hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-            return self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
+        if not reqs:
+            return blank_tree(len(requests), shape, self.device)
+        hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
+        grown = self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
+        if len(reqs) == len(requests):
+            return grown
         tree = blank_tree(len(requests), shape, self.device)
-        if reqs:
-            hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-            grown = self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
-            rows = self._index(live)
-            for mine, theirs in zip(tree.tensors(), grown.tensors(), strict=True):
-                mine[rows] = theirs
+        rows = self._index(live)
+        for mine, theirs in zip(tree.tensors(), grown.tensors(), strict=True):
+            mine[rows] = theirs
         return tree
 
     def _can_propose_ahead(self, requests: Sequence[Request], width: int, steps: int | None = None) -> bool:
@@ -305,8 +305,7 @@ class EagleDrafter:
         feats = self._features(output)
         bs, k = len(requests), acceptance.tokens.shape[1]
         if acceptance.path is not None:
-            nodes = feats.view(bs, -1, feats.shape[-1])
-            feats = nodes.gather(1, acceptance.path.clamp_min(0)[..., None].expand(bs, k, feats.shape[-1]))
+            feats = acceptance.along_path(feats.view(bs, -1, feats.shape[-1]))
             shape = self.tree_shape
             if shape is not None and self._can_propose_ahead(requests, k, shape.entries):
                 self._feed_ahead(requests, acceptance, feats, functools.partial(self.runner.feed_tree, shape=shape))
