@@ -17,7 +17,9 @@ from loraserve.runtime.model.layers.paged_attention import BLOCK_N, choose_split
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a serving-sized case; needs a CUDA device")
+ON_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a serving-sized case; needs a CUDA device"
+)
 
 
 def _case(gen, *, prefixes, width, heads, kv_heads, head_dim, dtype, context_cap, poison=True):
@@ -105,12 +107,20 @@ def test_queries_of_a_verify_block_see_only_earlier_positions(gen):
     """Query j of a verify block attends to the prefix and drafts 0..j: changing the value
     of the last draft changes the last query's output only."""
     shape = dict(width=4, heads=2, kv_heads=1, head_dim=16)
-    case = _case(gen, prefixes=[9, 20], dtype=torch.float32, context_cap=64, **{k: shape[k] for k in ("width", "heads", "kv_heads", "head_dim")})
+    case = _case(
+        gen,
+        prefixes=[9, 20],
+        dtype=torch.float32,
+        context_cap=64,
+        **{k: shape[k] for k in ("width", "heads", "kv_heads", "head_dim")},
+    )
     out_a, _, _ = _run("triton", case, max_ctx=32, **shape)
     k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = case
     v2 = v.clone()
     v2.view(2, 4, -1)[:, 3] += 5.0  # the last draft's value, both requests
-    out_b, _, _ = _run("triton", (k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v2), max_ctx=32, **shape)
+    out_b, _, _ = _run(
+        "triton", (k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v2), max_ctx=32, **shape
+    )
     diff = (out_a - out_b).abs().view(2, 4, -1).amax(-1)
     assert (diff[:, :3] == 0).all(), "an earlier query saw a later draft"
     assert (diff[:, 3] > 0).all()
@@ -145,7 +155,9 @@ def test_backend_choice_is_checked_naming_the_field(monkeypatch):
     with pytest.raises(ValueError, match="attention_backend must be one of sdpa, triton"):
         check_attention_backend("flash", torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match=r"attention_backend=triton needs a CUDA device.*use attention_backend=sdpa"):
+    with pytest.raises(
+        ValueError, match=r"attention_backend=triton needs a CUDA device.*use attention_backend=sdpa"
+    ):
         check_attention_backend("triton", torch.device("cpu"))
     check_attention_backend("sdpa", torch.device("cpu"))
 
@@ -203,7 +215,9 @@ def _random_tree(gen, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("prefixes", "width", "heads", "kv_heads"), [([4, 90, 33], 7, 4, 2), ([130], 16, 8, 2)])
+@pytest.mark.parametrize(
+    ("prefixes", "width", "heads", "kv_heads"), [([4, 90, 33], 7, 4, 2), ([130], 16, 8, 2)]
+)
 def test_tree_verify_on_the_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads):
     """A draft tree's verify: each node sees the prefix and its own ancestors (not its
     siblings, not later nodes); the kernel gives the SDPA tree path's outputs and positions."""
@@ -230,5 +244,42 @@ def test_tree_verify_on_the_paged_kernel_matches_sdpa(gen, dtype, prefixes, widt
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < TOL[dtype]
     # and it is not the causal chain's attention over the same block
-    chain, _, _ = _run("triton", case, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_ctx=256)
+    chain, _, _ = _run(
+        "triton", case, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_ctx=256
+    )
     assert ((chain.double() - ref).norm() / ref.norm()).item() > 10 * TOL[dtype]
+
+
+def test_wide_uniform_batches_take_the_sdpa_path(gen):
+    """A single-request prefill captured as a uniform batch (512 new tokens) would give one
+    program thousands of query rows: under ``triton`` it takes the SDPA path and still
+    attends causally, and the kernel itself refuses it with the reason named."""
+    from loraserve.runtime.model.layers.paged_attention import (
+        MAX_QUERY_ROWS,
+        PagedAttentionInputs,
+        fits,
+        paged_attention,
+    )
+
+    heads, kv_heads, head_dim = 4, 1, 16
+    width = MAX_QUERY_ROWS // (heads // kv_heads) + 1
+    assert fits(heads // kv_heads, width - 1) and not fits(heads // kv_heads, width)
+    case = _case(gen, prefixes=[7], width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                 dtype=torch.float32, context_cap=256)  # fmt: skip
+    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = (t.to(DEVICE) for t in case)
+    meta = build_attention_metadata(
+        req_to_token=table, rows=rows, prefix_lens=prefixes, out_cache_loc=out_loc, max_q=width, max_ctx=256,
+        groups=heads // kv_heads, backend="triton",
+    )  # fmt: skip
+    assert meta.paged is None and meta.mask is not None
+    wide = PagedAttentionInputs(
+        req_to_token=table, rows=rows, prefix_lens=prefixes, width=width, max_context=256
+    )
+    with pytest.raises(ValueError, match="query rows exceed"):
+        paged_attention(q.view(width, heads, head_dim), k_cache, v_cache, wide, scale=head_dim**-0.5)
+    # The first token sees only the prefix and itself: changing the last token's value leaves it alone.
+    out_a = Attention(heads, kv_heads, head_dim)(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    v2 = v.clone()
+    v2[-1] += 5.0
+    out_b = Attention(heads, kv_heads, head_dim)(q, k, v2, k_cache.clone(), v_cache.clone(), meta)
+    assert torch.equal(out_a[:-1], out_b[:-1]) and not torch.equal(out_a[-1], out_b[-1])

@@ -42,7 +42,9 @@ def check_attention_backend(backend: str, device: torch.device, field: str = "at
     if backend != "triton":
         return
     if importlib.util.find_spec("triton") is None:
-        raise ValueError(f"{field}=triton needs the triton package (pip install 'loraserve[triton]'): or use {field}=sdpa")
+        raise ValueError(
+            f"{field}=triton needs the triton package (pip install 'loraserve[triton]'): or use {field}=sdpa"
+        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{field}=triton needs a CUDA device (or TRITON_INTERPRET=1, for tests); this runtime is on "
@@ -63,6 +65,13 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # bool [bs, 1, groups * max_q, max_ctx]: True = may attend
     q_dest: torch.Tensor | None  # int64 [T]: padded row of each token; None when uniform
     paged: PagedAttentionInputs | None = None  # set: the Triton kernel reads keys in place
+
+
+def _paged_fits(groups: int, width: int) -> bool:
+    """Whether the paged kernel takes a uniform batch this wide (loaded only for ``triton``)."""
+    from .paged_attention import fits
+
+    return fits(groups, width)
 
 
 def build_attention_metadata(
@@ -99,8 +108,14 @@ def build_attention_metadata(
     if tree:
         assert tree_ancestors is not None and q_lens is None, "a tree verify is uniform"
     q_pos = prefix_lens[:, None] + (tree_depths if tree else q_off[None, :])  # [bs, max_q]
-    # The paged kernel takes uniform batches; a tree with a sliding window stays on SDPA.
-    if backend == "triton" and q_lens is None and not (tree and sliding_window is not None):
+    # The paged kernel takes uniform batches of a few tokens per request (decode, verify,
+    # trees); a prefill captured as a uniform batch, or a tree with a sliding window, stays on SDPA.
+    if (
+        backend == "triton"
+        and q_lens is None
+        and not (tree and sliding_window is not None)
+        and _paged_fits(groups, max_q)
+    ):
         from .paged_attention import PagedAttentionInputs
 
         paged = PagedAttentionInputs(
@@ -216,7 +231,9 @@ class Attention(nn.Module):
         if meta.paged is not None:
             from .paged_attention import paged_attention
 
-            return paged_attention(q.view(tokens, kvh * g, hd), k_cache, v_cache, meta.paged, scale=self.scale)
+            return paged_attention(
+                q.view(tokens, kvh * g, hd), k_cache, v_cache, meta.paged, scale=self.scale
+            )
         assert meta.kv_indices is not None and meta.mask is not None
         keys = k_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)  # [bs, kvh, ctx, hd]
         values = v_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)

@@ -66,10 +66,14 @@ class Linear(nn.Module):
 class VocabEmbedding(nn.Module):
     """Token embedding table (base weights only; an adapter's delta is added by the model)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, dtype: torch.dtype, device: torch.device | str | None = None):
+    def __init__(
+        self, vocab_size: int, dim: int, *, dtype: torch.dtype, device: torch.device | str | None = None
+    ):
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -93,7 +97,9 @@ class LMHead(nn.Module):
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False)
+            self.weight = nn.Parameter(
+                torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
+            )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)

@@ -31,6 +31,11 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per step of a program's loop
 MAX_SPLITS = 64
+# Query rows one program holds (KV-head group × new tokens per request). The kernel keeps
+# them all in registers; a single-request prefill captured as a "uniform" batch of 512
+# tokens would need 2048 (Llama-3-8B's group of 4), which ptxas takes minutes to compile
+# and which spills. Wider batches take the SDPA path (:func:`fits`).
+MAX_QUERY_ROWS = 128
 _INTERPRETER_SMS = 2
 
 
@@ -54,6 +59,12 @@ class PagedAttentionInputs:
     sliding_window: int | None = None
     # bool [bs, width, width]: a draft tree's verify; [b, j, i]: node j sees node i
     tree_ancestors: torch.Tensor | None = None
+
+
+def fits(groups: int, width: int) -> bool:
+    """Whether a uniform batch of ``width`` new tokens per request, ``groups`` query heads
+    per KV head, fits one program's query rows (decode, verify and draft trees do)."""
+    return groups * width <= MAX_QUERY_ROWS
 
 
 @functools.cache
@@ -232,7 +243,9 @@ def _combine_kernel(
     )
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 def paged_attention(
@@ -259,6 +272,11 @@ def paged_attention(
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous head dimension")
     groups = num_heads // num_kv_heads
+    if not fits(groups, width):
+        raise ValueError(
+            f"{groups} query heads per KV head × width {width} = {groups * width} query rows exceed the paged "
+            f"kernel's {MAX_QUERY_ROWS}: such batches (prefill) take the SDPA path"
+        )
     splits = choose_splits(bs, num_kv_heads, inputs.max_context, q.device)
     out = torch.empty(tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:

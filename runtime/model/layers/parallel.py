@@ -77,7 +77,9 @@ class VocabParallelEmbedding(VocabEmbedding):
         self.vocab_size = vocab_size
         self.vocab_start, self.vocab_end = vocab_range
         self.shard_rows = shard_rows
-        self.weight = nn.Parameter(torch.empty(shard_rows, dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(shard_rows, dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row in this shard, owned mask)``; rows of tokens other ranks own point at row 0."""

@@ -14,7 +14,9 @@ from torch import nn
 from ..arch import RopeSpec
 
 
-def inverse_frequencies(rope: RopeSpec, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    rope: RopeSpec, head_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Return ``(inv_freq [head_dim/2] float32, attention scaling)`` for a rope spec."""
     dim = head_dim
     base = rope.theta
@@ -90,7 +92,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False)
         self.max_positions = max_positions
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
