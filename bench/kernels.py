@@ -57,9 +57,7 @@ def _import_kernels():
         namespace.__path__ = []
         sys.modules["loraserve"] = namespace
     spec = importlib.util.spec_from_file_location(
-        "loraserve.kernels",
-        ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
+        "loraserve.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules["loraserve.kernels"] = module
@@ -125,9 +123,7 @@ class Workload:
     width: int = 1  # rows per request: 1, k, or the extend segment length
     max_rank: int = 0  # pool rank (0: = rank)
     rank_major_b: bool = False  # B stored [slots, max_rank, out] and passed as a transposed view
-    graph: bool = (
-        False  # metadata as the runtime's CUDA graphs see it: tile capacity for bs, live tiles fewer
-    )
+    graph: bool = False  # metadata as the runtime's CUDA graphs see it: tile capacity for bs, live tiles fewer
 
     @property
     def tokens(self) -> int:
@@ -146,9 +142,7 @@ class Workload:
 
 
 def forward_mode(mode: str) -> ForwardMode:
-    return {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[
-        mode
-    ]
+    return {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[mode]
 
 
 def request_slots(w: Workload, gen: torch.Generator) -> list[int]:
@@ -158,9 +152,7 @@ def request_slots(w: Workload, gen: torch.Generator) -> list[int]:
     return [slots[i] for i in order]
 
 
-def batch_info(
-    w: Workload, slots: list[int], ranks: list[int], scalings: list[float], device
-) -> K.LoRABatchInfo:
+def batch_info(w: Workload, slots: list[int], ranks: list[int], scalings: list[float], device) -> K.LoRABatchInfo:
     mode = forward_mode(w.mode)
     if w.graph:
         k = w.width if mode is ForwardMode.TARGET_VERIFY else None
@@ -279,9 +271,7 @@ class Check:
     detail: str = ""
 
 
-def check_apply(
-    backend, w: Workload, module: Module, dtype, device, gen, ranks=None, base_requests=0
-) -> Check:
+def check_apply(backend, w: Workload, module: Module, dtype, device, gen, ranks=None, base_requests=0) -> Check:
     """One apply against float64: relative error of the delta, every LoRA row written, base rows untouched."""
     R = w.pool_rank
     num_slots = w.adapters + 1
@@ -295,9 +285,7 @@ def check_apply(
     T = info.total_tokens
     S = len(module.widths)
     x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
-    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
-        device, dtype
-    )
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
     B = make_b(num_slots, module.out_dim, R, w.rank_major_b, generator=gen).to(device, dtype)
     if w.rank_major_b:
         B = B.transpose(1, 2).contiguous().transpose(1, 2)  # same values, rank-major storage
@@ -415,16 +403,12 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     dtype = torch.bfloat16
     num_slots, R = 6, 16
     fm = forward_mode(mode)
-    meta = GraphLoRAMetadata(
-        fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device
-    )
+    meta = GraphLoRAMetadata(fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device)
     info = meta.capture_info(max_bs)
     T = info.total_tokens
     S = len(module.widths)
     x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
-    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
-        device, dtype
-    )
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
     B = torch.randn(num_slots, module.out_dim, R, generator=gen).to(device, dtype)
     out = torch.zeros(T, module.out_dim, dtype=dtype, device=device)
 
@@ -435,9 +419,7 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     for trial in range(3):
         real_bs = max(1, max_bs - trial * (max_bs // 3))
         slots, ranks, scalings = random_batch(gen, real_bs, num_slots, R)
-        meta.update(
-            slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs
-        )
+        meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
         x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
         out.copy_(torch.randn(T, module.out_dim, generator=gen).to(device, dtype))
         out0 = out.clone()
@@ -451,11 +433,7 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
         err = ((got - delta).norm() / delta.norm().clamp_min(1e-30)).item() if bool(active.any()) else 0.0
         untouched = bool(torch.equal(out[~active], out0[~active]))
         checks.append(
-            Check(
-                f"graph {mode} {module.name} bs{real_bs}/{max_bs} k{k} trial{trial}",
-                err < TOL[dtype] and untouched,
-                err,
-            )
+            Check(f"graph {mode} {module.name} bs{real_bs}/{max_bs} k{k} trial{trial}", err < TOL[dtype] and untouched, err)
         )
     if mode == "verify":
         try:
@@ -467,43 +445,31 @@ def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k:
     return checks
 
 
-def check_overlap(
-    backend, module: Module, device, gen, overlap: OverlapMode, mode: str, max_bs: int, k: int
-) -> list[Check]:
+def check_overlap(backend, module: Module, device, gen, overlap: OverlapMode, mode: str, max_bs: int, k: int) -> list[Check]:
     """``linear_with_lora`` captured in a graph (base GEMM + LoRA on a side stream), replayed with new slots."""
     checks = []
     dtype = torch.bfloat16
     num_slots, R = 6, 16
     fm = forward_mode(mode)
-    meta = GraphLoRAMetadata(
-        fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device
-    )
+    meta = GraphLoRAMetadata(fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device)
     info = meta.capture_info(max_bs)
     T = info.total_tokens
     S = len(module.widths)
     x = torch.randn(T, module.in_dim, generator=gen).to(device, dtype)
-    W = (torch.randn(module.out_dim, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
-        device, dtype
-    )
-    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(
-        device, dtype
-    )
+    W = (torch.randn(module.out_dim, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
+    A = (torch.randn(num_slots, S * R, module.in_dim, generator=gen) / math.sqrt(module.in_dim)).to(device, dtype)
     B = make_b(num_slots, module.out_dim, R, True, generator=gen).to(device, dtype)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     result: dict[str, torch.Tensor] = {}
 
     def step():
-        result["y"] = linear_with_lora(
-            backend, x, A, B, info, module.offsets, lambda: F.linear(x, W), mode=overlap, side=side
-        )
+        result["y"] = linear_with_lora(backend, x, A, B, info, module.offsets, lambda: F.linear(x, W), mode=overlap, side=side)
 
     replay = captured(step, device)
     for trial in range(3):
         real_bs = max(1, max_bs - trial * (max_bs // 3))
         slots, ranks, scalings = random_batch(gen, real_bs, num_slots, R)
-        meta.update(
-            slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs
-        )
+        meta.update(slots, ranks, scalings, num_draft_tokens=k if mode == "verify" else None, batch_size=max_bs)
         x.copy_(torch.randn(T, module.in_dim, generator=gen).to(device, dtype))
         if "y" in result:  # a graph's output buffer: poisoned, every row must be rewritten
             result["y"].fill_(float("nan"))
@@ -548,9 +514,7 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
         checks.append(check_apply(backend, works[0], qkv, dtype, device, gen))
     # Mixed ranks in one pool (8, 16, 64 and 0), extend with uneven segments.
     mixed = Workload("extend", 4, 4, 64, 5 if tiny else 129, 0)
-    checks.append(
-        check_apply(backend, mixed, modules["gate_up"], torch.bfloat16, device, gen, ranks=[8, 16, 64, 0, 0])
-    )
+    checks.append(check_apply(backend, mixed, modules["gate_up"], torch.bfloat16, device, gen, ranks=[8, 16, 64, 0, 0]))
     # Forced split-K in both directions, and alternative tiles.
     for sc, ec in [
         (ShrinkConfig(16, 64, 1), ExpandConfig(64, 16)),
@@ -562,9 +526,7 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
     # The base GEMM with the expand in its epilogue (rank-major B, as the pool stores it).
     for module in modules.values():
         for w in works:
-            checks.append(
-                check_epilogue(backend, replace(w, rank_major_b=True), module, torch.bfloat16, device, gen)
-            )
+            checks.append(check_epilogue(backend, replace(w, rank_major_b=True), module, torch.bfloat16, device, gen))
     for dtype in (torch.float16, torch.float32):
         checks.append(check_epilogue(backend, works[1], qkv, dtype, device, gen))
     checks += check_graph(backend, qkv, device, gen, "verify", 8, 4)
@@ -573,10 +535,7 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
     for module in (qkv, modules["gate_up"]):
         checks.append(check_apply(backend, rank_major, module, torch.bfloat16, device, gen, base_requests=1))
     # Each path forced: the single launch (grid barrier) and the two-launch pair.
-    for tag, variant in (
-        ("fused", TritonLoRABackend(fused=True)),
-        ("two-launch", TritonLoRABackend(fused=False)),
-    ):
+    for tag, variant in (("fused", TritonLoRABackend(fused=True)), ("two-launch", TritonLoRABackend(fused=False))):
         for module in modules.values():
             for w in works[:2]:
                 c = check_apply(variant, w, module, torch.bfloat16, device, gen, base_requests=1)
@@ -590,26 +549,6 @@ def correctness(device, modules, tiny: bool, fast: bool = False) -> list[Check]:
         ):
             c.name = f"[{tag}] {c.name}"
             checks.append(c)
-    # The layer targets' shapes (tiles of 1 and 4 live rows: the FMA path by default) with
-    # each path forced, rank-major B; 16 adapters in a rank-64 pool take rank chunks.
-    targets = [
-        Workload("decode", 64 if not tiny else 4, 64 if not tiny else 4, 16, rank_major_b=True),
-        Workload("decode", 32 if not tiny else 8, 8 if not tiny else 2, 16, rank_major_b=True),
-        Workload("verify", 32 if not tiny else 2, 32 if not tiny else 2, 16, 4, rank_major_b=True),
-        Workload("decode", 16 if not tiny else 4, 16 if not tiny else 4, 16, 1, 64, rank_major_b=True),
-    ]
-    for tag, variant in (
-        ("rows", TritonLoRABackend(fused=False)),
-        ("dot-only", TritonLoRABackend(few_rows=0)),
-    ):
-        for module in modules.values():
-            for w in targets:
-                c = check_apply(variant, w, module, torch.bfloat16, device, gen, base_requests=1)
-                c.name = f"[{tag}] {c.name}"
-                checks.append(c)
-    for c in check_graph(TritonLoRABackend(fused=False), modules["gate_up"], device, gen, "decode", 64, 1):
-        c.name = f"[rows] {c.name}"
-        checks.append(c)
     # Beside the base GEMM on a second stream, both joins, under graph capture.
     for overlap in (OverlapMode.DELTA, OverlapMode.SHRINK):
         checks += check_overlap(backend, qkv, device, gen, overlap, "verify", 8, 4)
@@ -665,30 +604,22 @@ class ModuleCase:
         scalings = [1.0 / w.rank] * w.adapters
         self.info = batch_info(w, self.slots, ranks, scalings, device)
         self.scal = torch.tensor(scalings, device=device)
-        per_set = (w.adapters * (S * R * m.in_dim + m.out_dim * R) + w.tokens * (m.in_dim + m.out_dim)) * 2
+        per_set = (
+            w.adapters * (S * R * m.in_dim + m.out_dim * R) + w.tokens * (m.in_dim + m.out_dim)
+        ) * 2
         self.sets = max(2, min(max_sets, math.ceil(3 * l2_bytes / per_set)))
         T = w.tokens
         self.x, self.A, self.B, self.out = [], [], [], []
         for _ in range(self.sets):
             self.x.append(torch.randn(T, m.in_dim, device=device, dtype=torch.bfloat16))
-            self.A.append(
-                torch.randn(w.adapters, S * R, m.in_dim, device=device, dtype=torch.bfloat16) * 0.02
-            )
-            self.B.append(
-                make_b(w.adapters, m.out_dim, R, w.rank_major_b, device=device, dtype=torch.bfloat16).mul_(
-                    0.02
-                )
-            )
+            self.A.append(torch.randn(w.adapters, S * R, m.in_dim, device=device, dtype=torch.bfloat16) * 0.02)
+            self.B.append(make_b(w.adapters, m.out_dim, R, w.rank_major_b, device=device, dtype=torch.bfloat16).mul_(0.02))
             self.out.append(torch.randn(T, m.out_dim, device=device, dtype=torch.bfloat16))
         self.req_slots = torch.tensor(self.slots, device=device, dtype=torch.long)
 
     def triton_fns(self, backend):
         return [
-            (
-                lambda i=i: backend.apply(
-                    self.x[i], self.A[i], self.B[i], self.info, self.out[i], self.m.offsets
-                )
-            )
+            (lambda i=i: backend.apply(self.x[i], self.A[i], self.B[i], self.info, self.out[i], self.m.offsets))
             for i in range(self.sets)
         ]
 
@@ -696,8 +627,7 @@ class ModuleCase:
         """The shrink alone, into one shared partial-sum buffer."""
         S = len(self.m.widths)
         return [
-            (lambda i=i: launch_shrink(self.x[i], self.A[i], partial, self.info, S, config))
-            for i in range(self.sets)
+            (lambda i=i: launch_shrink(self.x[i], self.A[i], partial, self.info, S, config)) for i in range(self.sets)
         ]
 
     def expand_fns(self, partial, config: ExpandConfig):
@@ -721,9 +651,7 @@ class ModuleCase:
             scale = self.scal[self.req_slots].to(x.dtype)[:, None, None]
             for s in range(len(m.widths)):
                 lo, hi = offs[s], offs[s + 1]
-                out[:, :, lo:hi] += scale * torch.bmm(
-                    xa[:, :, s * R : (s + 1) * R], b[:, lo:hi].transpose(1, 2)
-                )
+                out[:, :, lo:hi] += scale * torch.bmm(xa[:, :, s * R : (s + 1) * R], b[:, lo:hi].transpose(1, 2))
 
         return [(lambda i=i: baseline(i)) for i in range(self.sets)]
 
@@ -743,24 +671,16 @@ def trace_replay(fns: list, device: torch.device, path: Path) -> dict:
         replay()
         torch.cuda.synchronize()
     kernels = [
-        e
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
     ]
     if not kernels:
         return {"kernels": 0}
     t0 = min(e.time_range.start for e in kernels)
     rows = sorted(
-        (
-            (getattr(e, "device_resource_id", 0), e.time_range.start - t0, e.time_range.elapsed_us(), e.name)
-            for e in kernels
-        ),
+        ((getattr(e, "device_resource_id", 0), e.time_range.start - t0, e.time_range.elapsed_us(), e.name) for e in kernels),
         key=lambda r: r[1],
     )
-    path.write_text(
-        "stream,start_us,dur_us,kernel\n"
-        + "".join(f"{r[0]},{r[1]:.2f},{r[2]:.2f},{r[3][:90]!r}\n" for r in rows)
-    )
+    path.write_text("stream,start_us,dur_us,kernel\n" + "".join(f"{r[0]},{r[1]:.2f},{r[2]:.2f},{r[3][:90]!r}\n" for r in rows))
     # A replayed graph runs its branches on streams of its own, so overlap is read from
     # kernel names: LoRA kernels against the base GEMMs (and cuBLAS's split-K reductions).
     lora = [(start, start + dur, name) for _, start, dur, name in rows if "_lora_" in name]
@@ -814,7 +734,6 @@ OVERLAPS = {
     "overlap-delta": OverlapMode.DELTA,
     "overlap-shrink": OverlapMode.SHRINK,
     "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
-    "overlap-auto-dot": None,  # the runtime's join with every tile on the tensor-core dot
     "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
     "overlap-delta-carve32": OverlapMode.DELTA,
     "overlap-shrink-carve16": OverlapMode.SHRINK,
@@ -838,8 +757,6 @@ BACKENDS = {
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
-    "dot-only": lambda: TritonLoRABackend(few_rows=0),  # no FMA path for few-row tiles
-    "overlap-auto-dot": lambda: TritonLoRABackend(few_rows=0),
 }
 
 
@@ -915,9 +832,7 @@ def sweep_variants(w: Workload, m: Module, info, sms: int) -> tuple[ShrinkConfig
         ("shrink only", "shrink"),
         ("expand only", "expand"),
     ]
-    for split in sorted(
-        {max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2} - {sc0.split_k}
-    ):
+    for split in sorted({max(1, sc0.split_k // 4), max(1, sc0.split_k // 2), sc0.split_k * 2} - {sc0.split_k}):
         variants.append((f"split{split}", two(ShrinkConfig(sc0.block_n, sc0.block_k, split), ec0)))
     if info.tile_m <= 16 and sc0.block_k < 256:
         variants.append(("shrink bk256", two(ShrinkConfig(sc0.block_n, 256, max(1, sc0.split_k // 2)), ec0)))
@@ -975,9 +890,7 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
                         "config": config,
                     }
                 )
-                print(
-                    f"sweep {m.name:8s} {w.label():24s} {name:18s} {t * 1e3:8.2f} us  [{config}]", flush=True
-                )
+                print(f"sweep {m.name:8s} {w.label():24s} {name:18s} {t * 1e3:8.2f} us  [{config}]", flush=True)
             except Exception:
                 traceback.print_exc()
     return results
@@ -986,17 +899,12 @@ def sweep(device, modules, workloads, copy_bw, l2_bytes, reps, deadline) -> list
 # -- whole layer -------------------------------------------------------------------------
 
 
-def bench_layer(
-    device, modules, scenarios, reps, layers: int, deadline, tuned=None, trace_dir=None
-) -> list[dict]:
+def bench_layer(device, modules, scenarios, reps, layers: int, deadline, tuned=None, trace_dir=None) -> list[dict]:
     """LoRA of all seven modules (4 apply calls) vs the base GEMMs, over ``layers`` layers' weights."""
     gen = torch.Generator().manual_seed(3)
     dt = torch.bfloat16
     base = [
-        {
-            name: torch.randn(m.out_dim, m.in_dim, device=device, dtype=dt) * 0.02
-            for name, m in modules.items()
-        }
+        {name: torch.randn(m.out_dim, m.in_dim, device=device, dtype=dt) * 0.02 for name, m in modules.items()}
         for _ in range(layers)
     ]
     results = []
@@ -1007,9 +915,7 @@ def bench_layer(
                 continue
             try:
                 label = w.label().replace(" [graph]", "")
-                res = layer_case(
-                    device, modules, base, w, gen, reps, variant, (tuned or {}).get(label), trace_dir
-                )
+                res = layer_case(device, modules, base, w, gen, reps, variant, (tuned or {}).get(label), trace_dir)
                 results.append(res)
                 print(
                     f"layer {w.label():28s} {variant:17s} lora {fmt(res['lora_us'], '7.2f')} us  base {res['base_us']:7.2f} us"
@@ -1023,15 +929,7 @@ def bench_layer(
 
 
 def layer_case(
-    device,
-    modules,
-    base,
-    w: Workload,
-    gen,
-    reps,
-    variant: str = "default",
-    tuned=None,
-    trace_dir: Path | None = None,
+    device, modules, base, w: Workload, gen, reps, variant: str = "default", tuned=None, trace_dir: Path | None = None
 ) -> dict:
     """Three graphs over the same layers: LoRA only, base GEMMs only, both interleaved.
 
@@ -1088,9 +986,7 @@ def layer_case(
     side = torch.cuda.Stream(device) if overlapped and device.type == "cuda" else None
     overlap = OVERLAPS.get(variant) or OverlapPolicy().mode_for(T, info.num_tiles, torch.device("cuda"))
     modes = {
-        name: (OverlapMode.DELTA if name in MIXED_DELTA else OverlapMode.SHRINK)
-        if overlap == "mixed"
-        else overlap
+        name: (OverlapMode.DELTA if name in MIXED_DELTA else OverlapMode.SHRINK) if overlap == "mixed" else overlap
         for name in modules
     }
     gemm_cfgs: dict[str, GemmConfig] = {
@@ -1098,9 +994,7 @@ def layer_case(
     }
     delta_join = variant == "epilogue-auto" and info.num_tiles <= OverlapPolicy().delta_max_tiles
     if variant in TRITON_GEMM:
-        paths = {
-            name: "delta" if delta_join else f"{variant}[{describe(gemm_cfgs[name])}]" for name in modules
-        }
+        paths = {name: "delta" if delta_join else f"{variant}[{describe(gemm_cfgs[name])}]" for name in modules}
     elif overlapped:
         paths = {name: f"{p}+{modes[name].value}" for name, p in paths.items()}
 
@@ -1134,20 +1028,13 @@ def layer_case(
             outs[name] = y
 
     # The overlapped variants have no "LoRA alone": their cost is what they add to the layer.
-    t_lora = (
-        None if overlapped else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
-    )
+    t_lora = None if overlapped else time_replays([lambda i=i: lora_layer(i) for i in range(layers)], device, reps)
     t_base = time_replays([lambda i=i: base_layer(i) for i in range(layers)], device, reps)
     with sm_carveout(CARVEOUTS.get(variant, 0)):
         t_both = time_replays([lambda i=i: both_layer(i) for i in range(layers)], device, reps)
     trace = None
     if trace_dir is not None and device.type == "cuda":
-        name = (
-            f"trace-{w.label()}-{variant}".replace(" ", "_")
-            .replace("[", "")
-            .replace("]", "")
-            .replace("ᵀ", "T")
-        )
+        name = f"trace-{w.label()}-{variant}".replace(" ", "_").replace("[", "").replace("]", "").replace("ᵀ", "T")
         trace = trace_replay([lambda: both_layer(0)], device, trace_dir / f"{name}.csv")
         print(f"trace {w.label()} {variant}: {trace}", flush=True)
     return {
@@ -1213,9 +1100,7 @@ def bench_gemm(device, modules, reps: int, deadline: float, sets: int = 8) -> li
     return results
 
 
-def tune_module(
-    case: ModuleCase, w: Workload, m: Module, device, sms: int, reps: int
-) -> tuple[dict, list[dict]]:
+def tune_module(case: ModuleCase, w: Workload, m: Module, device, sms: int, reps: int) -> tuple[dict, list[dict]]:
     """Coordinate search around the two-launch defaults of one module and batch: the shrink
     (K split, K step) with the default expand, then the expand (column blocks, tile width)
     with the best shrink. Returns the best pair and every timing."""
@@ -1230,9 +1115,7 @@ def tune_module(
     def timed(sc: ShrinkConfig, ec: ExpandConfig) -> float:
         backend = TritonLoRABackend(fused=False, shrink_config=sc, expand_config=ec)
         t = time_replays(case.triton_fns(backend), device, reps) * 1e3
-        tried.append(
-            {"module": m.name, "workload": w.label(), "us": t, "shrink": describe(sc), "expand": describe(ec)}
-        )
+        tried.append({"module": m.name, "workload": w.label(), "us": t, "shrink": describe(sc), "expand": describe(ec)})
         return t
 
     best = {"shrink": sc0, "expand": ec0, "us": timed(sc0, ec0)}
@@ -1327,12 +1210,12 @@ def module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[
         ]
     return [
         (Workload("decode", 1, 1, 16, rank_major_b=True), ALL, ("default", "two-launch")),
-        (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, ("default", "dot-only", "fused")),
-        (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, ("default", "dot-only")),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, ("default", "two-launch", "fused")),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, ("default",)),
         (Workload("decode", 64, 64, 64, rank_major_b=True), ALL, ("default",)),
         (Workload("decode", 64, 64, 16, 1, 64), ("gate_up",), ("default",)),
-        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, ("default", "dot-only")),
-        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, ("default", "dot-only")),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, ("default",)),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, ("default",)),
         (Workload("verify", 64, 64, 16, 8, rank_major_b=True), ("gate_up",), ("default",)),
         (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default",)),
         (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default",)),
@@ -1380,14 +1263,6 @@ def epilogue_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     return [(w, EPILOGUE) for w in LAYER_SHAPES]
 
 
-def rows_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
-    """The layer targets and batch 1, each with and without the FMA path for few-row tiles."""
-    variants = ("default", "overlap-auto", "dot-only", "overlap-auto-dot")
-    if tiny:
-        return [(Workload("decode", 4, 4, 16, rank_major_b=True), variants)]
-    return [(w, variants) for w in LAYER_SHAPES]
-
-
 def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets only: the defaults against the tune phase's configurations."""
     variants = ("default", "overlap-auto", "tuned", "tuned-shrink")
@@ -1413,13 +1288,7 @@ def markdown(env, checks, rows, sweeps, layer, tuned=None) -> str:
             f"| {g['triton_tb_s']:.2f} | {g['ratio']:.3f} | {'*' if g['heuristic'] else ''}{g['config']} |"
             for g in env["gemm"]
         ]
-    lines += [
-        "",
-        "## Correctness (float64 reference)",
-        "",
-        "| check | ok | rel. error | detail |",
-        "|---|---|---|---|",
-    ]
+    lines += ["", "## Correctness (float64 reference)", "", "| check | ok | rel. error | detail |", "|---|---|---|---|"]
     lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.error:.2e} | {c.detail} |" for c in checks]
     lines += [
         "",
@@ -1478,10 +1347,7 @@ def save(out_dir: Path, env, checks, rows, sweeps, layer, tuned=None, tune_recor
         "sweep": sweeps,
         "layer": layer,
         "tuned": {
-            label: {
-                name: {**b, "shrink": asdict(b["shrink"]), "expand": asdict(b["expand"])}
-                for name, b in per.items()
-            }
+            label: {name: {**b, "shrink": asdict(b["shrink"]), "expand": asdict(b["expand"])} for name, b in per.items()}
             for label, per in (tuned or {}).items()
         },
         "tune_record": list(tune_record),
@@ -1511,12 +1377,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--layer",
-        choices=("all", "targets", "epilogue", "rows"),
+        choices=("all", "targets", "epilogue"),
         default="all",
         help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
         " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
-        " Triton GEMM alone against cuBLAS per module) or rows (the targets and batch 1 with and without the"
-        " FMA path for tiles of few rows)",
+        " Triton GEMM alone against cuBLAS per module)",
     )
     args = parser.parse_args()
     t0 = time.time()
@@ -1567,9 +1432,7 @@ def main() -> int:
         print(f"tune done ({time.time() - t0:.0f}s)", flush=True)
         save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     layer_deadline = time.time() + (0.45 if args.layer == "all" else 0.9) * max(0.0, deadline - time.time())
-    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios, "rows": rows_scenarios}.get(
-        args.layer, layer_scenarios
-    )(tiny)
+    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios}.get(args.layer, layer_scenarios)(tiny)
     if not args.tune:
         scenarios = [(w, tuple(v for v in vs if v not in TUNED)) for w, vs in scenarios]
     if args.layer == "epilogue" and "gemm" not in skip:
@@ -1587,9 +1450,7 @@ def main() -> int:
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
     if "bench" not in skip:
-        rows = bench_modules(
-            device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline
-        )
+        rows = bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
     print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     if "sweep" not in skip:
@@ -1608,9 +1469,7 @@ def main() -> int:
         )
     print("== modules: triton us / torch us / %copyBW ==")
     for r in rows:
-        print(
-            f"{r.module:7s} {r.workload:26s} {r.variant:10s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%"
-        )
+        print(f"{r.module:7s} {r.workload:26s} {r.variant:10s} {r.triton_us:7.2f} {r.torch_us:8.2f} {100 * r.bw_frac:5.1f}%")
     failed = [c.name for c in checks if not c.ok] + (["barrier timed out"] if env["barrier_timeouts"] else [])
     print(f"correctness {env['correctness']}; failed: {failed}; total {time.time() - t0:.0f}s")
     return 1 if failed else 0

@@ -71,9 +71,7 @@ def write_model_config(dest: Path, preset: str) -> Path:
     return dest
 
 
-def write_random_adapter(
-    dest: Path, arch: ModelArchConfig, *, rank: int, seed: int, modules=DEFAULT_LORA_MODULES
-) -> Path:
+def write_random_adapter(dest: Path, arch: ModelArchConfig, *, rank: int, seed: int, modules=DEFAULT_LORA_MODULES) -> Path:
     """A PEFT-format adapter (config + safetensors) with random A and B for ``modules``."""
     from safetensors.torch import save_file
 
@@ -85,20 +83,10 @@ def write_random_adapter(
             in_dim, out_dim = arch.module_dims(module)
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(
-                torch.bfloat16
-            )
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(
-                torch.bfloat16
-            )
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(torch.bfloat16)
     save_file(tensors, str(dest / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(modules),
-        "bias": "none",
-    }
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "bias": "none"}
     (dest / "adapter_config.json").write_text(json.dumps(config))
     return dest
 
@@ -129,9 +117,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(
-    runner: ModelRunner, rids: list[str], names: list[str | None], prompt_len: int, seed: int
-) -> None:
+def prefill(runner: ModelRunner, rids: list[str], names: list[str | None], prompt_len: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, runner.vocab_size, (prompt_len,), generator=gen) for _ in rids]
     chunk = max(1, 8192 // prompt_len)  # prefill in batches that keep activations modest
@@ -223,9 +209,7 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1b", help="comma list of presets: " + ", ".join(PRESETS))
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--adapters", type=int, default=8)
@@ -328,10 +312,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
         if checks["backend_vs_torch_reference"] > 2e-2 or checks["graph_vs_eager"] > 2e-2:
             raise RuntimeError(f"LoRA path disagrees with its references: {checks}")
         for bs in args.batch_sizes:
-            print(
-                f"{size} attention {args.attention_backend}: batch {bs} at {time.perf_counter() - t0:.1f} s",
-                flush=True,
-            )
+            print(f"{size} attention {args.attention_backend}: batch {bs} at {time.perf_counter() - t0:.1f} s", flush=True)
             base = measure(runner, bs, [None] * bs, args, f"base{bs}")
             names = [f"a{i % args.adapters}" for i in range(bs)]
             lora = measure(runner, bs, names, args, f"lora{bs}")

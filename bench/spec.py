@@ -502,12 +502,8 @@ class EagleHead(torch.nn.Module):
             shifted_v = []
             for r in range(2, step):  # the step-r chain entry at j - step + r
                 shift = step - r
-                k_r = torch.cat(
-                    [keys[r - 1][:, :, :1].expand(-1, -1, shift, -1), keys[r - 1][:, :, :-shift]], 2
-                )
-                v_r = torch.cat(
-                    [values[r - 1][:, :, :1].expand(-1, -1, shift, -1), values[r - 1][:, :, :-shift]], 2
-                )
+                k_r = torch.cat([keys[r - 1][:, :, :1].expand(-1, -1, shift, -1), keys[r - 1][:, :, :-shift]], 2)
+                v_r = torch.cat([values[r - 1][:, :, :1].expand(-1, -1, shift, -1), values[r - 1][:, :, :-shift]], 2)
                 scores.append((q_s * k_r).sum(-1, keepdim=True) * scale)
                 shifted_v.append(v_r)
             scores.append((q_s * k_s).sum(-1, keepdim=True) * scale)
@@ -565,15 +561,11 @@ class EagleTraining:
     lr: float
     teacher_fraction: float = 0.5
     noise: float = 0.0  # EAGLE's uniform feature noise U(-noise, noise) on the step-1 input
-    unroll: int = (
-        2  # draft steps trained per position: 1 teacher forcing only; s > 1 also steps 2..s on own features
-    )
+    unroll: int = 2  # draft steps trained per position: 1 teacher forcing only; s > 1 also steps 2..s on own features
     feature_weight: float = 0.1  # smooth-L1 on the feature, next to KL to the target on the token
     seed: int = 4
     max_steps: int | None = None  # also ends training (a shared CPU trains as far as an idle one)
-    cache_gib: float = (
-        0.0  # > 0: the target's features of every training window computed once, up to this size
-    )
+    cache_gib: float = 0.0  # > 0: the target's features of every training window computed once, up to this size
 
 
 def target_features(target, window: torch.Tensor) -> torch.Tensor:
@@ -1145,9 +1137,7 @@ def first_difference_gap(
 
 def gap_of(runner: ModelRunner, work: Workload, outs_a: list[list[int]], outs_b: list[list[int]]):
     """The ``gap`` argument of :func:`identity_by_kind` for two runs of ``work``."""
-    return lambda i, at: first_difference_gap(
-        runner, work.prompts[i], work.adapters[i], outs_a[i], outs_b[i], at
-    )
+    return lambda i, at: first_difference_gap(runner, work.prompts[i], work.adapters[i], outs_a[i], outs_b[i], at)
 
 
 # --------------------------------------------------------------------------- main
@@ -1308,9 +1298,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.eagle_unroll < 1:
-        ap.error(
-            f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}"
-        )
+        ap.error(f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}")
     if args.c1_requests < 1:
         raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
@@ -1584,9 +1572,7 @@ def parse_k_sweep(value: str) -> list[int]:
     return ks
 
 
-def _k_sweep(
-    ks, name, base_config, runner, sampler, pool, opts: MeasureOptions, off, bench, details, rows, notes
-):
+def _k_sweep(ks, name, base_config, runner, sampler, pool, opts: MeasureOptions, off, bench, details, rows, notes):
     """``name``'s draft at concurrency 1 with each other verify width in ``ks``: a decoder of
     its own per width (its draft runner and graphs), the same workload and baseline."""
     for width in ks:
@@ -1603,11 +1589,7 @@ def _k_sweep(
         decoder = build_decoder(config=config, runner=runner, sampler=sampler)
         try:
             sweep_opts = replace(opts, k=width, profile=None, phases=None)
-            rows.append(
-                _measure_spec(
-                    config, runner, decoder, f"{name}-k{width}", pool, 1, sweep_opts, off, bench, details
-                )
-            )
+            rows.append(_measure_spec(config, runner, decoder, f"{name}-k{width}", pool, 1, sweep_opts, off, bench, details))
         except Exception as exc:
             notes.append(f"--k-sweep k = {width} failed: {type(exc).__name__}: {exc}")
             log(notes[-1])
@@ -1778,18 +1760,16 @@ def _measure_off(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple[
     return bench, run_workload(config, runner, plain, bench, c, f"off-{c}")
 
 
-def _plain_floor(
-    runner: ModelRunner, plain_runs: dict[int, tuple[Workload, RunResult]], lo: int, c: int
-) -> dict:
+def _plain_floor(runner: ModelRunner, plain_runs: dict[int, tuple[Workload, RunResult]], lo: int, c: int) -> dict:
     """Plain decoding at concurrency ``lo`` against concurrency ``c`` on the prompts both ran
     (the workloads share their first prompts): divergence from batch shape alone."""
     (work_lo, run_lo), (work_c, run_c) = plain_runs[lo], plain_runs[c]
     n = min(len(work_lo.prompts), len(work_c.prompts))
     outs_lo = [run_lo.outputs[f"off-{lo}-{i}"] for i in range(n)]
     outs_c = [run_c.outputs[f"off-{c}-{i}"] for i in range(n)]
-    return identity_by_kind(
-        work_lo.adapters[:n], outs_lo, outs_c, gap_of(runner, work_lo, outs_lo, outs_c)
-    ) | {"against": lo}
+    return identity_by_kind(work_lo.adapters[:n], outs_lo, outs_c, gap_of(runner, work_lo, outs_lo, outs_c)) | {
+        "against": lo
+    }
 
 
 def _measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
@@ -2473,11 +2453,7 @@ def _identity_table(rows: list[Row], details: dict) -> list[str]:
         first, gap = d["mean_first_divergence"], d.get("max_gap")
         if first is None:
             return f"{d['identical']}/{d['count']}"
-        return (
-            f"{d['identical']}/{d['count']} (first diff at {first}"
-            + ("" if gap is None else f"; gap ≤ {gap}")
-            + ")"
-        )
+        return f"{d['identical']}/{d['count']} (first diff at {first}" + ("" if gap is None else f"; gap ≤ {gap}") + ")"
 
     lines = [
         "",

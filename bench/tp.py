@@ -91,19 +91,10 @@ def write_adapter(dest: Path, arch: ModelArchConfig, *, rank: int, seed: int) ->
             in_dim, out_dim = arch.module_dims(module)
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(
-                torch.bfloat16
-            )
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(
-                torch.bfloat16
-            )
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(torch.bfloat16)
     save_file(tensors, str(dest / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(DEFAULT_LORA_MODULES),
-    }
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(DEFAULT_LORA_MODULES)}
     (dest / "adapter_config.json").write_text(json.dumps(config))
     return dest
 
@@ -144,9 +135,7 @@ def equality(tp: ModelRunner, ref: ModelRunner, ref32: ModelRunner, args) -> dic
     runners = {"tp": tp, "ref": ref, "ref32": ref32}
     logits = {k: [] for k in runners}
     for key, runner in runners.items():
-        batch = ForwardBatch(
-            ForwardMode.EXTEND, rids, torch.cat(prompts), extend_lens=lens, return_all_logits=True
-        )
+        batch = ForwardBatch(ForwardMode.EXTEND, rids, torch.cat(prompts), extend_lens=lens, return_all_logits=True)
         logits[key].append(runner.forward(batch).logits.float().cpu())
     ends = torch.tensor(lens).cumsum(0) - 1
     nxt = logits["ref32"][0][ends].argmax(-1)  # every runner is fed float32's greedy choice
@@ -192,15 +181,11 @@ def decode_rate(runner: ModelRunner, bs: int, names: list[str | None], args, tag
         last.append(runner.forward(batch).logits.argmax(-1))
     tokens = torch.cat(last)
     for _ in range(args.warmup):
-        tokens = runner.forward(
-            ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)
-        ).logits.argmax(-1)
+        tokens = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)).logits.argmax(-1)
     sync(runner)
     start = time.perf_counter()
     for _ in range(args.steps):
-        tokens = runner.forward(
-            ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)
-        ).logits.argmax(-1)
+        tokens = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)).logits.argmax(-1)
     tokens.tolist()  # the host needs the tokens each step in serving; wait for the last
     elapsed = time.perf_counter() - start
     for rid in rids:
@@ -281,9 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-preset", default="1b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
-    p.add_argument(
-        "--adapters", type=int, default=8, help="distinct adapters in the LoRA rows (0: base only)"
-    )
+    p.add_argument("--adapters", type=int, default=8, help="distinct adapters in the LoRA rows (0: base only)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=64)
@@ -306,9 +289,7 @@ def main(argv=None) -> int:
     from loraserve.runtime.model.arch import load_arch_config
 
     arch = load_arch_config(model_dir)
-    adapters = {
-        f"a{i}": write_adapter(root / f"a{i}", arch, rank=args.rank, seed=i) for i in range(args.adapters)
-    }
+    adapters = {f"a{i}": write_adapter(root / f"a{i}", arch, rank=args.rank, seed=i) for i in range(args.adapters)}
     names_cycle = [*adapters] or [None]
 
     options = TPOptions(collective_timeout_s=120, control_timeout_s=60, heartbeat_s=5, startup_timeout_s=600)
@@ -325,17 +306,12 @@ def main(argv=None) -> int:
         del ref32
         rates = []
         for bs in args.batch_sizes:
-            for label, names in (
-                ("base", [None] * bs),
-                ("lora", [names_cycle[i % len(names_cycle)] for i in range(bs)]),
-            ):
+            for label, names in (("base", [None] * bs), ("lora", [names_cycle[i % len(names_cycle)] for i in range(bs)])):
                 if label == "lora" and not adapters:
                     continue
                 one = decode_rate(ref, bs, names, args, f"ref-{label}-{bs}")
                 many = decode_rate(tp, bs, names, args, f"tp-{label}-{bs}")
-                rates.append(
-                    {"bs": bs, "rows": label, "tp1_tok_s": one, "tp_tok_s": many, "speedup": many / one}
-                )
+                rates.append({"bs": bs, "rows": label, "tp1_tok_s": one, "tp_tok_s": many, "speedup": many / one})
                 print(json.dumps(rates[-1]), flush=True)
         results["throughput"] = rates
         del ref

@@ -37,9 +37,7 @@ class LoRABackend(abc.ABC):
     name: str = "abstract"
 
     @abc.abstractmethod
-    def shrink(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int = 1
-    ) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int = 1) -> torch.Tensor:
         """``xa[rows] = x[rows] @ A[slot]ᵀ`` per segment; returns ``[T, num_slices*max_rank]``.
 
         Columns past a slot's rank and rows of base-model requests are left unspecified:
@@ -74,9 +72,7 @@ class LoRABackend(abc.ABC):
         xa = self.shrink(x, A, info, num_slices=len(slice_offsets) - 1)
         self.expand(xa, B, info, out, slice_offsets)
 
-    def shrink_stage(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int
-    ) -> torch.Tensor:
+    def shrink_stage(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> torch.Tensor:
         """The first half of :meth:`apply`: an intermediate only :meth:`expand_stage` reads.
 
         Split so a caller can run the shrink beside other work (the base GEMM on another
@@ -122,7 +118,9 @@ class LoRABackend(abc.ABC):
         self.expand(xa, B_emb, info, out, (0, out.shape[-1]))
 
 
-def check_shapes(x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> tuple[int, int]:
+def check_shapes(
+    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int
+) -> tuple[int, int]:
     """Validate shrink inputs; returns ``(max_rank, in_dim)``. Shared by the backends."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, in_dim], got shape {tuple(x.shape)}")
@@ -169,9 +167,7 @@ def check_expand_shapes(
     return max_rank
 
 
-def check_triton_device(
-    tensors: tuple[torch.Tensor, ...], what: str, cpu_hint: str = "set TRITON_INTERPRET=1"
-) -> None:
+def check_triton_device(tensors: tuple[torch.Tensor, ...], what: str, cpu_hint: str = "set TRITON_INTERPRET=1") -> None:
     """All of ``tensors`` on one device, and that device one Triton can run on: CUDA, or the
     CPU under the interpreter. ``what`` names the caller in the errors, ``cpu_hint`` the fix."""
     device = tensors[0].device

@@ -114,9 +114,7 @@ class GraphLoRAMetadata:
         self._device_buf = torch.zeros_like(template, device=self.device)
         # The host twin is pinned so the per-replay copy is asynchronous; on the CPU the
         # device buffer is written directly.
-        self._host_buf = (
-            torch.zeros(template.shape, dtype=torch.int32, pin_memory=True) if on_cuda else self._device_buf
-        )
+        self._host_buf = torch.zeros(template.shape, dtype=torch.int32, pin_memory=True) if on_cuda else self._device_buf
         self._copy_done = torch.cuda.Event() if on_cuda else None
         self._infos: dict[int, LoRABatchInfo] = {}
         self._captured: set[int] = set()
@@ -243,11 +241,7 @@ class GraphLoRAMetadata:
         # Decode and verify steps of one running batch repeat the same layout step after
         # step: the buffers already hold it, so skip the host work and the copy (the
         # layout is on the critical path between two steps).
-        key = (
-            tuple(int(s) for s in slots),
-            tuple(int(r) for r in lora_ranks),
-            tuple(float(v) for v in scalings),
-        )
+        key = (tuple(int(s) for s in slots), tuple(int(r) for r in lora_ranks), tuple(float(v) for v in scalings))
         if self._written == (*key, batch_size):
             return self.info_for(batch_size)
         self._written = None  # a failed write leaves nothing to trust
@@ -268,17 +262,10 @@ class GraphLoRAMetadata:
         check_slots(padded, lora_ranks, scalings)
         lens = None if self._extend_len is None else [self._extend_len] * batch_size
         layout = host_layout(
-            self.mode,
-            padded,
-            lora_ranks,
-            extend_lens=lens,
-            num_draft_tokens=self._draft_tokens,
-            tile_m=self.tile_m,
+            self.mode, padded, lora_ranks, extend_lens=lens, num_draft_tokens=self._draft_tokens, tile_m=self.tile_m
         )
         # Extend keeps request order (no permutation); the buffer's is then the identity.
-        permutation = (
-            layout.permutation if layout.permutation is not None else list(range(layout.total_tokens))
-        )
+        permutation = layout.permutation if layout.permutation is not None else list(range(layout.total_tokens))
         capacity = self.capacity(batch_size)
         assert len(layout.tiles) <= capacity, (len(layout.tiles), capacity)
 
@@ -300,9 +287,7 @@ class GraphLoRAMetadata:
         }
         for name, values in sections.items():
             self._view(host, name, values.numel()).copy_(values)
-        table, rows = tile_tables(
-            layout.tiles, layout.weight_indices, permutation, lora_ranks, scalings, self.tile_m
-        )
+        table, rows = tile_tables(layout.tiles, layout.weight_indices, permutation, lora_ranks, scalings, self.tile_m)
         tiles = self._tiles_view(host, capacity)
         tiles.fill_(0)
         tiles[:, 0] = -1  # unused entries: programs that stop at once

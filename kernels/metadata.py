@@ -176,7 +176,9 @@ def check_slots(slots: Sequence[int], lora_ranks: Sequence[int], scalings: Seque
     """Reject slot ids outside the pool and rank/scaling lists of different lengths."""
     num_slots = len(lora_ranks)
     if len(scalings) != num_slots:
-        raise ValueError(f"{len(scalings)} scalings for {num_slots} slots: pass one scaling per pool slot")
+        raise ValueError(
+            f"{len(scalings)} scalings for {num_slots} slots: pass one scaling per pool slot"
+        )
     for slot, rank in enumerate(lora_ranks):
         if int(rank) < 0:
             raise ValueError(f"lora_ranks[{slot}] is {rank}: ranks must be >= 0")
@@ -279,9 +281,7 @@ def tile_tables(
     return table, rows
 
 
-def pack_int32(
-    sections: Sequence[Sequence[int] | torch.Tensor],
-) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def pack_int32(sections: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Concatenate sections into one int32 host tensor, each section 16-byte aligned.
 
     Returns the tensor and each section's ``(offset, length)``. A float32 section is
@@ -422,9 +422,7 @@ def ensure_tiles(info: LoRABatchInfo, tile_m: int | None = None) -> LoRABatchInf
     if info.tiles is not None and info.tile_rows is not None and (tile_m is None or tile_m == info.tile_m):
         if info.live_tiles is None:
             # A hand-built table: every entry counts; slot -1 entries stop at once.
-            info.live_tiles = to_device_once(
-                torch.tensor([info.num_tiles], dtype=torch.int32), info.tiles.device
-            )
+            info.live_tiles = to_device_once(torch.tensor([info.num_tiles], dtype=torch.int32), info.tiles.device)
         return info
     tile_m = tile_m or default_tile_m(info.mode, info.max_segment_len)
     tiles = segment_tiles(info.seg_indptr_cpu, info.weight_indices_cpu, info.lora_ranks_cpu, tile_m)

@@ -13,9 +13,7 @@ class TorchLoRABackend(LoRABackend):
 
     name = "torch"
 
-    def shrink(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int = 1
-    ) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int = 1) -> torch.Tensor:
         max_rank, _ = check_shapes(x, A, info, num_slices)
         xa = torch.zeros(x.shape[0], num_slices * max_rank, dtype=x.dtype, device=x.device)
         for seg in range(info.num_segments):

@@ -13,11 +13,9 @@ Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
-from typing import TypeVar
 
 import torch
 
@@ -34,7 +32,7 @@ from .triton_ops import (
     pick_fused,
     pick_shrink,
 )
-from .triton_ops.configs import FEW_ROWS_MAX, FUSED_MAX_COL_BLOCKS
+from .triton_ops.configs import FUSED_MAX_COL_BLOCKS
 from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
@@ -44,7 +42,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # barrier that gives up leaves that batch's LoRA delta wrong. It saves ~1 µs per module at
 # batch 1-2 only (bench/KERNELS-NOTES.md).
 FUSED_ENV = "LORASERVE_LORA_FUSED"
-_Config = TypeVar("_Config", ShrinkConfig, ExpandConfig)
 _INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
 DEFAULT_PDL = False
 
@@ -93,8 +90,7 @@ class TritonLoRABackend(LoRABackend):
     relies on every program being resident, which a GPU shared through MPS with an SM
     limit can break). True takes it wherever the module allows (up to three slices), False
     never; ``fused_config`` pins its configuration. PDL and pinned shrink/expand
-    configurations use two launches. ``few_rows`` overrides the configurations' FMA-path
-    threshold (tiles with at most that many live rows; 0: every tile on the tensor-core dot).
+    configurations use two launches.
     """
 
     name = "triton"
@@ -107,11 +103,7 @@ class TritonLoRABackend(LoRABackend):
         pdl: bool = DEFAULT_PDL,
         fused: bool | None = None,
         fused_config: FusedConfig | None = None,
-        few_rows: int | None = None,
     ) -> None:
-        if few_rows is not None and not 0 <= few_rows <= FEW_ROWS_MAX:
-            raise ValueError(f"few_rows must be 0..{FEW_ROWS_MAX}, got {few_rows}")
-        self.few_rows = few_rows
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
@@ -125,43 +117,32 @@ class TritonLoRABackend(LoRABackend):
 
     # -- configuration -------------------------------------------------------------------
 
-    def shrink_config(
-        self, info: LoRABatchInfo, x: torch.Tensor, num_slices: int, max_rank: int
-    ) -> ShrinkConfig:
+    def shrink_config(self, info: LoRABatchInfo, x: torch.Tensor, num_slices: int, max_rank: int) -> ShrinkConfig:
         """The shrink's launch configuration for this module and batch capacity."""
         if self.shrink_config_override is not None:
-            return self._with_few_rows(self.shrink_config_override)
-        return self._with_few_rows(
-            pick_shrink(
-                num_tiles=info.num_tiles,
-                tile_m=info.tile_m,
-                num_slices=num_slices,
-                max_rank=max_rank,
-                in_dim=x.shape[1],
-                dtype=x.dtype,
-                num_sms=_sm_count(x.device),
-            )
+            return self.shrink_config_override
+        return pick_shrink(
+            num_tiles=info.num_tiles,
+            tile_m=info.tile_m,
+            num_slices=num_slices,
+            max_rank=max_rank,
+            in_dim=x.shape[1],
+            dtype=x.dtype,
+            num_sms=_sm_count(x.device),
         )
 
-    def expand_config(
-        self, info: LoRABatchInfo, B: torch.Tensor, slice_offsets: tuple[int, ...]
-    ) -> ExpandConfig:
+    def expand_config(self, info: LoRABatchInfo, B: torch.Tensor, slice_offsets: tuple[int, ...]) -> ExpandConfig:
         """The expand's launch configuration."""
         if self.expand_config_override is not None:
-            return self._with_few_rows(self.expand_config_override)
-        return self._with_few_rows(
-            pick_expand(
-                num_tiles=info.num_tiles,
-                tile_m=info.tile_m,
-                widths=tuple(b - a for a, b in itertools.pairwise(slice_offsets)),
-                max_rank=B.shape[2],
-                dtype=B.dtype,
-                num_sms=_sm_count(B.device),
-            )
+            return self.expand_config_override
+        return pick_expand(
+            num_tiles=info.num_tiles,
+            tile_m=info.tile_m,
+            widths=tuple(b - a for a, b in itertools.pairwise(slice_offsets)),
+            max_rank=B.shape[2],
+            dtype=B.dtype,
+            num_sms=_sm_count(B.device),
         )
-
-    def _with_few_rows(self, config: _Config) -> _Config:
-        return config if self.few_rows is None else dataclasses.replace(config, few_rows=self.few_rows)
 
     def fused_config(
         self, info: LoRABatchInfo, x: torch.Tensor, B: torch.Tensor, slice_offsets: tuple[int, ...]
@@ -282,28 +263,18 @@ class TritonLoRABackend(LoRABackend):
                 return
         partial = self._shrink_partials(x, A, info, num_slices, max_rank)
         launch_expand(
-            partial,
-            B,
-            out,
-            info,
-            slice_offsets,
-            self.expand_config(info, B, slice_offsets),
-            pdl=self._pdl(x.device),
+            partial, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=self._pdl(x.device)
         )
 
     def _shrink_partials(
         self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int, max_rank: int
     ) -> torch.Tensor:
         config = self.shrink_config(info, x, num_slices, max_rank)
-        partial = torch.empty(
-            config.split_k, x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device
-        )
+        partial = torch.empty(config.split_k, x.shape[0], num_slices * max_rank, dtype=torch.float32, device=x.device)
         launch_shrink(x, A, partial, info, num_slices, config, pdl=self._pdl(x.device))
         return partial
 
-    def shrink_stage(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int
-    ) -> torch.Tensor:
+    def shrink_stage(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> torch.Tensor:
         """Split-K partial sums ``[split, T, slices*max_rank]`` (float32) for :meth:`expand_stage`."""
         max_rank, _ = check_shapes(x, A, info, num_slices)
         _check_runtime(x, A)
@@ -324,9 +295,7 @@ class TritonLoRABackend(LoRABackend):
         """Add the delta from :meth:`shrink_stage`'s partial sums into ``out``."""
         slice_offsets = tuple(slice_offsets)
         if stage.dim() != 3:
-            raise ValueError(
-                f"expand_stage takes shrink_stage's [split, T, width] partials, got {tuple(stage.shape)}"
-            )
+            raise ValueError(f"expand_stage takes shrink_stage's [split, T, width] partials, got {tuple(stage.shape)}")
         check_expand_shapes(stage.shape[1:], B, info, out, slice_offsets)
         _check_runtime(stage, B, out)
         _check_ranks(info, B.shape[0], B.shape[2])
@@ -334,11 +303,5 @@ class TritonLoRABackend(LoRABackend):
         if out.shape[0] == 0 or info.num_tiles == 0:
             return
         launch_expand(
-            stage,
-            B,
-            out,
-            info,
-            slice_offsets,
-            self.expand_config(info, B, slice_offsets),
-            pdl=self._pdl(out.device),
+            stage, B, out, info, slice_offsets, self.expand_config(info, B, slice_offsets), pdl=self._pdl(out.device)
         )

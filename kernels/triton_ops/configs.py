@@ -19,10 +19,6 @@ PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before 
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
 MAX_PARTIAL_COLUMNS = 256
-# Tiles with at most this many live rows take the kernels' FMA path (shrink_rows,
-# expand_rows) instead of a 16-row tensor-core dot: decode with many adapters, short
-# verify blocks. Both FMA paths are written for four rows.
-FEW_ROWS_MAX = 4
 
 # Single-launch (fused) path: programs resident together (a grid barrier needs all of
 # them at once; two per SM fit whatever the kernel uses). The automatic choice takes it
@@ -47,10 +43,6 @@ class ShrinkConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    few_rows: int = FEW_ROWS_MAX  # tiles with this many live rows or fewer take the FMA path; 0: never
-
-    def __post_init__(self) -> None:
-        _check_few_rows(self.few_rows)
 
 
 @dataclass(frozen=True)
@@ -63,10 +55,6 @@ class ExpandConfig:
     col_blocks: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    few_rows: int = FEW_ROWS_MAX  # as ShrinkConfig.few_rows
-
-    def __post_init__(self) -> None:
-        _check_few_rows(self.few_rows)
 
 
 @dataclass(frozen=True)
@@ -84,13 +72,6 @@ class FusedConfig:
     shrink_block_r: int = 16
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _check_few_rows(few_rows: int) -> None:
-    if not 0 <= few_rows <= FEW_ROWS_MAX:
-        raise ValueError(
-            f"few_rows must be 0..{FEW_ROWS_MAX} (the FMA paths are written for {FEW_ROWS_MAX} rows), got {few_rows}"
-        )
 
 
 def next_pow2(n: int) -> int:
@@ -218,10 +199,7 @@ def pick_fused(
         max(1, cdiv(in_dim, block_k) // FUSED_MIN_K_BLOCKS_PER_SPLIT),
         max(1, MAX_PARTIAL_COLUMNS // block_r),
     )
-    if (
-        max_col_blocks <= FUSED_MAX_COL_BLOCKS
-        and cdiv(cdiv(in_dim, block_k), split_limit) > FUSED_MAX_K_STEPS_PER_SPLIT
-    ):
+    if max_col_blocks <= FUSED_MAX_COL_BLOCKS and cdiv(cdiv(in_dim, block_k), split_limit) > FUSED_MAX_K_STEPS_PER_SPLIT:
         return None  # a long K loop per program: the two-launch shrink hides it better
     programs = max(1, min(capacity, max(blocks, per_tile * split_limit)))
     # The partial sums' buffer holds the most splits any batch may use: one live tile.

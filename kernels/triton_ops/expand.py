@@ -8,13 +8,6 @@ column group. A program issues its first block's B and output loads, loads its t
 blocks of ``B`` and ``out``, always loading the next block before storing the current
 one. The per-program cost (metadata, ``xa``) is paid once per group, not per block.
 The pieces are shared with the single-launch kernel in :mod:`.fused`.
-
-Tiles of at most ``few_rows`` live rows take :func:`expand_rows`: no tensor-core dot,
-whose operand and result layouts go through shared memory for all 16 rows of a tile
-(Nsight Compute on the H200: the expand's L1/shared pipe near 80% busy at half the DRAM
-bandwidth, bench/KERNELS-NOTES.md run 8). The FMA path reads B in blocks as wide as
-the program's threads cover (each thread holds every rank of its 16 bytes of columns), so
-the reduction over the rank stays in registers.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ import triton.language as tl
 from ..metadata import LoRABatchInfo
 from .configs import ExpandConfig, cdiv, next_pow2
 from .pdl import gdc_launch_dependents, gdc_wait
-from .shrink import _tile_row, dot_precision, upcast_dot
+from .shrink import dot_precision, upcast_dot
 
 MAX_SLICES_PER_LAUNCH = 3
 
@@ -41,9 +34,7 @@ def _load_xa(xa_ptrs, mask, cols, stride_xs, split, SPLIT_K: tl.constexpr, XA_CA
     xa = tl.load(xa_ptrs, mask=mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
         part_mask = mask & (cols < tl.where(s < split, 1 << 30, 0))
-        xa += tl.load(xa_ptrs + s * stride_xs, mask=part_mask, other=0.0, cache_modifier=XA_CACHE).to(
-            tl.float32
-        )
+        xa += tl.load(xa_ptrs + s * stride_xs, mask=part_mask, other=0.0, cache_modifier=XA_CACHE).to(tl.float32)
     return xa
 
 
@@ -184,9 +175,7 @@ def expand_stream(
         offs_next = offs_n + BLOCK_N
         next_mask = offs_next < n_end
         b_cols_next = b_slot + offs_next[None, :].to(tl.int64) * stride_bn
-        bt_next = tl.load(
-            b_cols_next + offs_r[:, None] * stride_br, mask=r_mask[:, None] & next_mask[None, :], other=0.0
-        )
+        bt_next = tl.load(b_cols_next + offs_r[:, None] * stride_br, mask=r_mask[:, None] & next_mask[None, :], other=0.0)
         base_next = tl.load(
             out_rows + offs_next[None, :] * stride_on, mask=m_mask[:, None] & next_mask[None, :], other=0.0
         )
@@ -209,9 +198,7 @@ def expand_stream(
                     SPLIT_K,
                     XA_CACHE,
                 ).to(b_ptr.dtype.element_ty)
-                br = tl.load(
-                    b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0
-                )
+                br = tl.load(b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0)
                 if UPCAST_DOT:
                     acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
                 else:
@@ -224,119 +211,6 @@ def expand_stream(
         )
         bt = bt_next
         base = base_next
-
-
-RANK_CHUNK = tl.constexpr(4)  # ranks of B an FMA step holds: few registers per thread, however wide the block
-
-
-@triton.jit
-def expand_rows(
-    xa_ptr,
-    b_ptr,
-    out_ptr,
-    slot,
-    rank,
-    scale,
-    rows_ptr,
-    slice_id,
-    n_first,
-    n_end,
-    max_rank,
-    xa_col0,
-    split,
-    stride_xs,
-    stride_xm,
-    stride_xr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_om,
-    stride_on,
-    SPLIT_K: tl.constexpr,
-    ROWS_N: tl.constexpr,
-):
-    """``out[rows, n_first:n_end] += scale * xa[rows] @ B[slot]ᵀ`` for a tile of at most
-    four live rows (the first four entries of ``rows_ptr``), ``ROWS_N`` columns a block, on
-    CUDA-core FMAs. The rank is walked ``RANK_CHUNK`` at a time up to the slot's own rank,
-    the next chunk's B loads issued before this chunk's arithmetic; ``xa`` is rounded to
-    B's dtype first, as the dot path does."""
-    r0, v0 = _tile_row(rows_ptr, 0)
-    r1, v1 = _tile_row(rows_ptr, 1)
-    r2, v2 = _tile_row(rows_ptr, 2)
-    r3, v3 = _tile_row(rows_ptr, 3)
-    xa_cols = xa_ptr + (xa_col0 + slice_id * max_rank) * stride_xr
-    x0 = xa_cols + r0 * stride_xm
-    x1 = xa_cols + r1 * stride_xm
-    x2 = xa_cols + r2 * stride_xm
-    x3 = xa_cols + r3 * stride_xm
-    # A dead row reads nothing (its xa is zero): rank 0 rather than a combined mask.
-    k0 = tl.where(v0, rank, 0)
-    k1 = tl.where(v1, rank, 0)
-    k2 = tl.where(v2, rank, 0)
-    k3 = tl.where(v3, rank, 0)
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    offs_c = tl.arange(0, RANK_CHUNK)
-    dt = b_ptr.dtype.element_ty
-    for n in range(n_first, n_end, ROWS_N):
-        offs_n = n + tl.arange(0, ROWS_N)
-        n_mask = offs_n < n_end
-        b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
-        bt = tl.load(
-            b_cols + offs_c[:, None] * stride_br, mask=(offs_c < rank)[:, None] & n_mask[None, :], other=0.0
-        )
-        d0 = tl.zeros((ROWS_N,), dtype=tl.float32)
-        d1 = tl.zeros((ROWS_N,), dtype=tl.float32)
-        d2 = tl.zeros((ROWS_N,), dtype=tl.float32)
-        d3 = tl.zeros((ROWS_N,), dtype=tl.float32)
-        for c in range(0, rank, RANK_CHUNK):
-            nc = c + RANK_CHUNK + offs_c
-            bt_next = tl.load(
-                b_cols + nc[:, None] * stride_br, mask=(nc < rank)[:, None] & n_mask[None, :], other=0.0
-            )
-            cc = c + offs_c
-            bf = bt.to(tl.float32)
-            d0 += tl.sum(
-                _xa_chunk(x0, cc, k0, stride_xr, stride_xs, split, SPLIT_K, dt)[:, None] * bf, axis=0
-            )
-            d1 += tl.sum(
-                _xa_chunk(x1, cc, k1, stride_xr, stride_xs, split, SPLIT_K, dt)[:, None] * bf, axis=0
-            )
-            d2 += tl.sum(
-                _xa_chunk(x2, cc, k2, stride_xr, stride_xs, split, SPLIT_K, dt)[:, None] * bf, axis=0
-            )
-            d3 += tl.sum(
-                _xa_chunk(x3, cc, k3, stride_xr, stride_xs, split, SPLIT_K, dt)[:, None] * bf, axis=0
-            )
-            bt = bt_next
-        cols = offs_n * stride_on
-        if v0:
-            _add_row(out_ptr + r0 * stride_om + cols, n_mask, d0, scale)
-        if v1:
-            _add_row(out_ptr + r1 * stride_om + cols, n_mask, d1, scale)
-        if v2:
-            _add_row(out_ptr + r2 * stride_om + cols, n_mask, d2, scale)
-        if v3:
-            _add_row(out_ptr + r3 * stride_om + cols, n_mask, d3, scale)
-
-
-@triton.jit
-def _xa_chunk(row_ptr, cols, rank, stride_xr, stride_xs, split, SPLIT_K: tl.constexpr, DTYPE: tl.constexpr):
-    """Ranks ``cols`` of one row's ``xa``: the sum of the first ``split`` partials, zero
-    past the slot's rank (the partial sums leave those columns unspecified), rounded to
-    ``DTYPE``, in float32."""
-    ptrs = row_ptr + cols * stride_xr
-    xa = tl.load(ptrs, mask=cols < rank, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLIT_K):
-        xa += tl.load(ptrs + s * stride_xs, mask=cols < tl.where(s < split, rank, 0), other=0.0).to(
-            tl.float32
-        )
-    return xa.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _add_row(ptrs, mask, delta, scale):
-    base = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, (base.to(tl.float32) + delta * scale).to(base.dtype), mask=mask)
 
 
 @triton.jit
@@ -368,8 +242,6 @@ def _lora_expand_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
-    FEW_ROWS: tl.constexpr,
-    ROWS_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -389,59 +261,6 @@ def _lora_expand_kernel(
         return
     slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
-    if FEW_ROWS > 0 and not MULTI_CHUNK:
-        if tl.sum((rows >= 0).to(tl.int32), axis=0) <= FEW_ROWS:
-            expand_rows(
-                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows_ptr + pid_t * BLOCK_M, slice_id, n_first,
-                tl.minimum(hi, n_first + col_blocks * BLOCK_N), max_rank, xa_col0, SPLIT_K, stride_xs, stride_xm,
-                stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K, ROWS_N,
-            )  # fmt: skip
-        else:
-            _expand_tile(
-                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
-                stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-                MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
-            )  # fmt: skip
-    else:
-        _expand_tile(
-            xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
-            stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
-        )  # fmt: skip
-
-
-@triton.jit
-def _expand_tile(
-    xa_ptr,
-    b_ptr,
-    out_ptr,
-    slot,
-    rank,
-    scale,
-    rows,
-    slice_id,
-    n_first,
-    hi,
-    col_blocks,
-    max_rank,
-    xa_col0,
-    stride_xs,
-    stride_xm,
-    stride_xr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_om,
-    stride_on,
-    SPLIT_K: tl.constexpr,
-    MULTI_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """The tensor-core path: a program's column group for all ``BLOCK_M`` rows of its tile."""
     bt, base = expand_prefetch(
         b_ptr, out_ptr, slot, rank, rows, slot >= 0, n_first, hi, stride_bs, stride_bn, stride_br, stride_om, stride_on,
         BLOCK_M, BLOCK_N, BLOCK_R,
@@ -451,13 +270,6 @@ def _expand_tile(
         xa_col0, SPLIT_K, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
         SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
     )  # fmt: skip
-
-
-def rows_width(dtype: torch.dtype, num_warps: int) -> int:
-    """Columns of one :func:`expand_rows` step: 16 bytes for every thread of the program,
-    so each thread's loads are whole 16-byte vectors and every rank of a column sits in
-    one thread (the reduction over the rank needs no shuffles or shared memory)."""
-    return 16 // dtype.itemsize * 32 * num_warps
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
@@ -529,8 +341,6 @@ def launch_expand(
             DOT_PRECISION=dot_precision(B.dtype),
             UPCAST_DOT=upcast_dot(B.dtype),
             USE_PDL=pdl,
-            FEW_ROWS=config.few_rows,
-            ROWS_N=rows_width(B.dtype, config.num_warps),
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

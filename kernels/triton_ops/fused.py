@@ -82,9 +82,7 @@ def _fused_item(
     scale = tl.load(tiles_ptr + tile * 4 + 2).to(tl.float32, bitcast=True)
     rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     live = valid & (slot >= 0) & (rank > 0)
-    slice_id, lo, hi, group = locate_group(
-        item % tl.maximum(groups, 1), off1, off2, off3, group1, group2, NUM_SLICES
-    )
+    slice_id, lo, hi, group = locate_group(item % tl.maximum(groups, 1), off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * g * BLOCK_N
     return slot, rank, scale, rows, live, slice_id, hi, n_first
 
@@ -306,9 +304,7 @@ def launch_fused(
     rel = list(slice_offsets[1:]) + [0] * (MAX_SLICES_PER_LAUNCH - num_slices)
     assert info.tiles is not None and info.tile_rows is not None and info.live_tiles is not None
     if partial.shape[0] != config.split_k:
-        raise ValueError(
-            f"partial holds {partial.shape[0]} splits but the configuration needs {config.split_k}"
-        )
+        raise ValueError(f"partial holds {partial.shape[0]} splits but the configuration needs {config.split_k}")
     args = (
         x,
         A,
@@ -357,13 +353,7 @@ def launch_fused(
         _lora_fused_kernel[grid](*args, PHASE=2, **constants)
         return True
     # Resources depend on the specialisation: constants, dtypes and which strides are 1.
-    key = (
-        x.dtype,
-        B.dtype,
-        out.dtype,
-        tuple(a == 1 for a in args if isinstance(a, int)),
-        tuple(sorted(constants.items())),
-    )
+    key = (x.dtype, B.dtype, out.dtype, tuple(a == 1 for a in args if isinstance(a, int)), tuple(sorted(constants.items())))
     fits = _resident(
         x.device, key, lambda: _lora_fused_kernel.warmup(*args, grid=(1,), PHASE=0, **constants)
     )  # fmt: skip

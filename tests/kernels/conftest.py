@@ -54,9 +54,7 @@ def lora_delta(x, A, B, row_slots, ranks, scalings, offsets) -> torch.Tensor:
         r = ranks[slot]
         for s in range(len(offsets) - 1):
             xa = xd[t] @ Ad[slot, s * R : s * R + r].T
-            delta[t, offsets[s] : offsets[s + 1]] = scalings[slot] * (
-                xa @ Bd[slot, offsets[s] : offsets[s + 1], :r].T
-            )
+            delta[t, offsets[s] : offsets[s + 1]] = scalings[slot] * (xa @ Bd[slot, offsets[s] : offsets[s + 1], :r].T)
     return delta
 
 
@@ -95,13 +93,7 @@ class Pool:
 def make_pool(gen, device):
     def make(*, in_dim, widths, ranks, max_rank, dtype=torch.float32, scalings=None):
         return Pool(
-            gen,
-            in_dim=in_dim,
-            widths=widths,
-            ranks=ranks,
-            max_rank=max_rank,
-            dtype=dtype,
-            device=device,
+            gen, in_dim=in_dim, widths=widths, ranks=ranks, max_rank=max_rank, dtype=dtype, device=device,
             scalings=scalings,
         )
 

@@ -64,9 +64,7 @@ def test_fused_declines_what_it_does_not_cover():
     assert pick_fused(tile_m=16, widths=(4096,), max_rank=FUSED_MAX_RANK * 2, **kw) is None  # rank chunks
     assert pick_fused(tile_m=16, widths=(64,) * 4, max_rank=16, **kw) is None  # four slices
     assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, **kw) is None  # extend tiles, by default
-    assert (
-        pick_fused(tile_m=64, widths=(4096,), max_rank=16, max_col_blocks=1 << 30, **kw) is not None
-    )  # forced
+    assert pick_fused(tile_m=64, widths=(4096,), max_rank=16, max_col_blocks=1 << 30, **kw) is not None  # forced
     # A full table too large for the grid to stream within the bound: two launches.
     big = dict(kw, num_tiles=64)
     assert pick_fused(tile_m=16, widths=(14336, 14336), max_rank=16, **big) is None

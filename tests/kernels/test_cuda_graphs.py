@@ -49,9 +49,7 @@ def test_compiled_kernels_match_float64(mode, dtype, path, make_pool, gen, check
         "verify": {"num_draft_tokens": 4},
         "extend": {"extend_lens": [37, 0, 5, 130, 1, 9, 64, 3, 2]},
     }[mode]
-    fmode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[
-        mode
-    ]
+    fmode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "extend": ForwardMode.EXTEND}[mode]
     info = build_batch_info(fmode, slots, pool.ranks, pool.scalings, device="cuda", **kwargs)
     pool.B = pool.B.transpose(1, 2).contiguous().transpose(1, 2)
     x, out0 = pool.inputs(gen, info.total_tokens)
@@ -87,9 +85,7 @@ def test_fused_barrier_holds_over_many_launches(make_pool, gen):
     """Hundreds of single-launch applies back to back, graph-replayed: a barrier that let
     one program read partial sums before every program had written them, or a semaphore
     left out of phase by one launch, would show up as a wrong sum."""
-    pool = make_pool(
-        in_dim=4096, widths=(4096, 1024, 1024), ranks=[16, 16, 16], max_rank=16, dtype=torch.float32
-    )
+    pool = make_pool(in_dim=4096, widths=(4096, 1024, 1024), ranks=[16, 16, 16], max_rank=16, dtype=torch.float32)
     backend = TritonLoRABackend(fused=True)
     info = build_batch_info(ForwardMode.DECODE, [0, 1, 2, 1], pool.ranks, pool.scalings, device="cuda")
     assert backend.fused_config(info, torch.empty(4, 4096, device="cuda"), pool.B, pool.offsets) is not None
@@ -132,14 +128,7 @@ def test_overlapped_linear_replays_new_batches(mode, k, overlap, make_pool, gen,
 
     def step():
         held["y"] = linear_with_lora(
-            backend,
-            x,
-            pool.A,
-            pool.B,
-            info,
-            pool.offsets,
-            lambda: torch.nn.functional.linear(x, W),
-            mode=overlap,
+            backend, x, pool.A, pool.B, info, pool.offsets, lambda: torch.nn.functional.linear(x, W), mode=overlap,
             side=side,
         )
 

@@ -17,9 +17,7 @@ from loraserve.kernels.triton_backend import TritonLoRABackend
 
 
 def test_extend_needs_a_fixed_length_with_the_fix():
-    with pytest.raises(
-        ValueError, match=r"extend graphs need extend_len >= 1.*run ragged extend batches eagerly"
-    ):
+    with pytest.raises(ValueError, match=r"extend graphs need extend_len >= 1.*run ragged extend batches eagerly"):
         GraphLoRAMetadata(ForwardMode.EXTEND, 4, 2, device="cpu")
 
 
@@ -37,18 +35,14 @@ def test_extend_layout_is_the_eager_layout_of_equal_lengths(width, tile_m, tiles
     ranks, scalings = [8, 0, 4], [2.0, 1.0, 0.5]
     for slot in (2, 1, -1, 0):
         got = meta.update([slot], ranks, scalings, batch_size=1)
-        want = build_batch_info(
-            ForwardMode.EXTEND, [slot], ranks, scalings, extend_lens=[width], device="cpu"
-        )
+        want = build_batch_info(ForwardMode.EXTEND, [slot], ranks, scalings, extend_lens=[width], device="cpu")
         assert got is info and got.tile_m == want.tile_m
         assert got.seg_indptr_cpu == want.seg_indptr_cpu and got.weight_indices_cpu == want.weight_indices_cpu
         assert got.permutation_cpu == list(range(width)) and want.permutation_cpu is None
         assert got.token_slots.tolist() == want.token_slots.tolist()
         n_live = int(got.live_tiles.item())
         assert n_live == want.num_tiles == (tiles if slot in (0, 2) else 0)  # base and rank-0 slots: none
-        assert torch.equal(got.tiles[:n_live], want.tiles) and torch.equal(
-            got.tile_rows[:n_live], want.tile_rows
-        )
+        assert torch.equal(got.tiles[:n_live], want.tiles) and torch.equal(got.tile_rows[:n_live], want.tile_rows)
         assert bool((got.tiles[n_live:, 0] == -1).all())
 
 
@@ -80,9 +74,7 @@ def test_verify_buffers_are_sized_in_tokens():
 def test_width_guard_names_both_widths():
     meta = GraphLoRAMetadata(ForwardMode.TARGET_VERIFY, 4, 2, num_draft_tokens=4, device="cpu")
     meta.capture_info(4)
-    with pytest.raises(
-        ValueError, match=r"verifies 3 tokens per request but the CUDA graph was captured for 4"
-    ):
+    with pytest.raises(ValueError, match=r"verifies 3 tokens per request but the CUDA graph was captured for 4"):
         meta.update([0, 1], [8, 8], [1.0, 1.0], num_draft_tokens=3)
 
 
@@ -127,12 +119,7 @@ def test_an_unchanged_layout_is_not_written_again(gen):
     first = meta.update([0, 1, 1], ranks, scalings)
     snapshot = (first.token_slots.tolist(), first.tiles.tolist(), first.seg_indptr_cpu, first.permutation_cpu)
     assert meta.update([0, 1, 1], ranks, scalings) is first and len(writes) == 1
-    assert (
-        first.token_slots.tolist(),
-        first.tiles.tolist(),
-        first.seg_indptr_cpu,
-        first.permutation_cpu,
-    ) == snapshot
+    assert (first.token_slots.tolist(), first.tiles.tolist(), first.seg_indptr_cpu, first.permutation_cpu) == snapshot
     for args in (  # each differs from the one before in one field: each is written
         ([0, 1, 3], ranks, scalings, 4),
         ([0, 1, 3], [8, 16, 0, 8], scalings, 4),
@@ -163,9 +150,7 @@ def test_recorded_launches_compute_each_new_batch(mode, k, fused, make_pool, gen
         slots = torch.randint(-1, 4, (real,), generator=gen).tolist()
         pool.ranks = torch.randint(0, 9, (4,), generator=gen).tolist()
         pool.scalings = (torch.rand(4, generator=gen) + 0.25).tolist()
-        updated = meta.update(
-            slots, pool.ranks, pool.scalings, num_draft_tokens=lens.get("num_draft_tokens"), batch_size=6
-        )
+        updated = meta.update(slots, pool.ranks, pool.scalings, num_draft_tokens=lens.get("num_draft_tokens"), batch_size=6)
         assert updated is info
         x, out0 = pool.inputs(gen, info.total_tokens)
         check_apply(backend, info, pool, x, out0)

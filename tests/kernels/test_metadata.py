@@ -105,17 +105,8 @@ def test_device_views_share_one_buffer():
     info = build_batch_info(ForwardMode.TARGET_VERIFY, [0, 1, 0], [4, 4], [1.0, 1.0], num_draft_tokens=2)
     storages = {
         t.untyped_storage().data_ptr()
-        for t in (
-            info.seg_indptr,
-            info.weight_indices,
-            info.permutation,
-            info.token_slots,
-            info.lora_ranks,
-            info.scalings,
-            info.tiles,
-            info.tile_rows,
-            info.live_tiles,
-        )
+        for t in (info.seg_indptr, info.weight_indices, info.permutation, info.token_slots, info.lora_ranks,
+                  info.scalings, info.tiles, info.tile_rows, info.live_tiles)
     }
     assert len(storages) == 1
     for t in (info.seg_indptr, info.permutation, info.tiles, info.tile_rows, info.scalings):

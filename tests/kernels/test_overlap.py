@@ -56,13 +56,8 @@ def test_split_stages_equal_apply(backend_name, mode, make_pool, gen):
     """``expand_stage(shrink_stage(x))`` adds exactly what ``apply`` adds (the SHRINK join's halves)."""
     pool = make_pool(in_dim=96, widths=(64, 16, 16), ranks=[8, 0, 16], max_rank=16)
     slots = [2, -1, 0, 1, 2]
-    kwargs = {
-        ForwardMode.TARGET_VERIFY: {"num_draft_tokens": 3},
-        ForwardMode.EXTEND: {"extend_lens": [5, 1, 7, 2, 3]},
-    }
-    info = build_batch_info(
-        mode, slots, pool.ranks, pool.scalings, device=pool.device, **kwargs.get(mode, {})
-    )
+    kwargs = {ForwardMode.TARGET_VERIFY: {"num_draft_tokens": 3}, ForwardMode.EXTEND: {"extend_lens": [5, 1, 7, 2, 3]}}
+    info = build_batch_info(mode, slots, pool.ranks, pool.scalings, device=pool.device, **kwargs.get(mode, {}))
     backend = get_backend(backend_name)
     x, out0 = pool.inputs(gen, info.total_tokens)
     applied = out0.clone()
@@ -87,8 +82,6 @@ def test_linear_with_lora_without_a_side_stream_is_base_plus_delta(mode, make_po
         calls.append(1)
         return torch.nn.functional.linear(x, W)
 
-    out = linear_with_lora(
-        get_backend("torch"), x, pool.A, pool.B, info, pool.offsets, base, mode=mode, side=None
-    )
+    out = linear_with_lora(get_backend("torch"), x, pool.A, pool.B, info, pool.offsets, base, mode=mode, side=None)
     assert calls == [1]
     check_output(info, pool, x, torch.nn.functional.linear(x, W), out)

@@ -14,15 +14,9 @@ from loraserve.kernels import ForwardMode, build_batch_info, get_backend
 from loraserve.kernels.triton_backend import TritonLoRABackend
 from loraserve.kernels.triton_ops import ExpandConfig, FusedConfig, ShrinkConfig
 
-# The code paths of apply: one launch (shrink, grid barrier, expand; two launches of the
-# same kernel under the interpreter), the shrink + expand pair (tiles of up to four live
-# rows on the FMA path, longer ones on the tensor-core dot), and the pair with every tile
-# on the dot.
-PATHS = {
-    "fused": TritonLoRABackend(fused=True),
-    "two-launch": TritonLoRABackend(fused=False),
-    "dot-only": TritonLoRABackend(fused=False, few_rows=0),
-}
+# Both code paths of apply: one launch (shrink, grid barrier, expand; two launches of the
+# same kernel under the interpreter) and the shrink + expand pair.
+PATHS = {"fused": TritonLoRABackend(fused=True), "two-launch": TritonLoRABackend(fused=False)}
 
 QKV = (20, 6, 6)  # GQA-shaped: q wider than k and v
 
@@ -60,14 +54,8 @@ def test_fused_configs_match_float64(config, make_pool, gen, check_apply, device
     ways, most programs idle at the barrier) all compute the same function."""
     pool = make_pool(in_dim=45, widths=QKV, ranks=[40, 7, 16], max_rank=config.block_r, dtype=torch.bfloat16)
     pool.ranks = [min(r, config.block_r) for r in pool.ranks]
-    info = build_batch_info(
-        ForwardMode.TARGET_VERIFY,
-        [0, 1, 2, 0, -1],
-        pool.ranks,
-        pool.scalings,
-        num_draft_tokens=2,
-        device=device,
-    )
+    info = build_batch_info(ForwardMode.TARGET_VERIFY, [0, 1, 2, 0, -1], pool.ranks, pool.scalings,
+                            num_draft_tokens=2, device=device)
     x, out0 = pool.inputs(gen, info.total_tokens)
     check_apply(TritonLoRABackend(fused=True, fused_config=config), info, pool, x, out0)
 
@@ -97,14 +85,8 @@ def test_forced_configs_match_float64(shrink, expand, make_pool, gen, check_appl
     """Split-K partial sums, several column blocks per program, and rank chunks (rank 40
     in a 64 pool with 16-wide chunks) all compute the same function."""
     pool = make_pool(in_dim=45, widths=QKV, ranks=[40, 7, 16], max_rank=64)
-    info = build_batch_info(
-        ForwardMode.TARGET_VERIFY,
-        [0, 1, 2, 0, -1],
-        pool.ranks,
-        pool.scalings,
-        num_draft_tokens=2,
-        device=device,
-    )
+    info = build_batch_info(ForwardMode.TARGET_VERIFY, [0, 1, 2, 0, -1], pool.ranks, pool.scalings,
+                            num_draft_tokens=2, device=device)
     x, out0 = pool.inputs(gen, info.total_tokens)
     check_apply(TritonLoRABackend(shrink_config=shrink, expand_config=expand), info, pool, x, out0)
 
@@ -115,9 +97,8 @@ def test_grouped_routing_equals_unsorted(make_pool, gen, device):
     x, out0 = pool.inputs(gen, len(slots))
     outs = []
     for grouped in (True, False):
-        info = build_batch_info(
-            ForwardMode.DECODE, slots, pool.ranks, pool.scalings, group_by_slot=grouped, device=device
-        )
+        info = build_batch_info(ForwardMode.DECODE, slots, pool.ranks, pool.scalings, group_by_slot=grouped,
+                                device=device)
         out = out0.clone()
         get_backend("triton", str(device)).apply(x, pool.A, pool.B, info, out, pool.offsets)
         outs.append(out)
@@ -129,9 +110,7 @@ def test_non_contiguous_views(make_pool, gen, check_output, device):
     """x sliced from a wider activation, out a column slice of a fused output, B rank-major."""
     pool = make_pool(in_dim=21, widths=(10, 6), ranks=[6, 3], max_rank=8)
     pool.B = pool.B.transpose(1, 2).contiguous().transpose(1, 2)  # rank-major storage, same values
-    info = build_batch_info(
-        ForwardMode.EXTEND, [0, 1], pool.ranks, pool.scalings, extend_lens=[5, 4], device=device
-    )
+    info = build_batch_info(ForwardMode.EXTEND, [0, 1], pool.ranks, pool.scalings, extend_lens=[5, 4], device=device)
     wide_x = torch.randn(9, 30, generator=gen).to(device)
     x = wide_x[:, 4:25]
     fused = torch.randn(9, 40, generator=gen).to(device)
@@ -237,31 +216,5 @@ def test_single_launch_is_opt_in_through_the_environment(make_pool, gen, monkeyp
     monkeypatch.delenv("LORASERVE_LORA_FUSED")
     backend = TritonLoRABackend()
     assert backend.fused_config(info, x, pool.B, pool.offsets) is None
-    assert (
-        TritonLoRABackend(fused=True).fused_config(info, x, pool.B, pool.offsets) is not None
-    )  # explicit wins
+    assert TritonLoRABackend(fused=True).fused_config(info, x, pool.B, pool.offsets) is not None  # explicit wins
     check_apply(backend, info, pool, x, out0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_row_and_full_tiles_share_a_launch(dtype, make_pool, gen, check_apply, device):
-    """One decode batch whose tiles carry 1, 3, 4, 5 and 16+ live rows: the FMA path takes
-    the first three, the dot the others, in the same launches; ranks that are not a
-    multiple of the FMA path's rank step (5, 9) and one above a 16-rank block (40)."""
-    pool = make_pool(in_dim=70, widths=(24, 8, 8), ranks=[9, 5, 16, 40, 3], max_rank=64, dtype=dtype)
-    counts = {0: 1, 1: 3, 2: 4, 3: 5, 4: 17}
-    slots = [slot for slot, n in counts.items() for _ in range(n)] + [-1, -1]
-    order = torch.randperm(len(slots), generator=gen).tolist()
-    slots = [slots[i] for i in order]
-    info = build_batch_info(ForwardMode.DECODE, slots, pool.ranks, pool.scalings, device=device)
-    live = (info.tile_rows >= 0).sum(1).tolist()
-    assert {1, 3, 4, 5}.issubset(live) and max(live) == 16
-    x, out0 = pool.inputs(gen, info.total_tokens)
-    check_apply(TritonLoRABackend(fused=False), info, pool, x, out0)
-
-
-def test_few_rows_is_validated():
-    with pytest.raises(ValueError, match=r"few_rows must be 0\.\.4"):
-        TritonLoRABackend(few_rows=5)
-    with pytest.raises(ValueError, match=r"few_rows must be 0\.\.4"):
-        ShrinkConfig(block_n=16, block_k=16, split_k=1, few_rows=-1)
