@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-graphs", dest="graphs", action="store_false")
     parser.add_argument(
         "--attention",
-        default="sdpa",
-        help="comma list of decode attention backends, each timed in turn: sdpa, triton (paged kernel)",
+        default="auto",
+        help="comma list of decode attention backends, each timed in turn: sdpa, triton (paged kernel), auto"
+        " (the runtime's default: triton on CUDA); rows name the backend that ran",
     )
     parser.add_argument("--deadline", type=float, default=0, help="seconds; skip sizes that start after it")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
@@ -297,6 +298,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
         model_dir = write_model_config(Path(tmp) / "model", size)
         t0 = time.perf_counter()
         runner = make_runner(model_dir, args, backend)
+        args = argparse.Namespace(**{**vars(args), "attention_backend": runner.attention_backend})  # auto resolved
         for i in range(args.adapters):
             path = write_random_adapter(Path(tmp) / f"a{i}", runner.arch, rank=args.rank, seed=i)
             runner.lora.load(f"a{i}", path)

@@ -1280,9 +1280,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--attention-backend",
-        default="sdpa",
-        choices=("sdpa", "triton"),
-        help="the served target's (and EAGLE head's) decode/verify attention: sdpa, or triton's paged kernel",
+        default="auto",
+        choices=("auto", "sdpa", "triton"),
+        help="the served target's (and EAGLE head's) decode/verify attention: sdpa, triton's paged kernel, or auto"
+        " (the runtime's default: triton on CUDA)",
     )
     ap.add_argument(
         "--tree",

@@ -176,7 +176,7 @@ class RuntimeSpec(_Spec):
     max_prefill_tokens: int = Field(default=8192, ge=1)
     max_admission_defer_steps: int = Field(default=8, ge=0, le=1024)
     kv_memory_fraction: float = Field(default=0.85, gt=0, le=1)
-    attention_backend: Literal["sdpa", "triton"] = "sdpa"
+    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     image: str | None = Field(default=None, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     env: list[EnvVar] = Field(default_factory=list, max_length=128)

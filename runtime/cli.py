@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        choices=("sdpa", "triton"),
-        help="decode/verify attention: sdpa gathers each context; triton reads the paged cache in place (CUDA)",
+        choices=("auto", "sdpa", "triton"),
+        help="decode/verify attention: sdpa gathers each context; triton reads the paged cache in place (CUDA); "
+        "auto: triton on CUDA when installed, else sdpa",
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph.max_bs)
     g.add_argument(

@@ -186,8 +186,9 @@ class RuntimeConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"  # auto | cpu | cuda
     # Decode and target-verify attention: "sdpa" gathers each request's context for
-    # scaled_dot_product_attention; "triton" reads the paged cache in place (CUDA only).
-    attention_backend: str = "sdpa"
+    # scaled_dot_product_attention; "triton" reads the paged cache in place (CUDA only);
+    # "auto" takes triton on CUDA when it is installed, else sdpa.
+    attention_backend: str = "auto"
     seed: int = 0
 
     def copy(self) -> RuntimeConfig:

@@ -43,7 +43,7 @@ from .model import (
 )
 from .model.arch import ModelConfigError, parse_dtype
 from .model.layers import LMHead, VocabEmbedding, build_attention_metadata
-from .model.layers.attention import check_attention_backend
+from .model.layers.attention import check_attention_backend, resolve_attention_backend
 from .parallel import context as tp_context
 from .parallel.errors import TensorParallelConfigError, TensorParallelError
 from .parallel.protocol import Kind
@@ -109,7 +109,7 @@ class ModelRunner:
             check_attention_backend(config.attention_backend, self.device)
         except ValueError as exc:
             raise ModelConfigError(str(exc)) from None
-        self.attention_backend = config.attention_backend
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
 
         group = self.tp.group if self.tp is not None else None
         driver = self.tp.driver if self.tp is not None else None

@@ -50,7 +50,7 @@ LARGE_RANK = 256
 TREE_COSTLY_BATCH = 8
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 LORA_BACKENDS = ("auto", "triton", "torch")
 DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 

@@ -152,7 +152,7 @@ def test_splits_cover_the_context_whatever_their_number(gen, monkeypatch):
 
 
 def test_backend_choice_is_checked_naming_the_field(monkeypatch):
-    with pytest.raises(ValueError, match="attention_backend must be one of sdpa, triton"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, sdpa, triton"):
         check_attention_backend("flash", torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(
@@ -283,3 +283,17 @@ def test_wide_uniform_batches_take_the_sdpa_path(gen):
     v2[-1] += 5.0
     out_b = Attention(heads, kv_heads, head_dim)(q, k, v2, k_cache.clone(), v_cache.clone(), meta)
     assert torch.equal(out_a[:-1], out_b[:-1]) and not torch.equal(out_a[-1], out_b[-1])
+
+
+def test_auto_takes_the_paged_kernel_on_cuda_only(monkeypatch):
+    """``auto`` (the default) resolves to the paged kernel on a CUDA device with triton
+    installed and to SDPA on the CPU, even under the interpreter; explicit choices stay."""
+    from loraserve.runtime.model.layers import attention
+
+    assert attention.resolve_attention_backend("auto", torch.device("cuda", 0)) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert attention.resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"
+    assert attention.resolve_attention_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
+    assert attention.resolve_attention_backend("auto", torch.device("cuda", 0)) == "sdpa"
+    check_attention_backend("auto", torch.device("cpu"))

@@ -60,7 +60,7 @@ def test_flags_become_the_configuration(assets, tmp_path):
         == RuntimeConfig().speculative.disable_batch_size
     )
     assert cfg.speculative.auto_disable is True
-    assert cfg.attention_backend == "sdpa" == RuntimeConfig().attention_backend
+    assert cfg.attention_backend == "auto" == RuntimeConfig().attention_backend
     assert _parse(["--model", "m", "--attention-backend", "triton"]).attention_backend == "triton"
     assert _parse(["--model", "m"]).speculative.auto_disable is RuntimeConfig().speculative.auto_disable
     assert _parse(["--model", "m", "--no-speculative-auto-disable"]).speculative.auto_disable is False

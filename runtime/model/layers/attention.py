@@ -32,7 +32,16 @@ if TYPE_CHECKING:  # triton is an optional dependency: the kernel module loads o
 
 # SDPA backends for every CUDA step, eager or captured: all but cuDNN's (see Attention.forward).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-ATTENTION_BACKENDS = ("sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``auto``: the paged Triton kernel on CUDA when triton is installed (decode 1.2-4x the
+    SDPA path on an H200, bench/results/2026-12-04-attention-h200.md), SDPA elsewhere (the
+    interpreter is for tests, not serving). Other values are returned as given."""
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "sdpa"
 
 
 def check_attention_backend(backend: str, device: torch.device, field: str = "attention_backend") -> None:
