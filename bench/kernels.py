@@ -397,11 +397,11 @@ def random_batch(gen, bs: int, num_slots: int, max_rank: int) -> tuple[list[int]
     return slots, ranks, scalings
 
 
-def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k: int) -> list[Check]:
-    """Capture one apply at max_bs, then replay with fresh slots/ranks each time."""
+def check_graph(backend, module: Module, device, gen, mode: str, max_bs: int, k: int, max_rank: int = 16) -> list[Check]:
+    """Capture one apply at max_bs, then replay with fresh slots/ranks (0..max_rank) each time."""
     checks = []
     dtype = torch.bfloat16
-    num_slots, R = 6, 16
+    num_slots, R = 6, max_rank
     fm = forward_mode(mode)
     meta = GraphLoRAMetadata(fm, max_bs, num_slots, num_draft_tokens=k if mode == "verify" else None, device=device)
     info = meta.capture_info(max_bs)
@@ -493,6 +493,29 @@ def check_overlap(backend, module: Module, device, gen, overlap: OverlapMode, mo
                 f"base rows = GEMM: {base_ok}, all written: {finite}",
             )
         )
+    return checks
+
+
+def rank_checks(device, modules, tiny: bool) -> list[Check]:
+    """The rank-step change (run 9): rank-64 pools on decode/verify tiles, mixed ranks, graphs."""
+    gen = torch.Generator().manual_seed(99)
+    checks: list[Check] = []
+    works = [
+        Workload("decode", 24 if not tiny else 6, 4, 16, 1, 64, rank_major_b=True),
+        Workload("verify", 12 if not tiny else 3, 3, 16, 4, 64, rank_major_b=True),
+        Workload("decode", 8 if not tiny else 4, 4, 64, 1, 64, rank_major_b=True),
+    ]
+    for tag, backend in (("", TritonLoRABackend()), ("[wide-rank] ", TritonLoRABackend(short_tile_rank_block=0))):
+        for module in modules.values():
+            for w in works:
+                c = check_apply(backend, w, module, torch.bfloat16, device, gen, base_requests=1)
+                c.name = tag + c.name
+                checks.append(c)
+            mixed = check_apply(backend, works[0], module, torch.bfloat16, device, gen, ranks=[64, 16, 40, 7, 0])
+            mixed.name = f"{tag}{mixed.name} ranks 64/16/40/7/0"
+            checks.append(mixed)
+    checks += check_graph(TritonLoRABackend(), modules["gate_up"], device, gen, "decode", 16, 1, max_rank=64)
+    checks += check_graph(TritonLoRABackend(), modules["qkv"], device, gen, "verify", 8, 4, max_rank=64)
     return checks
 
 
@@ -734,6 +757,7 @@ OVERLAPS = {
     "overlap-delta": OverlapMode.DELTA,
     "overlap-shrink": OverlapMode.SHRINK,
     "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
+    "overlap-auto-wide": None,  # the runtime's join with the pool's whole rank per step (before run 9)
     "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
     "overlap-delta-carve32": OverlapMode.DELTA,
     "overlap-shrink-carve16": OverlapMode.SHRINK,
@@ -757,6 +781,8 @@ BACKENDS = {
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
+    "wide-rank": lambda: TritonLoRABackend(short_tile_rank_block=0),  # before run 9
+    "overlap-auto-wide": lambda: TritonLoRABackend(short_tile_rank_block=0),
 }
 
 
@@ -1263,6 +1289,34 @@ def epilogue_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     return [(w, EPILOGUE) for w in LAYER_SHAPES]
 
 
+def rank_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
+    """Rank-64 pools (the runtime's default): rank-16 adapters at the layer targets and batch 1,
+    and rank-64 adapters, with 16-wide rank steps (the default) and the pool's whole rank."""
+    variants = ("default", "overlap-auto", "wide-rank", "overlap-auto-wide")
+    if tiny:
+        return [(Workload("decode", 4, 4, 16, 1, 64, rank_major_b=True), variants)]
+    return [
+        (Workload("decode", 1, 1, 16, 1, 64, rank_major_b=True), variants),
+        (Workload("decode", 32, 8, 16, 1, 64, rank_major_b=True, graph=True), variants),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), variants),
+        (Workload("verify", 32, 32, 16, 4, 64, rank_major_b=True), variants),
+        (Workload("decode", 1, 1, 64, 1, 64, rank_major_b=True), variants),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), variants),
+    ]
+
+
+def rank_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
+    if tiny:
+        return [(Workload("decode", 4, 2, 16, 1, 64, rank_major_b=True), ("qkv",), ("default", "wide-rank"))]
+    both = ("default", "wide-rank")
+    return [
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, both),
+        (Workload("verify", 32, 32, 16, 4, 64, rank_major_b=True), ALL, both),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ALL, both),
+        (Workload("decode", 1, 1, 64, 1, 64, rank_major_b=True), ("gate_up",), both),
+    ]
+
+
 def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets only: the defaults against the tune phase's configurations."""
     variants = ("default", "overlap-auto", "tuned", "tuned-shrink")
@@ -1377,11 +1431,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--layer",
-        choices=("all", "targets", "epilogue"),
+        choices=("all", "targets", "epilogue", "rank"),
         default="all",
         help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
         " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
-        " Triton GEMM alone against cuBLAS per module)",
+        " Triton GEMM alone against cuBLAS per module) or rank (rank-64 pools: 16-wide rank steps against the"
+        " pool's whole rank; only the rank checks run, and the modules are those shapes)",
     )
     args = parser.parse_args()
     t0 = time.time()
@@ -1410,7 +1465,10 @@ def main() -> int:
     env["launch_floor_us"] = round(launch_floor(device), 2)
     print(env, flush=True)
 
-    checks = correctness(device, modules, tiny, fast="pdl" in skip)
+    if args.layer == "rank":
+        checks = rank_checks(device, modules, tiny)
+    else:
+        checks = correctness(device, modules, tiny, fast="pdl" in skip)
     for c in checks:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:50s} {c.error:.2e} {c.detail}", flush=True)
     env["correctness"] = f"{sum(c.ok for c in checks)}/{len(checks)} passed"
@@ -1432,7 +1490,9 @@ def main() -> int:
         print(f"tune done ({time.time() - t0:.0f}s)", flush=True)
         save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     layer_deadline = time.time() + (0.45 if args.layer == "all" else 0.9) * max(0.0, deadline - time.time())
-    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios}.get(args.layer, layer_scenarios)(tiny)
+    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios, "rank": rank_scenarios}.get(
+        args.layer, layer_scenarios
+    )(tiny)
     if not args.tune:
         scenarios = [(w, tuple(v for v in vs if v not in TUNED)) for w, vs in scenarios]
     if args.layer == "epilogue" and "gemm" not in skip:
@@ -1450,7 +1510,8 @@ def main() -> int:
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
     if "bench" not in skip:
-        rows = bench_modules(device, modules, module_workloads(tiny), copy_bw, l2_bytes, args.reps, module_deadline)
+        shapes = rank_module_workloads(tiny) if args.layer == "rank" else module_workloads(tiny)
+        rows = bench_modules(device, modules, shapes, copy_bw, l2_bytes, args.reps, module_deadline)
     print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     if "sweep" not in skip:

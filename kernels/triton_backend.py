@@ -32,7 +32,7 @@ from .triton_ops import (
     pick_fused,
     pick_shrink,
 )
-from .triton_ops.configs import FUSED_MAX_COL_BLOCKS
+from .triton_ops.configs import FUSED_MAX_COL_BLOCKS, SHORT_TILE_RANK_BLOCK
 from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
@@ -90,7 +90,8 @@ class TritonLoRABackend(LoRABackend):
     relies on every program being resident, which a GPU shared through MPS with an SM
     limit can break). True takes it wherever the module allows (up to three slices), False
     never; ``fused_config`` pins its configuration. PDL and pinned shrink/expand
-    configurations use two launches.
+    configurations use two launches. ``short_tile_rank_block``: the expand's rank step on
+    decode/verify tiles (default 16; 0: the pool's whole rank, as before run 9).
     """
 
     name = "triton"
@@ -103,7 +104,9 @@ class TritonLoRABackend(LoRABackend):
         pdl: bool = DEFAULT_PDL,
         fused: bool | None = None,
         fused_config: FusedConfig | None = None,
+        short_tile_rank_block: int = SHORT_TILE_RANK_BLOCK,
     ) -> None:
+        self.short_tile_rank_block = short_tile_rank_block
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
@@ -129,6 +132,7 @@ class TritonLoRABackend(LoRABackend):
             in_dim=x.shape[1],
             dtype=x.dtype,
             num_sms=_sm_count(x.device),
+            short_tile_rank_block=self.short_tile_rank_block,
         )
 
     def expand_config(self, info: LoRABatchInfo, B: torch.Tensor, slice_offsets: tuple[int, ...]) -> ExpandConfig:
@@ -142,6 +146,7 @@ class TritonLoRABackend(LoRABackend):
             max_rank=B.shape[2],
             dtype=B.dtype,
             num_sms=_sm_count(B.device),
+            short_tile_rank_block=self.short_tile_rank_block,
         )
 
     def fused_config(

@@ -101,3 +101,17 @@ def test_residency_is_the_largest_count_that_fits(n_regs, shared, warps):
     count = resident_per_sm(n_regs, shared, warps, props)
     assert count == 0 or _fits(count, n_regs, shared, warps, props)
     assert count == 32 or not _fits(count + 1, n_regs, shared, warps, props)
+
+
+def test_short_tiles_step_through_the_rank_16_at_a_time():
+    """In a rank-64 pool, decode/verify expands take 16-wide rank steps (a rank-16 adapter
+    does one), which also lets the shrink split K as far as in a rank-16 pool; extend tiles
+    keep the pool's whole rank per step; 0 restores the whole-rank step everywhere."""
+    kw = dict(num_tiles=8, widths=(4096, 1024, 1024), dtype=torch.bfloat16, num_sms=132)
+    assert pick_expand(tile_m=16, max_rank=64, **kw).block_r == 16
+    assert pick_expand(tile_m=64, max_rank=64, **kw).block_r == 64
+    assert pick_expand(tile_m=16, max_rank=64, short_tile_rank_block=0, **kw).block_r == 64
+    assert pick_expand(tile_m=16, max_rank=8, **kw).block_r == 16
+    sk = dict(num_tiles=1, tile_m=16, num_slices=3, in_dim=4096, dtype=torch.bfloat16, num_sms=132)
+    assert pick_shrink(max_rank=64, **sk).split_k == pick_shrink(max_rank=16, **sk).split_k == 16
+    assert pick_shrink(max_rank=64, short_tile_rank_block=0, **sk).split_k == 4
