@@ -39,16 +39,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="dec bs64 a64,dec bs32 a8,ver4 bs32 a32")
     parser.add_argument("--modules", default="qkv,o,gate_up,down")
+    parser.add_argument("--pool-rank", type=int, default=0, help="pool rank (0: the adapters' rank)")
+    parser.add_argument("--small-rank-block", type=int, default=None, help="the backend's, when set")
     args = parser.parse_args()
     device = torch.device("cuda")
     modules = bk.llama_modules(tiny=False)
     workloads = [
-        bk.Workload("decode", 64, 64, 16, rank_major_b=True),
-        bk.Workload("decode", 32, 8, 16, rank_major_b=True),
-        bk.Workload("verify", 32, 32, 16, 4, rank_major_b=True),
+        bk.Workload("decode", 64, 64, 16, 1, args.pool_rank, rank_major_b=True),
+        bk.Workload("decode", 32, 8, 16, 1, args.pool_rank, rank_major_b=True),
+        bk.Workload("verify", 32, 32, 16, 4, args.pool_rank, rank_major_b=True),
     ]
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
-    backend = bk.TritonLoRABackend(fused=False)
+    extra = {} if args.small_rank_block is None else {"small_rank_block": args.small_rank_block}
+    backend = bk.TritonLoRABackend(fused=False, **extra)
     gen = torch.Generator().manual_seed(5)
     runs = []
     for w in workloads:

@@ -497,7 +497,7 @@ def check_overlap(backend, module: Module, device, gen, overlap: OverlapMode, mo
 
 
 def rank_checks(device, modules, tiny: bool) -> list[Check]:
-    """The rank-step change (run 9): rank-64 pools on decode/verify tiles, mixed ranks, graphs."""
+    """Rank-64 pools on decode/verify tiles (run 9): small- and full-rank steps in one launch, graphs."""
     gen = torch.Generator().manual_seed(99)
     checks: list[Check] = []
     works = [
@@ -505,7 +505,7 @@ def rank_checks(device, modules, tiny: bool) -> list[Check]:
         Workload("verify", 12 if not tiny else 3, 3, 16, 4, 64, rank_major_b=True),
         Workload("decode", 8 if not tiny else 4, 4, 64, 1, 64, rank_major_b=True),
     ]
-    for tag, backend in (("", TritonLoRABackend()), ("[wide-rank] ", TritonLoRABackend(short_tile_rank_block=0))):
+    for tag, backend in (("", TritonLoRABackend()), ("[wide-rank] ", TritonLoRABackend(small_rank_block=0))):
         for module in modules.values():
             for w in works:
                 c = check_apply(backend, w, module, torch.bfloat16, device, gen, base_requests=1)
@@ -757,7 +757,7 @@ OVERLAPS = {
     "overlap-delta": OverlapMode.DELTA,
     "overlap-shrink": OverlapMode.SHRINK,
     "overlap-mixed": "mixed",  # delta where the GEMM is long (gate_up, down), shrink elsewhere
-    "overlap-auto-wide": None,  # the runtime's join with the pool's whole rank per step (before run 9)
+    "overlap-auto-wide": None,  # the runtime's join with every tile at the pool's rank step (before run 9)
     "overlap-delta-carve16": OverlapMode.DELTA,  # cuBLAS told to leave 16 SMs to the side stream
     "overlap-delta-carve32": OverlapMode.DELTA,
     "overlap-shrink-carve16": OverlapMode.SHRINK,
@@ -781,8 +781,8 @@ BACKENDS = {
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
-    "wide-rank": lambda: TritonLoRABackend(short_tile_rank_block=0),  # before run 9
-    "overlap-auto-wide": lambda: TritonLoRABackend(short_tile_rank_block=0),
+    "wide-rank": lambda: TritonLoRABackend(small_rank_block=0),  # every tile at the pool's rank step (before run 9)
+    "overlap-auto-wide": lambda: TritonLoRABackend(small_rank_block=0),
 }
 
 
@@ -1291,7 +1291,7 @@ def epilogue_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 def rank_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """Rank-64 pools (the runtime's default): rank-16 adapters at the layer targets and batch 1,
-    and rank-64 adapters, with 16-wide rank steps (the default) and the pool's whole rank."""
+    and rank-64 adapters, with the small-rank step for rank <= 16 (the default) and without."""
     variants = ("default", "overlap-auto", "wide-rank", "overlap-auto-wide")
     if tiny:
         return [(Workload("decode", 4, 4, 16, 1, 64, rank_major_b=True), variants)]
@@ -1435,8 +1435,8 @@ def main() -> int:
         default="all",
         help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
         " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
-        " Triton GEMM alone against cuBLAS per module) or rank (rank-64 pools: 16-wide rank steps against the"
-        " pool's whole rank; only the rank checks run, and the modules are those shapes)",
+        " Triton GEMM alone against cuBLAS per module) or rank (rank-64 pools with and without the small-rank"
+        " step; only the rank checks run, and the modules are those shapes)",
     )
     args = parser.parse_args()
     t0 = time.time()

@@ -13,6 +13,7 @@ Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -32,7 +33,7 @@ from .triton_ops import (
     pick_fused,
     pick_shrink,
 )
-from .triton_ops.configs import FUSED_MAX_COL_BLOCKS, SHORT_TILE_RANK_BLOCK
+from .triton_ops.configs import FUSED_MAX_COL_BLOCKS
 from .triton_ops.fused import semaphore
 from .triton_ops.pdl import pdl_supported
 
@@ -90,8 +91,8 @@ class TritonLoRABackend(LoRABackend):
     relies on every program being resident, which a GPU shared through MPS with an SM
     limit can break). True takes it wherever the module allows (up to three slices), False
     never; ``fused_config`` pins its configuration. PDL and pinned shrink/expand
-    configurations use two launches. ``short_tile_rank_block``: the expand's rank step on
-    decode/verify tiles (default 16; 0: the pool's whole rank, as before run 9).
+    configurations use two launches. ``small_rank_block`` overrides the expand
+    configurations' ``small_block_r`` (0: every tile at the pool's rank block).
     """
 
     name = "triton"
@@ -104,9 +105,9 @@ class TritonLoRABackend(LoRABackend):
         pdl: bool = DEFAULT_PDL,
         fused: bool | None = None,
         fused_config: FusedConfig | None = None,
-        short_tile_rank_block: int = SHORT_TILE_RANK_BLOCK,
+        small_rank_block: int | None = None,
     ) -> None:
-        self.short_tile_rank_block = short_tile_rank_block
+        self.small_rank_block = small_rank_block
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
@@ -132,22 +133,21 @@ class TritonLoRABackend(LoRABackend):
             in_dim=x.shape[1],
             dtype=x.dtype,
             num_sms=_sm_count(x.device),
-            short_tile_rank_block=self.short_tile_rank_block,
         )
 
     def expand_config(self, info: LoRABatchInfo, B: torch.Tensor, slice_offsets: tuple[int, ...]) -> ExpandConfig:
         """The expand's launch configuration."""
-        if self.expand_config_override is not None:
-            return self.expand_config_override
-        return pick_expand(
+        config = self.expand_config_override or pick_expand(
             num_tiles=info.num_tiles,
             tile_m=info.tile_m,
             widths=tuple(b - a for a, b in itertools.pairwise(slice_offsets)),
             max_rank=B.shape[2],
             dtype=B.dtype,
             num_sms=_sm_count(B.device),
-            short_tile_rank_block=self.short_tile_rank_block,
         )
+        if self.small_rank_block is not None:
+            config = dataclasses.replace(config, small_block_r=self.small_rank_block)
+        return config
 
     def fused_config(
         self, info: LoRABatchInfo, x: torch.Tensor, B: torch.Tensor, slice_offsets: tuple[int, ...]

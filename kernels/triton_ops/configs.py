@@ -19,11 +19,6 @@ PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before 
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
 MAX_PARTIAL_COLUMNS = 256
-# Decode/verify expands step through the rank 16 columns at a time and stop at the slot's
-# own rank, whatever the pool's: a rank-16 adapter in a rank-64 pool (the runtime's
-# default pool) then costs what it costs in a rank-16 pool, where 64-wide steps made every
-# program do and hold four times the work (bench/KERNELS-NOTES.md, run 9).
-SHORT_TILE_RANK_BLOCK = 16
 
 # Single-launch (fused) path: programs resident together (a grid barrier needs all of
 # them at once; two per SM fit whatever the kernel uses). The automatic choice takes it
@@ -60,6 +55,10 @@ class ExpandConfig:
     col_blocks: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    # Decode/verify tiles whose slot has at most this rank take block_r = small_block_r in
+    # the same launch (0: never): a rank-16 adapter in a rank-64 pool (the runtime's default
+    # pool) then streams and multiplies 16-row B tiles, not 64-row ones mostly masked.
+    small_block_r: int = 16
 
 
 @dataclass(frozen=True)
@@ -92,14 +91,6 @@ def rank_block(max_rank: int) -> int:
     return min(64, max(16, next_pow2(max_rank)))
 
 
-def expand_rank_block(tile_m: int, max_rank: int, short_tile_rank_block: int = SHORT_TILE_RANK_BLOCK) -> int:
-    """The expand's rank step: ``short_tile_rank_block`` for decode/verify tiles (0: the
-    pool's :func:`rank_block`), the pool's for extend tiles, whose many rows amortise it."""
-    if tile_m <= 16 and short_tile_rank_block:
-        return min(short_tile_rank_block, rank_block(max_rank))
-    return rank_block(max_rank)
-
-
 def pick_shrink(
     *,
     num_tiles: int,
@@ -109,7 +100,6 @@ def pick_shrink(
     in_dim: int,
     dtype: torch.dtype,
     num_sms: int,
-    short_tile_rank_block: int = SHORT_TILE_RANK_BLOCK,
 ) -> ShrinkConfig:
     """Split the reduction over ``in_dim`` until the grid has a few programs per SM.
 
@@ -131,8 +121,7 @@ def pick_shrink(
     limit = min(
         MAX_SPLIT_K if tile_m <= 16 else MAX_SPLIT_K_WIDE_TILES,
         max(1, k_blocks // MIN_K_BLOCKS_PER_SPLIT),
-        # the expand holds every split's partial tile of one rank step
-        max(1, MAX_PARTIAL_COLUMNS // expand_rank_block(tile_m, max_rank, short_tile_rank_block)),
+        max(1, MAX_PARTIAL_COLUMNS // rank_block(max_rank)),
     )
     split = 1
     while split * 2 <= limit and programs * split < PROGRAMS_PER_SM * num_sms:
@@ -148,7 +137,6 @@ def pick_expand(
     max_rank: int,
     dtype: torch.dtype,
     num_sms: int,
-    short_tile_rank_block: int = SHORT_TILE_RANK_BLOCK,
 ) -> ExpandConfig:
     """Columns per program: 2-4 blocks of 128 for short tiles, 8 blocks of 64 for extend.
 
@@ -167,8 +155,7 @@ def pick_expand(
         col_blocks = 4
     else:
         col_blocks = 2
-    block_r = expand_rank_block(tile_m, max_rank, short_tile_rank_block)
-    return ExpandConfig(block_n=block_n, block_r=block_r, col_blocks=col_blocks)
+    return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks)
 
 
 def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:

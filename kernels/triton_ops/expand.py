@@ -242,6 +242,7 @@ def _lora_expand_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SMALL_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -261,6 +262,59 @@ def _lora_expand_kernel(
         return
     slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
+    if SMALL_R > 0:  # the launch sets it only where SMALL_R < BLOCK_R
+        if rank <= SMALL_R:
+            _expand_tile(
+                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
+                stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
+                False, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, SMALL_R,
+            )  # fmt: skip
+        else:
+            _expand_tile(
+                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
+                stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
+                MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
+            )  # fmt: skip
+    else:
+        _expand_tile(
+            xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
+            stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
+            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
+
+
+@triton.jit
+def _expand_tile(
+    xa_ptr,
+    b_ptr,
+    out_ptr,
+    slot,
+    rank,
+    scale,
+    rows,
+    slice_id,
+    n_first,
+    hi,
+    col_blocks,
+    max_rank,
+    xa_col0,
+    stride_xs,
+    stride_xm,
+    stride_xr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    SPLIT_K: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program's column group of its tile, ``BLOCK_R`` ranks a step."""
     bt, base = expand_prefetch(
         b_ptr, out_ptr, slot, rank, rows, slot >= 0, n_first, hi, stride_bs, stride_bn, stride_br, stride_om, stride_on,
         BLOCK_M, BLOCK_N, BLOCK_R,
@@ -270,6 +324,13 @@ def _lora_expand_kernel(
         xa_col0, SPLIT_K, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
         SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
     )  # fmt: skip
+
+
+def small_rank_block(config: ExpandConfig, tile_m: int) -> int:
+    """The rank step of tiles whose slot's rank fits it (0: none): decode/verify tiles only,
+    and only where it is narrower than the pool's ``block_r``."""
+    small = config.small_block_r
+    return small if 0 < small < config.block_r and tile_m <= 16 else 0
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
@@ -341,6 +402,7 @@ def launch_expand(
             DOT_PRECISION=dot_precision(B.dtype),
             UPCAST_DOT=upcast_dot(B.dtype),
             USE_PDL=pdl,
+            SMALL_R=small_rank_block(config, info.tile_m),
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

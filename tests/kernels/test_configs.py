@@ -8,6 +8,7 @@ they must respect, over a spread of shapes rather than a few hand-picked answers
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -103,15 +104,15 @@ def test_residency_is_the_largest_count_that_fits(n_regs, shared, warps):
     assert count == 32 or not _fits(count + 1, n_regs, shared, warps, props)
 
 
-def test_short_tiles_step_through_the_rank_16_at_a_time():
-    """In a rank-64 pool, decode/verify expands take 16-wide rank steps (a rank-16 adapter
-    does one), which also lets the shrink split K as far as in a rank-16 pool; extend tiles
-    keep the pool's whole rank per step; 0 restores the whole-rank step everywhere."""
+
+def test_small_ranks_take_a_narrow_rank_step_on_short_tiles():
+    """Decode/verify tiles of a slot with rank <= 16 take 16-row B tiles in a rank-64 pool;
+    extend tiles, pools of rank 16 and a disabled small step keep the pool's one step."""
+    from loraserve.kernels.triton_ops.expand import small_rank_block
+
     kw = dict(num_tiles=8, widths=(4096, 1024, 1024), dtype=torch.bfloat16, num_sms=132)
-    assert pick_expand(tile_m=16, max_rank=64, **kw).block_r == 16
-    assert pick_expand(tile_m=64, max_rank=64, **kw).block_r == 64
-    assert pick_expand(tile_m=16, max_rank=64, short_tile_rank_block=0, **kw).block_r == 64
-    assert pick_expand(tile_m=16, max_rank=8, **kw).block_r == 16
-    sk = dict(num_tiles=1, tile_m=16, num_slices=3, in_dim=4096, dtype=torch.bfloat16, num_sms=132)
-    assert pick_shrink(max_rank=64, **sk).split_k == pick_shrink(max_rank=16, **sk).split_k == 16
-    assert pick_shrink(max_rank=64, short_tile_rank_block=0, **sk).split_k == 4
+    wide = pick_expand(tile_m=16, max_rank=64, **kw)
+    assert wide.block_r == 64 and small_rank_block(wide, 16) == 16
+    assert small_rank_block(wide, 64) == 0  # extend tiles
+    assert small_rank_block(pick_expand(tile_m=16, max_rank=16, **kw), 16) == 0  # nothing narrower
+    assert small_rank_block(replace(wide, small_block_r=0), 16) == 0

@@ -221,14 +221,15 @@ def test_single_launch_is_opt_in_through_the_environment(make_pool, gen, monkeyp
 
 
 @pytest.mark.parametrize("mode,kwargs", MODES[:2], ids=["decode", "verify"])
-def test_rank_steps_stop_at_each_slots_rank(mode, kwargs, make_pool, gen, check_apply, device):
-    """A rank-64 pool holding adapters of rank 64, 40, 16, 7 and 0: decode/verify expands
-    walk each slot's rank 16 columns at a time (the default) and agree with float64, as do
-    the pool's whole-rank steps."""
+def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, check_apply, device):
+    """A rank-64 pool holding adapters of rank 64, 40, 16, 7 and 0: tiles of the rank-16 and
+    rank-7 slots take 16-row B tiles, the others the pool's 64, in one launch; both agree
+    with float64, as does every tile at the pool's step."""
     pool = make_pool(in_dim=37, widths=QKV, ranks=[64, 40, 16, 7, 0], max_rank=64, dtype=torch.bfloat16)
     slots = [0, 1, 2, 3, 4, -1, 0, 2]
     info = build_batch_info(mode, slots, pool.ranks, pool.scalings, device=device, **kwargs)
     x, out0 = pool.inputs(gen, info.total_tokens)
-    for backend in (TritonLoRABackend(fused=False), TritonLoRABackend(fused=False, short_tile_rank_block=0)):
+    for backend in (TritonLoRABackend(fused=False), TritonLoRABackend(fused=False, small_rank_block=0)):
         check_apply(backend, info, pool, x, out0)
-    assert TritonLoRABackend().expand_config(info, pool.B, pool.offsets).block_r == 16
+    config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
+    assert (config.block_r, config.small_block_r) == (64, 16)
