@@ -1,10 +1,18 @@
 """Segmented LoRA shrink: ``xa[rows] = x[rows] @ A[slot]ᵀ`` for every tile of one batch.
 
-Grid: (slice × rank block, tile, K split). A program reads its tile's row of the tile
+Grid: (slice, tile, K split × rank block). A program reads its tile's row of the tile
 table and its row indices (two independent loads), stops at once for slot -1 or a rank
 block past the slot's rank, and otherwise streams its share of ``in_dim`` through one dot
 product. With ``split_k > 1`` each split writes its own partial sum (``out[split]``); the
 expand adds them while loading, so no atomics, no zero-fill and no extra launch.
+
+Rank blocks are the slowest grid axis: the first blocks the GPU dispatches are every
+(slice, tile, split)'s first rank block, which serving ranks fill, and the programs of
+rank blocks past a slot's rank (which stop at once) come after. With rank blocks as the
+fastest axis, a rank-64 pool gave 12 programs per (tile, split) of which 3 were live, and
+since 132 SMs are 11 × 12, the block scheduler's round robin put every live program on
+the same quarter of the SMs (Nsight Compute: SMs active 25% of the shrink; 34 µs against
+12 µs in a rank-16 pool, bench/KERNELS-NOTES.md run 9).
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ def _lora_shrink_kernel(
     stride_os,
     stride_om,
     stride_on,
-    RANK_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -105,16 +113,15 @@ def _lora_shrink_kernel(
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
-    pid_n = tl.program_id(0)
+    slice_id = tl.program_id(0)
     pid_t = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_k = tl.program_id(2) % SPLIT_K
+    n_start = (tl.program_id(2) // SPLIT_K) * BLOCK_N
     slot = tl.load(tiles_ptr + pid_t * 4)
     rank = tl.load(tiles_ptr + pid_t * 4 + 1)
     rows = tl.load(rows_ptr + pid_t * BLOCK_M + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    slice_id = pid_n // RANK_BLOCKS
-    n_start = (pid_n % RANK_BLOCKS) * BLOCK_N
     if n_start >= rank:
         return  # nothing past the adapter's own rank
     shrink_block(
@@ -163,7 +170,7 @@ def launch_shrink(
         stride_os, stride_om, stride_on = out.stride()
     rank_blocks = cdiv(max_rank, config.block_n)
     assert info.tiles is not None and info.tile_rows is not None
-    grid = (num_slices * rank_blocks, info.num_tiles, config.split_k)
+    grid = (num_slices, info.num_tiles, config.split_k * rank_blocks)
     extra = {"launch_pdl": True} if pdl else {}
     _lora_shrink_kernel[grid](
         x,
@@ -182,7 +189,7 @@ def launch_shrink(
         stride_os,
         stride_om,
         stride_on,
-        RANK_BLOCKS=rank_blocks,
+        SPLIT_K=config.split_k,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.dtype),
         USE_PDL=pdl,
