@@ -96,7 +96,7 @@ def make_runner(model_dir: Path, args, backend: str) -> ModelRunner:
     config.model.path = str(model_dir)
     config.model.dtype = args.dtype
     config.device = args.device
-    config.lora.max_rank = args.rank
+    config.lora.max_rank = args.max_lora_rank or args.rank
     config.lora.max_loras_per_batch = args.adapters
     config.lora.max_loaded_loras = args.adapters
     config.lora.target_modules = DEFAULT_LORA_MODULES
@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=0, help="the pool's rank (0: --rank; the runtime's own default is 64)"
+    )
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -345,7 +348,8 @@ def _header(args, device: torch.device, backend: str, triton_note: str, argv) ->
         f"Device: {gpu}; torch {torch.__version__}; triton {triton_version}; Python {platform.python_version()}  ",
         f"Setup: {args.dtype}, random Llama-shaped weights, prompt {args.prompt_len} tokens, "
         f"{args.steps} timed decode steps x {args.repeats} (median) through ModelRunner.forward, "
-        f"rank-{args.rank} adapters on {', '.join(DEFAULT_LORA_MODULES)}, request i uses adapter i % "
+        f"rank-{args.rank} adapters (pool rank {args.max_lora_rank or args.rank}) on {', '.join(DEFAULT_LORA_MODULES)}, "
+        "request i uses adapter i % "
         f"{args.adapters}; requested LoRA backend: {backend} (triton: {triton_note})  ",
         f"Command: `{command}`\n",
         "| model | attention | LoRA backend | CUDA graphs | batch | base tok/s | multi-LoRA tok/s | LoRA / base |",
