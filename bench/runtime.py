@@ -215,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument(
+        "--check-tol",
+        type=float,
+        default=2e-2,
+        help="largest relative L2 of the decode logits, Triton LoRA vs the torch reference, before the size is"
+        " rerun on the torch backend (bf16 over 32 layers: 0.7-1.4e-2 in rank-16 pools, 2.3e-2 in rank-64 ones)",
+    )
+    parser.add_argument(
         "--max-lora-rank", type=int, default=0, help="the pool's rank (0: --rank; the runtime's own default is 64)"
     )
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -314,7 +321,7 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
         print(notes[-1], flush=True)
         if checks["adapter_vs_base"] < 1e-3:
             raise RuntimeError(f"adapters barely change logits ({checks['adapter_vs_base']:.2e})")
-        if checks["backend_vs_torch_reference"] > 2e-2 or checks["graph_vs_eager"] > 2e-2:
+        if checks["backend_vs_torch_reference"] > args.check_tol or checks["graph_vs_eager"] > args.check_tol:
             raise RuntimeError(f"LoRA path disagrees with its references: {checks}")
         for bs in args.batch_sizes:
             print(f"{size} attention {args.attention_backend}: batch {bs} at {time.perf_counter() - t0:.1f} s", flush=True)
