@@ -262,19 +262,14 @@ def _lora_expand_kernel(
         return
     slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
-    if SMALL_R > 0:  # the launch sets it only where SMALL_R < BLOCK_R
-        if rank <= SMALL_R:
-            _expand_tile(
-                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
-                stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-                False, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, SMALL_R,
-            )  # fmt: skip
-        else:
-            _expand_tile(
-                xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
-                stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-                MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
-            )  # fmt: skip
+    # Tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
+    # constexpr, only where it is narrower than BLOCK_R; 0 compiles the one path).
+    if SMALL_R > 0 and rank <= SMALL_R:
+        _expand_tile(
+            xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
+            stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
+            False, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, SMALL_R,
+        )  # fmt: skip
     else:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
