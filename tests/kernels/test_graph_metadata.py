@@ -139,11 +139,12 @@ def test_an_unchanged_layout_is_not_written_again(gen):
 @pytest.mark.parametrize(
     "mode,k", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3), (ForwardMode.EXTEND, 20)]
 )
-def test_recorded_launches_compute_each_new_batch(mode, k, fused, make_pool, gen, check_apply):
-    """Launch with the capture-time info after every update, as a graph replay does."""
+def test_recorded_launches_compute_each_new_batch(mode, k, fused, make_pool, gen, check_apply, device):
+    """Launch with the capture-time info after every update, as a graph replay does (on the
+    pool's device: on a CUDA machine the kernels refuse host metadata)."""
     pool = make_pool(in_dim=24, widths=(16, 8, 8), ranks=[8, 8, 8, 8], max_rank=8)
     lens = {"extend_len": k} if mode is ForwardMode.EXTEND else {"num_draft_tokens": k if k > 1 else None}
-    meta = GraphLoRAMetadata(mode, 6, 4, device="cpu", **lens)
+    meta = GraphLoRAMetadata(mode, 6, 4, device=device, **lens)
     info = meta.capture_info(6)
     backend = TritonLoRABackend(fused=fused)
     for real in (6, 4):

@@ -75,7 +75,7 @@ def test_linear_with_lora_without_a_side_stream_is_base_plus_delta(mode, make_po
     pool = make_pool(in_dim=80, widths=(48, 24), ranks=[16, 4], max_rank=16)
     info = build_batch_info(ForwardMode.DECODE, [1, -1, 0, 0], pool.ranks, pool.scalings, device=pool.device)
     x, _ = pool.inputs(gen, info.total_tokens)
-    W = torch.randn(pool.out_dim, 80, generator=gen)
+    W = torch.randn(pool.out_dim, 80, generator=gen).to(pool.device)
     calls = []
 
     def base():

@@ -26,23 +26,23 @@ def test_reference_matches_float64(mode, kwargs, dtype, make_pool, gen, check_ap
 
 def test_reference_shrink_leaves_base_rows_zero(make_pool, gen):
     pool = make_pool(in_dim=16, widths=(8,), ranks=[4], max_rank=4)
-    info = build_batch_info(ForwardMode.DECODE, [0, -1, 0], pool.ranks, pool.scalings)
+    info = build_batch_info(ForwardMode.DECODE, [0, -1, 0], pool.ranks, pool.scalings, device=pool.device)
     x, _ = pool.inputs(gen, 3)
     xa = get_backend("torch").shrink(x, pool.A, info)
-    assert torch.equal(xa[1], torch.zeros(4))
+    assert torch.equal(xa[1], torch.zeros(4, device=xa.device))
     torch.testing.assert_close(xa[0], x[0] @ pool.A[0].T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_embedding_lora_matches_float64(backend_name, gen):
+def test_embedding_lora_matches_float64(backend_name, gen, device):
     """Embedding LoRA gathers A rows by token id and reuses the backend's expand."""
     vocab, dim, rank = 50, 24, 4
     ranks, scalings = [4, 2], [0.5, 2.0]
-    A_emb = torch.randn(2, vocab, rank, generator=gen)
-    B_emb = torch.randn(2, dim, rank, generator=gen)
-    info = build_batch_info(ForwardMode.EXTEND, [1, -1, 0], ranks, scalings, extend_lens=[3, 2, 4])
-    ids = torch.randint(0, vocab, (9,), generator=gen)
-    out0 = torch.randn(9, dim, generator=gen)
+    A_emb = torch.randn(2, vocab, rank, generator=gen).to(device)
+    B_emb = torch.randn(2, dim, rank, generator=gen).to(device)
+    info = build_batch_info(ForwardMode.EXTEND, [1, -1, 0], ranks, scalings, extend_lens=[3, 2, 4], device=device)
+    ids = torch.randint(0, vocab, (9,), generator=gen).to(device)
+    out0 = torch.randn(9, dim, generator=gen).to(device)
     out = out0.clone()
     get_backend(backend_name).embedding(ids, A_emb, B_emb, info, out)
     ref = out0.double().clone()
