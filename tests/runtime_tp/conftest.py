@@ -106,6 +106,7 @@ def tp_config(model: Path, tp: int, adapters: dict[str, Path] | None = None, **k
     config.lora.target_modules = LORA_MODULES
     config.lora.backend = kw.pop("backend", "torch")
     config.lora.adapters = {name: str(path) for name, path in (adapters or {}).items()}
+    config.attention_backend = kw.pop("attention", "sdpa")
     assert not kw, kw
     return config
 
