@@ -126,6 +126,9 @@ def tp_group(config: RuntimeConfig, *, random_weights: bool = False) -> Iterator
     assert [p.returncode for p in handle.workers] == [0] * len(handle.workers)
 
 
+TOL = 1e-4  # fp32 on both sides; only the summation order of the all-reduce differs
+
+
 @dataclass
 class Pair:
     """The same model on two ranks (``tp``) and on one device (``ref``)."""
@@ -133,6 +136,18 @@ class Pair:
     tp: ModelRunner
     ref: ModelRunner
     handle: TPHandle
+
+
+def both(pair, op, *args, **kw):
+    """Run ``op`` on both runners; assert equal logits (and hidden states when returned)."""
+    got, want = op(pair.tp, *args, **kw), op(pair.ref, *args, **kw)
+    torch.testing.assert_close(got.logits, want.logits, atol=TOL, rtol=0)
+    for name in ("hidden_states", "aux_hidden_states"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    return got
 
 
 def extend(runner, rids, seqs, names=None, **kw):

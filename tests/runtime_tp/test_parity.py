@@ -20,9 +20,8 @@ from loraserve.runtime.model.layers import Linear
 from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from loraserve.runtime.model_runner import ModelRunner
 
-from .conftest import Pair, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
 
-TOL = 1e-4  # fp32 on both sides; only the summation order of the all-reduce differs
 START_ADAPTERS = ("attn-r8", "all-r16", "mlp-r4-rs", "emb-head")
 
 
@@ -32,18 +31,6 @@ def pair(tp_assets):
     # 3 slots for 4 (later 5) adapters: batches force evictions and re-placements.
     with tp_group(tp_config(tp_assets.gqa, 2, adapters, max_loras_per_batch=3)) as (handle, runner):
         yield Pair(tp=runner, ref=ModelRunner(tp_config(tp_assets.gqa, 1, adapters, max_loras_per_batch=3)), handle=handle)
-
-
-def both(pair, op, *args, **kw):
-    """Run ``op`` on both runners; assert equal logits (and hidden states when returned)."""
-    got, want = op(pair.tp, *args, **kw), op(pair.ref, *args, **kw)
-    torch.testing.assert_close(got.logits, want.logits, atol=TOL, rtol=0)
-    for name in ("hidden_states", "aux_hidden_states"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert (a is None) == (b is None), name
-        if a is not None:
-            torch.testing.assert_close(a, b, atol=TOL, rtol=0)
-    return got
 
 
 def test_every_mode_with_mixed_adapters_matches_one_device(pair, tp_assets):
@@ -161,30 +148,6 @@ def test_adapter_changes_from_another_thread_never_diverge(pair, tp_assets):
         pair.ref.kv.free(rid)
 
 
-
-def test_the_paged_attention_kernel_on_two_ranks_matches_sdpa_on_one(tp_assets):
-    """``auto`` takes the paged kernel on CUDA, tensor-parallel groups included: each rank's
-    kernel reads its own KV head (1 of 2 here, with its 2 query heads) from its own cache. Two
-    ranks on the kernel (under the Triton interpreter) against one device on SDPA, through
-    extend (SDPA on both), decode, verify and a rejected-draft truncation."""
-    adapters = {n: tp_assets.adapters[n] for n in ("attn-r8", "all-r16")}
-    with tp_group(tp_config(tp_assets.gqa, 2, adapters, attention="triton")) as (handle, runner):
-        assert runner.attention_backend == "triton"
-        pair = Pair(tp=runner, ref=ModelRunner(tp_config(tp_assets.gqa, 1, adapters)), handle=handle)
-        assert pair.ref.attention_backend == "sdpa"
-        gen = torch.Generator().manual_seed(11)
-        rids, names = ["p0", "p1", "p2"], ["attn-r8", None, "all-r16"]
-        prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (7, 12, 3)]
-        both(pair, extend, rids, prompts, names)
-        both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), names)
-        both(pair, verify, rids, [torch.randint(3, 512, (4,), generator=gen) for _ in rids], names)
-        for rid, rejected in zip(rids, (2, 0, 3), strict=True):
-            pair.tp.kv.truncate(rid, rejected)
-            pair.ref.kv.truncate(rid, rejected)
-        both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), names)
-        for rid in rids:
-            pair.tp.kv.free(rid)
-            pair.ref.kv.free(rid)
 
 def test_ranks_hold_shards_and_one_device_runs_the_plain_path(pair):
     """TP=2 holds half of every sharded tensor; TP=1 has no parallel layer, group or journal."""
