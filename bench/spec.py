@@ -1440,7 +1440,8 @@ def main(argv: list[str] | None = None) -> int:
         expand_into(runner, small_state, small_shape)
     target_params = sum(p.numel() for p in runner.model.parameters())
     log(
-        f"target runner ({target_shape}, {target_params / 1e9:.2f} B params) built in {time.monotonic() - t0:.1f} s"
+        f"target runner ({target_shape}, {target_params / 1e9:.2f} B params, attention {runner.attention_backend}) "
+        f"built in {time.monotonic() - t0:.1f} s"
     )
 
     # Checks: the serving target computes the trained model's function; the served EAGLE
