@@ -332,6 +332,16 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
                 related=("device",),
             )
         )
+    if config.attention_backend == "triton" and config.device == "cpu":
+        out.append(
+            Violation(
+                "attention-triton-cpu",
+                "attention_backend",
+                "the paged Triton attention needs a GPU and this configuration runs on CPU",
+                "set {attention_backend} to auto (SDPA on a CPU) or sdpa, or run on a GPU",
+                related=("device",),
+            )
+        )
     lora = config.lora
     out += _at_least("lora.max_loras_per_batch", lora.max_loras_per_batch, 1, "lora-slots")
     out += _at_least("lora.max_loaded_loras", lora.max_loaded_loras, 1, "lora-cache")

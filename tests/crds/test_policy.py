@@ -173,6 +173,17 @@ def test_cuda_graphs_need_a_fixed_verify_width(rule, field, bad, good):
     assert rule not in rules(config(A.NONE, lora=False, **on, **{field: bad}))
 
 
+def test_the_paged_attention_needs_a_gpu():
+    """``triton`` on a CPU is refused, naming the field and both ways out; ``auto`` is not
+    (it takes SDPA there)."""
+    report = policy.check_config(config(attention_backend="triton", device="cpu", cuda_graph__enabled=False), EVERYTHING)
+    assert "attention-triton-cpu" in report.rules()
+    text = " ".join(v.render() for v in report.violations)
+    assert "attention_backend" in text and "auto" in text
+    assert "attention-triton-cpu" not in rules(config(attention_backend="triton", device="cuda"))
+    assert "attention-triton-cpu" not in rules(config(attention_backend="auto", device="cpu", cuda_graph__enabled=False))
+
+
 def test_cuda_graphs_need_a_gpu():
     assert "cuda-graph-cpu" in rules(config(cuda_graph__enabled=True, device="cpu"))
     assert "cuda-graph-cpu" not in rules(config(cuda_graph__enabled=True, device="cuda"))

@@ -260,6 +260,7 @@ TWINS = {
     "topK > 1 (tree drafts) is only supported": "tree-algorithm",
     "lora.maxLorasPerBatch (GPU slots) must not exceed": "lora-slots-cache",
     "CUDA graphs need a GPU": "cuda-graph-cpu",
+    "The paged Triton attention needs a GPU": "attention-triton-cpu",
     "ngram.minMatch must not exceed": "ngram-window",
 }
 
@@ -280,7 +281,10 @@ def _random_spec(rng: random.Random) -> dict:
         "speculative": speculative,
         "lora": {"maxLorasPerBatch": rng.choice([4, 8, 16]), "maxLoadedLoras": rng.choice([4, 8, 16])},
         "gpus": rng.randint(0, 1),
-        "runtime": {"cudaGraph": {"enabled": rng.random() < 0.5}},
+        "runtime": {
+            "cudaGraph": {"enabled": rng.random() < 0.5},
+            "attentionBackend": rng.choice(["auto", "sdpa", "triton"]),
+        },
     }
 
 
