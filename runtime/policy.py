@@ -771,6 +771,16 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
         out.append(
             PolicyWarning("overlap-loading-ignored", "lora.overlap_loading", "ignored with LoRA disabled")
         )
+    if config.attention_backend == "sdpa" and config.device == "cuda":
+        out.append(
+            PolicyWarning(
+                "attention-sdpa-gpu",
+                "attention_backend",
+                "sdpa gathers each request's whole context into a padded block for every layer; on an H200 the "
+                "paged Triton kernel decoded 1.2x (1 request) to 3.4x (64) faster at a 512-token context and "
+                "2.6-4.0x at 4096: set {attention_backend} to auto",
+            )
+        )
     if config.cuda_graph.enabled and config.cuda_graph.max_bs < config.scheduler.max_running_requests:
         out.append(
             PolicyWarning(

@@ -184,6 +184,13 @@ def test_the_paged_attention_needs_a_gpu():
     assert "attention-triton-cpu" not in rules(config(attention_backend="auto", device="cpu", cuda_graph__enabled=False))
 
 
+def test_sdpa_on_a_gpu_is_legal_but_warned():
+    assert "attention-sdpa-gpu" in warning_rules(config(attention_backend="sdpa", device="cuda"))
+    assert "attention-sdpa-gpu" not in rules(config(attention_backend="sdpa", device="cuda"))
+    assert "attention-sdpa-gpu" not in warning_rules(config(attention_backend="auto", device="cuda"))
+    assert "attention-sdpa-gpu" not in warning_rules(config(attention_backend="sdpa", device="cpu", cuda_graph__enabled=False))
+
+
 def test_cuda_graphs_need_a_gpu():
     assert "cuda-graph-cpu" in rules(config(cuda_graph__enabled=True, device="cpu"))
     assert "cuda-graph-cpu" not in rules(config(cuda_graph__enabled=True, device="cuda"))
