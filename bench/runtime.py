@@ -96,7 +96,7 @@ def make_runner(model_dir: Path, args, backend: str) -> ModelRunner:
     config.model.path = str(model_dir)
     config.model.dtype = args.dtype
     config.device = args.device
-    config.lora.max_rank = args.max_lora_rank or args.rank
+    config.lora.max_rank = args.max_lora_rank
     config.lora.max_loras_per_batch = args.adapters
     config.lora.max_loaded_loras = args.adapters
     config.lora.target_modules = DEFAULT_LORA_MODULES
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.device, args.dtype = "smoke", "cpu", "float32"
         args.batch_sizes, args.steps, args.repeats, args.warmup, args.prompt_len = "1,4", 4, 1, 1, 16
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.max_lora_rank = args.max_lora_rank or args.rank
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
@@ -355,7 +356,7 @@ def _header(args, device: torch.device, backend: str, triton_note: str, argv) ->
         f"Device: {gpu}; torch {torch.__version__}; triton {triton_version}; Python {platform.python_version()}  ",
         f"Setup: {args.dtype}, random Llama-shaped weights, prompt {args.prompt_len} tokens, "
         f"{args.steps} timed decode steps x {args.repeats} (median) through ModelRunner.forward, "
-        f"rank-{args.rank} adapters (pool rank {args.max_lora_rank or args.rank}) on {', '.join(DEFAULT_LORA_MODULES)}, "
+        f"rank-{args.rank} adapters (pool rank {args.max_lora_rank}) on {', '.join(DEFAULT_LORA_MODULES)}, "
         "request i uses adapter i % "
         f"{args.adapters}; requested LoRA backend: {backend} (triton: {triton_note})  ",
         f"Command: `{command}`\n",
