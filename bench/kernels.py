@@ -777,7 +777,33 @@ MIXED_DELTA = ("gate_up", "down")
 TRITON_GEMM = ("gemm-only", "epilogue", "epilogue-auto")
 EPILOGUE = ("default", "overlap-auto", *TRITON_GEMM)
 
+class TweakedBackend(TritonLoRABackend):
+    """The default backend with fields of its chosen shrink/expand configurations replaced."""
+
+    def __init__(self, shrink: dict | None = None, expand: dict | None = None) -> None:
+        super().__init__()
+        self.shrink_tweak, self.expand_tweak = shrink or {}, expand or {}
+
+    def shrink_config(self, *args, **kwargs) -> ShrinkConfig:
+        return replace(super().shrink_config(*args, **kwargs), **self.shrink_tweak)
+
+    def expand_config(self, *args, **kwargs) -> ExpandConfig:
+        return replace(super().expand_config(*args, **kwargs), **self.expand_tweak)
+
+
+# The expand's column loop left to Triton's pipeliner (cp.async, STAGES-1 blocks ahead),
+# with the first block prefetched into L2 before xa is read (pf), and deeper shrinks (st5).
+PIPELINED = {
+    "pipe3": {"expand": {"pipeline_stages": 3}},
+    "pipe3-pf": {"expand": {"pipeline_stages": 3, "prefetch": True}},
+    "pipe4-pf": {"expand": {"pipeline_stages": 4, "prefetch": True}},
+    "pipe3-pf-st5": {"expand": {"pipeline_stages": 3, "prefetch": True}, "shrink": {"num_stages": 5}},
+}
+OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
+
 BACKENDS = {
+    **{name: (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
+    **{f"overlap-auto-{name}": (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
@@ -1317,6 +1343,64 @@ def rank_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], t
     ]
 
 
+def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
+    """The layer targets, batch 1 and rank-64 pools: the expand's register prefetch against
+    the pipelined loop, all in the runtime's join."""
+    variants = ("overlap-auto", *(f"overlap-auto-{name}" for name in PIPELINED))
+    if tiny:
+        return [(Workload("decode", 4, 2, 16, rank_major_b=True), variants)]
+    return [
+        (Workload("decode", 1, 1, 16, rank_major_b=True), variants),
+        (Workload("decode", 32, 8, 16, rank_major_b=True, graph=True), variants),
+        (Workload("decode", 64, 64, 16, rank_major_b=True), variants),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), variants),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), variants),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), variants),
+    ]
+
+
+def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
+    variants = ("default", "pipe3-pf", "pipe4-pf")
+    if tiny:
+        return [(Workload("decode", 4, 2, 16, rank_major_b=True), ("qkv",), variants)]
+    return [
+        (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, variants),
+        (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, variants),
+        (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, variants),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), variants),
+    ]
+
+
+def pipeline_checks(device, modules, tiny: bool) -> list[Check]:
+    """Every pipelined variant against float64 at the benchmark shapes (rank-16 and rank-64
+    pools, mixed ranks, base requests), and under graph replay."""
+    gen = torch.Generator().manual_seed(77)
+    checks: list[Check] = []
+    works = [
+        Workload("decode", 64 if not tiny else 6, 64 if not tiny else 3, 16, rank_major_b=True),
+        Workload("verify", 32 if not tiny else 3, 32 if not tiny else 3, 16, 4, rank_major_b=True),
+        Workload("decode", 24 if not tiny else 6, 4, 16, 1, 64, rank_major_b=True),
+        Workload("decode", 8 if not tiny else 4, 4, 64, 1, 64, rank_major_b=True),
+    ]
+    for name, tweak in PIPELINED.items():
+        backend = TweakedBackend(**tweak)
+        for module in modules.values():
+            for w in works:
+                c = check_apply(backend, w, module, torch.bfloat16, device, gen, base_requests=1)
+                c.name = f"[{name}] {c.name}"
+                checks.append(c)
+            mixed = check_apply(backend, works[2], module, torch.bfloat16, device, gen, ranks=[64, 16, 40, 7, 0])
+            mixed.name = f"[{name}] {mixed.name} ranks 64/16/40/7/0"
+            checks.append(mixed)
+        for c in check_graph(backend, modules["gate_up"], device, gen, "decode", 16, 1, max_rank=64):
+            c.name = f"[{name}] {c.name}"
+            checks.append(c)
+        for c in check_graph(backend, modules["qkv"], device, gen, "verify", 8, 4):
+            c.name = f"[{name}] {c.name}"
+            checks.append(c)
+    return checks
+
+
 def target_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets only: the defaults against the tune phase's configurations."""
     variants = ("default", "overlap-auto", "tuned", "tuned-shrink")
@@ -1431,12 +1515,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--layer",
-        choices=("all", "targets", "epilogue", "rank"),
+        choices=("all", "targets", "epilogue", "rank", "pipeline"),
         default="all",
         help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
         " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
         " Triton GEMM alone against cuBLAS per module) or rank (rank-64 pools with and without the small-rank"
-        " step; only the rank checks run, and the modules are those shapes)",
+        " step; only the rank checks run, and the modules are those shapes) or pipeline (the expand's pipelined"
+        " loop against the register prefetch; only the pipeline checks run, and the modules are those shapes)",
     )
     args = parser.parse_args()
     t0 = time.time()
@@ -1467,6 +1552,8 @@ def main() -> int:
 
     if args.layer == "rank":
         checks = rank_checks(device, modules, tiny)
+    elif args.layer == "pipeline":
+        checks = pipeline_checks(device, modules, tiny)
     else:
         checks = correctness(device, modules, tiny, fast="pdl" in skip)
     for c in checks:
@@ -1490,7 +1577,12 @@ def main() -> int:
         print(f"tune done ({time.time() - t0:.0f}s)", flush=True)
         save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     layer_deadline = time.time() + (0.45 if args.layer == "all" else 0.9) * max(0.0, deadline - time.time())
-    scenarios = {"targets": target_scenarios, "epilogue": epilogue_scenarios, "rank": rank_scenarios}.get(
+    scenarios = {
+        "targets": target_scenarios,
+        "epilogue": epilogue_scenarios,
+        "rank": rank_scenarios,
+        "pipeline": pipeline_scenarios,
+    }.get(
         args.layer, layer_scenarios
     )(tiny)
     if not args.tune:
@@ -1510,7 +1602,9 @@ def main() -> int:
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)
     module_deadline = time.time() + 0.65 * max(0.0, deadline - time.time())
     if "bench" not in skip:
-        shapes = rank_module_workloads(tiny) if args.layer == "rank" else module_workloads(tiny)
+        shapes = {"rank": rank_module_workloads, "pipeline": pipeline_module_workloads}.get(
+            args.layer, module_workloads
+        )(tiny)
         rows = bench_modules(device, modules, shapes, copy_bw, l2_bytes, args.reps, module_deadline)
     print(f"modules done ({time.time() - t0:.0f}s)", flush=True)
     save(out_dir, env, checks, rows, sweeps, layer, tuned, tune_record)

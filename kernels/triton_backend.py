@@ -92,7 +92,8 @@ class TritonLoRABackend(LoRABackend):
     limit can break). True takes it wherever the module allows (up to three slices), False
     never; ``fused_config`` pins its configuration. PDL and pinned shrink/expand
     configurations use two launches. ``small_rank_block`` overrides the expand
-    configurations' ``small_block_r`` (0: every tile at the pool's rank block).
+    configurations' ``small_block_r`` (0: every tile at the pool's rank block);
+    ``expand_pipeline`` their ``pipeline_stages`` (0: the register-prefetch loop).
     """
 
     name = "triton"
@@ -106,8 +107,10 @@ class TritonLoRABackend(LoRABackend):
         fused: bool | None = None,
         fused_config: FusedConfig | None = None,
         small_rank_block: int | None = None,
+        expand_pipeline: int | None = None,
     ) -> None:
         self.small_rank_block = small_rank_block
+        self.expand_pipeline = expand_pipeline
         self.shrink_config_override = shrink_config
         self.expand_config_override = expand_config
         self.pdl = pdl
@@ -147,6 +150,8 @@ class TritonLoRABackend(LoRABackend):
         )
         if self.small_rank_block is not None:
             config = dataclasses.replace(config, small_block_r=self.small_rank_block)
+        if self.expand_pipeline is not None:
+            config = dataclasses.replace(config, pipeline_stages=self.expand_pipeline)
         return config
 
     def fused_config(

@@ -59,6 +59,11 @@ class ExpandConfig:
     # the same launch (0: never): a rank-16 adapter in a rank-64 pool (the runtime's default
     # pool) then streams and multiplies 16-row B tiles, not 64-row ones mostly masked.
     small_block_r: int = 16
+    # > 0: the column loop is left to Triton's software pipeliner with this many stages
+    # (B and the base output copied to shared memory ahead, cp.async); 0: the loop
+    # prefetches one block ahead in registers.
+    pipeline_stages: int = 0
+    prefetch: bool = False  # pipelined loop: the first block's lines into L2 before xa is read
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ The pieces are shared with the single-launch kernel in :mod:`.fused`.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import triton
@@ -214,6 +215,106 @@ def expand_stream(
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (no registers wait for them)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def expand_pipelined(
+    xa_ptr,
+    b_ptr,
+    out_ptr,
+    slot,
+    rank,
+    scale,
+    rows,
+    slice_id,
+    n_first,
+    hi,
+    col_blocks,
+    max_rank,
+    xa_col0,
+    stride_xs,
+    stride_xm,
+    stride_xr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    SPLIT_K: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """:func:`expand_stream`'s work as a plain loop that Triton's software pipeliner takes:
+    ``STAGES - 1`` blocks of B and of the base output are copied ahead, straight from
+    global to shared memory (``cp.async``), instead of through registers.
+
+    The pipeline's first copies wait for ``xa`` (its shared-memory copy comes first), so
+    with ``PREFETCH_LINES`` > 0 (128-byte lines per row of a block; B's columns and the
+    output's must be contiguous) the first block's lines are prefetched into L2 before it.
+    """
+    m_mask = rows >= 0
+    rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    xa_rows = xa_ptr + rows64[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    out_rows = out_ptr + rows64[:, None] * stride_om
+    if PREFETCH_LINES > 0:
+        offs_l = n_first + tl.arange(0, PREFETCH_LINES) * (BLOCK_N // PREFETCH_LINES)
+        l_mask = offs_l < hi
+        b_lines = tl.where(r_mask[:, None] & l_mask[None, :], b_slot + offs_r[:, None] * stride_br + offs_l[None, :], b_slot)
+        prefetch_l2(b_lines)
+        o_lines = tl.where(m_mask[:, None] & l_mask[None, :], out_rows + offs_l[None, :], out_ptr)
+        prefetch_l2(o_lines)
+    xa = _load_xa(
+        xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], offs_r[None, :], stride_xs,
+        SPLIT_K, SPLIT_K, "",
+    ).to(b_ptr.dtype.element_ty)  # fmt: skip
+    if UPCAST_DOT:
+        xa = xa.to(tl.float32)
+    n_end = tl.minimum(hi, n_first + col_blocks * BLOCK_N)
+    for c in tl.range(0, col_blocks, num_stages=STAGES):
+        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
+        bt = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        base = tl.load(out_rows + offs_n[None, :] * stride_on, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST_DOT:
+            acc = tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(xa, bt, input_precision=DOT_PRECISION)
+        if MULTI_CHUNK:
+            for r in range(BLOCK_R, rank, BLOCK_R):
+                offs_rr = r + offs_r
+                rr_mask = offs_rr < rank
+                xr = _load_xa(
+                    xa_rows + offs_rr[None, :] * stride_xr, m_mask[:, None] & rr_mask[None, :], offs_r[None, :],
+                    stride_xs, SPLIT_K, SPLIT_K, "",
+                ).to(b_ptr.dtype.element_ty)  # fmt: skip
+                br = tl.load(b_cols + offs_rr[:, None] * stride_br, mask=rr_mask[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST_DOT:
+                    acc = tl.dot(xr.to(tl.float32), br.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xr, br, acc, input_precision=DOT_PRECISION)
+        tl.store(
+            out_rows + offs_n[None, :] * stride_on,
+            (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
+
+
+@triton.jit
 def _lora_expand_kernel(
     xa_ptr,
     b_ptr,
@@ -243,6 +344,8 @@ def _lora_expand_kernel(
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
     SMALL_R: tl.constexpr,
+    PIPELINE: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -268,13 +371,13 @@ def _lora_expand_kernel(
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            False, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, SMALL_R,
+            False, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, SMALL_R,
         )  # fmt: skip
     else:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
+            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, BLOCK_R,
         )  # fmt: skip
 
 
@@ -305,20 +408,29 @@ def _expand_tile(
     MULTI_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PIPELINE: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """One program's column group of its tile, ``BLOCK_R`` ranks a step."""
-    bt, base = expand_prefetch(
-        b_ptr, out_ptr, slot, rank, rows, slot >= 0, n_first, hi, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-        BLOCK_M, BLOCK_N, BLOCK_R,
-    )  # fmt: skip
-    expand_stream(
-        xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt, base, max_rank,
-        xa_col0, SPLIT_K, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-        SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
-    )  # fmt: skip
+    if PIPELINE > 0:
+        expand_pipelined(
+            xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
+            stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
+            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
+    else:
+        bt, base = expand_prefetch(
+            b_ptr, out_ptr, slot, rank, rows, slot >= 0, n_first, hi, stride_bs, stride_bn, stride_br, stride_om,
+            stride_on, BLOCK_M, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
+        expand_stream(
+            xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, bt, base, max_rank,
+            xa_col0, SPLIT_K, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+            SPLIT_K, MULTI_CHUNK, "", DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
 
 
 def small_rank_block(config: ExpandConfig, tile_m: int) -> int:
@@ -326,6 +438,17 @@ def small_rank_block(config: ExpandConfig, tile_m: int) -> int:
     and only where it is narrower than the pool's ``block_r``."""
     small = config.small_block_r
     return small if 0 < small < config.block_r and tile_m <= 16 else 0
+
+
+def prefetch_lines(config: ExpandConfig, B: torch.Tensor, out: torch.Tensor) -> int:
+    """128-byte lines per row of an expand block to prefetch into L2 (0: none): the
+    pipelined loop only, with contiguous columns in B and the output, and never under the
+    interpreter (no inline assembly there)."""
+    if not (config.prefetch and config.pipeline_stages > 0) or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    if B.stride(1) != 1 or out.stride(1) != 1:
+        return 0
+    return max(1, config.block_n * B.element_size() // 128)
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
@@ -398,6 +521,8 @@ def launch_expand(
             UPCAST_DOT=upcast_dot(B.dtype),
             USE_PDL=pdl,
             SMALL_R=small_rank_block(config, info.tile_m),
+            PIPELINE=config.pipeline_stages,
+            PREFETCH_LINES=prefetch_lines(config, b_view, out_view),
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

@@ -16,7 +16,11 @@ from loraserve.kernels.triton_ops import ExpandConfig, FusedConfig, ShrinkConfig
 
 # Both code paths of apply: one launch (shrink, grid barrier, expand; two launches of the
 # same kernel under the interpreter) and the shrink + expand pair.
-PATHS = {"fused": TritonLoRABackend(fused=True), "two-launch": TritonLoRABackend(fused=False)}
+PATHS = {
+    "fused": TritonLoRABackend(fused=True),
+    "two-launch": TritonLoRABackend(fused=False),
+    "pipelined": TritonLoRABackend(fused=False, expand_pipeline=3),
+}
 
 QKV = (20, 6, 6)  # GQA-shaped: q wider than k and v
 
@@ -78,8 +82,16 @@ def test_fused_stops_at_the_live_tiles(make_pool, gen, check_apply, device):
     [
         (ShrinkConfig(block_n=16, block_k=16, split_k=4), ExpandConfig(block_n=16, block_r=16, col_blocks=3)),
         (ShrinkConfig(block_n=32, block_k=32, split_k=2), ExpandConfig(block_n=32, block_r=16, col_blocks=1)),
+        (
+            ShrinkConfig(block_n=16, block_k=16, split_k=4),
+            ExpandConfig(block_n=16, block_r=16, col_blocks=3, pipeline_stages=3),
+        ),
+        (
+            ShrinkConfig(block_n=32, block_k=32, split_k=2),
+            ExpandConfig(block_n=32, block_r=16, col_blocks=2, pipeline_stages=2),
+        ),
     ],
-    ids=["split4-groups3", "split2-rank-chunks"],
+    ids=["split4-groups3", "split2-rank-chunks", "pipelined-groups3", "pipelined-rank-chunks"],
 )
 def test_forced_configs_match_float64(shrink, expand, make_pool, gen, check_apply, device):
     """Split-K partial sums, several column blocks per program, and rank chunks (rank 40
@@ -229,7 +241,11 @@ def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, chec
     slots = [0, 1, 2, 3, 4, -1, 0, 2]
     info = build_batch_info(mode, slots, pool.ranks, pool.scalings, device=device, **kwargs)
     x, out0 = pool.inputs(gen, info.total_tokens)
-    for backend in (TritonLoRABackend(fused=False), TritonLoRABackend(fused=False, small_rank_block=0)):
+    for backend in (
+        TritonLoRABackend(fused=False),
+        TritonLoRABackend(fused=False, small_rank_block=0),
+        TritonLoRABackend(fused=False, expand_pipeline=3),
+    ):
         check_apply(backend, info, pool, x, out0)
     config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
     assert (config.block_r, config.small_block_r) == (64, 16)
