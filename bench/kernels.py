@@ -791,14 +791,20 @@ class TweakedBackend(TritonLoRABackend):
         return replace(super().expand_config(*args, **kwargs), **self.expand_tweak)
 
 
-# The expand's column loop left to Triton's pipeliner (cp.async, STAGES-1 blocks ahead),
-# with the first block prefetched into L2 before xa is read (pf), and deeper shrinks (st5).
+# The expand's column loop left to Triton's pipeliner (cp.async, STAGES-1 blocks ahead), with
+# other column groups (g), 256-wide blocks on 8 warps (n256w8), or the first block prefetched
+# into L2 before xa is read (pf: run 10 found it slower everywhere).
 PIPELINED = {
+    "pipe2": {"expand": {"pipeline_stages": 2}},
     "pipe3": {"expand": {"pipeline_stages": 3}},
+    "pipe4": {"expand": {"pipeline_stages": 4}},
+    "pipe3-g1": {"expand": {"pipeline_stages": 3, "col_blocks": 1}},
+    "pipe3-g4": {"expand": {"pipeline_stages": 3, "col_blocks": 4}},
+    "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
+    "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
     "pipe3-pf": {"expand": {"pipeline_stages": 3, "prefetch": True}},
-    "pipe4-pf": {"expand": {"pipeline_stages": 4, "prefetch": True}},
-    "pipe3-pf-st5": {"expand": {"pipeline_stages": 3, "prefetch": True}, "shrink": {"num_stages": 5}},
 }
+LAYER_PIPELINED = ("pipe2", "pipe3", "pipe4", "pipe3-g4", "pipe3-n256w8")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
 
 BACKENDS = {
@@ -1346,7 +1352,7 @@ def rank_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], t
 def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
     """The layer targets, batch 1 and rank-64 pools: the expand's register prefetch against
     the pipelined loop, all in the runtime's join."""
-    variants = ("overlap-auto", *(f"overlap-auto-{name}" for name in PIPELINED))
+    variants = ("overlap-auto", *(f"overlap-auto-{name}" for name in LAYER_PIPELINED))
     if tiny:
         return [(Workload("decode", 4, 2, 16, rank_major_b=True), variants)]
     return [
@@ -1360,7 +1366,7 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "pipe3-pf", "pipe4-pf")
+    variants = ("default", *(name for name in PIPELINED if name != "pipe3-pf"))
     if tiny:
         return [(Workload("decode", 4, 2, 16, rank_major_b=True), ("qkv",), variants)]
     return [
