@@ -803,8 +803,13 @@ PIPELINED = {
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
     "pipe3-pf": {"expand": {"pipeline_stages": 3, "prefetch": True}},
+    # tiles with one live row on CUDA cores: the expand, the shrink, or both
+    "pipe3-rowx": {"expand": {"pipeline_stages": 3, "row_fma": True}},
+    "pipe3-rows": {"expand": {"pipeline_stages": 3}, "shrink": {"row_fma": True}},
+    "pipe3-row": {"expand": {"pipeline_stages": 3, "row_fma": True}, "shrink": {"row_fma": True}},
+    "pipe1-row": {"expand": {"pipeline_stages": 1, "row_fma": True}, "shrink": {"row_fma": True}},
 }
-LAYER_PIPELINED = ("pipe2", "pipe3", "pipe4", "pipe3-g4", "pipe3-n256w8")
+LAYER_PIPELINED = ("pipe3", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
 
 BACKENDS = {
@@ -1366,7 +1371,7 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", *(name for name in PIPELINED if name != "pipe3-pf"))
+    variants = ("default", "pipe3", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
     if tiny:
         return [(Workload("decode", 4, 2, 16, rank_major_b=True), ("qkv",), variants)]
     return [
@@ -1383,7 +1388,7 @@ def pipeline_checks(device, modules, tiny: bool) -> list[Check]:
     gen = torch.Generator().manual_seed(77)
     checks: list[Check] = []
     works = [
-        Workload("decode", 64 if not tiny else 6, 64 if not tiny else 3, 16, rank_major_b=True),
+        Workload("decode", 64 if not tiny else 6, 64 if not tiny else 6, 16, rank_major_b=True),
         Workload("verify", 32 if not tiny else 3, 32 if not tiny else 3, 16, 4, rank_major_b=True),
         Workload("decode", 24 if not tiny else 6, 4, 16, 1, 64, rank_major_b=True),
         Workload("decode", 8 if not tiny else 4, 4, 64, 1, 64, rank_major_b=True),

@@ -43,6 +43,8 @@ class ShrinkConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # Decode/verify tiles with one live row take CUDA-core FMAs instead of a 16-row dot.
+    row_fma: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class ExpandConfig:
     # prefetches one block ahead in registers.
     pipeline_stages: int = 0
     prefetch: bool = False  # pipelined loop: the first block's lines into L2 before xa is read
+    # Tiles with one live row whose slot's rank fits 16 take CUDA-core FMAs instead of a 16-row dot.
+    row_fma: bool = False
 
 
 @dataclass(frozen=True)

@@ -315,6 +315,62 @@ def expand_pipelined(
 
 
 @triton.jit
+def expand_row(
+    xa_ptr,
+    b_ptr,
+    out_ptr,
+    slot,
+    rank,
+    scale,
+    row,
+    slice_id,
+    n_first,
+    hi,
+    col_blocks,
+    max_rank,
+    xa_col0,
+    stride_xs,
+    stride_xm,
+    stride_xr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_om,
+    stride_on,
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The expand of a tile with one live row and rank <= ``BLOCK_R``, on CUDA cores:
+    ``out[row, n] += scale * sum_r xa[row, r] * B[slot, n, r]``, one block of columns a
+    step, with no 16-row tensor-core tile (B staged for ``ldmatrix``, the base output and
+    the result converted through shared memory) for one row."""
+    row64 = row.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    xa_ptrs = xa_ptr + row64 * stride_xm + (xa_col0 + slice_id * max_rank + offs_r) * stride_xr
+    xa = tl.load(xa_ptrs, mask=r_mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT_K):
+        xa += tl.load(xa_ptrs + s * stride_xs, mask=r_mask, other=0.0).to(tl.float32)
+    xa = xa * scale
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    out_row = out_ptr + row64 * stride_om
+    n_end = tl.minimum(hi, n_first + col_blocks * BLOCK_N)
+    for c in tl.range(0, col_blocks, num_stages=STAGES):
+        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        bt = tl.load(
+            b_slot + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        base = tl.load(out_row + offs_n * stride_on, mask=n_mask, other=0.0)
+        acc = tl.sum(bt.to(tl.float32) * xa[:, None], axis=0)
+        tl.store(out_row + offs_n * stride_on, (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _lora_expand_kernel(
     xa_ptr,
     b_ptr,
@@ -346,6 +402,7 @@ def _lora_expand_kernel(
     SMALL_R: tl.constexpr,
     PIPELINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    ROW_FMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -367,7 +424,13 @@ def _lora_expand_kernel(
     n_first = lo + group * col_blocks * BLOCK_N
     # Tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
     # constexpr, only where it is narrower than BLOCK_R; 0 compiles the one path).
-    if SMALL_R > 0 and rank <= SMALL_R:
+    if ROW_FMA and rank <= 16 and tl.sum((rows >= 0).to(tl.int32)) == 1:
+        expand_row(
+            xa_ptr, b_ptr, out_ptr, slot, rank, scale, tl.max(rows), slice_id, n_first, hi, col_blocks, max_rank,
+            xa_col0, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+            SPLIT_K, PIPELINE, BLOCK_N, 16,
+        )  # fmt: skip
+    elif SMALL_R > 0 and rank <= SMALL_R:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
@@ -523,6 +586,7 @@ def launch_expand(
             SMALL_R=small_rank_block(config, info.tile_m),
             PIPELINE=config.pipeline_stages,
             PREFETCH_LINES=prefetch_lines(config, b_view, out_view),
+            ROW_FMA=config.row_fma and info.tile_m <= 16,
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,
