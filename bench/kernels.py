@@ -791,10 +791,13 @@ class TweakedBackend(TritonLoRABackend):
         return replace(super().expand_config(*args, **kwargs), **self.expand_tweak)
 
 
-# The expand's column loop left to Triton's pipeliner (cp.async, STAGES-1 blocks ahead), with
-# other column groups (g), 256-wide blocks on 8 warps (n256w8), or the first block prefetched
-# into L2 before xa is read (pf: run 10 found it slower everywhere).
+# The expand's column loop: the register prefetch of one block (reg, the default before run
+# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default since), with
+# other column groups (g4), or the first block prefetched into L2 before xa is read (pf: run
+# 10a found it slower everywhere), and CUDA-core paths for tiles with one live row: the
+# expand's (rowx), the shrink's (rows), or both (row; pipe1-row without the pipeliner).
 PIPELINED = {
+    "reg": {"expand": {"pipeline_stages": 0}},
     "pipe2": {"expand": {"pipeline_stages": 2}},
     "pipe3": {"expand": {"pipeline_stages": 3}},
     "pipe4": {"expand": {"pipeline_stages": 4}},
@@ -803,13 +806,12 @@ PIPELINED = {
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
     "pipe3-pf": {"expand": {"pipeline_stages": 3, "prefetch": True}},
-    # tiles with one live row on CUDA cores: the expand, the shrink, or both
     "pipe3-rowx": {"expand": {"pipeline_stages": 3, "row_fma": True}},
     "pipe3-rows": {"expand": {"pipeline_stages": 3}, "shrink": {"row_fma": True}},
     "pipe3-row": {"expand": {"pipeline_stages": 3, "row_fma": True}, "shrink": {"row_fma": True}},
     "pipe1-row": {"expand": {"pipeline_stages": 1, "row_fma": True}, "shrink": {"row_fma": True}},
 }
-LAYER_PIPELINED = ("pipe3", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
+LAYER_PIPELINED = ("reg", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
 
 BACKENDS = {
@@ -1371,14 +1373,20 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "pipe3", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
+    variants = ("default", "reg", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
     if tiny:
-        return [(Workload("decode", 4, 2, 16, rank_major_b=True), ("qkv",), variants)]
+        return [
+            (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),
+            (Workload("extend", 2, 2, 16, 20, rank_major_b=True), ("o",), ("default", "pipe3")),
+        ]
     return [
         (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, variants),
         (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, variants),
         (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, variants),
-        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), variants),
+        (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, variants),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), ("default", "reg")),
+        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default", "pipe3")),
+        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default", "pipe3")),
     ]
 
 

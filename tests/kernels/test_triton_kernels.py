@@ -19,7 +19,7 @@ from loraserve.kernels.triton_ops import ExpandConfig, FusedConfig, ShrinkConfig
 PATHS = {
     "fused": TritonLoRABackend(fused=True),
     "two-launch": TritonLoRABackend(fused=False),
-    "pipelined": TritonLoRABackend(fused=False, expand_pipeline=3),
+    "register-prefetch": TritonLoRABackend(fused=False, expand_pipeline=0),
 }
 
 QKV = (20, 6, 6)  # GQA-shaped: q wider than k and v
@@ -244,7 +244,7 @@ def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, chec
     for backend in (
         TritonLoRABackend(fused=False),
         TritonLoRABackend(fused=False, small_rank_block=0),
-        TritonLoRABackend(fused=False, expand_pipeline=3),
+        TritonLoRABackend(fused=False, expand_pipeline=0),
     ):
         check_apply(backend, info, pool, x, out0)
     config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
