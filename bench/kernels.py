@@ -792,10 +792,9 @@ class TweakedBackend(TritonLoRABackend):
 
 
 # The expand's column loop: the register prefetch of one block (reg, the default before run
-# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default since), with
-# other column groups (g4), or the first block prefetched into L2 before xa is read (pf: run
-# 10a found it slower everywhere), and CUDA-core paths for tiles with one live row: the
-# expand's (rowx), the shrink's (rows), or both (row; pipe1-row without the pipeliner).
+# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default for
+# decode/verify tiles since), with other column groups or 256-wide blocks. Forced variants
+# apply to extend tiles too (which keep the register prefetch by default).
 PIPELINED = {
     "reg": {"expand": {"pipeline_stages": 0}},
     "pipe2": {"expand": {"pipeline_stages": 2}},
@@ -805,13 +804,8 @@ PIPELINED = {
     "pipe3-g4": {"expand": {"pipeline_stages": 3, "col_blocks": 4}},
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
-    "pipe3-pf": {"expand": {"pipeline_stages": 3, "prefetch": True}},
-    "pipe3-rowx": {"expand": {"pipeline_stages": 3, "row_fma": True}},
-    "pipe3-rows": {"expand": {"pipeline_stages": 3}, "shrink": {"row_fma": True}},
-    "pipe3-row": {"expand": {"pipeline_stages": 3, "row_fma": True}, "shrink": {"row_fma": True}},
-    "pipe1-row": {"expand": {"pipeline_stages": 1, "row_fma": True}, "shrink": {"row_fma": True}},
 }
-LAYER_PIPELINED = ("reg", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
+LAYER_PIPELINED = ("reg", "pipe3-g4")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
 
 BACKENDS = {
@@ -1373,7 +1367,7 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "reg", "pipe3-g4", "pipe3-rowx", "pipe3-rows", "pipe3-row", "pipe1-row")
+    variants = ("default", "reg", "pipe3-g4")
     if tiny:
         return [
             (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),

@@ -44,8 +44,6 @@ class ShrinkConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    # Decode/verify tiles with one live row take CUDA-core FMAs instead of a 16-row dot.
-    row_fma: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,9 +64,6 @@ class ExpandConfig:
     # (B and the base output copied to shared memory ahead, cp.async); 0: the loop
     # prefetches one block ahead in registers.
     pipeline_stages: int = 0
-    prefetch: bool = False  # pipelined loop: the first block's lines into L2 before xa is read
-    # Tiles with one live row whose slot's rank fits 16 take CUDA-core FMAs instead of a 16-row dot.
-    row_fma: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,7 @@ def pick_expand(
         col_blocks = 2
     # Short tiles: the column loop goes to Triton's pipeliner, B and the base output copied
     # to shared memory two blocks ahead (run 10: 1-3 points off every layer target and
-    # 6% off gate_up at 64 adapters, from fewer registers and shared-memory round trips).
+    # 8% off gate_up at 64 adapters, from fewer registers and shared-memory round trips).
     stages = 0 if wide else EXPAND_PIPELINE_STAGES
     return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks, pipeline_stages=stages)
 

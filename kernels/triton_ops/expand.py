@@ -13,7 +13,6 @@ The pieces are shared with the single-launch kernel in :mod:`.fused`.
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import triton
@@ -215,14 +214,6 @@ def expand_stream(
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at ``ptrs`` (no registers wait for them)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def expand_pipelined(
     xa_ptr,
     b_ptr,
@@ -250,7 +241,6 @@ def expand_pipelined(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     STAGES: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -258,10 +248,6 @@ def expand_pipelined(
     """:func:`expand_stream`'s work as a plain loop that Triton's software pipeliner takes:
     ``STAGES - 1`` blocks of B and of the base output are copied ahead, straight from
     global to shared memory (``cp.async``), instead of through registers.
-
-    The pipeline's first copies wait for ``xa`` (its shared-memory copy comes first), so
-    with ``PREFETCH_LINES`` > 0 (128-byte lines per row of a block; B's columns and the
-    output's must be contiguous) the first block's lines are prefetched into L2 before it.
     """
     m_mask = rows >= 0
     rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
@@ -270,13 +256,6 @@ def expand_pipelined(
     xa_rows = xa_ptr + rows64[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
     b_slot = b_ptr + slot.to(tl.int64) * stride_bs
     out_rows = out_ptr + rows64[:, None] * stride_om
-    if PREFETCH_LINES > 0:
-        offs_l = n_first + tl.arange(0, PREFETCH_LINES) * (BLOCK_N // PREFETCH_LINES)
-        l_mask = offs_l < hi
-        b_lines = tl.where(r_mask[:, None] & l_mask[None, :], b_slot + offs_r[:, None] * stride_br + offs_l[None, :], b_slot)
-        prefetch_l2(b_lines)
-        o_lines = tl.where(m_mask[:, None] & l_mask[None, :], out_rows + offs_l[None, :], out_ptr)
-        prefetch_l2(o_lines)
     xa = _load_xa(
         xa_rows + offs_r[None, :] * stride_xr, m_mask[:, None] & r_mask[None, :], offs_r[None, :], stride_xs,
         SPLIT_K, SPLIT_K, "",
@@ -315,62 +294,6 @@ def expand_pipelined(
 
 
 @triton.jit
-def expand_row(
-    xa_ptr,
-    b_ptr,
-    out_ptr,
-    slot,
-    rank,
-    scale,
-    row,
-    slice_id,
-    n_first,
-    hi,
-    col_blocks,
-    max_rank,
-    xa_col0,
-    stride_xs,
-    stride_xm,
-    stride_xr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_om,
-    stride_on,
-    SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """The expand of a tile with one live row and rank <= ``BLOCK_R``, on CUDA cores:
-    ``out[row, n] += scale * sum_r xa[row, r] * B[slot, n, r]``, one block of columns a
-    step, with no 16-row tensor-core tile (B staged for ``ldmatrix``, the base output and
-    the result converted through shared memory) for one row."""
-    row64 = row.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    xa_ptrs = xa_ptr + row64 * stride_xm + (xa_col0 + slice_id * max_rank + offs_r) * stride_xr
-    xa = tl.load(xa_ptrs, mask=r_mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLIT_K):
-        xa += tl.load(xa_ptrs + s * stride_xs, mask=r_mask, other=0.0).to(tl.float32)
-    xa = xa * scale
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    out_row = out_ptr + row64 * stride_om
-    n_end = tl.minimum(hi, n_first + col_blocks * BLOCK_N)
-    for c in tl.range(0, col_blocks, num_stages=STAGES):
-        offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_end
-        bt = tl.load(
-            b_slot + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
-            mask=r_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        base = tl.load(out_row + offs_n * stride_on, mask=n_mask, other=0.0)
-        acc = tl.sum(bt.to(tl.float32) * xa[:, None], axis=0)
-        tl.store(out_row + offs_n * stride_on, (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _lora_expand_kernel(
     xa_ptr,
     b_ptr,
@@ -401,8 +324,6 @@ def _lora_expand_kernel(
     USE_PDL: tl.constexpr,
     SMALL_R: tl.constexpr,
     PIPELINE: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    ROW_FMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -424,23 +345,17 @@ def _lora_expand_kernel(
     n_first = lo + group * col_blocks * BLOCK_N
     # Tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
     # constexpr, only where it is narrower than BLOCK_R; 0 compiles the one path).
-    if ROW_FMA and rank <= 16 and tl.sum((rows >= 0).to(tl.int32)) == 1:
-        expand_row(
-            xa_ptr, b_ptr, out_ptr, slot, rank, scale, tl.max(rows), slice_id, n_first, hi, col_blocks, max_rank,
-            xa_col0, stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-            SPLIT_K, PIPELINE, BLOCK_N, 16,
-        )  # fmt: skip
-    elif SMALL_R > 0 and rank <= SMALL_R:
+    if SMALL_R > 0 and rank <= SMALL_R:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            False, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, SMALL_R,
+            False, DOT_PRECISION, UPCAST_DOT, PIPELINE, BLOCK_M, BLOCK_N, SMALL_R,
         )  # fmt: skip
     else:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, BLOCK_R,
+            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, BLOCK_M, BLOCK_N, BLOCK_R,
         )  # fmt: skip
 
 
@@ -472,7 +387,6 @@ def _expand_tile(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     PIPELINE: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -482,7 +396,7 @@ def _expand_tile(
         expand_pipelined(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
-            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, PREFETCH_LINES, BLOCK_M, BLOCK_N, BLOCK_R,
+            MULTI_CHUNK, DOT_PRECISION, UPCAST_DOT, PIPELINE, BLOCK_M, BLOCK_N, BLOCK_R,
         )  # fmt: skip
     else:
         bt, base = expand_prefetch(
@@ -501,17 +415,6 @@ def small_rank_block(config: ExpandConfig, tile_m: int) -> int:
     and only where it is narrower than the pool's ``block_r``."""
     small = config.small_block_r
     return small if 0 < small < config.block_r and tile_m <= 16 else 0
-
-
-def prefetch_lines(config: ExpandConfig, B: torch.Tensor, out: torch.Tensor) -> int:
-    """128-byte lines per row of an expand block to prefetch into L2 (0: none): the
-    pipelined loop only, with contiguous columns in B and the output, and never under the
-    interpreter (no inline assembly there)."""
-    if not (config.prefetch and config.pipeline_stages > 0) or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    if B.stride(1) != 1 or out.stride(1) != 1:
-        return 0
-    return max(1, config.block_n * B.element_size() // 128)
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
@@ -585,8 +488,6 @@ def launch_expand(
             USE_PDL=pdl,
             SMALL_R=small_rank_block(config, info.tile_m),
             PIPELINE=config.pipeline_stages,
-            PREFETCH_LINES=prefetch_lines(config, b_view, out_view),
-            ROW_FMA=config.row_fma and info.tile_m <= 16,
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

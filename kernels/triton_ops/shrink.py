@@ -85,55 +85,6 @@ def shrink_block(
 
 
 @triton.jit
-def shrink_row(
-    x_ptr,
-    a_ptr,
-    out_ptr,
-    slot,
-    rank,
-    row,
-    slice_id,
-    n_start,
-    split_id,
-    in_dim,
-    max_rank,
-    k_per_split,
-    stride_xm,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_os,
-    stride_om,
-    stride_on,
-    STAGES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """:func:`shrink_block` for a tile with one live row (decode with as many adapters as
-    requests), on CUDA cores: products summed per input column across the steps and
-    reduced once at the end, so no 16-row tensor-core tile (15 rows of zeros staged
-    through shared memory) is built for one row."""
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < rank
-    cols = slice_id * max_rank + offs_n
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + cols[:, None].to(tl.int64) * stride_ar
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    k_lo = split_id * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_dim)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        at = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)
-        acc += at.to(tl.float32) * xv.to(tl.float32)[None, :]
-    xa = tl.sum(acc, axis=1)
-    out_ptrs = out_ptr + split_id * stride_os + row.to(tl.int64) * stride_om + cols * stride_on
-    tl.store(out_ptrs, xa.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -155,8 +106,6 @@ def _lora_shrink_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
-    ROW_FMA: tl.constexpr,
-    ROW_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -175,18 +124,11 @@ def _lora_shrink_kernel(
         return
     if n_start >= rank:
         return  # nothing past the adapter's own rank
-    if ROW_FMA and tl.sum((rows >= 0).to(tl.int32)) == 1:
-        shrink_row(
-            x_ptr, a_ptr, out_ptr, slot, rank, tl.max(rows), slice_id, n_start, pid_k, in_dim, max_rank,
-            k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_on,
-            ROW_STAGES, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    else:
-        shrink_block(
-            x_ptr, a_ptr, out_ptr, slot, rank, rows, slice_id, n_start, pid_k, in_dim, max_rank, k_per_split,
-            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_on,
-            DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    shrink_block(
+        x_ptr, a_ptr, out_ptr, slot, rank, rows, slice_id, n_start, pid_k, in_dim, max_rank, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_on,
+        DOT_PRECISION, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -251,8 +193,6 @@ def launch_shrink(
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.dtype),
         USE_PDL=pdl,
-        ROW_FMA=config.row_fma and info.tile_m <= 16,
-        ROW_STAGES=config.num_stages,
         BLOCK_M=info.tile_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

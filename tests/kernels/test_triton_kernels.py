@@ -249,19 +249,3 @@ def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, chec
         check_apply(backend, info, pool, x, out0)
     config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
     assert (config.block_r, config.small_block_r) == (64, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_rank", [16, 64])
-def test_one_row_tiles_on_cuda_cores(dtype, max_rank, make_pool, gen, check_apply, device):
-    """Decode tiles with one live row take the CUDA-core shrink and expand (``row_fma``);
-    the tile of the adapter with two requests, and the rank-40 adapter's (above the 16-rank
-    step), keep the tensor-core path: one launch each holds both kinds, and both agree
-    with float64."""
-    pool = make_pool(in_dim=45, widths=QKV, ranks=[16, 5, 0, 9, min(40, max_rank)], max_rank=max_rank, dtype=dtype)
-    slots = [1, 3, -1, 0, 2, 1, 4]  # slot 1 twice: a two-row tile
-    info = build_batch_info(ForwardMode.DECODE, slots, pool.ranks, pool.scalings, device=device)
-    x, out0 = pool.inputs(gen, info.total_tokens)
-    shrink = ShrinkConfig(block_n=16, block_k=16, split_k=2, row_fma=True)
-    expand = ExpandConfig(block_n=16, block_r=max_rank, col_blocks=2, pipeline_stages=2, row_fma=True)
-    check_apply(TritonLoRABackend(shrink_config=shrink, expand_config=expand), info, pool, x, out0)
