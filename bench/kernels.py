@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -792,9 +793,8 @@ class TweakedBackend(TritonLoRABackend):
 
 
 # The expand's column loop: the register prefetch of one block (reg, the default before run
-# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default for
-# decode/verify tiles since), with other column groups or 256-wide blocks. Forced variants
-# apply to extend tiles too (which keep the register prefetch by default).
+# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default since), with
+# other column groups or 256-wide blocks. Forced variants apply to every tile.
 PIPELINED = {
     "reg": {"expand": {"pipeline_stages": 0}},
     "pipe2": {"expand": {"pipeline_stages": 2}},
@@ -805,12 +805,30 @@ PIPELINED = {
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
 }
-LAYER_PIPELINED = ("reg", "pipe3-g4")
-OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
+
+
+class Run10Backend(TritonLoRABackend):
+    """The expand configurations of run 10's default (``f7cb9e7``): extend tiles on the
+    register prefetch, and short tiles on 4 column blocks only from 32 blocks per SM."""
+
+    def expand_config(self, info, B, slice_offsets) -> ExpandConfig:
+        config = super().expand_config(info, B, slice_offsets)
+        if info.tile_m > 16:
+            return replace(config, pipeline_stages=0)
+        widths = [b - a for a, b in itertools.pairwise(slice_offsets)]
+        blocks = max(1, info.num_tiles) * sum(math.ceil(w / config.block_n) for w in widths)
+        sms = torch.cuda.get_device_properties(B.device).multi_processor_count if B.is_cuda else 132
+        return replace(config, col_blocks=4 if blocks >= 32 * sms else 2)
+
+
+LAYER_PIPELINED = ("run10", "reg", "pipe3-g4")
+OVERLAPS.update({f"overlap-auto-{name}": None for name in (*PIPELINED, "run10")})
 
 BACKENDS = {
     **{name: (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
     **{f"overlap-auto-{name}": (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
+    "run10": Run10Backend,
+    "overlap-auto-run10": Run10Backend,
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
@@ -1367,11 +1385,11 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "reg", "pipe3-g4")
+    variants = ("default", "run10", "reg")
     if tiny:
         return [
             (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),
-            (Workload("extend", 2, 2, 16, 20, rank_major_b=True), ("o",), ("default", "pipe3")),
+            (Workload("extend", 2, 2, 16, 20, rank_major_b=True), ("o",), ("default", "run10")),
         ]
     return [
         (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, variants),
@@ -1379,14 +1397,14 @@ def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...
         (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, variants),
         (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, variants),
         (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), ("default", "reg")),
-        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default", "pipe3")),
-        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default", "pipe3")),
+        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default", "run10")),
+        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default", "run10")),
     ]
 
 
 def pipeline_checks(device, modules, tiny: bool) -> list[Check]:
-    """Every pipelined variant against float64 at the benchmark shapes (rank-16 and rank-64
-    pools, mixed ranks, base requests), and under graph replay."""
+    """The default and every pipelined variant against float64 at the benchmark shapes
+    (rank-16 and rank-64 pools, mixed ranks, base requests, extend), and under graph replay."""
     gen = torch.Generator().manual_seed(77)
     checks: list[Check] = []
     works = [
@@ -1394,9 +1412,10 @@ def pipeline_checks(device, modules, tiny: bool) -> list[Check]:
         Workload("verify", 32 if not tiny else 3, 32 if not tiny else 3, 16, 4, rank_major_b=True),
         Workload("decode", 24 if not tiny else 6, 4, 16, 1, 64, rank_major_b=True),
         Workload("decode", 8 if not tiny else 4, 4, 64, 1, 64, rank_major_b=True),
+        Workload("extend", 4 if not tiny else 2, 4 if not tiny else 2, 64, 512 if not tiny else 20, rank_major_b=True),
     ]
-    for name, tweak in PIPELINED.items():
-        backend = TweakedBackend(**tweak)
+    backends = {"default": TritonLoRABackend(), **{name: TweakedBackend(**t) for name, t in PIPELINED.items()}}
+    for name, backend in backends.items():
         for module in modules.values():
             for w in works:
                 c = check_apply(backend, w, module, torch.bfloat16, device, gen, base_requests=1)

@@ -16,7 +16,11 @@ MAX_SPLIT_K = 16
 MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each column group
 MIN_K_BLOCKS_PER_SPLIT = 2  # at least 2 steps (256 columns at block_k 128) per split
 PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
-EXPAND_PIPELINE_STAGES = 3  # decode/verify expand: blocks in flight + 1 (bench/KERNELS-NOTES.md run 10)
+EXPAND_PIPELINE_STAGES = 3  # the expand's column loop: blocks in flight + 1 (bench/KERNELS-NOTES.md run 10)
+# Short-tile expands take 4 column blocks a program from this many blocks per SM, 2 below:
+# run 10 found 4 better at 64 decode tiles (o, down: 2048 blocks; 1-3 points a layer) and
+# worse at 32 verify tiles (qkv: 1536) and 8 decode tiles.
+FOUR_COL_BLOCKS_PER_SM = 15
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
 MAX_PARTIAL_COLUMNS = 256
@@ -156,15 +160,17 @@ def pick_expand(
     blocks = max(1, num_tiles) * sum(cdiv(w, block_n) for w in widths)
     if wide:
         col_blocks = 8
-    elif blocks >= 32 * num_sms:
+    elif blocks >= FOUR_COL_BLOCKS_PER_SM * num_sms:
         col_blocks = 4
     else:
         col_blocks = 2
-    # Short tiles: the column loop goes to Triton's pipeliner, B and the base output copied
-    # to shared memory two blocks ahead (run 10: 1-3 points off every layer target and
-    # 8% off gate_up at 64 adapters, from fewer registers and shared-memory round trips).
-    stages = 0 if wide else EXPAND_PIPELINE_STAGES
-    return ExpandConfig(block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks, pipeline_stages=stages)
+    # The column loop goes to Triton's pipeliner, B and the base output copied to shared
+    # memory two blocks ahead (run 10: 1-4 points off every layer target, 8% off gate_up at
+    # 64 adapters, 0.4-4% off extend's o and down, from fewer registers and shared-memory
+    # round trips than the register prefetch).
+    return ExpandConfig(
+        block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks, pipeline_stages=EXPAND_PIPELINE_STAGES
+    )
 
 
 def k_per_split(in_dim: int, block_k: int, split_k: int) -> int:

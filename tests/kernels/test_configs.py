@@ -104,7 +104,6 @@ def test_residency_is_the_largest_count_that_fits(n_regs, shared, warps):
     assert count == 32 or not _fits(count + 1, n_regs, shared, warps, props)
 
 
-
 def test_small_ranks_take_a_narrow_rank_step_on_short_tiles():
     """Decode/verify tiles of a slot with rank <= 16 take 16-row B tiles in a rank-64 pool;
     extend tiles, pools of rank 16 and a disabled small step keep the pool's one step."""
@@ -116,3 +115,17 @@ def test_small_ranks_take_a_narrow_rank_step_on_short_tiles():
     assert small_rank_block(wide, 64) == 0  # extend tiles
     assert small_rank_block(pick_expand(tile_m=16, max_rank=16, **kw), 16) == 0  # nothing narrower
     assert small_rank_block(replace(wide, small_block_r=0), 16) == 0
+
+
+def test_expand_column_groups_follow_the_block_count():
+    """Four column blocks a program once a launch has about 15 blocks per SM (64 decode
+    tiles of o or down), two below (32 verify tiles of qkv, 8 decode tiles), eight for
+    extend tiles; every tile's column loop pipelined."""
+    kw = dict(max_rank=16, dtype=torch.bfloat16, num_sms=132)
+    o, qkv = LLAMA_8B["o"][1], LLAMA_8B["qkv"][1]
+    assert pick_expand(num_tiles=64, tile_m=16, widths=o, **kw).col_blocks == 4
+    assert pick_expand(num_tiles=32, tile_m=16, widths=qkv, **kw).col_blocks == 2
+    assert pick_expand(num_tiles=8, tile_m=16, widths=qkv, **kw).col_blocks == 2
+    extend = pick_expand(num_tiles=8, tile_m=64, widths=o, **kw)
+    assert extend.col_blocks == 8
+    assert extend.pipeline_stages == pick_expand(num_tiles=64, tile_m=16, widths=o, **kw).pipeline_stages > 0
