@@ -794,7 +794,8 @@ class TweakedBackend(TritonLoRABackend):
 
 # The expand's column loop: the register prefetch of one block (reg, the default before run
 # 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default since), with
-# other column groups or 256-wide blocks. Forced variants apply to every tile.
+# other column groups or 256-wide blocks, or the one-live-row tiles on CUDA cores. Forced
+# variants apply to every tile.
 PIPELINED = {
     "reg": {"expand": {"pipeline_stages": 0}},
     "pipe2": {"expand": {"pipeline_stages": 2}},
@@ -804,6 +805,8 @@ PIPELINED = {
     "pipe3-g4": {"expand": {"pipeline_stages": 3, "col_blocks": 4}},
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
+    # Tiles with one live row on CUDA-core rank-1 updates (expand_row), the rest as default.
+    "row": {"expand": {"row_fma": True}},
 }
 
 
@@ -821,7 +824,7 @@ class Run10Backend(TritonLoRABackend):
         return replace(config, col_blocks=4 if blocks >= 32 * sms else 2)
 
 
-LAYER_PIPELINED = ("run10", "reg", "pipe3-g4")
+LAYER_PIPELINED = ("run10", "reg", "row")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in (*PIPELINED, "run10")})
 
 BACKENDS = {
@@ -1385,7 +1388,7 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "run10", "reg")
+    variants = ("default", "run10", "reg", "row")
     if tiny:
         return [
             (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),

@@ -68,6 +68,9 @@ class ExpandConfig:
     # (B and the base output copied to shared memory ahead, cp.async); 0: the loop
     # prefetches one block ahead in registers.
     pipeline_stages: int = 0
+    # Decode/verify tiles with one live row take rank-1 updates on CUDA cores
+    # (expand.expand_row) instead of a 16-row tensor-core tile.
+    row_fma: bool = False
 
 
 @dataclass(frozen=True)

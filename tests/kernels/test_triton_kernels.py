@@ -249,3 +249,20 @@ def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, chec
         check_apply(backend, info, pool, x, out0)
     config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
     assert (config.block_r, config.small_block_r) == (64, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_rank", [16, 64])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_one_row_tiles_take_rank_one_updates(dtype, max_rank, split_k, make_pool, gen, check_apply, device):
+    """With ``row_fma``, decode tiles with one live row take the CUDA-core expand (rank-1
+    updates, 16 ranks a step: rank 40 takes three steps, the last one partial); the tile of
+    the adapter with two requests keeps the tensor-core path in the same launch. Three
+    column blocks a program make two 32-column steps, the second cut by the slice's end."""
+    pool = make_pool(in_dim=45, widths=QKV, ranks=[16, 5, 0, 9, min(40, max_rank)], max_rank=max_rank, dtype=dtype)
+    slots = [1, 3, -1, 0, 2, 1, 4]  # slot 1 twice: a two-row tile
+    info = build_batch_info(ForwardMode.DECODE, slots, pool.ranks, pool.scalings, device=device)
+    x, out0 = pool.inputs(gen, info.total_tokens)
+    shrink = ShrinkConfig(block_n=16, block_k=16, split_k=split_k)
+    expand = ExpandConfig(block_n=16, block_r=min(max_rank, 64), col_blocks=3, pipeline_stages=3, row_fma=True)
+    check_apply(TritonLoRABackend(shrink_config=shrink, expand_config=expand), info, pool, x, out0)
