@@ -805,8 +805,9 @@ PIPELINED = {
     "pipe3-g4": {"expand": {"pipeline_stages": 3, "col_blocks": 4}},
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
-    # Tiles with one live row on CUDA-core rank-1 updates (expand_row), the rest as default.
-    "row": {"expand": {"row_fma": True}},
+    # Tiles with at most 1 / 4 live rows on CUDA-core rank-1 updates (expand_rows).
+    "row": {"expand": {"fma_rows": 1}},
+    "row4": {"expand": {"fma_rows": 4}},
 }
 
 
@@ -824,7 +825,7 @@ class Run10Backend(TritonLoRABackend):
         return replace(config, col_blocks=4 if blocks >= 32 * sms else 2)
 
 
-LAYER_PIPELINED = ("run10", "reg", "row")
+LAYER_PIPELINED = ("run10", "reg", "row", "row4")
 OVERLAPS.update({f"overlap-auto-{name}": None for name in (*PIPELINED, "run10")})
 
 BACKENDS = {
@@ -1388,7 +1389,7 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "run10", "reg", "row")
+    variants = ("default", "run10", "reg", "row", "row4")
     if tiny:
         return [
             (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),

@@ -68,9 +68,14 @@ class ExpandConfig:
     # (B and the base output copied to shared memory ahead, cp.async); 0: the loop
     # prefetches one block ahead in registers.
     pipeline_stages: int = 0
-    # Decode/verify tiles with one live row take rank-1 updates on CUDA cores
-    # (expand.expand_row) instead of a 16-row tensor-core tile.
-    row_fma: bool = False
+    # Decode/verify tiles with at most this many live rows (a power of two; 0: none) take
+    # rank-1 updates on CUDA cores (expand.expand_rows) instead of a 16-row tensor-core tile.
+    fma_rows: int = 0
+
+    def __post_init__(self) -> None:
+        rows = self.fma_rows
+        if rows < 0 or rows > 16 or rows & (rows - 1):
+            raise ValueError(f"ExpandConfig.fma_rows={rows}: use 0 (off) or a power of two up to 16")
 
 
 @dataclass(frozen=True)
