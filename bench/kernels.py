@@ -71,7 +71,13 @@ from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
-from loraserve.kernels.triton_ops.configs import MAX_PARTIAL_COLUMNS, GemmConfig, gemm_config, rank_block  # noqa: E402
+from loraserve.kernels.triton_ops.configs import (  # noqa: E402
+    MAX_PARTIAL_COLUMNS,
+    GemmConfig,
+    expand_blocks,
+    gemm_config,
+    rank_block,
+)
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
 from loraserve.kernels.triton_ops.fused import barrier_timeouts  # noqa: E402
 from loraserve.kernels.triton_ops.gemm_expand import gemm_linear, launch_gemm_expand  # noqa: E402
@@ -819,10 +825,9 @@ class Run10Backend(TritonLoRABackend):
         config = super().expand_config(info, B, slice_offsets)
         if info.tile_m > 16:
             return replace(config, pipeline_stages=0)
-        widths = [b - a for a, b in itertools.pairwise(slice_offsets)]
-        blocks = max(1, info.num_tiles) * sum(math.ceil(w / config.block_n) for w in widths)
-        sms = torch.cuda.get_device_properties(B.device).multi_processor_count if B.is_cuda else 132
-        return replace(config, col_blocks=4 if blocks >= 32 * sms else 2)
+        widths = tuple(b - a for a, b in itertools.pairwise(slice_offsets))
+        blocks = expand_blocks(info.num_tiles, widths, config.block_n)
+        return replace(config, col_blocks=4 if blocks >= 32 * num_sms(B.device) else 2)
 
 
 LAYER_PIPELINED = ("run10", "reg", "row", "row4")

@@ -146,6 +146,11 @@ def pick_shrink(
     return ShrinkConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
+def expand_blocks(num_tiles: int, widths: tuple[int, ...], block_n: int) -> int:
+    """``block_n``-column blocks an expand launch covers over all its tiles and slices."""
+    return max(1, num_tiles) * sum(cdiv(w, block_n) for w in widths)
+
+
 def pick_expand(
     *,
     num_tiles: int,
@@ -165,7 +170,7 @@ def pick_expand(
     block_n = 64 if wide else 128
     if dtype == torch.float32:
         block_n //= 2
-    blocks = max(1, num_tiles) * sum(cdiv(w, block_n) for w in widths)
+    blocks = expand_blocks(num_tiles, widths, block_n)
     if wide:
         col_blocks = 8
     elif blocks >= FOUR_COL_BLOCKS_PER_SM * num_sms:

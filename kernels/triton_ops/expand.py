@@ -325,10 +325,11 @@ def expand_rows(
     rank-1 updates a step, each one row of B (contiguous along the output in the pool's
     rank-major layout) times the rows' ``xa`` column, for ``2 * BLOCK_N`` columns at once.
 
-    Nothing passes through shared memory and nothing is reduced across warps (the 16-row
-    tensor-core tile stages B, the base output and the result through shared memory for
-    rows that are mostly dead); the step's B rows are independent loads, all in flight
-    together, and each is read once for all the rows.
+    The 16-row tensor-core tile stages B, the base output and the result through shared
+    memory for rows that are mostly dead; here B goes straight to registers, the step's B
+    rows are independent loads, all in flight together, and each is read once for all the
+    rows. At one row the ``xa`` column is taken with warp shuffles alone; at more rows
+    Triton 3.6 moves it through shared memory (bench/KERNELS-NOTES.md, before run 11).
     """
     m_mask = rows >= 0
     rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
@@ -351,6 +352,7 @@ def expand_rows(
             for i in tl.static_range(R_STEP):
                 r = r0 + i
                 xr = tl.sum(tl.where(offs_r[None, :] == r, xa, 0.0), axis=1)
+                # (r < rank as a vector: the interpreter refuses a scalar mask term)
                 b = tl.load(b_cols + r * stride_br, mask=n_mask & (offs_n * 0 + r < rank), other=0.0)
                 acc += xr[:, None] * b.to(tl.float32)[None, :]
         out_ptrs = out_rows + offs_n[None, :] * stride_on
@@ -410,9 +412,9 @@ def _lora_expand_kernel(
         return
     slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
-    # Tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
+    # Tiles with at most FMA_ROWS live rows (a prefix of the tile's rows) on CUDA cores;
+    # tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
     # constexpr, only where it is narrower than BLOCK_R; 0 compiles the one path).
-    # Tiles with at most FMA_ROWS live rows (a prefix of the tile's rows) on CUDA cores.
     if FMA_ROWS > 0 and tl.sum((rows >= 0).to(tl.int32)) <= FMA_ROWS:
         expand_rows(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, tl.load(rows_ptr + pid_t * BLOCK_M + tl.arange(0, FMA_ROWS)),
