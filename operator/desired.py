@@ -239,6 +239,8 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
         if lora.pinned:
             args.append("--pinned-loras")
             args.extend(lora.pinned)
+        _flag(args, "--adapter-catalog", lora.catalog)
+        _flag(args, "--adapter-load-timeout", f"{lora.load_timeout_s:g}")
     _flag(args, "--max-running-requests", sch.max_running_requests)
     _flag(args, "--max-total-tokens", sch.max_total_tokens)
     _flag(args, "--chunked-prefill-size", sch.chunked_prefill_size)

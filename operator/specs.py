@@ -148,6 +148,8 @@ class LoRASpec(_Spec):
     )
     backend: Literal["auto", "triton", "torch"] = "auto"
     overlap_loading: bool = False
+    load_timeout_seconds: int = Field(default=60, ge=1, le=3600)
+    """How long a request for a registered adapter a pod does not hold waits for its load."""
 
 
 class CudaGraphSpec(_Spec):
@@ -354,6 +356,8 @@ class AdapterSpec(_Spec):
 
 class AdapterPodState(enum.StrEnum):
     PENDING = "Pending"
+    REGISTERED = "Registered"
+    """In the pod's catalog, not loaded: the pod loads it on the first request."""
     LOADING = "Loading"
     LOADED = "Loaded"
     FAILED = "Failed"
@@ -383,6 +387,9 @@ class AdapterStatus(_Spec):
     target_modules: list[str] | None = Field(default=None, max_length=len(LORA_MODULES))
     pods: list[AdapterPodStatus] = Field(default_factory=list, max_length=1024)
     loaded_replicas: int | None = None
+    registered_replicas: int | None = None
+    accept_length: float | None = None
+    """Mean speculative accept length of this adapter's requests, over the serve's pods."""
     warnings: list[str] = Field(default_factory=list, max_length=64)
 
 

@@ -60,6 +60,8 @@ FIELD_PATHS: dict[str, str] = {
     "lora.target_modules": "spec.lora.targetModules",
     "lora.backend": "spec.lora.backend",
     "lora.overlap_loading": "spec.lora.overlapLoading",
+    "lora.load_timeout_s": "spec.lora.loadTimeoutSeconds",
+    "lora.catalog": "the serve's Adapters",
     "lora.adapters": "the serve's Adapters",
     "lora.pinned": "the serve's pinned Adapters",
     "scheduler.max_running_requests": "spec.runtime.maxRunningRequests",
@@ -96,6 +98,10 @@ FIXED_IN_POD: frozenset[str] = frozenset(
 """Runtime fields a LoRAServe does not set: the operator fixes them for every pod."""
 
 RUNTIME_PORT = 8000
+CATALOG_DIR = "/etc/loraserve/catalog"
+CATALOG_KEY = "catalog.json"
+CATALOG_FILE = f"{CATALOG_DIR}/{CATALOG_KEY}"
+"""Where a runtime pod reads its serve's adapter catalog (a ConfigMap the operator keeps)."""
 """The runtime container's port (the Service maps spec.service.port onto it)."""
 
 
@@ -236,6 +242,8 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             target_modules=tuple(spec.lora.target_modules),
             backend=spec.lora.backend,
             overlap_loading=spec.lora.overlap_loading,
+            catalog=CATALOG_FILE,
+            load_timeout_s=float(spec.lora.load_timeout_seconds),
         ),
         scheduler=SchedulerConfig(
             max_running_requests=spec.runtime.max_running_requests,

@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--pinned-loras", nargs="+", default=[], metavar="NAME", help="start-up adapters that keep a GPU slot"
     )
+    g.add_argument(
+        "--adapter-catalog",
+        default=d.lora.catalog,
+        metavar="FILE",
+        help="the serve's adapter catalog (JSON); catalogued adapters load on their first request",
+    )
+    g.add_argument(
+        "--adapter-load-timeout",
+        type=float,
+        default=d.lora.load_timeout_s,
+        metavar="SECONDS",
+        help="how long a request waits for an on-demand adapter load before a 503 with Retry-After",
+    )
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-running-requests", type=int, default=d.scheduler.max_running_requests)
@@ -266,6 +279,12 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     if unknown_pins:
         raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")
     lora.pinned = tuple(args.pinned_loras)
+    if not args.adapter_load_timeout > 0 or args.adapter_load_timeout > 3600:
+        raise ConfigError(
+            f"--adapter-load-timeout {args.adapter_load_timeout:g}: give seconds in (0, 3600]"
+        )
+    lora.load_timeout_s = args.adapter_load_timeout
+    lora.catalog = args.adapter_catalog
 
     sch = cfg.scheduler
     sch.max_running_requests = args.max_running_requests

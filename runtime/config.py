@@ -131,6 +131,11 @@ class LoRAConfig:
     overlap_loading: bool = False
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start-up
     pinned: tuple[str, ...] = ()
+    # The serve's adapter catalog (a JSON file, read at start-up; the operator keeps the
+    # pod's copy current over the admin API). A request for a catalogued adapter the pod
+    # does not hold waits up to load_timeout_s while the pod loads it.
+    catalog: str | None = None
+    load_timeout_s: float = 60.0
 
 
 @dataclass

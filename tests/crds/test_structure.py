@@ -45,7 +45,7 @@ def test_printer_columns_and_scale_paths_resolve(kit, kind):
     crd = kit.load_crd(kind)
     (version,) = crd["spec"]["versions"]
     schema = kit.crd_schema(crd)
-    json_types = {"integer": "integer", "string": "string", "boolean": "boolean", "date": "string"}
+    json_types = {"integer": "integer", "number": "number", "string": "string", "boolean": "boolean", "date": "string"}
     for column in version["additionalPrinterColumns"]:
         path = column["jsonPath"]
         if path == ".metadata.creationTimestamp":

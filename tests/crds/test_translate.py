@@ -87,6 +87,7 @@ PERTURBATIONS = [
     ("lora.targetModules", ["q_proj", "lm_head"], "lora.target_modules", ("q_proj", "lm_head")),
     ("lora.backend", "torch", "lora.backend", "torch"),
     ("lora.overlapLoading", True, "lora.overlap_loading", True),
+    ("lora.loadTimeoutSeconds", 5, "lora.load_timeout_s", 5.0),
     ("runtime.maxRunningRequests", 7, "scheduler.max_running_requests", 7),
     ("runtime.maxTotalTokens", 100000, "scheduler.max_total_tokens", 100000),
     ("runtime.chunkedPrefillSize", 512, "scheduler.chunked_prefill_size", 512),
