@@ -16,7 +16,7 @@ import enum
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -246,6 +246,90 @@ class ServiceSpec(_Spec):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+class EndpointPickerSpec(_Spec):
+    """The Gateway API Inference Extension endpoint picker (EPP) the InferencePool names."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    """The endpoint picker's Service, in the serve's namespace."""
+    port: int = Field(default=9002, ge=1, le=65535)
+    """The Service port of the picker's ext-proc (gRPC) endpoint."""
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the gateway does when the picker does not answer: FailOpen routes anyway."""
+
+
+class RoutingSpec(_Spec):
+    """``spec.routing``: route each request to a pod that holds its adapter.
+
+    The operator makes an ``InferencePool`` (``inference.networking.k8s.io/v1``) selecting the
+    serve's pods on the runtime port; an inference gateway's endpoint picker reads the
+    runtime's ``vllm:lora_requests_info``, ``vllm:num_requests_waiting`` and KV usage.
+    """
+
+    endpoint_picker: EndpointPickerSpec
+
+
+HPA_METRIC_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+PROMETHEUS_METRIC_PATTERN = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
+PROMETHEUS_URL_PATTERN = r"^https?://\S+$"
+
+
+class KedaSpec(_Spec):
+    """How KEDA's prometheus trigger reads the runtime's metrics."""
+
+    server_address: str = Field(max_length=2048, pattern=PROMETHEUS_URL_PATTERN)
+    """The Prometheus (or compatible) HTTP API KEDA queries, e.g. http://prometheus-operated.monitoring:9090."""
+    metric: str = Field(default="vllm:num_requests_waiting", max_length=256, pattern=PROMETHEUS_METRIC_PATTERN)
+    """The runtime series the default query sums over the serve's pods."""
+    query: str | None = Field(default=None, min_length=1, max_length=4096)
+    """A PromQL query that replaces the default one (it must return the serve's total)."""
+    polling_interval_seconds: int = Field(default=15, ge=1, le=3600)
+    cooldown_seconds: int = Field(default=300, ge=0, le=86400)
+
+
+class AutoscalingSpec(_Spec):
+    """``spec.autoscaling``: scale ``spec.replicas`` with load, through the scale subresource."""
+
+    mode: Literal["HPA", "KEDA"] = "HPA"
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    target_per_replica: int = Field(default=4, ge=1, le=100000)
+    """The average of the metric per replica to aim at (waiting requests, by default)."""
+    metric_name: str = Field(default="vllm_num_requests_waiting", max_length=256, pattern=HPA_METRIC_PATTERN)
+    """HPA: the Pods metric as the custom-metrics API serves it (no ':'; see the README's adapter rule)."""
+    keda: KedaSpec | None = None
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSpec:
+        # The same rules as the CRD's CEL rules on spec.autoscaling, worded for the webhook.
+        if self.min_replicas > self.max_replicas:
+            raise PydanticCustomError(
+                "autoscaling",
+                "minReplicas ({lo}) is above maxReplicas ({hi}); fix: lower spec.autoscaling.minReplicas "
+                "or raise spec.autoscaling.maxReplicas",
+                {"lo": self.min_replicas, "hi": self.max_replicas},
+            )
+        if self.min_replicas == 0 and self.mode != "KEDA":
+            raise PydanticCustomError(
+                "autoscaling",
+                "minReplicas 0 (scale to zero) needs mode KEDA; fix: set spec.autoscaling.minReplicas >= 1 "
+                "or spec.autoscaling.mode: KEDA",
+            )
+        if self.mode == "KEDA" and self.keda is None:
+            raise PydanticCustomError(
+                "autoscaling",
+                "mode KEDA needs the Prometheus KEDA queries; fix: set "
+                "spec.autoscaling.keda.serverAddress (e.g. http://prometheus-operated.monitoring:9090)",
+            )
+        if self.mode != "KEDA" and self.keda is not None:
+            raise PydanticCustomError(
+                "autoscaling",
+                "keda is read only with mode KEDA; fix: set spec.autoscaling.mode: KEDA or remove "
+                "spec.autoscaling.keda",
+            )
+        return self
+
+
 class LoRAServeSpec(_Spec):
     """``LoRAServe.spec``: one base model, its speculative draft, its adapter pool."""
 
@@ -262,6 +346,10 @@ class LoRAServeSpec(_Spec):
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     admin_token_secret_name: str | None = Field(default=None, max_length=253)
     """Secret (key ``token``) holding the bearer token of the runtime's admin API."""
+    routing: RoutingSpec | None = None
+    """Route by adapter through an inference gateway (an InferencePool); absent: Service only."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale with load (an HPA or a KEDA ScaledObject on the scale subresource); absent: fixed replicas."""
 
 
 # --------------------------------------------------------------------------- LoRAServe status
@@ -272,6 +360,8 @@ class ConditionType(enum.StrEnum):
     PROGRESSING = "Progressing"
     AVAILABLE = "Available"
     DEGRADED = "Degraded"
+    ROUTING = "Routing"
+    AUTOSCALING = "Autoscaling"
 
 
 class ConditionStatus(enum.StrEnum):
