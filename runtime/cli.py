@@ -280,9 +280,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
         raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")
     lora.pinned = tuple(args.pinned_loras)
     if not args.adapter_load_timeout > 0 or args.adapter_load_timeout > 3600:
-        raise ConfigError(
-            f"--adapter-load-timeout {args.adapter_load_timeout:g}: give seconds in (0, 3600]"
-        )
+        raise ConfigError(f"--adapter-load-timeout {args.adapter_load_timeout:g}: give seconds in (0, 3600]")
     lora.load_timeout_s = args.adapter_load_timeout
     lora.catalog = args.adapter_catalog
 

@@ -275,6 +275,15 @@ class Engine:
         finally:
             self.refresh_adapters()
 
+    def unpin_adapter(self, name: str) -> None:
+        """Release ``name``'s GPU slot to the LRU again (it stays loaded)."""
+        if self.lora is None:
+            return
+        try:
+            self.lora.unpin(name)
+        finally:
+            self.refresh_adapters()
+
     def unload_adapter(self, name: str) -> None:
         """Stop admitting requests for ``name``; it is freed once its requests finish."""
         if self.lora is None:

@@ -233,6 +233,13 @@ class LoRAManager:
                 self._place_pinned(name)
             return self._info(entry)
 
+    def unpin(self, name: str) -> None:
+        """Let ``name`` leave its slot again when another adapter needs it (idempotent)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.pinned = False
+
     def unload(self, name: str) -> None:
         """Stop serving ``name``: refuse new acquires now, free it once in-flight use ends."""
         with self._lock:

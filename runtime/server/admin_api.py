@@ -1,7 +1,11 @@
-"""Admin routes: load and unload LoRA adapters (bearer-token protected when configured).
+"""Admin routes: load and unload LoRA adapters, read and replace the adapter catalog
+(bearer-token protected when configured).
 
 Names and bodies follow the convention other servers use (``/v1/load_lora_adapter``
-``{lora_name, lora_path}``), plus ``sha256`` and ``pinned``. Loading is idempotent: the
+``{lora_name, lora_path}``), plus ``sha256``, ``pinned`` and ``warm`` (default true: kept
+loaded; false: an idle adapter the pod may evict when it needs room for an on-demand
+load). ``GET``/``PUT /v1/lora_catalog`` read and replace the serve's catalog on this pod
+(``loraserve.runtime.catalog``; the operator pushes it). Loading is idempotent: the
 same name from the same source answers 200 without loading again; the same name from a
 different source is a 409 until the old one is unloaded. Unloading is idempotent too.
 The adapter's bytes are fetched and verified here (``loraserve.runtime.lora.sources``);
@@ -13,29 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from aiohttp import web
 
-from ..engine import EngineError
+from ..catalog import CatalogError, parse_catalog
 from ..lora import AdapterError
-from ..lora.sources import SourceError, resolve_source
 from ..policy import AdapterDeclaration, check_adapter
+from .adapter_supply import AdapterRecord, AdapterSupply, adapter_error
 from .auth import check_bearer
 from .errors import ApiError, invalid
 from .openai_api import read_body
 from .schemas import parse_load_adapter, parse_unload_adapter
-from .state import STATE, AdapterRecord
+from .state import STATE
 
 log = logging.getLogger("loraserve.server")
-
-
-def _adapter_error(exc: AdapterError) -> ApiError:
-    status = int(getattr(exc, "http_status", 400))
-    code = {404: "adapter_not_found", 409: "adapter_conflict", 503: "adapter_capacity"}.get(
-        status, "invalid_adapter"
-    )
-    return ApiError(status, str(exc), param=exc.field or "lora_path", code=code)
 
 
 def _policy_warnings(config, rec: AdapterRecord, info, other_pinned: int) -> list[str]:
@@ -52,13 +47,16 @@ def _policy_warnings(config, rec: AdapterRecord, info, other_pinned: int) -> lis
     return [w.render() for w in check_adapter(config, declaration, other_pinned=other_pinned).warnings]
 
 
-def _info_body(status: str, rec: AdapterRecord, info, warnings: list[str] | None = None) -> dict:
+def _info_body(
+    status: str, rec: AdapterRecord, info, supply: AdapterSupply, warnings: list[str] | None = None
+) -> dict:
     return {
         "status": status,
         "lora_name": rec.name,
         "lora_path": rec.source,
         "sha256": rec.sha256,
         "pinned": bool(getattr(info, "pinned", rec.pinned)),
+        "warm": rec.name in supply.warm,
         "rank": getattr(info, "rank", None),
         "target_modules": list(getattr(info, "target_modules", ()) or ()),
         "warnings": warnings or [],
@@ -73,6 +71,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     name = body.lora_name
     if name in state.base_names:
         raise invalid(f"lora_name {name!r} is the base model's name: choose another", param="lora_name")
+    supply = state.supply
     async with state.adapter_lock(name):
         rec = state.adapters.get(name)
         if rec is not None and name in engine.adapter_names:
@@ -91,32 +90,24 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
                 try:
                     info = await asyncio.to_thread(engine.load_adapter, name, rec.local_path, pinned=True)
                 except AdapterError as exc:
-                    raise _adapter_error(exc) from None
+                    raise adapter_error(exc) from None
                 rec.pinned = True
-            return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name)))
-        try:
-            local = await resolve_source(body.lora_path, state.sources, sha256=body.sha256)
-        except SourceError as exc:
-            status = 502 if exc.transient else 400
-            raise ApiError(
-                status,
-                str(exc),
-                param=exc.field,
-                code="source_unavailable" if exc.transient else "invalid_source",
-            ) from None
-        try:
-            info = await asyncio.to_thread(engine.load_adapter, name, local, pinned=body.pinned)
-        except AdapterError as exc:
-            raise _adapter_error(exc) from None
-        except EngineError as exc:
-            raise ApiError.from_request_error(exc.error) from None
-        rec = AdapterRecord(name, body.lora_path, body.sha256, str(local), body.pinned, int(time.time()))
-        state.adapters[name] = rec
+            elif not body.warm and rec.pinned and not body.pinned:
+                engine.unpin_adapter(name)  # demoted: it may leave its slot and the cache again
+                rec.pinned = False
+            if body.warm:
+                supply.warm.add(name)
+            else:
+                supply.warm.discard(name)
+            return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name), supply))
+        info = await supply.load(name, body.lora_path, sha256=body.sha256, pinned=body.pinned, warm=body.warm)
+        state.metrics.adapter_loads.labels("admin", "loaded").inc()
+        rec = state.adapters[name]
         other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != name)
         warnings = _policy_warnings(state.config, rec, info, other_pinned)
         for w in warnings:
             log.warning("adapter %s: %s", name, w)
-        return web.json_response(_info_body("loaded", rec, info, warnings))
+        return web.json_response(_info_body("loaded", rec, info, supply, warnings))
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
@@ -126,15 +117,61 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     name = parse_unload_adapter(await read_body(request))
     async with state.adapter_lock(name):
         if name not in engine.adapter_names:
-            state.adapters.pop(name, None)
+            state.supply.forget(name)
             return web.json_response({"status": "not_loaded", "lora_name": name})
         try:
             await asyncio.to_thread(engine.unload_adapter, name)
         except AdapterError as exc:
-            raise _adapter_error(exc) from None
-        state.adapters.pop(name, None)
+            raise adapter_error(exc) from None
+        state.supply.forget(name)
         # In-flight requests finish with the adapter; it is freed when the last one ends.
+        # A catalogued adapter stays registered: the next request for it loads it again.
         return web.json_response({"status": "unloaded", "lora_name": name})
+
+
+async def get_lora_catalog(request: web.Request) -> web.Response:
+    """``GET /v1/lora_catalog``: the pod's catalog, its digest and each adapter's state here."""
+    state = request.app[STATE]
+    check_bearer(request, state.admin_token)
+    supply = state.supply
+    return web.json_response(
+        {
+            "digest": supply.digest,
+            "ready": supply.catalog_ready,
+            "error": supply.catalog_error,
+            "adapters": supply.listing(),
+        }
+    )
+
+
+async def put_lora_catalog(request: web.Request) -> web.Response:
+    """``PUT /v1/lora_catalog``: replace the catalog (the operator's push); idempotent."""
+    state = request.app[STATE]
+    check_bearer(request, state.admin_token)
+    state.require_engine()
+    try:
+        entries = parse_catalog(await read_body(request))
+    except CatalogError as exc:
+        raise invalid(str(exc), param=exc.field) from None
+    change = state.supply.replace_catalog(entries)
+    if change.added or change.removed or change.changed:
+        log.info(
+            "adapter catalog %s: added %s, removed %s, changed %s, unloaded %s",
+            state.supply.digest,
+            list(change.added),
+            list(change.removed),
+            list(change.changed),
+            list(change.unloaded),
+        )
+    return web.json_response(
+        {
+            "digest": state.supply.digest,
+            "added": list(change.added),
+            "removed": list(change.removed),
+            "changed": list(change.changed),
+            "unloaded": list(change.unloaded),
+        }
+    )
 
 
 def _find(engine, name: str):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from ..catalog import CatalogError, read_catalog_file
 from ..config import RuntimeConfig
 from ..engine import Engine
 from ..lora.sources import SourceSettings
@@ -33,6 +34,8 @@ EngineFactory = Callable[[Metrics], tuple[Engine, Tokenizer]]
 the given metrics (``observer=``)."""
 
 _LOAD_TASK = web.AppKey("loraserve_load_task", asyncio.Task)
+_CATALOG_TASK = web.AppKey("loraserve_catalog_task", asyncio.Task)
+CATALOG_RETRY_S = 2.0
 _DRAIN_S = web.AppKey("loraserve_drain_s", float)
 
 
@@ -84,6 +87,8 @@ def build_app(
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/load_lora_adapter", admin_api.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", admin_api.unload_lora_adapter)
+    app.router.add_get("/v1/lora_catalog", admin_api.get_lora_catalog)
+    app.router.add_put("/v1/lora_catalog", admin_api.put_lora_catalog)
 
     async def load_model() -> None:
         try:
@@ -101,6 +106,8 @@ def build_app(
 
     async def on_startup(app: web.Application) -> None:
         app[_LOAD_TASK] = asyncio.create_task(load_model())
+        if config.lora.catalog is not None:
+            app[_CATALOG_TASK] = asyncio.create_task(_read_catalog(state, config.lora.catalog))
 
     async def on_shutdown(app: web.Application) -> None:
         # Before aiohttp waits for in-flight handlers: refuse new work, keep the old.
@@ -109,9 +116,10 @@ def build_app(
             state.engine.stop_accepting()
 
     async def on_cleanup(app: web.Application) -> None:
-        task = app.get(_LOAD_TASK)
-        if task is not None and not task.done():
-            task.cancel()
+        for key in (_LOAD_TASK, _CATALOG_TASK):
+            task = app.get(key)
+            if task is not None and not task.done():
+                task.cancel()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown, app[_DRAIN_S])
 
@@ -119,6 +127,23 @@ def build_app(
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+async def _read_catalog(state: ServerState, path: str) -> None:
+    """Read the catalog file before the pod turns ready; retry until it can be read (a
+    ConfigMap not yet projected) or the operator pushes one."""
+    while not state.supply.catalog_ready:
+        try:
+            entries = read_catalog_file(path)
+        except CatalogError as exc:
+            if state.supply.catalog_error != str(exc):
+                log.warning("%s; not ready until it can be read (retrying every %g s)", exc, CATALOG_RETRY_S)
+            state.supply.catalog_error = str(exc)
+            await asyncio.sleep(CATALOG_RETRY_S)
+            continue
+        if not state.supply.catalog_ready:  # a push may have come first: it is newer
+            state.supply.replace_catalog(entries)
+            log.info("adapter catalog %s: %d adapters", state.supply.digest, len(entries))
 
 
 def _register_decoder_metrics(state: ServerState, engine: Engine) -> None:

@@ -27,6 +27,9 @@ async def ready(request: web.Request) -> web.Response:
         raise ApiError(503, f"a tensor-parallel rank failed: {failure}", code="tensor_parallel_failed")
     if state.load_error:
         raise ApiError(503, f"the model failed to load: {state.load_error}", code="model_load_failed")
+    if state.engine is not None and not state.supply.catalog_ready:
+        reason = state.supply.catalog_error or "not read yet"
+        raise ApiError(503, f"the adapter catalog is not loaded: {reason}", code="catalog_not_ready")
     raise ApiError(503, "the model is still loading", code="model_loading")
 
 

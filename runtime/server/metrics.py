@@ -167,6 +167,23 @@ class Metrics(EngineObserver):
         self.adapter_drafted = Counter(
             "loraserve:spec_draft_tokens", "Draft tokens proposed, per model.", ["model"], registry=reg
         )
+        self.adapter_loads = Counter(
+            "loraserve:adapter_loads",
+            "Adapter loads by trigger (demand: a request; admin: the admin API) and outcome.",
+            ["trigger", "outcome"],
+            registry=reg,
+        )
+        self.adapter_load_seconds = Histogram(
+            "loraserve:adapter_load_seconds",
+            "Time from a request naming an adapter this pod did not hold to the adapter loaded.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+            registry=reg,
+        )
+        self.adapter_evictions = Counter(
+            "loraserve:adapter_evictions",
+            "Idle on-demand adapters unloaded to make room in the host cache.",
+            registry=reg,
+        )
         reg.register(_SnapshotCollector(self))
 
     # ---------------------------------------------------------------- engine hooks

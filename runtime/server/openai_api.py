@@ -49,13 +49,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.require_engine()
     req = parse_completion(await read_body(request))
-    adapter = state.resolve_model(req.model)
     tok = state.tokenizer
     prompts = [await _encode(tok.encode, p) if isinstance(p, str) else list(p) for p in req.prompts]
     model = req.model or state.served_name
-    async with Generation(
-        engine, prompts, req.params, n=req.n, adapter=adapter, id_prefix="cmpl", prompt_param="prompt"
-    ) as gen:
+    async with (
+        state.use_model(req.model) as adapter,
+        Generation(
+            engine, prompts, req.params, n=req.n, adapter=adapter, id_prefix="cmpl", prompt_param="prompt"
+        ) as gen,
+    ):
         echo = (
             [_prompt_text(state, p, raw) for p, raw in zip(prompts, req.prompts, strict=True)]
             if req.echo
@@ -135,12 +137,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.require_engine()
     req = parse_chat(await read_body(request))
-    adapter = state.resolve_model(req.model)
     prompt = await _encode(state.tokenizer.encode_chat, req.messages)
     model = req.model or state.served_name
-    async with Generation(
-        engine, [prompt], req.params, n=req.n, adapter=adapter, id_prefix="chatcmpl", prompt_param="messages"
-    ) as gen:
+    async with (
+        state.use_model(req.model) as adapter,
+        Generation(
+            engine, [prompt], req.params, n=req.n, adapter=adapter, id_prefix="chatcmpl", prompt_param="messages"
+        ) as gen,
+    ):
         if req.stream:
             return await _stream(request, state, gen, req, model, chat=True, echo=None)
         await _collect(gen)
@@ -268,6 +272,19 @@ async def _stream(
 
 
 # ------------------------------------------------------------------------------ models
+def _adapter_model(state, name: str, *, created: int, root: str, lora: dict, context_len: int) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "loraserve",
+        "root": root,
+        "parent": state.served_name,
+        "max_model_len": context_len,
+        "lora": lora,
+    }
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.require_engine()
@@ -282,25 +299,40 @@ async def list_models(request: web.Request) -> web.Response:
             "max_model_len": engine.context_len,
         }
     ]
+    listed = set()
     for info in engine.list_adapters():
         if info.name not in engine.adapter_names:
             continue  # being unloaded
         rec = state.adapters.get(info.name)
+        listed.add(info.name)
         data.append(
-            {
-                "id": info.name,
-                "object": "model",
-                "created": rec.loaded_at if rec else state.started,
-                "owned_by": "loraserve",
-                "root": rec.source if rec else str(info.path),
-                "parent": state.served_name,
-                "max_model_len": engine.context_len,
-                "lora": {
+            _adapter_model(
+                state,
+                info.name,
+                created=rec.loaded_at if rec else state.started,
+                root=rec.source if rec else info.name,
+                lora={
+                    "state": "loaded",
                     "rank": info.rank,
                     "target_modules": list(info.target_modules),
                     "pinned": info.pinned,
+                    "warm": info.name in state.supply.warm,
                     "sha256": rec.sha256 if rec else None,
                 },
-            }
+                context_len=engine.context_len,
+            )
+        )
+    # Catalogued adapters this pod does not hold yet: usable, loaded on their first request.
+    for entry in state.supply.catalog.values():
+        if entry.name in listed:
+            continue
+        lifecycle, message = state.supply.state_of(entry.name)
+        lora = {"state": lifecycle, "rank": entry.rank, "pinned": entry.pinned, "sha256": entry.sha256}
+        if message:
+            lora["message"] = message
+        data.append(
+            _adapter_model(
+                state, entry.name, created=state.started, root=entry.source, lora=lora, context_len=engine.context_len
+            )
         )
     return web.json_response({"object": "list", "data": data})

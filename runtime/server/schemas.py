@@ -400,6 +400,8 @@ class LoadAdapterRequest:
     lora_path: str
     sha256: str | None = None
     pinned: bool = False
+    warm: bool = True
+    """Kept loaded (never evicted for on-demand loads); false: evictable when idle."""
 
 
 def check_adapter_name(name: str, param: str = "lora_name") -> str:
@@ -414,7 +416,7 @@ def check_adapter_name(name: str, param: str = "lora_name") -> str:
 
 
 def parse_load_adapter(body: dict) -> LoadAdapterRequest:
-    """``POST /v1/load_lora_adapter``: ``{lora_name, lora_path, sha256?, pinned?}``."""
+    """``POST /v1/load_lora_adapter``: ``{lora_name, lora_path, sha256?, pinned?, warm?}``."""
     name = check_adapter_name(get_str(body, "lora_name", required=True) or "")
     path = get_str(body, "lora_path", required=True) or ""
     if not path.strip():
@@ -422,7 +424,9 @@ def parse_load_adapter(body: dict) -> LoadAdapterRequest:
     sha = get_str(body, "sha256")
     if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
         raise invalid("sha256 must be 64 hexadecimal characters", param="sha256", code="invalid_value")
-    return LoadAdapterRequest(name, path.strip(), sha.lower() if sha else None, get_bool(body, "pinned"))
+    return LoadAdapterRequest(
+        name, path.strip(), sha.lower() if sha else None, get_bool(body, "pinned"), get_bool(body, "warm", True)
+    )
 
 
 def parse_unload_adapter(body: dict) -> str:

@@ -1,10 +1,10 @@
-"""What the HTTP handlers share: configuration, the engine once loaded, adapter records."""
+"""What the HTTP handlers share: configuration, the engine once loaded, the adapter supply."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -14,20 +14,11 @@ from ..engine import Engine
 from ..lora.sources import SourceSettings
 from ..parallel.health import failure_reason as tp_failure_reason
 from ..tokenizer import Tokenizer
+from .adapter_supply import AdapterRecord, AdapterSupply
 from .errors import ApiError
 from .metrics import Metrics
 
-
-@dataclass
-class AdapterRecord:
-    """Where a loaded adapter came from, as the client named it."""
-
-    name: str
-    source: str
-    sha256: str | None
-    local_path: str
-    pinned: bool
-    loaded_at: int
+__all__ = ["STATE", "AdapterRecord", "ServerState", "served_model_name"]
 
 
 def served_model_name(config: RuntimeConfig) -> str:
@@ -58,8 +49,12 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.started = int(time.time())
-        self.adapters: dict[str, AdapterRecord] = {}
-        self._adapter_locks: dict[str, asyncio.Lock] = {}
+        self.supply = AdapterSupply(config, sources, self.metrics)
+
+    @property
+    def adapters(self) -> dict[str, AdapterRecord]:
+        """Where each loaded adapter came from."""
+        return self.supply.records
 
     @property
     def admin_token(self) -> str | None:
@@ -71,6 +66,7 @@ class ServerState:
             self.engine is not None
             and self.engine.running
             and not self.draining
+            and self.supply.catalog_ready
             and tp_failure_reason() is None
         )
 
@@ -78,11 +74,7 @@ class ServerState:
         """The model is loaded: serve it. Adapters loaded at start-up get their records."""
         self.engine = engine
         self.tokenizer = tokenizer
-        now = int(time.time())
-        for name, path in self.config.lora.adapters.items():
-            self.adapters.setdefault(
-                name, AdapterRecord(name, str(path), None, str(path), name in self.config.lora.pinned, now)
-            )
+        self.supply.attach(engine)
 
     def require_engine(self) -> Engine:
         """The engine, or 503 while loading, after a failed load, or while shutting down."""
@@ -104,24 +96,32 @@ class ServerState:
             )
         return self.engine
 
-    def resolve_model(self, model: str | None) -> str | None:
-        """The adapter a ``model`` field names (None for the base model), or 404."""
-        if model is None or model in self.base_names:
-            return None
-        engine = self.require_engine()
-        if model in engine.adapter_names:
-            return model
-        known = sorted({self.served_name, *engine.adapter_names})
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist: use one of {', '.join(known)} (GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
+    @contextlib.asynccontextmanager
+    async def use_model(self, model: str | None) -> AsyncIterator[str | None]:
+        """The adapter a ``model`` field names (None for the base model), held for the block.
 
-    def adapter_lock(self, name: str) -> asyncio.Lock:
-        """Serialises admin calls for one adapter name (loads of different names overlap)."""
-        return self._adapter_locks.setdefault(name, asyncio.Lock())
+        A catalogued adapter this pod does not hold is loaded first (the request waits up
+        to ``lora.load_timeout_s``); a name in no catalog and not loaded is a 404 at once.
+        """
+        if model is None or model in self.base_names:
+            yield None
+            return
+        engine = self.require_engine()
+        if model not in engine.adapter_names and model not in self.supply.catalog:
+            known = sorted({self.served_name, *engine.adapter_names, *self.supply.catalog})
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist: use one of {', '.join(known)} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        async with self.supply.lease(model):
+            await self.supply.ensure(model)
+            yield model
+
+    def adapter_lock(self, name: str):
+        """Serialises admin calls and on-demand loads for one adapter name."""
+        return self.supply.lock(name)
 
 
 STATE = web.AppKey("loraserve_state", ServerState)

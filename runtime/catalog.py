@@ -1,0 +1,124 @@
+"""The serve's adapter catalog: which adapters every pod of a serve can answer for.
+
+Part of the contract between the operator and the runtime (no torch here). The operator
+writes the catalog of a LoRAServe (one entry per Adapter) into a ConfigMap that every
+runtime pod mounts and reads at start-up, and pushes later versions to running pods over
+the admin API (``PUT /v1/lora_catalog``). A pod loads a catalogued adapter on its first
+request; the adapters placed on it are also loaded ahead of time and kept warm.
+
+The file and the push carry the same JSON::
+
+    {"adapters": [{"name": "sql", "source": "/adapters/sql-r16", "sha256": "…",
+                   "rank": 16, "pinned": false}, …]}
+
+Registered is not loaded: an entry costs nothing until a request names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,252}$")
+"""Adapter names: what clients send as ``model``; Kubernetes object names always match."""
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_ENTRIES = 4096
+MAX_SOURCE = 4096
+
+
+class CatalogError(ValueError):
+    """A catalog that cannot be used; ``field`` names the entry and key at fault."""
+
+    def __init__(self, message: str, *, field: str = "adapters") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One adapter of the serve, as its Adapter object declares it."""
+
+    name: str
+    source: str
+    sha256: str | None = None
+    rank: int | None = None
+    pinned: bool = False
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _entry(raw: object, index: int) -> CatalogEntry:
+    where = f"adapters[{index}]"
+    if not isinstance(raw, Mapping):
+        raise CatalogError(f"{where} must be an object with name and source", field=where)
+    name, source = raw.get("name"), raw.get("source")
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        raise CatalogError(
+            f"{where}.name {name!r} is not an adapter name: 1-253 letters, digits and . _ - / :",
+            field=f"{where}.name",
+        )
+    if not isinstance(source, str) or not source.strip() or len(source) > MAX_SOURCE:
+        raise CatalogError(
+            f"{where}.source must be a non-empty string of at most {MAX_SOURCE} characters",
+            field=f"{where}.source",
+        )
+    sha = raw.get("sha256")
+    if sha is not None and (not isinstance(sha, str) or not SHA256_RE.match(sha.lower())):
+        raise CatalogError(f"{where}.sha256 must be 64 hexadecimal characters", field=f"{where}.sha256")
+    rank = raw.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise CatalogError(f"{where}.rank must be a positive integer", field=f"{where}.rank")
+    pinned = raw.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise CatalogError(f"{where}.pinned must be true or false", field=f"{where}.pinned")
+    return CatalogEntry(name, source.strip(), sha.lower() if sha else None, rank, pinned)
+
+
+def parse_catalog(data: object) -> tuple[CatalogEntry, ...]:
+    """Validate a decoded catalog; entries come back sorted by name."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("adapters"), list):
+        raise CatalogError('the catalog must be a JSON object with an "adapters" list')
+    raw = data["adapters"]
+    if len(raw) > MAX_ENTRIES:
+        raise CatalogError(f"the catalog has {len(raw)} adapters; at most {MAX_ENTRIES} are accepted")
+    entries = [_entry(item, i) for i, item in enumerate(raw)]
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise CatalogError(f"adapter {entry.name!r} appears twice in the catalog: one entry per name")
+        seen.add(entry.name)
+    return tuple(sorted(entries, key=lambda e: e.name))
+
+
+def encode_catalog(entries: Iterable[CatalogEntry]) -> str:
+    """The canonical JSON text of a catalog (sorted, stable): what the operator writes."""
+    ordered = sorted(entries, key=lambda e: e.name)
+    return json.dumps({"adapters": [e.to_dict() for e in ordered]}, sort_keys=True, separators=(",", ":"))
+
+
+def catalog_digest(entries: Iterable[CatalogEntry]) -> str:
+    """A short digest of a catalog's content: equal digests, equal catalogs."""
+    return hashlib.sha256(encode_catalog(entries).encode()).hexdigest()[:16]
+
+
+def read_catalog_file(path: str | Path) -> tuple[CatalogEntry, ...]:
+    """Read and validate a catalog file; :class:`CatalogError` names the file and the fault."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CatalogError(f"--adapter-catalog {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise CatalogError(f"--adapter-catalog {path}: not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CatalogError(f"--adapter-catalog {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    try:
+        return parse_catalog(data)
+    except CatalogError as exc:
+        raise CatalogError(f"--adapter-catalog {path}: {exc}", field=exc.field) from None
