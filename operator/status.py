@@ -57,6 +57,18 @@ def condition(
 
 
 @dataclass(frozen=True)
+class OptionalState:
+    """The Routing or Autoscaling condition of a serve: is the feature on, and if not, why."""
+
+    active: bool
+    reason: str
+    message: str
+
+
+OPTIONAL_CONDITIONS = (ConditionType.ROUTING, ConditionType.AUTOSCALING)
+
+
+@dataclass(frozen=True)
 class ServeFindings:
     """What a LoRAServe reconcile learned, as input to its status."""
 
@@ -75,6 +87,10 @@ class ServeFindings:
     desired_hash: str | None = None
     selector: str | None = None
     adapters: int = 0
+    routing: OptionalState | None = None
+    """spec.routing's outcome (None: not asked for, or the spec was not applied)."""
+    autoscaling: OptionalState | None = None
+    """spec.autoscaling's outcome (None: not asked for, or the spec was not applied)."""
 
     @property
     def compatible(self) -> bool:
@@ -143,6 +159,14 @@ def serve_status(findings: ServeFindings, previous: Mapping | None, *, now: str)
             reason if degraded else "AsExpected",
             message if degraded else "",
         )
+
+    for type_, state in zip(OPTIONAL_CONDITIONS, (findings.routing, findings.autoscaling), strict=True):
+        if state is not None:
+            add(type_, state.active, state.reason, state.message)
+        elif not findings.compatible:
+            # The spec is not applied, so neither are its routing / autoscaling changes: keep saying
+            # what runs (the objects made for the previous spec are left as they are).
+            conds += [c for c in prev_conds if c.get("type") == type_.value]
 
     status: dict = {
         "observedGeneration": gen,

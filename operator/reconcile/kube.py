@@ -77,6 +77,9 @@ PODS = Resource("v1", "pods", "Pod")
 PDBS = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
 LORASERVES = Resource("loraserve.io/v1alpha1", "loraserves", "LoRAServe")
 ADAPTERS = Resource("loraserve.io/v1alpha1", "adapters", "Adapter")
+INFERENCE_POOLS = Resource("inference.networking.k8s.io/v1", "inferencepools", "InferencePool")
+HPAS = Resource("autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler")
+SCALED_OBJECTS = Resource("keda.sh/v1alpha1", "scaledobjects", "ScaledObject")
 
 
 LoginFn = Callable[[], Awaitable[kopf.ConnectionInfo]]

@@ -32,6 +32,7 @@ from .kube import (
     Resource,
     retry_on_conflict,
 )
+from .optional import OptionalFindings, reconcile_optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 class Act:
     """One write the pass made, for the Events the handler posts."""
 
-    verb: str  # Created | Updated
+    verb: str  # Created | Updated | Deleted
     kind: str
     name: str
     detail: str = ""
@@ -132,6 +133,7 @@ async def reconcile_serve(
             plan = ds.desired_serve(identity, spec, config, settings)
 
     deployment = await kube.get(DEPLOYMENTS, identity.namespace, identity.name)
+    optional = OptionalFindings()
     if plan is not None:
         outcome.config_hash = plan.config_hash
         previous_hash = (
@@ -160,6 +162,8 @@ async def reconcile_serve(
             _, verb = await _apply(kube, res, identity.namespace, want, owned)
             if verb:
                 outcome.acts.append(Act(verb, want["kind"], want["metadata"]["name"]))
+        optional = await reconcile_optional(kube, identity, spec, settings, target_port=plan.config.server.port)
+        outcome.acts += [Act(w.verb, w.kind, w.name, w.detail) for w in optional.writes]
     else:
         outcome.rejected = [*invalid, *violations, *blockers]
 
@@ -175,6 +179,8 @@ async def reconcile_serve(
         desired_hash=plan.config_hash if plan else None,
         selector=ds.label_selector(identity.name),
         adapters=adapters,
+        routing=optional.routing,
+        autoscaling=optional.autoscaling,
     )
     outcome.status = serve_status(findings, body.get("status"), now=now)
     patch = status_patch(body.get("status"), outcome.status)

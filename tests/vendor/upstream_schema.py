@@ -105,10 +105,3 @@ def validate(obj: dict[str, Any]) -> list[str]:
     if not problems:
         problems += _cel(schema, defaulted, "")
     return sorted(problems)
-
-
-def load():
-    """This module, for tests (tests/ is not a package: load it by path)."""
-    import sys
-
-    return sys.modules[__name__]
