@@ -1,0 +1,434 @@
+"""spec.routing and spec.autoscaling: the objects built, checked against the upstream CRDs, and
+the reconcile step that applies or deletes them, with and without their APIs.
+
+There is no Kubernetes API server on these machines: kmock's KubernetesEmulator stands in for
+it (with the bookkeeping of ``tests/e2e/apiserver.py``). It validates no schema, so the
+objects the operator writes are validated here against the upstream CRDs vendored in
+``tests/vendor`` (InferencePool, ScaledObject) and kubernetes-validate (the HPA). Resources
+the emulator does not declare answer 404 on discovery, as on a cluster without those CRDs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import kmock
+import kopf
+import kubernetes_validate
+import pytest
+
+from loraserve.operator import autoscaling as asc
+from loraserve.operator import desired as ds
+from loraserve.operator import routing as rt
+from loraserve.operator.reconcile import optional
+from loraserve.operator.reconcile.kube import (
+    DEPLOYMENTS,
+    HPAS,
+    INFERENCE_POOLS,
+    LORASERVES,
+    SCALED_OBJECTS,
+    KubeClient,
+)
+from loraserve.operator.reconcile.serve import reconcile_serve
+from loraserve.operator.specs import parse_loraserve_spec
+
+HERE = Path(__file__).parent
+SETTINGS = ds.DesiredSettings(image="registry.example/loraserve:1")
+NS, NAME = "ml", "llama"
+IDENTITY = ds.ServeIdentity(name=NAME, namespace=NS, uid="0b8e6a1e-0000-4000-8000-000000000001")
+KEDA = {"serverAddress": "http://prometheus-operated.monitoring:9090"}
+ROUTING = {"endpointPicker": {"name": "llama-epp"}}
+
+
+def _load(name: str, path: Path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def upstream():
+    return _load("_loraserve_upstream_schema", HERE.parent / "vendor" / "upstream_schema.py")
+
+
+def _spec(**extra):
+    return parse_loraserve_spec({"model": {"source": "/models/m"}, **extra})
+
+
+# --------------------------------------------------------------------------- the objects
+
+
+def test_inference_pool_is_the_v1_shape_the_upstream_crd_accepts() -> None:
+    pool = rt.inference_pool(IDENTITY, _spec(routing=ROUTING).routing, SETTINGS, target_port=8000)
+    assert upstream().validate(pool) == []
+    spec = pool["spec"]
+    assert spec["selector"]["matchLabels"] == ds.selector_labels(NAME)
+    assert spec["targetPorts"] == [{"number": 8000}]
+    assert spec["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "llama-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    assert pool["metadata"]["ownerReferences"] == [ds.owner_reference(IDENTITY)]
+    assert pool["metadata"]["name"] == NAME
+
+
+def test_the_pool_selects_exactly_the_pods_the_deployment_makes() -> None:
+    spec = _spec(routing=ROUTING)
+    from loraserve.operator.translate import to_runtime_config
+
+    config = to_runtime_config(spec)
+    plan = ds.desired_serve(IDENTITY, spec, config, SETTINGS)
+    pool = rt.inference_pool(IDENTITY, spec.routing, SETTINGS, target_port=config.server.port)
+    pod_labels = plan.deployment["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (container,) = plan.deployment["spec"]["template"]["spec"]["containers"]
+    assert pool["spec"]["targetPorts"][0]["number"] in {p["containerPort"] for p in container["ports"]}
+
+
+def test_the_upstream_check_refuses_the_pre_ga_shape_and_undeclared_fields() -> None:
+    pool = rt.inference_pool(IDENTITY, _spec(routing=ROUTING).routing, SETTINGS)
+    old = copy.deepcopy(pool)
+    old["spec"]["extensionRef"] = old["spec"].pop("endpointPickerRef")  # v1alpha2's name
+    assert any("endpointPickerRef" in p for p in upstream().validate(old))
+    typo = copy.deepcopy(pool)
+    typo["spec"]["targetPorts"] = [{"number": 8000, "name": "http"}]
+    assert any("targetPorts[0].name" in p for p in upstream().validate(typo))
+    no_port = copy.deepcopy(pool)
+    del no_port["spec"]["endpointPickerRef"]["port"]
+    assert any("port is required" in p for p in upstream().validate(no_port))
+
+
+@pytest.mark.parametrize("version", ["1.28.0", kubernetes_validate.utils.latest_version()])
+def test_hpa_is_a_valid_autoscaling_v2_object_on_the_scale_subresource(version) -> None:
+    auto = _spec(autoscaling={"minReplicas": 2, "maxReplicas": 6, "targetPerReplica": 3}).autoscaling
+    hpa = asc.horizontal_pod_autoscaler(IDENTITY, auto, SETTINGS)
+    kubernetes_validate.validate(hpa, version, strict=True)
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "loraserve.io/v1alpha1", "kind": "LoRAServe", "name": NAME}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
+    (metric,) = spec["metrics"]
+    assert metric == {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "vllm_num_requests_waiting"},
+            "target": {"type": "AverageValue", "averageValue": "3"},
+        },
+    }
+    assert ":" not in metric["pods"]["metric"]["name"]
+    assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+
+
+def test_scaled_object_matches_the_keda_crd_and_queries_only_this_serve() -> None:
+    auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": KEDA}).autoscaling
+    obj = asc.scaled_object(IDENTITY, auto, SETTINGS)
+    assert upstream().validate(obj) == []
+    spec = obj["spec"]
+    assert spec["scaleTargetRef"]["kind"] == "LoRAServe" and spec["scaleTargetRef"]["name"] == NAME
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 5)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"] == {
+        "serverAddress": KEDA["serverAddress"],
+        "query": 'sum(vllm:num_requests_waiting{namespace="ml",loraserve_io_serve="llama"})',
+        "threshold": "4",
+    }
+    broken = copy.deepcopy(obj)
+    broken["spec"]["triggers"][0]["metadata"]["threshold"] = 4  # KEDA's metadata values are strings
+    assert upstream().validate(broken)
+
+
+def test_the_query_label_is_the_pod_label_as_prometheus_names_it() -> None:
+    # The chart's PodMonitor copies the pod label loraserve.io/serve onto every series
+    # (podTargetLabels), which Prometheus spells loraserve_io_serve; the value is the pod's.
+    assert asc.prometheus_label(ds.SERVE_LABEL) == asc.PROMETHEUS_SERVE_LABEL == "loraserve_io_serve"
+    long = ds.ServeIdentity(name="x" * 70, namespace='we"ird', uid="u")
+    query = asc.serve_query(long, "vllm:num_requests_running")
+    assert f'loraserve_io_serve="{ds.label_value(long.name)}"' in query
+    assert 'namespace="we\\"ird"' in query
+    assert query.startswith("sum(vllm:num_requests_running{")
+
+
+def test_a_query_of_the_users_own_replaces_the_default() -> None:
+    keda = {**KEDA, "query": "sum(rate(vllm:request_success_total[1m]))"}
+    auto = _spec(autoscaling={"mode": "KEDA", "maxReplicas": 5, "keda": keda}).autoscaling
+    trigger = asc.scaled_object(IDENTITY, auto, SETTINGS)["spec"]["triggers"][0]
+    assert trigger["metadata"]["query"] == keda["query"]
+
+
+# --------------------------------------------------------------------------- the reconcile step
+
+
+def _apiserver():
+    return _load("_loraserve_e2e_apiserver", HERE.parent / "e2e" / "apiserver.py")
+
+
+OPTIONAL_APIS = {
+    "inference.networking.k8s.io/v1/inferencepools": ("InferencePool", True),
+    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True),
+    "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True),
+}
+
+
+async def _api(declared: dict):
+    server = _apiserver().ApiServer()
+    server.declare({"loraserve.io/v1alpha1/loraserves": ("LoRAServe", True), **declared})
+    return server
+
+
+@pytest.fixture
+async def full():
+    """An API that serves the InferencePool, HPA and KEDA APIs."""
+    server = await _api(OPTIONAL_APIS)
+    async with server, kmock.Server(server) as endpoint:
+        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        try:
+            yield server, client
+        finally:
+            await client.close()
+
+
+@pytest.fixture
+async def bare():
+    """An API without the Inference Extension or KEDA CRDs (autoscaling/v2 is served)."""
+    server = await _api({"autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True)})
+    async with server, kmock.Server(server) as endpoint:
+        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        try:
+            yield server, client
+        finally:
+            await client.close()
+
+
+def _body(**spec) -> dict:
+    return {
+        "apiVersion": "loraserve.io/v1alpha1",
+        "kind": "LoRAServe",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"source": "pvc://models/llama"},
+            "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models"}},
+            "replicas": 2,
+            **spec,
+        },
+    }
+
+
+def _writes(server, since: int) -> list[str]:
+    out = []
+    for request in list(server)[since:]:
+        method = str(getattr(request.method, "value", request.method)).upper()
+        if method in ("POST", "PATCH", "PUT", "DELETE"):
+            out.append(f"{method} {request.url.path}")
+    return out
+
+
+async def _pass(client: KubeClient):
+    body = await client.get(LORASERVES, NS, NAME)
+    return await reconcile_serve(client, body, SETTINGS, adapters=0, now="2026-01-01T00:00:00Z")
+
+
+def _condition(status: dict, type_: str) -> dict | None:
+    return next((c for c in status.get("conditions", ()) if c["type"] == type_), None)
+
+
+async def _set_spec(client: KubeClient, **changes) -> None:
+    await client.patch(LORASERVES, NS, NAME, {"spec": changes})
+
+
+async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(full) -> None:
+    server, client = full
+    await client.create(LORASERVES, NS, _body(routing=ROUTING, autoscaling={"maxReplicas": 4}))
+    outcome = await _pass(client)
+    made = {(a.verb, a.kind) for a in outcome.acts}
+    assert {("Created", "InferencePool"), ("Created", "HorizontalPodAutoscaler")} <= made
+    uid = (await client.get(LORASERVES, NS, NAME))["metadata"]["uid"]
+    pool = await client.get(INFERENCE_POOLS, NS, NAME)
+    hpa = await client.get(HPAS, NS, NAME)
+    for obj in (pool, hpa):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LoRAServe", NAME, uid, True)
+    assert upstream().validate(pool) == []
+    assert pool["spec"]["endpointPickerRef"]["name"] == "llama-epp"
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "LoRAServe" and hpa["spec"]["maxReplicas"] == 4
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    routing, scaling = _condition(status, "Routing"), _condition(status, "Autoscaling")
+    assert (routing["status"], routing["reason"]) == ("True", "InferencePoolApplied")
+    assert "llama-epp:9002" in routing["message"]
+    assert (scaling["status"], scaling["reason"]) == ("True", "HorizontalPodAutoscalerApplied")
+    assert "vllm_num_requests_waiting" in scaling["message"]
+
+    since = len(list(server))
+    again = await _pass(client)
+    assert again.acts == [] and not again.status_written
+    assert _writes(server, since) == [], "a converged serve gets no write"
+
+    # A spec change updates both, and rolls no pod (the config hash does not cover them).
+    await _set_spec(
+        client,
+        routing={"endpointPicker": {"name": "llama-epp", "port": 9100, "failureMode": "FailOpen"}},
+        autoscaling={"maxReplicas": 8, "targetPerReplica": 2},
+    )
+    changed = await _pass(client)
+    assert {(a.verb, a.kind) for a in changed.acts} == {
+        ("Updated", "InferencePool"),
+        ("Updated", "HorizontalPodAutoscaler"),
+    }
+    assert changed.rolled_from is None
+    pool = await client.get(INFERENCE_POOLS, NS, NAME)
+    assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9100}
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    hpa = await client.get(HPAS, NS, NAME)
+    assert hpa["spec"]["maxReplicas"] == 8
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "2"
+
+    # A hand edit of an owned field is undone.
+    await client.patch(HPAS, NS, NAME, {"spec": {"maxReplicas": 100}})
+    await _pass(client)
+    assert (await client.get(HPAS, NS, NAME))["spec"]["maxReplicas"] == 8
+
+    # Removing the fields deletes what the operator made, and the conditions go.
+    await client.patch(LORASERVES, NS, NAME, {"spec": {"routing": None, "autoscaling": None}})
+    removed = await _pass(client)
+    assert {(a.verb, a.kind) for a in removed.acts} == {
+        ("Deleted", "InferencePool"),
+        ("Deleted", "HorizontalPodAutoscaler"),
+    }
+    assert await client.get(INFERENCE_POOLS, NS, NAME) is None
+    assert await client.get(HPAS, NS, NAME) is None
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    assert _condition(status, "Routing") is None and _condition(status, "Autoscaling") is None
+    since = len(list(server))
+    assert (await _pass(client)).acts == [] and _writes(server, since) == []
+
+
+async def test_switching_to_keda_replaces_the_hpa_with_a_scaled_object(full) -> None:
+    _, client = full
+    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
+    await _pass(client)
+    assert await client.get(HPAS, NS, NAME) is not None
+    await _set_spec(client, autoscaling={"mode": "KEDA", "maxReplicas": 4, "keda": KEDA})
+    outcome = await _pass(client)
+    assert {(a.verb, a.kind) for a in outcome.acts} == {
+        ("Deleted", "HorizontalPodAutoscaler"),
+        ("Created", "ScaledObject"),
+    }
+    assert await client.get(HPAS, NS, NAME) is None
+    scaled = await client.get(SCALED_OBJECTS, NS, NAME)
+    assert upstream().validate(scaled) == []
+    assert 'loraserve_io_serve="llama"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    assert _condition(status, "Autoscaling")["reason"] == "ScaledObjectApplied"
+
+
+async def test_absent_apis_leave_the_serve_running_and_say_why(bare) -> None:
+    server, client = bare
+    await client.create(
+        LORASERVES,
+        NS,
+        _body(routing=ROUTING, autoscaling={"mode": "KEDA", "maxReplicas": 4, "keda": KEDA}),
+    )
+    outcome = await _pass(client)
+    assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
+    assert not {"InferencePool", "ScaledObject"} & {a.kind for a in outcome.acts}
+    assert (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["replicas"] == 2
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    routing, scaling = _condition(status, "Routing"), _condition(status, "Autoscaling")
+    assert (routing["status"], routing["reason"]) == ("False", "InferencePoolCRDMissing")
+    assert "inference.networking.k8s.io/v1" in routing["message"] and "fix:" in routing["message"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "KEDACRDMissing")
+    assert "KEDA is not installed" in scaling["message"] and "spec.replicas (2)" in scaling["message"]
+    assert status["phase"] != "Failed" and _condition(status, "Degraded")["status"] == "False"
+
+    # Discovery's answer is remembered: the next pass asks nothing of it and writes nothing.
+    since = len(list(server))
+    again = await _pass(client)
+    assert again.acts == [] and _writes(server, since) == []
+    asked = [r.url.path for r in list(server)[since:]]
+    assert "/apis/keda.sh/v1alpha1" not in asked and "/apis/inference.networking.k8s.io/v1" not in asked
+
+    # Once the CRDs are installed (and the cache expires), the objects come.
+    for path, (kind, namespaced) in OPTIONAL_APIS.items():
+        server.resources[path] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=_apiserver().VERBS)
+    optional.discovery(client).forget()
+    later = await _pass(client)
+    assert {("Created", "InferencePool"), ("Created", "ScaledObject")} <= {(a.verb, a.kind) for a in later.acts}
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    assert _condition(status, "Routing")["status"] == "True"
+    assert _condition(status, "Autoscaling")["status"] == "True"
+
+
+async def test_discovery_is_cached_for_its_ttl(bare) -> None:
+    server, client = bare
+    seen = optional.ApiDiscovery(ttl_s=3600)
+    assert not await seen.serves(client, INFERENCE_POOLS)
+    assert await seen.serves(client, HPAS)
+    since = len(list(server))
+    assert not await seen.serves(client, INFERENCE_POOLS) and await seen.serves(client, HPAS)
+    assert len(list(server)) == since, "answered from the cache"
+    expired = optional.ApiDiscovery(ttl_s=0)
+    await expired.serves(client, INFERENCE_POOLS)
+    await expired.serves(client, INFERENCE_POOLS)
+    assert len(list(server)) == since + 2
+
+
+async def test_an_object_of_the_same_name_not_ours_is_left_alone(full) -> None:
+    _, client = full
+    theirs = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "other"},
+            "maxReplicas": 3,
+        },
+    }
+    await client.create(HPAS, NS, theirs)
+    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
+    outcome = await _pass(client)
+    assert "HorizontalPodAutoscaler" not in {a.kind for a in outcome.acts}
+    kept = await client.get(HPAS, NS, NAME)
+    assert kept["spec"]["scaleTargetRef"]["name"] == "other" and "ownerReferences" not in kept["metadata"]
+    scaling = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Autoscaling")
+    assert (scaling["status"], scaling["reason"]) == ("False", "NameTaken")
+    # ...and removing spec.autoscaling does not delete it either.
+    await client.patch(LORASERVES, NS, NAME, {"spec": {"autoscaling": None}})
+    await _pass(client)
+    assert await client.get(HPAS, NS, NAME) is not None
+
+
+async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
+    _, client = full
+    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
+    await _pass(client)
+    failed = {
+        "type": "ScalingActive",
+        "status": "False",
+        "reason": "FailedGetPodsMetric",
+        "message": 'unable to get metric vllm_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) registered',
+    }
+    await client.patch(HPAS, NS, NAME, {"status": {"conditions": [failed]}}, subresource="status")
+    await _pass(client)
+    scaling = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Autoscaling")
+    assert (scaling["status"], scaling["reason"]) == ("False", "MetricUnavailable")
+    assert "custom.metrics.k8s.io" in scaling["message"] and "prometheus-adapter" in scaling["message"]
+
+
+async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> None:
+    _, client = full
+    await client.create(LORASERVES, NS, _body(routing=ROUTING))
+    await _pass(client)
+    before = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
+    await _set_spec(client, routing=None, lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8})
+    outcome = await _pass(client)
+    assert outcome.rejected and outcome.acts == []
+    assert await client.get(INFERENCE_POOLS, NS, NAME) is not None, "a refused spec changes nothing that runs"
+    status = (await client.get(LORASERVES, NS, NAME))["status"]
+    assert _condition(status, "Routing") == before
