@@ -48,6 +48,8 @@ class OperatorConfig:
     runtime_probe_timeout_s: float = 10.0
     """Upper bound of one ``GET /v1/models`` / unload call."""
     unload_max_tries: int = 5
+    adapter_metrics_interval_s: float = 30.0
+    """How often an Adapter's live accept length is read from its pods' /metrics (at most)."""
     """Tries per pod to unload a deleted adapter before giving the pod up as unreachable."""
     conflict_retries: int = 5
     liveness_endpoint: str | None = None
@@ -68,6 +70,8 @@ class OperatorConfig:
             problems.append(f"adapter_max_tries must be >= 1, got {self.adapter_max_tries}")
         if self.resync_interval_s <= 0:
             problems.append(f"resync_interval_s must be > 0, got {self.resync_interval_s}")
+        if self.adapter_metrics_interval_s <= 0:
+            problems.append(f"adapter_metrics_interval_s must be > 0, got {self.adapter_metrics_interval_s}")
         if self.unload_max_tries < 1:
             problems.append(f"unload_max_tries must be >= 1, got {self.unload_max_tries}")
         if self.runtime_image_pull_policy not in ("Always", "IfNotPresent", "Never"):

@@ -14,15 +14,19 @@ Objects, all owned by the LoRAServe (owner reference, garbage-collected with it)
   spec changes (so pods roll then, and only then);
 * a Service with the API port and a metrics port;
 * a PodDisruptionBudget;
-* the admin-token Secret, unless the spec names its own (generated once, never rotated).
+* the admin-token Secret, unless the spec names its own (generated once, never rotated);
+* the serve's adapter catalog, a ConfigMap every pod mounts and reads at start-up (one
+  entry per Adapter; its content never rolls the pods: running pods get it pushed).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from loraserve.runtime.catalog import CatalogEntry, catalog_digest, encode_catalog
 from loraserve.runtime.config import RuntimeConfig
 
 from .reconcile.diff import stable_hash, with_desired_hash
@@ -31,10 +35,12 @@ from .specs import (
     GPU_RESOURCE,
     LORASERVE_KIND,
     LoRAServeSpec,
+    SpecError,
     StorageSpec,
     VolumeType,
+    parse_adapter_spec,
 )
-from .translate import RUNTIME_PORT, hf_revision, pod_path
+from .translate import CATALOG_DIR, CATALOG_KEY, RUNTIME_PORT, hf_revision, pod_path
 
 # --------------------------------------------------------------------------- constants
 
@@ -55,6 +61,11 @@ MANAGER = "loraserve-operator"
 SERVE_LABEL = "loraserve.io/serve"
 SERVE_NAME_ANNOTATION = "loraserve.io/serve-name"
 CONFIG_HASH_ANNOTATION = "loraserve.io/config-hash"
+CATALOG_DIGEST_ANNOTATION = "loraserve.io/catalog-digest"
+CATALOG_VOLUME = "catalog"
+PRE_STOP_SLEEP_S = 5
+"""A deleted pod keeps serving this long before SIGTERM, while endpoints (Services,
+gateways) stop sending it requests; then it drains what it has."""
 RUNTIME_NAME = "loraserve-runtime"
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -98,6 +109,9 @@ class DesiredServe:
     token_secret_owned: bool
     selector: str
     """Label selector of the runtime pods (``status.selector``, for the scale subresource)."""
+    catalog: dict | None = None
+    """The adapter-catalog ConfigMap (None when the serve has LoRA off)."""
+    catalog_entries: tuple[CatalogEntry, ...] = ()
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -125,6 +139,19 @@ def admin_secret_name(serve_name: str, spec: LoRAServeSpec) -> str:
     if spec.admin_token_secret_name:
         return spec.admin_token_secret_name
     suffix = "-admin-token"
+    if len(serve_name) + len(suffix) <= 253:
+        return serve_name + suffix
+    return (
+        serve_name[: 253 - len(suffix) - 9]
+        + "-"
+        + hashlib.sha256(serve_name.encode()).hexdigest()[:8]
+        + suffix
+    )
+
+
+def catalog_configmap_name(serve_name: str) -> str:
+    """The ConfigMap holding the serve's adapter catalog."""
+    suffix = "-adapters"
     if len(serve_name) + len(suffix) <= 253:
         return serve_name + suffix
     return (
@@ -317,7 +344,7 @@ def problems(spec: LoRAServeSpec, config: RuntimeConfig) -> list[str]:
             "spec.storage.adapters.mountPath: the same path as spec.storage.models.mountPath; fix: give each "
             "volume its own mount path"
         )
-    reserved = {"/tmp", CACHE_DIR, "/dev/shm", ADMIN_TOKEN_DIR}
+    reserved = {"/tmp", CACHE_DIR, "/dev/shm", ADMIN_TOKEN_DIR, CATALOG_DIR}
     for path, volume in (
         ("spec.storage.models", storage.models),
         ("spec.storage.adapters", storage.adapters),
@@ -455,6 +482,21 @@ def _fetch_containers(
     return containers
 
 
+def _catalog_volume(serve: ServeIdentity, config: RuntimeConfig) -> tuple[list[dict], list[dict]]:
+    """The catalog ConfigMap as a volume at the directory of ``--adapter-catalog``."""
+    if config.lora.catalog is None:
+        return [], []
+    volume = {
+        "name": CATALOG_VOLUME,
+        "configMap": {
+            "name": catalog_configmap_name(serve.name),
+            "items": [{"key": CATALOG_KEY, "path": CATALOG_KEY}],
+            "defaultMode": 0o444,
+        },
+    }
+    return [volume], [{"name": CATALOG_VOLUME, "mountPath": CATALOG_DIR, "readOnly": True}]
+
+
 def _probe(path: str, *, period: int, failures: int, timeout: int = 5) -> dict:
     return {
         "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
@@ -475,6 +517,7 @@ def _pod_template(
     image = spec.runtime.image or settings.image
     pull_policy = spec.runtime.image_pull_policy if spec.runtime.image else settings.image_pull_policy
     storage_volumes, storage_mounts = _storage(spec.storage)
+    catalog_volumes, catalog_mounts = _catalog_volume(serve, config)
     args = [*runtime_args(config), "--admin-token-file", ADMIN_TOKEN_FILE, *spec.runtime.extra_args]
     container = {
         "name": RUNTIME_CONTAINER,
@@ -490,11 +533,14 @@ def _pod_template(
             *_scratch_mounts(),
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+            *catalog_mounts,
         ],
         # Loading weights can take long: the startup probe holds liveness off for up to 30 min.
         "startupProbe": _probe("/health", period=10, failures=180),
         "readinessProbe": _probe("/ready", period=5, failures=3, timeout=3),
         "livenessProbe": _probe("/health", period=15, failures=4),
+        # Endpoints drop a deleted pod asynchronously: keep serving until they have.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SLEEP_S)]}}},
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -525,6 +571,7 @@ def _pod_template(
                     "defaultMode": 0o440,
                 },
             },
+            *catalog_volumes,
         ],
     }
     init = _fetch_containers(spec, image, pull_policy, fetch_mounts)
@@ -562,9 +609,14 @@ PDB_OWNED = ("spec.selector", "spec.maxUnavailable")
 
 
 def desired_serve(
-    serve: ServeIdentity, spec: LoRAServeSpec, config: RuntimeConfig, settings: DesiredSettings
+    serve: ServeIdentity,
+    spec: LoRAServeSpec,
+    config: RuntimeConfig,
+    settings: DesiredSettings,
+    catalog: Iterable[CatalogEntry] = (),
 ) -> DesiredServe:
-    """The Deployment, Service and PodDisruptionBudget one LoRAServe should own."""
+    """The Deployment, Service, PodDisruptionBudget and adapter catalog one LoRAServe should own."""
+    catalog = tuple(catalog)
     token_secret = admin_secret_name(serve.name, spec)
     image = spec.runtime.image or settings.image
     hash_ = config_hash(spec, config, image, token_secret)
@@ -614,6 +666,8 @@ def desired_serve(
         token_secret_name=token_secret,
         token_secret_owned=not spec.admin_token_secret_name,
         selector=label_selector(serve.name),
+        catalog=catalog_configmap(serve, catalog, settings) if config.lora.catalog is not None else None,
+        catalog_entries=catalog,
     )
 
 
@@ -626,6 +680,46 @@ def admin_token_secret(serve: ServeIdentity, name: str, token: str, settings: De
         "type": "Opaque",
         "stringData": {ADMIN_TOKEN_KEY: token},
     }
+
+
+def catalog_entries(
+    storage: StorageSpec, adapters: Iterable[tuple[str, Mapping]]
+) -> tuple[CatalogEntry, ...]:
+    """The serve's catalog from its Adapters (name, raw spec): one entry per Adapter whose
+    spec parses and whose source the pods can reach (an Adapter's own status says why the
+    others are left out)."""
+    entries = []
+    for name, raw in adapters:
+        try:
+            spec = parse_adapter_spec(dict(raw))
+        except SpecError:
+            continue
+        path = adapter_pod_path(spec.source, storage)
+        if path is None:
+            continue
+        entries.append(
+            CatalogEntry(name=name, source=path, sha256=spec.sha256, rank=spec.rank, pinned=spec.pinned)
+        )
+    return tuple(sorted(entries, key=lambda e: e.name))
+
+
+def catalog_configmap(
+    serve: ServeIdentity, entries: Iterable[CatalogEntry], settings: DesiredSettings
+) -> dict:
+    """The ConfigMap the serve's pods read their catalog from at start-up."""
+    entries = tuple(entries)
+    meta = _metadata(serve, catalog_configmap_name(serve.name), settings)
+    meta["annotations"][CATALOG_DIGEST_ANNOTATION] = catalog_digest(entries)
+    body = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {CATALOG_KEY: encode_catalog(entries)},
+    }
+    return with_desired_hash(body)
+
+
+CONFIGMAP_OWNED = ("data",)
 
 
 def runtime_port(pod: dict) -> int:

@@ -26,17 +26,22 @@ import kopf
 from .desired import MANAGER, SERVE_NAME_ANNOTATION
 from .index import lookup_adapters
 from .reconcile import adapters as adapter_pass
+from .reconcile import catalog as catalog_pass
 from .reconcile import serve as serve_pass
 from .reconcile.context import OperatorContext, adapter_key, serve_key
 from .reconcile.kube import ADAPTERS, LORASERVES
 from .reconcile.pods import PodView, pod_view
-from .specs import ADAPTER_PLURAL, GROUP, LORASERVE_PLURAL, VERSION
+from .specs import ADAPTER_PLURAL, GROUP, LORASERVE_PLURAL, VERSION, parse_loraserve_spec
 from .status import iso
 
 logger = logging.getLogger(__name__)
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 ERROR_BACKOFF_S = (1.0, 60.0)
+CATALOG_RETRY_S = 2.0
+"""A pod that did not take the catalog push is tried again this soon."""
+CATALOG_WAIT_TRIES = 30
+"""A deleted Adapter's finalizer waits this many retries for its pods' catalogs to drop it."""
 """A pass that raised is tried again after 1 s, doubling up to 60 s."""
 
 
@@ -101,13 +106,15 @@ def serve_changed(
 def adapter_changed(
     event: Mapping, meta: kopf.Meta, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:
-    """An Adapter's spec changed: it takes a pass. It came or went: its serve recounts."""
+    """An Adapter's spec changed: it takes a pass, and its serve updates its pods' catalog."""
     ctx = _ctx(memo)
     key = adapter_key(namespace, name)
     if ctx.synced_generation.get(key) != meta.get("generation") or meta.get("deletionTimestamp"):
         ctx.wakers.wake(key)
     serve = spec.get("serve")
-    if event.get("type") in ("ADDED", "DELETED") and isinstance(serve, str):
+    # The serve keeps its pods' adapter catalog: it recounts and pushes on every change.
+    changed = ctx.synced_generation.get(key) != meta.get("generation") or meta.get("deletionTimestamp")
+    if (event.get("type") in ("ADDED", "DELETED") or changed) and isinstance(serve, str):
         ctx.wakers.wake(serve_key(namespace, serve))
 
 
@@ -165,9 +172,10 @@ async def serve_daemon(
     memo: kopf.Memo,
     logger: kopf.Logger,
     adapters_by_serve: kopf.Index,
+    runtime_pods: kopf.Index,
     **_: Any,
 ) -> None:
-    """The LoRAServe's reconcile loop: owned objects and status follow the spec."""
+    """The LoRAServe's reconcile loop: owned objects, status and the pods' catalog follow the spec."""
     ctx = _ctx(memo)
     key = serve_key(namespace, name)
 
@@ -176,13 +184,20 @@ async def serve_daemon(
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
         generation = body["metadata"].get("generation")
+        adapters = lookup_adapters(adapters_by_serve, namespace, name)
         outcome = await serve_pass.reconcile_serve(
             ctx.kube,
             body,
             ctx.settings,
-            adapters=len(lookup_adapters(adapters_by_serve, namespace, name)),
+            adapters=len(adapters),
             now=iso(time.time()),
+            catalog=[(a.name, a.spec) for a in adapters if not a.deleting],
         )
+        wake_in = None
+        if outcome.catalog is not None:
+            sync = await _push_catalog(ctx, body, _serve_pods(runtime_pods, namespace, name), outcome.catalog)
+            if sync.failed:
+                wake_in = CATALOG_RETRY_S
         changed_spec = ctx.synced_generation.get(key) != generation
         ctx.synced_generation[key] = generation
         for act in outcome.acts:
@@ -201,10 +216,10 @@ async def serve_daemon(
             )
         if outcome.rejected and changed_spec:
             _post(body, "Warning", "SpecRejected", "; ".join(outcome.rejected))
-        if changed_spec or outcome.acts:
-            for adapter in lookup_adapters(adapters_by_serve, namespace, name):
+        if changed_spec or outcome.acts or (outcome.catalog is not None and sync.pushed):
+            for adapter in adapters:
                 ctx.wakers.wake(adapter_key(namespace, adapter.name))
-        return None
+        return wake_in
 
     try:
         await _loop(stopped, ctx, key, one_pass, logger)
@@ -218,6 +233,15 @@ async def serve_daemon(
 
 async def _none() -> None:
     return None
+
+
+async def _push_catalog(
+    ctx: OperatorContext, body: Mapping, pods: list[PodView], entries: tuple
+) -> catalog_pass.CatalogSync:
+    meta = body.get("metadata") or {}
+    spec = parse_loraserve_spec(dict(body.get("spec") or {}))  # parsed already by the pass
+    token = await adapter_pass.read_token(ctx, meta["namespace"], meta["name"], spec)
+    return await catalog_pass.sync_catalog(ctx, pods, token, entries)
 
 
 def _serve_pods(runtime_pods: kopf.Index, namespace: str, serve: object) -> list[PodView]:
@@ -284,16 +308,25 @@ async def adapter_deleted(
     runtime_pods: kopf.Index,
     **_: Any,
 ) -> None:
-    """Unload a deleted Adapter from every pod before kopf releases its finalizer.
+    """Take a deleted Adapter out of every pod before kopf releases its finalizer.
 
-    Pods that do not answer are tried again with backoff; after the last try they are
-    given up on with a Warning Event (a pod that cannot be reached loses its adapters when
-    it restarts anyway).
+    The serve's pass drops it from the catalog (ConfigMap and every pod's copy, which
+    unloads it; requests in flight finish); this handler unloads it wherever it is still
+    loaded and waits until no ready pod lists it. Pods that do not answer are tried again
+    with backoff; after the last try they are given up on with a Warning Event (a pod that
+    cannot be reached loses its adapters when it restarts anyway).
     """
     ctx = _ctx(memo)
+    serve = (body.get("spec") or {}).get("serve")
+    if isinstance(serve, str):
+        ctx.wakers.wake(serve_key(namespace, serve))
     async with ctx.adapter_lock(adapter_key(namespace, name)):
-        pods = _serve_pods(runtime_pods, namespace, (body.get("spec") or {}).get("serve"))
+        pods = _serve_pods(runtime_pods, namespace, serve)
         done, failed = await adapter_pass.unload_everywhere(ctx, body, pods)
+        listing: dict[str, str] = {}
+        if not failed and isinstance(serve, str):
+            token = await adapter_pass.serve_token(ctx, namespace, serve)
+            listing = await catalog_pass.pods_still_listing(ctx, pods, token, name)
     for pod in done:
         logger.info("unloaded from pod %s", pod)
     if failed:
@@ -301,3 +334,10 @@ async def adapter_deleted(
         if retry + 1 < ctx.config.unload_max_tries:
             raise kopf.TemporaryError(f"unload failed on {summary}", delay=ctx.retry.delay_after(retry + 1))
         _post(body, "Warning", "UnloadAbandoned", f"gave up unloading after {retry + 1} tries: {summary}")
+    elif listing:
+        summary = "; ".join(f"{pod}: {why}" for pod, why in sorted(listing.items()))
+        if retry + 1 < CATALOG_WAIT_TRIES:
+            raise kopf.TemporaryError(f"waiting for the catalog push: {summary}", delay=CATALOG_RETRY_S)
+        _post(
+            body, "Warning", "CatalogPushAbandoned", f"pods still list it after {retry + 1} tries: {summary}"
+        )

@@ -27,6 +27,8 @@ class IndexedAdapter:
 
     name: str
     spec: dict[str, Any]
+    deleting: bool = False
+    """Marked for deletion (its finalizer still runs): out of the serve's catalog already."""
 
 
 SERVE_INDEX = "serve_specs"
@@ -38,12 +40,15 @@ def serve_specs(namespace: str, name: str, spec: Mapping[str, Any], **_: Any) ->
     return {(namespace, name): copy.deepcopy(dict(spec))}
 
 
-def adapters_by_serve(namespace: str, name: str, spec: Mapping[str, Any], **_: Any) -> dict | None:
+def adapters_by_serve(
+    namespace: str, name: str, spec: Mapping[str, Any], meta: Mapping[str, Any] | None = None, **_: Any
+) -> dict | None:
     """``(namespace, serve name)`` -> the Adapters that reference that serve."""
     serve = spec.get("serve")
     if not isinstance(serve, str) or not serve:
         return None
-    return {(namespace, serve): IndexedAdapter(name=name, spec=copy.deepcopy(dict(spec)))}
+    deleting = bool((meta or {}).get("deletionTimestamp"))
+    return {(namespace, serve): IndexedAdapter(name=name, spec=copy.deepcopy(dict(spec)), deleting=deleting)}
 
 
 def register(registry: kopf.OperatorRegistry) -> None:

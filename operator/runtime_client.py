@@ -10,9 +10,13 @@ refused, timeout, 5xx, 429, not ready yet), because the two are retried differen
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraserve.runtime.catalog import CatalogEntry
 
 # 4xx answers that describe the pod or the call, not the adapter: retrying may succeed.
 _TRANSIENT_4XX = frozenset({401, 403, 408, 425, 429})
@@ -39,21 +43,44 @@ class RuntimeCallError(Exception):
 
 @dataclass(frozen=True)
 class LoadedAdapter:
-    """One adapter a pod holds, as ``GET /v1/models`` or a load answer describes it."""
+    """One adapter a pod knows, as ``GET /v1/models`` or a load answer describes it."""
 
     name: str
     source: str | None = None  # the lora_path it was loaded from, when the runtime says
     rank: int | None = None
     target_modules: tuple[str, ...] | None = None
     sha256: str | None = None
+    state: str = "loaded"
+    """loaded | loading | failed | registered (in the pod's catalog, loaded on first request)."""
+    warm: bool | None = None
+    """Kept loaded (never evicted); None when the runtime does not say."""
+    message: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def loaded(self) -> bool:
+        return self.state == "loaded"
 
 
 @dataclass(frozen=True)
 class PodModels:
-    """What one pod serves: the base model and its loaded adapters by name."""
+    """What one pod serves: the base model and every adapter it lists, by name."""
 
     base: str | None
     adapters: dict[str, LoadedAdapter]
+
+    @property
+    def loaded(self) -> dict[str, LoadedAdapter]:
+        """The adapters the pod holds now (the others load on their first request)."""
+        return {name: a for name, a in self.adapters.items() if a.loaded}
+
+
+@dataclass(frozen=True)
+class PodCatalog:
+    """A pod's adapter catalog as ``GET /v1/lora_catalog`` reports it."""
+
+    digest: str | None
+    ready: bool
 
 
 def classify_status(status: int) -> bool:
@@ -105,13 +132,38 @@ def _adapter(name: str, source: object, info: dict) -> LoadedAdapter:
     rank = info.get("rank")
     modules = info.get("target_modules")
     sha = info.get("sha256")
+    state, warm, message = info.get("state"), info.get("warm"), info.get("message")
+    warnings = info.get("warnings")
     return LoadedAdapter(
         name=name,
         source=source if isinstance(source, str) else None,
         rank=rank if isinstance(rank, int) else None,
         target_modules=tuple(modules) if isinstance(modules, list) else None,
         sha256=sha if isinstance(sha, str) else None,
+        state=state if isinstance(state, str) else "loaded",
+        warm=warm if isinstance(warm, bool) else None,
+        message=message if isinstance(message, str) else None,
+        warnings=tuple(w for w in warnings if isinstance(w, str)) if isinstance(warnings, list) else (),
     )
+
+
+ACCEPT_LENGTH_METRIC = "loraserve:spec_accept_length"
+
+
+def accept_stats(metrics_text: str, model: str) -> tuple[float, float]:
+    """Sum and count of the per-model accept-length histogram in a Prometheus text page."""
+    total = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != ACCEPT_LENGTH_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.labels.get("model") != model:
+                continue
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+    return total, count
 
 
 class RuntimeClient:
@@ -168,13 +220,14 @@ class RuntimeClient:
         return parse_models(await self._call("GET", "/v1/models", timeout=self._probe_timeout))
 
     async def load(
-        self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False
+        self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False, warm: bool = True
     ) -> LoadedAdapter:
         """``POST /v1/load_lora_adapter``; the runtime fetches ``source`` and checks ``sha256``.
 
-        Returns what the runtime read from the file (rank, target modules) when it says.
+        ``warm``: kept loaded; False demotes an adapter the pod holds to evictable.
+        Returns what the runtime read from the file (rank, target modules, warnings).
         """
-        body: dict[str, object] = {"lora_name": name, "lora_path": source}
+        body: dict[str, object] = {"lora_name": name, "lora_path": source, "warm": warm}
         if sha256:
             body["sha256"] = sha256
         if pinned:
@@ -182,6 +235,24 @@ class RuntimeClient:
         answer = await self._call("POST", "/v1/load_lora_adapter", body=body, timeout=self._request_timeout)
         info = answer if isinstance(answer, dict) else {}
         return _adapter(name, info.get("lora_path", source), info)
+
+    async def accept_stats(self, name: str) -> tuple[float, float]:
+        """(accepted draft tokens, verify steps) of ``name``'s requests, from ``/metrics``."""
+        text = await self._call("GET", "/metrics", timeout=self._probe_timeout)
+        return accept_stats(text if isinstance(text, str) else "", name)
+
+    async def catalog(self) -> PodCatalog:
+        """``GET /v1/lora_catalog``: the digest of the catalog the pod holds."""
+        answer = await self._call("GET", "/v1/lora_catalog", timeout=self._probe_timeout)
+        if not isinstance(answer, dict):
+            raise RuntimeCallError("GET /v1/lora_catalog answered without an object", transient=True)
+        digest = answer.get("digest")
+        return PodCatalog(digest=digest if isinstance(digest, str) else None, ready=bool(answer.get("ready")))
+
+    async def put_catalog(self, entries: Sequence[CatalogEntry]) -> None:
+        """``PUT /v1/lora_catalog``: replace the pod's catalog (idempotent)."""
+        body = {"adapters": [e.to_dict() for e in entries]}
+        await self._call("PUT", "/v1/lora_catalog", body=body, timeout=self._probe_timeout)
 
     async def unload(self, name: str) -> bool:
         """``POST /v1/unload_lora_adapter``; False when the pod did not hold it."""

@@ -227,6 +227,9 @@ class AdapterFindings:
     rank: int | None = None
     target_modules: Sequence[str] | None = None
     warnings: Sequence[str] = ()
+    others: Sequence[PodTrack] = ()
+    """Pods that do not keep the adapter warm (placement): they load it on demand."""
+    accept_length: float | None = None
 
 
 def pods_status(tracks: Iterable[PodTrack]) -> list[dict]:
@@ -259,7 +262,10 @@ def adapter_phase(findings: AdapterFindings) -> tuple[AdapterPhase, str, str]:
     loaded = sum(t.state is PodState.LOADED for t in findings.tracks)
     failed = [t for t in findings.tracks if t.state is PodState.FAILED]
     total = len(findings.tracks)
+    on_demand = len(findings.others)
     if phase is AdapterPhase.READY:
+        if on_demand:
+            return phase, "Loaded", f"kept loaded on {loaded}/{total} placed pods; {on_demand} more load it on demand"
         return phase, "Loaded", f"loaded on {loaded}/{total} pods"
     if failed:
         first = failed[0]
@@ -298,8 +304,10 @@ def adapter_status(findings: AdapterFindings, previous: Mapping | None, *, now: 
         "observedGeneration": gen,
         "phase": phase.value,
         "conditions": conds,
-        "pods": pods_status(findings.tracks),
-        "loadedReplicas": sum(t.state is PodState.LOADED for t in findings.tracks),
+        "pods": pods_status([*findings.tracks, *findings.others]),
+        "loadedReplicas": sum(t.state is PodState.LOADED for t in [*findings.tracks, *findings.others]),
+        "registeredReplicas": sum(t.state is PodState.REGISTERED for t in findings.others),
+        "acceptLength": findings.accept_length,
         "rank": findings.rank,
         "targetModules": list(findings.target_modules) if findings.target_modules is not None else None,
         "warnings": [clip(w) for w in findings.warnings][:64],

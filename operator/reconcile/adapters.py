@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import desired as ds
-from ..runtime_client import LoadedAdapter, PodModels, RuntimeCallError, RuntimeClient
+from ..runtime_client import LoadedAdapter, PodModels, RuntimeCallError
 from ..specs import (
     AdapterSpec,
     LoRAServeSpec,
@@ -45,6 +45,12 @@ class AdapterMemory:
 
     tracks: dict[str, st.PodTrack] = field(default_factory=dict)
     restored: bool = False
+    warnings: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Warnings pods returned when they loaded the adapter, by pod (this generation)."""
+    warnings_generation: int | None = None
+    accept_length: float | None = None
+    metrics_read_at: float | None = None
+    """Monotonic time /metrics was last read for the accept length (bounded rate)."""
 
 
 @dataclass(frozen=True)
@@ -120,21 +126,11 @@ async def read_token(
     return token
 
 
-def _client(ctx: OperatorContext, pod: PodView, token: str | None) -> RuntimeClient:
-    return RuntimeClient(
-        ctx.http,
-        pod.url,
-        token,
-        request_timeout_s=ctx.config.runtime_request_timeout_s,
-        probe_timeout_s=ctx.config.runtime_probe_timeout_s,
-    )
-
-
 async def observe_pods(
     ctx: OperatorContext, pods: Sequence[PodView], token: str | None
 ) -> tuple[dict[str, PodModels], dict[str, str]]:
     """``GET /v1/models`` on every pod: (what each reachable pod holds, why others did not answer)."""
-    answers = await asyncio.gather(*(_client(ctx, p, token).models() for p in pods), return_exceptions=True)
+    answers = await asyncio.gather(*(ctx.runtime(p, token).models() for p in pods), return_exceptions=True)
     held: dict[str, PodModels] = {}
     errors: dict[str, str] = {}
     for pod, answer in zip(pods, answers, strict=True):
@@ -242,8 +238,11 @@ async def reconcile_adapter(
     token = await read_token(ctx, namespace, spec.serve, serve_spec)
     held, unreachable = await observe_pods(ctx, usable, token)
 
-    holding = {pod for pod, models in held.items() if name in models.adapters}
-    load = {pod: len(models.adapters) for pod, models in held.items()}
+    if memory.warnings_generation != generation:
+        memory.warnings = _restored_warnings(body.get("status"), generation, memory.warnings_generation)
+        memory.warnings_generation = generation
+    holding = {pod for pod, models in held.items() if name in models.loaded}
+    load = {pod: len(models.loaded) for pod, models in held.items()}
     if spec.placement.mode is PlacementMode.REPLICAS:
         targets = st.place(name, list(held), spec.placement.replicas, holding, load)
     else:
@@ -262,7 +261,7 @@ async def reconcile_adapter(
         track = st.reset_for_generation(track, generation, wall)
         if track.pod_ip != (view.ip or ""):
             track = dataclasses.replace(track, pod_ip=view.ip or "")
-        loaded = held[pod].adapters.get(name) if pod in held else None
+        loaded = held[pod].loaded.get(name) if pod in held else None
         if pod in unreachable:
             if track.state is not st.PodState.FAILED:
                 track = dataclasses.replace(track, message=f"pod not answering: {unreachable[pod]}")
@@ -274,6 +273,10 @@ async def reconcile_adapter(
                 )
         elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
             refuse[pod] = why
+        elif loaded is not None and loaded.warm is False:
+            # Loaded on demand, now placed here: the load call keeps it warm (no refetch).
+            if track.state is not st.PodState.FAILED:
+                track = dataclasses.replace(track, state=st.PodState.PENDING, next_try_at=None)
         elif loaded is not None:
             seen = seen or loaded
             track = st.observed_loaded(track, wall)
@@ -288,7 +291,7 @@ async def reconcile_adapter(
         memory.tracks = tracks
         # The Loading report and the loads go out together: a load often takes less time
         # than a status write.
-        reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen)))
+        reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen, memory)))
         results = await asyncio.gather(
             *(
                 _load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload)
@@ -306,6 +309,7 @@ async def reconcile_adapter(
                 continue
             if result.ok and info is not None:
                 seen = seen or info
+                memory.warnings[pod] = info.warnings
             tracks[pod] = st.after_load(tracks[pod], result, ctx.retry, now=now, wall=wall)
             after = tracks[pod]
             if after.state is st.PodState.LOADED:
@@ -318,7 +322,7 @@ async def reconcile_adapter(
     for pod, why in sorted(refuse.items()):
         # The file is not what the Adapter declares: it must not serve. Unload, fail at once.
         try:
-            await _client(ctx, by_name[pod], token).unload(name)
+            await ctx.runtime(by_name[pod], token).unload(name)
             ctx.counters.unloads[(namespace, pod, name)] += 1
         except RuntimeCallError as exc:
             logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
@@ -327,22 +331,113 @@ async def reconcile_adapter(
             outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {why}"))
         tracks[pod] = st.after_load(tracks[pod], fault, ctx.retry, now=now, wall=wall)
 
-    for pod in sorted(holding - set(targets)):
-        try:
-            await _client(ctx, by_name[pod], token).unload(name)
-            ctx.counters.unloads[(namespace, pod, name)] += 1
-            outcome.notes.append(Note("Normal", "Unloaded", f"unloaded from pod {pod} (placement)"))
-        except RuntimeCallError as exc:
-            logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
+    others = await _others(
+        ctx, outcome, name, spec, lora_path, token, usable, set(targets), held, unreachable, wall
+    )
+    await _read_accept_length(ctx, memory, name, usable, token)
 
     memory.tracks = tracks
     live = {p.name for p in pods}
     for counter in (ctx.counters.loads, ctx.counters.unloads):
         for key in [k for k in counter if k[0] == namespace and k[2] == name and k[1] not in live]:
             del counter[key]  # pods that are gone: keep the counters bounded
-    await report(_findings(generation, tracks, usable, spec, seen))
+    await report(_findings(generation, tracks, usable, spec, seen, memory, others))
     outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
     return outcome
+
+
+_RUNTIME_STATES = {
+    "loaded": st.PodState.LOADED,
+    "loading": st.PodState.LOADING,
+    "failed": st.PodState.FAILED,
+    "registered": st.PodState.REGISTERED,
+}
+
+
+async def _others(
+    ctx: OperatorContext,
+    outcome: AdapterOutcome,
+    name: str,
+    spec: AdapterSpec,
+    lora_path: str,
+    token: str | None,
+    usable: Sequence[PodView],
+    targets: set[str],
+    held: Mapping[str, PodModels],
+    unreachable: Mapping[str, str],
+    wall: float,
+) -> list[st.PodTrack]:
+    """The pods that do not keep the adapter warm: they serve it on demand. Any that still
+    holds it warm (placement moved) is demoted to evictable, never unloaded under traffic.
+    Returns their per-pod state as the runtime reports it, for the status."""
+    out = []
+    for view in usable:
+        if view.name in targets:
+            continue
+        entry = held[view.name].adapters.get(name) if view.name in held else None
+        if (
+            entry is not None
+            and entry.loaded
+            and entry.warm is not False
+            and not source_differs(entry, (lora_path, spec.source), spec.sha256)
+        ):
+            try:
+                await ctx.runtime(view, token).load(name, lora_path, sha256=spec.sha256, warm=False)
+                outcome.notes.append(
+                    Note("Normal", "Demoted", f"pod {view.name} now loads it on demand (placement)")
+                )
+            except RuntimeCallError as exc:
+                logger.warning("demoting %s on pod %s failed: %s", name, view.name, exc)
+        if view.name in unreachable:
+            state, message = st.PodState.PENDING, f"pod not answering: {unreachable[view.name]}"
+        elif entry is None:
+            state, message = st.PodState.PENDING, "not in this pod's catalog yet"
+        else:
+            state, message = _RUNTIME_STATES.get(entry.state, st.PodState.PENDING), entry.message or ""
+        out.append(
+            st.PodTrack(
+                pod=view.name,
+                pod_ip=view.ip or "",
+                pod_uid=view.uid,
+                state=state,
+                message=message,
+                since=wall,
+            )
+        )
+    return out
+
+
+def _restored_warnings(
+    status: Mapping | None, generation: int | None, previous: int | None
+) -> dict[str, tuple[str, ...]]:
+    """Load warnings survive an operator restart through the status (same generation only)."""
+    status = status or {}
+    if previous is not None or status.get("observedGeneration") != generation:
+        return {}
+    kept = tuple(w for w in status.get("warnings") or [] if isinstance(w, str))
+    return {"": kept} if kept else {}
+
+
+async def _read_accept_length(
+    ctx: OperatorContext, memory: AdapterMemory, name: str, pods: Sequence[PodView], token: str | None
+) -> None:
+    """The adapter's mean accept length over its serve's pods, read at a bounded rate."""
+    now = time.monotonic()
+    if (
+        memory.metrics_read_at is not None
+        and now - memory.metrics_read_at < ctx.config.adapter_metrics_interval_s
+    ):
+        return
+    memory.metrics_read_at = now
+    answers = await asyncio.gather(
+        *(ctx.runtime(p, token).accept_stats(name) for p in pods), return_exceptions=True
+    )
+    total = steps = 0.0
+    for answer in answers:
+        if isinstance(answer, tuple):
+            total, steps = total + answer[0], steps + answer[1]
+    if steps > 0:
+        memory.accept_length = round(total / steps, 3)
 
 
 def _findings(
@@ -351,6 +446,8 @@ def _findings(
     usable: Sequence[PodView],
     spec: AdapterSpec,
     seen: LoadedAdapter | None,
+    memory: AdapterMemory,
+    others: Sequence[st.PodTrack] = (),
 ) -> AdapterFindings:
     """Status inputs; rank and target modules are the file's (as a pod read it) when known."""
     rank = seen.rank if seen is not None and seen.rank is not None else spec.rank
@@ -364,6 +461,9 @@ def _findings(
         ready_pods=len(usable),
         rank=rank,
         target_modules=sorted(modules) if modules is not None else None,
+        others=tuple(others),
+        warnings=tuple(dict.fromkeys(w for ws in memory.warnings.values() for w in ws)),
+        accept_length=memory.accept_length,
     )
 
 
@@ -377,14 +477,26 @@ async def _load(
     *,
     unload_first: bool,
 ) -> tuple[st.LoadOutcome, LoadedAdapter | None]:
-    client = _client(ctx, pod, token)
+    client = ctx.runtime(pod, token)
     try:
         if unload_first:
             await client.unload(name)
-        info = await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned)
+        info = await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True)
     except RuntimeCallError as exc:
         return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient), None
     return st.LoadOutcome(ok=True), info
+
+
+async def serve_token(ctx: OperatorContext, namespace: str, serve_name: str) -> str | None:
+    """The admin token of serve ``serve_name`` (None when the serve or its Secret is gone)."""
+    serve_body = await ctx.kube.get(LORASERVES, namespace, serve_name)
+    if serve_body is None:
+        return None
+    try:
+        spec = parse_loraserve_spec(dict(serve_body.get("spec") or {}))
+    except SpecError:
+        return None
+    return await read_token(ctx, namespace, serve_name, spec)
 
 
 async def unload_everywhere(
@@ -396,25 +508,17 @@ async def unload_everywhere(
     serve_name = (body.get("spec") or {}).get("serve")
     if not serve_name:
         return [], {}
-    serve_body = await ctx.kube.get(LORASERVES, namespace, serve_name)
-    token = None
-    if serve_body is not None:
-        try:
-            token = await read_token(
-                ctx, namespace, serve_name, parse_loraserve_spec(dict(serve_body.get("spec") or {}))
-            )
-        except SpecError:
-            token = None
+    token = await serve_token(ctx, namespace, serve_name)
     usable = [p for p in pods if p.usable]
     held, unreachable = await observe_pods(ctx, usable, token)
     done: list[str] = []
     failed = dict(unreachable)
     by_name = {p.name: p for p in usable}
     for pod, models in sorted(held.items()):
-        if name not in models.adapters:
+        if name not in models.loaded:
             continue
         try:
-            await _client(ctx, by_name[pod], token).unload(name)
+            await ctx.runtime(by_name[pod], token).unload(name)
             ctx.counters.unloads[(namespace, pod, name)] += 1
             done.append(pod)
         except RuntimeCallError as exc:

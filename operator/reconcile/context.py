@@ -11,8 +11,10 @@ import aiohttp
 
 from ..config import OperatorConfig
 from ..desired import DesiredSettings
+from ..runtime_client import RuntimeClient
 from .adapter_state import RetryPolicy
 from .kube import KubeClient
+from .pods import PodView
 
 
 class Wakers:
@@ -67,6 +69,16 @@ class OperatorContext:
     counters: Counters = field(default_factory=Counters)
     tokens: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     """(namespace, Secret) -> (admin token, monotonic expiry)."""
+
+    def runtime(self, pod: PodView, token: str | None) -> RuntimeClient:
+        """An admin client for one runtime pod, with the operator's timeouts."""
+        return RuntimeClient(
+            self.http,
+            pod.url,
+            token,
+            request_timeout_s=self.config.runtime_request_timeout_s,
+            probe_timeout_s=self.config.runtime_probe_timeout_s,
+        )
 
     def adapter_lock(self, key: Hashable) -> asyncio.Lock:
         """Serialises an Adapter's reconcile passes with its deletion (no load after an unload)."""

@@ -73,6 +73,7 @@ class Resource:
 DEPLOYMENTS = Resource("apps/v1", "deployments", "Deployment")
 SERVICES = Resource("v1", "services", "Service")
 SECRETS = Resource("v1", "secrets", "Secret")
+CONFIGMAPS = Resource("v1", "configmaps", "ConfigMap")
 PODS = Resource("v1", "pods", "Pod")
 PDBS = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
 LORASERVES = Resource("loraserve.io/v1alpha1", "loraserves", "LoRAServe")

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loraserve.runtime.catalog import CatalogEntry
 from loraserve.runtime.policy import check_config
 
 from .. import desired as ds
@@ -22,6 +23,7 @@ from ..status import ServeFindings, serve_status, status_patch
 from ..translate import effective_status, serve_messages, to_runtime_config
 from .diff import needs_update, update_patch
 from .kube import (
+    CONFIGMAPS,
     DEPLOYMENTS,
     LORASERVES,
     PDBS,
@@ -57,6 +59,8 @@ class ServeOutcome:
     rejected: list[str] = field(default_factory=list)
     """Why the spec is not applied (empty when it is)."""
     config_hash: str | None = None
+    catalog: tuple[CatalogEntry, ...] | None = None
+    """The adapter catalog the serve's pods should hold (None: not applied this pass)."""
     rolled_from: str | None = None
     """The previous config hash when this pass rolled the pods."""
 
@@ -109,9 +113,18 @@ def _analyse(
 
 
 async def reconcile_serve(
-    kube: KubeClient, body: Mapping, settings: ds.DesiredSettings, *, adapters: int, now: str
+    kube: KubeClient,
+    body: Mapping,
+    settings: ds.DesiredSettings,
+    *,
+    adapters: int,
+    now: str,
+    catalog: Sequence[tuple[str, Mapping]] = (),
 ) -> ServeOutcome:
-    """Run one pass for the LoRAServe ``body`` (as last observed by the watch)."""
+    """Run one pass for the LoRAServe ``body`` (as last observed by the watch).
+
+    ``catalog``: the serve's Adapters that are not being deleted, as (name, spec).
+    """
     meta = body.get("metadata") or {}
     identity = ds.ServeIdentity(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid") or "")
     generation = meta.get("generation")
@@ -130,7 +143,8 @@ async def reconcile_serve(
                 "with the key 'token', or remove the field to let the operator generate one"
             )
         if not blockers:
-            plan = ds.desired_serve(identity, spec, config, settings)
+            entries = ds.catalog_entries(spec.storage, catalog)
+            plan = ds.desired_serve(identity, spec, config, settings, entries)
 
     deployment = await kube.get(DEPLOYMENTS, identity.namespace, identity.name)
     optional = OptionalFindings()
@@ -144,6 +158,14 @@ async def reconcile_serve(
             act = await _ensure_token_secret(kube, identity, plan, settings)
             if act:
                 outcome.acts.append(act)
+        if plan.catalog is not None:  # before the pods that mount it
+            _, verb = await _apply(kube, CONFIGMAPS, identity.namespace, plan.catalog, ds.CONFIGMAP_OWNED)
+            if verb:
+                digest = plan.catalog["metadata"]["annotations"][ds.CATALOG_DIGEST_ANNOTATION]
+                outcome.acts.append(
+                    Act(verb, "ConfigMap", plan.catalog["metadata"]["name"], f"catalog {digest}")
+                )
+            outcome.catalog = plan.catalog_entries
         deployment, verb = await _apply(
             kube, DEPLOYMENTS, identity.namespace, plan.deployment, ds.DEPLOYMENT_OWNED
         )
@@ -162,7 +184,9 @@ async def reconcile_serve(
             _, verb = await _apply(kube, res, identity.namespace, want, owned)
             if verb:
                 outcome.acts.append(Act(verb, want["kind"], want["metadata"]["name"]))
-        optional = await reconcile_optional(kube, identity, spec, settings, target_port=plan.config.server.port)
+        optional = await reconcile_optional(
+            kube, identity, spec, settings, target_port=plan.config.server.port
+        )
         outcome.acts += [Act(w.verb, w.kind, w.name, w.detail) for w in optional.writes]
     else:
         outcome.rejected = [*invalid, *violations, *blockers]

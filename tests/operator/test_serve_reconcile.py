@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from loraserve.operator import desired as ds
 from loraserve.operator.reconcile import diff
 from loraserve.operator.reconcile.kube import (
+    CONFIGMAPS,
     DEPLOYMENTS,
     LORASERVES,
     SECRETS,
@@ -94,6 +96,7 @@ async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) 
         ("Created", "Deployment"),
         ("Created", "Service"),
         ("Created", "PodDisruptionBudget"),
+        ("Created", "ConfigMap"),
     }
     assert outcome.status_written and outcome.status["phase"] == "Progressing"
     serve = await client.get(LORASERVES, NS, NAME)
@@ -114,6 +117,61 @@ async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) 
     assert changed.rolled_from is not None and changed.rolled_from != changed.config_hash
     assert base64.b64decode((await client.get(SECRETS, NS, f"{NAME}-admin-token"))["data"]["token"]) == token
     assert (await client.get(LORASERVES, NS, NAME))["status"]["observedGeneration"] == 2
+
+
+def _adapter_spec(source: str, **extra) -> dict:
+    return {"serve": NAME, "source": source, **extra}
+
+
+async def test_catalog_follows_the_adapters_without_rolling_the_pods(api) -> None:
+    """The catalog ConfigMap lists the serve's usable Adapters; changing it never changes
+    the pod template (running pods get the catalog pushed instead of restarting)."""
+    _, client = api
+    await client.create(
+        LORASERVES,
+        NS,
+        _serve_body(
+            storage={
+                "models": {"type": "PersistentVolumeClaim", "claimName": "models"},
+                "adapters": {"type": "PersistentVolumeClaim", "claimName": "adapters"},
+            }
+        ),
+    )
+    catalog = [
+        ("sql", _adapter_spec("pvc://adapters/sql-r16", rank=16, sha256="ab" * 32, pinned=True)),
+        ("hub", _adapter_spec("hf://org/adapter@v1")),
+        ("unmounted", _adapter_spec("pvc://elsewhere/x")),  # the Adapter's own status says why
+        ("broken", {"serve": NAME}),  # no source: not in the catalog
+    ]
+    body = await client.get(LORASERVES, NS, NAME)
+    outcome = await reconcile_serve(client, body, SETTINGS, adapters=4, now="t", catalog=catalog)
+    assert [e.name for e in outcome.catalog] == ["hub", "sql"]
+    cm = await client.get(CONFIGMAPS, NS, ds.catalog_configmap_name(NAME))
+    listed = json.loads(cm["data"]["catalog.json"])["adapters"]
+    assert listed == [
+        {"name": "hub", "pinned": False, "source": "hf://org/adapter@v1"},
+        {"name": "sql", "pinned": True, "rank": 16, "sha256": "ab" * 32, "source": "/adapters/sql-r16"},
+    ]
+    assert cm["metadata"]["ownerReferences"][0]["kind"] == "LoRAServe"
+    template = (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["template"]
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == "catalog")
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    container = template["spec"]["containers"][0]
+    assert (
+        container["args"][container["args"].index("--adapter-catalog") + 1]
+        == "/etc/loraserve/catalog/catalog.json"
+    )
+
+    body = await client.get(LORASERVES, NS, NAME)
+    changed = await reconcile_serve(client, body, SETTINGS, adapters=1, now="t", catalog=catalog[:1])
+    assert [(a.verb, a.kind) for a in changed.acts] == [("Updated", "ConfigMap")], "no Deployment write"
+    cm = await client.get(CONFIGMAPS, NS, ds.catalog_configmap_name(NAME))
+    assert [a["name"] for a in json.loads(cm["data"]["catalog.json"])["adapters"]] == ["sql"]
+    assert (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["template"] == template
+    again = await reconcile_serve(
+        client, await client.get(LORASERVES, NS, NAME), SETTINGS, adapters=1, now="t", catalog=catalog[:1]
+    )
+    assert again.acts == []
 
 
 async def test_hand_edits_of_owned_fields_are_undone(api) -> None:
