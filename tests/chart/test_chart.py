@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -16,6 +18,7 @@ from cryptography import x509
 
 from loraserve.operator import webhooks
 from loraserve.operator.config import OperatorConfig
+from loraserve.operator.reconcile.kube import HPAS, INFERENCE_POOLS, SCALED_OBJECTS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "loraserve"
@@ -45,6 +48,18 @@ VALUES = {
         "--set",
         "rbac.create=false",
     ],
+    "monitoring": [
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--set",
+        "monitoring.podMonitor.labels.release=prom",
+    ],
+    "monitoring-namespaced": [
+        "--set",
+        "monitoring.podMonitor.enabled=true",
+        "--set",
+        "watch.namespaces={team-a,team-b}",
+    ],
     "customised": [
         "--set",
         "image.tag=dev",
@@ -68,6 +83,22 @@ VALUES = {
         "priorityClassName=system-cluster-critical",
     ],
 }
+
+
+MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
+"""What `helm template` needs to see the Prometheus Operator's CRDs (`helm lint` has no such flag)."""
+RENDER_FLAGS = {"monitoring": MONITORING_API, "monitoring-namespaced": MONITORING_API}
+
+
+def _upstream():
+    """tests/vendor/upstream_schema.py: validation against vendored upstream CRDs."""
+    name = "_loraserve_upstream_schema"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "vendor" / "upstream_schema.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _by_kind(objects: list[dict]) -> dict[str, list[dict]]:
@@ -100,12 +131,15 @@ def test_lint_strict(helm: Path, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_every_rendered_object_is_valid(render, name: str) -> None:
-    objects = render(*VALUES[name])
+    objects = render(*VALUES[name], *RENDER_FLAGS.get(name, []))
     kinds = _by_kind(objects)
     assert {"CustomResourceDefinition", "Deployment"} <= set(kinds)
     for obj in objects:
         group = obj["apiVersion"].split("/")[0]
-        if group == "kopf.dev":
+        if group == "monitoring.coreos.com":
+            # The Prometheus Operator's own CRD schema, vendored (tests/vendor/prometheus-operator).
+            assert _upstream().validate(obj) == []
+        elif group == "kopf.dev":
             # Custom resources: checked against the chart's own CRD schema.
             jsonschema.validate(obj, _crd_schema(objects, obj["kind"]))
         elif group == "cert-manager.io":
@@ -262,9 +296,9 @@ def test_rbac_is_least_privilege(render, name: str) -> None:
     for role in roles:
         for group, resource, verbs in _rules(role):
             assert "*" not in verbs and resource != "*" and group != "*"
-            assert "delete" not in verbs and "deletecollection" not in verbs, (
-                f"{resource}: owners are garbage-collected"
-            )
+            assert "deletecollection" not in verbs
+            if resource not in DELETED_WHILE_THE_SERVE_LIVES:
+                assert "delete" not in verbs, f"{resource}: owners are garbage-collected"
             if resource == "secrets":
                 assert verbs == {"get", "create"}
             if resource == "pods":
@@ -286,8 +320,74 @@ def test_rbac_is_least_privilege(render, name: str) -> None:
         ("apps", "deployments"),
         ("policy", "poddisruptionbudgets"),
         ("", "events"),
+        ("", "configmaps"),
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("keda.sh", "scaledobjects"),
     }
     assert needed <= {(g, r) for role in roles for g, r, _ in _rules(role)}
+    granted_verbs = {(g, r): v for role in roles for g, r, v in _rules(role)}
+    for group, resource, plural in (
+        ("inference.networking.k8s.io", "inferencepools", INFERENCE_POOLS),
+        ("autoscaling", "horizontalpodautoscalers", HPAS),
+        ("keda.sh", "scaledobjects", SCALED_OBJECTS),
+    ):
+        # What operator/reconcile/optional.py does with them: read, create, patch, delete.
+        assert plural.api_version.split("/")[0] == group and plural.plural == resource
+        assert granted_verbs[(group, resource)] == {"get", "create", "patch", "delete"}
+    assert granted_verbs[("", "configmaps")] == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "update",
+        "delete",
+    }
+
+
+DELETED_WHILE_THE_SERVE_LIVES = {"configmaps", "inferencepools", "horizontalpodautoscalers", "scaledobjects"}
+"""Owned objects the operator removes itself (the spec stopped asking for them); the rest are
+garbage-collected with their LoRAServe."""
+
+
+def _pod_monitors(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] == "PodMonitor"]
+
+
+def test_pod_monitor_needs_the_switch_and_the_prometheus_operator_api(render) -> None:
+    assert _pod_monitors(render(*MONITORING_API)) == [], "off by default"
+    assert _pod_monitors(render(*VALUES["monitoring"])) == [], "nothing without monitoring.coreos.com/v1"
+    (monitor,) = _pod_monitors(render(*VALUES["monitoring"], *MONITORING_API))
+    assert monitor["metadata"]["namespace"] == NS and monitor["metadata"]["labels"]["release"] == "prom"
+    assert _upstream().validate(monitor) == []
+    broken = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoints": [{"port": "http", "intervall": "1m"}]}}
+    assert any("intervall" in p for p in _upstream().validate(broken)), "the check sees a mistyped field"
+
+
+def test_pod_monitor_scrapes_the_runtime_pods_the_operator_makes(render) -> None:
+    from loraserve.operator import autoscaling as asc
+    from loraserve.operator import desired as ds
+    from loraserve.operator.specs import parse_loraserve_spec
+    from loraserve.operator.translate import to_runtime_config
+
+    (monitor,) = _pod_monitors(render(*VALUES["monitoring"], *MONITORING_API))
+    spec = parse_loraserve_spec({"model": {"source": "/models/m"}})
+    serve = ds.ServeIdentity(name="llama", namespace="ml", uid="u")
+    settings = ds.DesiredSettings(image="i", extra_labels={"team": "ml"})
+    template = ds.desired_serve(serve, spec, to_runtime_config(spec), settings).deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = template["spec"]["containers"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
+    # The label the KEDA query and the adapter rule select one serve by.
+    assert monitor["spec"]["podTargetLabels"] == [ds.SERVE_LABEL]
+    assert asc.prometheus_label(ds.SERVE_LABEL) == asc.PROMETHEUS_SERVE_LABEL
+    assert labels[ds.SERVE_LABEL] == "llama"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (scoped,) = _pod_monitors(render(*VALUES["monitoring-namespaced"], *MONITORING_API))
+    assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 def test_operator_pod_is_locked_down(render) -> None:
@@ -310,6 +410,7 @@ def test_operator_pod_is_locked_down(render) -> None:
         (["--set", "operator.adapterLoad.maxTries=0"], "maxTries"),
         (["--set", "watch.namespaces={Bad_Name}"], "namespaces"),
         (["--set", "surprise=1"], "surprise"),
+        (["--set", "monitoring.podMonitor.interval=soon"], "interval"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(helm: Path, flags: list[str], needle: str) -> None:
