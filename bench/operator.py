@@ -12,8 +12,20 @@ Adapter is created through the API and two moments are timed from that POST:
 Each Adapter is deleted (and unloaded) before the next, so every run loads into the same
 state. No device is needed.
 
+``--scenario cluster`` runs the cluster-serving scenario of the end-to-end tests
+(``tests/e2e/scenario.py``) instead: a 3-replica serve with 4 Adapters (one placed on 1
+pod) under load through a Service stand-in (``tests/e2e/service.py``: a round-robin proxy
+over the ready, non-terminating pods, no retries, as kube-proxy) while a pod is deleted,
+the serve scales 3 -> 4 -> 2 (scale subresource), a spec change rolls the pods and an
+Adapter is created and another deleted. It reports the requests sent and failed (target
+0), then, with the traffic stopped, the latency of the first request for an adapter on a
+pod that does not hold it (an on-demand load; adapters placed on 1 pod, each asked once on
+every other pod) and the time from an Adapter's creation until a request for it succeeds
+on every ready pod, asked directly.
+
     python -P bench/operator.py                        # 20 iterations, 2 replicas
     python -P bench/operator.py --iterations 50 --out bench/results/$(date +%F)-operator-cpu.md
+    python -P bench/operator.py --scenario cluster     # prints a markdown report
 """
 
 from __future__ import annotations
@@ -74,6 +86,124 @@ async def _held_everywhere(http: aiohttp.ClientSession, pods, name: str) -> bool
         if name not in ids:
             return False
     return True
+
+
+def scenario_operator_config() -> OperatorConfig:
+    """The end-to-end tests' operator settings (fast retries and resyncs)."""
+    return OperatorConfig(
+        webhook_enabled=False,
+        adapter_max_tries=5,
+        adapter_backoff_base_s=0.05,
+        adapter_backoff_cap_s=0.4,
+        resync_interval_s=2.0,
+        unload_max_tries=2,
+        runtime_request_timeout_s=60,
+    )
+
+
+async def _first_success(
+    http: aiohttp.ClientSession, pod, model: str, *, interval: float, timeout: float
+) -> float:
+    """Ask ``pod`` for ``model`` until it answers 200; the moment it did (monotonic)."""
+    body = {"model": model, "prompt": "def main(", "max_tokens": 1, "temperature": 0}
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            async with http.post(f"http://{pod.ip}:{pod.port}/v1/completions", json=body) as resp:
+                if resp.status == 200:
+                    await resp.read()
+                    return time.monotonic()
+                last = f"{resp.status} {(await resp.text())[:200]}"
+        except (aiohttp.ClientError, OSError) as exc:
+            last = repr(exc)
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"{model} not usable on {pod.name} within {timeout:g} s: {last}")
+
+
+async def run_cluster(args: argparse.Namespace) -> dict:
+    """The cluster-serving scenario under load, then the on-demand and creation timings."""
+    cluster_mod = _load("cluster")
+    assets = _load("assets")
+    scenario_mod = _load("scenario")
+    cache = assets.ensure_assets(REPO / ".cache" / "operator-e2e")
+    work = Path(tempfile.mkdtemp(prefix="loraserve-bench-cluster-"))
+    claims = assets.install_claims(cache, work / "claims")
+    cluster = cluster_mod.Cluster(root=work, claims_root=claims.root)
+    cluster.claims = claims
+    await cluster.start()
+    Plan = scenario_mod.AdapterPlan
+    plans = [] if args.base_only else [
+        Plan("alpha", "alpha"), Plan("beta", "beta"), Plan("gamma", "gamma"), Plan("delta", "delta", replicas=1)
+    ]  # fmt: skip
+    scn = scenario_mod.Scenario(cluster, NS, SERVE, say=lambda line: print(line, file=sys.stderr, flush=True))
+    started = time.monotonic()
+    result: dict = {"base_only": args.base_only}
+    try:
+        await cluster.start_operator(scenario_operator_config())
+        await scn.bring_up(3, plans)
+        base = await scn.base_model()
+        scn.start_traffic(
+            [base, *(p.name for p in plans)], workers=args.workers, max_tokens=6, timeout_s=60, deadline_s=900
+        )
+        await scn.delete_pod()
+        for replicas in (4, 2):
+            await scn.scale(replicas)
+        await scn.roll(6)
+        moments: dict = {}
+        if not args.base_only:
+            moments = await scn.churn(Plan("omega", "alpha"), "gamma")
+        records = await scn.traffic.stop()
+        outcome = scenario_mod.sort_records(
+            records, created=None if args.base_only else "omega",
+            deleted=None if args.base_only else "gamma", moments=moments,
+        )  # fmt: skip
+        result.update(
+            records=records,
+            outcome=outcome,
+            steps=list(scn.steps),
+            timeline=scn.timeline(),
+            proxy_failures=list(scn.proxy.failures),
+            traffic_s=scn.traffic.now(),
+        )
+        if not args.base_only:
+            result.update(await _cluster_timings(scn, scenario_mod, args.adapters))
+    finally:
+        await scn.stop()
+        await cluster.stop()
+    result["total_s"] = time.monotonic() - started
+    result["load_average"] = os.getloadavg()
+    return result
+
+
+async def _cluster_timings(scn, scenario_mod, count: int) -> dict:
+    """First request on a pod without the adapter (on-demand), and creation -> usable everywhere."""
+    Plan = scenario_mod.AdapterPlan
+    sources = ["alpha", "beta", "gamma", "delta"]
+    replicas = len(scn.pods())
+    on_demand: list[float] = []
+    for i in range(count):
+        await scn.create_adapter(Plan(f"od{i:02d}", sources[i % len(sources)], replicas=1))
+    await scn.wait_converged(replicas, what="on-demand adapters Ready")
+    usable: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        for i in range(count):
+            name = f"od{i:02d}"
+            for pod in scn.ready_pods():
+                if (await scn.catalog(pod))[name]["state"] == "loaded":
+                    continue
+                t0 = time.monotonic()
+                on_demand.append(await _first_success(http, pod, name, interval=0.01, timeout=60) - t0)
+        for i in range(count):
+            name = f"new{i:02d}"
+            t0 = time.monotonic()
+            await scn.create_adapter(Plan(name, sources[i % len(sources)]))
+            pods = scn.ready_pods()
+            done = await asyncio.gather(
+                *(_first_success(http, pod, name, interval=0.02, timeout=60) for pod in pods)
+            )
+            usable.append(max(done) - t0)
+    return {"on_demand": on_demand, "usable": usable, "timing_pods": replicas}
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -195,18 +325,116 @@ def report(args: argparse.Namespace, result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stats(values: list[float]) -> str:
+    if not values:
+        return "| 0 | - | - | - | - |"
+    return (
+        f"| {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | {min(values):.3f} | "
+        f"{max(values):.3f} |"
+    )
+
+
+def cluster_report(args: argparse.Namespace, result: dict) -> str:
+    records, outcome = result["records"], result["outcome"]
+    failed = outcome.failed()
+    by_kind: dict[str, int] = {}
+    for record in failed:
+        key = f"{record.status} {record.proxy_error or record.error[:60]}"
+        by_kind[key] = by_kind.get(key, 0) + 1
+    deleted_after_404 = sum(r.status == 404 for r in outcome.deleted_after)
+    latencies = [r.latency for r in records if r.ok]
+    command = "python -P bench/operator.py --scenario cluster" + (" --base-only" if args.base_only else "")
+    lines = [
+        "# Operator: cluster serving under pod deletion, scaling, a rollout and adapter churn",
+        "",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, no GPU  ",
+        "Setup: real operator (kopf) against kmock's KubernetesEmulator (no API server exists here), a kubelet "
+        "stand-in running real `loraserve-runtime` processes (tiny Llama, CPU) with graceful deletion (preStop, "
+        "SIGTERM, SIGKILL after the grace period) and rolling updates (maxSurge 1, maxUnavailable 0), and a Service "
+        "stand-in (round robin over ready, non-terminating pods, no retries). "
+        + (
+            "Traffic to the base model only.  "
+            if args.base_only
+            else "4 Adapters (delta placed on 1 pod) and the base model, "
+            f"{args.workers} concurrent clients, completions and chat, streamed and not, greedy, 6 tokens.  "
+        ),
+        f"Command: `{command}`",
+        "",
+        "| step | seconds to converge |",
+        "| --- | --- |",
+        *(f"| {label} | {took:.1f} |" for label, took in result["steps"]),
+        "",
+        f"- Requests sent: {len(records)} over {result['traffic_s']:.0f} s; failed: **{len(failed)}** (target 0)"
+        + ("".join(f"; {n} x {kind}" for kind, n in sorted(by_kind.items())) if by_kind else "")
+        + ".",
+        f"- Latency of the successful requests: p50 {percentile(latencies, 50):.3f} s, "
+        f"p99 {percentile(latencies, 99):.3f} s."
+        if latencies
+        else "- No successful request.",
+    ]
+    if not args.base_only:
+        lines += [
+            f"- Deleted adapter: {len(outcome.deleted_after)} requests after the Adapter was gone, "
+            f"{deleted_after_404} answered 404; {len(outcome.deleted_window)} between its DELETE and then "
+            f"(statuses {sorted({r.status for r in outcome.deleted_window}, key=str)}).",
+            f"- Created adapter: {len(outcome.created_early)} requests before its status said Ready "
+            f"(statuses {sorted({r.status for r in outcome.created_early}, key=str)}), "
+            f"{len(outcome.created_ready)} after ({sum(not r.ok for r in outcome.created_ready)} failed).",
+            "",
+            f"With the traffic stopped, on {result['timing_pods']} pods:",
+            "",
+            "| measured | n | p50 s | p99 s | min s | max s |",
+            "| --- | --- | --- | --- | --- | --- |",
+            "| first request for an adapter on a pod that does not hold it (on-demand load) "
+            + _stats(result["on_demand"]),
+            "| Adapter created -> a request succeeds on every ready pod (asked directly) "
+            + _stats(result["usable"]),
+        ]
+    lines += [
+        "",
+        f"- Whole run {result['total_s']:.0f} s; 1-minute load average at the end {result['load_average'][0]:.2f} "
+        "(the operator, the stand-ins, the clients and every runtime share the machine's cores).",
+    ]
+    if failed:
+        lines += ["", "Failed requests (first 20):", ""]
+        lines += [f"- {r.describe()}" for r in failed[:20]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=("adapter-load", "cluster"), default="adapter-load")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4, help="cluster: concurrent clients")
+    parser.add_argument(
+        "--adapters", type=int, default=6, help="cluster: adapters per timing (on-demand, creation)"
+    )
+    parser.add_argument("--base-only", action="store_true", help="cluster: traffic to the base model only")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short run (adapter-load: 2 iterations, 1 warm-up; cluster: 2 adapters per timing)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.iterations, args.warmup, args.adapters = 2, 1, 2
     if args.iterations < 1 or args.replicas < 1:
         parser.error("--iterations and --replicas must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONSAFEPATH", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.scenario == "cluster":
+        result = asyncio.run(run_cluster(args))
+        text = cluster_report(args, result)
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return 1 if result["outcome"].failed() else 0
     result = asyncio.run(run(args))
     text = report(args, result)
     print(text)

@@ -11,7 +11,18 @@ operator relies on from a real server:
   answers 409 Conflict; a JSON patch whose ``test`` op fails answers 422;
 * ``labelSelector`` (equality terms) on list requests;
 * a Secret's ``stringData`` stored base64-encoded in ``data``;
-* no spec changes through the ``status`` subresource.
+* no spec changes through the ``status`` subresource;
+* the ``scale`` subresource of the LoRAServe CRD (``specReplicasPath: .spec.replicas``,
+  ``statusReplicasPath: .status.replicas``, ``labelSelectorPath: .status.selector``): GET
+  answers an ``autoscaling/v1`` Scale, PATCH/PUT of ``spec.replicas`` writes the object's
+  ``spec.replicas`` (a spec change: generation +1, watchers see MODIFIED), as
+  ``kubectl scale`` and the HPA do;
+* graceful pod deletion: a DELETE of a Pod (``kubectl delete pod``, a ReplicaSet scaling
+  down) does not remove it; it sets ``metadata.deletionTimestamp`` (now + grace) and
+  ``deletionGracePeriodSeconds`` (``gracePeriodSeconds`` from the query or DeleteOptions
+  body, else the pod's ``spec.terminationGracePeriodSeconds``, default 30) and the pod
+  stays, terminating, until the kubelet has stopped its containers and deletes it with
+  ``gracePeriodSeconds=0``. Writes to a terminating pod (its status) are kept.
 
 It validates no schema and calls no webhook; garbage collection by owner and the
 controllers behind Deployments are played by the test's kubelet stand-in.
@@ -24,9 +35,11 @@ import base64
 import copy
 import datetime
 import itertools
+import json
 import uuid
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
@@ -41,10 +54,14 @@ BUILTINS = {
     "v1/pods": "Pod",
     "v1/services": "Service",
     "v1/secrets": "Secret",
+    "v1/configmaps": "ConfigMap",
     "apps/v1/deployments": "Deployment",
     "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
 }
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+SCALED = {"loraserves": (("spec", "replicas"), ("status", "replicas"), ("status", "selector"))}
+"""Custom resources with a ``scale`` subresource: spec, status and selector paths (the CRD's)."""
+DEFAULT_GRACE_S = 30
 
 
 def _now() -> str:
@@ -69,8 +86,12 @@ class ApiServer(kmock.KubernetesEmulator):
                 kind=kind, namespaced=True, verbs=VERBS, subresources={"status"}
             )
         for path, (kind, namespaced) in crd_resources.items():
+            scaled = path.rsplit("/", 1)[1] in SCALED
             self.resources[path] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, verbs=VERBS, subresources={"status"}
+                kind=kind,
+                namespaced=namespaced,
+                verbs=VERBS,
+                subresources={"status", "scale"} if scaled else {"status"},
             )
 
     def _current(self, request: rendering.Request) -> dict | None:
@@ -81,6 +102,12 @@ class ApiServer(kmock.KubernetesEmulator):
         return None if obj.deleted else copy.deepcopy(dict(obj.raw))
 
     async def _handle(self, request: rendering.Request):  # type: ignore[override]
+        if request.resource is not None and request.name and request.subresource == "scale":
+            return await self._scale(request)
+        if request.resource is not None and request.resource.plural == "pods" and request.name:
+            answer = await self._pod_write(request)
+            if answer is not None:
+                return answer
         if request.resource is None or request.action not in (enums.action.CREATE, enums.action.UPDATE):
             return await super()._handle(request)
         async with self._write_lock:
@@ -90,6 +117,102 @@ class ApiServer(kmock.KubernetesEmulator):
                 log = self._requests
                 log[next(i for i in range(len(log) - 1, -1, -1) if log[i] is request)] = amended
             return await super()._handle(amended)
+
+    # ------------------------------------------------------------------ the scale subresource
+
+    async def _scale(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """``.../<name>/scale``: an ``autoscaling/v1`` Scale view of the object's replicas."""
+        paths = SCALED.get(request.resource.plural)
+        if paths is None or request.action not in (enums.action.FETCH, enums.action.UPDATE):
+            return _status_response(404, "NotFound", f"{request.resource.plural} has no scale subresource")
+        spec_path, status_path, selector_path = paths
+        if request.action == enums.action.UPDATE:
+            body = request.data if isinstance(request.data, dict) else {}
+            wanted = (body.get("spec") or {}).get("replicas")
+            if not isinstance(wanted, int) or wanted < 0:
+                return _status_response(422, "Invalid", "spec.replicas: must be a non-negative integer")
+            # What the API server does for a CRD's scale: write specReplicasPath in the object.
+            patch: dict = {}
+            node = patch
+            for key in spec_path[:-1]:
+                node = node.setdefault(key, {})
+            node[spec_path[-1]] = wanted
+            inner = attrs.evolve(request, subresource=None, data=patch)
+            self._requests[
+                next(i for i in range(len(self._requests) - 1, -1, -1) if self._requests[i] is request)
+            ] = inner
+            response = await self._handle(inner)
+            if response.status >= 300:
+                return response
+        current = self._current(attrs.evolve(request, subresource=None))
+        if current is None:
+            return _status_response(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+
+        def pick(path: tuple[str, ...]) -> Any:
+            node: Any = current
+            for key in path:
+                node = (node or {}).get(key)
+            return node
+
+        meta = current["metadata"]
+        scale = {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                k: meta.get(k) for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+            },
+            "spec": {"replicas": pick(spec_path) or 0},
+            "status": {"replicas": pick(status_path) or 0, "selector": pick(selector_path) or ""},
+        }
+        return aiohttp.web.json_response(scale)
+
+    # ------------------------------------------------------------------ graceful pod deletion
+
+    async def _pod_write(self, request: rendering.Request) -> aiohttp.web.StreamResponse | None:
+        """Deletion and writes of a Pod that kmock would not do as an API server does; else None."""
+        if request.action not in (enums.action.DELETE, enums.action.UPDATE):
+            return None
+        key = (request.resource, request.namespace, request.name)
+        async with self._write_lock:
+            current = self._current(request)
+            if current is None:
+                return None  # kmock answers 404
+            meta = current["metadata"]
+            terminating = bool(meta.get("deletionTimestamp"))
+            if request.action == enums.action.UPDATE:
+                if not terminating:
+                    return None
+                # kmock would drop an object with a deletionTimestamp and no finalizers on any
+                # write; an API server keeps a terminating pod until it is deleted with grace 0.
+                amended = self._bookkeep(request)
+                async with self._lock:
+                    obj = self.objects[key]
+                    obj.patch(amended.data)
+                    raw = obj.raw
+                    await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+                return aiohttp.web.json_response(raw)
+            grace = _grace_seconds(request, current)
+            async with self._lock:
+                obj = self.objects[key]
+                if grace == 0:
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+                    return aiohttp.web.json_response(raw)
+                if not terminating:
+                    deadline = datetime.datetime.now(tz=datetime.UTC) + datetime.timedelta(seconds=grace)
+                    obj.patch(
+                        {
+                            "metadata": {
+                                "deletionTimestamp": deadline.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                "deletionGracePeriodSeconds": grace,
+                                "resourceVersion": str(next(self._versions)),
+                            }
+                        }
+                    )
+                    raw = obj.raw
+                    await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+                return aiohttp.web.json_response(obj.raw)
 
     def _bookkeep(self, request: rendering.Request) -> rendering.Request:
         rv = str(next(self._versions))
@@ -175,3 +298,25 @@ class ApiServer(kmock.KubernetesEmulator):
             ]
         answer["metadata"] = {"resourceVersion": str(next(self._versions))}
         return answer
+
+
+def _grace_seconds(request: rendering.Request, pod: dict) -> int:
+    """A pod deletion's grace period: the request's (query or DeleteOptions), else the pod's."""
+    value = (request.params or {}).get("gracePeriodSeconds")
+    if value is None and isinstance(request.data, dict):
+        value = request.data.get("gracePeriodSeconds")
+    if value is None:
+        value = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)
+    return max(int(value), 0)
+
+
+def _status_response(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+    return aiohttp.web.Response(status=code, text=json.dumps(body), content_type="application/json")
