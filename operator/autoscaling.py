@@ -63,6 +63,20 @@ PROMETHEUS_SERVE_LABEL = prometheus_label(SERVE_LABEL)
 """``loraserve.io/serve`` as a Prometheus label: ``loraserve_io_serve``."""
 
 
+def canonical_quantity(value: int) -> str:
+    """A whole number as the API server writes it back as a Quantity (1000 -> "1k", 1500 -> "1500").
+
+    The HPA's target is a Quantity, which the API server stores in canonical form; writing
+    any other spelling would look like drift on every pass.
+    """
+    suffixes = ("", "k", "M", "G", "T", "P", "E")
+    index = 0
+    while value and value % 1000 == 0 and index < len(suffixes) - 1:
+        value //= 1000
+        index += 1
+    return f"{value}{suffixes[index]}"
+
+
 def _promql_string(value: str) -> str:
     """A PromQL double-quoted string literal."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -105,7 +119,10 @@ def horizontal_pod_autoscaler(serve: ServeIdentity, spec: AutoscalingSpec, setti
                     "type": "Pods",
                     "pods": {
                         "metric": {"name": spec.metric_name},
-                        "target": {"type": "AverageValue", "averageValue": str(spec.target_per_replica)},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": canonical_quantity(spec.target_per_replica),
+                        },
                     },
                 }
             ],

@@ -126,6 +126,20 @@ def test_hpa_is_a_valid_autoscaling_v2_object_on_the_scale_subresource(version) 
     assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
 
 
+@pytest.mark.parametrize(
+    ("target", "stored"),
+    [(1, "1"), (4, "4"), (999, "999"), (1000, "1k"), (1500, "1500"), (12000, "12k"), (2000000, "2M")],
+)
+def test_hpa_target_is_written_as_the_api_server_stores_it(target, stored) -> None:
+    # The API server canonicalises Quantities ("1000" is stored as "1k"); another spelling
+    # would differ from what is read back and be rewritten on every pass.
+    auto = _spec(autoscaling={"maxReplicas": 2, "targetPerReplica": min(target, 100000)}).autoscaling
+    assert asc.canonical_quantity(target) == stored
+    if target <= 100000:
+        hpa = asc.horizontal_pod_autoscaler(IDENTITY, auto, SETTINGS)
+        assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == stored
+
+
 def test_scaled_object_matches_the_keda_crd_and_queries_only_this_serve() -> None:
     auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": KEDA}).autoscaling
     obj = asc.scaled_object(IDENTITY, auto, SETTINGS)
