@@ -201,11 +201,15 @@ async def wait_for(
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last seen: {last!r}")
 
 
-async def pod_models(pod) -> dict[str, dict]:
-    """What a runtime pod serves, by model id (base and adapters)."""
+async def pod_models(pod, *, listed: bool = False) -> dict[str, dict]:
+    """What a runtime pod holds, by model id (base and loaded adapters); ``listed``: also the
+    catalogued adapters it would load on their first request."""
     async with aiohttp.ClientSession() as http, http.get(f"http://{pod.ip}:{pod.port}/v1/models") as resp:
         assert resp.status == 200
-        return {entry["id"]: entry for entry in (await resp.json())["data"]}
+        entries = (await resp.json())["data"]
+    return {
+        e["id"]: e for e in entries if listed or (e.get("lora") or {}).get("state", "loaded") == "loaded"
+    }
 
 
 async def pod_complete(pod, model: str) -> tuple[int, dict]:

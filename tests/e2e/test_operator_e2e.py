@@ -316,14 +316,23 @@ async def test_placement_loads_on_the_requested_number_of_replicas(cluster) -> N
         ),
     )
 
-    async def placed() -> dict | None:
+    async def placed(other: str) -> dict | None:
         status = ((await adapter(cluster, "solo")) or {}).get("status") or {}
-        return status if status.get("phase") == "Ready" else None
+        states = sorted(p["state"] for p in status.get("pods") or [])
+        return status if status.get("phase") == "Ready" and states == sorted(["Loaded", other]) else None
 
-    status = await wait_for(placed, timeout=TIMEOUT, what="solo Ready")
-    assert [p["state"] for p in status["pods"]] == ["Loaded"] and status["loadedReplicas"] == 1
+    # One pod keeps it warm; the other has it registered and loads it on demand.
+    status = await wait_for(lambda: placed("Registered"), timeout=TIMEOUT, what="solo Ready, one pod Registered")
+    assert status["loadedReplicas"] == 1 and status["registeredReplicas"] == 1
+    warm = next(p["pod"] for p in status["pods"] if p["state"] == "Loaded")
     holders = [pod.name for pod in pods(cluster) if "solo" in await models(pod)]
-    assert holders == [status["pods"][0]["pod"]]
+    assert holders == [warm]
+    other = next(pod for pod in pods(cluster) if pod.name != warm)
+    code, body = await complete(other, "solo")
+    assert code == 200, body
+    assert (await models(other))["solo"]["lora"]["warm"] is False, "an on-demand copy is evictable"
+    status = await wait_for(lambda: placed("Loaded"), timeout=TIMEOUT, what="the on-demand copy reported")
+    assert status["loadedReplicas"] == 2 and status["registeredReplicas"] == 0
     # Growing the placement adds a pod, keeping the one that holds it.
     await cluster.patch(f"{ADAPTERS}/solo", {"spec": {"placement": {"replicas": 2}}})
     await wait_for(lambda: loaded_everywhere(cluster, ["solo"]), timeout=TIMEOUT, what="solo on both pods")
