@@ -53,7 +53,6 @@ SCALED_OBJECT_OWNED = (
 )
 
 
-
 def prometheus_label(label: str) -> str:
     """A Kubernetes label key as the Prometheus Operator's podTargetLabels names it."""
     return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in label)

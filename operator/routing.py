@@ -75,3 +75,22 @@ def describe(pool: dict) -> str:
         f"{spec['targetPorts'][0]['number']}; endpoint picker Service {ref['name']}:{ref['port']['number']} "
         f"({ref['failureMode']})"
     )
+
+
+def parents(observed: dict | None) -> str:
+    """What the gateways say of the pool (its ``status.parents``), for the Routing condition."""
+    accepted, refused = [], []
+    for parent in ((observed or {}).get("status") or {}).get("parents") or ():
+        ref = parent.get("parentRef") or {}
+        where = f"{ref.get('kind', 'Gateway')} {ref.get('name', '?')}"
+        verdict = next((c for c in parent.get("conditions") or () if c.get("type") == "Accepted"), {})
+        if verdict.get("status") == "True":
+            accepted.append(where)
+        else:
+            refused.append(f"{where} ({verdict.get('message') or 'not accepted yet'})")
+    if not accepted and not refused:
+        return "no gateway routes to it yet (an HTTPRoute needs a backendRef of kind InferencePool)"
+    parts = ["accepted by " + ", ".join(accepted)] if accepted else []
+    if refused:
+        parts.append("not accepted by " + ", ".join(refused))
+    return "; ".join(parts)

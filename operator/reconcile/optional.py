@@ -107,22 +107,22 @@ def owned_by(obj: Mapping, uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
-async def _apply(kube: KubeClient, res: Resource, want: dict, owned: tuple[str, ...], uid: str) -> str | None:
-    """Create or patch an object this serve owns; returns "Created", "Updated" or None."""
+async def _apply(
+    kube: KubeClient, res: Resource, want: dict, owned: tuple[str, ...], uid: str
+) -> tuple[dict, str | None]:
+    """Create or patch an object this serve owns: (as observed after, "Created"/"Updated"/None)."""
     meta = want["metadata"]
     namespace, name = meta["namespace"], meta["name"]
 
-    async def attempt() -> str | None:
+    async def attempt() -> tuple[dict, str | None]:
         have = await kube.get(res, namespace, name)
         if have is None:
-            await kube.create(res, namespace, want)
-            return "Created"
+            return await kube.create(res, namespace, want), "Created"
         if not owned_by(have, uid):
             raise _NotOurs(have)
         if not needs_update(have, want, owned):
-            return None
-        await kube.patch(res, namespace, name, update_patch(have, want, owned))
-        return "Updated"
+            return have, None
+        return await kube.patch(res, namespace, name, update_patch(have, want, owned)), "Updated"
 
     return await retry_on_conflict(attempt)
 
@@ -173,7 +173,7 @@ async def _routing(
         return missing
     want = rt.inference_pool(identity, spec.routing, settings, target_port=target_port)
     try:
-        verb = await _apply(kube, res, want, rt.INFERENCE_POOL_OWNED, identity.uid)
+        have, verb = await _apply(kube, res, want, rt.INFERENCE_POOL_OWNED, identity.uid)
     except _NotOurs:
         return _not_ours(rt.KIND, identity, "spec.routing")
     except KubeError as exc:
@@ -183,7 +183,7 @@ async def _routing(
         return _failed(rt.KIND, exc)
     if verb:
         writes.append(Write(verb, rt.KIND, name))
-    return OptionalState(True, "InferencePoolApplied", rt.describe(want))
+    return OptionalState(True, "InferencePoolApplied", f"{rt.describe(want)}; {rt.parents(have)}")
 
 
 def _scaler_health(observed: Mapping | None, kind: str, metric: str) -> OptionalState | None:
@@ -246,7 +246,7 @@ async def _autoscaling(
     if not await seen.serves(kube, res):
         return missing
     try:
-        verb = await _apply(kube, res, want, owned, identity.uid)
+        have, verb = await _apply(kube, res, want, owned, identity.uid)
     except _NotOurs:
         return _not_ours(kind, identity, "spec.autoscaling")
     except KubeError as exc:
@@ -256,11 +256,13 @@ async def _autoscaling(
         return _failed(kind, exc)
     if verb:
         writes.append(Write(verb, kind, name))
-    unhealthy = _scaler_health(await kube.get(res, identity.namespace, name), kind, metric)
+    unhealthy = _scaler_health(have, kind, metric)
     if unhealthy is not None:
         return unhealthy
     reason = "HorizontalPodAutoscalerApplied" if kind == asc.HPA_KIND else "ScaledObjectApplied"
-    return OptionalState(True, reason, asc.describe(want) + "; it writes spec.replicas (the scale subresource)")
+    return OptionalState(
+        True, reason, asc.describe(want) + "; it writes spec.replicas (the scale subresource)"
+    )
 
 
 async def reconcile_optional(
@@ -277,7 +279,9 @@ async def reconcile_optional(
     for part in ("routing", "autoscaling"):
         try:
             if part == "routing":
-                found.routing = await _routing(kube, seen, identity, spec, settings, target_port, found.writes)
+                found.routing = await _routing(
+                    kube, seen, identity, spec, settings, target_port, found.writes
+                )
             else:
                 found.autoscaling = await _autoscaling(kube, seen, identity, spec, settings, found.writes)
         except KubeError as exc:  # discovery or a delete refused: report, never fail the pass

@@ -73,12 +73,17 @@ def test_routing_rules_agree_between_cel_and_model(kit, routing, ok):
 
 
 def test_defaults_agree_between_crd_and_model(kit):
-    spec = {"routing": {"endpointPicker": {"name": "e"}}, "autoscaling": {"mode": "KEDA", "maxReplicas": 3, "keda": KEDA}}
+    spec = {
+        "routing": {"endpointPicker": {"name": "e"}},
+        "autoscaling": {"mode": "KEDA", "maxReplicas": 3, "keda": KEDA},
+    }
     defaulted = kit.admit(_serve(**spec)).object["spec"]
     parsed = specs.parse_loraserve_spec(defaulted).to_dict()
-    assert parsed["routing"] == defaulted["routing"] == {
-        "endpointPicker": {"name": "e", "port": 9002, "failureMode": "FailClose"}
-    }
+    assert (
+        parsed["routing"]
+        == defaulted["routing"]
+        == {"endpointPicker": {"name": "e", "port": 9002, "failureMode": "FailClose"}}
+    )
     assert parsed["autoscaling"] == defaulted["autoscaling"]
     assert defaulted["autoscaling"]["keda"]["metric"] == "vllm:num_requests_waiting"
     assert defaulted["autoscaling"]["metricName"] == "vllm_num_requests_waiting"
@@ -87,7 +92,10 @@ def test_defaults_agree_between_crd_and_model(kit):
 @pytest.mark.parametrize(
     ("autoscaling", "needles"),
     [
-        ({"minReplicas": 5, "maxReplicas": 2}, ["spec.autoscaling", "minReplicas (5)", "maxReplicas (2)", "fix:"]),
+        (
+            {"minReplicas": 5, "maxReplicas": 2},
+            ["spec.autoscaling", "minReplicas (5)", "maxReplicas (2)", "fix:"],
+        ),
         ({"minReplicas": 0, "maxReplicas": 2}, ["spec.autoscaling", "mode KEDA", "fix:"]),
         ({"mode": "KEDA", "maxReplicas": 2}, ["spec.autoscaling.keda.serverAddress", "fix:"]),
         ({"maxReplicas": 2, "keda": KEDA}, ["spec.autoscaling.keda", "fix:"]),

@@ -112,7 +112,11 @@ def test_hpa_is_a_valid_autoscaling_v2_object_on_the_scale_subresource(version) 
     hpa = asc.horizontal_pod_autoscaler(IDENTITY, auto, SETTINGS)
     kubernetes_validate.validate(hpa, version, strict=True)
     spec = hpa["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "loraserve.io/v1alpha1", "kind": "LoRAServe", "name": NAME}
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "loraserve.io/v1alpha1",
+        "kind": "LoRAServe",
+        "name": NAME,
+    }
     assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
     (metric,) = spec["metrics"]
     assert metric == {
@@ -202,7 +206,9 @@ async def full():
     """An API that serves the InferencePool, HPA and KEDA APIs."""
     server = await _api(OPTIONAL_APIS)
     async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        client = KubeClient.from_info(
+            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
+        )
         try:
             yield server, client
         finally:
@@ -214,7 +220,9 @@ async def bare():
     """An API without the Inference Extension or KEDA CRDs (autoscaling/v2 is served)."""
     server = await _api({"autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True)})
     async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True))
+        client = KubeClient.from_info(
+            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
+        )
         try:
             yield server, client
         finally:
@@ -370,10 +378,14 @@ async def test_absent_apis_leave_the_serve_running_and_say_why(bare) -> None:
 
     # Once the CRDs are installed (and the cache expires), the objects come.
     for path, (kind, namespaced) in OPTIONAL_APIS.items():
-        server.resources[path] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=_apiserver().VERBS)
+        server.resources[path] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, verbs=_apiserver().VERBS
+        )
     optional.discovery(client).forget()
     later = await _pass(client)
-    assert {("Created", "InferencePool"), ("Created", "ScaledObject")} <= {(a.verb, a.kind) for a in later.acts}
+    assert {("Created", "InferencePool"), ("Created", "ScaledObject")} <= {
+        (a.verb, a.kind) for a in later.acts
+    }
     status = (await client.get(LORASERVES, NS, NAME))["status"]
     assert _condition(status, "Routing")["status"] == "True"
     assert _condition(status, "Autoscaling")["status"] == "True"
@@ -426,7 +438,7 @@ async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
         "type": "ScalingActive",
         "status": "False",
         "reason": "FailedGetPodsMetric",
-        "message": 'unable to get metric vllm_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) registered',
+        "message": "unable to get metric vllm_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) registered",
     }
     await client.patch(HPAS, NS, NAME, {"status": {"conditions": [failed]}}, subresource="status")
     await _pass(client)
@@ -446,3 +458,30 @@ async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> Non
     assert await client.get(INFERENCE_POOLS, NS, NAME) is not None, "a refused spec changes nothing that runs"
     status = (await client.get(LORASERVES, NS, NAME))["status"]
     assert _condition(status, "Routing") == before
+
+
+async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full) -> None:
+    _, client = full
+    await client.create(LORASERVES, NS, _body(routing=ROUTING))
+    await _pass(client)
+    routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
+    assert "no gateway routes to it yet" in routing["message"]
+    parents = [
+        {
+            "parentRef": {"kind": "Gateway", "name": "inference-gw"},
+            "conditions": [
+                {
+                    "type": "Accepted",
+                    "status": "True",
+                    "reason": "Accepted",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ],
+        }
+    ]
+    await client.patch(INFERENCE_POOLS, NS, NAME, {"status": {"parents": parents}}, subresource="status")
+    outcome = await _pass(client)
+    assert outcome.acts == [], "the gateway's status is not drift"
+    routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
+    assert routing["status"] == "True" and "accepted by Gateway inference-gw" in routing["message"]

@@ -20,7 +20,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 FILES = {
-    ("inference.networking.k8s.io", "InferencePool"): HERE / "gateway-api-inference-extension/inferencepools.yaml",
+    ("inference.networking.k8s.io", "InferencePool"): HERE
+    / "gateway-api-inference-extension/inferencepools.yaml",
     ("keda.sh", "ScaledObject"): HERE / "keda/scaledobjects.yaml",
     ("monitoring.coreos.com", "PodMonitor"): HERE / "prometheus-operator/podmonitors.yaml",
 }
