@@ -31,6 +31,7 @@ from loraserve.operator.reconcile.kube import (
     LORASERVES,
     SCALED_OBJECTS,
     KubeClient,
+    KubeError,
 )
 from loraserve.operator.reconcile.serve import reconcile_serve
 from loraserve.operator.specs import parse_loraserve_spec
@@ -484,4 +485,38 @@ async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full)
     outcome = await _pass(client)
     assert outcome.acts == [], "the gateway's status is not drift"
     routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
-    assert routing["status"] == "True" and "accepted by Gateway inference-gw" in routing["message"]
+    assert routing["status"] == "True" and routing["message"].endswith("; accepted by Gateway inference-gw")
+    parents[0]["conditions"][0].update(
+        status="False", reason="NotSupportedByGateway", message="no EPP support"
+    )
+    await client.patch(INFERENCE_POOLS, NS, NAME, {"status": {"parents": parents}}, subresource="status")
+    await _pass(client)
+    routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
+    assert routing["message"].endswith("; not accepted by Gateway inference-gw (no EPP support)")
+
+
+async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(full, monkeypatch) -> None:
+    server, client = full
+    await client.create(LORASERVES, NS, _body(routing=ROUTING))
+    optional.discovery(client).forget()
+    assert await optional.discovery(client).serves(client, INFERENCE_POOLS)  # cached: served
+    # The CRD is deleted. (kmock accepts writes to undeclared resources, so the API server's
+    # answer to a write of a resource it no longer serves, 404, is played here.)
+    del server.resources["inference.networking.k8s.io/v1/inferencepools"]
+    create = client.create
+
+    async def create_or_404(res, namespace, body):
+        if res == INFERENCE_POOLS:
+            raise KubeError(404, "NotFound", "the server could not find the requested resource")
+        return await create(res, namespace, body)
+
+    monkeypatch.setattr(client, "create", create_or_404)
+    outcome = await _pass(client)
+    assert "InferencePool" not in {a.kind for a in outcome.acts}
+    assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
+    routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
+    assert (routing["status"], routing["reason"]) == ("False", "InferencePoolCRDMissing")
+    since = len(list(server))
+    await _pass(client)
+    asked = [r.url.path for r in list(server)[since:]]
+    assert "/apis/inference.networking.k8s.io/v1" in asked, "the stale answer was forgotten"
