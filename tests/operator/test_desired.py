@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -136,6 +137,8 @@ def _objects(spec_raw: dict) -> tuple[ds.DesiredServe, list[dict]]:
     assert ds.problems(spec, config) == []
     plan = ds.desired_serve(IDENTITY, spec, config, SETTINGS)
     objects = [plan.deployment, plan.service, plan.pdb]
+    if plan.catalog is not None:
+        objects.append(plan.catalog)
     if plan.token_secret_owned:
         objects.append(ds.admin_token_secret(IDENTITY, plan.token_secret_name, "s3cr3t", SETTINGS))
     return plan, objects
@@ -401,6 +404,38 @@ def test_long_or_odd_names_give_valid_labels_and_service_names(name: str) -> Non
     assert len(service) <= 63 and service[0].isalpha() and all(c.isalnum() or c == "-" for c in service)
     assert ds.label_value(name) == ds.label_value(name), "stable"
     assert len(ds.admin_secret_name(name, parse_loraserve_spec(BASE))) <= 253
+
+
+def test_pods_mount_the_catalog_and_keep_serving_while_endpoints_drop_them() -> None:
+    spec = parse_loraserve_spec(copy.deepcopy(SPECS["eagle3-hf"]))
+    entries = ds.catalog_entries(
+        spec.storage,
+        [
+            ("b", {"serve": "llama", "source": "s3://bucket/b", "sha256": "cd" * 32}),
+            ("a", {"serve": "llama", "source": "https://host/a.tar.gz", "rank": 8, "pinned": True}),
+            ("bad", {"serve": "llama", "source": "ftp://x"}),
+        ],
+    )
+    assert [e.name for e in entries] == ["a", "b"]
+    plan = ds.desired_serve(IDENTITY, spec, to_runtime_config(spec), SETTINGS, entries)
+    assert json.loads(plan.catalog["data"]["catalog.json"]) == {
+        "adapters": [
+            {"name": "a", "source": "https://host/a.tar.gz", "rank": 8, "pinned": True},
+            {"name": "b", "source": "s3://bucket/b", "sha256": "cd" * 32, "pinned": False},
+        ]
+    }
+    pod = plan.deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "catalog")
+    volume = next(v for v in pod["volumes"] if v["name"] == "catalog")
+    assert volume["configMap"]["name"] == plan.catalog["metadata"]["name"] == "llama-adapters"
+    catalog_file = container["args"][container["args"].index("--adapter-catalog") + 1]
+    assert catalog_file == f"{mount['mountPath']}/{volume['configMap']['items'][0]['path']}"
+    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep" and 0 < int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+    # The catalog's content is not part of the pod template: a new Adapter rolls nothing.
+    other = ds.desired_serve(IDENTITY, spec, to_runtime_config(spec), SETTINGS, entries[:1])
+    assert other.deployment == plan.deployment and other.catalog != plan.catalog
 
 
 def test_runtime_port_comes_from_the_pod() -> None:

@@ -158,3 +158,24 @@ def test_adapter_pod_list_carries_the_runtime_message_clipped() -> None:
         and failed["podIP"] == "10.0.0.1"
     )
     assert failed["time"] == "1970-01-01T00:00:00Z"
+
+
+def test_pods_that_load_on_demand_are_listed_but_do_not_hold_the_phase_back() -> None:
+    placed = PodTrack(pod="p0", pod_ip="10.0.0.1", pod_uid="u0", state=PodState.LOADED, since=0.0)
+    others = [
+        PodTrack(pod="p1", pod_ip="10.0.0.2", pod_uid="u1", state=PodState.REGISTERED, since=0.0),
+        PodTrack(pod="p2", pod_ip="10.0.0.3", pod_uid="u2", state=PodState.LOADED, since=0.0),
+    ]
+    findings = st.AdapterFindings(
+        generation=1, tracks=[placed], ready_pods=3, others=others, accept_length=2.5, warnings=("w",)
+    )
+    status = st.adapter_status(findings, None, now="2026-01-01T00:00:00Z")
+    assert status["phase"] == "Ready"
+    assert [(p["pod"], p["state"]) for p in status["pods"]] == [
+        ("p0", "Loaded"),
+        ("p1", "Registered"),
+        ("p2", "Loaded"),
+    ]
+    assert status["loadedReplicas"] == 2 and status["registeredReplicas"] == 1
+    assert status["acceptLength"] == 2.5 and status["warnings"] == ["w"]
+    assert "1/1 placed pods; 2 more load it on demand" in status["conditions"][0]["message"]
