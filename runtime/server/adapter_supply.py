@@ -254,7 +254,8 @@ class AdapterSupply:
                     code="model_not_found",
                 )
             try:
-                await self.load(name, entry.source, sha256=entry.sha256, pinned=False, warm=False)
+                info = await self.load(name, entry.source, sha256=entry.sha256, pinned=False, warm=False)
+                _check_declared_rank(self, name, entry, info)
             except ApiError as exc:
                 outcome = "transient" if exc.status >= 500 else "failed"
                 self.metrics.adapter_loads.labels("demand", outcome).inc()
@@ -332,6 +333,21 @@ class AdapterSupply:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         return self.engine
+
+
+def _check_declared_rank(supply: AdapterSupply, name: str, entry: CatalogEntry, info) -> None:
+    """An Adapter that declares a rank must get a file of that rank: else unload and refuse."""
+    rank = getattr(info, "rank", None)
+    if entry.rank is None or rank is None or rank == entry.rank:
+        return
+    supply._unload(name)
+    raise ApiError(
+        400,
+        f"adapter {name!r}: the Adapter declares rank {entry.rank} (spec.rank) but the file at "
+        f"{entry.source!r} has rank {rank}; fix: declare {rank} or drop spec.rank",
+        param="model",
+        code="invalid_adapter",
+    )
 
 
 def _identity(entry: CatalogEntry) -> tuple[str, str | None]:

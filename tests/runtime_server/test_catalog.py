@@ -143,7 +143,11 @@ async def test_bad_catalogued_adapter_fails_like_the_admin_api_and_is_remembered
     cfg = json.loads(config_file.read_text())
     cfg["r"] = 99  # above the pool's max rank (16)
     config_file.write_text(json.dumps(cfg))
-    entries = [CatalogEntry("broken", str(broken)), CatalogEntry("missing", str(tmp_path / "nowhere"))]
+    entries = [
+        CatalogEntry("broken", str(broken)),
+        CatalogEntry("missing", str(tmp_path / "nowhere")),
+        CatalogEntry("misdeclared", str(assets.extra_adapters["extra-1"]), rank=5),  # the file has rank 6
+    ]
     config = make_config(assets, adapters={})
     config.lora.catalog = str(write_catalog(tmp_path / "catalog.json", entries))
     async with running_server(config, tmp_path / "srv") as srv:
@@ -160,12 +164,17 @@ async def test_bad_catalogued_adapter_fails_like_the_admin_api_and_is_remembered
         assert demand_loads(srv, "failed") == 1, "a bad adapter is not fetched again for every request"
         status, body, _ = await complete(srv, "missing")
         assert status == 400 and body["error"]["code"] == "invalid_source"
+        status, body, _ = await complete(srv, "misdeclared")
+        assert status == 400 and "declares rank 5" in body["error"]["message"]
+        assert "misdeclared" not in srv.engine.adapter_names
         listed = await models(srv)
         assert listed["broken"]["lora"]["state"] == "failed" and "rank" in listed["broken"]["lora"]["message"]
+        assert listed["misdeclared"]["lora"]["state"] == "failed"
         # The operator fixes the source: the new entry is tried afresh and served.
         fixed = [CatalogEntry("broken", str(assets.extra_adapters["extra-0"]))]
         status, change = await _put(srv, {"adapters": [e.to_dict() for e in fixed]})
-        assert status == 200 and change["changed"] == ["broken"] and change["removed"] == ["missing"]
+        assert status == 200 and change["changed"] == ["broken"]
+        assert change["removed"] == ["misdeclared", "missing"]
         status, body, _ = await complete(srv, "broken")
         assert status == 200
         status, body, _ = await complete(srv, "missing")
