@@ -520,3 +520,26 @@ async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(ful
     await _pass(client)
     asked = [r.url.path for r in list(server)[since:]]
     assert "/apis/inference.networking.k8s.io/v1" in asked, "the stale answer was forgotten"
+
+
+async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_them(full) -> None:
+    # What the HPA controller (or KEDA's) does: read the LoRAServe's scale subresource (its
+    # selector picks the pods whose metric is averaged) and write spec.replicas through it.
+    server, client = full
+    await client.create(LORASERVES, NS, _body(routing=ROUTING, autoscaling={"maxReplicas": 6}))
+    first = await _pass(client)
+    scale_path = LORASERVES.path(NS, NAME, "scale")
+    scale = await client.request("GET", scale_path)
+    selector = dict(term.split("=", 1) for term in scale["status"]["selector"].split(","))
+    assert selector == ds.selector_labels(NAME)
+    assert selector == (await client.get(INFERENCE_POOLS, NS, NAME))["spec"]["selector"]["matchLabels"]
+
+    # (The HPA controller PUTs the Scale; the stand-in takes the write as a merge patch.)
+    await client.patch(LORASERVES, NS, NAME, {"spec": {"replicas": 5}}, subresource="scale")
+    outcome = await _pass(client)
+    assert [(a.verb, a.kind) for a in outcome.acts] == [("Updated", "Deployment")]
+    assert outcome.rolled_from is None and outcome.config_hash == first.config_hash, "scaling rolls no pod"
+    assert (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["replicas"] == 5
+    assert (await client.get(LORASERVES, NS, NAME))["spec"]["replicas"] == 5, "the operator keeps it"
+    since = len(list(server))
+    assert (await _pass(client)).acts == [] and _writes(server, since) == []
