@@ -543,3 +543,22 @@ async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_
     assert (await client.get(LORASERVES, NS, NAME))["spec"]["replicas"] == 5, "the operator keeps it"
     since = len(list(server))
     assert (await _pass(client)).acts == [] and _writes(server, since) == []
+
+
+async def test_a_refused_write_is_a_condition_not_a_failed_pass(full, monkeypatch) -> None:
+    # E.g. an operator installed with an older chart, without RBAC for HPAs: the API answers 403.
+    _, client = full
+    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
+    create = client.create
+
+    async def forbidden(res, namespace, body):
+        if res == HPAS:
+            raise KubeError(403, "Forbidden", 'cannot create resource "horizontalpodautoscalers"')
+        return await create(res, namespace, body)
+
+    monkeypatch.setattr(client, "create", forbidden)
+    outcome = await _pass(client)
+    assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
+    scaling = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Autoscaling")
+    assert (scaling["status"], scaling["reason"]) == ("False", "ApplyFailed")
+    assert "403 Forbidden" in scaling["message"] and "HorizontalPodAutoscaler" in scaling["message"]
