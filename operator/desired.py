@@ -134,32 +134,22 @@ def service_name(serve_name: str) -> str:
     return f"lsv-{cleaned[:50]}".rstrip("-") + f"-{digest}"
 
 
-def admin_secret_name(serve_name: str, spec: LoRAServeSpec) -> str:
-    """The Secret holding the admin token: the spec's own, else one the operator owns."""
-    if spec.admin_token_secret_name:
-        return spec.admin_token_secret_name
-    suffix = "-admin-token"
+def _suffixed(serve_name: str, suffix: str) -> str:
+    """``<serve><suffix>`` within the 253 characters of an object name (a hash keeps it unique)."""
     if len(serve_name) + len(suffix) <= 253:
         return serve_name + suffix
-    return (
-        serve_name[: 253 - len(suffix) - 9]
-        + "-"
-        + hashlib.sha256(serve_name.encode()).hexdigest()[:8]
-        + suffix
-    )
+    digest = hashlib.sha256(serve_name.encode()).hexdigest()[:8]
+    return serve_name[: 253 - len(suffix) - 9] + "-" + digest + suffix
+
+
+def admin_secret_name(serve_name: str, spec: LoRAServeSpec) -> str:
+    """The Secret holding the admin token: the spec's own, else one the operator owns."""
+    return spec.admin_token_secret_name or _suffixed(serve_name, "-admin-token")
 
 
 def catalog_configmap_name(serve_name: str) -> str:
     """The ConfigMap holding the serve's adapter catalog."""
-    suffix = "-adapters"
-    if len(serve_name) + len(suffix) <= 253:
-        return serve_name + suffix
-    return (
-        serve_name[: 253 - len(suffix) - 9]
-        + "-"
-        + hashlib.sha256(serve_name.encode()).hexdigest()[:8]
-        + suffix
-    )
+    return _suffixed(serve_name, "-adapters")
 
 
 def selector_labels(serve_name: str) -> dict[str, str]:
