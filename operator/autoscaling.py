@@ -26,8 +26,8 @@ from .desired import (
     SERVE_LABEL,
     DesiredSettings,
     ServeIdentity,
-    _metadata,  # TODO(desired.py owner): a public name for the standard metadata of owned objects
     label_value,
+    owned_metadata,
 )
 from .reconcile.diff import with_desired_hash
 from .specs import API_VERSION as LORASERVE_API_VERSION
@@ -108,7 +108,7 @@ def horizontal_pod_autoscaler(serve: ServeIdentity, spec: AutoscalingSpec, setti
     hpa = {
         "apiVersion": HPA_API_VERSION,
         "kind": HPA_KIND,
-        "metadata": _metadata(serve, object_name(serve.name), settings),
+        "metadata": owned_metadata(serve, object_name(serve.name), settings),
         "spec": {
             "scaleTargetRef": _target_ref(serve),
             "minReplicas": spec.min_replicas,
@@ -140,7 +140,7 @@ def scaled_object(serve: ServeIdentity, spec: AutoscalingSpec, settings: Desired
     obj = {
         "apiVersion": KEDA_API_VERSION,
         "kind": KEDA_KIND,
-        "metadata": _metadata(serve, object_name(serve.name), settings),
+        "metadata": owned_metadata(serve, object_name(serve.name), settings),
         "spec": {
             "scaleTargetRef": _target_ref(serve),
             "minReplicaCount": spec.min_replicas,

@@ -190,7 +190,8 @@ def owner_reference(serve: ServeIdentity) -> dict:
     }
 
 
-def _metadata(serve: ServeIdentity, name: str, settings: DesiredSettings) -> dict:
+def owned_metadata(serve: ServeIdentity, name: str, settings: DesiredSettings) -> dict:
+    """Name, namespace, standard labels, the serve-name annotation and the controller reference."""
     return {
         "name": name,
         "namespace": serve.namespace,
@@ -615,7 +616,7 @@ def desired_serve(
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(serve, serve.name, settings),
+        "metadata": owned_metadata(serve, serve.name, settings),
         "spec": {
             "replicas": spec.replicas,
             "revisionHistoryLimit": 5,
@@ -631,7 +632,7 @@ def desired_serve(
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(serve, service_name(serve.name), settings),
+        "metadata": owned_metadata(serve, service_name(serve.name), settings),
         "spec": {
             "type": spec.service.type,
             "selector": selector,
@@ -644,7 +645,7 @@ def desired_serve(
     pdb = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(serve, serve.name, settings),
+        "metadata": owned_metadata(serve, serve.name, settings),
         "spec": {"selector": {"matchLabels": selector}, "maxUnavailable": 1},
     }
     return DesiredServe(
@@ -666,7 +667,7 @@ def admin_token_secret(serve: ServeIdentity, name: str, token: str, settings: De
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(serve, name, settings),
+        "metadata": owned_metadata(serve, name, settings),
         "type": "Opaque",
         "stringData": {ADMIN_TOKEN_KEY: token},
     }
@@ -698,7 +699,7 @@ def catalog_configmap(
 ) -> dict:
     """The ConfigMap the serve's pods read their catalog from at start-up."""
     entries = tuple(entries)
-    meta = _metadata(serve, catalog_configmap_name(serve.name), settings)
+    meta = owned_metadata(serve, catalog_configmap_name(serve.name), settings)
     meta["annotations"][CATALOG_DIGEST_ANNOTATION] = catalog_digest(entries)
     body = {
         "apiVersion": "v1",

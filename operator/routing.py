@@ -20,7 +20,7 @@ from __future__ import annotations
 from .desired import (
     DesiredSettings,
     ServeIdentity,
-    _metadata,  # TODO(desired.py owner): a public name for the standard metadata of owned objects
+    owned_metadata,
     selector_labels,
 )
 from .reconcile.diff import with_desired_hash
@@ -49,7 +49,7 @@ def inference_pool(
     pool = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": _metadata(serve, pool_name(serve.name), settings),
+        "metadata": owned_metadata(serve, pool_name(serve.name), settings),
         "spec": {
             "selector": {"matchLabels": selector_labels(serve.name)},
             "targetPorts": [{"number": target_port}],
