@@ -27,5 +27,21 @@ def check_bearer(request: web.Request, token: str | None) -> None:
             code="missing_token",
             headers=_CHALLENGE,
         )
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError(401, "the admin bearer token is not valid", code="invalid_token", headers=_CHALLENGE)
+    try:
+        # aiohttp keeps undecodable header bytes as lone surrogates (surrogateescape).
+        given_bytes = given.strip().encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            401,
+            "the Authorization header is not valid UTF-8: send 'Authorization: Bearer <token>' with the "
+            "token as configured (--admin-token-file)",
+            code="invalid_token",
+            headers=_CHALLENGE,
+        ) from None
+    if not hmac.compare_digest(given_bytes, token.encode()):
+        raise ApiError(
+            401,
+            "the admin bearer token in the Authorization header is not valid",
+            code="invalid_token",
+            headers=_CHALLENGE,
+        )

@@ -23,6 +23,51 @@ MAX_PROMPTS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
+MAX_JSON_DEPTH = 32
+"""Arrays and objects nested deeper than this are refused (the deepest valid body, chat
+content parts, nests 4 levels); Python's parser would otherwise recurse until it fails."""
+MAX_LORA_PATH_CHARS = 4096
+"""The longest ``lora_path`` accepted (Linux's PATH_MAX; URLs are shorter in practice)."""
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _json_depth_error() -> ApiError:
+    return invalid(
+        f"the request body is nested too deeply: JSON arrays and objects may be nested at most "
+        f"{MAX_JSON_DEPTH} levels",
+        code="invalid_json",
+    )
+
+
+def _check_depth(text: str, body: object) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH (cheap: only walked when the text
+    holds more brackets than the limit)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _json_depth_error()
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+
+
+def check_text(value: str, param: str) -> str:
+    """A string the tokenizer and UTF-8 can carry: JSON's ``\\ud800`` escapes decode to lone
+    UTF-16 surrogates, which no encoder accepts."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(
+            f"{param} contains a lone UTF-16 surrogate ({value[exc.start]!a} at character {exc.start}), "
+            "which is not a Unicode character: send valid Unicode text (pair surrogates in \\u escapes)",
+            param=param,
+            code="invalid_value",
+        ) from None
+    return value
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -38,6 +83,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise invalid("the request body is empty: send a JSON object", code="invalid_json")
     try:
         body = json.loads(text)
+    except RecursionError:
+        raise _json_depth_error() from None
     except json.JSONDecodeError as exc:
         raise invalid(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
@@ -47,6 +94,7 @@ def parse_json_body(raw: bytes) -> dict:
         raise invalid(
             f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
         )
+    _check_depth(text, body)
     return body
 
 
@@ -70,7 +118,7 @@ def get_str(body: dict, name: str, *, required: bool = False, default: str | Non
         return default
     if not isinstance(value, str):
         raise invalid(f"{name} must be a string, got {_type_name(value)}", param=name, code="invalid_type")
-    return value
+    return check_text(value, name)
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -135,6 +183,8 @@ def _get_stop(body: dict) -> tuple[str, ...]:
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}", param="stop")
     if any(not s for s in value):
         raise invalid("stop strings must not be empty", param="stop", code="invalid_value")
+    for s in value:
+        check_text(s, "stop")
     return tuple(value)
 
 
@@ -304,6 +354,9 @@ def _parse_prompts(value: object) -> list[str | list[int]]:
         )
     if len(prompts) > MAX_PROMPTS:
         raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            check_text(p, "prompt" if isinstance(value, str) else f"prompt[{i}]")
     return prompts
 
 
@@ -370,7 +423,7 @@ def _content_text(content: object, where: str, role: str) -> str:
             return ""
         raise invalid(f"{where} is required", param=where, code="missing_field")
     if isinstance(content, str):
-        return content
+        return check_text(content, where)
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
@@ -384,7 +437,7 @@ def _content_text(content: object, where: str, role: str) -> str:
                     param=f"{where}[{j}]",
                     code="invalid_type",
                 )
-            parts.append(part["text"])
+            parts.append(check_text(part["text"], f"{where}[{j}].text"))
         return "".join(parts)
     raise invalid(
         f"{where} must be a string or an array of text parts, got {_type_name(content)}",
@@ -421,6 +474,20 @@ def parse_load_adapter(body: dict) -> LoadAdapterRequest:
     path = get_str(body, "lora_path", required=True) or ""
     if not path.strip():
         raise invalid("lora_path must not be empty", param="lora_path", code="invalid_value")
+    if len(path) > MAX_LORA_PATH_CHARS:
+        raise invalid(
+            f"lora_path is {len(path)} characters long: the maximum length is {MAX_LORA_PATH_CHARS}",
+            param="lora_path",
+            code="invalid_value",
+        )
+    bad = _CONTROL_RE.search(path)
+    if bad:
+        raise invalid(
+            f"lora_path contains the control character {bad.group()!a} at character {bad.start()}: "
+            "send a path or URL without control characters",
+            param="lora_path",
+            code="invalid_value",
+        )
     sha = get_str(body, "sha256")
     if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
         raise invalid("sha256 must be 64 hexadecimal characters", param="sha256", code="invalid_value")

@@ -194,3 +194,120 @@ async def test_streaming_error_before_headers_is_a_status(server):
         server, "/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}
     )
     assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+# Inputs that once reached an unhandled exception (HTTP 500): each is a 4xx naming what is
+# wrong. Sent as raw bytes so nothing on the client side normalises them.
+DEEP = b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+HOSTILE = [
+    # (path, raw body, extra headers, status, param, words)
+    ("/v1/completions", DEEP, {}, 400, None, ["nested", "levels"]),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 50 + b"]" * 50 + b"}", {}, 400, None, ["nested"]),
+    ("/v1/completions", b'{"prompt": "ab\\ud800cd", "max_tokens": 1}', {}, 400, "prompt", ["surrogate"]),
+    (
+        "/v1/completions",
+        b'{"prompt": ["ok", "\\udfff"], "max_tokens": 1}',
+        {},
+        400,
+        "prompt[1]",
+        ["surrogate"],
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        {},
+        400,
+        "messages[0].content",
+        ["surrogate"],
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+        {},
+        400,
+        "messages[0].content[0].text",
+        ["surrogate"],
+    ),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', {}, 400, "stop", ["surrogate"]),
+    ("/v1/completions", b'{"prompt": "x", "model": "\\ud800"}', {}, 400, "model", ["surrogate"]),
+]
+
+
+async def _post_bytes(server, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    async with server.session.post(
+        server.url + path, data=body, headers={"Content-Type": "application/json", **headers}
+    ) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=lambda c: f"{c[0]}:{c[1][:40]!r}")
+async def test_hostile_bodies_are_4xx_naming_the_fault(server, case):
+    path, body, headers, status, param, words = case
+    got_status, got_body = await _post_bytes(server, path, body, headers)
+    _check_error(got_body, got_status, status, param, words)
+
+
+async def test_deep_nesting_names_the_limit(server):
+    from loraserve.runtime.server.schemas import MAX_JSON_DEPTH
+
+    status, body = await _post_bytes(server, "/v1/completions", DEEP, {})
+    assert status == 400, body
+    assert str(MAX_JSON_DEPTH) in body["error"]["message"]
+    assert body["error"]["code"] == "invalid_json"
+    # Nesting at the limit is parsed as usual (and then judged as the field it is).
+    ok = (
+        b'{"prompt": "x", "max_tokens": 1, "user": '
+        + b"[" * (MAX_JSON_DEPTH - 1)
+        + b"]" * (MAX_JSON_DEPTH - 1)
+        + b"}"
+    )
+    status, body = await _post_bytes(server, "/v1/completions", ok, {})
+    assert status == 200, body
+
+
+async def test_non_ascii_authorization_header_is_401_naming_the_header(server):
+    path = server.url + "/v1/unload_lora_adapter"
+    for raw, words in (
+        (b"Bearer \xff\xfe\x80", [b"Authorization header is not valid UTF-8"]),
+        (b"Bearer \xe9t\xe9", [b"Authorization header is not valid UTF-8"]),  # latin-1
+        (b"Bearer caf\xc3\xa9", [b"token in the Authorization header is not valid"]),  # UTF-8, wrong
+    ):
+        # aiohttp's client sends str headers as latin-1/utf-8; write the raw bytes ourselves.
+        reader, writer = await asyncio.open_connection(server.server.host, server.server.port)
+        payload = b'{"lora_name": "nope"}'
+        writer.write(
+            b"POST /v1/unload_lora_adapter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: " + raw + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n"
+            b"Connection: close\r\n\r\n" + payload
+        )
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, text = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401"), response
+        for word in words:
+            assert word in text, response
+        assert b"WWW-Authenticate" in head
+    # The server still answers the right token.
+    async with server.session.post(path, json={"lora_name": "nope"}, headers=server.admin_headers()) as resp:
+        assert resp.status == 200
+
+
+async def test_overlong_lora_path_is_400_naming_the_maximum(server):
+    from loraserve.runtime.server.schemas import MAX_LORA_PATH_CHARS
+
+    for path, words in (
+        # (100,000 characters in the issue; this server takes 64 KiB bodies)
+        ("/adapters/" + "a" * 60_000, ["lora_path", str(MAX_LORA_PATH_CHARS)]),
+        ("/adapters/x\u0000y", ["lora_path", "control"]),
+        ("/adapters/\ud800", ["lora_path", "surrogate"]),
+    ):
+        status, body = await server.post(
+            "/v1/load_lora_adapter",
+            {"lora_name": "long-path", "lora_path": path},
+            headers=server.admin_headers(),
+        )
+        assert status == 400, body
+        assert body["error"]["param"] == "lora_path", body
+        for word in words:
+            assert word in body["error"]["message"], body
