@@ -69,22 +69,36 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
+def _too_large(limit: int | None, declared: int | None = None) -> web.Response:
+    what = f"Content-Length {declared}" if declared is not None else "the request body"
+    resp = ApiError(
+        413,
+        f"{what} exceeds the {limit}-byte limit on request bodies (--max-body-bytes): send a smaller body"
+        if limit
+        else "request body too large",
+        code="body_too_large",
+    ).response()
+    resp.force_close()  # the unread body is not worth waiting for
+    return resp
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Render every failure as an OpenAI error object."""
+    """Render every failure as an OpenAI error object.
+
+    A declared ``Content-Length`` over the limit is refused from the header, before any
+    body is read (a client announcing a huge body and sending none would otherwise hold
+    the connection until it leaves).
+    """
+    limit = request.app.get(MAX_BODY_KEY)
+    if limit and request.content_length is not None and request.content_length > limit:
+        return _too_large(limit, request.content_length)
     try:
         return await handler(request)
     except ApiError as exc:
         return exc.response()
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app.get(MAX_BODY_KEY)
-        return ApiError(
-            413,
-            f"the request body exceeds the {limit}-byte limit: send a smaller body"
-            if limit
-            else "request body too large",
-            code="body_too_large",
-        ).response()
+        return _too_large(limit)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -311,3 +311,31 @@ async def test_overlong_lora_path_is_400_naming_the_maximum(server):
         assert body["error"]["param"] == "lora_path", body
         for word in words:
             assert word in body["error"]["message"], body
+
+
+async def test_huge_content_length_without_a_body_is_413_at_once(server):
+    """The limit is judged from the header: no body is awaited (before: the connection was
+    held until the client gave up)."""
+    limit = server.config.server.max_body_bytes
+    for path in ("/v1/completions", "/v1/load_lora_adapter", "/v1/chat/completions"):
+        reader, writer = await asyncio.open_connection(server.server.host, server.server.port)
+        try:
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 999999999999\r\n\r\n".encode()
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+            assert head.startswith(b"HTTP/1.1 413"), head
+            assert b"connection: close" in head.lower(), head
+            length = int(
+                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+            )
+            body = await asyncio.wait_for(reader.readexactly(length), 2.0)
+            assert b"999999999999" in body and str(limit).encode() in body and b"--max-body-bytes" in body, (
+                body
+            )
+        finally:
+            writer.close()
+    status, body = await _raw_post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
+    assert status == 200
