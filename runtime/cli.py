@@ -3,14 +3,16 @@
 Start-up refuses to run a configuration the compatibility policy
 (``loraserve.runtime.policy.check_config``) rejects, printing every reason at once, and
 prints its warnings. The model then loads in the background while ``/health`` already
-answers; ``/ready`` turns 200 once it serves. SIGTERM (and SIGINT) drain: new requests
-are refused, in-flight ones get ``--drain-timeout`` seconds to finish, the rest are
-aborted, and the process exits 0.
+answers; ``/ready`` turns 200 once it serves. SIGTERM (and SIGINT) drain: the socket keeps
+listening, ``/ready`` answers 503 and new requests 503 with ``Retry-After``, in-flight ones
+get ``--drain-timeout`` seconds to finish (a second signal cuts the wait short), the rest
+are aborted, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -377,9 +379,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(effective, args)
 
 
+async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: float) -> None:
+    """Serve until SIGTERM/SIGINT, then drain with the listener still open, then stop.
+
+    aiohttp's ``run_app`` closes the listening socket first, so probes and new requests
+    would meet a refused connection while in-flight requests drain.
+    """
+    import signal
+
+    from aiohttp import web
+
+    from .server import drain
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("%s again: ending the drain now", signal.Signals(signum).name)
+            hurry.set()
+        else:
+            log.info("%s: draining (at most %.0f s)", signal.Signals(signum).name, drain_timeout_s)
+            stop.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await stop.wait()
+        await drain(app, drain_timeout_s, hurry=hurry)
+    finally:
+        await runner.cleanup()
+
+
 def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     """Run the HTTP server until SIGTERM/SIGINT; drain, then return 0."""
-    from aiohttp import web
 
     from .engine.factory import build_engine
     from .lora.sources import SourceSettings
@@ -398,15 +434,7 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         exit_on_load_failure=True,
     )
     log.info("listening on %s:%d (model %s)", cfg.server.host, cfg.server.port, cfg.model.path)
-    web.run_app(
-        app,
-        host=cfg.server.host,
-        port=cfg.server.port,
-        shutdown_timeout=args.drain_timeout,
-        handler_cancellation=True,
-        access_log=None,
-        print=lambda *_: None,
-    )
+    asyncio.run(_serve_until_signalled(app, cfg.server.host, cfg.server.port, args.drain_timeout))
     state = app[STATE]
     if state.load_error:
         print(f"loraserve-runtime: the model failed to load: {state.load_error}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The runtime's HTTP server: OpenAI-compatible API, admin API, probes and metrics."""
 
-from .app import EngineFactory, build_app, wait_until_ready
+from .app import EngineFactory, build_app, drain, wait_until_ready
 from .errors import ApiError
 from .metrics import Metrics
 from .state import STATE, ServerState, served_model_name
@@ -12,6 +12,7 @@ __all__ = [
     "Metrics",
     "ServerState",
     "build_app",
+    "drain",
     "served_model_name",
     "wait_until_ready",
 ]

@@ -1,10 +1,11 @@
 """The aiohttp application: routes, middlewares and the engine's lifecycle.
 
 The app answers ``/health`` from the first moment; the model loads in a worker thread
-(``engine_factory``) and ``/ready`` turns 200 when it is serving. On shutdown the app
-stops admitting (``/ready`` 503, new generation requests 503), lets in-flight requests
-finish while aiohttp drains its handlers, then stops the engine, aborting anything
-still running.
+(``engine_factory``) and ``/ready`` turns 200 when it is serving. :func:`drain` (the CLI
+calls it on SIGTERM, while the socket still listens) stops admitting: ``/ready`` answers
+503 ``shutting_down``, new generation requests 503 with ``Retry-After``, and in-flight
+requests run to their end or until the drain timeout. Shutdown then stops the engine,
+aborting anything still running.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ _LOAD_TASK = web.AppKey("loraserve_load_task", asyncio.Task)
 _CATALOG_TASK = web.AppKey("loraserve_catalog_task", asyncio.Task)
 CATALOG_RETRY_S = 2.0
 _DRAIN_S = web.AppKey("loraserve_drain_s", float)
+
+
+_PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+
+@web.middleware
+async def in_flight_middleware(request: web.Request, handler):
+    """Counts the requests being handled (probes aside), which a drain waits for."""
+    if request.path in _PROBES:
+        return await handler(request)
+    state = request.app[STATE]
+    state.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        state.in_flight -= 1
 
 
 @web.middleware
@@ -74,7 +91,7 @@ def build_app(
     state = ServerState(config, sources=sources)
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[http_metrics_middleware, error_middleware],
+        middlewares=[in_flight_middleware, http_metrics_middleware, error_middleware],
     )
     app[STATE] = state
     app[MAX_BODY_KEY] = config.server.max_body_bytes
@@ -111,9 +128,7 @@ def build_app(
 
     async def on_shutdown(app: web.Application) -> None:
         # Before aiohttp waits for in-flight handlers: refuse new work, keep the old.
-        state.draining = True
-        if state.engine is not None:
-            state.engine.stop_accepting()
+        state.begin_drain()
 
     async def on_cleanup(app: web.Application) -> None:
         for key in (_LOAD_TASK, _CATALOG_TASK):
@@ -127,6 +142,26 @@ def build_app(
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+async def drain(
+    app: web.Application, timeout_s: float | None = None, *, hurry: asyncio.Event | None = None
+) -> bool:
+    """Stop admitting and wait until the requests in flight are done; the listener stays
+    open meanwhile, so probes and new requests get an answer (503) instead of a refused
+    connection. Waits at most ``timeout_s`` (default: the app's drain timeout) or until
+    ``hurry`` is set; True when nothing was left in flight."""
+    state = app[STATE]
+    state.begin_drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (app[_DRAIN_S] if timeout_s is None else timeout_s)
+    if state.in_flight:
+        log.info("draining %d in-flight request(s), at most %.0f s", state.in_flight, deadline - loop.time())
+    while state.in_flight > 0 and loop.time() < deadline and not (hurry is not None and hurry.is_set()):
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        log.warning("drain ended with %d request(s) still in flight; they are aborted", state.in_flight)
+    return state.in_flight == 0
 
 
 async def _read_catalog(state: ServerState, path: str) -> None:

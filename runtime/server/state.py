@@ -20,6 +20,9 @@ from .metrics import Metrics
 
 __all__ = ["STATE", "AdapterRecord", "ServerState", "served_model_name"]
 
+DRAIN_RETRY_AFTER_S = 1
+"""``Retry-After`` on requests refused while draining: soon, and most likely elsewhere."""
+
 
 def served_model_name(config: RuntimeConfig) -> str:
     """The ``model`` name clients use for the base model."""
@@ -48,6 +51,8 @@ class ServerState:
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.in_flight = 0
+        """Requests being handled (probes aside); a drain waits for them."""
         self.started = int(time.time())
         self.supply = AdapterSupply(config, sources, self.metrics)
 
@@ -76,11 +81,21 @@ class ServerState:
         self.tokenizer = tokenizer
         self.supply.attach(engine)
 
+    def begin_drain(self) -> None:
+        """Shutting down: refuse new work (``/ready`` and new requests 503), keep the old."""
+        self.draining = True
+        if self.engine is not None:
+            self.engine.stop_accepting()
+
     def require_engine(self) -> Engine:
         """The engine, or 503 while loading, after a failed load, or while shutting down."""
         if self.draining:
             raise ApiError(
-                503, "the server is shutting down and accepts no new requests", code="shutting_down"
+                503,
+                "the server is shutting down and accepts no new requests: retry (another replica "
+                "will answer)",
+                code="shutting_down",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
             )
         failure = tp_failure_reason()
         if failure is not None:

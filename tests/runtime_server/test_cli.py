@@ -219,11 +219,18 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tm
                 first = await resp.content.readline()
                 assert first.startswith(b"data: ")
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
-                # Draining: the listener is closed, so new requests cannot get in.
-                with pytest.raises(aiohttp.ClientError):
-                    async with aiohttp.ClientSession() as other, other.get(url + "/health") as r:
-                        await r.read()
+                # Draining: the listener stays open (issue 20: it used to close at once, so
+                # probes met a refused connection) and /ready turns 503.
+                async with aiohttp.ClientSession() as other:
+                    for _ in range(300):
+                        async with other.get(url + "/ready") as r:
+                            if r.status == 503:
+                                break
+                        await asyncio.sleep(0.01)
+                    else:
+                        raise AssertionError("/ready never turned 503 after SIGTERM")
+                    async with other.get(url + "/health") as r:
+                        assert r.status == 200
                 rest = await resp.content.read()
             events = [
                 json.loads(line[6:])

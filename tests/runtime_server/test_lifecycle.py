@@ -4,11 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.demo import free_port
 from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
@@ -89,7 +98,9 @@ async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(ass
 
     cfg = make_config(assets)
     app = build_app(
-        cfg, lambda metrics: build_engine(cfg, observer=metrics), sources=SourceSettings(cache_dir=tmp_path / "c")
+        cfg,
+        lambda metrics: build_engine(cfg, observer=metrics),
+        sources=SourceSettings(cache_dir=tmp_path / "c"),
     )
     server = TestServer(app)
     await server.start_server()
@@ -110,3 +121,87 @@ async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(ass
     finally:
         health.reset_health()
         await server.close()
+
+
+@pytest.mark.slow
+async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tmp_path):
+    """A real ``loraserve-runtime`` process: after SIGTERM the socket still answers (before:
+    connection refused) — ``/ready`` 503 ``shutting_down``, a new completion 503 with
+    ``Retry-After`` — while the long stream already running finishes; then exit 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "loraserve.runtime",
+            *("--model", str(assets.model_dir), "--device", "cpu", "--host", "127.0.0.1"),
+            *("--port", str(port), "--max-total-tokens", "16384", "--max-lora-rank", "16"),
+            *("--drain-timeout", "60"),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url + "/ready") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            # Several choices of many tokens: seconds of work on a CPU.
+            body = {
+                "prompt": "x = [",
+                "max_tokens": 900,
+                "n": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                first = await resp.content.readline()
+                assert first.startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                # Every probe gets an answer: none is refused while the stream drains.
+                async with aiohttp.ClientSession() as other:
+                    for _ in range(200):
+                        async with other.get(url + "/ready") as r:
+                            if r.status == 503:
+                                ready = await r.json()
+                                break
+                        await asyncio.sleep(0.01)
+                    else:
+                        raise AssertionError("/ready never turned 503 after SIGTERM")
+                    assert ready["error"]["code"] == "shutting_down", ready
+                    async with other.post(
+                        url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}
+                    ) as r:
+                        refused = await r.json()
+                        assert r.status == 503, refused
+                        assert refused["error"]["code"] == "shutting_down"
+                        assert int(r.headers["Retry-After"]) >= 1
+                    async with other.get(url + "/health") as r:
+                        assert r.status == 200
+                    assert proc.poll() is None, "the process waits for the stream"
+                rest = await resp.content.read()
+        text = (first + rest).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        finishes = [
+            c["finish_reason"]
+            for line in text.splitlines()
+            if line.startswith("data: {")
+            for c in json.loads(line[6:])["choices"]
+            if c["finish_reason"]
+        ]
+        assert finishes == ["length"] * 8, finishes
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
