@@ -191,10 +191,13 @@ class Scenario:
     # ------------------------------------------------------------------ direct pod access
 
     async def catalog(self, pod) -> dict[str, dict]:
-        """``GET /v1/lora_catalog`` of one pod, by adapter name."""
+        """``GET /v1/lora_catalog`` of one pod, by adapter name (with the admin token its volume holds)."""
+        token = (pod.volumes["admin-token"][0] / "token").read_text().strip()
         async with (
             aiohttp.ClientSession() as http,
-            http.get(f"http://{pod.ip}:{pod.port}/v1/lora_catalog") as resp,
+            http.get(
+                f"http://{pod.ip}:{pod.port}/v1/lora_catalog", headers={"Authorization": f"Bearer {token}"}
+            ) as resp,
         ):
             assert resp.status == 200, f"{pod.name}: GET /v1/lora_catalog {resp.status} {await resp.text()}"
             return {entry["name"]: entry for entry in (await resp.json())["adapters"]}
