@@ -29,6 +29,21 @@ class AdapterConflictError(AdapterError):
     http_status = 409
 
 
+class AdapterDrainingError(AdapterConflictError):
+    """The name's previous adapter was unloaded but still serves its in-flight requests;
+    a load from another path must wait until they finish. Transient (503): a retry once
+    they end succeeds, so callers that give up on a 4xx (the operator, on-demand loads that
+    remember failures) retry instead."""
+
+    http_status = 503
+
+    def __init__(
+        self, message: str, *, field: str | None = None, adapter: str | None = None, in_flight: int = 0
+    ):
+        super().__init__(message, field=field, adapter=adapter)
+        self.in_flight = in_flight
+
+
 class AdapterCapacityError(AdapterError):
     """The adapter pool is full (loaded adapters, pinned slots, or distinct adapters per batch)."""
 

@@ -32,7 +32,13 @@ from loraserve.kernels import ForwardMode, LoRABackend, LoRABatchInfo, build_bat
 from ..config import LORA_MODULES, LoRAConfig
 from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights, load_adapter
-from .errors import AdapterCapacityError, AdapterConflictError, AdapterError, AdapterNotFoundError
+from .errors import (
+    AdapterCapacityError,
+    AdapterConflictError,
+    AdapterDrainingError,
+    AdapterError,
+    AdapterNotFoundError,
+)
 from .pool import LoRAContext, SlotPool
 from .sharding import shard_adapter
 
@@ -170,12 +176,7 @@ class LoRAManager:
             existing = self._entries.get(name)
             if existing is not None:
                 if existing.weights.path != resolved:
-                    raise AdapterConflictError(
-                        f"adapter name {name!r} is already loaded from {existing.weights.path}: "
-                        f"unload it first or choose another name for {resolved}",
-                        field="name",
-                        adapter=name,
-                    )
+                    raise self._conflict(existing, resolved)
                 if pinned and not existing.pinned:
                     self._check_pin_capacity(name)
                 existing.unloading = False
@@ -212,11 +213,7 @@ class LoRAManager:
         with self._lock:
             if name in self._entries:  # a concurrent load of the same name won the race
                 if self._entries[name].weights.path != resolved:
-                    raise AdapterConflictError(
-                        f"adapter name {name!r} was just loaded from {self._entries[name].weights.path}",
-                        field="name",
-                        adapter=name,
-                    )
+                    raise self._conflict(self._entries[name], resolved)
                 return self._info(self._entries[name])
             if len(self._entries) >= self.config.max_loaded_loras:
                 raise AdapterCapacityError(
@@ -232,6 +229,26 @@ class LoRAManager:
             if pinned:
                 self._place_pinned(name)
             return self._info(entry)
+
+    @staticmethod
+    def _conflict(existing: _Entry, resolved: Path) -> AdapterConflictError:
+        """The error for a load of ``existing.name`` from another path."""
+        name = existing.name
+        if existing.unloading:
+            return AdapterDrainingError(
+                f"adapter name {name!r} is still draining: its previous adapter (from {existing.weights.path}) "
+                f"was unloaded and finishes {existing.refcount} in-flight request(s) first; retry the load "
+                "when they end (each runs to its max_tokens at most), or load the new weights under another name",
+                field="name",
+                adapter=name,
+                in_flight=existing.refcount,
+            )
+        return AdapterConflictError(
+            f"adapter name {name!r} is already loaded from {existing.weights.path}: "
+            f"unload it first or choose another name for {resolved}",
+            field="name",
+            adapter=name,
+        )
 
     def unpin(self, name: str) -> None:
         """Let ``name`` leave its slot again when another adapter needs it (idempotent)."""

@@ -7,7 +7,9 @@ loaded; false: an idle adapter the pod may evict when it needs room for an on-de
 load). ``GET``/``PUT /v1/lora_catalog`` read and replace the serve's catalog on this pod
 (``loraserve.runtime.catalog``; the operator pushes it). Loading is idempotent: the
 same name from the same source answers 200 without loading again; the same name from a
-different source is a 409 until the old one is unloaded. Unloading is idempotent too.
+different source is a 409 until the old one is unloaded (and, while the unloaded one still
+finishes its in-flight requests, a 503 ``adapter_draining`` with ``Retry-After``).
+Unloading is idempotent too.
 The adapter's bytes are fetched and verified here (``loraserve.runtime.lora.sources``);
 errors that are the adapter's fault answer 4xx, transient ones (a source unreachable,
 the pool momentarily full) 5xx, so a caller knows whether retrying can help.
@@ -23,7 +25,7 @@ from aiohttp import web
 from ..catalog import CatalogError, parse_catalog
 from ..lora import AdapterError
 from ..policy import AdapterDeclaration, check_adapter
-from .adapter_supply import AdapterRecord, AdapterSupply, adapter_error
+from .adapter_supply import RETRY_AFTER_S, AdapterRecord, AdapterSupply, adapter_error
 from .auth import check_bearer
 from .errors import ApiError, invalid
 from .openai_api import read_body
@@ -100,7 +102,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             else:
                 supply.warm.discard(name)
             return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name), supply))
-        info = await supply.load(name, body.lora_path, sha256=body.sha256, pinned=body.pinned, warm=body.warm)
+        try:
+            info = await supply.load(
+                name, body.lora_path, sha256=body.sha256, pinned=body.pinned, warm=body.warm
+            )
+        except ApiError as exc:
+            raise _load_conflict(exc, engine, name) from None
         state.metrics.adapter_loads.labels("admin", "loaded").inc()
         rec = state.adapters[name]
         other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != name)
@@ -172,6 +179,20 @@ async def put_lora_catalog(request: web.Request) -> web.Response:
             "unloaded": list(change.unloaded),
         }
     )
+
+
+def _load_conflict(exc: ApiError, engine, name: str) -> ApiError:
+    """The engine names its own field ``name``; this API's is ``lora_name``. A name whose
+    previous adapter still finishes in-flight requests answers 503 ``adapter_draining``
+    with ``Retry-After`` (the load succeeds once they end; a 409 would read as final)."""
+    if exc.param != "name":
+        return exc
+    exc.param = "lora_name"
+    old = _find(engine, name)
+    if exc.status == 503 and old is not None and str(getattr(old, "state", "")) == "unloading":
+        exc.code = "adapter_draining"
+        exc.headers = {**exc.headers, "Retry-After": str(RETRY_AFTER_S)}
+    return exc
 
 
 def _find(engine, name: str):

@@ -238,3 +238,40 @@ async def test_pinned_adapters_keep_slots_and_unpinned_ones_take_turns(server, a
     assert results[1][1]["choices"][0]["text"] == alone["chat-r16"]
     for name in names:
         await _unload(server, name)
+
+
+async def test_reload_under_the_same_name_while_the_old_one_drains_is_a_clear_503(server, assets):
+    """Unload, then load the same name from other weights while the old adapter still serves
+    its requests: 503 ``adapter_draining`` on ``lora_name`` with ``Retry-After``, saying how
+    many requests it waits for (before: 409 "already loaded", naming ``name``, which the
+    operator takes as final). In-flight requests finish on the old weights; once they end,
+    the load succeeds with the new ones."""
+    old_path, new_path = str(assets.extra_adapters["extra-2"]), str(assets.extra_adapters["extra-0"])
+    assert (await _load(server, {"lora_name": "redo", "lora_path": old_path}))[0] == 200
+    body = {"model": "redo", "prompt": "def f(x):", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    tasks = [asyncio.create_task(_stream_tokens(server, body)) for _ in range(4)]
+    engine = server.engine
+    for _ in range(500):
+        if engine.snapshot.num_running >= 4:
+            break
+        await asyncio.sleep(0.01)
+    status, resp = await _unload(server, "redo")
+    assert status == 200 and resp["status"] == "unloaded"
+    async with server.session.post(
+        server.url + "/v1/load_lora_adapter",
+        json={"lora_name": "redo", "lora_path": new_path},
+        headers=server.admin_headers(),
+    ) as r:
+        refused = await r.json()
+        assert r.status == 503, refused
+        assert int(r.headers["Retry-After"]) >= 1
+    err = refused["error"]
+    assert err["param"] == "lora_name" and err["code"] == "adapter_draining", err
+    assert "still draining" in err["message"] and "in-flight request(s)" in err["message"], err
+    assert any(f"finishes {n} in-flight" in err["message"] for n in range(1, 5)), err
+    results = await asyncio.gather(*tasks)
+    assert all(r[1] == "length" and r[2] == 600 for r in results)
+    status, loaded = await _load(server, {"lora_name": "redo", "lora_path": new_path})
+    assert status == 200 and loaded["status"] == "loaded" and loaded["rank"] == 4, loaded
+    assert (await server.post("/v1/completions", {**body, "max_tokens": 2}))[0] == 200
+    await _unload(server, "redo")
