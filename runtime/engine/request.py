@@ -92,6 +92,9 @@ class Request:
     max_new_tokens: int = 16  # resolved by the engine at submission
     sink: OutputSink | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    group: str | None = None
+    """The API call this request is a choice of (admission is fair across calls); None:
+    a call of its own."""
 
     state: RequestState = RequestState.QUEUED
     output_ids: list[int] = field(default_factory=list)
@@ -112,6 +115,11 @@ class Request:
     holds_adapter: bool = False
     # Free for a decoder to keep per-request state (e.g. a draft's cursor).
     decoder_state: object | None = None
+
+    @property
+    def call(self) -> str:
+        """The fairness key: the API call, or the request itself."""
+        return self.group if self.group is not None else self.rid
 
     @property
     def all_ids(self) -> list[int]:

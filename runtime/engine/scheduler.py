@@ -18,6 +18,12 @@ Admission limits, checked for every candidate:
   cache short anyway, the newest-admitted requests are retracted (their KV freed, back to
   the queue in arrival order) until the step fits.
 
+Fair across API calls: an API call's choices (prompts × ``n``) share a ``group``, and the
+queue is taken round-robin between calls, least-served first (fewest requests running,
+then earliest arrival), so a small call beside a big one is admitted at the next free
+slot instead of behind every choice of the big one (:func:`fair_order`). Requests of
+calls of one choice each keep their arrival order.
+
 FIFO without starvation: a head blocked by the KV budget or the running limit blocks
 everyone (a smaller request never overtakes it). A head blocked only by the adapter limit
 may be overtaken by requests that need no new adapter slot, at most ``max_head_bypass``
@@ -39,7 +45,9 @@ long admission has been deferred.
 
 from __future__ import annotations
 
+import collections
 import enum
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,6 +133,31 @@ def admission_need(req: Request, ratio: float) -> int:
 
 def active_adapters(running: Sequence[Request]) -> set[str]:
     return {r.adapter for r in running if r.adapter is not None}
+
+
+def fair_order(waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+    """The waiting queue in admission order: round-robin between API calls, the call with
+    the fewest requests running (then the earliest waiting) first; arrival order within a
+    call. With one request per call this is the arrival order."""
+    calls: dict[str, list[Request]] = {}
+    for r in waiting:
+        calls.setdefault(r.call, []).append(r)
+    if len(calls) <= 1:
+        return list(waiting)
+    held = collections.Counter(r.call for r in running)
+    if len(calls) == len(waiting) and not any(held[key] for key in calls):
+        return list(waiting)  # one request per call, none of them running: arrival order
+    heap = [(held[key], first, key) for first, key in enumerate(calls)]
+    heapq.heapify(heap)
+    taken = dict.fromkeys(calls, 0)
+    order: list[Request] = []
+    while heap:
+        served, first, key = heapq.heappop(heap)
+        order.append(calls[key][taken[key]])
+        taken[key] += 1
+        if taken[key] < len(calls[key]):
+            heapq.heappush(heap, (served + 1, first, key))
+    return order
 
 
 def select_admissions(
@@ -288,6 +321,7 @@ class Scheduler:
     ) -> StepPlan:
         """The next step's plan for the given queue, running set and free KV tokens."""
         limits = self.limits
+        waiting = fair_order(waiting, running)
         if waiting and waiting[0] is not self._head:
             self._head, self._bypass_used = waiting[0], 0
         decoding = [r for r in running if not r.is_prefilling]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..engine import Engine, EngineError, Request, RequestOutput, SpecStats
 from ..sampling import SamplingParams
 from .errors import ApiError
+from .schemas import MAX_REQUEST_TOKENS
 
 _counter = itertools.count()
 
@@ -79,6 +80,7 @@ class Generation:
                         params=p,
                         adapter=adapter,
                         sink=self._sink_for(index),
+                        group=self.id,
                     )
                 )
                 self.choices.append(ChoiceState(index=index, prompt_ids=list(prompt)))
@@ -98,6 +100,7 @@ class Generation:
                 self.engine.prepare(req, prompt_param=self.prompt_param)
         except EngineError as exc:
             raise ApiError.from_request_error(exc.error) from None
+        self._check_total_tokens()
         try:
             for index, req in enumerate(self._requests):
                 self.engine.submit(req, prompt_param=self.prompt_param, prepared=True)
@@ -106,6 +109,22 @@ class Generation:
             self._abort_open()
             raise ApiError.from_request_error(exc.error) from None
         return self
+
+    def _check_total_tokens(self) -> None:
+        """Prompts × n × max_tokens (as resolved: a chat without max_tokens may run to the
+        context length) is bounded per call; one choice may always use the whole context."""
+        total = sum(r.max_new_tokens for r in self._requests)
+        bound = max(MAX_REQUEST_TOKENS, int(getattr(self.engine, "context_len", 0) or 0))
+        if total > bound:
+            choices = len(self._requests)
+            per = max(r.max_new_tokens for r in self._requests)
+            raise ApiError(
+                400,
+                f"prompts × n × max_tokens asks for {total} tokens ({choices} choices × up to {per} tokens): at "
+                f"most {bound} per request; lower max_tokens or n, or split the prompts across requests",
+                param="max_tokens",
+                code="too_many_tokens",
+            )
 
     async def __aexit__(self, *exc_info) -> None:
         self._abort_open()

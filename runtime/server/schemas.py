@@ -20,6 +20,12 @@ from .errors import ApiError, invalid
 
 MAX_N = 16
 MAX_PROMPTS = 64
+MAX_CHOICES = 128
+"""Prompts × n per request: every choice is an engine request, and one call of more would
+fill the running slots of a whole server."""
+MAX_REQUEST_TOKENS = 65536
+"""Prompts × n × max_tokens per request (tokens one call may ask the engine to generate);
+one choice may always run to the model's context length."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
@@ -332,6 +338,13 @@ def parse_completion(body: dict) -> CompletionRequest:
             code="unsupported_parameter",
         )
     common = _common(body, max_tokens=max_tokens, logprobs=logprobs is not None)
+    if len(prompts) * common.n > MAX_CHOICES:
+        raise invalid(
+            f"prompt × n is {len(prompts)} prompts × {common.n} = {len(prompts) * common.n} choices: at most "
+            f"{MAX_CHOICES} per request; send fewer prompts or a smaller n, or split the prompts across requests",
+            param="n",
+            code="too_many_choices",
+        )
     return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo)
 
 
@@ -502,6 +515,8 @@ def parse_unload_adapter(body: dict) -> str:
 
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_REQUEST_TOKENS",
     "ApiError",
     "ChatRequest",
     "CompletionRequest",

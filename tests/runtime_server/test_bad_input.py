@@ -59,6 +59,21 @@ CASES = [
         "stop_token_ids",
         ["stop_token_ids"],
     ),
+    # One call may not fill the server: prompts × n and prompts × n × max_tokens are bounded.
+    (
+        "/v1/completions",
+        {"prompt": ["x"] * 64, "n": 16, "max_tokens": 100},
+        400,
+        "n",
+        ["64 prompts × 16 = 1024 choices", "at most 128"],
+    ),
+    (
+        "/v1/completions",
+        {"prompt": ["x"] * 8, "n": 16, "max_tokens": 600},
+        400,
+        "max_tokens",
+        ["76800 tokens", "at most 65536"],
+    ),
     ("/v1/chat/completions", {"model": "tiny-base"}, 400, "messages", ["messages is required"]),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", ["non-empty"]),
     (
