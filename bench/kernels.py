@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -71,13 +70,7 @@ from loraserve.kernels.graph_metadata import GraphLoRAMetadata  # noqa: E402
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora  # noqa: E402
 from loraserve.kernels.triton_backend import TritonLoRABackend  # noqa: E402
 from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig, pick_expand, pick_shrink  # noqa: E402
-from loraserve.kernels.triton_ops.configs import (  # noqa: E402
-    MAX_PARTIAL_COLUMNS,
-    GemmConfig,
-    expand_blocks,
-    gemm_config,
-    rank_block,
-)
+from loraserve.kernels.triton_ops.configs import MAX_PARTIAL_COLUMNS, GemmConfig, gemm_config, rank_block  # noqa: E402
 from loraserve.kernels.triton_ops.expand import launch_expand  # noqa: E402
 from loraserve.kernels.triton_ops.fused import barrier_timeouts  # noqa: E402
 from loraserve.kernels.triton_ops.gemm_expand import gemm_linear, launch_gemm_expand  # noqa: E402
@@ -799,9 +792,11 @@ class TweakedBackend(TritonLoRABackend):
 
 
 # The expand's column loop: the register prefetch of one block (reg, the default before run
-# 10) against Triton's pipeliner (cp.async, STAGES-1 blocks ahead; the default since), with
-# other column groups or 256-wide blocks, or the one-live-row tiles on CUDA cores. Forced
-# variants apply to every tile.
+# 10; still the single-launch kernel's loop) against Triton's pipeliner (cp.async, STAGES-1
+# blocks ahead; the default since, extend tiles too since run 11), with other column groups
+# or 256-wide blocks. Forced variants apply to every tile. Run 11 removed run 10's own
+# choice (run10) and the CUDA-core expands for tiles of 1 / 4 live rows (row, row4): all
+# three lost (bench/results/2026-12-06-kernels-h100-run11.md).
 PIPELINED = {
     "reg": {"expand": {"pipeline_stages": 0}},
     "pipe2": {"expand": {"pipeline_stages": 2}},
@@ -811,33 +806,15 @@ PIPELINED = {
     "pipe3-g4": {"expand": {"pipeline_stages": 3, "col_blocks": 4}},
     "pipe3-g8": {"expand": {"pipeline_stages": 3, "col_blocks": 8}},
     "pipe3-n256w8": {"expand": {"pipeline_stages": 3, "block_n": 256, "num_warps": 8}},
-    # Tiles with at most 1 / 4 live rows on CUDA-core rank-1 updates (expand_rows).
-    "row": {"expand": {"fma_rows": 1}},
-    "row4": {"expand": {"fma_rows": 4}},
 }
 
 
-class Run10Backend(TritonLoRABackend):
-    """The expand configurations of run 10's default (``f7cb9e7``): extend tiles on the
-    register prefetch, and short tiles on 4 column blocks only from 32 blocks per SM."""
-
-    def expand_config(self, info, B, slice_offsets) -> ExpandConfig:
-        config = super().expand_config(info, B, slice_offsets)
-        if info.tile_m > 16:
-            return replace(config, pipeline_stages=0)
-        widths = tuple(b - a for a, b in itertools.pairwise(slice_offsets))
-        blocks = expand_blocks(info.num_tiles, widths, config.block_n)
-        return replace(config, col_blocks=4 if blocks >= 32 * num_sms(B.device) else 2)
-
-
-LAYER_PIPELINED = ("run10", "reg", "row", "row4")
-OVERLAPS.update({f"overlap-auto-{name}": None for name in (*PIPELINED, "run10")})
+LAYER_PIPELINED = ("reg",)
+OVERLAPS.update({f"overlap-auto-{name}": None for name in PIPELINED})
 
 BACKENDS = {
     **{name: (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
     **{f"overlap-auto-{name}": (lambda t=t: TweakedBackend(**t)) for name, t in PIPELINED.items()},
-    "run10": Run10Backend,
-    "overlap-auto-run10": Run10Backend,
     "default": lambda: TritonLoRABackend(),
     "two-launch": lambda: TritonLoRABackend(fused=False),
     "fused": lambda: TritonLoRABackend(fused=True),
@@ -1394,20 +1371,20 @@ def pipeline_scenarios(tiny: bool) -> list[tuple[Workload, tuple[str, ...]]]:
 
 
 def pipeline_module_workloads(tiny: bool) -> list[tuple[Workload, tuple[str, ...], tuple[str, ...]]]:
-    variants = ("default", "run10", "reg", "row", "row4")
+    variants = ("default", "reg")
     if tiny:
         return [
             (Workload("decode", 4, 4, 16, rank_major_b=True), ("qkv",), variants),
-            (Workload("extend", 2, 2, 16, 20, rank_major_b=True), ("o",), ("default", "run10")),
+            (Workload("extend", 2, 2, 16, 20, rank_major_b=True), ("o",), variants),
         ]
     return [
         (Workload("decode", 64, 64, 16, rank_major_b=True), ALL, variants),
         (Workload("verify", 32, 32, 16, 4, rank_major_b=True), ALL, variants),
         (Workload("decode", 32, 8, 16, rank_major_b=True), ALL, variants),
         (Workload("decode", 64, 64, 16, 1, 64, rank_major_b=True), ALL, variants),
-        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), ("default", "reg")),
-        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), ("default", "run10")),
-        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), ("default", "run10")),
+        (Workload("decode", 64, 64, 64, 1, 64, rank_major_b=True), ("gate_up",), variants),
+        (Workload("extend", 8, 8, 64, 512, rank_major_b=True), ("o", "down"), variants),
+        (Workload("extend", 4, 4, 16, 512, rank_major_b=True), ("o", "down"), variants),
     ]
 
 

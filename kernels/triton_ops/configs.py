@@ -19,7 +19,8 @@ PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before 
 EXPAND_PIPELINE_STAGES = 3  # the expand's column loop: blocks in flight + 1 (bench/KERNELS-NOTES.md run 10)
 # Short-tile expands take 4 column blocks a program from this many blocks per SM, 2 below:
 # run 10 found 4 better at 64 decode tiles (o, down: 2048 blocks; 1-3 points a layer) and
-# worse at 32 verify tiles (qkv: 1536) and 8 decode tiles.
+# worse at 32 verify tiles (qkv: 1536) and 8 decode tiles; run 11 (H100) confirmed 15 against
+# run 10's 32 (bs 64 / 64 rank-16 adapters in a rank-64 pool: +52.7% against +55.3%).
 FOUR_COL_BLOCKS_PER_SM = 15
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
@@ -68,14 +69,6 @@ class ExpandConfig:
     # (B and the base output copied to shared memory ahead, cp.async); 0: the loop
     # prefetches one block ahead in registers.
     pipeline_stages: int = 0
-    # Decode/verify tiles with at most this many live rows (a power of two; 0: none) take
-    # rank-1 updates on CUDA cores (expand.expand_rows) instead of a 16-row tensor-core tile.
-    fma_rows: int = 0
-
-    def __post_init__(self) -> None:
-        rows = self.fma_rows
-        if rows < 0 or rows > 16 or rows & (rows - 1):
-            raise ValueError(f"ExpandConfig.fma_rows={rows}: use 0 (off) or a power of two up to 16")
 
 
 @dataclass(frozen=True)
@@ -180,7 +173,8 @@ def pick_expand(
     # The column loop goes to Triton's pipeliner, B and the base output copied to shared
     # memory two blocks ahead (run 10: 1-4 points off every layer target, 8% off gate_up at
     # 64 adapters, 0.4-4% off extend's o and down, from fewer registers and shared-memory
-    # round trips than the register prefetch).
+    # round trips than the register prefetch; run 11 on an H100: extend's o and down
+    # 0.6-5% faster, decode and verify tiles as in run 10).
     return ExpandConfig(
         block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks, pipeline_stages=EXPAND_PIPELINE_STAGES
     )

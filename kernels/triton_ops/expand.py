@@ -294,74 +294,6 @@ def expand_pipelined(
 
 
 @triton.jit
-def expand_rows(
-    xa_ptr,
-    b_ptr,
-    out_ptr,
-    slot,
-    rank,
-    scale,
-    rows,
-    slice_id,
-    n_first,
-    hi,
-    col_blocks,
-    max_rank,
-    xa_col0,
-    stride_xs,
-    stride_xm,
-    stride_xr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_om,
-    stride_on,
-    SPLIT_K: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    R_STEP: tl.constexpr,
-):
-    """The expand of a tile's first ``ROWS`` rows (-1: none), on CUDA cores: ``R_STEP``
-    rank-1 updates a step, each one row of B (contiguous along the output in the pool's
-    rank-major layout) times the rows' ``xa`` column, for ``2 * BLOCK_N`` columns at once.
-
-    The 16-row tensor-core tile stages B, the base output and the result through shared
-    memory for rows that are mostly dead; here B goes straight to registers, the step's B
-    rows are independent loads, all in flight together, and each is read once for all the
-    rows. At one row the ``xa`` column is taken with warp shuffles alone; at more rows
-    Triton 3.6 moves it through shared memory (bench/KERNELS-NOTES.md, before run 11).
-    """
-    m_mask = rows >= 0
-    rows64 = tl.where(m_mask, rows, 0).to(tl.int64)
-    xa_rows = xa_ptr + rows64[:, None] * stride_xm + (xa_col0 + slice_id * max_rank) * stride_xr
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    out_rows = out_ptr + rows64[:, None] * stride_om
-    n_end = tl.minimum(hi, n_first + col_blocks * BLOCK_N)
-    for n0 in range(n_first, n_end, 2 * BLOCK_N):
-        offs_n = n0 + tl.arange(0, 2 * BLOCK_N)
-        n_mask = offs_n < n_end
-        b_cols = b_slot + offs_n.to(tl.int64) * stride_bn
-        acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, R_STEP):
-            offs_r = r0 + tl.arange(0, R_STEP)
-            xa_mask = m_mask[:, None] & (offs_r < rank)[None, :]
-            xa = tl.load(xa_rows + offs_r[None, :] * stride_xr, mask=xa_mask, other=0.0).to(tl.float32)
-            for s in tl.static_range(1, SPLIT_K):
-                part = xa_rows + s * stride_xs + offs_r[None, :] * stride_xr
-                xa += tl.load(part, mask=xa_mask, other=0.0).to(tl.float32)
-            for i in tl.static_range(R_STEP):
-                r = r0 + i
-                xr = tl.sum(tl.where(offs_r[None, :] == r, xa, 0.0), axis=1)
-                # (r < rank as a vector: the interpreter refuses a scalar mask term)
-                b = tl.load(b_cols + r * stride_br, mask=n_mask & (offs_n * 0 + r < rank), other=0.0)
-                acc += xr[:, None] * b.to(tl.float32)[None, :]
-        out_ptrs = out_rows + offs_n[None, :] * stride_on
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(out_ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _lora_expand_kernel(
     xa_ptr,
     b_ptr,
@@ -392,7 +324,6 @@ def _lora_expand_kernel(
     USE_PDL: tl.constexpr,
     SMALL_R: tl.constexpr,
     PIPELINE: tl.constexpr,
-    FMA_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -412,16 +343,9 @@ def _lora_expand_kernel(
         return
     slice_id, lo, hi, group = locate_group(pid_g, off1, off2, off3, group1, group2, NUM_SLICES)
     n_first = lo + group * col_blocks * BLOCK_N
-    # Tiles with at most FMA_ROWS live rows (a prefix of the tile's rows) on CUDA cores;
-    # tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
+    # Tiles of a small-rank slot take SMALL_R-row B tiles (the launch sets SMALL_R, a
     # constexpr, only where it is narrower than BLOCK_R; 0 compiles the one path).
-    if FMA_ROWS > 0 and tl.sum((rows >= 0).to(tl.int32)) <= FMA_ROWS:
-        expand_rows(
-            xa_ptr, b_ptr, out_ptr, slot, rank, scale, tl.load(rows_ptr + pid_t * BLOCK_M + tl.arange(0, FMA_ROWS)),
-            slice_id, n_first, hi, col_blocks, max_rank, xa_col0, stride_xs, stride_xm, stride_xr, stride_bs,
-            stride_bn, stride_br, stride_om, stride_on, SPLIT_K, FMA_ROWS, BLOCK_N, 16,
-        )  # fmt: skip
-    elif SMALL_R > 0 and rank <= SMALL_R:
+    if SMALL_R > 0 and rank <= SMALL_R:
         _expand_tile(
             xa_ptr, b_ptr, out_ptr, slot, rank, scale, rows, slice_id, n_first, hi, col_blocks, max_rank, xa_col0,
             stride_xs, stride_xm, stride_xr, stride_bs, stride_bn, stride_br, stride_om, stride_on, SPLIT_K,
@@ -491,11 +415,6 @@ def small_rank_block(config: ExpandConfig, tile_m: int) -> int:
     and only where it is narrower than the pool's ``block_r``."""
     small = config.small_block_r
     return small if 0 < small < config.block_r and tile_m <= 16 else 0
-
-
-def fma_rows(config: ExpandConfig, tile_m: int) -> int:
-    """Live rows up to which a decode/verify tile takes the CUDA-core expand (0: never)."""
-    return config.fma_rows if tile_m <= 16 else 0
 
 
 def column_groups(widths: list[int], block_n: int, col_blocks: int) -> list[int]:
@@ -569,7 +488,6 @@ def launch_expand(
             USE_PDL=pdl,
             SMALL_R=small_rank_block(config, info.tile_m),
             PIPELINE=config.pipeline_stages,
-            FMA_ROWS=fma_rows(config, info.tile_m),
             BLOCK_M=info.tile_m,
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,

@@ -249,31 +249,3 @@ def test_small_and_large_ranks_share_a_launch(mode, kwargs, make_pool, gen, chec
         check_apply(backend, info, pool, x, out0)
     config = TritonLoRABackend().expand_config(info, pool.B, pool.offsets)
     assert (config.block_r, config.small_block_r) == (64, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_rank", [16, 64])
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("fma_rows", [1, 4])
-def test_few_row_tiles_take_rank_one_updates(dtype, max_rank, split_k, fma_rows, make_pool, gen, check_apply, device):
-    """With ``fma_rows``, decode tiles with at most that many live rows take the CUDA-core
-    expand (rank-1 updates, 16 ranks a step: rank 40 takes three steps, the last one
-    partial): the single-request tiles, and at 4 also the two-request tile; the
-    five-request tile keeps the tensor-core path in the same launch. Three column blocks a
-    program make two 32-column steps, the second cut by the slice's end."""
-    pool = make_pool(in_dim=45, widths=QKV, ranks=[16, 5, 0, 9, min(40, max_rank)], max_rank=max_rank, dtype=dtype)
-    slots = [1, 3, -1, 0, 2, 1, 4, 1, 1, 3, 1]  # slot 1 five times, slot 3 twice
-    info = build_batch_info(ForwardMode.DECODE, slots, pool.ranks, pool.scalings, device=device)
-    x, out0 = pool.inputs(gen, info.total_tokens)
-    shrink = ShrinkConfig(block_n=16, block_k=16, split_k=split_k)
-    expand = ExpandConfig(block_n=16, block_r=min(max_rank, 64), col_blocks=3, pipeline_stages=3, fma_rows=fma_rows)
-    check_apply(TritonLoRABackend(shrink_config=shrink, expand_config=expand), info, pool, x, out0)
-
-
-@pytest.mark.parametrize("rows", [3, -1, 32])
-def test_fma_rows_must_be_a_power_of_two(rows):
-    """A CUDA-core row count the kernel cannot tile is refused when the configuration is
-    made, naming the field."""
-    with pytest.raises(ValueError, match=f"ExpandConfig.fma_rows={rows}"):
-        ExpandConfig(block_n=16, block_r=16, fma_rows=rows)
-    assert ExpandConfig(block_n=16, block_r=16, fma_rows=4).fma_rows == 4
