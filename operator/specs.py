@@ -124,9 +124,9 @@ class SpeculativeSpec(_Spec):
 
     algorithm: SpecAlgorithm = SpecAlgorithm.NONE
     draft_model: DraftModelSpec | None = None
-    num_steps: int = Field(default=3, ge=1)
-    top_k: int = Field(default=1, ge=1)
-    num_draft_tokens: int | None = Field(default=None, ge=2)
+    num_steps: int = Field(default=3, ge=1, le=32)  # runtime.policy.MAX_NUM_STEPS
+    top_k: int = Field(default=1, ge=1, le=16)  # runtime.policy.MAX_TOP_K
+    num_draft_tokens: int | None = Field(default=None, ge=2, le=256)  # runtime.policy.MAX_NUM_DRAFT_TOKENS
     adaptive: bool = False
     ragged_verify: RaggedVerify = RaggedVerify.STATIC
     draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
@@ -142,7 +142,7 @@ class LoRASpec(_Spec):
     enabled: bool = True
     max_loras_per_batch: int = Field(default=8, ge=1)
     max_loaded_loras: int = Field(default=32, ge=1)
-    max_rank: int = Field(default=64, ge=1)
+    max_rank: int = Field(default=64, ge=1, le=512)  # runtime.policy.MAX_LORA_RANK
     target_modules: list[Literal[LORA_MODULES]] = Field(  # type: ignore[valid-type]
         default=list(DEFAULT_LORA_MODULES), min_length=1, max_length=len(LORA_MODULES)
     )

@@ -45,6 +45,17 @@ FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantF
 
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 LARGE_RANK = 256
+MAX_LORA_RANK = 512
+"""The largest ``lora.max_rank``: every GPU slot reserves A and B at this rank for every
+target module (a rank-512 pool of an 8B model already holds ~0.3 GiB per slot)."""
+MAX_NUM_STEPS = 32
+"""The most draft forward passes per step: accept lengths fall with depth (a draft rarely
+stays right 32 tokens in a row) while each step costs a forward."""
+MAX_TOP_K = 16
+"""The widest tree branching (a level scores top_k² candidates)."""
+MAX_NUM_DRAFT_TOKENS = 256
+"""The most tokens verified per request and step (a chain verifies num_steps + 1 ≤ 33; a
+tree at most this many nodes): every decode request verifies that many rows."""
 # Tree drafts verify num_draft_tokens rows per request; at 8 requests a 16-node tree was
 # already slower than a chain on the H200 (bench/results/2026-12-04-spec-h200.md).
 TREE_COSTLY_BATCH = 8
@@ -264,6 +275,13 @@ def _at_least(path: str, value: int | float | None, minimum: int, rule: str) -> 
         )
 
 
+def _at_most(path: str, value: int | None, maximum: int, rule: str, why: str) -> Iterable[Violation]:
+    if value is not None and value > maximum:
+        yield Violation(
+            rule, path, f"must be at most {maximum}, got {value} ({why})", f"set {{{path}}} to {maximum} or less"
+        )
+
+
 def _one_of(path: str, value: object, allowed: tuple[str, ...], rule: str) -> Iterable[Violation]:
     plain = value.value if isinstance(value, enum.Enum) else value
     if plain not in allowed:
@@ -346,6 +364,9 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
     out += _at_least("lora.max_loras_per_batch", lora.max_loras_per_batch, 1, "lora-slots")
     out += _at_least("lora.max_loaded_loras", lora.max_loaded_loras, 1, "lora-cache")
     out += _at_least("lora.max_rank", lora.max_rank, 1, "lora-rank")
+    out += _at_most(
+        "lora.max_rank", lora.max_rank, MAX_LORA_RANK, "lora-rank-max", "every slot reserves GPU memory for it"
+    )
     if lora.max_loras_per_batch > lora.max_loaded_loras >= 1:
         out.append(
             Violation(
@@ -480,6 +501,17 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
     out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
     out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
     out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")
+    out += _at_most(
+        "speculative.num_steps", spec.num_steps, MAX_NUM_STEPS, "num-steps-max", "one draft forward per step"
+    )
+    out += _at_most("speculative.top_k", spec.top_k, MAX_TOP_K, "top-k-max", "each tree level scores top_k² nodes")
+    out += _at_most(
+        "speculative.num_draft_tokens",
+        spec.num_draft_tokens,
+        MAX_NUM_DRAFT_TOKENS,
+        "num-draft-tokens-max",
+        "every request verifies that many rows each step",
+    )
     if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != spec.num_steps + 1:
         out.append(
             Violation(

@@ -604,3 +604,90 @@ def test_trees_in_large_batches_warn():
     )
     assert "tree-large-batches" not in warning_rules(config(A.EAGLE, scheduler__max_running_requests=small, **tree))
     assert "tree-large-batches" not in warning_rules(config(A.EAGLE, scheduler__max_running_requests=32))
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "bad", "good"),
+    [
+        (
+            "num-steps-max",
+            "speculative.num_steps",
+            {"speculative__num_steps": 1_000_000, "speculative__num_draft_tokens": 1_000_001},
+            {"speculative__num_steps": 32, "speculative__num_draft_tokens": 33},
+        ),
+        (
+            "num-steps-max",
+            "speculative.num_steps",
+            {"speculative__num_steps": 33, "speculative__num_draft_tokens": 34},
+            {"speculative__num_steps": 32, "speculative__num_draft_tokens": 33},
+        ),
+        (
+            "num-draft-tokens-max",
+            "speculative.num_draft_tokens",
+            {"speculative__top_k": 16, "speculative__num_steps": 5, "speculative__num_draft_tokens": 1_000_001},
+            {"speculative__top_k": 16, "speculative__num_steps": 5, "speculative__num_draft_tokens": 256},
+        ),
+        (
+            "top-k-max",
+            "speculative.top_k",
+            {"speculative__top_k": 17, "speculative__num_steps": 2, "speculative__num_draft_tokens": 64},
+            {"speculative__top_k": 16, "speculative__num_steps": 2, "speculative__num_draft_tokens": 64},
+        ),
+        ("lora-rank-max", "lora.max_rank", {"lora__max_rank": 2**40}, {"lora__max_rank": 512}),
+    ],
+)
+def test_upper_bounds_name_the_field_the_maximum_and_the_fix(rule, field, bad, good):
+    """1,000,001 draft tokens or a rank of 2^40 used to pass the policy and fail at run time."""
+    report = policy.check_config(config(A.EAGLE3, **bad), EVERYTHING)
+    found = [v for v in report.violations if v.rule == rule]
+    assert len(found) == 1, report.violations
+    assert found[0].field == field
+    maximum = {
+        "num-steps-max": policy.MAX_NUM_STEPS,
+        "num-draft-tokens-max": policy.MAX_NUM_DRAFT_TOKENS,
+        "top-k-max": policy.MAX_TOP_K,
+        "lora-rank-max": policy.MAX_LORA_RANK,
+    }[rule]
+    assert f"must be at most {maximum}" in found[0].reason
+    assert found[0].render().endswith(f"fix: set {field} to {maximum} or less")
+    assert rule not in rules(config(A.EAGLE3, **{**bad, **good}))
+
+
+def test_the_maxima_agree_across_the_crd_the_operator_model_and_the_policy(kit):
+    from loraserve.operator import specs
+
+    crd = kit.crd_schema(kit.load_crd("LoRAServe"))["properties"]["spec"]["properties"]
+    spec, lora = crd["speculative"]["properties"], crd["lora"]["properties"]
+    assert spec["numSteps"]["maximum"] == policy.MAX_NUM_STEPS
+    assert spec["topK"]["maximum"] == policy.MAX_TOP_K
+    assert spec["numDraftTokens"]["maximum"] == policy.MAX_NUM_DRAFT_TOKENS
+    assert lora["maxRank"]["maximum"] == policy.MAX_LORA_RANK
+    with pytest.raises(specs.SpecError) as caught:
+        specs.parse_loraserve_spec(
+            {
+                "model": {"source": "/m"},
+                "lora": {"maxRank": 2**40},
+                "speculative": {"algorithm": "NGRAM", "numSteps": 1_000_000, "numDraftTokens": 1_000_001},
+            }
+        )
+    problems = caught.value.problems
+    for name in ("spec.lora.maxRank:", "spec.speculative.numSteps:", "spec.speculative.numDraftTokens:"):
+        assert any(p.startswith(name) for p in problems), problems
+
+
+def test_start_up_refuses_values_over_the_maximum_naming_the_fix(tmp_path, capsys):
+    from loraserve.runtime.cli import main
+
+    code = main(
+        [
+            *("--model", str(tmp_path), "--device", "cpu", "--speculative-algorithm", "NGRAM"),
+            *("--num-steps", "1000000", "--num-draft-tokens", "1000001", "--max-lora-rank", str(2**40)),
+            "--check-config",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "speculative.num_steps: must be at most 32, got 1000000" in err
+    assert "set speculative.num_steps to 32 or less" in err
+    assert "speculative.num_draft_tokens: must be at most 256, got 1000001" in err
+    assert f"lora.max_rank: must be at most 512, got {2**40}" in err
