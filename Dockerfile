@@ -5,8 +5,12 @@
 #   loraserve-fetch     downloads https:// and s3:// models (the serving pods' init containers)
 #   loraserve-token-map builds an FR-Spec token map for an EAGLE draft from a corpus
 # The base brings CUDA and a CUDA build of torch (with its triton); the project adds the rest.
+# It is the torch and Triton the kernels were tested and measured on (bench/results/: torch
+# 2.11.0+cu130, Triton 3.6.0, which torch 2.11.0 pins): pyproject's bounds, the runtime's
+# start-up check (loraserve.runtime.capabilities.TRITON_OLDEST) and the latest GPU results
+# must agree with it (tests/packaging/test_versions.py). CUDA 13.0 needs an R580 driver.
 
-ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 FROM ${BASE_IMAGE} AS build
 WORKDIR /src
@@ -34,12 +38,15 @@ ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/cache/inductor
 
-# torch is already in the base (CUDA build); pip keeps it because it satisfies torch>=2.4.
+# torch and triton are already in the base (CUDA build); pip keeps them because they
+# satisfy pyproject's bounds (torch>=2.11, the triton extra's triton>=3.6), and the build
+# fails if the runtime would refuse the Triton it ends up with.
 COPY --from=build /wheels /wheels
 RUN set -eux; \
     wheel="$(ls /wheels/loraserve-*.whl)"; \
-    python -m pip install --no-cache-dir "${wheel}[operator]"; \
+    python -m pip install --no-cache-dir "${wheel}[operator,triton]"; \
     rm -rf /wheels; \
+    python -c "import sys; from loraserve.runtime import capabilities as c; v = c.installed_triton_version(); sys.exit(c.triton_version_problem(v, ['LoRA', 'paged attention']) if v else 'the image has no triton')"; \
     command -v loraserve-runtime; \
     command -v loraserve-operator; \
     command -v loraserve-fetch; \

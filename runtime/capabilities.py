@@ -8,6 +8,7 @@ its entry, and both the admission webhook and the runtime's start-up check follo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import SpecAlgorithm
@@ -54,3 +55,88 @@ CAPABILITIES = Capabilities(
     tree_algorithms=TREE_DRAFTS,
 )
 """This image's capabilities; the default of every policy function."""
+
+
+# --- Triton ---------------------------------------------------------------------------
+
+TRITON_OLDEST: tuple[int, int] = (3, 6)
+"""The oldest Triton the CUDA kernels (LoRA shrink/expand, paged attention) were run on:
+every GPU test and figure in ``bench/results/`` used Triton 3.6 (with torch 2.11), the CPU
+tests Triton 3.9. pyproject's ``triton`` extra starts here and the image's base ships it
+(tests/packaging/test_versions.py holds the three together)."""
+
+BASE_IMAGE_HINT = "pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime"
+"""The image's base (Dockerfile ``BASE_IMAGE``): torch 2.11 with Triton 3.6."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: ``"3.6.0+git1a2b"`` -> ``(3, 6, 0)``."""
+    parts = []
+    for piece in version.strip().split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def installed_triton_version() -> str | None:
+    """Triton's version from the package metadata (``triton``, or the ``pytorch-triton``
+    of nightly torch builds), without importing it; None where it is not installed."""
+    import importlib.metadata
+
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def triton_kernels_used(cfg, cuda_available: bool) -> list[str]:
+    """The Triton kernels a start with ``cfg`` would run compiled for CUDA (empty: none):
+    ``auto`` takes them on CUDA (LoRA and attention alike), never on the CPU."""
+    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
+    if not on_cuda:
+        return []
+    used = []
+    if cfg.lora.enabled and cfg.lora.backend in ("auto", "triton"):
+        used.append(f"LoRA (--lora-backend {cfg.lora.backend})")
+    if cfg.attention_backend in ("auto", "triton"):
+        used.append(f"paged attention (--attention-backend {cfg.attention_backend})")
+    return used
+
+
+def triton_version_problem(version: str | None, used: Sequence[str]) -> str | None:
+    """Why a start that runs the Triton kernels ``used`` must be refused with Triton
+    ``version`` installed, or None: only a Triton older than :data:`TRITON_OLDEST` is
+    refused, and only where a Triton kernel would run (none: any version, or none at all,
+    is fine)."""
+    if not used or version is None:
+        return None
+    parsed = version_tuple(version)
+    if not parsed or parsed >= TRITON_OLDEST:  # (a version that names no release cannot be judged)
+        return None
+    oldest = ".".join(map(str, TRITON_OLDEST))
+    return (
+        f"triton {version} is installed, but the oldest Triton the {' and '.join(used)} kernels were run and "
+        f"tested on is {oldest}: install triton>={oldest} (pip install 'loraserve[triton]', or build the image "
+        f"on its base, {BASE_IMAGE_HINT}), or start without the Triton kernels (--lora-backend torch "
+        f"--attention-backend sdpa)"
+    )
+
+
+def check_triton(cfg) -> str | None:
+    """:func:`triton_version_problem` for this machine: the installed Triton, and CUDA as torch sees it."""
+    version = installed_triton_version()
+    if version is None:
+        return None
+    import torch
+
+    return triton_version_problem(version, triton_kernels_used(cfg, torch.cuda.is_available()))

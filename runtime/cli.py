@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .capabilities import check_triton
 from .config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
 
 log = logging.getLogger("loraserve.runtime")
@@ -314,7 +315,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
 
 
 def _local_checks(cfg: RuntimeConfig) -> list[str]:
-    """Start-up facts the pure policy cannot know: files on this machine, ports."""
+    """Start-up facts the pure policy cannot know: files on this machine, ports, the Triton installed."""
     problems = []
     if not (Path(cfg.model.path) / "config.json").is_file():
         problems.append(
@@ -333,6 +334,8 @@ def _local_checks(cfg: RuntimeConfig) -> list[str]:
         problems.append(f"--port {cfg.server.port}: must be 1-65535")
     if cfg.server.max_body_bytes < 1024:
         problems.append(f"--max-body-bytes {cfg.server.max_body_bytes}: must be >= 1024")
+    if triton_problem := check_triton(cfg):
+        problems.append(triton_problem)
     return problems
 
 
