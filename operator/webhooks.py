@@ -39,7 +39,7 @@ import kopf
 
 from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
 from loraserve.runtime.config import RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.policy import Namer, check_adapter, check_config
+from loraserve.runtime.policy import Namer, check_adapter, check_config, check_source_revision
 
 from . import index
 from .index import IndexedAdapter, lookup_adapters, lookup_serve
@@ -210,6 +210,18 @@ def _misfits(
     return problems, [w.render(name) for w in report.warnings]
 
 
+def floating_sources(serve: LoRAServeSpec) -> list[str]:
+    """Warnings for ``hf://`` model and draft sources not pinned to a commit (they follow a
+    branch, so pods started later may serve other weights)."""
+    found = [check_source_revision("spec.model.source", serve.model.source, revision=serve.model.revision)]
+    draft = serve.speculative.draft_model
+    if draft is not None:
+        found.append(
+            check_source_revision("spec.speculative.draftModel.source", draft.source, revision=draft.revision)
+        )
+    return [w.render() for w in found if w is not None]
+
+
 def _pinned_others(adapters: Sequence[IndexedAdapter], name: str) -> int:
     return sum(1 for a in adapters if a.name != name and a.spec.get("pinned") is True)
 
@@ -238,6 +250,7 @@ def judge_serve(
     problems, warnings = serve_messages(report)
     verdict.problems += unmounted_sources(serve)
     verdict.problems += problems
+    verdict.warnings += floating_sources(serve)
     verdict.warnings += warnings
     if report.resolution:
         verdict.warnings.append(f"spec.speculative.algorithm: {report.resolution}")
@@ -294,6 +307,9 @@ def judge_adapter(
     except SpecError as error:
         verdict.problems += error.problems
         return verdict
+    floating = check_source_revision("spec.source", adapter.source, sha256=adapter.sha256)
+    if floating is not None:
+        verdict.warnings.append(floating.render())
     labels = (metadata or {}).get("labels") or {}
     if SERVE_LABEL in labels and labels[SERVE_LABEL] != adapter.serve:
         verdict.warnings.append(

@@ -179,6 +179,42 @@ class AdapterDeclaration:
     pinned: bool = False
 
 
+_HF_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def check_source_revision(
+    field: str, source: str | None, *, revision: str | None = None, sha256: str | None = None
+) -> PolicyWarning | None:
+    """A warning for an ``hf://`` source that is not pinned to a commit: without
+    ``@<revision>`` (or a separate ``revision``) it follows the repository's main branch, so
+    a new pod, a restart or a reload may fetch other weights than the running ones; a branch
+    or tag can move too. None for other schemes and for a commit sha."""
+    if not source or not source.startswith("hf://"):
+        return None
+    repo, _, pinned = source.partition("@")
+    rev = pinned or revision
+    if rev and _HF_COMMIT.fullmatch(rev):
+        return None
+    if not rev:
+        effect = (
+            "a change there makes the sha256 check fail, so new pods stop loading it"
+            if sha256
+            else "a new pod, a restart or a reload may fetch other weights than the running ones"
+        )
+        return PolicyWarning(
+            "source-floating-revision",
+            field,
+            f"{source} names no revision, so it follows the repository's main branch: {effect}; "
+            f"pin a commit: {repo}@<40-character commit sha>",
+        )
+    return PolicyWarning(
+        "source-floating-revision",
+        field,
+        f"{source if pinned else f'{source} at revision {rev}'}: {rev!r} is a branch or tag, which can move; "
+        f"pin a commit: {repo}@<40-character commit sha>",
+    )
+
+
 # --------------------------------------------------------------------------- resolution
 
 

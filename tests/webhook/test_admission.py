@@ -25,6 +25,10 @@ WEBHOOK_NEGATIVES = [
 ]
 
 
+PINNED = "0123456789abcdef0123456789abcdef01234567"
+"""A commit sha: adapters of these tests are pinned, so no revision warning is expected."""
+
+
 def serve(name: str, namespace: str, **spec) -> dict:
     body = {"model": {"source": "/models/llama"}, **spec}
     return {
@@ -36,7 +40,7 @@ def serve(name: str, namespace: str, **spec) -> dict:
 
 
 def adapter(name: str, namespace: str, serve_name: str, **spec) -> dict:
-    body = {"serve": serve_name, "source": f"hf://acme/{name}", **spec}
+    body = {"serve": serve_name, "source": f"hf://acme/{name}@{PINNED}", **spec}
     return {
         "apiVersion": API_VERSION,
         "kind": "Adapter",
@@ -273,3 +277,74 @@ async def test_unmounting_an_adapters_claim_is_refused(lab):
     assert "existing Adapter 'x' spec.source: claim 'lora' is not mounted by LoRAServe 's'" in (
         unmounted.validation.message
     )
+
+
+async def test_hf_sources_without_a_pinned_commit_warn_at_admission(lab):
+    """``hf://org/repo`` without ``@revision`` follows main: admitted, with a warning naming
+    the field and the fix, for Adapter sources and for model and draft sources alike."""
+    ns = "revisions"
+    created = await lab.apply(serve("s", ns))
+    assert created.allowed and created.warnings == []
+    floating = await lab.apply(adapter("floating", ns, "s", source="hf://acme/sql-lora"))
+    assert floating.allowed
+    assert [w for w in floating.warnings if w.startswith("spec.source:")] == [
+        "spec.source: hf://acme/sql-lora names no revision, so it follows the repository's main branch: a new "
+        "pod, a restart or a reload may fetch other weights than the running ones; pin a commit: "
+        "hf://acme/sql-lora@<40-character commit sha>"
+    ]
+    branch = await lab.apply(adapter("branch", ns, "s", source="hf://acme/sql-lora@main"))
+    assert branch.allowed and any(
+        w.startswith("spec.source: hf://acme/sql-lora@main: 'main' is a branch or tag")
+        for w in branch.warnings
+    ), branch.warnings
+    checked = await lab.apply(adapter("checked", ns, "s", source="hf://acme/sql-lora", sha256="a" * 64))
+    assert checked.allowed and any("the sha256 check fail" in w for w in checked.warnings), checked.warnings
+    pinned = await lab.apply(adapter("pinned", ns, "s", source=f"hf://acme/sql-lora@{PINNED}"))
+    assert pinned.allowed and pinned.warnings == []
+    for other in ("pvc://adapters/sql", "s3://bucket/sql", "https://example.com/sql.tar.gz"):
+        quiet = await lab.review(adapter("other", ns, "s", source=other), path=webhooks.VALIDATE_ADAPTER)
+        assert not any(w.startswith("spec.source:") for w in quiet.warnings), (other, quiet.warnings)
+
+    models = await lab.apply(
+        serve(
+            "hub",
+            ns,
+            model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+            speculative={
+                "algorithm": "EAGLE3",
+                "draftModel": {"source": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+            },
+            storage={
+                "models": {"type": "PersistentVolumeClaim", "claimName": "models", "mountPath": "/models"}
+            },
+        )
+    )
+    assert models.allowed, models.validation.message
+    assert any(
+        w.startswith("spec.model.source: hf://meta-llama/Llama-3.1-8B-Instruct names no revision")
+        for w in models.warnings
+    )
+    assert any(
+        w.startswith(
+            "spec.speculative.draftModel.source: hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B names no revision"
+        )
+        for w in models.warnings
+    ), models.warnings
+    # A separate revision field pins the model as well as an @revision does.
+    pinned_models = await lab.review(
+        serve(
+            "hub2",
+            ns,
+            model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": PINNED},
+            speculative={
+                "algorithm": "EAGLE3",
+                "draftModel": {"source": f"hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B@{PINNED}"},
+            },
+            storage={
+                "models": {"type": "PersistentVolumeClaim", "claimName": "models", "mountPath": "/models"}
+            },
+        ),
+        path=webhooks.VALIDATE_LORASERVE,
+    )
+    assert pinned_models.allowed
+    assert not any("names no revision" in w or "branch or tag" in w for w in pinned_models.warnings)
