@@ -177,32 +177,48 @@ async def run_cluster(args: argparse.Namespace) -> dict:
 
 
 async def _cluster_timings(scn, scenario_mod, count: int) -> dict:
-    """First request on a pod without the adapter (on-demand), and creation -> usable everywhere."""
+    """First request on a pod without the adapter (on-demand), and creation -> usable everywhere.
+
+    One Adapter at a time, each deleted (and gone) before the next, so every measurement
+    starts from the same state and the pods' adapter slots never run out.
+    """
     Plan = scenario_mod.AdapterPlan
     sources = ["alpha", "beta", "gamma", "delta"]
     replicas = len(scn.pods())
     on_demand: list[float] = []
-    for i in range(count):
-        await scn.create_adapter(Plan(f"od{i:02d}", sources[i % len(sources)], replicas=1))
-    await scn.wait_converged(replicas, what="on-demand adapters Ready")
     usable: list[float] = []
+
+    async def remove(name: str) -> None:
+        await scn.cluster.delete(f"{scn.adapters}/{name}")
+
+        async def gone() -> bool:
+            return await scn.cluster.get(f"{scn.adapters}/{name}") is None
+
+        await scenario_mod.wait_for(gone, timeout=120, what=f"{name} deleted")
+        scn.plans.pop(name, None)
+
     async with aiohttp.ClientSession() as http:
         for i in range(count):
             name = f"od{i:02d}"
+            await scn.create_adapter(Plan(name, sources[i % len(sources)], replicas=1))
+            await scn.wait_converged(replicas, what=f"{name} Ready")
             for pod in scn.ready_pods():
                 if (await scn.catalog(pod))[name]["state"] == "loaded":
                     continue
                 t0 = time.monotonic()
                 on_demand.append(await _first_success(http, pod, name, interval=0.01, timeout=60) - t0)
+            await remove(name)
         for i in range(count):
             name = f"new{i:02d}"
+            await scn.wait_converged(replicas, what="converged")
+            pods = scn.ready_pods()
             t0 = time.monotonic()
             await scn.create_adapter(Plan(name, sources[i % len(sources)]))
-            pods = scn.ready_pods()
             done = await asyncio.gather(
                 *(_first_success(http, pod, name, interval=0.02, timeout=60) for pod in pods)
             )
             usable.append(max(done) - t0)
+            await remove(name)
     return {"on_demand": on_demand, "usable": usable, "timing_pods": replicas}
 
 

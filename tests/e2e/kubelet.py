@@ -177,6 +177,7 @@ class PodProc:
     grace_s: float = DEFAULT_GRACE_S
     exit_code: int | None = None
     prestop_log: list[str] = field(default_factory=list)
+    unready_log: list[str] = field(default_factory=list)  # why a Ready pod turned unready
 
     @property
     def initialized(self) -> bool:
@@ -812,16 +813,22 @@ class Kubelet:
                 pod.restart_at = None
                 await self._start(pod)
             return
-        ok = False
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        ok, why = False, ""
+        try:
             async with self._session.get(
                 f"http://{pod.ip}:{pod.port}/ready", timeout=aiohttp.ClientTimeout(total=pod.probe_timeout_s)
             ) as resp:
                 ok = resp.status == 200
+                why = "" if ok else f"{resp.status} {(await resp.text())[:200]}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
         pod.probe_failures = 0 if ok else pod.probe_failures + 1
         if ok and not pod.ready:
+            log.info("pod %s: ready", pod.name)
             await self._set_ready(pod, True)  # successThreshold 1
         elif pod.ready and pod.probe_failures >= pod.probe_failure_threshold:
+            log.warning("pod %s: not ready after %d failed probes (%s)", pod.name, pod.probe_failures, why)
+            pod.unready_log.append(f"{_now()} {why}")
             await self._set_ready(pod, False)
 
     async def _delete_pod(self, pod: PodProc) -> None:
