@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
@@ -59,6 +60,27 @@ def _check_depth(text: str, body: object) -> None:
         stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
 
 
+_SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+"""A \\uD800-\\uDFFF escape: the only way a JSON text can hold a UTF-16 surrogate (raw
+surrogate bytes are not valid UTF-8). Paired ones decode to one character; lone ones stay."""
+
+
+def _check_surrogates(body: object) -> None:
+    """Refuse a lone surrogate anywhere in the body, naming where (``adapters[0].source``):
+    no field may carry one into a tokenizer, a path or a log."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            check_text(value, where or "body")
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                check_text(key, f"{where}{'.' if where else ''}(a key)")
+                stack.append((f"{where}.{key}" if where else key, v))
+
+
 def check_text(value: str, param: str) -> str:
     """A string the tokenizer and UTF-8 can carry: JSON's ``\\ud800`` escapes decode to lone
     UTF-16 surrogates, which no encoder accepts."""
@@ -96,11 +118,19 @@ def parse_json_body(raw: bytes) -> dict:
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
             code="invalid_json",
         ) from None
+    except ValueError as exc:  # an integer literal past Python's digit limit
+        raise invalid(
+            f"the request body holds a number too long to read ({exc}): send numbers of at most "
+            f"{sys.get_int_max_str_digits()} digits",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise invalid(
             f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
         )
     _check_depth(text, body)
+    if _SURROGATE_ESCAPE_RE.search(text):
+        _check_surrogates(body)
     return body
 
 

@@ -243,7 +243,12 @@ HOSTILE = [
         "messages[0].content[0].text",
         ["surrogate"],
     ),
-    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', {}, 400, "stop", ["surrogate"]),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', {}, 400, "stop[0]", ["surrogate"]),
+    # Any field, however deep, and keys too: none may carry a lone surrogate anywhere.
+    ("/v1/completions", b'{"prompt": "x", "user": {"a": ["\\udc80"]}}', {}, 400, "user.a[0]", ["surrogate"]),
+    ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', {}, 400, "(a key)", ["surrogate"]),
+    # An integer literal past Python's 4300-digit conversion limit (was a 500).
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", {}, 400, None, ["digits"]),
     ("/v1/completions", b'{"prompt": "x", "model": "\\ud800"}', {}, 400, "model", ["surrogate"]),
 ]
 
@@ -354,3 +359,16 @@ async def test_huge_content_length_without_a_body_is_413_at_once(server):
             writer.close()
     status, body = await _raw_post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
     assert status == 200
+
+
+async def test_a_catalog_push_with_a_lone_surrogate_is_400_naming_the_entry(server):
+    """Before: accepted (200), leaving a source no path or URL can hold for a later load."""
+    async with server.session.put(
+        server.url + "/v1/lora_catalog",
+        data=b'{"adapters": [{"name": "a", "source": "/adapters/x\\ud800"}]}',
+        headers={"Content-Type": "application/json", **server.admin_headers()},
+    ) as resp:
+        body = await resp.json()
+    _check_error(body, resp.status, 400, "adapters[0].source", ["surrogate"])
+    status, catalog = await server.get("/v1/lora_catalog", headers=server.admin_headers())
+    assert status == 200 and all(a["name"] != "a" for a in catalog["adapters"])
