@@ -22,7 +22,10 @@ Fair across API calls: an API call's choices (prompts × ``n``) share a ``group`
 queue is taken round-robin between calls, least-served first (fewest requests running,
 then earliest arrival), so a small call beside a big one is admitted at the next free
 slot instead of behind every choice of the big one (:func:`fair_order`). Requests of
-calls of one choice each keep their arrival order.
+calls of one choice each keep their arrival order. When every running slot is taken and
+the next call in that order has nothing running, the newest request of a call holding
+more than an even share of the slots is retracted (back to the queue, recomputed later,
+output unchanged) so the new call starts at once (:func:`fair_preemption`).
 
 FIFO without starvation: a head blocked by the KV budget or the running limit blocks
 everyone (a smaller request never overtakes it). A head blocked only by the adapter limit
@@ -158,6 +161,53 @@ def fair_order(waiting: Sequence[Request], running: Sequence[Request]) -> list[R
         if taken[key] < len(calls[key]):
             heapq.heappush(heap, (served + 1, first, key))
     return order
+
+
+def fair_preemption(
+    waiting: Sequence[Request],
+    running: Sequence[Request],
+    limits: SchedulerLimits,
+    free_tokens: int,
+    *,
+    free_rows: int | None = None,
+    pinned: frozenset[str] = frozenset(),
+) -> Request | None:
+    """A running request to give back its slot so the next call in fair order can start.
+
+    Only when the running slots are full, that call has nothing running, another call
+    holds more than ``max_running_requests`` split evenly between the calls with work, and
+    the waiting request would be admitted once the slot is free (its KV and adapter fit):
+    the newest-admitted request of the call holding the most. Calls of one request each
+    never preempt one another.
+    """
+    if not waiting or len(running) < 2:
+        return None
+    if len(running) < limits.max_running_requests and (free_rows is None or free_rows > 0):
+        return None  # a slot is free: nothing to give back
+    head = waiting[0]
+    held = collections.Counter(r.call for r in running)
+    if held[head.call]:
+        return None
+    calls = set(held) | {r.call for r in waiting}
+    share = max(1, limits.max_running_requests // len(calls))
+    biggest, count = held.most_common(1)[0]
+    if count <= share:
+        return None
+    victim = max(
+        (r for r in running if r.call == biggest), key=lambda r: (r.admitted_time or 0.0, r.arrival_time)
+    )
+    rest = [r for r in running if r is not victim]
+    fits, _, _ = select_admissions(
+        [head],
+        rest,
+        free_tokens + victim.num_cached,
+        limits,
+        limits.chunk_budget,
+        0,
+        free_rows=None if free_rows is None else free_rows + 1,
+        pinned=pinned,
+    )
+    return victim if fits else None
 
 
 def select_admissions(
@@ -339,6 +389,12 @@ class Scheduler:
                 free_rows=free_rows,
                 pinned=pinned,
             )
+            if not admitted and reason is BlockReason.MAX_RUNNING:
+                victim = fair_preemption(
+                    waiting, running, limits, free_tokens, free_rows=free_rows, pinned=pinned
+                )
+                if victim is not None:
+                    return StepPlan(StepKind.IDLE, retract=[victim], head_blocked=reason)
             chunks = plan_extend(running, admitted, limits.chunk_budget, free_tokens)
             admitted = [r for r in admitted if any(c[0] is r for c in chunks)]
             defer = should_defer_admission(
