@@ -30,7 +30,7 @@ from .auth import check_bearer
 from .errors import ApiError, invalid
 from .openai_api import read_body
 from .schemas import parse_load_adapter, parse_unload_adapter
-from .state import STATE
+from .state import STATE, draining_adapter
 
 log = logging.getLogger("loraserve.server")
 
@@ -188,8 +188,7 @@ def _load_conflict(exc: ApiError, engine, name: str) -> ApiError:
     if exc.param != "name":
         return exc
     exc.param = "lora_name"
-    old = _find(engine, name)
-    if exc.status == 503 and old is not None and str(getattr(old, "state", "")) == "unloading":
+    if exc.status == 503 and draining_adapter(engine, name) is not None:
         exc.code = "adapter_draining"
         exc.headers = {**exc.headers, "Retry-After": str(RETRY_AFTER_S)}
     return exc

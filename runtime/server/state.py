@@ -32,6 +32,14 @@ def served_model_name(config: RuntimeConfig) -> str:
     return Path(path).name or path or "base"
 
 
+def draining_adapter(engine: Engine, name: str):
+    """The engine's entry for ``name`` while it is unloaded but still serves requests."""
+    for info in engine.list_adapters():
+        if info.name == name and str(getattr(info, "state", "")) == "unloading":
+            return info
+    return None
+
+
 class ServerState:
     """Shared by every handler of one app."""
 
@@ -131,7 +139,20 @@ class ServerState:
                 code="model_not_found",
             )
         async with self.supply.lease(model):
-            await self.supply.ensure(model)
+            try:
+                await self.supply.ensure(model)
+            except ApiError as exc:
+                old = draining_adapter(engine, model)
+                if old is None or exc.status != 503 or exc.param != "name":
+                    raise
+                raise ApiError(
+                    503,
+                    f"adapter {model!r} is being replaced on this pod: its previous version still finishes "
+                    f"{old.refcount} request(s), then the new one loads; retry shortly",
+                    param="model",
+                    code="adapter_draining",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+                ) from None
             yield model
 
     def adapter_lock(self, name: str):

@@ -275,3 +275,48 @@ async def test_reload_under_the_same_name_while_the_old_one_drains_is_a_clear_50
     assert status == 200 and loaded["status"] == "loaded" and loaded["rank"] == 4, loaded
     assert (await server.post("/v1/completions", {**body, "max_tokens": 2}))[0] == 200
     await _unload(server, "redo")
+
+
+async def test_a_catalog_change_while_the_old_adapter_drains_is_retried_not_remembered(assets, tmp_path):
+    """The operator pushes a new source for ``x`` while requests still run on the old one: a
+    new request for ``x`` meanwhile gets 503 ``adapter_draining`` on ``model`` with
+    ``Retry-After`` (the load would only conflict), never a failure remembered until the
+    catalog changes again; once the old requests end, ``x`` loads the new weights."""
+    from loraserve.runtime.catalog import CatalogEntry, encode_catalog
+
+    from .conftest import make_config, running_server
+
+    a, b = assets.demo.adapters["sql-r8"], assets.demo.adapters["chat-r16"]
+    config = make_config(assets, adapters={})
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(encode_catalog([CatalogEntry("x", str(a))]))
+    config.lora.catalog = str(catalog)
+    async with running_server(config, tmp_path / "srv") as srv:
+        body = {"model": "x", "prompt": "def f(x):", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+        tasks = [asyncio.create_task(_stream_tokens(srv, body)) for _ in range(3)]
+        for _ in range(1000):
+            if srv.engine.snapshot.num_running >= 3:
+                break
+            await asyncio.sleep(0.01)
+        async with srv.session.put(
+            srv.url + "/v1/lora_catalog",
+            json={"adapters": [{"name": "x", "source": str(b)}]},
+            headers=srv.admin_headers(),
+        ) as resp:
+            change = await resp.json()
+            assert resp.status == 200 and change["unloaded"] == ["x"], change
+        async with srv.session.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}) as resp:
+            refused = await resp.json()
+            assert resp.status == 503, refused
+            assert int(resp.headers["Retry-After"]) >= 1
+        err = refused["error"]
+        assert err["code"] == "adapter_draining" and err["param"] == "model", err
+        assert "being replaced" in err["message"] and "finishes 3 request(s)" in err["message"], err
+        results = await asyncio.gather(*tasks)
+        assert all(r[1] == "length" and r[2] == 600 for r in results)
+        status, listing = await srv.get("/v1/lora_catalog", headers=srv.admin_headers())
+        assert [e["state"] for e in listing["adapters"] if e["name"] == "x"] != ["failed"], listing
+        status, done = await srv.post("/v1/completions", {**body, "max_tokens": 2})
+        assert status == 200, done
+        status, info = await srv.get("/v1/models")
+        assert {m["id"]: m for m in info["data"]}["x"]["lora"]["rank"] == 16
