@@ -23,6 +23,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -96,7 +97,10 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        resp = exc.response()
+        if exc.status == 408:
+            resp.force_close()  # the rest of the body may still arrive: do not read it as a request
+        return resp
     except web.HTTPRequestEntityTooLarge:
         return _too_large(limit)
     except web.HTTPException as exc:

@@ -20,8 +20,23 @@ SSE_HEADERS = {
 }
 
 
+BODY_READ_TIMEOUT_S = 30.0
+"""How long a request body may take to arrive once the headers are in: a client that
+announces a body and trickles or withholds it would otherwise hold a handler (and a drain)."""
+
+
 async def read_body(request: web.Request) -> dict:
-    return parse_json_body(await request.read())
+    timeout = BODY_READ_TIMEOUT_S
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout:g} s of the headers "
+            f"(Content-Length {request.content_length}): send the whole body at once",
+            code="body_timeout",
+        ) from None
+    return parse_json_body(raw)
 
 
 _INLINE_TOKENIZE_CHARS = 8192  # longer inputs are tokenised off the event loop

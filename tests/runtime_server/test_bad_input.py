@@ -372,3 +372,31 @@ async def test_a_catalog_push_with_a_lone_surrogate_is_400_naming_the_entry(serv
     _check_error(body, resp.status, 400, "adapters[0].source", ["surrogate"])
     status, catalog = await server.get("/v1/lora_catalog", headers=server.admin_headers())
     assert status == 200 and all(a["name"] != "a" for a in catalog["adapters"])
+
+
+async def test_a_withheld_body_is_408_after_the_read_timeout(server, monkeypatch):
+    """Headers announce 100 bytes, 10 arrive: before, the handler waited as long as the client
+    held the connection (and a drain waited for it); now 408 once the read timeout passes."""
+    from loraserve.runtime.server import openai_api
+
+    monkeypatch.setattr(openai_api, "BODY_READ_TIMEOUT_S", 0.5)
+    reader, writer = await asyncio.open_connection(server.server.host, server.server.port)
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"connection: close" in head.lower(), head
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        body = await asyncio.wait_for(reader.readexactly(length), 2.0)
+        assert b"did not arrive within 0.5 s" in body and b"body_timeout" in body, body
+    finally:
+        writer.close()
+    assert server.state.in_flight == 0
+    status, _ = await _raw_post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
+    assert status == 200
