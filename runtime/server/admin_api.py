@@ -24,7 +24,7 @@ from aiohttp import web
 
 from ..catalog import CatalogError, parse_catalog
 from ..lora import AdapterError
-from ..policy import AdapterDeclaration, check_adapter
+from ..policy import AdapterDeclaration, check_adapter, check_source_revision
 from .adapter_supply import RETRY_AFTER_S, AdapterRecord, AdapterSupply, adapter_error
 from .auth import check_bearer
 from .errors import ApiError, invalid
@@ -112,6 +112,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         rec = state.adapters[name]
         other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != name)
         warnings = _policy_warnings(state.config, rec, info, other_pinned)
+        floating = check_source_revision("lora_path", body.lora_path, sha256=body.sha256)
+        if floating is not None:
+            warnings.append(floating.render())
         for w in warnings:
             log.warning("adapter %s: %s", name, w)
         return web.json_response(_info_body("loaded", rec, info, supply, warnings))

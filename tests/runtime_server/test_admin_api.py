@@ -320,3 +320,49 @@ async def test_a_catalog_change_while_the_old_adapter_drains_is_retried_not_reme
         assert status == 200, done
         status, info = await srv.get("/v1/models")
         assert {m["id"]: m for m in info["data"]}["x"]["lora"]["rank"] == 16
+
+
+async def test_an_hf_load_without_a_pinned_commit_answers_with_a_warning(assets, tmp_path):
+    """``hf://org/repo`` without ``@<commit>`` follows main: loaded, with a warning naming
+    lora_path and the fix in the response (the operator copies load warnings into the
+    Adapter's status); a pinned commit loads without one."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from loraserve.runtime.lora.sources import ADAPTER_FILES
+
+    from .conftest import make_config, running_server
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    directory = assets.extra_adapters["extra-0"]
+    files = {
+        f"/org/adapters/resolve/{rev}/{name}": (directory / name).read_bytes()
+        for rev in ("main", commit)
+        for name in ADAPTER_FILES
+    }
+
+    async def handle(request: web.Request) -> web.Response:
+        body = files.get(request.path)
+        return web.Response(body=body) if body is not None else web.Response(status=404)
+
+    hub_app = web.Application()
+    hub_app.router.add_get("/{tail:.*}", handle)
+    hub = TestServer(hub_app, host="127.0.0.1")
+    await hub.start_server()
+    try:
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{hub.port}"}
+        async with running_server(make_config(assets), tmp_path, env=env) as srv:
+            status, floating = await _load(srv, {"lora_name": "hub-main", "lora_path": "hf://org/adapters"})
+            assert status == 200, floating
+            assert [w for w in floating["warnings"] if w.startswith("lora_path:")] == [
+                "lora_path: hf://org/adapters names no revision, so it follows the repository's main branch: a new "
+                "pod, a restart or a reload may fetch other weights than the running ones; pin a commit: "
+                "hf://org/adapters@<40-character commit sha>"
+            ]
+            status, pinned = await _load(
+                srv, {"lora_name": "hub-pinned", "lora_path": f"hf://org/adapters@{commit}"}
+            )
+            assert status == 200, pinned
+            assert not any(w.startswith("lora_path:") for w in pinned["warnings"]), pinned["warnings"]
+    finally:
+        await hub.close()
