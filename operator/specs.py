@@ -434,7 +434,7 @@ class AdapterSpec(_Spec):
     serve: str = Field(min_length=1, max_length=253)
     source: SourceURI
     sha256: Sha256 | None = None
-    rank: int | None = Field(default=None, ge=1)
+    rank: int | None = Field(default=None, ge=1, le=512)  # runtime.policy.MAX_LORA_RANK
     """Declared rank, checked against the serve now and against the file at load time."""
     target_modules: list[Literal[LORA_MODULES]] | None = Field(  # type: ignore[valid-type]
         default=None, min_length=1, max_length=len(LORA_MODULES)

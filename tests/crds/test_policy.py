@@ -662,6 +662,8 @@ def test_the_maxima_agree_across_the_crd_the_operator_model_and_the_policy(kit):
     assert spec["topK"]["maximum"] == policy.MAX_TOP_K
     assert spec["numDraftTokens"]["maximum"] == policy.MAX_NUM_DRAFT_TOKENS
     assert lora["maxRank"]["maximum"] == policy.MAX_LORA_RANK
+    adapter_rank = kit.crd_schema(kit.load_crd("Adapter"))["properties"]["spec"]["properties"]["rank"]
+    assert adapter_rank["maximum"] == policy.MAX_LORA_RANK
     with pytest.raises(specs.SpecError) as caught:
         specs.parse_loraserve_spec(
             {
