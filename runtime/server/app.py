@@ -24,7 +24,7 @@ from ..engine import Engine
 from ..lora.sources import SourceSettings
 from ..tokenizer import Tokenizer
 from . import admin_api, health_api, openai_api
-from .errors import MAX_BODY_KEY, error_middleware
+from .errors import MAX_BODY_KEY, error_middleware, quiet_client_faults
 from .metrics import Metrics
 from .state import STATE, ServerState
 
@@ -88,6 +88,7 @@ def build_app(
     """
     if sources is None:
         sources = SourceSettings(cache_dir=config.server.adapter_cache_dir)
+    quiet_client_faults()
     state = ServerState(config, sources=sources)
     app = web.Application(
         client_max_size=config.server.max_body_bytes,

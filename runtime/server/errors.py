@@ -10,10 +10,34 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..engine.request import RequestError
 
 log = logging.getLogger("loraserve.server")
+
+
+class ClientFaultLogFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse (a line over 8190 bytes, too many headers, a bad
+    Content-Length) at ERROR with a traceback: the client's fault, answered 400, and a way
+    for anyone to flood the log. Keep it as one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            detail = (str(exc.message).strip().splitlines() or [""])[0][:200]
+            record.msg = f"{record.getMessage()}: HTTP {exc.code} {detail}"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_client_faults(logger: logging.Logger | None = None) -> None:
+    """Install :class:`ClientFaultLogFilter` on aiohttp's server logger (once)."""
+    logger = logger or logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ClientFaultLogFilter) for f in logger.filters):
+        logger.addFilter(ClientFaultLogFilter())
 
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 

@@ -400,3 +400,26 @@ async def test_a_withheld_body_is_408_after_the_read_timeout(server, monkeypatch
     assert server.state.in_flight == 0
     status, _ = await _raw_post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
     assert status == 200
+
+
+async def test_unparsable_requests_log_one_info_line_not_an_error_traceback(server, caplog):
+    """A request line past 8190 bytes is aiohttp's own 400; it used to log an ERROR with a
+    traceback each time (anyone could flood the log). Now one INFO line."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
+    for raw in (
+        b"GET /v1/models?" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    ):
+        reader, writer = await asyncio.open_connection(server.server.host, server.server.port)
+        writer.write(raw)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(64), 5.0)
+        writer.close()
+        assert b" 400 " in head, head
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelno == logging.INFO and r.exc_info is None for r in records), [
+        (r.levelname, r.getMessage()) for r in records
+    ]
+    assert any("HTTP 400" in r.getMessage() for r in records)
