@@ -213,11 +213,23 @@ def _misfits(
 def floating_sources(serve: LoRAServeSpec) -> list[str]:
     """Warnings for ``hf://`` model and draft sources not pinned to a commit (they follow a
     branch, so pods started later may serve other weights)."""
-    found = [check_source_revision("spec.model.source", serve.model.source, revision=serve.model.revision)]
+    found = [
+        check_source_revision(
+            "spec.model.source",
+            serve.model.source,
+            revision=serve.model.revision,
+            revision_field="spec.model.revision",
+        )
+    ]
     draft = serve.speculative.draft_model
     if draft is not None:
         found.append(
-            check_source_revision("spec.speculative.draftModel.source", draft.source, revision=draft.revision)
+            check_source_revision(
+                "spec.speculative.draftModel.source",
+                draft.source,
+                revision=draft.revision,
+                revision_field="spec.speculative.draftModel.revision",
+            )
         )
     return [w.render() for w in found if w is not None]
 

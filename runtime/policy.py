@@ -183,7 +183,12 @@ _HF_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def check_source_revision(
-    field: str, source: str | None, *, revision: str | None = None, sha256: str | None = None
+    field: str,
+    source: str | None,
+    *,
+    revision: str | None = None,
+    sha256: str | None = None,
+    revision_field: str | None = None,
 ) -> PolicyWarning | None:
     """A warning for an ``hf://`` source that is not pinned to a commit: without
     ``@<revision>`` (or a separate ``revision``) it follows the repository's main branch, so
@@ -206,6 +211,12 @@ def check_source_revision(
             field,
             f"{source} names no revision, so it follows the repository's main branch: {effect}; "
             f"pin a commit: {repo}@<40-character commit sha>",
+        )
+    if not pinned and revision_field:
+        return PolicyWarning(
+            "source-floating-revision",
+            revision_field,
+            f"{rev!r} is a branch or tag, which can move: set it to a 40-character commit sha",
         )
     return PolicyWarning(
         "source-floating-revision",

@@ -348,3 +348,19 @@ async def test_hf_sources_without_a_pinned_commit_warn_at_admission(lab):
     )
     assert pinned_models.allowed
     assert not any("names no revision" in w or "branch or tag" in w for w in pinned_models.warnings)
+    branch_field = await lab.review(
+        serve(
+            "hub3",
+            ns,
+            model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "main"},
+            storage={
+                "models": {"type": "PersistentVolumeClaim", "claimName": "models", "mountPath": "/models"}
+            },
+        ),
+        path=webhooks.VALIDATE_LORASERVE,
+    )
+    assert branch_field.allowed
+    assert (
+        "spec.model.revision: 'main' is a branch or tag, which can move: set it to a 40-character commit sha"
+        in (branch_field.warnings)
+    ), branch_field.warnings
