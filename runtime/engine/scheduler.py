@@ -138,10 +138,14 @@ def active_adapters(running: Sequence[Request]) -> set[str]:
     return {r.adapter for r in running if r.adapter is not None}
 
 
-def fair_order(waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+def fair_order(
+    waiting: Sequence[Request], running: Sequence[Request], limit: int | None = None
+) -> list[Request]:
     """The waiting queue in admission order: round-robin between API calls, the call with
     the fewest requests running (then the earliest waiting) first; arrival order within a
-    call. With one request per call this is the arrival order."""
+    call. With one request per call this is the arrival order. Only the first ``limit``
+    places are interleaved (admission never reaches much further); the rest keep their
+    arrival order."""
     calls: dict[str, list[Request]] = {}
     for r in waiting:
         calls.setdefault(r.call, []).append(r)
@@ -154,12 +158,16 @@ def fair_order(waiting: Sequence[Request], running: Sequence[Request]) -> list[R
     heapq.heapify(heap)
     taken = dict.fromkeys(calls, 0)
     order: list[Request] = []
-    while heap:
+    budget = len(waiting) if limit is None else min(limit, len(waiting))
+    while heap and len(order) < budget:
         served, first, key = heapq.heappop(heap)
         order.append(calls[key][taken[key]])
         taken[key] += 1
         if taken[key] < len(calls[key]):
             heapq.heappush(heap, (served + 1, first, key))
+    if len(order) < len(waiting):
+        placed = {id(r) for r in order}
+        order.extend(r for r in waiting if id(r) not in placed)
     return order
 
 
@@ -371,14 +379,15 @@ class Scheduler:
     ) -> StepPlan:
         """The next step's plan for the given queue, running set and free KV tokens."""
         limits = self.limits
-        waiting = fair_order(waiting, running)
-        if waiting and waiting[0] is not self._head:
-            self._head, self._bypass_used = waiting[0], 0
         decoding = [r for r in running if not r.is_prefilling]
         prefilling = [r for r in running if r.is_prefilling]
 
         prefer_decode = bool(decoding) and self._last_kind is StepKind.EXTEND
         if not prefer_decode:
+            # Admission order, fair across API calls; the head's place is tracked in it.
+            waiting = fair_order(waiting, running, limit=limits.max_running_requests + limits.max_head_bypass)
+            if waiting and waiting[0] is not self._head:
+                self._head, self._bypass_used = waiting[0], 0
             admitted, reason, bypass = select_admissions(
                 waiting,
                 running,

@@ -38,6 +38,9 @@ def test_fair_order_is_round_robin_between_calls_least_served_first():
     # The big call already holds two running slots: the others go first.
     running = [_waiting("big"), _waiting("big")]
     assert fair_order(queue, running)[:3] == [small, single, big[0]]
+    # Only the first places are interleaved; the rest keep their arrival order.
+    assert fair_order(queue, [], limit=3) == [big[0], small, single, big[1], big[2], big[3], big[4]]
+    assert fair_order(queue, running, limit=1) == [small, *big, single]
     # Requests that are each their own call keep their arrival order.
     singles = [_waiting(None) for _ in range(4)]
     assert fair_order(singles, []) == singles
