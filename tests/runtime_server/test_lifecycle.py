@@ -205,3 +205,65 @@ async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+async def test_a_second_sigterm_ends_the_drain_at_once(assets, tmp_path):
+    """The first SIGTERM drains (up to --drain-timeout, here 300 s); a second one stops
+    waiting: the in-flight stream is cut short and the process still exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "loraserve.runtime",
+            *("--model", str(assets.model_dir), "--device", "cpu", "--host", "127.0.0.1"),
+            *("--port", str(port), "--max-total-tokens", "16384", "--max-lora-rank", "16"),
+            *("--drain-timeout", "300"),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url + "/ready") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            body = {
+                "prompt": "x = [",
+                "max_tokens": 900,
+                "n": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            text = b""
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                text += await resp.content.readline()
+                proc.send_signal(signal.SIGTERM)
+                async with aiohttp.ClientSession() as other:
+                    for _ in range(300):
+                        async with other.get(url + "/ready") as r:
+                            if r.status == 503:
+                                break
+                        await asyncio.sleep(0.01)
+                proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(aiohttp.ClientError):
+                    text += await resp.content.read()
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        lengths = text.decode(errors="replace").count('"finish_reason":"length"')
+        assert lengths < 16, "the stream was cut short, not drained to its end"
+        assert "again: ending the drain now" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
