@@ -50,6 +50,22 @@ async def _encode(fn, value):
     return await asyncio.to_thread(fn, value)
 
 
+async def _encode_chat(state: ServerState, messages) -> list[int]:
+    """The chat prompt's ids; a chat template that refuses the conversation (``raise_exception``
+    in the template, e.g. roles that must alternate) is the request's fault: 400 on messages."""
+    try:
+        return await _encode(state.tokenizer.encode_chat, messages)
+    except Exception as exc:
+        if not type(exc).__module__.startswith("jinja2"):
+            raise
+        raise ApiError(
+            400,
+            f"this model's chat template refuses the messages: {exc}",
+            param="messages",
+            code="chat_template_error",
+        ) from None
+
+
 def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
     tok = state.tokenizer
     return (
@@ -152,7 +168,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.require_engine()
     req = parse_chat(await read_body(request))
-    prompt = await _encode(state.tokenizer.encode_chat, req.messages)
+    prompt = await _encode_chat(state, req.messages)
     model = req.model or state.served_name
     async with (
         state.use_model(req.model) as adapter,

@@ -423,3 +423,30 @@ async def test_unparsable_requests_log_one_info_line_not_an_error_traceback(serv
         (r.levelname, r.getMessage()) for r in records
     ]
     assert any("HTTP 400" in r.getMessage() for r in records)
+
+
+async def test_a_chat_template_that_refuses_the_messages_is_400(assets, tmp_path):
+    """Templates like Mistral's raise on roles that do not alternate; that was a 500."""
+    import shutil
+
+    from .conftest import make_config, running_server
+
+    model = tmp_path / "strict-model"
+    shutil.copytree(assets.model_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    )
+    config = make_config(assets, adapters={})
+    config.model.path = str(model)
+    async with running_server(config, tmp_path / "srv") as srv:
+        body = {
+            "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            "max_tokens": 2,
+        }
+        status, err = await srv.post("/v1/chat/completions", body)
+        _check_error(err, status, 400, "messages", ["chat template refuses", "must alternate"])
+        ok = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+        status, _ = await srv.post("/v1/chat/completions", ok)
+        assert status == 200
