@@ -153,6 +153,7 @@ async def run_cluster(args: argparse.Namespace) -> dict:
         moments: dict = {}
         if not args.base_only:
             moments = await scn.churn(Plan("omega", "alpha"), "gamma")
+            await scn.hold(10)
         records = await scn.traffic.stop()
         outcome = scenario_mod.sort_records(
             records, created=None if args.base_only else "omega",

@@ -26,6 +26,15 @@ operator relies on from a real server:
 
 It validates no schema and calls no webhook; garbage collection by owner and the
 controllers behind Deployments are played by the test's kubelet stand-in.
+
+kmock decides which reaction serves a request with ``request in reaction._source``, which
+walks every request logged so far through the reaction's filters: each request costs
+time in proportion to all before it (35 ms per GET after 2,000 requests, 250 ms after
+1,500 under a profiler), and a stand-in cluster sends thousands a minute, so after a few
+minutes the API starves everything sharing its event loop (probes time out, pods turn
+unready). :func:`_fast_membership` answers the same question for a request without the
+walk (filters are pure functions of the request; a request is in a filter's view when it
+passes the filter and is in the filter's source); other views keep kmock's own check.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-from kmock._internal import dicts, enums, k8s, rendering
+from kmock._internal import dicts, dsl, enums, k8s, rendering
 
 BACKBONE = (
     "v1/namespaces",
@@ -62,6 +71,26 @@ VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 SCALED = {"loraserves": (("spec", "replicas"), ("status", "replicas"), ("status", "selector"))}
 """Custom resources with a ``scale`` subresource: spec, status and selector paths (the CRD's)."""
 DEFAULT_GRACE_S = 30
+
+
+_KMOCK_CONTAINS = dsl.View.__contains__
+
+
+def _fast_membership(self: dsl.View, item: object) -> bool:
+    """``item in view`` for one request, as kmock's walk over the logged requests would answer."""
+    if isinstance(item, rendering.Request):
+        kind = type(self)
+        if kind is dsl.Filter:
+            return bool(self.criteria(item)) and item in self._source
+        if kind is dsl.Priority:
+            return item in self._source
+        if isinstance(self, dsl.Root) and not isinstance(self, dsl.Chained):
+            # kmock's Root yields nothing but its log; the newest requests are the likely ones.
+            return any(request is item for request in reversed(self._requests))
+    return _KMOCK_CONTAINS(self, item)
+
+
+dsl.View.__contains__ = _fast_membership  # Filter, Priority and Root inherit it from View
 
 
 def _now() -> str:

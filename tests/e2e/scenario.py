@@ -22,6 +22,7 @@ d. an Adapter is created (traffic for it starts at once) and another is deleted 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -313,6 +314,12 @@ class Scenario:
 
         await self._step(f"(d) create {create.name}, delete {delete}", replicas, act)
         return moments
+
+    async def hold(self, seconds: float) -> None:
+        """Let the traffic run on, with nothing happening, for ``seconds``."""
+        self.traffic.mark(f"hold {seconds:g}s: start")
+        await asyncio.sleep(seconds)
+        self.traffic.mark(f"hold {seconds:g}s: converged")
 
     def start_traffic(self, models: list[str], **options: object) -> None:
         self.traffic = traffic_mod.Traffic(url=self.proxy.url, models=models, **options)

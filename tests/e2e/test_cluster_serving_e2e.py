@@ -134,6 +134,7 @@ async def test_requests_never_fail_while_pods_come_and_go(scn) -> None:
     await scn.scale(2)
     await scn.roll(6)
     moments = await scn.churn(CREATED, DELETED)
+    await scn.hold(10)  # requests for the new and the deleted adapter after the change
     records = await scn.traffic.stop()
     print(scn.timeline())
     outcome = scenario_mod.sort_records(records, created=CREATED.name, deleted=DELETED, moments=moments)
