@@ -40,7 +40,7 @@ from .specs import (
     VolumeType,
     parse_adapter_spec,
 )
-from .translate import CATALOG_DIR, CATALOG_KEY, RUNTIME_PORT, hf_revision, pod_path
+from .translate import CATALOG_DIR, CATALOG_KEY, RUNTIME_PORT, hf_revision, pod_path, source_problem
 
 # --------------------------------------------------------------------------- constants
 
@@ -279,6 +279,12 @@ def runtime_args(config: RuntimeConfig) -> list[str]:
     _flag(args, "--port", config.server.port)
     _flag(args, "--adapter-cache-dir", config.server.adapter_cache_dir)
     _flag(args, "--max-body-bytes", config.server.max_body_bytes)
+    if config.server.allowed_local_roots:
+        args.append("--allowed-local-roots")
+        args.extend(config.server.allowed_local_roots)
+    if config.server.remote_source_hosts:
+        args.append("--remote-source-hosts")
+        args.extend(config.server.remote_source_hosts)
     return args
 
 
@@ -319,7 +325,9 @@ def problems(spec: LoRAServeSpec, config: RuntimeConfig) -> list[str]:
     if spec.speculative.draft_model is not None:
         sources.append(("spec.speculative.draftModel.source", spec.speculative.draft_model.source))
     for path, source in sources:
-        if source.startswith("pvc://") and pod_path(source, storage) is None:
+        if escape := source_problem(path, source):
+            found.append(escape)
+        elif source.startswith("pvc://") and pod_path(source, storage) is None:
             claim = source[len("pvc://") :].split("/", 1)[0]
             found.append(
                 f"{path}: claim {claim!r} is not mounted by this serve; fix: set spec.storage.models "
@@ -728,9 +736,13 @@ def adapter_pod_path(source: str, storage: StorageSpec) -> str | None:
     """What the operator asks a runtime pod to load for an Adapter source.
 
     ``pvc://`` sources are resolved to the serve's mount of that claim (None when the serve
-    mounts no such claim); absolute paths are inside the pod already; remote sources are
-    passed as they are (the runtime fetches and verifies them).
+    mounts no such claim, or when the path would leave the mount: ``..``, ``//`` or an
+    absolute tail; :func:`loraserve.operator.translate.source_problem` says why); absolute
+    paths are inside the pod already (None with a ``..`` segment); remote sources are passed
+    as they are (the runtime fetches and verifies them).
     """
+    if source_problem("spec.source", source):
+        return None
     if source.startswith("pvc://"):
         return pod_path(source, storage)
     return source

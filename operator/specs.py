@@ -21,6 +21,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from loraserve.runtime.config import DEFAULT_LORA_MODULES, LORA_MODULES, RaggedVerify, SpecAlgorithm
+from loraserve.runtime.policy import source_path_problem
 
 GROUP = "loraserve.io"
 VERSION = "v1alpha1"
@@ -38,6 +39,8 @@ SOURCE_PATTERN = (
 pod, ``https://...``, ``s3://<bucket>/<key>`` or ``hf://<repo>[@<revision>]``."""
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+HOST_PATTERN = r"^(\*\.)?[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$"
+"""A host name or IP address, or ``*.<domain>`` for every subdomain."""
 
 QUANTITY_PATTERN = r"^([1-9][0-9]*(\.[0-9]+)?|0\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[kMGTPE])?$"
 """A positive Kubernetes quantity such as ``20Gi`` or ``500M``."""
@@ -62,7 +65,20 @@ def _matching(pattern: str, message: str):
     return AfterValidator(check)
 
 
-SourceURI = Annotated[str, Field(max_length=2048), _matching(SOURCE_PATTERN, SOURCE_MESSAGE)]
+def _inside_volume(value: str) -> str:
+    # The same rule as the CRD's second CEL rule on every source field (and the runtime's).
+    problem = source_path_problem(value)
+    if problem:
+        raise PydanticCustomError("source_path", "{problem}", {"problem": problem})
+    return value
+
+
+SourceURI = Annotated[
+    str,
+    Field(max_length=2048),
+    _matching(SOURCE_PATTERN, SOURCE_MESSAGE),
+    AfterValidator(_inside_volume),
+]
 # A file inside the draft's source; RE2 (CEL) has no lookahead, so ".." is a second rule there.
 TOKEN_MAP_PATTERN = r"^(?!.*\.\.)[^/\s]\S*\.(json|safetensors|pt)$"
 TOKEN_MAP_MESSAGE = (
@@ -183,6 +199,10 @@ class RuntimeSpec(_Spec):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
     extra_args: list[str] = Field(default_factory=list, max_length=128)
+    remote_source_hosts: list[Annotated[str, Field(max_length=253, pattern=HOST_PATTERN)]] | None = Field(
+        default=None, max_length=64
+    )
+    """Hosts remote Adapter sources may reach (``*.example.com``: its subdomains); empty: any."""
 
 
 class ResourceRequirements(_Spec):

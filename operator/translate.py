@@ -27,7 +27,7 @@ from loraserve.runtime.config import (
     ServerConfig,
     SpeculativeConfig,
 )
-from loraserve.runtime.policy import AdapterDeclaration, Report
+from loraserve.runtime.policy import AdapterDeclaration, Report, source_path_problem
 
 from .specs import AdapterSpec, EffectiveSpeculative, LoRAServeSpec, StorageSpec, VolumeType
 
@@ -79,6 +79,7 @@ FIELD_PATHS: dict[str, str] = {
     "parallel.tensor_parallel_size": "spec.gpus",
     "device": "spec.gpus",
     "server.admin_token": "spec.adminTokenSecretName",
+    "server.remote_source_hosts": "spec.runtime.remoteSourceHosts",
 }
 """Runtime configuration field -> the LoRAServe field it comes from."""
 
@@ -93,7 +94,14 @@ ADAPTER_FIELD_PATHS: dict[str, str] = {
 """The policy's adapter fields -> the Adapter's fields."""
 
 FIXED_IN_POD: frozenset[str] = frozenset(
-    {"server.host", "server.port", "server.adapter_cache_dir", "server.max_body_bytes", "seed"}
+    {
+        "server.host",
+        "server.port",
+        "server.adapter_cache_dir",
+        "server.allowed_local_roots",
+        "server.max_body_bytes",
+        "seed",
+    }
 )
 """Runtime fields a LoRAServe does not set: the operator fixes them for every pod."""
 
@@ -134,14 +142,22 @@ def pod_path(source: str, storage: StorageSpec, *, revision: str | None = None) 
     """Where the files of ``source`` are inside a runtime pod of a serve with ``storage``.
 
     ``pvc://<claim>/<path>``: under the mount path of the serve volume using that claim,
-    or None when neither volume mounts it. An absolute path: itself. Remote sources:
-    a directory under the models volume named after the source
+    or None when neither volume mounts it, or when the path would leave the mount (a
+    ``..`` segment, ``//`` or an absolute tail: :func:`source_problem` says which; the CRD
+    and the webhook refuse such sources, this never maps one). An absolute path: itself.
+    Remote sources: a directory under the models volume named after the source
     (``hf://org/repo@rev`` -> ``<models>/hf/org/repo/rev``).
     """
     if source.startswith("pvc://"):
+        if source_path_problem(source):
+            return None
         claim, _, rest = source[len("pvc://") :].partition("/")
         for volume in (storage.models, storage.adapters):
             if volume.type is VolumeType.PERSISTENT_VOLUME_CLAIM and volume.claim_name == claim:
+                mount = posixpath.normpath(volume.mount_path)
+                path = posixpath.normpath(posixpath.join(mount, rest))
+                if path != mount and not path.startswith(mount.rstrip("/") + "/"):
+                    return None  # unreachable after source_path_problem; never a path outside
                 return posixpath.join(volume.mount_path, rest)
         return None
     if source.startswith("/"):
@@ -154,15 +170,24 @@ def pod_path(source: str, storage: StorageSpec, *, revision: str | None = None) 
     return posixpath.join(root, parts.scheme, parts.netloc, parts.path.lstrip("/"))
 
 
+def source_problem(field: str, source: str) -> str | None:
+    """Why ``source`` (of ``field``) has no safe path in a pod: it leaves its volume."""
+    problem = source_path_problem(source)
+    return f"{field}: {problem}" if problem else None
+
+
 def unmounted_sources(spec: LoRAServeSpec) -> list[str]:
-    """Messages for model or draft ``pvc://`` sources whose claim the serve does not mount
-    (the CRD's CEL rules refuse them too; this names them where CEL does not run)."""
+    """Messages for model or draft ``pvc://`` sources whose claim the serve does not mount,
+    or whose path leaves the claim (the CRD's CEL rules refuse them too; this names them
+    where CEL does not run)."""
     sources = [("spec.model.source", spec.model.source)]
     if spec.speculative.draft_model is not None:
         sources.append(("spec.speculative.draftModel.source", spec.speculative.draft_model.source))
     problems = []
     for path, source in sources:
-        if source.startswith("pvc://") and pod_path(source, spec.storage) is None:
+        if escape := source_problem(path, source):
+            problems.append(escape)
+        elif source.startswith("pvc://") and pod_path(source, spec.storage) is None:
             claim = source[len("pvc://") :].split("/", 1)[0]
             problems.append(
                 f"{path}: claim {claim!r} is not mounted; fix: set spec.storage.models to type "
@@ -196,6 +221,9 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
     draft = speculative.draft_model
     # An unmounted claim keeps its URI, which :func:`unmounted_sources` reports.
     model_path = pod_path(model.source, spec.storage, revision=model.revision) or model.source
+    draft_path = (
+        (pod_path(draft.source, spec.storage, revision=draft.revision) or draft.source) if draft else None
+    )
     num_draft_tokens = speculative.num_draft_tokens
     if num_draft_tokens is None:
         # A chain verifies its drafted tokens plus one; trees must say (the CRD requires it).
@@ -215,11 +243,7 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
         ),
         speculative=SpeculativeConfig(
             algorithm=speculative.algorithm,
-            draft_model_path=(
-                (pod_path(draft.source, spec.storage, revision=draft.revision) or draft.source)
-                if draft
-                else None
-            ),
+            draft_model_path=draft_path,
             draft_model_architecture=draft.architecture if draft else None,
             num_steps=speculative.num_steps,
             top_k=speculative.top_k,
@@ -260,11 +284,32 @@ def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
             max_bs=spec.runtime.cuda_graph.max_batch_size,
             max_prefill_tokens=spec.runtime.cuda_graph.max_prefill_tokens,
         ),
-        server=ServerConfig(port=RUNTIME_PORT, adapter_cache_dir=cache_dir),
+        server=ServerConfig(
+            port=RUNTIME_PORT,
+            adapter_cache_dir=cache_dir,
+            allowed_local_roots=allowed_local_roots(spec, cache_dir, model_path, draft_path),
+            remote_source_hosts=tuple(spec.runtime.remote_source_hosts or ()),
+        ),
         parallel=ParallelConfig(tensor_parallel_size=max(spec.gpus, 1)),
         device="cuda" if spec.gpus >= 1 else "cpu",
         attention_backend=spec.runtime.attention_backend,
     )
+
+
+def allowed_local_roots(
+    spec: LoRAServeSpec, cache_dir: str, model_path: str, draft_path: str | None
+) -> tuple[str, ...]:
+    """The directories a runtime pod may read local adapter and model files from: the models
+    and adapters volumes, the adapter cache, and a model or draft given as an absolute path
+    outside them (a directory of the image)."""
+    roots: list[str] = []
+    for path in (spec.storage.models.mount_path, spec.storage.adapters.mount_path, cache_dir, model_path, draft_path):
+        if not path or not path.startswith("/"):
+            continue  # an unmounted pvc:// URI, reported elsewhere
+        path = posixpath.normpath(path)
+        if not any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots):
+            roots.append(path)
+    return tuple(roots)
 
 
 def adapter_declaration(name: str, spec: AdapterSpec) -> AdapterDeclaration:

@@ -63,6 +63,7 @@ from .translate import (
     pod_path,
     serve_messages,
     served_name,
+    source_problem,
     to_runtime_config,
     unmounted_sources,
 )
@@ -176,6 +177,8 @@ def _serve_namer(serve: str):
 
 def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str, field: str) -> str | None:
     """An Adapter's ``pvc://`` source whose claim the serve's pods do not mount."""
+    if escape := source_problem(field, adapter.source):
+        return escape
     if not adapter.source.startswith("pvc://") or pod_path(adapter.source, serve.storage) is not None:
         return None
     claim = adapter.source[len("pvc://") :].split("/", 1)[0]

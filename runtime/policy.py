@@ -226,6 +226,36 @@ def check_source_revision(
     )
 
 
+def source_path_problem(source: str | None) -> str | None:
+    """Why a ``pvc://<claim>/<path>`` or absolute-path source would leave its volume, else None.
+
+    The path after ``pvc://<claim>/`` must be relative and plain: no ``..`` segment, no
+    empty segment (``//``) and no leading ``/`` (joined onto a mount path, an absolute tail
+    replaces the mount). An absolute path may hold no ``..`` segment. One rule for the CRD
+    (CEL), the webhook, the operator's path mapping and the runtime.
+    """
+    if not source:
+        return None
+    if source.startswith("pvc://"):
+        claim, _, tail = source[len("pvc://") :].partition("/")
+        segments = (tail[:-1] if tail.endswith("/") else tail).split("/")
+        if tail.startswith("/"):
+            why = "an absolute path after the claim"
+        elif "" in segments:
+            why = "an empty path segment ('//')"
+        elif ".." in segments:
+            why = "a '..' segment"
+        else:
+            return None
+        return (
+            f"{source!r} leaves the claim's mount ({why}); fix: write pvc://{claim or '<claim>'}/<relative path> "
+            "with no '..', '//' or leading '/'"
+        )
+    if source.startswith("/") and ".." in source.split("/"):
+        return f"{source!r} has a '..' segment; fix: write the absolute path without '..'"
+    return None
+
+
 # --------------------------------------------------------------------------- resolution
 
 

@@ -31,6 +31,7 @@ from ..specs import (
     parse_loraserve_spec,
 )
 from ..status import AdapterFindings, adapter_status, iso, status_patch
+from ..translate import source_problem
 from . import adapter_state as st
 from .context import OperatorContext
 from .kube import ADAPTERS, LORASERVES, SECRETS, KubeError
@@ -224,7 +225,7 @@ async def reconcile_adapter(
     if lora_path is None:
         claim = spec.source[len("pvc://") :].split("/", 1)[0]
         memory.tracks.clear()
-        problem = (
+        problem = source_problem("spec.source", spec.source) or (
             f"spec.source: claim {claim!r} is not mounted by LoRAServe {spec.serve!r}; fix: mount it there as "
             "spec.storage.adapters (type PersistentVolumeClaim), or use another source"
         )

@@ -153,6 +153,55 @@ def test_source_rule_agrees_between_cel_and_model(kit, source):
     )
 
 
+TRAVERSING_SOURCES = [
+    "pvc://adapters/../../etc",
+    "pvc://adapters//etc/shadow",
+    "pvc://adapters/team//sql",
+    "pvc://adapters/team/../../sql",
+    "pvc://adapters/..",
+    "/models/../etc/shadow",
+]
+CONFINED_SOURCES = ["pvc://adapters/team/sql", "pvc://adapters/sql/", "pvc://adapters/..sql", "/models/a..b"]
+
+
+@pytest.mark.parametrize("source", TRAVERSING_SOURCES + CONFINED_SOURCES)
+def test_sources_stay_inside_their_volume_in_cel_and_model(kit, source):
+    """Every source field of both CRDs refuses a path that leaves its volume ('..', '//', an
+    absolute tail after the claim), and so does the operator's model, naming the field and the fix."""
+    bad = source in TRAVERSING_SOURCES
+    objects = [
+        ("spec.source", {"kind": "Adapter", "spec": {"serve": "s", "source": source}}),
+        ("spec.model.source", {"kind": "LoRAServe", "spec": {"model": {"source": source}}}),
+        (
+            "spec.speculative.draftModel.source",
+            {
+                "kind": "LoRAServe",
+                "spec": {
+                    "model": {"source": "/models/m"},
+                    "speculative": {"algorithm": "EAGLE", "draftModel": {"source": source}},
+                },
+            },
+        ),
+    ]
+    if source.startswith("pvc://"):
+        claim = {"type": "PersistentVolumeClaim", "claimName": "adapters"}
+        for _, obj in objects[1:]:
+            obj["spec"]["storage"] = {"models": claim}
+    for field, obj in objects:
+        obj.update(apiVersion=specs.API_VERSION, metadata={"name": "a"})
+        admission = kit.admit(obj)
+        assert admission.valid is not bad, (field, admission.all())
+        if bad:
+            assert any("must stay inside its volume" in m for m in admission.all()), admission.all()
+        parse = specs.parse_adapter_spec if obj["kind"] == "Adapter" else specs.parse_loraserve_spec
+        if not bad:
+            parse(obj["spec"])
+            continue
+        with pytest.raises(specs.SpecError) as caught:
+            parse(obj["spec"])
+        assert any(p.startswith(f"{field}: ") and "fix:" in p for p in caught.value.problems), caught.value
+
+
 def test_spec_errors_name_the_users_fields():
     with pytest.raises(specs.SpecError) as caught:
         specs.parse_loraserve_spec({"model": {"source": "/m"}, "lora": {"maxRank": 0}, "replicas": "x"})

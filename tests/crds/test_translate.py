@@ -101,6 +101,12 @@ PERTURBATIONS = [
     ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
     ("runtime.cudaGraph.maxPrefillTokens", 128, "cuda_graph.max_prefill_tokens", 128),
     ("gpus", 4, "parallel.tensor_parallel_size", 4),
+    (
+        "runtime.remoteSourceHosts",
+        ["models.example.com", "*.s3.example.com"],
+        "server.remote_source_hosts",
+        ("models.example.com", "*.s3.example.com"),
+    ),
 ]
 
 
@@ -184,6 +190,47 @@ def test_chain_num_draft_tokens_derived_when_unset():
 def test_pod_paths(source, storage, expected):
     storage_spec = specs.StorageSpec.model_validate(storage)
     assert translate.pod_path(source, storage_spec) == expected
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["pvc://lora/../../etc", "pvc://lora//etc/shadow", "pvc://lora/a//b", "pvc://lora/a/../../b", "pvc://lora/.."],
+)
+def test_pvc_paths_never_leave_the_mount(source):
+    """The path mapping itself never yields a path outside the claim's mount (posixpath.join
+    with an absolute tail drops the mount; '..' climbs out): None, and every caller says why."""
+    from loraserve.operator import desired
+
+    claim = {"type": "PersistentVolumeClaim", "claimName": "lora"}
+    storage = specs.StorageSpec.model_validate({"models": {**claim, "mountPath": "/m"}})
+    assert translate.pod_path(source, storage) is None
+    assert desired.adapter_pod_path(source, storage) is None
+    # A spec that skipped the webhook (model_construct: no validation) is still reported.
+    spec = _spec(**{"storage.models": {**claim, "mountPath": "/m"}})
+    spec.model = specs.ModelSpec.model_construct(source=source, dtype="auto")
+    config = translate.to_runtime_config(spec)
+    assert not config.model.path.startswith("/m") and not config.model.path.startswith("/etc")
+    for found in (translate.unmounted_sources(spec), desired.problems(spec, config)):
+        assert any(p.startswith("spec.model.source: ") and "leaves the claim's mount" in p for p in found), found
+    entries = desired.catalog_entries(storage, [("bad", {"serve": "s", "source": source})])
+    assert entries == ()
+
+
+def test_pods_are_confined_to_their_volumes_and_cache():
+    """The runtime may read local files from the model and adapter volumes and the adapter
+    cache only; a model or draft given as an absolute path elsewhere (in the image) is added."""
+    claim = {"type": "PersistentVolumeClaim", "claimName": "lora", "mountPath": "/lora/"}
+    config = translate.to_runtime_config(_spec(**{"storage.adapters": claim}))
+    assert config.server.allowed_local_roots == ("/models", "/lora")
+    assert config.server.adapter_cache_dir == "/lora/.cache"
+    config = translate.to_runtime_config(
+        _spec(**{"storage.adapters": {**claim, "readOnly": True}, "model.source": "/opt/base"})
+    )
+    assert config.server.allowed_local_roots == ("/models", "/lora", "/tmp/loraserve-adapters", "/opt/base")
+    config = translate.to_runtime_config(
+        _spec(**{"speculative.algorithm": "EAGLE", "speculative.draftModel.source": "pvc://lora/eagle"})
+    )
+    assert config.server.allowed_local_roots == ("/models", "/adapters")
 
 
 def test_model_revision_field_applies_to_hf_sources():
