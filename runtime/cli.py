@@ -184,6 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--pvc-root", default="/mnt/pvc", help="where pvc://<claim>/... adapter sources are mounted"
     )
     g.add_argument("--adapter-ca-file", default=None, help="extra CA bundle for https adapter sources")
+    g.add_argument(
+        "--allowed-local-roots",
+        nargs="+",
+        default=list(d.server.allowed_local_roots),
+        metavar="DIR",
+        help="plain-path and file:// adapter sources, --lora adapters and the model must resolve (symlinks "
+        "followed) inside these directories (default: not confined)",
+    )
+    g.add_argument(
+        "--remote-source-hosts",
+        nargs="+",
+        default=list(d.server.remote_source_hosts),
+        metavar="HOST",
+        help="hosts https://, s3:// and hf:// adapter sources may reach, redirects included; "
+        "*.example.com allows its subdomains; commas separate too (default: any host)",
+    )
     g.add_argument("--max-body-bytes", type=int, default=d.server.max_body_bytes)
     g.add_argument(
         "--drain-timeout",
@@ -311,7 +327,18 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     srv.admin_token = _admin_token(args, env)
     srv.adapter_cache_dir = args.adapter_cache_dir
     srv.max_body_bytes = args.max_body_bytes
+    srv.allowed_local_roots = _roots(args.allowed_local_roots)
+    srv.remote_source_hosts = tuple(
+        h.strip() for value in args.remote_source_hosts for h in value.split(",") if h.strip()
+    )
     return cfg
+
+
+def _roots(values: Sequence[str]) -> tuple[str, ...]:
+    for value in values:
+        if not os.path.isabs(value):
+            raise ConfigError(f"--allowed-local-roots {value}: give absolute directories")
+    return tuple(values)
 
 
 def _local_checks(cfg: RuntimeConfig) -> list[str]:
@@ -330,12 +357,36 @@ def _local_checks(cfg: RuntimeConfig) -> list[str]:
     for name, path in cfg.lora.adapters.items():
         if not (Path(path) / "adapter_config.json").is_file():
             problems.append(f"--lora {name}={path}: no adapter_config.json there")
+    problems += _outside_roots(cfg)
     if not 0 < cfg.server.port < 65536:
         problems.append(f"--port {cfg.server.port}: must be 1-65535")
     if cfg.server.max_body_bytes < 1024:
         problems.append(f"--max-body-bytes {cfg.server.max_body_bytes}: must be >= 1024")
     if triton_problem := check_triton(cfg):
         problems.append(triton_problem)
+    return problems
+
+
+def _outside_roots(cfg: RuntimeConfig) -> list[str]:
+    """With --allowed-local-roots: the model, the draft and every --lora adapter (each adapter
+    file too) must resolve inside them, symlinks followed."""
+    roots = cfg.server.allowed_local_roots
+    if not roots:
+        return []
+    from .lora.sources import ADAPTER_FILES, SourceError, confine
+
+    checks = [(f"--model {cfg.model.path}", cfg.model.path, ())]
+    if cfg.speculative.enabled and cfg.speculative.draft_model_path:
+        draft = cfg.speculative.draft_model_path
+        checks.append((f"--draft-model {draft}", draft, ()))
+    for name, path in cfg.lora.adapters.items():
+        checks.append((f"--lora {name}={path} (lora_path)", path, ADAPTER_FILES))
+    problems = []
+    for subject, path, files in checks:
+        try:
+            confine(path, roots, subject=subject, files=files)
+        except SourceError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -429,6 +480,8 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         pvc_root=Path(args.pvc_root),
         ca_file=args.adapter_ca_file,
     )
+    if not cfg.server.allowed_local_roots:
+        log.warning("--allowed-local-roots not given: adapter paths are not confined to any directory")
     app = build_app(
         cfg,
         lambda metrics: build_engine(cfg, observer=metrics),

@@ -171,6 +171,13 @@ class ServerConfig:
     admin_token: str | None = None  # bearer token for the admin routes; None: open
     adapter_cache_dir: str = "/tmp/loraserve-adapters"
     max_body_bytes: int = 4 * 1024 * 1024
+    # Plain-path and file:// adapter sources, start-up adapters and the model must resolve
+    # (symlinks followed) inside these directories. Empty: not confined (a process run by
+    # hand); the operator always passes the pod's model and adapter volumes and the cache.
+    allowed_local_roots: tuple[str, ...] = ()
+    # Hosts https/s3/hf adapter sources may reach (``*.example.com``: its subdomains),
+    # redirects included. Empty: any host.
+    remote_source_hosts: tuple[str, ...] = ()
 
 
 @dataclass

@@ -17,6 +17,14 @@ Accepted sources:
   ``$HF_ENDPOINT/<org>/<repo>/resolve/<revision>/...`` (default ``https://huggingface.co``,
   revision ``main``), with ``Authorization: Bearer $HF_TOKEN`` when set.
 
+Confinement: a ``pvc://`` path stays inside its claim's mount (no ``..``, ``//`` or absolute
+tail; symlinks that lead out are refused). With ``allowed_roots`` set (``--allowed-local-roots``;
+the operator passes the pod's model and adapter volumes and the adapter cache), a plain path or
+``file://`` source must be absolute and resolve, symlinks followed, inside one of them, and so
+must each adapter file in it; without it, local paths are not confined (a process run by hand).
+With ``remote_hosts`` set (``--remote-source-hosts``), https/s3/hf sources may only reach those
+hosts (``*.example.com`` for subdomains), redirects included.
+
 Remote sources are downloaded into a fresh temporary directory inside the adapter cache,
 verified, then renamed into place, so a crash or a bad checksum never leaves a partial
 adapter where the manager could read it. The cached directory is keyed by the source (and
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -44,7 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import yarl
 
+from ..policy import source_path_problem
 from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
 from ..remote import (
     S3_BUCKET_RE,
@@ -72,6 +83,19 @@ class SourceSettings:
     timeout_s: float = 600.0
     ca_file: str | None = None  # extra CA bundle for https sources (a private CA)
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    allowed_roots: tuple[str, ...] = ()
+    """Directories plain-path and file:// sources must resolve inside (empty: not confined)."""
+    remote_hosts: tuple[str, ...] = ()
+    """Hosts remote sources may reach, ``*.example.com`` for subdomains (empty: any)."""
+
+    def with_config(self, server) -> SourceSettings:
+        """These settings with the confinement of a :class:`~loraserve.runtime.config.ServerConfig`
+        (``allowed_local_roots``, ``remote_source_hosts``), which the config states once."""
+        return dataclasses.replace(
+            self,
+            allowed_roots=tuple(server.allowed_local_roots),
+            remote_hosts=tuple(server.remote_source_hosts),
+        )
 
 
 @dataclass(frozen=True)
@@ -113,7 +137,8 @@ def parse_source(source: str, *, allow_http: bool = False) -> ParsedSource:
         claim, _, path = rest.partition("/")
         if not claim or not path.strip("/"):
             raise SourceError(f"lora_path {source!r}: use pvc://<claim>/<path inside the volume>")
-        _check_relative(path, source)
+        if problem := source_path_problem(f"pvc://{rest}"):
+            raise SourceError(f"lora_path {problem}")
         return ParsedSource("pvc", source, path=path.strip("/"), bucket=claim)
     if scheme in ("https", "http"):
         if scheme == "http" and not allow_http:
@@ -187,10 +212,19 @@ async def resolve_source(source: str, settings: SourceSettings, *, sha256: str |
     allow_http = settings.env.get("LORASERVE_ALLOW_HTTP_SOURCES", "") == "1"
     parsed = parse_source(source, allow_http=allow_http)
     if parsed.scheme in ("file", "pvc"):
+        if parsed.scheme == "file" and settings.allowed_roots:
+            # Before anything is looked up: a refusal says nothing about paths outside.
+            confine(Path(parsed.path).expanduser(), settings.allowed_roots, subject=f"lora_path {source!r}", files=())
         directory = _local_dir(parsed, settings)
+        if parsed.scheme == "pvc":
+            confine(directory, [_claim_root(parsed, settings)], subject=f"lora_path {source!r}", flag="--pvc-root")
+        elif settings.allowed_roots:
+            directory = confine(directory, settings.allowed_roots, subject=f"lora_path {source!r}")
         _check_adapter_dir(directory, source)
         await asyncio.to_thread(verify_digest, directory, sha256)
         return directory
+    for _, fetch in _fetches(parsed, settings.env):
+        check_remote_host(fetch.url, settings.remote_hosts, subject=f"lora_path {source!r}")
     key = hashlib.sha256(f"{parsed.raw}\0{sha256 or ''}".encode()).hexdigest()[:24]
     final = Path(settings.cache_dir) / key
     if (final / ".complete").is_file():
@@ -215,11 +249,93 @@ async def resolve_source(source: str, settings: SourceSettings, *, sha256: str |
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _claim_root(parsed: ParsedSource, settings: SourceSettings) -> Path:
+    return (Path(settings.pvc_root) / parsed.bucket).resolve()
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def confine(
+    directory: str | Path,
+    roots,
+    *,
+    subject: str,
+    files: tuple[str, ...] = ADAPTER_FILES,
+    flag: str = "--allowed-local-roots",
+) -> Path:
+    """The real path of ``directory`` (symlinks followed); :class:`SourceError` unless it,
+    and each of ``files`` in it that exists, resolves inside one of ``roots``.
+
+    A relative ``directory`` is refused (it would resolve from the working directory).
+    """
+    shown = ", ".join(str(r) for r in roots)
+    if not os.path.isabs(str(directory)):
+        raise SourceError(
+            f"{subject}: a relative path resolves from the working directory; give an absolute path "
+            f"inside the allowed local roots ({shown})"
+        )
+    real_roots = [os.path.realpath(r) for r in roots]
+    real = os.path.realpath(directory)
+    if not _inside(real, real_roots):
+        raise SourceError(
+            f"{subject}: the directory resolves outside the allowed local roots ({shown}; {flag}); "
+            "fix: put the adapter inside one of them"
+        )
+    for name in files:
+        path = os.path.join(real, name)
+        if os.path.lexists(path) and not _inside(os.path.realpath(path), real_roots):
+            raise SourceError(
+                f"{subject}: {name} is a link that resolves outside the allowed local roots ({shown}; {flag}); "
+                "fix: copy the file there instead of linking to it"
+            )
+    return Path(real)
+
+
+def _host_allowed(host: str, allowed) -> bool:
+    host = host.lower().rstrip(".")
+    for entry in allowed:
+        entry = entry.lower().rstrip(".")
+        if entry.startswith("*.") and host.endswith(entry[1:]) and len(host) > len(entry) - 1:
+            return True
+        if host == entry:
+            return True
+    return False
+
+
+def check_remote_host(url: str | yarl.URL, allowed, *, subject: str) -> None:
+    """:class:`SourceError` unless ``url``'s host is in ``allowed`` (empty: any host)."""
+    if not allowed:
+        return
+    host = yarl.URL(str(url)).host or ""
+    if not _host_allowed(host, allowed):
+        raise SourceError(
+            f"{subject}: host {host!r} is not an allowed remote source host ({', '.join(allowed)}; "
+            "--remote-source-hosts, spec.runtime.remoteSourceHosts); fix: use one of them or add the host there"
+        )
+
+
+def _host_guard(allowed, subject: str) -> list[aiohttp.TraceConfig]:
+    """A trace that refuses a redirect to a host outside ``allowed`` before it is followed."""
+    if not allowed:
+        return []
+
+    async def on_redirect(session, ctx, params: aiohttp.TraceRequestRedirectParams) -> None:
+        location = params.response.headers.get("Location") or params.response.headers.get("URI")
+        if location:
+            check_remote_host(params.url.join(yarl.URL(location)), allowed, subject=subject)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(on_redirect)
+    return [trace]
+
+
 def _local_dir(parsed: ParsedSource, settings: SourceSettings) -> Path:
     if parsed.scheme == "file":
         directory = Path(parsed.path).expanduser()
     else:
-        root = (Path(settings.pvc_root) / parsed.bucket).resolve()
+        root = _claim_root(parsed, settings)
         directory = (root / parsed.path).resolve()
         if root != directory and root not in directory.parents:
             raise SourceError(f"lora_path {parsed.raw!r} points outside the volume's mount")
@@ -283,7 +399,12 @@ async def _download(parsed: ParsedSource, tmp: Path, settings: SourceSettings) -
     files_dir.mkdir()
     connector = tls_connector(settings.ca_file)
     subject = f"lora_path {parsed.raw!r}"
-    async with aiohttp.ClientSession(timeout=timeout, trust_env=True, connector=connector) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout,
+        trust_env=True,
+        connector=connector,
+        trace_configs=_host_guard(settings.remote_hosts, subject),
+    ) as session:
         for name, fetch in _fetches(parsed, settings.env):
             await fetch_to(
                 session,

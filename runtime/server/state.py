@@ -49,6 +49,8 @@ class ServerState:
         self.config = config
         self.served_name = served_model_name(config)
         self.base_names = {self.served_name, config.model.path} - {""}
+        # The confinement (allowed local roots, remote hosts) is the configuration's.
+        sources = sources.with_config(config.server)
         self.sources = sources
         self.metrics = metrics or Metrics(self.served_name)
         self.metrics.snapshot = lambda: self.engine.snapshot if self.engine is not None else None

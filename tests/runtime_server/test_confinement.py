@@ -1,0 +1,287 @@
+"""Confinement of adapter and model paths: local roots (``--allowed-local-roots``), ``pvc://``
+paths that stay in their claim, and the allow-list of remote source hosts
+(``--remote-source-hosts``).
+
+Real files and real symlinks on disk, real TLS servers on loopback, and the production app
+over HTTP for the admin API and the catalog path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loraserve.runtime import cli
+from loraserve.runtime.catalog import CatalogEntry, encode_catalog
+from loraserve.runtime.lora.sources import (
+    ADAPTER_FILES,
+    SourceError,
+    SourceSettings,
+    adapter_digest,
+    check_remote_host,
+    resolve_source,
+)
+
+from .conftest import make_config, running_server
+
+
+@pytest.fixture
+def adapter_dir(assets) -> Path:
+    return assets.demo.adapters["sql-r8"]
+
+
+@pytest.fixture
+def layout(tmp_path, adapter_dir):
+    """``allowed/`` (the root) holding a good adapter, a directory link and a file link that
+    lead out of it, and ``outside/`` holding a copy of the adapter."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    shutil.copytree(adapter_dir, allowed / "sql")
+    shutil.copytree(adapter_dir, outside / "sql")
+    (allowed / "dir-link").symlink_to(outside / "sql", target_is_directory=True)
+    (allowed / "file-link").mkdir()
+    shutil.copy(adapter_dir / "adapter_config.json", allowed / "file-link")
+    (allowed / "file-link" / "adapter_model.safetensors").symlink_to(outside / "sql" / "adapter_model.safetensors")
+    (allowed / "inner-link").mkdir()
+    shutil.copy(adapter_dir / "adapter_config.json", allowed / "inner-link")
+    (allowed / "inner-link" / "adapter_model.safetensors").symlink_to(allowed / "sql" / "adapter_model.safetensors")
+    return allowed, outside
+
+
+def _settings(tmp_path: Path, **kw) -> SourceSettings:
+    return SourceSettings(cache_dir=tmp_path / "cache", pvc_root=tmp_path / "pvc", env={}, **kw)
+
+
+async def _refused(source: str, settings: SourceSettings, *words: str) -> SourceError:
+    with pytest.raises(SourceError) as info:
+        await resolve_source(source, settings)
+    assert info.value.field == "lora_path" and not info.value.transient
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    return info.value
+
+
+async def test_local_sources_resolve_inside_the_allowed_roots_only(layout, tmp_path, monkeypatch):
+    allowed, outside = layout
+    settings = _settings(tmp_path, allowed_roots=(str(allowed),))
+    assert await resolve_source(str(allowed / "sql"), settings) == allowed / "sql"
+    assert await resolve_source(f"file://{allowed}/sql", settings) == allowed / "sql"
+    # A link to a file that stays inside is fine: what counts is where it resolves.
+    assert await resolve_source(str(allowed / "inner-link"), settings) == allowed / "inner-link"
+    for source in (
+        str(outside / "sql"),  # a plain path elsewhere
+        f"file://{outside}/sql",
+        f"{allowed}/../outside/sql",  # '..' after a root
+        str(allowed / "dir-link"),  # the directory is a link that leads out
+        "/etc",
+        str(tmp_path / "no-such-dir"),  # outside and absent: the same answer, no existence probe
+    ):
+        await _refused(source, settings, "outside the allowed local roots", str(allowed), "--allowed-local-roots")
+    # One adapter file linked to outside: refused, though the directory is inside.
+    await _refused(str(allowed / "file-link"), settings, "adapter_model.safetensors is a link", str(allowed))
+    # A relative path would resolve from the working directory: refused, even from inside.
+    monkeypatch.chdir(allowed)
+    await _refused("sql", settings, "relative path", str(allowed))
+
+
+async def test_without_roots_local_paths_are_not_confined(layout, tmp_path):
+    """The default of a process run by hand (the operator always passes roots)."""
+    allowed, outside = layout
+    settings = _settings(tmp_path)
+    assert await resolve_source(str(outside / "sql"), settings) == outside / "sql"
+    assert await resolve_source(str(allowed / "file-link"), settings) == allowed / "file-link"
+
+
+async def test_pvc_sources_stay_in_their_claim_links_included(adapter_dir, tmp_path):
+    claim = tmp_path / "pvc" / "adapters"
+    shutil.copytree(adapter_dir, claim / "sql")
+    (claim / "linked").mkdir()
+    shutil.copy(adapter_dir / "adapter_config.json", claim / "linked")
+    (claim / "linked" / "adapter_model.safetensors").symlink_to(adapter_dir / "adapter_model.safetensors")
+    settings = _settings(tmp_path)
+    assert await resolve_source("pvc://adapters/sql", settings) == (claim / "sql").resolve()
+    await _refused("pvc://adapters/linked", settings, "adapter_model.safetensors is a link", str(claim))
+    await _refused("pvc://adapters/../../etc", settings, "leaves the claim's mount", "'..'")
+    await _refused("pvc://adapters//etc/shadow", settings, "leaves the claim's mount", "absolute path")
+
+
+def _argv(model: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--device", "cpu", *extra]
+
+
+def test_start_up_refuses_a_model_or_adapter_outside_the_roots(assets, layout, adapter_dir):
+    allowed, outside = layout
+    parser = cli.build_parser()
+    # The model's directory is outside the roots, and so are two of three adapters.
+    argv = _argv(
+        assets.model_dir,
+        "--allowed-local-roots",
+        str(allowed),
+        "--lora",
+        f"ok={allowed / 'sql'}",
+        "--lora",
+        f"far={outside / 'sql'}",
+        "--lora",
+        f"linked={allowed / 'file-link'}",
+    )
+    cfg = cli.config_from_args(parser.parse_args(argv), env={})
+    assert cfg.server.allowed_local_roots == (str(allowed),)
+    _, reasons, _ = cli.check(cfg)
+    text = "\n".join(reasons)
+    assert f"--model {assets.model_dir}: the directory resolves outside the allowed local roots ({allowed}" in text
+    assert f"--lora far={outside / 'sql'} (lora_path)" in text
+    assert f"--lora linked={allowed / 'file-link'} (lora_path): adapter_model.safetensors is a link" in text
+    assert "--lora ok=" not in text
+    # With the model's directory among the roots, only the adapters are left.
+    roots = ["--allowed-local-roots", str(allowed), str(assets.model_dir)]
+    cfg = cli.config_from_args(parser.parse_args(_argv(assets.model_dir, *roots)), env={})
+    assert not [r for r in cli.check(cfg)[1] if "allowed local roots" in r]
+    with pytest.raises(cli.ConfigError, match="absolute"):
+        cli.config_from_args(parser.parse_args(_argv(assets.model_dir, "--allowed-local-roots", "rel")), env={})
+    # Hosts: repeated or comma-separated.
+    args = parser.parse_args(_argv(assets.model_dir, "--remote-source-hosts", "a.example", "b.example,*.c.example"))
+    assert cli.config_from_args(args, env={}).server.remote_source_hosts == ("a.example", "b.example", "*.c.example")
+
+
+async def test_admin_api_and_catalog_refuse_paths_outside_the_roots(assets, layout, tmp_path):
+    allowed, outside = layout
+    config = make_config(assets, adapters={})
+    config.server.allowed_local_roots = (str(allowed),)
+    config.lora.catalog = str(tmp_path / "catalog.json")
+    (tmp_path / "catalog.json").write_text(encode_catalog([]))
+    async with running_server(config, tmp_path / "srv") as srv:
+        for path, words in (
+            (str(outside / "sql"), "outside the allowed local roots"),
+            (str(allowed / "file-link"), "adapter_model.safetensors is a link"),
+            ("/etc", "outside the allowed local roots"),
+        ):
+            status, body = await srv.post(
+                "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path}, headers=srv.admin_headers()
+            )
+            assert status == 400, body
+            assert body["error"]["param"] == "lora_path" and body["error"]["code"] == "invalid_source"
+            assert words in body["error"]["message"] and str(allowed) in body["error"]["message"]
+        assert srv.engine.adapter_names == frozenset()
+        status, body = await srv.post(
+            "/v1/load_lora_adapter",
+            {"lora_name": "inside", "lora_path": str(allowed / "sql")},
+            headers=srv.admin_headers(),
+        )
+        assert status == 200, body
+        # The catalog path: an entry outside the roots fails on its first request, naming the field.
+        catalog = {
+            "adapters": [
+                CatalogEntry("far", str(outside / "sql")).to_dict(),
+                CatalogEntry("near", str(allowed / "sql")).to_dict(),
+            ]
+        }
+        async with srv.session.put(
+            srv.url + "/v1/lora_catalog", json=catalog, headers=srv.admin_headers()
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+        for name, want in (("far", 400), ("near", 200)):
+            status, body = await srv.post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2})
+            assert status == want, body
+        status, body = await srv.post("/v1/completions", {"model": "far", "prompt": "hi", "max_tokens": 2})
+        assert body["error"]["param"] == "lora_path" and "outside the allowed local roots" in body["error"]["message"]
+
+
+# --------------------------------------------------------------------------- remote hosts
+
+
+def test_host_allow_list_matching():
+    subject = "lora_path 'x'"
+    for url, allowed in (
+        ("https://models.example.com/a.tgz", ("models.example.com",)),
+        ("https://MODELS.example.com./a.tgz", ("models.example.com",)),
+        ("https://eu.s3.example.com/b/k", ("*.s3.example.com",)),
+        ("https://127.0.0.1:8443/x", ()),  # no list: any host
+    ):
+        check_remote_host(url, allowed, subject=subject)
+    for url, allowed in (
+        ("https://127.0.0.1/x", ("models.example.com",)),
+        ("https://localhost/x", ("models.example.com",)),
+        ("https://s3.example.com/k", ("*.s3.example.com",)),  # the wildcard is for subdomains only
+        ("https://evil-s3.example.com/k", ("*.s3.example.com",)),
+        ("https://models.example.com.evil.net/x", ("models.example.com",)),
+    ):
+        with pytest.raises(SourceError) as info:
+            check_remote_host(url, allowed, subject=subject)
+        assert info.value.field == "lora_path" and ", ".join(allowed) in str(info.value)
+        assert "--remote-source-hosts" in str(info.value) and "spec.runtime.remoteSourceHosts" in str(info.value)
+
+
+class _Files:
+    def __init__(self, adapter_dir: Path) -> None:
+        self.files = {f"/dir/{n}": (adapter_dir / n).read_bytes() for n in ADAPTER_FILES}
+        self.hits: list[str] = []
+        self.redirect_to = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits.append(f"{request.host} {request.path}")
+        if request.path.startswith("/hop/"):
+            raise web.HTTPFound(self.redirect_to + "/dir/" + request.path.rsplit("/", 1)[1])
+        body = self.files.get(request.path)
+        return web.Response(body=body) if body is not None else web.Response(status=404)
+
+
+async def test_remote_sources_reach_only_the_allowed_hosts_redirects_included(adapter_dir, tmp_path, tls):
+    server_ctx, ca_file = tls
+    files = _Files(adapter_dir)
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", files.handle)
+    server = TestServer(app, scheme="https", host="127.0.0.1")
+    await server.start_server(ssl=server_ctx)
+    port = server.port
+    files.redirect_to = f"https://127.0.0.1:{port}"
+    try:
+
+        def settings(*hosts: str, name: str) -> SourceSettings:
+            return _settings(tmp_path / name, ca_file=ca_file, remote_hosts=hosts)
+
+        # Loopback is refused when the list names other hosts, before anything is fetched.
+        err = await _refused(
+            f"https://127.0.0.1:{port}/dir", settings("models.example.com", name="a"), "'127.0.0.1'", "models.example.com"
+        )
+        assert "spec.runtime.remoteSourceHosts" in str(err) and files.hits == []
+        # Listed: fetched.
+        got = await resolve_source(f"https://127.0.0.1:{port}/dir", settings("127.0.0.1", name="b"))
+        assert adapter_digest(got) == adapter_digest(adapter_dir)
+        # A listed host that redirects to an unlisted one: refused at the redirect.
+        files.hits.clear()
+        await _refused(f"https://localhost:{port}/hop", settings("localhost", name="c"), "'127.0.0.1'", "localhost")
+        assert files.hits == [f"localhost:{port} /hop/adapter_config.json"], files.hits
+        # Both listed: the redirect is followed.
+        got = await resolve_source(f"https://localhost:{port}/hop", settings("localhost", "127.0.0.1", name="d"))
+        assert adapter_digest(got) == adapter_digest(adapter_dir)
+        # s3:// and hf:// are judged by the endpoint they reach.
+        env = {"AWS_ENDPOINT_URL": "https://127.0.0.1:9", "HF_ENDPOINT": "https://127.0.0.1:9"}
+        for source in ("s3://bucket/key", "hf://org/repo"):
+            await _refused(
+                source,
+                SourceSettings(cache_dir=tmp_path / "e", env=env, remote_hosts=("example.com",)),
+                "'127.0.0.1' is not an allowed remote source host",
+            )
+    finally:
+        await server.close()
+
+
+async def test_admin_api_refuses_a_remote_host_outside_the_list(assets, tmp_path):
+    config = make_config(assets, adapters={})
+    config.server.remote_source_hosts = ("adapters.example.com", "*.hf.example.com")
+    async with running_server(config, tmp_path) as srv:
+        status, body = await srv.post(
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "https://127.0.0.1:1/adapter.tar.gz"},
+            headers=srv.admin_headers(),
+        )
+        assert status == 400, body
+        assert body["error"]["param"] == "lora_path"
+        assert "adapters.example.com, *.hf.example.com" in body["error"]["message"]
+        await asyncio.sleep(0)
+    assert not os.path.exists(tmp_path / "adapter-cache") or not any((tmp_path / "adapter-cache").iterdir())
