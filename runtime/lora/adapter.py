@@ -2,7 +2,11 @@
 
 Accepted: ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
 ``use_rslora``) plus ``adapter_model.safetensors``. Pickle weights are refused: loading
-them can run arbitrary code. Every check runs before anything is handed to the
+them can run arbitrary code. Whole copies of the base ``embed_tokens`` / ``lm_head``
+(peft's ``save_embedding_layers``, "auto" by default) are compared with the served
+model's weight and dropped when equal, refused when not; options that make the adapter
+compute something other than ``W + s·B·A`` on the shared base (``modules_to_save``,
+DoRA, layer replication, ...) are refused, naming the option. Every check runs before anything is handed to the
 manager, so a rejected adapter leaves the pool untouched.
 """
 
@@ -31,8 +35,41 @@ _LAYER_RE = re.compile(
 )
 _EMBED_RE = re.compile(r"^model\.embed_tokens\.lora_embedding_(A|B)(?:\.[A-Za-z0-9_-]+)?$")
 _LM_HEAD_RE = re.compile(r"^lm_head\.lora_(A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$")
-_FULL_COPIES = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+_FULL_COPIES = {
+    # peft's names for a whole base embedding / output weight saved beside the adapter
+    # (save_embedding_layers=True, or "auto", the default, when the module is targeted):
+    # ".base_layer.weight" when the module carries LoRA, the plain name when it does not.
+    "model.embed_tokens.base_layer.weight": "embed_tokens",
+    "lm_head.base_layer.weight": "lm_head",
+    "model.embed_tokens.weight": "embed_tokens",
+    "lm_head.weight": "lm_head",
+}
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_TIED_PAIR = {"embed_tokens", "lm_head"}
+# adapter_config.json options that change what the adapter computes beyond W + s·B·A on
+# the shared base: served as a plain LoRA the output would silently differ from peft's.
+_PLAIN = "a LoRA variant this runtime does not implement: retrain as a plain LoRA"
+_UNSERVED_OPTIONS = (
+    (
+        "layer_replication",
+        "the adapter is for a model whose layers peft replicated; the served model has no such layers: "
+        "merge the adapter into that model and serve it as the base",
+    ),
+    (
+        "alora_invocation_tokens",
+        "activated LoRA (aLoRA) applies the adapter only after its invocation tokens, which this runtime "
+        "does not implement: retrain as a plain LoRA",
+    ),
+    ("use_qalora", f"QA-LoRA pools lora_A's input by groups, {_PLAIN}"),
+    ("target_parameters", "LoRA on parameters (e.g. MoE experts) is not supported: target modules instead"),
+    ("use_bdlora", _PLAIN),
+    ("monteclora_config", _PLAIN),
+    ("velora_config", _PLAIN),
+    ("kasa_config", _PLAIN),
+    ("arrow_config", "Arrow routing over several adapters is not supported: serve the adapters one by one"),
+)
+# init_lora_weights values whose training starts from modified base weights.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 @dataclass
@@ -94,11 +131,27 @@ def read_adapter_config(path: Path) -> dict:
                 f"{key} is set: per-module ranks/alphas are not supported; retrain with one r and lora_alpha",
                 key,
             )
-    if raw.get("modules_to_save"):
+    saved_modules = raw.get("modules_to_save")
+    if saved_modules:
+        names = [saved_modules] if isinstance(saved_modules, str) else list(saved_modules)
         raise _fail(
-            f"modules_to_save={raw['modules_to_save']} replaces base layers, which a shared base model "
-            "cannot serve: retrain without modules_to_save",
+            f"modules_to_save={names}: the adapter carries its own trained full copy of "
+            f"{', '.join(map(str, names))}, which replaces the base model's for this adapter only; a base "
+            "model shared by every adapter cannot serve that: retrain with those modules in target_modules "
+            "(LoRA) instead of modules_to_save, or merge the adapter into the model and serve the merged "
+            "model as the base",
             "modules_to_save",
+        )
+    for key, reason in _UNSERVED_OPTIONS:
+        if raw.get(key):
+            raise _fail(f"{key}={raw[key]!r}: {reason}", key)
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise _fail(
+            f"init_lora_weights={init!r} changes the base model's weights when training starts, so the adapter "
+            "is only right on that changed base, not on the served one: convert it to a plain LoRA when saving "
+            "(peft save_pretrained(..., path_initial_model_for_weight_conversion=...)) or serve the changed base",
+            "init_lora_weights",
         )
     if raw.get("bias", "none") not in ("none", None):
         raise _fail(f"bias={raw['bias']!r}: trained bias terms are not supported; retrain with bias='none'", "bias")
@@ -114,13 +167,15 @@ def load_adapter(
     max_rank: int,
     pool_modules: Iterable[str],
     dtype: torch.dtype,
-    base_tensor: Callable[[str], torch.Tensor] | None = None,
+    base_tensor: Callable[[str], torch.Tensor | None] | None = None,
 ) -> AdapterWeights:
     """Read and validate an adapter; raises :class:`AdapterError` naming the field/tensor.
 
     ``pool_modules``: the modules the slot pool has buffers for (``lora.target_modules``).
-    ``base_tensor(module)`` returns the base ``embed_tokens``/``lm_head`` weight, used to
-    accept full copies of those that peft saves next to embedding adapters.
+    ``base_tensor(module)`` returns the served model's whole ``embed_tokens``/``lm_head``
+    weight: the full copies peft saves beside adapters of those modules
+    (``save_embedding_layers``, "auto" by default) are compared with it and dropped when
+    equal, refused when not.
     """
     path = Path(path)
     if not path.is_dir():
@@ -175,12 +230,16 @@ def load_adapter(
         raise _fail(f"{weights_path} is missing: the adapter needs its weights in {WEIGHTS_FILE}", WEIGHTS_FILE)
     tensors = _read_safetensors(weights_path)
 
+    # Full copies of the base embedding / lm_head first (a resized vocabulary is named as
+    # such, before the LoRA shapes disagree): checked against the served weights, then dropped.
+    for full_name in sorted(tensors):
+        module = _FULL_COPIES.get(full_name.removeprefix("base_model.model."))
+        if module is not None:
+            _check_full_copy(full_name, tensors.pop(full_name), module, base_tensor)
+
     parts: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     for full_name, tensor in tensors.items():
         name = full_name.removeprefix("base_model.model.")
-        if name in _FULL_COPIES:
-            _check_full_copy(full_name, tensor, _FULL_COPIES[name], base_tensor)
-            continue
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
         if module not in pool:
@@ -220,6 +279,10 @@ def load_adapter(
     modules = tuple(sorted({m for m, _ in weights}, key=LORA_MODULES.index))
     if isinstance(declared, list):
         names = {str(m).rsplit(".", 1)[-1] for m in declared}
+        if raw.get("ensure_weight_tying") and names & _TIED_PAIR:
+            # peft ties the lm_head adapter to the embed_tokens one (or the reverse) on a model
+            # with tied embeddings and saves both, declaring only one: each is served as saved.
+            names |= _TIED_PAIR
         extra = sorted(set(modules) - names)
         if extra:
             raise _fail(
@@ -271,18 +334,47 @@ def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple
 
 
 def _check_full_copy(
-    full_name: str, tensor: torch.Tensor, module: str, base_tensor: Callable[[str], torch.Tensor] | None
+    full_name: str, tensor: torch.Tensor, module: str, base_tensor: Callable[[str], torch.Tensor | None] | None
 ) -> None:
-    """peft may save the whole embedding next to an embedding adapter; accept only the base's own."""
+    """Accept peft's copy of the whole base ``embed_tokens`` / ``lm_head`` weight only when it
+    is the served model's own: same shape and every value equal, compared in the coarser of
+    the two dtypes (an adapter saved in bfloat16 beside a float32 base, or the reverse, still
+    matches). Anything else is refused, naming the tensor and what to do."""
     base = base_tensor(module) if base_tensor is not None else None
-    if (
-        base is not None
-        and tuple(base.shape) == tuple(tensor.shape)
-        and torch.equal(tensor.to(base.dtype), base.detach().to("cpu"))
-    ):
-        return
-    raise _fail(
-        f"tensor {full_name!r} replaces the base model's {module} weights, which a shared base cannot serve: "
-        "re-save the adapter with save_embedding_layers=False (or train without resizing the vocabulary)",
-        full_name,
-    )
+    if base is None:
+        raise _fail(
+            f"tensor {full_name!r} is a full copy of the base model's {module} weight, and the served "
+            f"{module} is not available here to check it against: re-save the adapter with "
+            "save_embedding_layers=False (peft save_pretrained) if it was trained on this base model",
+            full_name,
+        )
+    saved, served = tuple(tensor.shape), tuple(base.shape)
+    if saved != served:
+        raise _fail(
+            f"tensor {full_name!r} is the adapter's copy of the base model's {module} weight with shape {saved}, "
+            f"but the served model's {module} has shape {served}: the adapter was trained on a resized vocabulary "
+            "(or another base model) and needs those weights, which a base model shared by every adapter cannot "
+            f"serve: serve the model with the resized {module} (the one the adapter was trained on) as the base, "
+            "or retrain the adapter on this model",
+            full_name,
+        )
+    base = base.detach().to("cpu")
+    differing = _count_differing(tensor, base)
+    if differing:
+        raise _fail(
+            f"tensor {full_name!r} is the adapter's copy of the base model's {module} weight, and {differing} of its "
+            f"{tensor.numel()} values differ from the served model's: the adapter was trained with retrained "
+            f"{module} weights or on another base model, which a base model shared by every adapter cannot serve: "
+            f"serve the model holding those {module} weights as the base, or, if {module} was not trained and the "
+            "adapter was trained on this base model, re-save it with save_embedding_layers=False (peft "
+            "save_pretrained)",
+            full_name,
+        )
+
+
+def _count_differing(saved: torch.Tensor, base: torch.Tensor) -> int:
+    """Values that differ, compared in the coarser dtype (the larger machine epsilon)."""
+    if not (saved.is_floating_point() and base.is_floating_point()):
+        return saved.numel() if saved.dtype != base.dtype else int((saved != base).sum())
+    dtype = max((saved.dtype, base.dtype), key=lambda d: torch.finfo(d).eps)
+    return int((saved.to(dtype) != base.to(dtype)).sum())
