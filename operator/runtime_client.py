@@ -111,7 +111,8 @@ def error_message(status: int, body: str) -> str:
 
 
 def parse_models(data: object) -> PodModels:
-    """Parse ``GET /v1/models``: entries with a ``parent`` are adapters, the rest base models."""
+    """Parse ``GET /v1/models`` (asked with the admin token): entries with a ``parent`` are
+    adapters, the rest base models."""
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise RuntimeCallError("GET /v1/models answered without a 'data' list", transient=True)
     base: str | None = None
@@ -120,9 +121,10 @@ def parse_models(data: object) -> PodModels:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             continue
         if entry.get("parent"):
-            root = entry.get("root")
+            # The real source is ``lora.source``, listed for the admin token only; ``root`` is
+            # what any client sees (a remote URI, or the adapter's name for a path in the pod).
             lora = entry.get("lora") if isinstance(entry.get("lora"), dict) else {}
-            adapters[entry["id"]] = _adapter(entry["id"], root, lora)
+            adapters[entry["id"]] = _adapter(entry["id"], lora.get("source"), lora)
         elif base is None:
             base = entry["id"]
     return PodModels(base=base, adapters=adapters)

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,18 @@ class CatalogChange:
     removed: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()
     unloaded: tuple[str, ...] = ()
+
+
+def public_root(name: str, source: str) -> str:
+    """What ``GET /v1/models`` (no token needed) shows as an adapter's ``root``: a remote or
+    ``pvc://`` source as named (without credentials, query or fragment), never a path of the
+    pod's file system (a plain path or ``file://`` shows as the adapter's name)."""
+    scheme, sep, _ = source.partition("://")
+    if not sep or scheme.lower() == "file":
+        return name
+    parts = urllib.parse.urlsplit(source)
+    netloc = parts.netloc.rpartition("@")[2]  # no user:password
+    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 def adapter_error(exc: AdapterError) -> ApiError:

@@ -8,6 +8,8 @@ import json
 from aiohttp import web
 
 from ..engine import RequestOutput
+from .adapter_supply import public_root
+from .auth import check_bearer
 from .errors import ApiError
 from .generation import ChoiceState, Generation
 from .schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json_body
@@ -303,29 +305,47 @@ async def _stream(
 
 
 # ------------------------------------------------------------------------------ models
-def _adapter_model(state, name: str, *, created: int, root: str, lora: dict, context_len: int) -> dict:
+def _adapter_model(
+    state, name: str, *, created: int, source: str, lora: dict, context_len: int, admin: bool
+) -> dict:
+    # ``root`` never shows the pod's file layout; the real source (what the operator compares
+    # with what it asked for) goes to callers holding the admin token only.
+    if admin:
+        lora = {**lora, "source": source}
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "loraserve",
-        "root": root,
+        "root": public_root(name, source),
         "parent": state.served_name,
         "max_model_len": context_len,
         "lora": lora,
     }
 
 
+def _is_admin(request: web.Request, token: str | None) -> bool:
+    """The request carries the configured admin token (never true when none is configured)."""
+    if not token:
+        return False
+    try:
+        check_bearer(request, token)
+    except ApiError:
+        return False
+    return True
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.require_engine()
+    admin = _is_admin(request, state.admin_token)
     data = [
         {
             "id": state.served_name,
             "object": "model",
             "created": state.started,
             "owned_by": "loraserve",
-            "root": state.config.model.path,
+            "root": state.served_name,
             "parent": None,
             "max_model_len": engine.context_len,
         }
@@ -341,7 +361,7 @@ async def list_models(request: web.Request) -> web.Response:
                 state,
                 info.name,
                 created=rec.loaded_at if rec else state.started,
-                root=rec.source if rec else info.name,
+                source=rec.source if rec else info.name,
                 lora={
                     "state": "loaded",
                     "rank": info.rank,
@@ -351,6 +371,7 @@ async def list_models(request: web.Request) -> web.Response:
                     "sha256": rec.sha256 if rec else None,
                 },
                 context_len=engine.context_len,
+                admin=admin,
             )
         )
     # Catalogued adapters this pod does not hold yet: usable, loaded on their first request.
@@ -363,7 +384,13 @@ async def list_models(request: web.Request) -> web.Response:
             lora["message"] = message
         data.append(
             _adapter_model(
-                state, entry.name, created=state.started, root=entry.source, lora=lora, context_len=engine.context_len
+                state,
+                entry.name,
+                created=state.started,
+                source=entry.source,
+                lora=lora,
+                context_len=engine.context_len,
+                admin=admin,
             )
         )
     return web.json_response({"object": "list", "data": data})

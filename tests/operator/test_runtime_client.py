@@ -43,9 +43,10 @@ def test_models_lists_adapters_with_what_the_runtime_read() -> None:
             {
                 "id": "sql",
                 "object": "model",
-                "root": "/adapters/sql",
+                "root": "sql",
                 "parent": "llama",
                 "lora": {
+                    "source": "/adapters/sql",
                     "rank": 8,
                     "target_modules": ["q_proj", "v_proj"],
                     "pinned": False,
@@ -66,6 +67,8 @@ def test_models_lists_adapters_with_what_the_runtime_read() -> None:
         "ab" * 32,
     )
     assert models.adapters["bare"].rank is None
+    # root is what any client sees (the name, for a path in the pod): never taken as the source.
+    assert parse_models({"data": [{"id": "x", "root": "x", "parent": "llama"}]}).adapters["x"].source is None
     with pytest.raises(RuntimeCallError) as info:
         parse_models({"object": "list"})
     assert info.value.transient

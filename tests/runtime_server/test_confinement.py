@@ -285,3 +285,19 @@ async def test_admin_api_refuses_a_remote_host_outside_the_list(assets, tmp_path
         assert "adapters.example.com, *.hf.example.com" in body["error"]["message"]
         await asyncio.sleep(0)
     assert not os.path.exists(tmp_path / "adapter-cache") or not any((tmp_path / "adapter-cache").iterdir())
+
+
+# --------------------------------------------------------------------------- GET /v1/models root
+
+
+def test_models_root_never_shows_the_pods_file_layout():
+    from loraserve.runtime.server.adapter_supply import public_root
+
+    assert public_root("sql", "/adapters/team/sql") == "sql"
+    assert public_root("sql", "file:///adapters/team/sql") == "sql"
+    assert public_root("sql", "pvc://adapters/team/sql") == "pvc://adapters/team/sql"
+    assert public_root("med", "hf://Org/Repo/sub@0123abc") == "hf://Org/Repo/sub@0123abc"
+    assert public_root("s", "s3://bucket/a/b.tgz") == "s3://bucket/a/b.tgz"
+    # Credentials in the URL, a presigned query, a fragment: left out.
+    shown = public_root("x", "https://user:secret@h.example:8443/a/b.tar.gz?X-Amz-Signature=abc#frag")
+    assert shown == "https://h.example:8443/a/b.tar.gz"

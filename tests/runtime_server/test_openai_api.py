@@ -51,7 +51,15 @@ async def test_probes_and_models(server):
     assert ids["tiny-base"]["parent"] is None
     for name, path in server.config.lora.adapters.items():
         assert ids[name]["parent"] == "tiny-base"
-        assert ids[name]["root"] == path
+        # No token needed here: the pod's file layout is not shown (root is the adapter's name).
+        assert ids[name]["root"] == name and "source" not in ids[name]["lora"]
+        assert path not in json.dumps(body)
+    assert ids["tiny-base"]["root"] == "tiny-base" and server.config.model.path not in json.dumps(body)
+    # With the admin token, each adapter's real source is listed (the operator compares it).
+    status, body = await server.get("/v1/models", headers=server.admin_headers())
+    ids = {m["id"]: m for m in body["data"]}
+    for name, path in server.config.lora.adapters.items():
+        assert ids[name]["root"] == name and ids[name]["lora"]["source"] == path
 
 
 async def _greedy_reference(server, prompt_ids: list[int], adapter: str | None, n: int) -> list[int]:

@@ -12,6 +12,7 @@ import kopf
 import pytest
 
 from loraserve.operator.config import OperatorConfig
+from loraserve.operator.reconcile.adapters import source_differs
 from loraserve.operator.reconcile.catalog import pods_still_listing, sync_catalog
 from loraserve.operator.reconcile.context import OperatorContext
 from loraserve.operator.reconcile.kube import KubeClient
@@ -44,6 +45,13 @@ async def test_catalog_sync_listing_demotion_and_deletion(assets, tmp_path):
             runtime = ctx.runtime(pod, ADMIN_TOKEN)
             models = await runtime.models()
             assert set(models.loaded) == {"chat"} and models.loaded["chat"].warm is True
+            # The operator reads each adapter's real source (admin token), though /v1/models
+            # shows no path of the pod to other clients; a changed Adapter source is still seen.
+            assert models.loaded["chat"].source == chat and models.adapters["sql"].source == sql
+            assert not source_differs(models.loaded["chat"], (chat, "pvc://adapters/chat"), None)
+            assert source_differs(models.loaded["chat"], (sql, "pvc://adapters/sql"), None)
+            public = await ctx.runtime(pod, None).models()
+            assert public.loaded["chat"].source is None and public.adapters["sql"].source is None
             assert models.adapters["sql"].state == "registered" and not models.adapters["sql"].loaded
 
             entries = (CatalogEntry("extra", str(assets.extra_adapters["extra-0"])), CatalogEntry("sql", sql))
