@@ -105,9 +105,16 @@ def read_adapter_config(path: Path) -> dict:
     """Parse and sanity-check ``adapter_config.json``; returns the raw dict."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
+        # peft saves an adapter not named "default" in a folder of its name
+        named = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_FILE}")) if path.is_dir() else []
+        hint = (
+            f"; it holds peft adapters named {named}: give the folder of one, e.g. {str(path / named[0])!r}"
+            if named
+            else ""
+        )
         raise _fail(
             f"{config_path} is missing: an adapter directory needs {CONFIG_FILE} and {WEIGHTS_FILE} "
-            "(as written by peft's save_pretrained)",
+            f"(as written by peft's save_pretrained){hint}",
             CONFIG_FILE,
         )
     try:

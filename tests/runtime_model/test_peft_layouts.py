@@ -43,6 +43,7 @@ def save_peft_adapter(
     resize_vocab_to: int | None = None,
     init_std: float = 0.05,
     ensure_weight_tying: bool = False,
+    layers_to_transform: list[int] | None = None,
 ) -> Path:
     """``get_peft_model`` on the transformers model + random LoRA weights + ``save_pretrained``.
     ``save_embedding_layers="auto"`` calls save_pretrained without the argument (peft's default)."""
@@ -56,12 +57,13 @@ def save_peft_adapter(
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=list(target_modules),
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         use_rslora=use_rslora,
         modules_to_save=list(modules_to_save) if modules_to_save else None,
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
         ensure_weight_tying=ensure_weight_tying,
+        layers_to_transform=layers_to_transform,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tied lm_head/embed_tokens adapted separately; deprecations
@@ -115,6 +117,13 @@ ACCEPTED = {
         "llama-gqa",
         {"target_modules": ("q_proj", "v_proj"), "save_embedding_layers": True, "seed": 46},
         {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"},
+    ),
+    # a pattern string, and LoRA on one layer only (the other layer's slot stays zero)
+    "all-linear-auto": ("llama-gqa", {"target_modules": "all-linear", "seed": 53}, set()),
+    "layer-1-only": (
+        "llama-gqa",
+        {"target_modules": ("q_proj", "down_proj"), "layers_to_transform": [1], "seed": 54},
+        set(),
     ),
     "attn-auto": ("llama-gqa", {"target_modules": ("q_proj", "v_proj"), "seed": 47}, set()),
     # trained in bfloat16: the copies are bf16 roundings of the float32 base, equal in bf16
@@ -336,3 +345,22 @@ def test_options_that_change_the_computation_are_refused(key, value, layouts, ma
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     err = _refused(make_runner(model_dir), "variant", path)
     assert err.field == key and key in str(err)
+
+
+def test_a_named_peft_adapter_folder_points_at_its_subfolder(assets, make_runner, tmp_path):
+    """peft saves an adapter not named "default" under <dir>/<name>/: the error says so."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_dir = assets.models["llama-gqa"]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"), adapter_name="sql"
+        )
+        peft_model.save_pretrained(str(tmp_path / "out"))
+    runner = make_runner(model_dir)
+    err = _refused(runner, "sql", tmp_path / "out")
+    assert "peft adapters named ['sql']" in str(err) and str(tmp_path / "out" / "sql") in str(err)
+    assert runner.lora.load("sql", tmp_path / "out" / "sql").state is AdapterState.LOADED
