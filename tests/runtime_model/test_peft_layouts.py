@@ -364,3 +364,18 @@ def test_a_named_peft_adapter_folder_points_at_its_subfolder(assets, make_runner
     err = _refused(runner, "sql", tmp_path / "out")
     assert "peft adapters named ['sql']" in str(err) and str(tmp_path / "out" / "sql") in str(err)
     assert runner.lora.load("sql", tmp_path / "out" / "sql").state is AdapterState.LOADED
+
+
+def test_float32_copies_load_on_a_bfloat16_serve(layouts, make_config, tmp_path):
+    """Served in bf16 from a float32 checkpoint: the saved float32 copies equal the served
+    weights in bf16 (the coarser dtype); a change below bf16's resolution cannot be told
+    apart and loads, one above it is refused."""
+    from loraserve.runtime.model_runner import ModelRunner
+
+    model_dir, adapter_dir = layouts["emb-head-auto"]
+    config = make_config(model_dir)
+    config.model.dtype = "bfloat16"
+    runner = ModelRunner(config)
+    assert runner.lora.load("emb", adapter_dir).state is AdapterState.LOADED
+    err = _refused(runner, "retrained", _perturb(adapter_dir, tmp_path / "retrained", EMBED_COPY, delta=0.05))
+    assert err.field == EMBED_COPY and "1 of" in str(err)
