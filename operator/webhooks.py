@@ -34,12 +34,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kopf
 
 from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
 from loraserve.runtime.config import RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.policy import Namer, check_adapter, check_config, check_source_revision
+from loraserve.runtime.policy import Namer, check_adapter, check_config, check_source_revision, host_allowed
 
 from . import index
 from .index import IndexedAdapter, lookup_adapters, lookup_serve
@@ -210,6 +211,13 @@ def _misfits(
     claim = _claim_problem(parsed, serve, serve_name, name("adapter.source"))
     if claim:
         problems.append(claim)
+    hosts = serve.runtime.remote_source_hosts
+    source_host = urlsplit(parsed.source).hostname if parsed.source.startswith("https://") else None
+    if hosts and source_host is not None and not host_allowed(source_host, hosts):
+        problems.append(
+            f"{name('adapter.source')}: host {source_host!r} is not in LoRAServe {serve_name!r} "
+            f"spec.runtime.remoteSourceHosts ({', '.join(hosts)}); fix: use one of them or add the host there"
+        )
     return problems, [w.render(name) for w in report.warnings]
 
 

@@ -256,6 +256,19 @@ def source_path_problem(source: str | None) -> str | None:
     return None
 
 
+def host_allowed(host: str, allowed: Iterable[str]) -> bool:
+    """Whether ``host`` is one of ``allowed`` (``*.example.com``: any subdomain of example.com,
+    not example.com itself); case and a trailing dot do not matter."""
+    host = host.lower().rstrip(".")
+    for entry in allowed:
+        entry = entry.lower().rstrip(".")
+        if entry.startswith("*.") and host.endswith(entry[1:]) and len(host) > len(entry) - 1:
+            return True
+        if host == entry:
+            return True
+    return False
+
+
 # --------------------------------------------------------------------------- resolution
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import aiohttp
 import yarl
 
-from ..policy import source_path_problem
+from ..policy import host_allowed, source_path_problem
 from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
 from ..remote import (
     S3_BUCKET_RE,
@@ -293,23 +293,12 @@ def confine(
     return Path(real)
 
 
-def _host_allowed(host: str, allowed) -> bool:
-    host = host.lower().rstrip(".")
-    for entry in allowed:
-        entry = entry.lower().rstrip(".")
-        if entry.startswith("*.") and host.endswith(entry[1:]) and len(host) > len(entry) - 1:
-            return True
-        if host == entry:
-            return True
-    return False
-
-
 def check_remote_host(url: str | yarl.URL, allowed, *, subject: str) -> None:
     """:class:`SourceError` unless ``url``'s host is in ``allowed`` (empty: any host)."""
     if not allowed:
         return
     host = yarl.URL(str(url)).host or ""
-    if not _host_allowed(host, allowed):
+    if not host_allowed(host, allowed):
         raise SourceError(
             f"{subject}: host {host!r} is not an allowed remote source host ({', '.join(allowed)}; "
             "--remote-source-hosts, spec.runtime.remoteSourceHosts); fix: use one of them or add the host there"

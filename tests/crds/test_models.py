@@ -202,6 +202,29 @@ def test_sources_stay_inside_their_volume_in_cel_and_model(kit, source):
         assert any(p.startswith(f"{field}: ") and "fix:" in p for p in caught.value.problems), caught.value
 
 
+@pytest.mark.parametrize(
+    ("host", "ok"),
+    [
+        ("artifacts.example.com", True),
+        ("*.s3.example.com", True),
+        ("10.0.0.5", True),
+        ("https://artifacts.example.com", False),
+        ("a b", False),
+        ("*", False),
+        ("host/path", False),
+    ],
+)
+def test_remote_source_hosts_agree_between_crd_and_model(kit, host, ok):
+    spec = {"model": {"source": "/models/m"}, "runtime": {"remoteSourceHosts": [host]}}
+    obj = {"apiVersion": specs.API_VERSION, "kind": "LoRAServe", "metadata": {"name": "a"}, "spec": spec}
+    assert kit.admit(obj).valid is ok
+    if ok:
+        assert specs.parse_loraserve_spec(spec).runtime.remote_source_hosts == [host]
+    else:
+        with pytest.raises(specs.SpecError, match=r"spec\.runtime\.remoteSourceHosts\[0\]"):
+            specs.parse_loraserve_spec(spec)
+
+
 def test_spec_errors_name_the_users_fields():
     with pytest.raises(specs.SpecError) as caught:
         specs.parse_loraserve_spec({"model": {"source": "/m"}, "lora": {"maxRank": 0}, "replicas": "x"})

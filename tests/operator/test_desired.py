@@ -31,6 +31,7 @@ BASE = {
 
 SPECS = {
     "minimal": BASE,
+    "remote-source-hosts": {**BASE, "runtime": {"remoteSourceHosts": ["artifacts.example.com", "*.hf.example"]}},
     "eagle3-hf": {
         "model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct@5206a32"},
         "speculative": {
@@ -278,6 +279,17 @@ def test_command_line_parses_back_to_the_same_configuration(name: str) -> None:
     args = cli.build_parser().parse_args(ds.runtime_args(config))
     parsed = cli.config_from_args(args, env={})
     assert parsed.to_dict() == config.to_dict()
+
+
+def test_runtime_flags_confine_it_to_the_pods_volumes_and_hosts() -> None:
+    """The operator always passes the mounted volumes and the adapter cache as the runtime's
+    allowed local roots, and the serve's remote source hosts."""
+    config = to_runtime_config(parse_loraserve_spec(copy.deepcopy(SPECS["remote-source-hosts"])))
+    args = ds.runtime_args(config)
+    at = args.index("--allowed-local-roots")
+    assert args[at + 1 : at + 3] == ["/models", "/adapters"] and config.server.adapter_cache_dir == "/adapters/.cache"
+    at = args.index("--remote-source-hosts")
+    assert args[at + 1 : at + 3] == ["artifacts.example.com", "*.hf.example"]
 
 
 RELEVANT = {
