@@ -28,6 +28,7 @@ import contextlib
 import logging
 import math
 import os
+import posixpath
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -211,6 +212,14 @@ def _misfits(
     claim = _claim_problem(parsed, serve, serve_name, name("adapter.source"))
     if claim:
         problems.append(claim)
+    roots = config.server.allowed_local_roots
+    local = posixpath.normpath(parsed.source) if parsed.source.startswith("/") else None
+    if local and roots and not any(local == r or local.startswith(r.rstrip("/") + "/") for r in roots):
+        problems.append(
+            f"{name('adapter.source')}: {parsed.source} is outside the volumes of LoRAServe {serve_name!r} "
+            f"({', '.join(roots)}), the only directories its pods read adapters from; fix: put the adapter "
+            f"under {serve.storage.adapters.mount_path} or use pvc://<claim>/<path>"
+        )
     hosts = serve.runtime.remote_source_hosts
     source_host = urlsplit(parsed.source).hostname if parsed.source.startswith("https://") else None
     if hosts and source_host is not None and not host_allowed(source_host, hosts):
