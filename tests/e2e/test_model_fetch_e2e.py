@@ -173,8 +173,13 @@ async def test_https_model_is_fetched_before_the_runtime_and_served(cluster, mod
             assert code == 200, answer
             assert answer["model"] == model and answer["choices"][0]["text"]
 
-    status = (await cluster.get(f"{SERVES}/{FETCHED}"))["status"]
-    assert status["phase"] == "Running" and status["readyReplicas"] == 2
+    # The serve's status follows the Deployment's, which follows the pods' (each a little
+    # later, as in a cluster): adapters loaded from the catalog at start can be reported first.
+    async def running() -> dict | None:
+        status = ((await cluster.get(f"{SERVES}/{FETCHED}")) or {}).get("status") or {}
+        return status if status.get("phase") == "Running" and status.get("readyReplicas") == 2 else None
+
+    await wait_for(running, timeout=30, what="serve Running with 2 ready replicas")
 
 
 async def test_a_restarted_runtime_does_not_fetch_again(cluster, model_server) -> None:
