@@ -80,10 +80,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _held_everywhere(http: aiohttp.ClientSession, pods, name: str) -> bool:
+    """Every pod holds ``name`` loaded (``/v1/models`` also lists catalogued adapters not loaded yet)."""
     for pod in pods:
         async with http.get(f"http://{pod.ip}:{pod.port}/v1/models") as resp:
-            ids = {entry["id"] for entry in (await resp.json())["data"]}
-        if name not in ids:
+            entries = {entry["id"]: entry for entry in (await resp.json())["data"]}
+        if name not in entries or (entries[name].get("lora") or {}).get("state", "loaded") != "loaded":
             return False
     return True
 

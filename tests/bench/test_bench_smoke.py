@@ -105,3 +105,44 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
         for cell in cells:
             done, total = cell.strip().split("/")
             assert done == total and int(total) > 0, cells
+
+
+def test_operator_bench_smoke(tmp_path):
+    """Adapter creation to Loaded on every pod (real operator, stand-in cluster): the report
+    has both rows, one load per adapter-pod pair and the target line."""
+    out = tmp_path / "operator.md"
+    _bench("operator.py", "--out", str(out), timeout=300)
+    text = out.read_text()
+    assert "| loaded on every ready pod | 2 |" in text and "| status Ready | 2 |" in text, text
+    assert "Load requests sent by the operator: 6 for 6 adapter-pod pairs" in text, text
+
+
+def test_operator_cluster_report(tmp_path):
+    """``--scenario cluster``'s report from a made-up run (the scenario itself runs in
+    tests/e2e/test_cluster_serving_e2e.py): failures are counted, listed and make it fail."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("operator_bench_under_test", REPO / "bench" / "operator.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench._load("cluster")  # scenario.py and traffic.py import its siblings through it
+    traffic = bench._load("traffic")
+    scenario = bench._load("scenario")
+    ok = traffic.Record(0, 0, "alpha", "p", "chat", True, 1.0, latency=0.2, status=200, text="x", pod="a")
+    bad = traffic.Record(
+        1, 1, "tiny", "p", "completions", False, 2.0, latency=0.1, status=502, error="refused"
+    )
+    gone = traffic.Record(2, 0, "gamma", "p", "completions", False, 9.0, latency=0.1, status=404, error="nf")
+    moments = {"created": 5.0, "deleted": 6.0, "gone": 8.0, "ready": 7.0}
+    outcome = scenario.sort_records([ok, bad, gone], created="omega", deleted="gamma", moments=moments)
+    assert outcome.failed() == [bad] and outcome.deleted_after == [gone]
+    args = argparse.Namespace(base_only=False, workers=4)
+    result = {
+        "records": [ok, bad, gone], "outcome": outcome, "steps": [("bring-up", 12.0)], "traffic_s": 10.0,
+        "on_demand": [0.05, 0.07], "usable": [1.5], "timing_pods": 2, "total_s": 60.0, "load_average": (1.0, 1.0, 1.0),
+    }  # fmt: skip
+    text = bench.cluster_report(args, result)
+    assert "failed: **1** (target 0)" in text and "#1 tiny completions" in text, text
+    assert "| first request for an adapter on a pod that does not hold it (on-demand load) | 2 |" in text
+    assert "1 answered 404" in text

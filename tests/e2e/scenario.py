@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
-assets = sys.modules["_loraserve_e2e_assets"]
+assets = cluster_mod.load_sibling("assets")
 service_mod = cluster_mod.load_sibling("service")
 traffic_mod = cluster_mod.load_sibling("traffic")
 wait_for = cluster_mod.wait_for
