@@ -166,15 +166,14 @@ async def test_requests_never_fail_while_pods_come_and_go(scn) -> None:
     assert not odd, f"while {DELETED} went away / {CREATED.name} came: only 200 or 404:\n{report(odd)}"
     assert outcome.created_ready, f"no request for {CREATED.name} after it was Ready"
 
-    # Every step saw traffic, and the traffic reached every pod that came up.
-    marks = dict((label, at) for at, label in scn.traffic.marks)
-    for label in (m for m in marks if m.endswith(": start")):
+    # Traffic flowed through every pod disturbance, and reached the first pods and the last.
+    marks = {label: at for at, label in scn.traffic.marks}
+    for label in (m for m in marks if m.startswith(("(a)", "(b)", "(c)", "hold")) and m.endswith(": start")):
         step = label[: -len(": start")]
         start, end = marks[label], marks[f"{step}: converged"]
         assert sum(start <= r.sent_at < end for r in records) >= 10, f"little traffic during {step}"
     served = {r.pod for r in records if r.ok}
-    started = {name for name, pod in scn.cluster.kubelet.history.items() if pod.deployment == SERVE}
-    assert len(served) >= len(started) - 1, (sorted(served), sorted(started))
+    assert {p.name for p in scn.pods()} <= served and len(served) >= 5, sorted(served)
 
 
 async def test_statuses_converge_after_the_disturbances(scn) -> None:
