@@ -272,10 +272,11 @@ class AdapterSupply:
             except ApiError as exc:
                 outcome = "transient" if exc.status >= 500 else "failed"
                 self.metrics.adapter_loads.labels("demand", outcome).inc()
-                if exc.status < 500 and self.catalog.get(name) == entry:
-                    self._failed[name] = exc
                 log.warning("on-demand load of adapter %s failed: %s", name, exc.message)
-                raise
+                public = self._public(exc, name, entry.source)
+                if exc.status < 500 and self.catalog.get(name) == entry:
+                    self._failed[name] = public
+                raise public from None
         self.metrics.adapter_loads.labels("demand", "loaded").inc()
         self.metrics.adapter_load_seconds.observe(time.monotonic() - started)
         log.info("adapter %s loaded on demand in %.2f s", name, time.monotonic() - started)
@@ -330,6 +331,20 @@ class AdapterSupply:
         self.metrics.adapter_evictions.inc()
         log.info("evicted idle adapter %s to make room", victim)
         return True
+
+    def _public(self, exc: ApiError, name: str, source: str) -> ApiError:
+        """``exc`` as an inference client (no token) may see it: the same error, with the
+        pod's paths replaced by the adapter's public source (the log keeps them)."""
+        message = exc.message.replace(source, public_root(name, source))
+        for root, label in (
+            (str(self.sources.cache_dir), "<adapter cache>"),
+            *((r, "<volume>") for r in self.sources.allowed_roots),
+        ):
+            if root and root != "/":
+                message = message.replace(root.rstrip("/"), label)
+        return ApiError(
+            exc.status, message, param=exc.param, code=exc.code, type=exc.type, headers=dict(exc.headers)
+        )
 
     def forget(self, name: str) -> None:
         """An admin unload: the record and its warmth go; the catalog entry stays."""

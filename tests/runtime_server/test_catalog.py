@@ -164,11 +164,15 @@ async def test_bad_catalogued_adapter_fails_like_the_admin_api_and_is_remembered
         assert demand_loads(srv, "failed") == 1, "a bad adapter is not fetched again for every request"
         status, body, _ = await complete(srv, "missing")
         assert status == 400 and body["error"]["code"] == "invalid_source"
+        assert str(tmp_path) not in body["error"]["message"], "no pod path reaches an inference client"
+        assert "'missing'" in body["error"]["message"] or "missing" in body["error"]["message"]
         status, body, _ = await complete(srv, "misdeclared")
         assert status == 400 and "declares rank 5" in body["error"]["message"]
+        assert str(assets.extra_adapters["extra-1"]) not in body["error"]["message"]
         assert "misdeclared" not in srv.engine.adapter_names
         listed = await models(srv)
         assert listed["broken"]["lora"]["state"] == "failed" and "rank" in listed["broken"]["lora"]["message"]
+        assert not any(str(tmp_path) in (m.get("lora") or {}).get("message", "") for m in listed.values())
         assert listed["misdeclared"]["lora"]["state"] == "failed"
         # The operator fixes the source: the new entry is tried afresh and served.
         fixed = [CatalogEntry("broken", str(assets.extra_adapters["extra-0"]))]
