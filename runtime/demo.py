@@ -440,7 +440,9 @@ def print_metrics(text: str) -> None:
             s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
         )
 
-    requests = {s.labels["model"]: s.value for s in samples.get("loraserve:requests_total", [])}
+    requests: dict[str, float] = {}
+    for s in samples.get("loraserve:requests_total", []):  # one sample per model and outcome
+        requests[s.labels["model"]] = requests.get(s.labels["model"], 0.0) + s.value
     print(f"  requests by model: {', '.join(f'{k}={v:.0f}' for k, v in sorted(requests.items()))}")
     print(
         f"  prompt tokens {total('vllm:prompt_tokens_total'):.0f}, "
