@@ -97,6 +97,15 @@ def fetch_gguf(cache: Path) -> Path:
     return target
 
 
+def _publish(tmp: Path, dest: Path) -> None:
+    """Rename a finished build into place; a build another process finished first wins."""
+    if (dest / ".complete").is_file():
+        return  # the caller removes tmp
+    if dest.exists():
+        shutil.rmtree(dest)  # a half-built leftover without .complete
+    os.replace(tmp, dest)
+
+
 def convert(gguf_file: Path, dest: Path) -> Path:
     """Read the GGUF file with transformers (dequantized to float32) and save it as safetensors."""
     try:
@@ -154,9 +163,7 @@ def ensure_real_model(cache: str | Path, *, log=print) -> Path:
     try:
         convert(gguf_file, tmp)
         (tmp / ".complete").write_text(f"{PACKAGE}=={VERSION} {GGUF_NAME}\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        _publish(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -316,9 +323,7 @@ def ensure_task_adapters(
             try:
                 train_adapter(tmp, base_dir, task_examples(task, data), settings)
                 (tmp / ".complete").write_text("ok\n")
-                if dest.exists():
-                    shutil.rmtree(dest)
-                os.replace(tmp, dest)
+                _publish(tmp, dest)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
