@@ -158,6 +158,12 @@ async def test_serve_with_two_replicas_and_three_adapters(
         conditions = {c["type"]: c for c in status["conditions"]}
         assert conditions["Ready"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
 
+    # The serve's status follows the Deployment's, which follows the pods' (each a little
+    # later, as in a cluster): adapters loaded from the catalog at start can be reported first.
+    async def running() -> bool:
+        return (((await serve(cluster)) or {}).get("status") or {}).get("phase") == "Running"
+
+    await wait_for(running, timeout=30, what="serve Running")
     body = await serve(cluster)
     status = body["status"]
     assert status["phase"] == "Running"
