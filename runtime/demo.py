@@ -493,10 +493,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.model != "tiny":
                 try:
                     real = prepare_real(Path(args.real_cache).resolve())
-                except RealModelUnavailable as exc:
+                except Exception as exc:  # auto: any failure to prepare it falls back
                     if args.model == "real":
                         raise
-                    print(f"the real model is unavailable ({exc});\nfalling back to the tiny random model\n")
+                    why = (
+                        str(exc) if isinstance(exc, RealModelUnavailable) else f"{type(exc).__name__}: {exc}"
+                    )
+                    print(f"the real model is unavailable ({why});\nfalling back to the tiny random model\n")
             asyncio.run(run_real(demo, *real) if real else run(demo))
         except Exception as exc:
             print(f"demo failed: {exc}", file=sys.stderr)
