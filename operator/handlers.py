@@ -40,8 +40,11 @@ MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 ERROR_BACKOFF_S = (1.0, 60.0)
 CATALOG_RETRY_S = 2.0
 """A pod that did not take the catalog push is tried again this soon."""
+CATALOG_WAIT_S, CATALOG_POLL_S = 10.0, 0.2
+"""A deleted Adapter's finalizer first waits this long (polling) for its pods' catalogs to
+drop it, so the usual deletion needs no retry (kopf logs each retry as an error)."""
 CATALOG_WAIT_TRIES = 30
-"""A deleted Adapter's finalizer waits this many retries for its pods' catalogs to drop it."""
+"""Then it retries this many times before giving up with a Warning Event."""
 """A pass that raised is tried again after 1 s, doubling up to 60 s."""
 
 
@@ -297,6 +300,19 @@ async def adapter_daemon(
             ctx.adapter_locks.pop(key, None)
 
 
+async def _wait_for_catalogs(
+    ctx: OperatorContext, serve: tuple, pods: list[PodView], token: str | None, name: str
+) -> dict[str, str]:
+    """Pods that still list ``name`` after the serve's pass had a few seconds to push."""
+    deadline = time.monotonic() + CATALOG_WAIT_S
+    while True:
+        listing = await catalog_pass.pods_still_listing(ctx, pods, token, name)
+        if not listing or time.monotonic() >= deadline:
+            return listing
+        ctx.wakers.wake(serve)
+        await asyncio.sleep(CATALOG_POLL_S)
+
+
 @kopf.on.delete(GROUP, VERSION, ADAPTER_PLURAL, id="unload")
 async def adapter_deleted(
     body: kopf.Body,
@@ -326,7 +342,7 @@ async def adapter_deleted(
         listing: dict[str, str] = {}
         if not failed and isinstance(serve, str):
             token = await adapter_pass.serve_token(ctx, namespace, serve)
-            listing = await catalog_pass.pods_still_listing(ctx, pods, token, name)
+            listing = await _wait_for_catalogs(ctx, serve_key(namespace, serve), pods, token, name)
     for pod in done:
         logger.info("unloaded from pod %s", pod)
     if failed:
