@@ -261,7 +261,7 @@ def fetch_model(source: str, dest: str | Path, options: FetchOptions | None = No
     _remove_stale_partials(dest, options.stale_partial_s)
     partial = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=dest.parent))
     try:
-        model_dir = asyncio.run(_download(parsed, partial, options))
+        model_dir = _run_download(parsed, partial, options)
         _drop_pickles(model_dir)
         _check_model_dir(model_dir, parsed)
         digest = model_digest(model_dir)
@@ -538,6 +538,33 @@ def _parse_listing(body: bytes, parsed: ModelSource) -> tuple[list[str], str | N
             f"{parsed.subject}: the bucket listing is truncated but has no NextContinuationToken"
         )
     return keys, token if truncated else None
+
+
+def _run_download(parsed: ModelSource, partial: Path, options: FetchOptions) -> Path:
+    """:func:`_download` on its own loop. In the main thread, SIGTERM ends it wherever the
+    kernel delivers the signal: a plain handler runs only when the main thread executes, and
+    a stalled read with the signal landing on an idle worker thread never would."""
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(_download(parsed, partial, options))
+    terminated: list[int] = []
+
+    async def guarded() -> Path:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), task.cancel()))
+        return await _download(parsed, partial, options)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + terminated[0]) from None
+        raise
+    finally:
+        if previous is not None:  # the loop's close reset it to the default
+            signal.signal(signal.SIGTERM, previous)
 
 
 async def _download(parsed: ModelSource, partial: Path, options: FetchOptions) -> Path:
