@@ -306,11 +306,15 @@ class AdapterSupply:
         self.records[name] = AdapterRecord(name, source, sha256, str(local), pinned, int(time.time()))
         self._failed.pop(name, None)
         self._used[name] = time.monotonic()
+        self.set_warm(name, warm)
+        return info
+
+    def set_warm(self, name: str, warm: bool) -> None:
+        """Keep ``name`` loaded (True) or let it be evicted when idle (False)."""
         if warm:
             self.warm.add(name)
         else:
             self.warm.discard(name)
-        return info
 
     def _evict_one(self) -> bool:
         """Unload the least recently used idle adapter that is not warm: True if one was."""

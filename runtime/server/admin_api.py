@@ -97,10 +97,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             elif not body.warm and rec.pinned and not body.pinned:
                 engine.unpin_adapter(name)  # demoted: it may leave its slot and the cache again
                 rec.pinned = False
-            if body.warm:
-                supply.warm.add(name)
-            else:
-                supply.warm.discard(name)
+            supply.set_warm(name, body.warm)
             return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name), supply))
         try:
             info = await supply.load(
