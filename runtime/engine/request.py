@@ -62,6 +62,23 @@ class SpecStats:
         return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
 
 
+TopLogprobs = list[tuple[int, float]]
+"""The most likely tokens at one position: ``(token id, log-probability)``, most likely first."""
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of a request's prompt tokens under the model (raw distribution).
+
+    ``logprobs[i]`` is prompt token ``i``'s, given the tokens before it (``None`` for the
+    first token, which has no context); ``top[i]`` the alternatives at that position
+    (``[]`` for the first token, or when none were asked for).
+    """
+
+    logprobs: list[float | None]
+    top: list[TopLogprobs]
+
+
 @dataclass
 class RequestOutput:
     """An increment of one request's output, delivered to its sink after each step."""
@@ -70,6 +87,10 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     logprobs: list[float] | None = None
+    # Per new token: the ``params.top_logprobs`` most likely tokens (when asked for).
+    top_logprobs: list[TopLogprobs] | None = None
+    # On the request's first output only, when ``params.prompt_logprobs`` is set.
+    prompt_logprobs: PromptLogprobs | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: RequestError | None = None

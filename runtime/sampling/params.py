@@ -4,9 +4,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs (and vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+LOGIT_BIAS_RANGE = 100.0  # |bias| <= 100, as OpenAI
+PENALTY_RANGE = 2.0  # presence / frequency penalties in [-2, 2], as OpenAI
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token.
+
+    ``json_object``: any JSON object (``spec`` unused); ``json_schema``: JSON matching the
+    schema in ``spec`` (JSON text); ``regex``: text matching ``spec``; ``grammar``: an EBNF
+    grammar in ``spec`` (the GBNF dialect). The API layer maps ``response_format`` (and
+    vLLM's ``guided_*`` fields) onto this; the engine compiles it against the tokenizer.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 class SamplingParamsError(ValueError):
@@ -38,10 +60,33 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     include_stop_str_in_output: bool = False
+    # The alternatives reported beside each generated token's log-probability (0..20).
+    top_logprobs: int = 0
+    # Log-probabilities of the prompt's tokens (``echo`` with ``logprobs``): None for none,
+    # else the number of alternatives per prompt token (0..20).
+    prompt_logprobs: int | None = None
+    # Logit processing, applied before temperature / top-k / top-p, in every step and in
+    # every speculative verify position alike (see ``sampling.processors``).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, biases, a constraint)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.structured is not None
+        )
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise :class:`SamplingParamsError` naming the first bad field; return self."""
@@ -85,7 +130,56 @@ class SamplingParams:
                 raise SamplingParamsError(
                     "stop_token_ids", f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
                 )
+        self._validate_logprobs()
+        self._validate_processing(vocab_size)
         return self
+
+    def _validate_logprobs(self) -> None:
+        if not _count(self.top_logprobs, MAX_TOP_LOGPROBS):
+            raise SamplingParamsError(
+                "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.prompt_logprobs is not None and not _count(self.prompt_logprobs, MAX_TOP_LOGPROBS):
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
+
+    def _validate_processing(self, vocab_size: int | None) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or abs(value) > PENALTY_RANGE:
+                raise SamplingParamsError(name, f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise SamplingParamsError(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, 10] (1 disables it), got {self.repetition_penalty!r}",
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                vocab_size is not None and token >= vocab_size
+            ):
+                bound = f" below the vocabulary size {vocab_size}" if vocab_size is not None else ""
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids >= 0{bound}, got {token!r}")
+            if not _finite(bias) or abs(bias) > LOGIT_BIAS_RANGE:
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}"
+                )
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(
+                "response_format",
+                f"unknown constraint {self.structured.kind!r}: use one of {', '.join(STRUCTURED_KINDS)}",
+            )
+
+
+def _count(value: object, maximum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= maximum
 
 
 def _finite(value: object) -> bool:
