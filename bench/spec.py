@@ -23,7 +23,7 @@ Method (everything is built inside the run; nothing is downloaded):
    ``--draft eagle`` trains an EAGLE head instead (``--draft standalone,eagle``: both): one
    Llama decoder layer of the small target's shape over the target's own final normed
    hidden state, sharing its embeddings and LM head (the runtime's EAGLE format and
-   equations, ``loraserve.runtime.spec.eagle_format``). The input at position ``i`` is
+   equations, ``loraserve.runtime.speculative.eagle_format``). The input at position ``i`` is
    ``fc([embed(x[i+1]), feature[i]])``; the loss is KL to the target's distribution of
    ``x[i+2]`` plus a smooth-L1 pull towards ``feature[i+1]``, on the same batches as the
    STANDALONE distillation, for ``--train-draft-s``. Training unrolls a second draft step
@@ -72,14 +72,14 @@ from pathlib import Path
 
 import torch
 
-from loraserve.runtime.config import DEFAULT_LORA_MODULES, RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.devmodels import write_tokenizer
+from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.dev.devmodels import write_tokenizer
 from loraserve.runtime.engine.decoder import StandardDecoder
 from loraserve.runtime.engine.engine import Engine
 from loraserve.runtime.engine.request import Request
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import Sampler, SamplingParams
-from loraserve.runtime.spec import build_decoder
+from loraserve.runtime.speculative import build_decoder
 
 SHAPES = {
     # name: (hidden, layers, heads, kv_heads, head_dim, intermediate)
@@ -302,7 +302,7 @@ def teacher_sequences(
 
 
 def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:
-    from loraserve.runtime.devmodels import copy_tokenizer
+    from loraserve.runtime.dev.devmodels import copy_tokenizer
 
     model.to(torch.bfloat16).save_pretrained(str(dest), safe_serialization=True)
     copy_tokenizer(tokenizer_dir, dest)
@@ -358,7 +358,7 @@ def expand_into(runner: ModelRunner, small: dict[str, torch.Tensor], small_shape
 
 # --------------------------------------------------------------------------- EAGLE head
 
-# Checkpoint names (``loraserve.runtime.spec.eagle_format``) of the head's parameters.
+# Checkpoint names (``loraserve.runtime.speculative.eagle_format``) of the head's parameters.
 EAGLE_NAMES = {
     "fc": "fc.weight",
     "q_proj": "layers.0.self_attn.q_proj.weight",
@@ -765,7 +765,7 @@ def save_eagle_head(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> 
     """Write an EAGLE draft directory (``eagle_format``): config.json + model.safetensors (float32)."""
     from safetensors.torch import save_file
 
-    from loraserve.runtime.spec.eagle_format import eagle_config_from_dict
+    from loraserve.runtime.speculative.eagle_format import eagle_config_from_dict
 
     config = eagle_config_from_dict(raw)
     shapes = config.tensor_shapes()
@@ -841,9 +841,9 @@ def _eagle_check(
     from transformers import AutoModelForCausalLM
 
     from loraserve.kernels import ForwardMode
-    from loraserve.runtime.model import ForwardBatch
-    from loraserve.runtime.spec.eagle_model import base_weight
-    from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.speculative.eagle_model import base_weight
+    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
     device = runner.device
     ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
@@ -1122,7 +1122,7 @@ def first_difference_gap(
     (batch shape, verify width), large where one of them chose a token the target does not
     prefer. None where one output ended first."""
     from loraserve.kernels import ForwardMode
-    from loraserve.runtime.model import ForwardBatch
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
 
     if at >= min(len(a), len(b)):
         return None
@@ -1401,7 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = work / f"target-{target_shape}"
         target_dir.mkdir()
         (target_dir / "config.json").write_text(json.dumps(raw, indent=1))
-        from loraserve.runtime.devmodels import copy_tokenizer
+        from loraserve.runtime.dev.devmodels import copy_tokenizer
 
         copy_tokenizer(tok_dir, target_dir)
         random_weights = True
@@ -2334,7 +2334,7 @@ def _expansion_check(runner: ModelRunner, small_dir: Path, prompt: list[int], de
     from transformers import AutoModelForCausalLM
 
     from loraserve.kernels import ForwardMode
-    from loraserve.runtime.model import ForwardBatch
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
 
     ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
     ids = torch.tensor(prompt, device=device)

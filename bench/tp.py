@@ -37,11 +37,12 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.config import DEFAULT_LORA_MODULES, RuntimeConfig
-from loraserve.runtime.model import ForwardBatch, ModelArchConfig
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
+from loraserve.runtime.model import ModelArchConfig
 from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.parallel.protocol import ForwardStep, Kind, Message
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 PRESETS = {
     "smoke": dict(

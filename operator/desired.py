@@ -26,8 +26,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from loraserve.runtime.catalog import CatalogEntry, catalog_digest, encode_catalog
-from loraserve.runtime.config import RuntimeConfig
+from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest, encode_catalog
+from loraserve.runtime.contract.config import RuntimeConfig
 
 from .reconcile.diff import stable_hash, with_desired_hash
 from .specs import (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.runtime.catalog import CatalogEntry
+from loraserve.runtime.contract.catalog import CatalogEntry
 
 # 4xx answers that describe the pod or the call, not the adapter: retrying may succeed.
 _TRANSIENT_4XX = frozenset({401, 403, 408, 425, 429})

@@ -3,7 +3,7 @@
 The CRDs in ``crds/`` are the API; these pydantic models mirror them field for field
 (camelCase aliases, the same defaults, enums and bounds, checked by the CRD tests) so that
 operator code reads a typed spec instead of nested dicts. Rules that span several fields
-live in the CRDs' CEL rules and in the compatibility policy (``loraserve.runtime.policy``),
+live in the CRDs' CEL rules and in the compatibility policy (``loraserve.runtime.contract.policy``),
 not here: a model here only says what each field is.
 
 Parse with :func:`parse_loraserve_spec` / :func:`parse_adapter_spec` (errors name the
@@ -20,8 +20,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from loraserve.runtime.config import DEFAULT_LORA_MODULES, LORA_MODULES, RaggedVerify, SpecAlgorithm
-from loraserve.runtime.policy import source_path_problem
+from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, LORA_MODULES, RaggedVerify, SpecAlgorithm
+from loraserve.runtime.contract.policy import source_path_problem
 
 GROUP = "loraserve.io"
 VERSION = "v1alpha1"

@@ -17,7 +17,7 @@ import posixpath
 import re
 from urllib.parse import urlsplit
 
-from loraserve.runtime.config import (
+from loraserve.runtime.contract.config import (
     CudaGraphConfig,
     LoRAConfig,
     ModelConfig,
@@ -27,7 +27,7 @@ from loraserve.runtime.config import (
     ServerConfig,
     SpeculativeConfig,
 )
-from loraserve.runtime.policy import AdapterDeclaration, Report, source_path_problem
+from loraserve.runtime.contract.policy import AdapterDeclaration, Report, source_path_problem
 
 from .specs import AdapterSpec, EffectiveSpeculative, LoRAServeSpec, StorageSpec, VolumeType
 
@@ -313,7 +313,7 @@ def allowed_local_roots(
 
 
 def adapter_declaration(name: str, spec: AdapterSpec) -> AdapterDeclaration:
-    """What an Adapter object declares, for :func:`loraserve.runtime.policy.check_adapter`."""
+    """What an Adapter object declares, for :func:`loraserve.runtime.contract.policy.check_adapter`."""
     return AdapterDeclaration(
         name=name,
         rank=spec.rank,

@@ -7,7 +7,7 @@ read, in kopf's default registry (:func:`register` adds them to another registry
   from ``numSteps``, ``model.servedName`` from the source); never rewrites a value the
   user wrote.
 - ``/validate-loraserve``: translates the spec to the runtime's configuration and judges
-  it with :func:`loraserve.runtime.policy.check_config`; an update that would leave
+  it with :func:`loraserve.runtime.contract.policy.check_config`; an update that would leave
   existing Adapters unable to load is refused, naming them.
 - ``/mutate-adapter``: labels the Adapter with its serve (``loraserve.io/serve``) when the
   label is absent.
@@ -39,9 +39,15 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
-from loraserve.runtime.config import RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.policy import Namer, check_adapter, check_config, check_source_revision, host_allowed
+from loraserve.runtime.contract.capabilities import CAPABILITIES, Capabilities
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract.policy import (
+    Namer,
+    check_adapter,
+    check_config,
+    check_source_revision,
+    host_allowed,
+)
 
 from . import index
 from .index import IndexedAdapter, lookup_adapters, lookup_serve

@@ -1,7 +1,7 @@
 """``loraserve-runtime``: flags -> ``RuntimeConfig`` -> compatibility check -> HTTP server.
 
 Start-up refuses to run a configuration the compatibility policy
-(``loraserve.runtime.policy.check_config``) rejects, printing every reason at once, and
+(``loraserve.runtime.contract.policy.check_config``) rejects, printing every reason at once, and
 prints its warnings. The model then loads in the background while ``/health`` already
 answers; ``/ready`` turns 200 once it serves. SIGTERM (and SIGINT) drain: the socket keeps
 listening, ``/ready`` answers 503 and new requests 503 with ``Retry-After``, in-flight ones
@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .capabilities import check_triton
-from .config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+from .contract.capabilities import check_triton
+from .contract.config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
 
 log = logging.getLogger("loraserve.runtime")
 
@@ -395,7 +395,7 @@ def check(cfg: RuntimeConfig):
 
     Returns ``(effective config or None, reasons to refuse, warnings)``.
     """
-    from .policy import check_config
+    from .contract.policy import check_config
 
     report = check_config(cfg)
     reasons = [v.render() for v in report.violations] + _local_checks(cfg)

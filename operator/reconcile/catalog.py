@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loraserve.runtime.catalog import CatalogEntry, catalog_digest
+from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest
 
 from ..runtime_client import RuntimeCallError
 from .context import OperatorContext

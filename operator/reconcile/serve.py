@@ -14,8 +14,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loraserve.runtime.catalog import CatalogEntry
-from loraserve.runtime.policy import check_config
+from loraserve.runtime.contract.catalog import CatalogEntry
+from loraserve.runtime.contract.policy import check_config
 
 from .. import desired as ds
 from ..specs import LoRAServeSpec, SpecError, parse_loraserve_spec

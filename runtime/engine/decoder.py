@@ -2,9 +2,9 @@
 
 The engine owns requests, scheduling, KV accounting and output; a :class:`Decoder` owns
 the model calls. :class:`StandardDecoder` runs one target forward per step and samples
-one token per request. A speculative decoder (``loraserve.runtime.spec``) drafts and
+one token per request. A speculative decoder (``loraserve.runtime.speculative``) drafts and
 verifies, returning up to ``k`` tokens per request per step; the engine asks
-``loraserve.runtime.spec.build_decoder`` for one when ``config.speculative.enabled``.
+``loraserve.runtime.speculative.build_decoder`` for one when ``config.speculative.enabled``.
 
 Contract every decoder keeps:
 
@@ -34,7 +34,7 @@ import torch
 
 from loraserve.kernels import ForwardMode
 
-from ..config import RuntimeConfig
+from ..contract.config import RuntimeConfig
 from ..sampling import Sampler
 from .request import Request
 
@@ -85,7 +85,7 @@ class StandardDecoder:
         return getattr(self.runner, "device", torch.device("cpu"))
 
     def extend(self, chunks: Sequence[tuple[Request, int]]) -> list[StepOutput | None]:
-        from ..model.forward_batch import ForwardBatch
+        from ..runner.forward_batch import ForwardBatch
 
         requests = [r for r, _ in chunks]
         ids: list[int] = []
@@ -109,7 +109,7 @@ class StandardDecoder:
         return results
 
     def step(self, requests: Sequence[Request]) -> list[StepOutput]:
-        from ..model.forward_batch import ForwardBatch
+        from ..runner.forward_batch import ForwardBatch
 
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
@@ -136,17 +136,17 @@ class DecoderUnavailableError(RuntimeError):
 def build_decoder(config: RuntimeConfig, runner, sampler: Sampler) -> Decoder:
     """The decoder for a configuration: speculative when enabled, else standard.
 
-    A speculative decoder comes from ``loraserve.runtime.spec.build_decoder(config=...,
+    A speculative decoder comes from ``loraserve.runtime.speculative.build_decoder(config=...,
     runner=..., sampler=...)``.
     """
     if not config.speculative.enabled:
         return StandardDecoder(runner, sampler)
     algorithm = config.speculative.algorithm.value
     try:
-        spec = importlib.import_module("loraserve.runtime.spec")
+        spec = importlib.import_module("loraserve.runtime.speculative")
     except ImportError as exc:
         raise DecoderUnavailableError(
-            f"speculative.algorithm={algorithm} needs loraserve.runtime.spec, which failed to import: {exc}"
+            f"speculative.algorithm={algorithm} needs loraserve.runtime.speculative, which failed to import: {exc}"
         ) from exc
     factory = getattr(spec, "build_decoder", None)
     if factory is None:
@@ -157,6 +157,6 @@ def build_decoder(config: RuntimeConfig, runner, sampler: Sampler) -> Decoder:
     decoder = factory(config=config, runner=runner, sampler=sampler)
     if not isinstance(decoder, Decoder):
         raise DecoderUnavailableError(
-            f"loraserve.runtime.spec.build_decoder returned {type(decoder).__name__}, not a Decoder"
+            f"loraserve.runtime.speculative.build_decoder returned {type(decoder).__name__}, not a Decoder"
         )
     return decoder

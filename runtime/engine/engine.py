@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import RuntimeConfig
+from ..contract.config import RuntimeConfig
 from ..sampling import Sampler, SamplingParamsError, make_generator
 from .decoder import Decoder, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError

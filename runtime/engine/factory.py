@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import RuntimeConfig
+from ..contract.config import RuntimeConfig
 from ..tokenizer import Tokenizer
 from .engine import Engine
 from .stats import EngineObserver

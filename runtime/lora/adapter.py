@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LORA_MODULES
+from ..contract.config import LORA_MODULES
 from ..model.arch import ModelArchConfig
 from .errors import AdapterError
 

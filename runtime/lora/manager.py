@@ -29,7 +29,7 @@ import torch
 
 from loraserve.kernels import ForwardMode, LoRABackend, LoRABatchInfo, build_batch_info
 
-from ..config import LORA_MODULES, LoRAConfig
+from ..contract.config import LORA_MODULES, LoRAConfig
 from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights, load_adapter
 from .errors import (

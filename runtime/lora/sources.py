@@ -55,7 +55,7 @@ from pathlib import Path
 import aiohttp
 import yarl
 
-from ..policy import host_allowed, source_path_problem
+from ..contract.policy import host_allowed, source_path_problem
 from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
 from ..remote import (
     S3_BUCKET_RE,
@@ -89,7 +89,7 @@ class SourceSettings:
     """Hosts remote sources may reach, ``*.example.com`` for subdomains (empty: any)."""
 
     def with_config(self, server) -> SourceSettings:
-        """These settings with the confinement of a :class:`~loraserve.runtime.config.ServerConfig`
+        """These settings with the confinement of a :class:`~loraserve.runtime.contract.config.ServerConfig`
         (``allowed_local_roots``, ``remote_source_hosts``), which the config states once."""
         return dataclasses.replace(
             self,

@@ -28,7 +28,7 @@ from .protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
 
 if TYPE_CHECKING:
     from ..kv import Allocation
-    from ..model.forward_batch import ForwardBatch
+    from ..runner.forward_batch import ForwardBatch
 
 
 class Driver:

@@ -17,7 +17,7 @@ import torch
 from loraserve.kernels import ForwardMode
 
 from ..lora.manager import SlotEvent
-from ..model.forward_batch import ForwardBatch
+from ..runner.forward_batch import ForwardBatch
 from .errors import TensorParallelError
 from .group import TPGroup
 from .protocol import ControlChannel, ForwardStep, Kind, KVOp, Message

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from ..config import RuntimeConfig
+from ..contract.config import RuntimeConfig
 from ..model.arch import load_arch_config
 from . import context
 from .driver import Driver
@@ -245,7 +245,7 @@ def build_target_runner(config: RuntimeConfig, **launch):
     The one call the runtime's entry point needs; with one GPU it is ``ModelRunner(config)``.
     ``launch``: keyword arguments of :func:`start_tensor_parallel` (tests: timeouts).
     """
-    from ..model_runner import ModelRunner
+    from ..runner.model_runner import ModelRunner
 
     if int(config.parallel.tensor_parallel_size) > 1 and context.current() is None:
         start_tensor_parallel(config, **launch)

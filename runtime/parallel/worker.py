@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..model_runner import ModelRunner
+    from ..runner.model_runner import ModelRunner
     from . import context
     from .follower import Follower
     from .group import init_group

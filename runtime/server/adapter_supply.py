@@ -1,6 +1,6 @@
 """Adapters on demand: the pod's catalog, loads on first request, warmth and eviction.
 
-Every pod of a serve knows the serve's catalog (``loraserve.runtime.catalog``), read from
+Every pod of a serve knows the serve's catalog (``loraserve.runtime.contract.catalog``), read from
 a file at start-up and replaced by the operator's pushes. A request naming a catalogued
 adapter the pod does not hold waits while the pod fetches, verifies and loads it (one load
 per name however many requests wait), then runs; a load that does not finish within
@@ -29,8 +29,8 @@ import urllib.parse
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from ..catalog import CatalogEntry, catalog_digest
-from ..config import RuntimeConfig
+from ..contract.catalog import CatalogEntry, catalog_digest
+from ..contract.config import RuntimeConfig
 from ..engine import Engine, EngineError
 from ..lora import AdapterCapacityError, AdapterError
 from ..lora.sources import SourceError, SourceSettings, resolve_source

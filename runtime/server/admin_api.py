@@ -5,7 +5,7 @@ Names and bodies follow the convention other servers use (``/v1/load_lora_adapte
 ``{lora_name, lora_path}``), plus ``sha256``, ``pinned`` and ``warm`` (default true: kept
 loaded; false: an idle adapter the pod may evict when it needs room for an on-demand
 load). ``GET``/``PUT /v1/lora_catalog`` read and replace the serve's catalog on this pod
-(``loraserve.runtime.catalog``; the operator pushes it). Loading is idempotent: the
+(``loraserve.runtime.contract.catalog``; the operator pushes it). Loading is idempotent: the
 same name from the same source answers 200 without loading again; the same name from a
 different source is a 409 until the old one is unloaded (and, while the unloaded one still
 finishes its in-flight requests, a 503 ``adapter_draining`` with ``Retry-After``).
@@ -22,9 +22,9 @@ import logging
 
 from aiohttp import web
 
-from ..catalog import CatalogError, parse_catalog
+from ..contract.catalog import CatalogError, parse_catalog
+from ..contract.policy import AdapterDeclaration, check_adapter, check_source_revision
 from ..lora import AdapterError
-from ..policy import AdapterDeclaration, check_adapter, check_source_revision
 from .adapter_supply import RETRY_AFTER_S, AdapterRecord, AdapterSupply, adapter_error
 from .auth import check_bearer
 from .errors import ApiError, invalid

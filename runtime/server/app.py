@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from ..catalog import CatalogError, read_catalog_file
-from ..config import RuntimeConfig
+from ..contract.catalog import CatalogError, read_catalog_file
+from ..contract.config import RuntimeConfig
 from ..engine import Engine
 from ..lora.sources import SourceSettings
 from ..tokenizer import Tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..config import RuntimeConfig
+from ..contract.config import RuntimeConfig
 from ..engine import Engine
 from ..lora.sources import SourceSettings
 from ..parallel.health import failure_reason as tp_failure_reason

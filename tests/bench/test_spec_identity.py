@@ -59,10 +59,10 @@ def test_first_difference_gap_is_the_targets_logit_difference(bench, tmp_path):
     target's top-1 and top-2 tokens differ by exactly the logit gap the target gives them
     after that prefix; one output ending first has no gap."""
     from loraserve.kernels import ForwardMode
-    from loraserve.runtime.config import RuntimeConfig
-    from loraserve.runtime.devmodels import build_tiny_model
-    from loraserve.runtime.model import ForwardBatch
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.contract.config import RuntimeConfig
+    from loraserve.runtime.dev.devmodels import build_tiny_model
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = RuntimeConfig()
     config.model.path = str(build_tiny_model(tmp_path / "m", seed=3))

@@ -95,8 +95,8 @@ def test_negative_example_fails_where_annotated(kit, path, example_objects):
 
 @pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
 def test_valid_example_passes_the_webhook_except_unavailable_algorithms(kit, path, example_objects):
-    from loraserve.runtime.capabilities import CAPABILITIES
-    from loraserve.runtime.config import SpecAlgorithm
+    from loraserve.runtime.contract.capabilities import CAPABILITIES
+    from loraserve.runtime.contract.config import SpecAlgorithm
 
     obj = kit.admit(kit.load_yaml(path)).object
     verdict = _judge(obj, example_objects)

@@ -2,7 +2,7 @@
 
 Each rule is shown to fire on a configuration that breaks it and to stay quiet on the
 nearest configuration that does not. Rules about what this image implements derive their
-expectations from ``loraserve.runtime.capabilities``, so flipping an entry there needs no
+expectations from ``loraserve.runtime.contract.capabilities``, so flipping an entry there needs no
 change here; the rule itself is tested with capabilities passed in explicitly.
 """
 
@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
-from loraserve.runtime import capabilities as caps_module
-from loraserve.runtime import policy
-from loraserve.runtime.capabilities import CAPABILITIES, IMPLEMENTED_ALGORITHMS, Capabilities
-from loraserve.runtime.config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract import capabilities as caps_module
+from loraserve.runtime.contract import policy
+from loraserve.runtime.contract.capabilities import CAPABILITIES, IMPLEMENTED_ALGORITHMS, Capabilities
+from loraserve.runtime.contract.config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
 
 A = SpecAlgorithm
 EVERYTHING = Capabilities(

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from loraserve.operator import specs, translate
-from loraserve.runtime import policy
-from loraserve.runtime.capabilities import Capabilities
-from loraserve.runtime.config import RaggedVerify, SpecAlgorithm
+from loraserve.runtime.contract import policy
+from loraserve.runtime.contract.capabilities import Capabilities
+from loraserve.runtime.contract.config import RaggedVerify, SpecAlgorithm
 
 POLICY_SOURCE = Path(policy.__file__).read_text()
 EVERYTHING = Capabilities(algorithms=frozenset(SpecAlgorithm), tree_algorithms=frozenset(SpecAlgorithm), dynamic_ragged_verify=True)

@@ -1,6 +1,6 @@
 """Files the end-to-end tests and the operator benchmark serve: a tiny model and adapters.
 
-Built once with ``loraserve.runtime.devmodels`` (random weights, local tokenizer, PEFT
+Built once with ``loraserve.runtime.dev.devmodels`` (random weights, local tokenizer, PEFT
 adapters) into a cache directory, then copied into per-run "volume claims" (host
 directories a LoRAServe mounts at their own paths, see ``kubelet.py``).
 """
@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.runtime.devmodels import _build_once, build_adapter, build_tiny_model
+from loraserve.runtime.dev.devmodels import _build_once, build_adapter, build_tiny_model
 from loraserve.runtime.lora.sources import adapter_digest
 
 MAX_RANK = 16

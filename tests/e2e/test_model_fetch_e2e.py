@@ -24,7 +24,7 @@ import trustme
 from aiohttp import web
 
 from loraserve.operator.config import OperatorConfig
-from loraserve.runtime.fetch import MARKER
+from loraserve.runtime.tools.fetch import MARKER
 
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
 assets = sys.modules["_loraserve_e2e_assets"]

@@ -169,10 +169,10 @@ def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture
     import json
 
     from loraserve.kernels import ForwardMode
-    from loraserve.runtime.config import RuntimeConfig
-    from loraserve.runtime.devmodels import build_tiny_model
-    from loraserve.runtime.model import ForwardBatch
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.contract.config import RuntimeConfig
+    from loraserve.runtime.dev.devmodels import build_tiny_model
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     model = build_tiny_model(tmp_path / architecture, architecture=architecture, seed=5)
     if architecture == "mistral":
@@ -203,7 +203,7 @@ def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture
 def _random_tree(gen, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random trees of ``width`` nodes (node 0 the root, parents before children): their
     depths ``[bs, width]`` and ancestor masks ``[bs, width, width]`` (a node sees itself)."""
-    from loraserve.runtime.spec.tree import ancestor_closure
+    from loraserve.runtime.speculative.tree import ancestor_closure
 
     parents = torch.full((bs, width), -1, dtype=torch.long)
     for n in range(1, width):

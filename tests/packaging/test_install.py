@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TOP = {"loraserve.operator": "operator", "loraserve.runtime": "runtime", "loraserve.kernels": "kernels"}
 OWN_MODULES = (
-    "loraserve.runtime.config",
-    "loraserve.runtime.policy",
-    "loraserve.runtime.capabilities",
+    "loraserve.runtime.contract.config",
+    "loraserve.runtime.contract.policy",
+    "loraserve.runtime.contract.capabilities",
     "loraserve.kernels.metadata",
     "loraserve.operator.specs",
     "loraserve.operator.translate",
@@ -71,8 +71,8 @@ def test_wheel_holds_every_package_and_no_loraserve_init(wheel, checkout_package
     assert not any("__pycache__" in n or n.startswith(("tests/", "operator/", "runtime/")) for n in names)
     assert "loraserve-runtime = loraserve.runtime.__main__:main" in scripts
     assert "loraserve-operator = loraserve.operator.__main__:main" in scripts
-    assert "loraserve-fetch = loraserve.runtime.fetch:main" in scripts
-    assert "loraserve-token-map = loraserve.runtime.spec.token_map:main" in scripts
+    assert "loraserve-fetch = loraserve.runtime.tools.fetch:main" in scripts
+    assert "loraserve-token-map = loraserve.runtime.tools.token_map:main" in scripts
 
 
 def test_built_wheel_imports_without_the_checkout(installed, tmp_path, checkout_packages):
@@ -95,7 +95,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("pydantic", "pydantic_core", "kopf", "jsonschema", "yaml"):
             raise ImportError(f"{name} is not in the serving image")
 sys.meta_path.insert(0, Block())
-from loraserve.runtime import capabilities, config, policy
+from loraserve.runtime.contract import capabilities, config, policy
 report = policy.check_config(config.RuntimeConfig(model=config.ModelConfig(path="/m")))
 print(json.dumps({"ok": report.ok, "pydantic": "pydantic" in sys.modules}))
 """

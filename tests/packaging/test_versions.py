@@ -19,8 +19,9 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from loraserve.runtime import capabilities, cli
-from loraserve.runtime.config import RuntimeConfig
+from loraserve.runtime import cli
+from loraserve.runtime.contract import capabilities
+from loraserve.runtime.contract.config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

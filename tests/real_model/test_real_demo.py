@@ -21,7 +21,7 @@ def test_demo_on_the_real_model(real_assets, tmp_path):
         "LORASERVE_DEMO_CACHE": str(tmp_path / "tiny"),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "loraserve.runtime.demo"],
+        [sys.executable, "-m", "loraserve.runtime.dev.demo"],
         capture_output=True,
         text=True,
         timeout=400,

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from loraserve.runtime.capabilities import CAPABILITIES
-from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.contract.capabilities import CAPABILITIES
+from loraserve.runtime.contract.config import SpecAlgorithm
 
 from .conftest import SERVED, real_config, real_server
 

@@ -1,4 +1,4 @@
-"""loraserve.runtime.realmodel without the network or the model (fast): a clear error when the
+"""loraserve.runtime.dev.realmodel without the network or the model (fast): a clear error when the
 package cannot be had, a converted directory reused as is, adapters keyed by what trains them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from loraserve.runtime import realmodel
+from loraserve.runtime.dev import realmodel
 
 
 def test_an_unreachable_package_is_a_clear_error(tmp_path, monkeypatch):

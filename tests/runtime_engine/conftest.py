@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.runtime.config import RuntimeConfig
-from loraserve.runtime.devmodels import DemoAssets, build_adapter, ensure_demo_assets
+from loraserve.runtime.contract.config import RuntimeConfig
+from loraserve.runtime.dev.devmodels import DemoAssets, build_adapter, ensure_demo_assets
 from loraserve.runtime.engine import Engine, EngineObserver, Request, RequestOutput
 from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.tokenizer import Tokenizer
@@ -119,7 +119,7 @@ def wait_all(collected: list[Collected], timeout: float = 120.0) -> None:
 @pytest.fixture
 def start_engine():
     """Build and start engines; every one is shut down at the end of the test."""
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     engines: list[Engine] = []
 

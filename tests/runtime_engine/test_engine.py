@@ -10,7 +10,7 @@ import time
 import pytest
 
 from loraserve.runtime.engine import Engine, EngineClosedError, EngineError, StandardDecoder
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import Sampler
 
 from .conftest import StepRecorder, engine_config, make_request, wait_all

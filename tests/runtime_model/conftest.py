@@ -1,6 +1,6 @@
 """Tiny models and adapters built once per session, plus runner / reference factories.
 
-Every model here is built locally by ``loraserve.runtime.devmodels``; references are
+Every model here is built locally by ``loraserve.runtime.dev.devmodels``; references are
 transformers (+ peft) on the very same files.
 """
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.config import LORA_MODULES, RuntimeConfig
-from loraserve.runtime.devmodels import ALL_LINEAR_MODULES, build_adapter, build_tiny_model
-from loraserve.runtime.model import ForwardBatch
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig
+from loraserve.runtime.dev.devmodels import ALL_LINEAR_MODULES, build_adapter, build_tiny_model
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -104,7 +104,7 @@ def static_graph_pair(assets, make_runner):
     the llama-gqa model with those test adapters loaded; ``graphed`` runs decode / verify /
     prefill batches through a :class:`CudaGraphRunner` on its padded static path
     (``use_graphs=False``: everything but the capture, on the CPU)."""
-    from loraserve.runtime.cuda_graph import CudaGraphRunner
+    from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 
     def make(adapter_names, **graph_kwargs) -> tuple[ModelRunner, ModelRunner]:
         names = {n: assets.adapters[n] for n in adapter_names}

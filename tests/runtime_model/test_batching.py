@@ -8,7 +8,7 @@ import torch
 
 from loraserve.kernels import ForwardMode
 from loraserve.runtime.kv import KVCacheError
-from loraserve.runtime.model import ForwardBatch, ForwardBatchError
+from loraserve.runtime.runner.forward_batch import ForwardBatch, ForwardBatchError
 
 TOL = 1e-5
 

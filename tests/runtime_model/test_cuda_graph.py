@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.cuda_graph import CudaGraphRunner, context_bucket, graph_batch_sizes, padded_batch_size
+from loraserve.runtime.runner.cuda_graph import (
+    CudaGraphRunner,
+    context_bucket,
+    graph_batch_sizes,
+    padded_batch_size,
+)
 
 TOL = 1e-5
 
@@ -76,7 +81,7 @@ def test_failed_capture_falls_back_to_eager_for_good(static_graph_pair, ops, mon
     that step nothing: it runs eagerly, and the runner stops capturing, since the failed
     capture's pool would fail every later one. Capture itself needs a GPU; the failure is
     injected where the runner calls it."""
-    import loraserve.runtime.cuda_graph as cuda_graph
+    import loraserve.runtime.runner.cuda_graph as cuda_graph
 
     calls = []
 
@@ -127,7 +132,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend
     """Graphs with each module's LoRA beside its GEMM on a second stream (``overlap``)
     against eager forwards that run them one after the other."""
     from loraserve.kernels.overlap import OVERLAP_ENV
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     def build(graphs: bool):
         monkeypatch.setenv(OVERLAP_ENV, overlap if graphs else "serial")
@@ -178,8 +183,8 @@ def test_bf16_serving_shape_captures_after_eager_warmups(tmp_path, make_config, 
     Regression: eager steps once excluded cuDNN while captures did not, so cuDNN's first
     call (its plan build) happened inside a capture, which failed the serve's first decode.
     """
-    from loraserve.runtime.devmodels import build_tiny_model
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.dev.devmodels import build_tiny_model
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     model = build_tiny_model(
         tmp_path / "bf16", hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024,

@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from loraserve.runtime.devmodels import (
+from loraserve.runtime.dev.devmodels import (
     BOS_TOKEN,
     EOS_TOKEN,
     build_adapter,

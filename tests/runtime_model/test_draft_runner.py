@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.model import ForwardBatchError
+from loraserve.runtime.runner.forward_batch import ForwardBatchError
 
 
 def test_embedding_and_lm_head_adapter_changes_target_but_not_draft(assets, make_runner, ops):
@@ -49,8 +49,8 @@ def test_draft_refuses_adapter_names(assets, make_runner, ops):
 def test_draft_from_config_path_and_shared_tokenizer(assets, make_config, tmp_path):
     from transformers import AutoTokenizer
 
-    from loraserve.runtime.devmodels import build_draft_model, copy_model
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.dev.devmodels import build_draft_model, copy_model
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     target_dir = assets.models["llama-gqa"]
     small = build_draft_model(tmp_path / "small", target_dir)

@@ -129,7 +129,7 @@ def test_budget_from_config_or_memory():
 
 
 def test_runner_budget_follows_scheduler_config(assets, make_config):
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = make_config(assets.models["llama-gqa"])
     config.scheduler.max_total_tokens = 777

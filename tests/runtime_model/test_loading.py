@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.runtime.model import ModelConfigError, WeightLoadError
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 
 def _clone(src, dest):

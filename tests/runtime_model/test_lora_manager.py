@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraserve.runtime.devmodels import build_adapter, build_tiny_model
+from loraserve.runtime.dev.devmodels import build_adapter, build_tiny_model
 from loraserve.runtime.lora import (
     AdapterCapacityError,
     AdapterConflictError,
@@ -241,7 +241,7 @@ def test_reload_during_unload_revives_the_adapter(assets, make_runner):
 
 
 def test_bad_pool_config_is_refused(assets, make_config):
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = make_config(assets.models["llama-gqa"])
     config.lora.target_modules = ("q_proj", "qkv")
@@ -255,7 +255,7 @@ def test_bad_pool_config_is_refused(assets, make_config):
 
 
 def test_startup_adapters_and_pins_from_config(assets, make_config):
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = make_config(assets.models["llama-gqa"])
     config.lora.adapters = {"a": str(assets.adapters["attn-r8"]), "b": str(assets.adapters["all-r16"])}

@@ -26,8 +26,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from safetensors.torch import load_file, save_file
 
-from loraserve.runtime.devmodels import build_tiny_model
-from loraserve.runtime.fetch import (
+from loraserve.runtime.dev.devmodels import build_tiny_model
+from loraserve.runtime.remote import SourceError, sigv4_sign
+from loraserve.runtime.tools.fetch import (
     EXIT_BAD_SOURCE,
     EXIT_OK,
     EXIT_TRANSFER,
@@ -38,7 +39,6 @@ from loraserve.runtime.fetch import (
     model_digest,
     read_marker,
 )
-from loraserve.runtime.remote import SourceError, sigv4_sign
 
 BUCKET = "model-store"
 ACCESS_KEY, SECRET_KEY, REGION = "AKIDFETCHTEST", "fetch-secret", "eu-central-1"
@@ -453,7 +453,7 @@ async def test_s3_archive_and_the_command_line(models, tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "loraserve.runtime.fetch",
+            "loraserve.runtime.tools.fetch",
             f"s3://{BUCKET}/archives/llama.tar.gz",
             str(dest),
             "--sha256",
@@ -485,7 +485,7 @@ async def test_private_ca_from_ssl_cert_file_in_the_environment(models, tmp_path
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "loraserve.runtime.fetch",
+                "loraserve.runtime.tools.fetch",
                 source,
                 str(tmp_path / name),
                 "--retries",
@@ -525,7 +525,7 @@ async def test_sigterm_mid_download_leaves_no_partial(tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "loraserve.runtime.fetch",
+            "loraserve.runtime.tools.fetch",
             f"http://127.0.0.1:{server.port}/llama.tar.gz",
             str(dest),
             env={**os.environ, "LORASERVE_ALLOW_HTTP_SOURCES": "1", "PYTHONSAFEPATH": "1"},

@@ -110,7 +110,7 @@ def test_bf16_runner_tracks_transformers_bf16(assets, make_config, hf_model, ops
     """bf16 end to end: same dtype as HF in bf16, so errors stay at bf16 rounding level."""
     from transformers import AutoModelForCausalLM
 
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     model_dir = assets.models["llama-gqa"]
     config = make_config(model_dir)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraserve.runtime.config import LORA_MODULES
-from loraserve.runtime.devmodels import ALL_LINEAR_MODULES
+from loraserve.runtime.contract.config import LORA_MODULES
+from loraserve.runtime.dev.devmodels import ALL_LINEAR_MODULES
 from loraserve.runtime.lora import AdapterError, AdapterState
 
 EMB_HEAD = ("embed_tokens", "lm_head", "v_proj")
@@ -370,7 +370,7 @@ def test_float32_copies_load_on_a_bfloat16_serve(layouts, make_config, tmp_path)
     """Served in bf16 from a float32 checkpoint: the saved float32 copies equal the served
     weights in bf16 (the coarser dtype); a change below bf16's resolution cannot be told
     apart and loads, one above it is refused."""
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     model_dir, adapter_dir = layouts["emb-head-auto"]
     config = make_config(model_dir)

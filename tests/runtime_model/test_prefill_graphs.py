@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.cuda_graph import CudaGraphRunner, padded_batch_size, prefill_widths
+from loraserve.runtime.runner.cuda_graph import CudaGraphRunner, padded_batch_size, prefill_widths
 
 TOL = 1e-5
 
@@ -109,7 +109,7 @@ def test_static_prefill_path_equals_eager(static_graph_pair, ops, adapter):
 def test_prefill_graph_routing(assets, make_config, ops):
     """What replays: one request of at most max_prefill_tokens tokens that wants only its
     last logits, whose padded rows stay inside the context. Everything else is eager."""
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = make_config(assets.models["llama-gqa"])
     config.model.context_length = 128
@@ -187,8 +187,8 @@ def test_prefill_and_verify_of_one_width_keep_separate_buffers(static_graph_pair
 
 
 def _build_gpu_pair(tmp_path, make_config):
-    from loraserve.runtime.devmodels import ALL_LINEAR_MODULES, build_adapter, build_tiny_model
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.dev.devmodels import ALL_LINEAR_MODULES, build_adapter, build_tiny_model
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     model = build_tiny_model(
         tmp_path / "bf16", hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024,

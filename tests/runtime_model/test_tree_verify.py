@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.model import ForwardBatch, ForwardBatchError
-from loraserve.runtime.spec.tree import ancestor_closure
+from loraserve.runtime.runner.forward_batch import ForwardBatch, ForwardBatchError
+from loraserve.runtime.speculative.tree import ancestor_closure
 
 TOL = 1e-5
 # Two trees of 7 nodes (node 0: the root), parents before children.

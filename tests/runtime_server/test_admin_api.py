@@ -282,7 +282,7 @@ async def test_a_catalog_change_while_the_old_adapter_drains_is_retried_not_reme
     new request for ``x`` meanwhile gets 503 ``adapter_draining`` on ``model`` with
     ``Retry-After`` (the load would only conflict), never a failure remembered until the
     catalog changes again; once the old requests end, ``x`` loads the new weights."""
-    from loraserve.runtime.catalog import CatalogEntry, encode_catalog
+    from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
 
     from .conftest import make_config, running_server
 

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from loraserve.runtime.cli import build_parser, config_from_args
-from loraserve.runtime.config import RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.demo import free_port
-from loraserve.runtime.policy import check_config
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract.policy import check_config
+from loraserve.runtime.dev.demo import free_port
 
 
 def _parse(argv: list[str]) -> RuntimeConfig:

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from loraserve.runtime import cli
-from loraserve.runtime.catalog import CatalogEntry, encode_catalog
+from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
 from loraserve.runtime.lora.sources import (
     ADAPTER_FILES,
     SourceError,

@@ -30,7 +30,7 @@ def test_demo_runs_end_to_end(tmp_path):
         "LORASERVE_DEMO_MODEL": "auto",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "loraserve.runtime.demo"],
+        [sys.executable, "-m", "loraserve.runtime.dev.demo"],
         capture_output=True,
         text=True,
         timeout=240,

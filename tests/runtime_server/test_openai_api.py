@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.model.forward_batch import ForwardBatch
+from loraserve.runtime.runner.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -18,7 +18,7 @@ from loraserve.operator.reconcile.context import OperatorContext
 from loraserve.operator.reconcile.kube import KubeClient
 from loraserve.operator.reconcile.pods import PodView
 from loraserve.operator.runtime_client import accept_stats
-from loraserve.runtime.catalog import CatalogEntry, encode_catalog
+from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
 from loraserve.runtime.server.metrics import Metrics
 
 from .conftest import ADMIN_TOKEN, make_config, running_server

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraserve.runtime.config import LORA_MODULES
+from loraserve.runtime.contract.config import LORA_MODULES
 
 from .conftest import make_config, running_server
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.runtime.capabilities import CAPABILITIES
-from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.contract.capabilities import CAPABILITIES
+from loraserve.runtime.contract.config import SpecAlgorithm
 
 from .conftest import make_config, running_server
 

@@ -17,11 +17,16 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.config import LORA_MODULES, RuntimeConfig
-from loraserve.runtime.devmodels import ALL_LINEAR_MODULES, build_adapter, build_draft_model, build_tiny_model
-from loraserve.runtime.model import ForwardBatch
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig
+from loraserve.runtime.dev.devmodels import (
+    ALL_LINEAR_MODULES,
+    build_adapter,
+    build_draft_model,
+    build_tiny_model,
+)
 from loraserve.runtime.parallel.launch import TPHandle, TPOptions, start_tensor_parallel
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 # Small timeouts: a broken test group fails in seconds, never hangs the suite.
 TEST_OPTIONS = TPOptions(
@@ -60,7 +65,7 @@ class TPAssets:
 
 @pytest.fixture(scope="session")
 def tp_assets(tmp_path_factory) -> TPAssets:
-    from loraserve.runtime.spec.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("runtime_tp_assets")
     gqa = build_tiny_model(root / "gqa", num_layers=3, seed=51)

@@ -15,12 +15,12 @@ import time
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.config import RuntimeConfig
-from loraserve.runtime.model import ForwardBatch
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.parallel.errors import TensorParallelError
 from loraserve.runtime.parallel.health import health
 from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 
 def main() -> None:

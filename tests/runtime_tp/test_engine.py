@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.config import SpecAlgorithm
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.contract.config import SpecAlgorithm
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import SamplingParams
 
 from .conftest import run_engine, tp_config, tp_group

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from loraserve.runtime.kv import KVCache
-from loraserve.runtime.model_runner import ModelRunner
 from loraserve.runtime.parallel.errors import TensorParallelError
 from loraserve.runtime.parallel.health import EXIT_TP_FAILURE
 from loraserve.runtime.parallel.launch import start_tensor_parallel
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import TEST_OPTIONS, decode, extend, tp_config
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import decode, extend, tp_config, tp_group, verify
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
 

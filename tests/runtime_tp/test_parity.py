@@ -18,7 +18,7 @@ from loraserve.runtime.kv import KVCache
 from loraserve.runtime.lora import AdapterCapacityError
 from loraserve.runtime.model.layers import Linear
 from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
 

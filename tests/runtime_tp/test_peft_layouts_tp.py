@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.runtime.lora import AdapterError
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import tp_config, tp_group
 from .test_layouts import TOL, _run_modes

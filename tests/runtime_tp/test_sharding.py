@@ -10,11 +10,11 @@ import torch
 
 from loraserve.runtime.lora.manager import SlotEvent
 from loraserve.runtime.model.arch import ModelArchConfig
-from loraserve.runtime.model_runner import ModelRunner
 from loraserve.runtime.parallel.errors import TensorParallelConfigError
 from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.parallel.protocol import ForwardStep, Kind, Message
 from loraserve.runtime.parallel.sharding import ShardPlan, check_tensor_parallel
+from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import tp_config
 

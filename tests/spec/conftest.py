@@ -79,8 +79,8 @@ class SpecAssets:
 
 @pytest.fixture(scope="session")
 def spec_assets(tmp_path_factory) -> SpecAssets:
-    from loraserve.runtime.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
-    from loraserve.runtime.spec.eagle_builder import build_eagle_draft
+    from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
+    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("spec_assets")
     target = build_tiny_model(root / "target", num_layers=3, seed=31)
@@ -115,7 +115,7 @@ def spec_config(
     assets: SpecAssets, algorithm: str = "NONE", draft: str | None = None, *, k: int = 4, **sched
 ):
     """A CPU RuntimeConfig for the tiny target with every test adapter loaded."""
-    from loraserve.runtime.config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
+    from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
 
     config = RuntimeConfig()
     config.model.path = str(assets.target)
@@ -174,7 +174,7 @@ def run_engine(config, requests, *, timeout_s: float = 300.0, runner=None, decod
     """
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     runner = runner or ModelRunner(config)
     engine = Engine(config, runner)

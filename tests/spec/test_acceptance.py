@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.spec.acceptance import greedy_accept, rejection_accept, sample_from_probs
+from loraserve.runtime.speculative.acceptance import greedy_accept, rejection_accept, sample_from_probs
 
 ALPHA = 1e-3
 """Significance of each chi-square assertion: a correct sampler fails one with probability 1e-3

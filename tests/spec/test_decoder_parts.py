@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.contract.config import SpecAlgorithm
 from loraserve.runtime.engine.decoder import StandardDecoder
 from loraserve.runtime.engine.request import Request
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import Sampler, SamplingParams
-from loraserve.runtime.spec import build_decoder
-from loraserve.runtime.spec.acceptance import Acceptance
-from loraserve.runtime.spec.draft_config import SpeculativeConfigError
-from loraserve.runtime.spec.eagle_drafter import EagleDrafter
-from loraserve.runtime.spec.eagle_graphs import EagleGraphRunner
-from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
-from loraserve.runtime.spec.metrics import SpecMetrics
+from loraserve.runtime.speculative import build_decoder
+from loraserve.runtime.speculative.acceptance import Acceptance
+from loraserve.runtime.speculative.draft_config import SpeculativeConfigError
+from loraserve.runtime.speculative.eagle_drafter import EagleDrafter
+from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.metrics import SpecMetrics
 
 
 def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
@@ -324,7 +324,7 @@ def test_bad_draft_settings_name_the_field(make_spec_config, algorithm, draft, c
 
 
 def test_standalone_draft_with_another_tokenizer_is_refused(spec_assets, make_spec_config, tmp_path):
-    from loraserve.runtime.devmodels import build_tiny_model
+    from loraserve.runtime.dev.devmodels import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", vocab_size=600, hidden_size=32, num_layers=1, seed=9)
     config = make_spec_config("STANDALONE")

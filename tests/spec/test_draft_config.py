@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from loraserve.runtime.capabilities import CAPABILITIES, Capabilities
-from loraserve.runtime.config import RaggedVerify, RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.policy import check_config
-from loraserve.runtime.spec.draft_config import (
+from loraserve.runtime.contract.capabilities import CAPABILITIES, Capabilities
+from loraserve.runtime.contract.config import RaggedVerify, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract.policy import check_config
+from loraserve.runtime.speculative.draft_config import (
     SpeculativeConfigError,
     build_draft_config,
     resolve_algorithm,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.model import ForwardBatch
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import SamplingParams
 
 
@@ -105,7 +105,7 @@ def test_eagle_draft_uses_the_base_embeddings_and_head(make_spec_config, case):
     and embeddings are bit-identical to those with no adapter in play: whether it shares the
     target's head whole or takes rows of it for a token map."""
     from loraserve.runtime.sampling import Sampler
-    from loraserve.runtime.spec import build_decoder
+    from loraserve.runtime.speculative import build_decoder
 
     runner = ModelRunner(make_spec_config())
     decoder = build_decoder(config=make_spec_config(*case), runner=runner, sampler=Sampler(0))

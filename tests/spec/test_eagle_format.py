@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.runtime.model import ModelConfigError, build_model, load_arch_config
-from loraserve.runtime.spec.eagle_builder import build_eagle_draft
-from loraserve.runtime.spec.eagle_format import load_eagle_config, load_eagle_tensors
-from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+from loraserve.runtime.speculative.eagle_format import load_eagle_config, load_eagle_tensors
+from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from loraserve.runtime.devmodels import build_tiny_model
+    from loraserve.runtime.dev.devmodels import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("eagle-target") / "model", num_layers=3, seed=5)
     arch = load_arch_config(path)
@@ -267,7 +267,7 @@ def test_a_token_map_selects_rows_of_the_target_head(target, tmp_path):
     ],
 )
 def test_bad_token_maps_are_named(target, tmp_path, content, message):
-    from loraserve.runtime.spec.draft_vocab import TokenMapError
+    from loraserve.runtime.speculative.draft_vocab import TokenMapError
 
     path, arch, model = target
     draft_dir = build_eagle_draft(tmp_path / "draft", path, version=1)
@@ -281,7 +281,7 @@ def test_bad_token_maps_are_named(target, tmp_path, content, message):
 def test_own_head_checkpoint_mistakes_are_named(target, tmp_path):
     """A d2t that maps two rows to one token or past the vocabulary, a reduced head without
     d2t, and a token map beside a draft that has its own head."""
-    from loraserve.runtime.spec.draft_vocab import TokenMapError
+    from loraserve.runtime.speculative.draft_vocab import TokenMapError
 
     path, arch, model = target
     rows = _draft_rows(arch, 20, seed=2)

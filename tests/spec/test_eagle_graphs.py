@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from loraserve.runtime.model import build_model, load_arch_config
-from loraserve.runtime.spec.eagle_graphs import EagleGraphRunner
-from loraserve.runtime.spec.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
 from .test_greedy_oracle import CASES, _check_same, _requests
 
@@ -333,7 +333,7 @@ def test_a_grown_tree_equals_growth_by_single_steps(spec_assets, draft, graphs, 
     tree equals EAGLE-2 growth where each node's output comes from single steps along its
     path. Then feeding an accepted path and growing the next tree in one go equals a feed,
     a truncation and a fresh growth."""
-    from loraserve.runtime.spec.tree import TreeShape
+    from loraserve.runtime.speculative.tree import TreeShape
 
     shape = TreeShape(*shape)
     grown, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)

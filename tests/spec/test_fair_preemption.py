@@ -46,7 +46,7 @@ def test_preempted_requests_keep_their_tokens_under_speculation(
 ):
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
-    from loraserve.runtime.model_runner import ModelRunner
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     requests = _requests()
     plain = engine_run(make_spec_config(), [(rid, p, params, a) for rid, p, params, a, _ in requests])

@@ -79,7 +79,7 @@ def peft_targets(spec_assets, tmp_path_factory):
     whose adapters are the peft-saved layouts."""
     from dataclasses import replace
 
-    from loraserve.runtime.devmodels import build_draft_model, build_tiny_model
+    from loraserve.runtime.dev.devmodels import build_draft_model, build_tiny_model
 
     root = tmp_path_factory.mktemp("peft_spec")
     tied = build_tiny_model(root / "tied", num_layers=3, seed=61, tie_word_embeddings=True)
@@ -170,8 +170,8 @@ def test_every_adapter_changes_the_output(peft_targets, engine_run):
 def test_eagle_warning_still_applies_to_peft_embedding_adapters(peft_targets):
     """The copies are dropped, not the modules: the loaded adapter still declares
     embed_tokens / lm_head, so the admin API's policy check warns under EAGLE3."""
-    from loraserve.runtime.model_runner import ModelRunner
-    from loraserve.runtime.policy import AdapterDeclaration, check_adapter
+    from loraserve.runtime.contract.policy import AdapterDeclaration, check_adapter
+    from loraserve.runtime.runner.model_runner import ModelRunner
 
     assets = peft_targets["untied"]
     config = spec_config(assets, "EAGLE3", "eagle3")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.model import ForwardBatch
-from loraserve.runtime.model_runner import ModelRunner
+from loraserve.runtime.runner.forward_batch import ForwardBatch
+from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import SamplingParams, processed_probs
 
 ALPHA = 1e-3

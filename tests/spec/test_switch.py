@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraserve.runtime.spec.switch import SpeculationSwitch, batch_bucket
+from loraserve.runtime.speculative.switch import SpeculationSwitch, batch_bucket
 
 from .test_greedy_oracle import CASES, _check_same, _requests
 

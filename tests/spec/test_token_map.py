@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from loraserve.runtime.spec.draft_vocab import load_token_map
-from loraserve.runtime.spec.token_map import choose_token_map, count_tokens, coverage, main
+from loraserve.runtime.speculative.draft_vocab import load_token_map
 from loraserve.runtime.tokenizer import Tokenizer
+from loraserve.runtime.tools.token_map import choose_token_map, count_tokens, coverage, main
 
 
 def test_choice_keeps_specials_then_the_most_frequent_with_ties_by_id():

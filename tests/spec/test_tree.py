@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from loraserve.runtime.spec.tree import (
+from loraserve.runtime.speculative.tree import (
     DraftTree,
     ancestor_closure,
     expand_tree,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.cuda_graph import CudaGraphRunner
+from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 from loraserve.runtime.sampling import SamplingParams
-from loraserve.runtime.spec.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
 
 from .test_greedy_oracle import ADAPTERS, CASES, _check_same, _requests
 

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from loraserve.operator.demo_admission import AdmissionLab
+from loraserve.operator.dev.demo_admission import AdmissionLab
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -14,8 +14,8 @@ import pytest
 
 from loraserve.operator import webhooks
 from loraserve.operator.specs import API_VERSION
-from loraserve.runtime.capabilities import CAPABILITIES
-from loraserve.runtime.config import SpecAlgorithm
+from loraserve.runtime.contract.capabilities import CAPABILITIES
+from loraserve.runtime.contract.config import SpecAlgorithm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

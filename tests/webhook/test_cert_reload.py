@@ -33,7 +33,7 @@ import yaml
 from cryptography import x509
 
 from loraserve.operator import tls, webhooks
-from loraserve.operator.demo_admission import AdmissionLab
+from loraserve.operator.dev.demo_admission import AdmissionLab
 from loraserve.operator.specs import API_VERSION, GROUP, LORASERVE_PLURAL, VERSION
 
 RELOAD_S = 0.2

@@ -1,4 +1,4 @@
-"""``python -m loraserve.operator.demo_admission`` runs to the end with every verdict as annotated.
+"""``python -m loraserve.operator.dev.demo_admission`` runs to the end with every verdict as annotated.
 
 It starts kmock's KubernetesEmulator (no API server exists on these machines), kopf and
 the HTTPS webhook server in a fresh process, outside the repository.
@@ -14,7 +14,7 @@ import sys
 def test_demo_runs_and_every_verdict_matches_its_annotation(tmp_path):
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "loraserve.operator.demo_admission"],
+        [sys.executable, "-m", "loraserve.operator.dev.demo_admission"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

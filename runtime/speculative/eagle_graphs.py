@@ -41,9 +41,15 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from ..cuda_graph import capture_or_eager, context_bucket, fill_padded, graph_batch_sizes, padded_batch_size
 from ..kv import Allocation
 from ..model.layers import AttentionMetadata, build_attention_metadata
+from ..runner.cuda_graph import (
+    capture_or_eager,
+    context_bucket,
+    fill_padded,
+    graph_batch_sizes,
+    padded_batch_size,
+)
 from .tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..engine.request import Request
-from ..model.forward_batch import ForwardOutput
+from ..runner.forward_batch import ForwardOutput
 from ..sampling import Sampler, processed_probs
 from .acceptance import Acceptance, sample_from_probs
 

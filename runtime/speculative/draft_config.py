@@ -9,9 +9,9 @@ The target's :class:`RuntimeConfig` is deep-copied first and never mutated.
 
 from __future__ import annotations
 
-from ..capabilities import CAPABILITIES, Capabilities
-from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
-from ..policy import resolve_speculative
+from ..contract.capabilities import CAPABILITIES, Capabilities
+from ..contract.config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
+from ..contract.policy import resolve_speculative
 
 
 class SpeculativeConfigError(ValueError):

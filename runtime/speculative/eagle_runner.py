@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..cuda_graph import context_bucket
 from ..kv import Allocation, KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
+from ..runner.cuda_graph import context_bucket
 from .draft_vocab import (
     DraftVocab,
     TokenMapError,

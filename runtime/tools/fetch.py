@@ -62,7 +62,7 @@ from typing import TypeVar
 import aiohttp
 import yarl
 
-from .remote import (
+from ..remote import (
     S3_BUCKET_RE,
     SourceError,
     fetch_bytes,
@@ -73,7 +73,7 @@ from .remote import (
     safe_extract,
     tls_connector,
 )
-from .remote import check_sha256 as remote_check_sha256
+from ..remote import check_sha256 as remote_check_sha256
 
 log = logging.getLogger("loraserve.fetch")
 

@@ -1,4 +1,4 @@
-"""Admission, end to end on one machine: ``python -m loraserve.operator.demo_admission``.
+"""Admission, end to end on one machine: ``python -m loraserve.operator.dev.demo_admission``.
 
 Starts a stand-in Kubernetes API (kmock's ``KubernetesEmulator``: this machine has no API
 server), kopf with the LoRAServe admission webhooks behind HTTPS with a freshly generated
@@ -38,9 +38,9 @@ import jsonpatch
 import kopf
 import yaml
 
-from . import webhooks
-from .specs import ADAPTER_KIND, ADAPTER_PLURAL, GROUP, LORASERVE_KIND, LORASERVE_PLURAL, VERSION
-from .tls import TLSFiles
+from .. import webhooks
+from ..specs import ADAPTER_KIND, ADAPTER_PLURAL, GROUP, LORASERVE_KIND, LORASERVE_PLURAL, VERSION
+from ..tls import TLSFiles
 
 PLURALS = {LORASERVE_KIND: LORASERVE_PLURAL, ADAPTER_KIND: ADAPTER_PLURAL}
 BACKBONE = (
@@ -444,7 +444,7 @@ def _print(applied: Applied, label: str = "") -> None:
 
 async def run_demo() -> int:
     """Apply every example and negative example; 1 if a verdict contradicts its annotation."""
-    from loraserve.runtime.capabilities import CAPABILITIES
+    from loraserve.runtime.contract.capabilities import CAPABILITIES
 
     examples = _examples_dir()
     failures = 0

@@ -9,7 +9,7 @@ functions at start-up. Each finding names a configuration field path
 
 Every violation is collected (never stop at the first), with a reason, a fix and a kind:
 ``incompatible`` (no runtime will run it) or ``unavailable`` (this runtime image does not
-implement it yet; see ``loraserve.runtime.capabilities``).
+implement it yet; see ``loraserve.runtime.contract.capabilities``).
 """
 
 from __future__ import annotations

@@ -33,10 +33,10 @@ import torch
 
 from loraserve.kernels import ForwardMode
 
-from ..config import RuntimeConfig, SpecAlgorithm
+from ..contract.config import RuntimeConfig, SpecAlgorithm
 from ..engine.decoder import StepOutput, sample_rows
 from ..engine.request import Request
-from ..model.forward_batch import ForwardBatch
+from ..runner.forward_batch import ForwardBatch
 from ..sampling import Sampler, processed_probs
 from .acceptance import Acceptance, greedy_accept, rejection_accept
 from .drafter import Drafter

@@ -1,6 +1,6 @@
 """What this runtime image implements, as opposed to what is merely compatible.
 
-The compatibility policy (``loraserve.runtime.policy``) reports a configuration this image
+The compatibility policy (``loraserve.runtime.contract.policy``) reports a configuration this image
 cannot run yet as *unavailable*, distinct from *incompatible* (which no image will ever
 run). Enabling an algorithm or a feature in the runtime is a one-line change here: flip
 its entry, and both the admission webhook and the runtime's start-up check follow.

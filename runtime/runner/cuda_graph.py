@@ -34,8 +34,8 @@ import torch
 
 from loraserve.kernels import ForwardMode
 
-from .model import ForwardBatch, ForwardOutput
-from .model.layers import build_attention_metadata
+from ..model.layers import build_attention_metadata
+from .forward_batch import ForwardBatch, ForwardOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 
-    from .kv import Allocation
+    from ..kv import Allocation
     from .model_runner import ModelRunner
 
 MIN_CONTEXT_BUCKET = 64

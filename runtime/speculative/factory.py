@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..config import RuntimeConfig, SpecAlgorithm
+from ..contract.config import RuntimeConfig, SpecAlgorithm
 from ..model.arch import ModelConfigError
 from ..sampling import Sampler
 from .decoder import SpeculativeDecoder
@@ -68,7 +68,7 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
     # The draft holds at most as many tokens as the target at its verify peak.
     draft_config.scheduler.max_total_tokens = runner.kv.capacity
     if algorithm is SpecAlgorithm.STANDALONE:
-        from ..model_runner import ModelRunner
+        from ..runner.model_runner import ModelRunner
         from .standalone import StandaloneDrafter
 
         draft_runner = ModelRunner(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine.request import Request
-from ..model.forward_batch import ForwardOutput
+from ..runner.forward_batch import ForwardOutput
 from .acceptance import Acceptance
 from .drafter import DraftProposal
 from .ngram import NgramIndex

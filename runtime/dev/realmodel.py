@@ -11,7 +11,7 @@ temporary sibling and renamed into place.
 
 This is not part of the serving core: the runtime never imports it.
 
-``python -m loraserve.runtime.realmodel [CACHE]`` converts and prints the directory.
+``python -m loraserve.runtime.dev.realmodel [CACHE]`` converts and prints the directory.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Typed runtime configuration: the one description of a serving process.
 
 Everything that decides how a runtime pod behaves lives here as plain dataclasses, so
-that the compatibility policy (``loraserve.runtime.policy``) can judge a configuration
+that the compatibility policy (``loraserve.runtime.contract.policy``) can judge a configuration
 without I/O, the operator can build one from a LoRAServe spec, and the CLI can build one
 from flags. Field names are the policy's field paths (``speculative.algorithm``,
 ``lora.max_rank``...).

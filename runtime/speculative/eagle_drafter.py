@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.request import Request
-from ..model.forward_batch import ForwardOutput
+from ..runner.forward_batch import ForwardOutput
 from ..sampling import Sampler
 from .acceptance import Acceptance
 from .drafter import DraftProposal, choose_drafts

@@ -22,7 +22,7 @@ import torch
 from loraserve.kernels import ForwardMode
 
 from ..engine.request import Request
-from ..model.forward_batch import ForwardBatch, ForwardOutput
+from ..runner.forward_batch import ForwardBatch, ForwardOutput
 from ..sampling import Sampler
 from .acceptance import Acceptance
 from .drafter import DraftProposal, choose_drafts, fit_vocab

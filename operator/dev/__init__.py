@@ -1,0 +1,1 @@
+"""Development demos of the operator (not imported by the operator itself)."""
