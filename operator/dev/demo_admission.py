@@ -409,7 +409,7 @@ class AdmissionLab:
 
 # --------------------------------------------------------------------------- the demo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _examples_dir() -> Path:
