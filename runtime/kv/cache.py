@@ -9,6 +9,16 @@ so allocating, freeing and truncating are a few tensor slices, never per-token l
 The owner of a request (the scheduler, through the model runner) decides when tokens
 are appended (:meth:`KVCache.allocate`), dropped from the end (:meth:`KVCache.truncate`,
 rejected draft tokens) or released (:meth:`KVCache.free`).
+
+With a prefix cache (``prefix_cache=True``, :mod:`.prefix_cache`), slots may be shared: a
+request that starts with a prefix cached under its adapter key begins holding the tree's
+slots for it (:meth:`KVCache.match_prefix`, which locks them) and only appends the rest;
+a request that ends leaves its KV in the tree (:meth:`KVCache.cache_and_free`) instead of
+freeing it. The leading ``shared`` slots of a request belong to the tree: truncating or
+freeing the request never frees them. Cached tokens no request holds count as free
+(:attr:`KVCache.num_free_tokens`): :meth:`KVCache.allocate` evicts them, least recently
+used first, before it would ever report the pool full, so a scheduler that plans with the
+free count retracts a running request only when the cache has nothing left to give.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .prefix_cache import PrefixCache, PrefixMatch
 
 
 class KVCacheError(ValueError):
@@ -45,12 +57,14 @@ class Allocation:
 
 
 class _Request:
-    __slots__ = ("length", "row", "slots")
+    __slots__ = ("length", "node", "row", "shared", "slots")
 
     def __init__(self, row: int, capacity: int):
         self.row = row
         self.length = 0
         self.slots = torch.empty(capacity, dtype=torch.int64)
+        self.shared = 0  # leading slots owned by the prefix cache (never freed here)
+        self.node = None  # the prefix-cache node this request locks, if any
 
     def reserve(self, needed: int) -> None:
         if needed > self.slots.numel():
@@ -73,7 +87,10 @@ class KVCache:
         max_total_tokens: int,
         max_requests: int,
         max_context_len: int,
+        prefix_cache: bool = False,
     ):
+        """``prefix_cache``: keep ended requests' KV for reuse by later requests with the
+        same prefix under the same adapter key (see the module docstring)."""
         if max_total_tokens < 1:
             raise KVCacheError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
         if max_requests < 1:
@@ -97,12 +114,29 @@ class KVCache:
         self._num_free = self.capacity
         self._free_rows = list(range(self.max_requests, 0, -1))
         self._requests: dict[Hashable, _Request] = {}
+        self.prefix: PrefixCache | None = PrefixCache() if prefix_cache else None
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_tokens(self) -> int:
-        """Token slots not owned by any request."""
+        """Token slots a request may claim: those nobody owns, plus cached prefixes no
+        request holds (evicted on demand)."""
+        return self._num_free + self.num_evictable_tokens
+
+    @property
+    def num_unused_tokens(self) -> int:
+        """Token slots nobody owns, not even the prefix cache."""
         return self._num_free
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the prefix cache holds (shared with running requests or not)."""
+        return 0 if self.prefix is None else self.prefix.num_tokens
+
+    @property
+    def num_evictable_tokens(self) -> int:
+        """Cached tokens no running request holds: the prefix cache gives them up on demand."""
+        return 0 if self.prefix is None else self.prefix.num_evictable
 
     @property
     def num_used_tokens(self) -> int:
@@ -136,8 +170,95 @@ class KVCache:
         req = self._require(request_id)
         return req.slots[: req.length].clone()
 
+    def shared_len(self, request_id: Hashable) -> int:
+        """Leading tokens a request shares with the prefix cache (0 for an unknown one)."""
+        req = self._requests.get(request_id)
+        return 0 if req is None else req.shared
+
     def can_allocate(self, num_tokens: int, num_new_requests: int = 0) -> bool:
-        return num_tokens <= self._num_free and num_new_requests <= len(self._free_rows)
+        return num_tokens <= self.num_free_tokens and num_new_requests <= len(self._free_rows)
+
+    # ------------------------------------------------------------------ prefix cache
+    def peek_prefix(
+        self, key: Hashable, token_ids: Sequence[int], *, max_len: int | None = None
+    ) -> PrefixMatch:
+        """The cached prefix :meth:`match_prefix` would reuse now, without touching the
+        cache (for planning): its length and how many of its tokens are evictable (a
+        request that locks them takes them out of :attr:`num_free_tokens`)."""
+        if self.prefix is None:
+            return PrefixMatch(0, torch.empty(0, dtype=torch.int64), None, 0)
+        return self.prefix.match(key, _reusable(token_ids, max_len), touch=False)
+
+    def match_prefix(
+        self, request_id: Hashable, key: Hashable, token_ids: Sequence[int], *, max_len: int | None = None
+    ) -> int:
+        """Start a new request on the longest prefix of ``token_ids`` cached under ``key``
+        (never the last token: its logits must be computed), at most ``max_len`` tokens.
+        Returns how many tokens the request now holds (0: nothing was reused, and the
+        request is not created). The reused slots are locked until the request ends."""
+        if self.prefix is None:
+            return 0
+        if request_id in self._requests:
+            raise KVCacheError(
+                f"request {request_id!r} already holds KV: match a prefix before its first forward"
+            )
+        if not self._free_rows:
+            return 0  # no row to hold it: the request waits as it would without the cache
+        match = self.prefix.match(key, _reusable(token_ids, max_len))
+        if match.length == 0:
+            return 0
+        self.prefix.lock(match.node)
+        req = self._requests[request_id] = _Request(self._free_rows.pop(), max(match.length + 16, 16))
+        with torch.inference_mode():
+            req.slots[: match.length] = match.slots
+            self.req_to_token[req.row, : match.length] = match.slots.to(self.device, non_blocking=True)
+        req.length = req.shared = match.length
+        req.node = match.node
+        return match.length
+
+    def cache_and_free(self, request_id: Hashable, key: Hashable, token_ids: Sequence[int]) -> int:
+        """End a request, leaving the KV of its leading ``token_ids`` (those its entries
+        hold, in order) in the prefix cache under ``key``; everything else is freed as by
+        :meth:`free`. Returns the tokens it added to the cache. Without a prefix cache this
+        is :meth:`free`."""
+        req = self._requests.get(request_id)
+        if req is None or self.prefix is None:
+            self.free(request_id)
+            return 0
+        n = min(len(token_ids), req.length)
+        tokens = np.asarray(token_ids[:n], dtype=np.int64)
+        result = self.prefix.insert(key, tokens, req.slots[:n])
+        if result.node is None and n > 0 and result.present == 0:
+            self.free(request_id)  # a retired key: cache nothing
+            return 0
+        # The tree kept its own slots for the first ``present`` tokens: this request's
+        # copies past its shared prefix are duplicates, and its entries past ``n`` are
+        # not cached at all.
+        dup_lo, dup_hi = req.shared, max(req.shared, result.present)
+        self._requests.pop(request_id)
+        self._push_free(req.slots[dup_lo:dup_hi])
+        self._push_free(req.slots[max(n, req.shared) : req.length])
+        self._free_rows.append(req.row)
+        self._release_node(req)
+        return n - result.present
+
+    def drop_prefixes(self, predicate) -> int:
+        """Forget the cached prefixes of every key for which ``predicate(key)`` holds (an
+        adapter was unloaded or reloaded); returns the tokens freed now (prefixes still in
+        use go when their requests end)."""
+        if self.prefix is None:
+            return 0
+        freed = self.prefix.drop_where(predicate)
+        self._push_free(freed)
+        return int(freed.numel())
+
+    def evict_prefixes(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` unused cached tokens (LRU) into the free pool."""
+        if self.prefix is None or num_tokens <= 0:
+            return 0
+        freed = self.prefix.evict(num_tokens)
+        self._push_free(freed)
+        return int(freed.numel())
 
     # ------------------------------------------------------------------ changes
     def allocate(self, request_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> Allocation:
@@ -156,11 +277,13 @@ class KVCache:
                     f"{self.max_context_len}: shorten the prompt or max_tokens"
                 )
         total = sum(counts)
-        if total > self._num_free or sum(created) > len(self._free_rows):
+        if total > self.num_free_tokens or sum(created) > len(self._free_rows):
             raise KVCacheFullError(
                 f"KV cache full: need {total} tokens for {sum(created)} new requests, "
-                f"{self._num_free} tokens and {len(self._free_rows)} request rows free"
+                f"{self.num_free_tokens} tokens and {len(self._free_rows)} request rows free"
             )
+        if total > self._num_free:
+            self.evict_prefixes(total - self._num_free)
         slots = self._free_slots[self._num_free - total : self._num_free].flip(0).clone()
         self._num_free -= total
         rows: list[int] = []
@@ -202,8 +325,10 @@ class KVCache:
             )
         if num_tokens == 0:
             return
-        self._push_free(req.slots[req.length - num_tokens : req.length])
+        # Entries of the shared prefix belong to the tree: they leave the request only.
+        self._push_free(req.slots[max(req.length - num_tokens, req.shared) : req.length])
         req.length -= num_tokens
+        req.shared = min(req.shared, req.length)
 
     def keep(self, items: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
         """For each ``(request, start, kept)``: of the request's entries from ``start`` on, keep
@@ -221,6 +346,10 @@ class KVCache:
             req = self._require(rid)
             offsets = [int(i) for i in kept]
             tail = req.length - start
+            if start < req.shared:
+                raise KVCacheError(
+                    f"cannot rearrange request {rid!r}'s entries from {start}: its first {req.shared} are a shared prefix"
+                )
             if start < 0 or tail < 0 or any(not 0 <= i < tail for i in offsets) or len(set(offsets)) != len(offsets):
                 raise KVCacheError(
                     f"cannot keep offsets {offsets} of the {max(tail, 0)} entries request {rid!r} holds after {start}"
@@ -247,8 +376,9 @@ class KVCache:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self._push_free(req.slots[: req.length])
+        self._push_free(req.slots[req.shared : req.length])
         self._free_rows.append(req.row)
+        self._release_node(req)
 
     def rollback(self, allocation: Allocation) -> None:
         """Undo an allocation whose forward failed: the cache is as it was before."""
@@ -260,8 +390,16 @@ class KVCache:
             else:
                 self.truncate(rid, min(n, self._requests[rid].length))
 
+    def _release_node(self, req: _Request) -> None:
+        """Unlock the prefix a request held (a dropped adapter's nodes are freed now)."""
+        if req.node is not None and self.prefix is not None:
+            node, req.node = req.node, None
+            self._push_free(self.prefix.unlock(node))
+
     def _push_free(self, slots: torch.Tensor) -> None:
         n = slots.numel()
+        if n == 0:
+            return
         self._free_slots[self._num_free : self._num_free + n] = slots.flip(0)
         self._num_free += n
 
@@ -270,3 +408,12 @@ class KVCache:
         if req is None:
             raise KVCacheError(f"request {request_id!r} holds no KV cache entries")
         return req
+
+
+def _reusable(token_ids: Sequence[int], max_len: int | None) -> Sequence[int]:
+    """The part of a prompt a cached prefix may cover: never the last token (its logits
+    are the point of the prefill), at most ``max_len`` tokens."""
+    limit = len(token_ids) - 1
+    if max_len is not None:
+        limit = min(limit, max_len)
+    return token_ids[: max(limit, 0)]
