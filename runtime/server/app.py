@@ -101,6 +101,8 @@ def build_app(
     app.router.add_get("/ready", health_api.ready)
     app.router.add_get("/metrics", health_api.metrics)
     app.router.add_get("/v1/models", openai_api.list_models)
+    # Adapter names may hold "/" (org/name), so the id is the rest of the path.
+    app.router.add_get("/v1/models/{model_id:.+}", openai_api.retrieve_model)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/load_lora_adapter", admin_api.load_lora_adapter)

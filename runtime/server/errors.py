@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..engine.request import RequestError
+from ..sampling.params import SamplingParamsError
 
 log = logging.getLogger("loraserve.server")
 
@@ -38,6 +39,7 @@ def quiet_client_faults(logger: logging.Logger | None = None) -> None:
     logger = logger or logging.getLogger("aiohttp.server")
     if not any(isinstance(f, ClientFaultLogFilter) for f in logger.filters):
         logger.addFilter(ClientFaultLogFilter())
+
 
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 
@@ -125,6 +127,9 @@ async def error_middleware(request: web.Request, handler):
         if exc.status == 408:
             resp.force_close()  # the rest of the body may still arrive: do not read it as a request
         return resp
+    except SamplingParamsError as exc:
+        # A parameter the engine refused wherever it was checked: the client's fault, never a 500.
+        return ApiError(400, str(exc), param=exc.field, code="invalid_value").response()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(limit)
     except web.HTTPException as exc:

@@ -18,11 +18,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..engine import Engine, EngineError, Request, RequestOutput, SpecStats
-from ..sampling import SamplingParams
+from ..engine.request import PromptLogprobs, TopLogprobs
+from ..sampling import SamplingParams, SamplingParamsError
 from .errors import ApiError
 from .schemas import MAX_REQUEST_TOKENS
 
 _counter = itertools.count()
+
+
+def _params_error(exc: SamplingParamsError) -> ApiError:
+    """A sampling parameter the engine refused (a schema that does not compile, a token id
+    outside the vocabulary): the request's fault, named by its field."""
+    return ApiError(400, str(exc), param=exc.field, code="invalid_value")
 
 
 def new_request_id(prefix: str) -> str:
@@ -38,6 +45,10 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per generated token, its most likely alternatives (when ``top_logprobs`` > 0)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt tokens' log-probabilities (``echo`` with ``logprobs``), from the first output."""
     finish_reason: str | None = None
     completion_tokens: int = 0
     spec: SpecStats | None = None
@@ -100,14 +111,22 @@ class Generation:
                 self.engine.prepare(req, prompt_param=self.prompt_param)
         except EngineError as exc:
             raise ApiError.from_request_error(exc.error) from None
+        except SamplingParamsError as exc:
+            raise _params_error(exc) from None
         self._check_total_tokens()
         try:
             for index, req in enumerate(self._requests):
                 self.engine.submit(req, prompt_param=self.prompt_param, prepared=True)
                 self._open.add(index)
-        except EngineError as exc:
+        except BaseException as exc:
+            # A later choice refused (or anything failing) must not leave the earlier ones
+            # running: __aexit__ does not run when __aenter__ raises.
             self._abort_open()
-            raise ApiError.from_request_error(exc.error) from None
+            if isinstance(exc, EngineError):
+                raise ApiError.from_request_error(exc.error) from None
+            if isinstance(exc, SamplingParamsError):
+                raise _params_error(exc) from None
+            raise
         return self
 
     def _check_total_tokens(self) -> None:
@@ -148,6 +167,10 @@ class Generation:
         choice.token_ids.extend(out.token_ids)
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
+        if out.top_logprobs:
+            choice.top_logprobs.extend(out.top_logprobs)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.completion_tokens = out.completion_tokens
         if out.finished:
             self._open.discard(index)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from ..engine import RequestOutput
+from ..engine.request import PromptLogprobs, TopLogprobs
 from .adapter_supply import public_root
 from .auth import check_bearer
 from .errors import ApiError
@@ -68,13 +70,114 @@ async def _encode_chat(state: ServerState, messages) -> list[int]:
         ) from None
 
 
-def _token_texts(state: ServerState, ids: list[int]) -> list[str]:
-    tok = state.tokenizer
-    return (
-        [tok.decode([i], skip_special_tokens=False) for i in ids]
-        if tok is not None
-        else [str(i) for i in ids]
-    )
+# ------------------------------------------------------------------------------ logprobs
+LOGPROB_FLOOR = -9999.0
+"""JSON has no -infinity: a token the model cannot pick (or NaN) is reported at this floor,
+as OpenAI and vLLM do."""
+
+
+def _lp(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+class TokenTexts:
+    """Each token id's text (special tokens spelled out, as OpenAI and vLLM report them),
+    decoded once per API call: the alternatives at every position repeat the same ids."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._tok = state.tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False) if self._tok else str(token_id)
+            self._cache[token_id] = text
+        return text
+
+
+@dataclass
+class Position:
+    """One reported token: its id, log-probability and the most likely alternatives there
+    (``logprob`` None: the first prompt token, which has no context)."""
+
+    token_id: int
+    logprob: float | None
+    top: TopLogprobs | None = None
+
+
+def generated_positions(
+    ids: list[int], logprobs: list[float] | None, top: list[TopLogprobs] | None
+) -> list[Position]:
+    logprobs = logprobs or []
+    top = top or []
+    return [
+        Position(t, logprobs[i] if i < len(logprobs) else None, top[i] if i < len(top) else None)
+        for i, t in enumerate(ids)
+    ]
+
+
+def prompt_positions(ids: list[int], prompt: PromptLogprobs | None) -> list[Position]:
+    """The prompt's tokens for ``echo`` with ``logprobs`` (the first has no log-probability)."""
+    if prompt is None:
+        return [Position(t, None) for t in ids]
+    return [
+        Position(
+            t,
+            prompt.logprobs[i] if i < len(prompt.logprobs) else None,
+            prompt.top[i] if i < len(prompt.top) else None,
+        )
+        for i, t in enumerate(ids)
+    ]
+
+
+def completion_logprobs(
+    texts: TokenTexts, positions: list[Position], *, alternatives: int, offset: int = 0
+) -> dict:
+    """The completions API's ``logprobs`` object. ``top_logprobs[i]`` maps the ``alternatives``
+    most likely tokens' texts, and always the chosen one's, to their log-probabilities (up
+    to alternatives + 1 entries, as OpenAI documents; None where there is no logprob).
+    ``text_offset[i]`` is where token i starts in the choice's text, counting from
+    ``offset`` (what a stream already sent of it, as vLLM does)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    pos = offset
+    for p in positions:
+        text = texts(p.token_id)
+        tokens.append(text)
+        token_logprobs.append(_lp(p.logprob))
+        offsets.append(pos)
+        pos += len(text)
+        if p.logprob is None:
+            top_logprobs.append(None)
+            continue
+        top: dict[str, float | None] = {}
+        for token_id, logprob in (p.top or [])[:alternatives]:
+            top.setdefault(texts(token_id), _lp(logprob))
+        top.setdefault(text, _lp(p.logprob))
+        top_logprobs.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(text: str, logprob: float | None) -> dict:
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(texts: TokenTexts, positions: list[Position], *, alternatives: int) -> dict:
+    """The chat API's ``logprobs``: per token its text, log-probability, UTF-8 bytes and the
+    ``top_logprobs`` most likely tokens at that position (most likely first)."""
+    content = []
+    for p in positions:
+        entry = _chat_entry(texts(p.token_id), p.logprob)
+        entry["top_logprobs"] = [_chat_entry(texts(t), lp) for t, lp in (p.top or [])[:alternatives]]
+        content.append(entry)
+    return {"content": content}
 
 
 # ------------------------------------------------------------------------------ completions
@@ -99,16 +202,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, state, gen, req, model, chat=False, echo=echo)
         await _collect(gen)
+        texts = TokenTexts(state)
         choices = []
         for c in gen.choices:
-            text = (echo[c.index // req.n] if echo else "") + c.text
+            prefix = echo[c.index // req.n] if echo else ""
             choices.append(
                 {
                     "index": c.index,
-                    "text": text,
-                    "logprobs": _completion_logprobs(
-                        state, c.token_ids, c.logprobs, len(echo[c.index // req.n]) if echo else 0
-                    )
+                    "text": prefix + c.text,
+                    "logprobs": _choice_completion_logprobs(texts, req, c, echoed=echo is not None)
                     if req.params.logprobs
                     else None,
                     "finish_reason": c.finish_reason,
@@ -132,27 +234,14 @@ def _prompt_text(state: ServerState, ids: list[int], raw: str | list[int]) -> st
     return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
 
 
-def _completion_logprobs(state: ServerState, ids: list[int], logprobs: list[float], offset: int) -> dict:
-    texts = _token_texts(state, ids)
-    offsets, pos = [], offset
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": list(logprobs[: len(ids)]),
-        "top_logprobs": None,
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprobs(state: ServerState, ids: list[int], logprobs: list[float]) -> dict:
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(_token_texts(state, ids), logprobs, strict=False)
-        ]
-    }
+def _choice_completion_logprobs(
+    texts: TokenTexts, req: CompletionRequest, c: ChoiceState, *, echoed: bool
+) -> dict:
+    """A whole choice's logprobs; with ``echo`` the prompt's tokens come first (vLLM's shape)."""
+    positions = generated_positions(c.token_ids, c.logprobs, c.top_logprobs)
+    if echoed:
+        positions = prompt_positions(c.prompt_ids, c.prompt_logprobs) + positions
+    return completion_logprobs(texts, positions, alternatives=req.params.top_logprobs)
 
 
 async def _collect(gen: Generation) -> None:
@@ -175,19 +264,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with (
         state.use_model(req.model) as adapter,
         Generation(
-            engine, [prompt], req.params, n=req.n, adapter=adapter, id_prefix="chatcmpl", prompt_param="messages"
+            engine,
+            [prompt],
+            req.params,
+            n=req.n,
+            adapter=adapter,
+            id_prefix="chatcmpl",
+            prompt_param="messages",
         ) as gen,
     ):
         if req.stream:
             return await _stream(request, state, gen, req, model, chat=True, echo=None)
         await _collect(gen)
+        texts = TokenTexts(state)
         choices = []
         for c in gen.choices:
             choices.append(
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(state, c.token_ids, c.logprobs)
+                    "logprobs": chat_logprobs(
+                        texts,
+                        generated_positions(c.token_ids, c.logprobs, c.top_logprobs),
+                        alternatives=req.params.top_logprobs,
+                    )
                     if req.params.logprobs
                     else None,
                     "finish_reason": c.finish_reason,
@@ -215,6 +315,23 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+class _StreamedChoices:
+    """Per choice, what a stream has sent: the echo (it rides on the choice's first chunk,
+    with the prompt's logprobs, as vLLM sends it) and the characters so far (where the next
+    chunk's ``text_offset`` starts)."""
+
+    def __init__(self, echo: list[str] | None, n: int) -> None:
+        self.echo = echo
+        self.n = n
+        self.echoed: set[int] = set()
+        self.sent_chars: dict[int, int] = {}
+
+    def pending_echo(self, index: int) -> str | None:
+        if self.echo is None or index in self.echoed:
+            return None
+        return self.echo[index // self.n]
+
+
 async def _stream(
     request: web.Request,
     state: ServerState,
@@ -232,6 +349,8 @@ async def _stream(
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
+    texts = TokenTexts(state)
+    sent = _StreamedChoices(echo, req.n)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
         body: dict = {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": choices}
@@ -253,36 +372,27 @@ async def _stream(
                 ]
             )
         )
-    elif echo:
-        await resp.write(
-            chunk(
-                [
-                    {
-                        "index": c.index,
-                        "text": echo[c.index // req.n],
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for c in gen.choices
-                ]
-            )
-        )
 
     async def send(choice: ChoiceState, out: RequestOutput) -> None:
         if out.error is not None:
             await resp.write(_sse(ApiError.from_request_error(out.error).body()))
             return
-        if not out.finished and not out.text and not (req.params.logprobs and out.logprobs):
+        prefix = sent.pending_echo(choice.index)
+        if (
+            prefix is None
+            and not out.finished
+            and not out.text
+            and not (req.params.logprobs and out.token_ids)
+        ):
             return  # text held back (a partial character or a possible stop string)
         finish = out.finish_reason.value if out.finished and out.finish_reason else None
-        logprobs = None
-        if req.params.logprobs and out.logprobs:
-            logprobs = (
-                _chat_logprobs(state, out.token_ids, out.logprobs)
-                if chat
-                else _completion_logprobs(state, out.token_ids, out.logprobs, 0)
-            )
+        positions = generated_positions(out.token_ids, out.logprobs, out.top_logprobs)
         if chat:
+            logprobs = (
+                chat_logprobs(texts, positions, alternatives=req.params.top_logprobs)
+                if req.params.logprobs and positions
+                else None
+            )
             entry = {
                 "index": choice.index,
                 "delta": {"content": out.text} if out.text else {},
@@ -290,7 +400,19 @@ async def _stream(
                 "finish_reason": finish,
             }
         else:
-            entry = {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": finish}
+            text = out.text
+            if prefix is not None:
+                sent.echoed.add(choice.index)
+                text = prefix + text
+                positions = prompt_positions(choice.prompt_ids, out.prompt_logprobs) + positions
+            offset = sent.sent_chars.get(choice.index, 0)
+            sent.sent_chars[choice.index] = offset + len(text)
+            logprobs = (
+                completion_logprobs(texts, positions, alternatives=req.params.top_logprobs, offset=offset)
+                if req.params.logprobs and positions
+                else None
+            )
+            entry = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         await resp.write(chunk([entry]))
 
     if first is not None:
@@ -335,7 +457,9 @@ def _is_admin(request: web.Request, token: str | None) -> bool:
     return True
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_entries(request: web.Request) -> list[dict]:
+    """The model objects of ``GET /v1/models``: the base, then loaded adapters, then the
+    catalogued ones this pod has not loaded yet."""
     state = request.app[STATE]
     engine = state.require_engine()
     admin = _is_admin(request, state.admin_token)
@@ -393,4 +517,27 @@ async def list_models(request: web.Request) -> web.Response:
                 admin=admin,
             )
         )
-    return web.json_response({"object": "list", "data": data})
+    return data
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": _model_entries(request)})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the client's ``models.retrieve``): the same object as the
+    model's entry in the list; 404 ``model_not_found`` for a name this pod cannot serve."""
+    state = request.app[STATE]
+    model_id = request.match_info["model_id"]
+    entries = _model_entries(request)
+    wanted = state.served_name if model_id in state.base_names else model_id
+    for entry in entries:
+        if entry["id"] == wanted:
+            return web.json_response(entry)
+    known = ", ".join(sorted(e["id"] for e in entries))
+    raise ApiError(
+        404,
+        f"the model {model_id!r} does not exist: use one of {known} (GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )

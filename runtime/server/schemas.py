@@ -1,23 +1,36 @@
 """OpenAI request bodies, parsed and validated into typed requests.
 
-Every rejection names the field (``param``) and says what would be accepted. Fields this
-server does not implement are refused when set to a value that would change the result
-(``logit_bias``, penalties, tools...), never silently ignored; purely informational
-fields (``user``) are accepted.
+Every rejection names the field (``param``) and says what would be accepted. Known fields
+this server does not implement (tools, ``suffix``, ``min_p``...) are refused when set to a
+value that would change the result; purely informational ones (``user``) are accepted.
+Fields it does not know are ignored and logged at warning level, once per request, as vLLM
+does (its ``OpenAIBaseModel`` allows extra fields); README.md's "OpenAI API: what is
+supported and what is refused" lists every field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
-from ..sampling.params import MAX_STOP_STRINGS
+from ..sampling.params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_RANGE,
+    StructuredOutput,
+)
 from ..tokenizer import ChatMessage
 from .errors import ApiError, invalid
+
+log = logging.getLogger("loraserve.server")
 
 MAX_N = 16
 MAX_PROMPTS = 64
@@ -233,39 +246,354 @@ def _get_token_ids(body: dict, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise invalid(
-                f"{name} is not supported by this server: omit it or send 0",
-                param=name,
-                code="unsupported_parameter",
-            )
-    if body.get("repetition_penalty") not in (None, 1, 1.0):
+# ---------------------------------------------------------------------------- field policy
+def _is_falsy(value: object) -> bool:
+    return not value
+
+
+def _one_of(*accepted: object):
+    """A predicate: the value is None or one of ``accepted`` (the values that change nothing)."""
+    return lambda value: value is None or value in accepted
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A known field this server does not implement: refused when ``harmless`` is false."""
+
+    harmless: Callable[[object], bool]
+    reason: str
+
+
+REFUSED_COMMON: dict[str, Refusal] = {
+    "tools": Refusal(_is_falsy, "tool calling is not supported by this server: omit tools"),
+    "tool_choice": Refusal(
+        _one_of("none", "auto"),
+        'tool calling is not supported by this server: omit tool_choice or send "none"',
+    ),
+    "functions": Refusal(_is_falsy, "function calling is not supported by this server: omit functions"),
+    "function_call": Refusal(
+        _one_of("none", "auto"), "function calling is not supported by this server: omit function_call"
+    ),
+    "min_p": Refusal(_one_of(0, 0.0), "min_p is not implemented by this server: omit it or send 0"),
+    "min_tokens": Refusal(_one_of(0), "min_tokens is not implemented by this server: omit it or send 0"),
+    "use_beam_search": Refusal(
+        _one_of(False), "beam search is not implemented by this server: omit use_beam_search"
+    ),
+    "prompt_logprobs": Refusal(
+        _one_of(None),
+        "prompt_logprobs is not implemented in vLLM's shape: on /v1/completions send echo: true with logprobs "
+        "to get the prompt tokens' log-probabilities",
+    ),
+    "allowed_token_ids": Refusal(
+        _is_falsy, "allowed_token_ids is not implemented: use logit_bias (-100 on the tokens to avoid)"
+    ),
+    "bad_words": Refusal(_is_falsy, "bad_words is not implemented: use logit_bias or stop"),
+    "skip_special_tokens": Refusal(
+        _one_of(True), "this server always skips special tokens in the text: omit skip_special_tokens"
+    ),
+    "truncate_prompt_tokens": Refusal(
+        _one_of(None),
+        "prompts are never truncated by this server: omit truncate_prompt_tokens and shorten the prompt",
+    ),
+    "return_tokens_as_token_ids": Refusal(
+        _one_of(False), "return_tokens_as_token_ids is not implemented: omit it"
+    ),
+    "logits_processors": Refusal(
+        _is_falsy, "custom logits processors are not accepted: omit logits_processors"
+    ),
+    "modalities": Refusal(
+        lambda v: v is None or v == ["text"],
+        'only text output is supported: omit modalities or send ["text"]',
+    ),
+    "audio": Refusal(_one_of(None), "audio output is not supported: omit audio"),
+    "prediction": Refusal(_one_of(None), "predicted outputs are not supported: omit prediction"),
+}
+"""Known OpenAI and vLLM fields that would change the result if honoured: refused (400,
+``unsupported_parameter``) unless set to the value that changes nothing."""
+
+REFUSED_COMPLETION: dict[str, Refusal] = {
+    "suffix": Refusal(_one_of(None), "suffix (insertion) is not supported by this server: omit it"),
+}
+
+REFUSED_CHAT: dict[str, Refusal] = {
+    "echo": Refusal(_one_of(False), "echo is only supported on /v1/completions: omit it"),
+    "add_generation_prompt": Refusal(
+        _one_of(True), "the chat template always ends with the assistant's turn: omit add_generation_prompt"
+    ),
+    "continue_final_message": Refusal(_one_of(False), "continue_final_message is not implemented: omit it"),
+    "chat_template": Refusal(
+        _one_of(None), "the model's own chat template is always used: omit chat_template"
+    ),
+    "chat_template_kwargs": Refusal(_is_falsy, "chat_template_kwargs is not accepted: omit it"),
+    "documents": Refusal(_is_falsy, "documents (RAG templates) are not supported: omit documents"),
+}
+
+INFORMATIONAL = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "reasoning_effort"}
+)
+"""Accepted and without effect here: bookkeeping fields, and fields that only matter with
+features this server refuses (``parallel_tool_calls``) or models it does not serve
+(``reasoning_effort``)."""
+
+COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    }
+)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+def _refuse_unsupported(body: dict, refused: dict[str, Refusal]) -> None:
+    for name, rule in refused.items():
+        if name in body and not rule.harmless(body[name]):
+            raise invalid(rule.reason, param=name, code="unsupported_parameter")
+
+
+def ignored_fields(body: dict, known: frozenset[str], refused: dict[str, Refusal]) -> list[str]:
+    """The body's fields this server neither reads nor refuses (vLLM's behaviour: ignored,
+    and logged)."""
+    return sorted(k for k in body if k not in known and k not in refused and k not in INFORMATIONAL)
+
+
+def _log_ignored(names: list[str], endpoint: str) -> None:
+    """One warning per request, worded as vLLM's, so operators grep the same line."""
+    if names:
+        log.warning(
+            "The following fields were present in the request but ignored: %s (%s)", set(names), endpoint
+        )
+
+
+# ---------------------------------------------------------------------------- logit processing
+def _get_penalties(body: dict) -> dict[str, float]:
+    values = {
+        name: get_float(body, name, 0.0, minimum=-PENALTY_RANGE, maximum=PENALTY_RANGE)
+        for name in ("presence_penalty", "frequency_penalty")
+    }
+    rep = get_float(body, "repetition_penalty", 1.0, maximum=10.0)
+    if rep <= 0:
         raise invalid(
-            "repetition_penalty is not supported by this server: omit it or send 1",
+            f"repetition_penalty must be in (0, 10] (1 disables it), got {rep:g}",
             param="repetition_penalty",
-            code="unsupported_parameter",
+            code="invalid_value",
         )
-    if body.get("logit_bias"):
+    values["repetition_penalty"] = rep
+    return values
+
+
+_TOKEN_ID_RE = re.compile(r"[0-9]{1,9}")
+
+
+def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (JSON keys, so strings) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
         raise invalid(
-            "logit_bias is not supported by this server: omit it",
+            f'logit_bias must be an object mapping token ids to biases, e.g. {{"50256": -100}}, got '
+            f"{_type_name(value)}",
             param="logit_bias",
-            code="unsupported_parameter",
+            code="invalid_type",
         )
-    if body.get("tools"):
+    if len(value) > MAX_LOGIT_BIAS:
         raise invalid(
-            "tool calling is not supported by this server: omit tools",
-            param="tools",
-            code="unsupported_parameter",
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}",
+            param="logit_bias",
+            code="invalid_value",
         )
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+    out = []
+    for key, bias in value.items():
+        if not _TOKEN_ID_RE.fullmatch(key):
+            raise invalid(
+                f'logit_bias keys must be token ids written as non-negative integer strings (e.g. "50256"), '
+                f"got {key[:40]!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise invalid(
+                f"logit_bias[{key!r}] must be a number, got {_type_name(bias)}",
+                param="logit_bias",
+                code="invalid_type",
+            )
+        if abs(bias) > LOGIT_BIAS_RANGE:
+            raise invalid(
+                f"logit_bias[{key!r}] must be in [-100, 100], got {bias:g}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- structured output
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a regular expression matching exactly it (only metacharacters escaped:
+    the grammar engine's regex dialect need not know Python's extra escapes)."""
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
+
+
+def _schema_text(value: object, param: str) -> str:
+    """A JSON schema given as an object (or, as vLLM's ``guided_json`` allows, JSON text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise invalid(
+                f"{param} is not valid JSON: {exc.msg}", param=param, code="invalid_value"
+            ) from None
+    if not isinstance(value, (dict, bool)):
         raise invalid(
-            'only response_format {"type": "text"} is supported',
-            param="response_format",
+            f"{param} must be a JSON schema (an object), got {_type_name(value)}",
+            param=param,
+            code="invalid_type",
+        )
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _nonempty_str(value: object, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{param} must be a non-empty string", param=param, code="invalid_type")
+    return value
+
+
+def _choice_regex(value: object, param: str) -> str:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise invalid(
+            f"{param} must be a non-empty array of non-empty strings", param=param, code="invalid_type"
+        )
+    return "(" + "|".join(regex_literal(c) for c in value) + ")"
+
+
+def _from_response_format(value: object) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, json_schema."""
+    param = "response_format"
+    if not isinstance(value, dict):
+        raise invalid(
+            f'{param} must be an object such as {{"type": "json_object"}}, got {_type_name(value)}',
+            param=param,
+            code="invalid_type",
+        )
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise invalid(
+            f'{param}.type must be "text", "json_object" or "json_schema", got {kind!r}',
+            param=f"{param}.type",
             code="unsupported_parameter",
         )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid(
+            f'{param}.json_schema is required with type "json_schema": {{"name": ..., "schema": {{...}}}}',
+            param=f"{param}.json_schema",
+            code="missing_field" if spec is None else "invalid_type",
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid(
+            f"{param}.json_schema.name is required (a non-empty string)",
+            param=f"{param}.json_schema.name",
+            code="missing_field" if name is None else "invalid_type",
+        )
+    if spec.get("schema") is None:
+        raise invalid(
+            f"{param}.json_schema.schema is required (the JSON schema the output must match)",
+            param=f"{param}.json_schema.schema",
+            code="missing_field",
+        )
+    # ``strict`` is accepted either way: the output always matches the schema exactly.
+    return StructuredOutput("json_schema", _schema_text(spec["schema"], f"{param}.json_schema.schema"))
+
+
+_GUIDED = {
+    "guided_json": lambda v, p: StructuredOutput("json_schema", _schema_text(v, p)),
+    "guided_regex": lambda v, p: StructuredOutput("regex", _nonempty_str(v, p)),
+    "guided_choice": lambda v, p: StructuredOutput("regex", _choice_regex(v, p)),
+    "guided_grammar": lambda v, p: StructuredOutput("grammar", _nonempty_str(v, p)),
+}
+"""vLLM's (pre-0.10) extra fields for constrained decoding."""
+
+_STRUCTURED_OUTPUTS = {
+    "json": _GUIDED["guided_json"],
+    "regex": _GUIDED["guided_regex"],
+    "choice": _GUIDED["guided_choice"],
+    "grammar": _GUIDED["guided_grammar"],
+}
+"""vLLM's newer ``structured_outputs`` object: one of these keys (or ``json_object: true``)."""
+
+
+def _from_structured_outputs(value: object) -> list[tuple[str, StructuredOutput]]:
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise invalid(f"{param} must be an object", param=param, code="invalid_type")
+    found = [
+        (f"{param}.{key}", reader(value[key], f"{param}.{key}"))
+        for key, reader in _STRUCTURED_OUTPUTS.items()
+        if value.get(key) is not None
+    ]
+    if value.get("json_object"):
+        found.append((f"{param}.json_object", StructuredOutput("json_object")))
+    unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS) - {"json_object"})
+    if unknown:
+        raise invalid(
+            f"{param} takes one of json, regex, choice, grammar, json_object; {', '.join(unknown)} is not supported",
+            param=f"{param}.{unknown[0]}",
+            code="unsupported_parameter",
+        )
+    return found
+
+
+def get_structured(body: dict) -> StructuredOutput | None:
+    """The request's output constraint, from whichever of OpenAI's ``response_format`` and
+    vLLM's ``guided_*`` / ``structured_outputs`` carries it; at most one per request."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if body.get("response_format") is not None:
+        fmt = _from_response_format(body["response_format"])
+        if fmt is not None:
+            found.append(("response_format", fmt))
+    for name, reader in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, reader(body[name], name)))
+    if body.get("structured_outputs") is not None:
+        found.extend(_from_structured_outputs(body["structured_outputs"]))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise invalid(
+            f"one output constraint per request, got {len(found)} ({names}): send only one",
+            param=found[1][0],
+            code="conflicting_parameters",
+        )
+    return found[0][1] if found else None
 
 
 @dataclass
@@ -277,6 +605,8 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    ignored: tuple[str, ...] = ()
+    """Fields of the body this server ignored (logged; see :func:`ignored_fields`)."""
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -297,8 +627,14 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return include
 
 
-def _common(body: dict, *, max_tokens: int | None, logprobs: bool) -> GenerationRequest:
-    _refuse_unsupported(body)
+def _common(
+    body: dict,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int = 0,
+    prompt_logprobs: int | None = None,
+) -> GenerationRequest:
     model = get_str(body, "model")
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     stream = get_bool(body, "stream")
@@ -319,6 +655,11 @@ def _common(body: dict, *, max_tokens: int | None, logprobs: bool) -> Generation
         ignore_eos=get_bool(body, "ignore_eos"),
         logprobs=logprobs,
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=_get_logit_bias(body),
+        structured=get_structured(body),
+        **_get_penalties(body),
     )
     return GenerationRequest(
         model=model, params=params, n=n or 1, stream=stream, include_usage=_stream_options(body, stream)
@@ -341,33 +682,30 @@ def parse_completion(body: dict) -> CompletionRequest:
             code="missing_field",
         )
     prompts = _parse_prompts(body["prompt"])
-    if body.get("suffix") is not None:
+    _refuse_unsupported(body, REFUSED_COMMON | REFUSED_COMPLETION)
+    if isinstance(body.get("logprobs"), bool):
         raise invalid(
-            "suffix is not supported by this server: omit it", param="suffix", code="unsupported_parameter"
+            "logprobs must be an integer on /v1/completions (the number of alternatives per token, 0-20)",
+            param="logprobs",
+            code="invalid_type",
         )
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise invalid("logprobs must be an integer", param="logprobs", code="invalid_type")
-        if logprobs != 0:
-            raise invalid(
-                "this server returns the log-probability of each chosen token only: send logprobs: 0",
-                param="logprobs",
-                code="unsupported_parameter",
-            )
+    # The number of most likely alternatives reported per token (OpenAI's legacy bound is 5,
+    # vLLM's 20); the chosen token's log-probability is always reported beside them.
+    logprobs = get_int(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     best_of = get_int(body, "best_of")
     n = get_int(body, "n", 1, minimum=1, maximum=MAX_N)
     if best_of is not None and best_of != n:
         raise invalid("best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter")
     max_tokens = get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
     echo = get_bool(body, "echo")
-    if echo and logprobs is not None:
-        raise invalid(
-            "echo with logprobs is not supported: drop one of them",
-            param="echo",
-            code="unsupported_parameter",
-        )
-    common = _common(body, max_tokens=max_tokens, logprobs=logprobs is not None)
+    common = _common(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        # echo with logprobs reports the prompt's tokens first, with as many alternatives.
+        prompt_logprobs=logprobs if echo and logprobs is not None else None,
+    )
     if len(prompts) * common.n > MAX_CHOICES:
         raise invalid(
             f"prompt × n is {len(prompts)} prompts × {common.n} = {len(prompts) * common.n} choices: at most "
@@ -375,6 +713,8 @@ def parse_completion(body: dict) -> CompletionRequest:
             param="n",
             code="too_many_choices",
         )
+    common.ignored = tuple(ignored_fields(body, COMPLETION_FIELDS, REFUSED_COMMON | REFUSED_COMPLETION))
+    _log_ignored(list(common.ignored), "/v1/completions")
     return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo)
 
 
@@ -412,18 +752,18 @@ class ChatRequest(GenerationRequest):
 def parse_chat(body: dict) -> ChatRequest:
     """``POST /v1/chat/completions``."""
     messages = _parse_messages(body.get("messages"))
+    _refuse_unsupported(body, REFUSED_COMMON | REFUSED_CHAT)
     max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, minimum=1)
     logprobs = get_bool(body, "logprobs")
-    top = get_int(body, "top_logprobs", None, minimum=0)
-    if top:
-        raise invalid(
-            "this server returns the log-probability of each chosen token only: omit top_logprobs or send 0",
-            param="top_logprobs",
-            code="unsupported_parameter",
-        )
-    common = _common(body, max_tokens=max_tokens, logprobs=logprobs)
+    top = get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        # OpenAI's rule: top_logprobs is only read with logprobs: true.
+        raise invalid("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    common = _common(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top or 0)
+    common.ignored = tuple(ignored_fields(body, CHAT_FIELDS, REFUSED_COMMON | REFUSED_CHAT))
+    _log_ignored(list(common.ignored), "/v1/chat/completions")
     return ChatRequest(**common.__dict__, messages=messages)
 
 
@@ -535,7 +875,11 @@ def parse_load_adapter(body: dict) -> LoadAdapterRequest:
     if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
         raise invalid("sha256 must be 64 hexadecimal characters", param="sha256", code="invalid_value")
     return LoadAdapterRequest(
-        name, path.strip(), sha.lower() if sha else None, get_bool(body, "pinned"), get_bool(body, "warm", True)
+        name,
+        path.strip(),
+        sha.lower() if sha else None,
+        get_bool(body, "pinned"),
+        get_bool(body, "warm", True),
     )
 
 
