@@ -18,6 +18,14 @@ Admission limits, checked for every candidate:
   cache short anyway, the newest-admitted requests are retracted (their KV freed, back to
   the queue in arrival order) until the step fits.
 
+Prefix caching: the engine tells each waiting request how much of it a cached prefix
+covers (``prefix_hit``) and how many of those cached tokens nobody holds now
+(``prefix_claim``: free tokens that admitting it takes out of the free count by locking
+them). Admission needs only the rest of the prompt plus that claim, and the request's
+first chunk starts after the prefix. Free tokens count cached tokens nobody holds (the
+pool evicts them on demand), so a running request is retracted only when evicting every
+unused cached prefix would not make room.
+
 Fair across API calls: an API call's choices (prompts × ``n``) share a ``group``, and the
 queue is taken round-robin between calls, least-served first (fewest requests running,
 then earliest arrival), so a small call beside a big one is admitted at the next free
@@ -130,8 +138,26 @@ def outstanding_tokens(running: Sequence[Request], ratio: float) -> int:
 
 
 def admission_need(req: Request, ratio: float) -> int:
-    """KV tokens a waiting request claims at admission: all of its prefill plus its reserve."""
-    return req.num_tokens + reserve_tokens(req, ratio)
+    """KV tokens a waiting request claims at admission: its prefill past a cached prefix,
+    the cached tokens it takes out of the free count, and its reserve."""
+    return req.num_tokens - _hit(req) + getattr(req, "prefix_claim", 0) + reserve_tokens(req, ratio)
+
+
+def freed_by_retraction(req: Request) -> int:
+    """KV tokens retracting a running request surely frees: its own, not the cached prefix
+    it shares (others may hold that too); its KV stays cached, evictable like free."""
+    return max(req.num_cached - _hit(req), 0)
+
+
+def prefill_left(req: Request) -> int:
+    """Tokens a request still has to prefill (a waiting one starts after its cached prefix)."""
+    if req.prefill_target:
+        return req.prefill_target - req.num_cached
+    return req.num_tokens - max(req.num_cached, _hit(req))
+
+
+def _hit(req: Request) -> int:
+    return getattr(req, "prefix_hit", 0)
 
 
 def active_adapters(running: Sequence[Request]) -> set[str]:
@@ -208,7 +234,7 @@ def fair_preemption(
     fits, _, _ = select_admissions(
         [head],
         rest,
-        free_tokens + victim.num_cached,
+        free_tokens + freed_by_retraction(victim),
         limits,
         limits.chunk_budget,
         0,
@@ -271,7 +297,7 @@ def select_admissions(
         adapters |= {req.adapter} if req.adapter is not None else set()
         budget -= need
         slots -= 1
-        chunk_budget -= min(req.num_tokens, chunk_budget)
+        chunk_budget -= min(prefill_left(req), chunk_budget)
     return admitted, head_reason, bypass_used
 
 
@@ -284,8 +310,7 @@ def plan_extend(
     for req in [*(r for r in running if r.is_prefilling), *admitted]:
         if budget <= 0:
             break
-        remaining = (req.prefill_target or req.num_tokens) - req.num_cached
-        n = min(remaining, budget)
+        n = min(prefill_left(req), budget)
         if n > 0:
             chunks.append((req, n))
             budget -= n
@@ -343,7 +368,7 @@ def plan_retractions(running: Sequence[Request], free_tokens: int, tokens_per_re
         if need <= free_tokens or len(running) - len(victims) <= 1:
             break
         victims.append(req)
-        free_tokens += req.num_cached
+        free_tokens += freed_by_retraction(req)
         if not req.is_prefilling:
             need -= tokens_per_request
     return victims

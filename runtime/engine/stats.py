@@ -31,6 +31,10 @@ class EngineObserver:
     def on_retract(self, request: Request) -> None:
         """A running request was evicted back to the queue to free KV cache."""
 
+    def on_prefix_lookup(self, request: Request, hit_tokens: int, query_tokens: int) -> None:
+        """A request was admitted with the prefix cache on: ``hit_tokens`` of its
+        ``query_tokens`` (prompt, and outputs so far after a retraction) were cached."""
+
 
 @dataclass(frozen=True)
 class StepTotals:
@@ -80,6 +84,12 @@ class EngineSnapshot:
     # the runner's capturing off: uncaptured steps then run eagerly, which a serve should see).
     cuda_graphs: int = 0
     cuda_graph_capture_failures: int = 0
+    # Prefix cache: tokens it holds (part of the pool), of those held by no request
+    # (counted free: evicted on demand), and tokens evicted since start.
+    prefix_cache_enabled: bool = False
+    prefix_cached_tokens: int = 0
+    prefix_evictable_tokens: int = 0
+    prefix_evicted_tokens: int = 0
 
     @property
     def decode_occupancy(self) -> float:
@@ -87,6 +97,13 @@ class EngineSnapshot:
         if not self.decode.steps or not self.max_running_requests:
             return 0.0
         return self.decode.mean_batch / self.max_running_requests
+
+    @property
+    def prefix_cache_share(self) -> float:
+        """The prefix cache's share of the KV pool (0..1)."""
+        if not self.kv_total_tokens:
+            return 0.0
+        return self.prefix_cached_tokens / self.kv_total_tokens
 
     @property
     def kv_usage(self) -> float:

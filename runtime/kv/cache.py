@@ -115,6 +115,7 @@ class KVCache:
         self._free_rows = list(range(self.max_requests, 0, -1))
         self._requests: dict[Hashable, _Request] = {}
         self.prefix: PrefixCache | None = PrefixCache() if prefix_cache else None
+        self.prefix_evicted_tokens = 0  # cached tokens evicted to make room, since start
 
     # ------------------------------------------------------------------ queries
     @property
@@ -258,6 +259,7 @@ class KVCache:
             return 0
         freed = self.prefix.evict(num_tokens)
         self._push_free(freed)
+        self.prefix_evicted_tokens += int(freed.numel())
         return int(freed.numel())
 
     # ------------------------------------------------------------------ changes

@@ -175,7 +175,7 @@ class ModelRunner:
 
             self.kv = MirroredKVCache(driver=driver, **kv_args)
         else:
-            self.kv = KVCache(**kv_args)
+            self.kv = KVCache(**kv_args, prefix_cache=prefix_cache_enabled(config, is_draft=is_draft))
         log.info(
             "%s runner: %s (%s, %s layers) on %s in %s%s; KV cache %d tokens (%.2f GiB)",
             "draft" if is_draft else "target",
@@ -427,6 +427,19 @@ class ModelRunner:
             hidden_states=hidden if batch.return_hidden else None,
             aux_hidden_states=torch.cat(aux, dim=-1) if aux_layers else None,
         )
+
+
+def prefix_cache_enabled(config: RuntimeConfig, *, is_draft: bool) -> bool:
+    """Whether this runner's KV pool keeps a prefix cache (``scheduler.prefix_cache``).
+
+    The target's only, and not under tensor parallelism: the other ranks replay rank 0's
+    KV journal (frees and truncates), which does not carry the cache's shared slots and
+    evictions yet, so they would diverge. A draft (STANDALONE) prefills each prompt whole
+    on its own: its pool holds no shared prefixes (see ``loraserve.runtime.speculative``).
+    """
+    if is_draft or int(config.parallel.tensor_parallel_size) > 1:
+        return False
+    return bool(getattr(config.scheduler, "prefix_cache", False))
 
 
 def _tensor_parallel_context(config: RuntimeConfig, is_draft: bool) -> tp_context.TPContext | None:

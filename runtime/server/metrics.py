@@ -184,6 +184,34 @@ class Metrics(EngineObserver):
             "Idle on-demand adapters unloaded to make room in the host cache.",
             registry=reg,
         )
+        # Prefix cache, in tokens: vLLM's names (all models), then per model (base or adapter).
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Tokens looked up in the prefix cache (prompts of admitted requests).",
+            label,
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Tokens found in the prefix cache (not prefilled).", label, registry=reg
+        )
+        self.prefix_hit_tokens = Counter(
+            "loraserve:prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, per model (base or adapter).",
+            ["model"],
+            registry=reg,
+        )
+        self.prefix_query_tokens = Counter(
+            "loraserve:prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache, per model (base or adapter).",
+            ["model"],
+            registry=reg,
+        )
+        self.prefix_hit_requests = Counter(
+            "loraserve:prefix_cache_hit_requests",
+            "Admitted requests that reused a cached prefix, per model (base or adapter).",
+            ["model"],
+            registry=reg,
+        )
         reg.register(_SnapshotCollector(self))
 
     # ---------------------------------------------------------------- engine hooks
@@ -227,6 +255,15 @@ class Metrics(EngineObserver):
     def on_retract(self, request: Request) -> None:
         self.preemptions.labels(self.model_name).inc()
 
+    def on_prefix_lookup(self, request: Request, hit_tokens: int, query_tokens: int) -> None:
+        model = request.adapter or self.model_name
+        self.prefix_queries.labels(self.model_name).inc(query_tokens)
+        self.prefix_hits.labels(self.model_name).inc(hit_tokens)
+        self.prefix_query_tokens.labels(model).inc(query_tokens)
+        self.prefix_hit_tokens.labels(model).inc(hit_tokens)
+        if hit_tokens:
+            self.prefix_hit_requests.labels(model).inc()
+
     # ---------------------------------------------------------------- exposition
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -263,6 +300,7 @@ class _SnapshotCollector:
         g.add_metric([name], self.m.adapters_loaded())
         yield g
         yield from _step_totals(snap, name)
+        yield from _prefix_cache_gauges(snap, name)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on LoRA requests.",
@@ -329,3 +367,26 @@ def _step_totals(snap: EngineSnapshot, name: str):
     )
     g.add_metric([name], snap.cuda_graphs)
     yield g
+
+
+def _prefix_cache_gauges(snap: EngineSnapshot, name: str):
+    """The prefix cache's place in the KV pool (absent while the cache is off)."""
+    if not snap.prefix_cache_enabled:
+        return
+    for metric, doc, value in (
+        ("loraserve:prefix_cache_tokens", "KV tokens the prefix cache holds.", snap.prefix_cached_tokens),
+        (
+            "loraserve:prefix_cache_evictable_tokens",
+            "Cached KV tokens no request holds (counted free; evicted least recently used first).",
+            snap.prefix_evictable_tokens,
+        ),
+        ("loraserve:prefix_cache_usage_perc", "The prefix cache's share of the KV pool (1 = all).", snap.prefix_cache_share),
+    ):
+        g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+        g.add_metric([name], value)
+        yield g
+    c = CounterMetricFamily(
+        "loraserve:prefix_cache_evicted_tokens", "Cached KV tokens evicted to make room.", labels=["model_name"]
+    )
+    c.add_metric([name], snap.prefix_evicted_tokens)
+    yield c
