@@ -209,12 +209,8 @@ class KVCache:
         if match.length == 0:
             return 0
         self.prefix.lock(match.node)
-        req = self._requests[request_id] = _Request(self._free_rows.pop(), max(match.length + 16, 16))
-        with torch.inference_mode():
-            req.slots[: match.length] = match.slots
-            self.req_to_token[req.row, : match.length] = match.slots.to(self.device, non_blocking=True)
-        req.length = req.shared = match.length
-        req.node = match.node
+        self.adopt(request_id, match.slots)
+        self._requests[request_id].node = match.node
         return match.length
 
     def cache_and_free(self, request_id: Hashable, key: Hashable, token_ids: Sequence[int]) -> int:
@@ -236,10 +232,9 @@ class KVCache:
         # copies past its shared prefix are duplicates, and its entries past ``n`` are
         # not cached at all.
         dup_lo, dup_hi = req.shared, max(req.shared, result.present)
-        self._requests.pop(request_id)
-        self._push_free(req.slots[dup_lo:dup_hi])
-        self._push_free(req.slots[max(n, req.shared) : req.length])
-        self._free_rows.append(req.row)
+        self.forget(request_id)
+        self.release_slots(req.slots[dup_lo:dup_hi])
+        self.release_slots(req.slots[max(n, req.shared) : req.length])
         self._release_node(req)
         return n - result.present
 
@@ -250,7 +245,7 @@ class KVCache:
         if self.prefix is None:
             return 0
         freed = self.prefix.drop_where(predicate)
-        self._push_free(freed)
+        self.release_slots(freed)
         return int(freed.numel())
 
     def evict_prefixes(self, num_tokens: int) -> int:
@@ -258,9 +253,51 @@ class KVCache:
         if self.prefix is None or num_tokens <= 0:
             return 0
         freed = self.prefix.evict(num_tokens)
-        self._push_free(freed)
+        self.release_slots(freed)
         self.prefix_evicted_tokens += int(freed.numel())
         return int(freed.numel())
+
+    # -------------------------------------------- slot-level steps (replayed by TP ranks)
+    # Every change the prefix cache makes to the pool is one of these three, so a mirror
+    # of this pool (another tensor-parallel rank) replays them without a tree of its own:
+    # the journal hooks ``_journal_*`` are no-ops here and overridden by a mirroring pool.
+    def adopt(self, request_id: Hashable, slots: torch.Tensor) -> None:
+        """Create a request whose first entries are ``slots``, a prefix it shares (never
+        freed through it)."""
+        if request_id in self._requests:
+            raise KVCacheError(f"request {request_id!r} already holds KV")
+        if not self._free_rows:
+            raise KVCacheFullError("no request row free")
+        n = int(slots.numel())
+        req = self._requests[request_id] = _Request(self._free_rows.pop(), max(n + 16, 16))
+        with torch.inference_mode():
+            req.slots[:n] = slots
+            self.req_to_token[req.row, :n] = slots.to(self.device, non_blocking=True)
+        req.length = req.shared = n
+        self._journal_adopt(request_id, slots)
+
+    def forget(self, request_id: Hashable) -> None:
+        """Drop a request's row without freeing any of its slots (the caller hands them on)."""
+        req = self._require(request_id)
+        self._journal_forget(request_id)
+        del self._requests[request_id]
+        self._free_rows.append(req.row)
+
+    def release_slots(self, slots: torch.Tensor) -> None:
+        """Return slots no request and no cached prefix holds to the free pool."""
+        if slots.numel() == 0:
+            return
+        self._journal_release(slots)
+        self._push_free(slots)
+
+    def _journal_adopt(self, request_id: Hashable, slots: torch.Tensor) -> None:
+        pass
+
+    def _journal_forget(self, request_id: Hashable) -> None:
+        pass
+
+    def _journal_release(self, slots: torch.Tensor) -> None:
+        pass
 
     # ------------------------------------------------------------------ changes
     def allocate(self, request_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> Allocation:
@@ -396,7 +433,7 @@ class KVCache:
         """Unlock the prefix a request held (a dropped adapter's nodes are freed now)."""
         if req.node is not None and self.prefix is not None:
             node, req.node = req.node, None
-            self._push_free(self.prefix.unlock(node))
+            self.release_slots(self.prefix.unlock(node))
 
     def _push_free(self, slots: torch.Tensor) -> None:
         n = slots.numel()

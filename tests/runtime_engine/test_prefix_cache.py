@@ -409,3 +409,80 @@ def test_random_pool_workload_never_loses_or_double_hands_a_slot():
             live[rid] = (key, ids)
         _all_slots_accounted(kv)
         assert kv.num_evictable_tokens <= kv.num_cached_tokens
+
+
+class _Journalled(KVCache):
+    """A pool that records, in order, what another rank must replay (as a TP mirror does)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.log: list[tuple] = []
+
+    def allocate(self, request_ids, num_tokens):
+        alloc = super().allocate(request_ids, num_tokens)
+        self.log.append(("allocate", list(request_ids), list(num_tokens)))
+        return alloc
+
+    def truncate(self, request_id, num_tokens):
+        super().truncate(request_id, num_tokens)
+        self.log.append(("truncate", request_id, num_tokens))
+
+    def free(self, request_id):
+        if request_id in self:
+            self.log.append(("free", request_id))
+        super().free(request_id)
+
+    def _journal_adopt(self, request_id, slots):
+        self.log.append(("adopt", request_id, slots.clone()))
+
+    def _journal_forget(self, request_id):
+        self.log.append(("forget", request_id))
+
+    def _journal_release(self, slots):
+        self.log.append(("release", slots.clone()))
+
+
+def test_a_pool_without_a_tree_replays_the_slot_steps_into_the_same_state():
+    """What a tensor-parallel follower needs: adopt / forget / release (plus the usual
+    allocate / truncate / free) reproduce rank 0's slots, rows and free stack exactly."""
+    args = dict(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu",
+                max_total_tokens=40, max_requests=4, max_context_len=40)  # fmt: skip
+    primary = _Journalled(**args, prefix_cache=True)
+    mirror = KVCache(**args)
+    rng = random.Random(11)
+    live: dict[str, tuple] = {}
+    for step in range(250):
+        if live and (rng.random() < 0.45 or len(live) == 4):
+            rid = rng.choice(sorted(live))
+            key, ids = live.pop(rid)
+            if rng.random() < 0.2:
+                primary.free(rid)
+            else:
+                primary.cache_and_free(rid, key, ids[: primary.seq_len(rid)])
+        elif rng.random() < 0.05:
+            primary.drop_prefixes(lambda key: key == A)
+        else:
+            rid = f"r{step}"
+            key = rng.choice([A, B, ("sql", 2)])
+            ids = [rng.randrange(2) for _ in range(rng.randrange(2, 12))]
+            got = primary.match_prefix(rid, key, ids)
+            try:
+                primary.allocate([rid], [len(ids) - got])
+            except KVCacheFullError:
+                primary.free(rid)
+                continue
+            live[rid] = (key, ids)
+        for op, *rest in primary.log:
+            if op == "allocate":
+                mirror.allocate(*rest)
+            elif op == "release":
+                mirror.release_slots(*rest)
+            else:
+                getattr(mirror, op)(*rest)
+        primary.log.clear()
+        assert mirror._num_free == primary._num_free
+        assert torch.equal(mirror._free_slots[: mirror._num_free], primary._free_slots[: primary._num_free])
+        assert mirror._free_rows == primary._free_rows
+        assert torch.equal(mirror.req_to_token, primary.req_to_token)
+        for rid in primary.request_ids():
+            assert torch.equal(mirror.token_slots(rid), primary.token_slots(rid))
