@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest, encode_catalog
 from loraserve.runtime.contract.config import RuntimeConfig
+from loraserve.runtime.contract.flags import to_argv
 
 from .reconcile.diff import stable_hash, with_desired_hash
 from .specs import (
@@ -204,88 +205,14 @@ def owned_metadata(serve: ServeIdentity, name: str, settings: DesiredSettings) -
 # --------------------------------------------------------------------------- runtime command line
 
 
-def _flag(args: list[str], name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool):
-        args.append(name if value else "--no-" + name[2:])
-        return
-    args.extend([name, str(value)])
-
-
 def runtime_args(config: RuntimeConfig) -> list[str]:
     """The ``loraserve-runtime`` flags that reproduce ``config`` (admin token excluded).
 
-    Every field is written, defaults included, so a pod's command line states its whole
+    Generated from the configuration's fields (:func:`loraserve.runtime.contract.flags.to_argv`):
+    every field is written, defaults included, so a pod's command line states its whole
     configuration and does not depend on the image's defaults.
     """
-    args: list[str] = []
-    m, s, lora, sch = config.model, config.speculative, config.lora, config.scheduler
-    _flag(args, "--model", m.path)
-    _flag(args, "--revision", m.revision)
-    _flag(args, "--dtype", m.dtype)
-    _flag(args, "--context-length", m.context_length)
-    _flag(args, "--served-model-name", m.served_name)
-    _flag(args, "--architecture", m.architecture)
-    _flag(args, "--speculative-algorithm", s.algorithm.value)
-    if s.enabled:
-        _flag(args, "--draft-model", s.draft_model_path)
-        _flag(args, "--draft-model-architecture", s.draft_model_architecture)
-        _flag(args, "--num-steps", s.num_steps)
-        _flag(args, "--top-k", s.top_k)
-        _flag(args, "--num-draft-tokens", s.num_draft_tokens)
-        _flag(args, "--adaptive-speculation", s.adaptive)
-        _flag(args, "--ragged-verify", s.ragged_verify.value)
-        _flag(args, "--draft-load-format", s.draft_load_format)
-        _flag(args, "--speculative-token-map", s.token_map)
-        _flag(args, "--ngram-min", s.ngram_min)
-        _flag(args, "--ngram-max", s.ngram_max)
-        _flag(args, "--speculative-disable-batch-size", s.disable_batch_size)
-        _flag(args, "--speculative-tree-max-batch-size", s.tree_max_batch_size)
-        _flag(args, "--speculative-auto-disable", s.auto_disable)
-    _flag(args, "--enable-lora", lora.enabled)
-    if lora.enabled:
-        _flag(args, "--max-loras-per-batch", lora.max_loras_per_batch)
-        _flag(args, "--max-loaded-loras", lora.max_loaded_loras)
-        _flag(args, "--max-lora-rank", lora.max_rank)
-        args.append("--lora-target-modules")
-        args.extend(lora.target_modules)
-        _flag(args, "--lora-backend", lora.backend)
-        _flag(args, "--overlap-lora-loading", lora.overlap_loading)
-        for name, path in sorted(lora.adapters.items()):
-            args.extend(["--lora", f"{name}={path}"])
-        if lora.pinned:
-            args.append("--pinned-loras")
-            args.extend(lora.pinned)
-        _flag(args, "--adapter-catalog", lora.catalog)
-        _flag(args, "--adapter-load-timeout", f"{lora.load_timeout_s:g}")
-    _flag(args, "--max-running-requests", sch.max_running_requests)
-    _flag(args, "--max-total-tokens", sch.max_total_tokens)
-    _flag(args, "--chunked-prefill-size", sch.chunked_prefill_size)
-    _flag(args, "--max-prefill-tokens", sch.max_prefill_tokens)
-    _flag(args, "--max-admission-defer-steps", sch.max_admission_defer_steps)
-    _flag(args, "--overlap-schedule", sch.overlap_schedule)
-    _flag(args, "--two-batch-overlap", sch.two_batch_overlap)
-    _flag(args, "--kv-memory-fraction", sch.kv_memory_fraction)
-    _flag(args, "--cuda-graph", config.cuda_graph.enabled)
-    if config.cuda_graph.enabled:
-        _flag(args, "--cuda-graph-max-bs", config.cuda_graph.max_bs)
-        _flag(args, "--cuda-graph-max-prefill-tokens", config.cuda_graph.max_prefill_tokens)
-    _flag(args, "--tensor-parallel-size", config.parallel.tensor_parallel_size)
-    _flag(args, "--device", config.device)
-    _flag(args, "--attention-backend", config.attention_backend)
-    _flag(args, "--seed", config.seed)
-    _flag(args, "--host", config.server.host)
-    _flag(args, "--port", config.server.port)
-    _flag(args, "--adapter-cache-dir", config.server.adapter_cache_dir)
-    _flag(args, "--max-body-bytes", config.server.max_body_bytes)
-    if config.server.allowed_local_roots:
-        args.append("--allowed-local-roots")
-        args.extend(config.server.allowed_local_roots)
-    if config.server.remote_source_hosts:
-        args.append("--remote-source-hosts")
-        args.extend(config.server.remote_source_hosts)
-    return args
+    return to_argv(config)
 
 
 # --------------------------------------------------------------------------- config hash

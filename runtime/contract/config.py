@@ -6,16 +6,46 @@ without I/O, the operator can build one from a LoRAServe spec, and the CLI can b
 from flags. Field names are the policy's field paths (``speculative.algorithm``,
 ``lora.max_rank``...).
 
+Each field is declared once, with :func:`setting`: its default, its command-line flag and
+its help text (the field's documentation). :mod:`.flags` derives both directions from
+these declarations: the runtime's argument parser (argv -> config) and the operator's
+container arguments (config -> argv).
+
+How to add a setting
+--------------------
+1. The CRD: the field under ``spec`` of ``crds/loraserve.io_loraserves.yaml`` and its copy
+   ``charts/loraserve/crds/loraserve.io_loraserves.yaml``, with its OpenAPI default and
+   bounds (the API's first line of defence).
+2. The operator's spec model: the same field in ``loraserve.operator.specs``, its default
+   read from :data:`DEFAULTS` (and its bounds from the policy's constants), and its line in
+   ``loraserve.operator.translate``: the keyword in ``to_runtime_config`` and the
+   ``FIELD_PATHS`` entry that names it in messages.
+3. The config field: ``name: type = setting(default, "--flag-name", "help text")`` in its
+   section below; ``gated=True`` when the flag matters only while the section is enabled.
+
+Nothing else: the runtime's flag, its parsing, the operator's container argv and
+``--help`` all follow from the field. ``tests/crds/test_settings_agree.py`` proves the three
+agree (every runtime field of the CRD reaches the runtime's parsed configuration; every
+field has a flag that round-trips), ``tests/crds/test_models.py`` that the CRD and the
+spec model share defaults and bounds. A rule that spans fields goes in ``.policy``, once:
+the webhook and the runtime's start-up both call it.
+
 Dataclasses, not pydantic: the serving image must import this with nothing but torch's
-own dependencies.
+own dependencies, and the operator's image imports it without torch.
 """
+
+# setting(), not_a_flag() and section() return dataclasses.field(...): field specifiers, not defaults.
+# ruff: noqa: RUF009
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import enum
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SpecAlgorithm(enum.StrEnum):
@@ -69,49 +99,222 @@ LORA_MODULES: tuple[str, ...] = (
 
 DEFAULT_LORA_MODULES: tuple[str, ...] = LORA_MODULES[:7]
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+LORA_BACKENDS = ("auto", "triton", "torch")
+DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+MAX_LOAD_TIMEOUT_S = 3600
+"""The longest ``lora.load_timeout_s`` (an hour: a request waiting longer has been abandoned)."""
+
+
+def chain_draft_tokens(num_steps: int) -> int:
+    """The verify width of a chain draft: the last committed token plus one per draft step.
+
+    The default of ``speculative.num_draft_tokens`` whenever it is not given (the flag, the
+    webhook's defaulting, the operator's translation) and the policy's chain rule.
+    """
+    return num_steps + 1
+
+
+# --------------------------------------------------------------------------- declaring fields
+
+
+class FlagError(ValueError):
+    """A flag value that cannot become a configuration; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one configuration field appears on the runtime's command line.
+
+    The value's shape (a switch, a number, a list...) follows from the field's type; the
+    hooks cover what the type cannot say.
+    """
+
+    name: str
+    """The flag, e.g. ``--num-draft-tokens``."""
+    help: str
+    """The field's documentation; ``--help`` prints it."""
+    gated: bool = False
+    """Written into argv only while the section's ``enabled`` holds (a disabled feature's
+    knobs stay off the pod's command line)."""
+    choices: tuple[str, ...] | None = None
+    upper: bool = False
+    """Values are upper-cased before the choices are checked (``ngram`` is NGRAM)."""
+    metavar: str | None = None
+    required: bool = False
+    parse: Callable[[Any], Any] | None = None
+    """The parsed flag value -> the field value; raises :class:`FlagError` naming the flag."""
+    render: Callable[[Any], str] | None = None
+    """The field value -> its argv word, where ``str`` is not the form the runtime reads back."""
+    derive: Callable[[Any], Any] | None = None
+    """The value when the flag is absent, from the rest of its section (the flag's default is None)."""
+
+
+FLAG = "loraserve.flag"
+"""Field metadata key of a field's :class:`Flag`."""
+NO_FLAG = "loraserve.no_flag"
+"""Field metadata key of a field that is not a flag: the reason."""
+GROUP = "loraserve.group"
+"""Field metadata key of a section's ``--help`` group."""
+
+
+def setting(default: Any = dataclasses.MISSING, flag: str = "", help: str = "", **options: Any) -> Any:
+    """A configuration field with its flag; ``default`` may be a zero-argument factory
+    through ``factory=`` (mutable defaults)."""
+    factory = options.pop("factory", dataclasses.MISSING)
+    metadata = {FLAG: Flag(flag, help, **options)}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def not_a_flag(default: Any, why: str) -> Any:
+    """A configuration field with no flag of its own; ``why`` says where it comes from."""
+    return field(default=default, metadata={NO_FLAG: why})
+
+
+def section(factory: Callable[[], Any], group: str) -> Any:
+    """A section of :class:`RuntimeConfig`, shown under ``group`` in ``--help``."""
+    return field(default_factory=factory, metadata={GROUP: group})
+
+
+# ----------------------------------------------------------------------- flag value conversions
+
+
+def _modules(values: Sequence[str]) -> tuple[str, ...]:
+    return LORA_MODULES if list(values) == ["all"] else tuple(values)
+
+
+def _adapter_pairs(values: Sequence[str]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise FlagError(f"--lora {value!r}: use --lora NAME=DIR")
+        name = name.strip()
+        if name in adapters:
+            raise FlagError(f"--lora {name!r} is given twice: each adapter name once")
+        adapters[name] = path.strip()
+    return adapters
+
+
+def _load_timeout(value: float) -> float:
+    if not value > 0 or value > MAX_LOAD_TIMEOUT_S:
+        raise FlagError(f"--adapter-load-timeout {value:g}: give seconds in (0, {MAX_LOAD_TIMEOUT_S}]")
+    return value
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+def _absolute_dirs(values: Sequence[str]) -> tuple[str, ...]:
+    for value in values:
+        if not os.path.isabs(value):
+            raise FlagError(f"--allowed-local-roots {value}: give absolute directories")
+    return tuple(values)
+
+
+def _hosts(values: Sequence[str]) -> tuple[str, ...]:
+    # Commas separate too, so one environment variable can carry the list.
+    return tuple(h.strip() for value in values for h in value.split(",") if h.strip())
+
+
+# --------------------------------------------------------------------------- the sections
+
+_NUM_STEPS = 3
+
 
 @dataclass
 class ModelConfig:
     """The base (target) model."""
 
-    path: str = ""
-    """Local directory holding config.json, safetensors weights and tokenizer files."""
-    revision: str | None = None
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    context_length: int | None = None  # None: the model's max_position_embeddings
-    served_name: str | None = None  # the `model` name clients use for the base model
-    architecture: str | None = None  # e.g. LlamaForCausalLM; read from config.json when None
+    path: str = setting(
+        "", "--model", "local directory with config.json, safetensors and tokenizer", required=True
+    )
+    revision: str | None = setting(None, "--revision", "recorded revision of the model files")
+    dtype: str = setting("auto", "--dtype", "weights and activations dtype", choices=DTYPES)
+    context_length: int | None = setting(
+        None, "--context-length", "maximum tokens per sequence (default: the model's max positions)"
+    )
+    served_name: str | None = setting(
+        None, "--served-model-name", "the `model` name clients use for the base (default: dir name)"
+    )
+    architecture: str | None = setting(
+        None, "--architecture", "e.g. LlamaForCausalLM (default: config.json's architecture)"
+    )
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: the draft proposes, the target verifies with each adapter."""
 
-    algorithm: SpecAlgorithm = SpecAlgorithm.NONE
-    draft_model_path: str | None = None
-    draft_model_architecture: str | None = None  # e.g. Gemma4AssistantForCausalLM
-    num_steps: int = 3
-    top_k: int = 1  # 1 = chain draft
-    num_draft_tokens: int = 4  # tokens per request in target-verify
-    adaptive: bool = False  # vary num_steps at run time
-    ragged_verify: RaggedVerify = RaggedVerify.STATIC
-    draft_load_format: str = "auto"  # applies to the draft only
-    # EAGLE family: a file of token ids (JSON list, safetensors or .pt tensor; relative paths
-    # are files of the draft's directory). The draft predicts over those tokens only, through
-    # those rows of the target's lm_head: a smaller LM head per draft step (FR-Spec).
-    token_map: str | None = None
-    ngram_min: int = 1
-    ngram_max: int = 4
-    # A decode step of at least this many requests runs without drafting (one token each,
-    # the drafter kept in sync); speculation resumes below it. 0: always speculate.
-    disable_batch_size: int = 0
-    # Tree drafts (top_k > 1): decode steps of more than this many requests verify chains
-    # of num_steps drafts instead, where a tree's extra verify rows cost more than they
-    # gain (bench/results/2026-12-04-spec-h200.md). 0: trees at every batch size.
-    tree_max_batch_size: int = 0
-    # Per batch-size bucket, draft only while drafting yields more tokens/s than plain
-    # decoding, as measured on this serve's own steps (both kinds re-measured now and then).
-    auto_disable: bool = False
+    algorithm: SpecAlgorithm = setting(
+        SpecAlgorithm.NONE,
+        "--speculative-algorithm",
+        "the speculative-decoding algorithm (NONE: plain decoding)",
+        upper=True,
+    )
+    draft_model_path: str | None = setting(
+        None, "--draft-model", "local directory of the draft model", gated=True
+    )
+    draft_model_architecture: str | None = setting(
+        None,
+        "--draft-model-architecture",
+        "e.g. Gemma4AssistantForCausalLM (default: the draft's config.json)",
+        gated=True,
+    )
+    num_steps: int = setting(_NUM_STEPS, "--num-steps", "draft forward passes per step", gated=True)
+    top_k: int = setting(1, "--top-k", "draft tree width (1: chain)", gated=True)
+    num_draft_tokens: int = setting(
+        chain_draft_tokens(_NUM_STEPS),
+        "--num-draft-tokens",
+        "tokens per request in target-verify (default: num-steps + 1)",
+        gated=True,
+        derive=lambda spec: chain_draft_tokens(spec.num_steps),
+    )
+    adaptive: bool = setting(False, "--adaptive-speculation", "vary num-steps at run time", gated=True)
+    ragged_verify: RaggedVerify = setting(
+        RaggedVerify.STATIC,
+        "--ragged-verify",
+        "static: every request verifies num-draft-tokens tokens; dynamic: per-request widths",
+        gated=True,
+    )
+    draft_load_format: str = setting(
+        "auto", "--draft-load-format", "weight format of the draft only", gated=True
+    )
+    token_map: str | None = setting(
+        None,
+        "--speculative-token-map",
+        "EAGLE/EAGLE3: a .json/.safetensors/.pt list of token ids the draft predicts over, through "
+        "those rows of the target's lm_head (relative: a file of the draft's directory)",
+        gated=True,
+    )
+    ngram_min: int = setting(1, "--ngram-min", "NGRAM: shortest prompt match", gated=True)
+    ngram_max: int = setting(4, "--ngram-max", "NGRAM: longest prompt match", gated=True)
+    disable_batch_size: int = setting(
+        0,
+        "--speculative-disable-batch-size",
+        "decode steps of at least this many requests skip drafting, one token each, the drafter "
+        "kept in sync (0: always speculate)",
+        gated=True,
+    )
+    tree_max_batch_size: int = setting(
+        0,
+        "--speculative-tree-max-batch-size",
+        "tree drafts (--top-k > 1): decode steps of more than this many requests verify chains "
+        "instead, where a tree's extra verify rows cost more than they gain (0: trees always)",
+        gated=True,
+    )
+    auto_disable: bool = setting(
+        False,
+        "--speculative-auto-disable",
+        "per batch-size bucket, draft only while drafting yields more tokens/s than plain decoding "
+        "(measured on this serve's own steps)",
+        gated=True,
+    )
 
     @property
     def enabled(self) -> bool:
@@ -122,86 +325,153 @@ class SpeculativeConfig:
 class LoRAConfig:
     """The LoRA adapter pool."""
 
-    enabled: bool = True
-    max_loras_per_batch: int = 8  # GPU slots
-    max_loaded_loras: int = 32  # CPU cache
-    max_rank: int = 64
-    target_modules: tuple[str, ...] = DEFAULT_LORA_MODULES
-    backend: str = "auto"  # auto | triton | torch
-    overlap_loading: bool = False
-    adapters: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start-up
-    pinned: tuple[str, ...] = ()
-    # The serve's adapter catalog (a JSON file, read at start-up; the operator keeps the
-    # pod's copy current over the admin API). A request for a catalogued adapter the pod
-    # does not hold waits up to load_timeout_s while the pod loads it.
-    catalog: str | None = None
-    load_timeout_s: float = 60.0
+    enabled: bool = setting(True, "--enable-lora", "serve LoRA adapters")
+    max_loras_per_batch: int = setting(
+        8, "--max-loras-per-batch", "GPU adapter slots: distinct adapters per batch", gated=True
+    )
+    max_loaded_loras: int = setting(32, "--max-loaded-loras", "adapters cached in host memory", gated=True)
+    max_rank: int = setting(64, "--max-lora-rank", "the largest adapter rank a slot holds", gated=True)
+    target_modules: tuple[str, ...] = setting(
+        DEFAULT_LORA_MODULES,
+        "--lora-target-modules",
+        f"modules adapters may wrap: any of {', '.join(LORA_MODULES)}, or 'all'",
+        gated=True,
+        metavar="MODULE",
+        parse=_modules,
+    )
+    backend: str = setting("auto", "--lora-backend", "LoRA kernels", choices=LORA_BACKENDS, gated=True)
+    overlap_loading: bool = setting(
+        False, "--overlap-lora-loading", "load adapter weights on a side stream", gated=True
+    )
+    adapters: dict[str, str] = setting(
+        factory=dict,
+        flag="--lora",
+        help="an adapter to load at start-up (repeatable)",
+        gated=True,
+        metavar="NAME=DIR",
+        parse=_adapter_pairs,
+    )
+    pinned: tuple[str, ...] = setting(
+        (), "--pinned-loras", "start-up adapters that keep a GPU slot", gated=True, metavar="NAME"
+    )
+    catalog: str | None = setting(
+        None,
+        "--adapter-catalog",
+        "the serve's adapter catalog (JSON, read at start-up; the operator keeps the pod's copy "
+        "current over the admin API): catalogued adapters load on their first request",
+        gated=True,
+        metavar="FILE",
+    )
+    load_timeout_s: float = setting(
+        60.0,
+        "--adapter-load-timeout",
+        "how long a request waits for an on-demand adapter load before a 503 with Retry-After",
+        gated=True,
+        metavar="SECONDS",
+        parse=_load_timeout,
+        render=_seconds,
+    )
 
 
 @dataclass
 class SchedulerConfig:
     """Continuous batching."""
 
-    max_running_requests: int = 64
-    max_total_tokens: int | None = None  # KV token budget; None: derived from free memory
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192
-    # Decode steps admission may wait, under a backlog, to prefill several arrivals in one
-    # extend instead of pausing every decode once per arrival (0: admit at once).
-    max_admission_defer_steps: int = 8
-    overlap_schedule: bool = False
-    two_batch_overlap: bool = False
-    kv_memory_fraction: float = 0.85
+    max_running_requests: int = setting(64, "--max-running-requests", "requests decoded together")
+    max_total_tokens: int | None = setting(
+        None, "--max-total-tokens", "KV cache tokens (default: from free memory)"
+    )
+    chunked_prefill_size: int = setting(2048, "--chunked-prefill-size", "longest prefill chunk")
+    max_prefill_tokens: int = setting(8192, "--max-prefill-tokens", "most prompt tokens per extend batch")
+    max_admission_defer_steps: int = setting(
+        8,
+        "--max-admission-defer-steps",
+        "decode steps admission may wait under a backlog to prefill several arrivals in one extend "
+        "instead of pausing every decode once per arrival (0: admit at once)",
+    )
+    overlap_schedule: bool = setting(False, "--overlap-schedule", "prepare the next batch during the forward")
+    two_batch_overlap: bool = setting(
+        False, "--two-batch-overlap", "split batches into two overlapped halves"
+    )
+    kv_memory_fraction: float = setting(
+        0.85, "--kv-memory-fraction", "share of free GPU memory the KV cache takes"
+    )
 
 
 @dataclass
 class CudaGraphConfig:
-    enabled: bool = False
-    max_bs: int = 64
-    # Extend batches of one request with at most this many new tokens (a prompt, or one
-    # chunk of it) replay graphs too: an eager prefill is bound by host time at small
-    # batches. 0: every extend runs eagerly.
-    max_prefill_tokens: int = 512
+    enabled: bool = setting(False, "--cuda-graph", "replay decode and verify steps from CUDA graphs")
+    max_bs: int = setting(64, "--cuda-graph-max-bs", "the largest batch captured", gated=True)
+    max_prefill_tokens: int = setting(
+        512,
+        "--cuda-graph-max-prefill-tokens",
+        "one-request prefill chunks of up to this many tokens replay CUDA graphs too, an eager "
+        "prefill being host-bound at small batches (0: prefill runs eagerly)",
+        gated=True,
+    )
 
 
 @dataclass
 class ServerConfig:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    admin_token: str | None = None  # bearer token for the admin routes; None: open
-    adapter_cache_dir: str = "/tmp/loraserve-adapters"
-    max_body_bytes: int = 4 * 1024 * 1024
-    # Plain-path and file:// adapter sources, start-up adapters and the model must resolve
-    # (symlinks followed) inside these directories. Empty: not confined (a process run by
-    # hand); the operator always passes the pod's model and adapter volumes and the cache.
-    allowed_local_roots: tuple[str, ...] = ()
-    # Hosts https/s3/hf adapter sources may reach (``*.example.com``: its subdomains),
-    # redirects included. Empty: any host.
-    remote_source_hosts: tuple[str, ...] = ()
+    host: str = setting("0.0.0.0", "--host", "listening address")
+    port: int = setting(8000, "--port", "listening port")
+    admin_token: str | None = not_a_flag(
+        None,
+        "a secret never goes on a command line: --admin-token-file or $LORASERVE_ADMIN_TOKEN "
+        "(the bearer token of the admin routes; None: open)",
+    )
+    adapter_cache_dir: str = setting(
+        "/tmp/loraserve-adapters", "--adapter-cache-dir", "where fetched adapters are kept"
+    )
+    max_body_bytes: int = setting(4 * 1024 * 1024, "--max-body-bytes", "largest request body")
+    allowed_local_roots: tuple[str, ...] = setting(
+        (),
+        "--allowed-local-roots",
+        "plain-path and file:// adapter sources, --lora adapters and the model must resolve (symlinks "
+        "followed) inside these directories (default: not confined; the operator always passes "
+        "the pod's volumes and cache)",
+        metavar="DIR",
+        parse=_absolute_dirs,
+    )
+    remote_source_hosts: tuple[str, ...] = setting(
+        (),
+        "--remote-source-hosts",
+        "hosts https://, s3:// and hf:// adapter sources may reach, redirects included; "
+        "*.example.com allows its subdomains; commas separate too (default: any host)",
+        metavar="HOST",
+        parse=_hosts,
+    )
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = setting(1, "--tensor-parallel-size", "GPUs the model is split over")
 
 
 @dataclass
 class RuntimeConfig:
-    """The whole configuration of one runtime process."""
+    """The whole configuration of one runtime process.
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "auto"  # auto | cpu | cuda
-    # Decode and target-verify attention: "sdpa" gathers each request's context for
-    # scaled_dot_product_attention; "triton" reads the paged cache in place (CUDA only);
-    # "auto" takes triton on CUDA when it is installed, else sdpa.
-    attention_backend: str = "auto"
-    seed: int = 0
+    Field order is the order of the operator's container argv (a reordering would roll
+    every existing pod on an operator upgrade).
+    """
+
+    model: ModelConfig = section(ModelConfig, "model")
+    speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    cuda_graph: CudaGraphConfig = section(CudaGraphConfig, "device")
+    parallel: ParallelConfig = section(ParallelConfig, "device")
+    device: str = setting("auto", "--device", "where the model runs", choices=DEVICES)
+    attention_backend: str = setting(
+        "auto",
+        "--attention-backend",
+        "decode/verify attention: sdpa gathers each context for scaled_dot_product_attention; triton "
+        "reads the paged cache in place (CUDA); auto: triton on CUDA when installed, else sdpa",
+        choices=ATTENTION_BACKENDS,
+    )
+    seed: int = setting(0, "--seed", "sampling seed")
+    server: ServerConfig = section(ServerConfig, "server")
 
     def copy(self) -> RuntimeConfig:
         """A deep copy: a draft's configuration must never alias the target's."""
@@ -220,3 +490,8 @@ class RuntimeConfig:
             return value
 
         return plain(dataclasses.asdict(self))
+
+
+DEFAULTS = RuntimeConfig()
+"""Every field's default, for code that states a default elsewhere (the operator's spec
+model): read it, never change it."""
