@@ -19,16 +19,17 @@ adapter run eagerly and only all-base batches replay graphs. A prefill's decoder
 one uniform extend segment of its width; its lm_head sees the one last row, through a
 one-request decode layout, as the eager extend's does.
 
+The buckets, static buffers, capture and replay are the shared
+:class:`~.graph_runner.GraphRunner`'s; this module chooses the keys and writes the body.
 Everything except capture itself also runs on the CPU (``use_graphs=False``): the same
 static buffers and padding, executed eagerly, so the padding logic is testable there.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -36,9 +37,18 @@ from loraserve.kernels import ForwardMode
 
 from ..model.layers import build_attention_metadata
 from .forward_batch import ForwardBatch, ForwardOutput
-
-T = TypeVar("T")
-log = logging.getLogger(__name__)
+from .graph_runner import (  # re-exported: the target's graph helpers lived here first
+    MIN_CONTEXT_BUCKET,
+    GraphRunner,
+    StaticRequests,
+    capture_graph,
+    capture_or_eager,
+    context_bucket,
+    fill_padded,
+    graph_batch_sizes,
+    padded_batch_size,
+    prefill_widths,
+)
 
 if TYPE_CHECKING:
     from loraserve.kernels.graph_metadata import GraphLoRAMetadata
@@ -46,95 +56,20 @@ if TYPE_CHECKING:
     from ..kv import Allocation
     from .model_runner import ModelRunner
 
-MIN_CONTEXT_BUCKET = 64
+__all__ = [
+    "MIN_CONTEXT_BUCKET",
+    "CudaGraphRunner",
+    "GraphKey",
+    "capture_graph",
+    "capture_or_eager",
+    "context_bucket",
+    "fill_padded",
+    "graph_batch_sizes",
+    "padded_batch_size",
+    "prefill_widths",
+]
 
-
-def graph_batch_sizes(max_bs: int) -> list[int]:
-    """Captured batch sizes: 1, 2, 4, 8, then every 8 up to ``max_bs`` (always included)."""
-    if max_bs < 1:
-        raise ValueError(f"cuda_graph.max_bs must be >= 1, got {max_bs}")
-    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
-    return sorted(set(sizes))
-
-
-def prefill_widths(max_tokens: int) -> list[int]:
-    """Captured prefill widths: 16, 32, 64, then 128, 192, 256, 384, 512, 768, ... (each
-    power of two and 1.5 times it) below ``max_tokens``, and ``max_tokens`` itself.
-
-    A chunk pads by at most 2x below 128 tokens, where its GPU work is small anyway, and
-    by at most 1.5x above. ``max_tokens`` 0: no widths (every extend runs eagerly).
-    """
-    if max_tokens < 0:
-        raise ValueError(
-            f"cuda_graph.max_prefill_tokens must be >= 0 (0 runs every prefill eagerly), got {max_tokens}"
-        )
-    if max_tokens == 0:
-        return []
-    widths = [16, 32, 64]
-    p = 128
-    while p < max_tokens:
-        widths += [p, p + p // 2]
-        p *= 2
-    return sorted({w for w in widths if w < max_tokens} | {max_tokens})
-
-
-def padded_batch_size(sizes: Sequence[int], batch_size: int) -> int | None:
-    """The smallest size in ``sizes`` that holds ``batch_size`` (requests, or a prefill's
-    tokens in :func:`prefill_widths`), or None."""
-    fits = [s for s in sizes if s >= batch_size]
-    return min(fits) if fits else None
-
-
-def context_bucket(max_ctx: int, limit: int) -> int:
-    """Power-of-two key columns (at least :data:`MIN_CONTEXT_BUCKET`) covering ``max_ctx``."""
-    if max_ctx > limit:
-        raise ValueError(f"context {max_ctx} exceeds the cache's limit {limit}")
-    bucket = MIN_CONTEXT_BUCKET
-    while bucket < max_ctx:
-        bucket *= 2
-    return min(bucket, limit)
-
-
-def fill_padded(dst: torch.Tensor, src: torch.Tensor, valid: int, padded: int) -> None:
-    """``dst[:valid] = src`` and ``dst[valid:padded] = 0``: a static buffer for one replay.
-
-    Zeros make padded rows use the KV cache's reserved row 0 and slot 0 and token id 0.
-    """
-    dst[:valid].copy_(src, non_blocking=True)
-    dst[valid:padded].zero_()
-
-
-def capture_graph(body: Callable[[], T], device: torch.device, pool, *, warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``body`` captured into a CUDA graph in ``pool``; returns the graph and its output tensors.
-
-    Warm-up runs on a side stream first (kernel compilation, allocator). They compute this
-    very step (KV writes are idempotent); the replay after capture produces the returned
-    values.
-    """
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            body()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = body()
-    graph.replay()
-    return graph, outputs
-
-
-def capture_or_eager(
-    body: Callable[[], T], device: torch.device, pool, *, what: object, warmups: int = 1
-) -> tuple[torch.cuda.CUDAGraph | None, T]:
-    """:func:`capture_graph`, or where the capture fails (logged) no graph and ``body``'s
-    outputs computed eagerly. A failed capture leaves its pool mid-recording, so every
-    later capture in it would fail too: a caller that gets no graph stops capturing."""
-    try:
-        return capture_graph(body, device, pool, warmups=warmups)
-    except RuntimeError:
-        log.exception("capturing %s failed; running uncaptured steps eagerly from now on", what)
-        return None, body()
+_Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # logits, hidden, aux
 
 
 class GraphKey(NamedTuple):
@@ -149,10 +84,8 @@ class GraphKey(NamedTuple):
 
 
 @dataclass
-class _StaticInputs:
+class _StaticInputs(StaticRequests):
     input_ids: torch.Tensor  # int64 [max_bs * width]
-    rows: torch.Tensor  # int64 [max_bs]
-    prefix_lens: torch.Tensor  # int64 [max_bs]
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
     last: torch.Tensor  # int64 [1]: a prefill's last real row, the one its logits are of
     tree_depths: torch.Tensor | None = None  # int64 [max_bs, width]: a tree verify's node depths
@@ -168,15 +101,7 @@ class _StaticInputs:
         return self.tree_depths, self.tree_ancestors
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
-    aux: torch.Tensor | None
-
-
-class CudaGraphRunner:
+class CudaGraphRunner(GraphRunner):
     """Pads decode / target-verify / one-request extend batches into static buffers and
     replays captured graphs.
 
@@ -187,13 +112,8 @@ class CudaGraphRunner:
     def __init__(
         self, runner: ModelRunner, *, max_bs: int, max_prefill_tokens: int = 0, use_graphs: bool | None = None
     ):
-        self.runner = runner
-        self.device = runner.device
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; use use_graphs=False to run the static path eagerly")
-        self.max_bs = int(max_bs)
-        self.batch_sizes = graph_batch_sizes(self.max_bs)
+        super().__init__(runner, max_bs=max_bs, use_graphs=use_graphs, warmups=2, what="the forward")
+        self.runner: ModelRunner = runner
         self.prefill_widths = prefill_widths(int(max_prefill_tokens))
         lora = runner.lora
         # Adapters inside graphs only with a backend that reads device tensors alone.
@@ -202,13 +122,12 @@ class CudaGraphRunner:
         # buffers differ (one request vs max_bs; an extend vs a verify LoRA layout).
         self._inputs: dict[tuple[ForwardMode, int], _StaticInputs] = {}
         self._lora_meta: dict[tuple[ForwardMode, int], GraphLoRAMetadata] = {}
-        self._graphs: dict[GraphKey, _Graph] = {}
-        self.capture_failures = 0
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._graphs = self.new_table()
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        """Shapes held: captured, or (``use_graphs=False``) run on the static path."""
+        return self.num_shapes
 
     def can_run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> bool:
         """Whether this batch takes the graph path (else the runner runs it eagerly)."""
@@ -235,91 +154,122 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ run
     def run(self, batch: ForwardBatch, slots: Sequence[int], alloc: Allocation) -> ForwardOutput:
-        runner = self.runner
         total, width = batch.token_counts()
         bs = batch.batch_size
         extend = batch.mode is ForwardMode.EXTEND
         if extend:  # one request, its chunk padded to a width bucket
             width, padded_bs = self._prefill_width(batch, alloc), 1
         else:
-            padded_bs = padded_batch_size(self.batch_sizes, bs)
-        assert width is not None and padded_bs is not None
-        # The real rows' context: padded prefill rows attend to whatever the bucket holds.
-        context = context_bucket(max(alloc.seq_lens), runner.kv.max_context_len)
+            padded_bs = self.padded(bs)
+        assert width is not None
         uses_lora = any(s >= 0 for s in slots)
         aux_layers = tuple(int(i) for i in batch.hidden_layers or ())
         tree = batch.tree_depths is not None
-        key = GraphKey(batch.mode, width, padded_bs, context, uses_lora, batch.return_hidden, aux_layers, tree)
-
+        # The real rows' context: padded prefill rows attend to whatever the bucket holds.
+        key = GraphKey(
+            batch.mode,
+            width,
+            padded_bs,
+            self.context(alloc),
+            uses_lora,
+            batch.return_hidden,
+            aux_layers,
+            tree,
+        )
         static = self._static_inputs(batch.mode, width)
-        if tree:
-            # Padded requests keep depth 0 and see themselves only (their rows are dropped).
-            depths, ancestors = static.tree_buffers()
-            depths[:bs].copy_(batch.tree_depths, non_blocking=True)
-            ancestors[:bs].copy_(batch.tree_ancestors, non_blocking=True)
-        n = padded_bs * width
-        fill_padded(static.input_ids, batch.input_ids, total, n)
-        fill_padded(static.rows, alloc.rows, bs, padded_bs)
-        fill_padded(static.prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded_bs)
-        fill_padded(static.out_cache_loc, alloc.out_cache_loc, total, n)
-        if extend:
-            static.last.fill_(total - 1)
-
-        lora = runner.lora
+        self._fill(static, key, batch, alloc)
+        lora = self.runner.lora
         if lora is not None:
-            info = logits_info = None
-            if uses_lora:
-                ranks, scalings = lora.slot_ranks(), lora.slot_scalings()
-                meta = self._graph_lora_meta(batch.mode, width)
-                info = logits_info = meta.update(
-                    list(slots), ranks, scalings, num_draft_tokens=batch.num_draft_tokens, batch_size=padded_bs
-                )
-                if extend:
-                    # The lm_head sees the last row only: a one-request decode's layout, as in
-                    # the eager extend. The decode graphs' metadata holds it (updated before
-                    # each of their replays, so sharing it is safe).
-                    logits_info = self._graph_lora_meta(ForwardMode.DECODE, 1).update(
-                        list(slots), ranks, scalings, batch_size=1
-                    )
-            lora.ctx.set(info, logits_info)
+            self._set_lora(key, slots, batch)
         try:
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._capture(key, static)
-                self._graphs[key] = graph
-            elif graph.graph is not None:
-                graph.graph.replay()
-            else:
-                graph = self._run_static(key, static)
+            logits, hidden, aux = self.replay(
+                self._graphs,
+                key,
+                lambda: self._body(key, static),
+                before_capture=(lambda: self._capture_lora(key)) if key.lora else None,
+            )
         finally:
             if lora is not None:
                 lora.ctx.clear()
         return ForwardOutput(
             # extend: one row of logits per request (its last), as the eager extend returns
-            logits=graph.logits[: bs if extend else total].clone(),
-            hidden_states=graph.hidden[:total].clone() if graph.hidden is not None else None,
-            aux_hidden_states=graph.aux[:total].clone() if graph.aux is not None else None,
+            logits=logits[: bs if extend else total].clone(),
+            hidden_states=hidden[:total].clone() if hidden is not None else None,
+            aux_hidden_states=aux[:total].clone() if aux is not None else None,
         )
 
     # ------------------------------------------------------------------ internals
+    def _fill(self, static: _StaticInputs, key: GraphKey, batch: ForwardBatch, alloc: Allocation) -> None:
+        """Write this batch into ``static``, padded to ``key``'s batch size and width."""
+        total, _ = batch.token_counts()
+        if key.tree:
+            # Padded requests keep depth 0 and see themselves only (their rows are dropped).
+            depths, ancestors = static.tree_buffers()
+            depths[: batch.batch_size].copy_(batch.tree_depths, non_blocking=True)
+            ancestors[: batch.batch_size].copy_(batch.tree_ancestors, non_blocking=True)
+        n = key.batch_size * key.width
+        fill_padded(static.input_ids, batch.input_ids, total, n)
+        static.fill_requests(alloc, key.batch_size)
+        fill_padded(static.out_cache_loc, alloc.out_cache_loc, total, n)
+        if key.mode is ForwardMode.EXTEND:
+            static.last.fill_(total - 1)
+
+    def _set_lora(self, key: GraphKey, slots: Sequence[int], batch: ForwardBatch) -> None:
+        """The adapters' layouts for this replay, in the fixed buffers the graph reads.
+
+        ``num_draft_tokens`` is the batch's own verify width: the metadata refuses one that
+        differs from the width it was captured for.
+        """
+        lora = self.runner.lora
+        assert lora is not None
+        info = logits_info = None
+        if key.lora:
+            ranks, scalings = lora.slot_ranks(), lora.slot_scalings()
+            meta = self._graph_lora_meta(key.mode, key.width)
+            info = logits_info = meta.update(
+                list(slots),
+                ranks,
+                scalings,
+                num_draft_tokens=batch.num_draft_tokens,
+                batch_size=key.batch_size,
+            )
+            if key.mode is ForwardMode.EXTEND:
+                # The lm_head sees the last row only: a one-request decode's layout, as in
+                # the eager extend. The decode graphs' metadata holds it (updated before
+                # each of their replays, so sharing it is safe).
+                logits_info = self._graph_lora_meta(ForwardMode.DECODE, 1).update(
+                    list(slots), ranks, scalings, batch_size=1
+                )
+        lora.ctx.set(info, logits_info)
+
+    def _capture_lora(self, key: GraphKey) -> None:
+        """The capture-time LoRA layouts (the largest each buffer holds) for ``key``."""
+        self._lora_meta[(key.mode, key.width)].capture_info(key.batch_size)
+        if key.mode is ForwardMode.EXTEND:
+            self._lora_meta[(ForwardMode.DECODE, 1)].capture_info(1)  # the lm_head's row
+
     def _max_requests(self, mode: ForwardMode) -> int:
         return 1 if mode is ForwardMode.EXTEND else self.max_bs
 
     def _static_inputs(self, mode: ForwardMode, width: int) -> _StaticInputs:
-        static = self._inputs.get((mode, width))
-        if static is None:
-            reqs = self._max_requests(mode)
-            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
-            static = _StaticInputs(z(reqs * width), z(reqs), z(reqs), z(reqs * width), z(1))
-            self._inputs[(mode, width)] = static
-        return static
+        reqs = self._max_requests(mode)
+        return self.cached(
+            self._inputs,
+            (mode, width),
+            lambda: self.static_requests(
+                _StaticInputs,
+                reqs,
+                input_ids=self.zeros(reqs * width),
+                out_cache_loc=self.zeros(reqs * width),
+                last=self.zeros(1),
+            ),
+        )
 
     def _graph_lora_meta(self, mode: ForwardMode, width: int) -> GraphLoRAMetadata:
-        meta = self._lora_meta.get((mode, width))
-        if meta is None:
+        def make() -> GraphLoRAMetadata:
             from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 
-            meta = GraphLoRAMetadata(
+            return GraphLoRAMetadata(
                 mode,
                 self._max_requests(mode),
                 self.runner.lora.num_slots,
@@ -327,10 +277,11 @@ class CudaGraphRunner:
                 extend_len=width if mode is ForwardMode.EXTEND else None,
                 device=self.device,
             )
-            self._lora_meta[(mode, width)] = meta
-        return meta
 
-    def _body(self, key: GraphKey, static: _StaticInputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.cached(self._lora_meta, (mode, width), make)
+
+    def _body(self, key: GraphKey, static: _StaticInputs) -> _Outputs:
+        """The forward of ``key`` on the static buffers: logits, hidden and aux outputs."""
         runner = self.runner
         n = key.batch_size * key.width
         meta = build_attention_metadata(
@@ -361,22 +312,3 @@ class CudaGraphRunner:
             hidden if key.return_hidden else None,
             torch.cat(aux, dim=-1) if key.hidden_layers else None,
         )
-
-    def _run_static(self, key: GraphKey, static: _StaticInputs) -> _Graph:
-        logits, hidden, aux = self._body(key, static)
-        return _Graph(None, logits, hidden, aux)
-
-    def _capture(self, key: GraphKey, static: _StaticInputs) -> _Graph:
-        if not self.use_graphs:
-            return self._run_static(key, static)
-        if key.lora:
-            self._lora_meta[(key.mode, key.width)].capture_info(key.batch_size)
-            if key.mode is ForwardMode.EXTEND:
-                self._lora_meta[(ForwardMode.DECODE, 1)].capture_info(1)  # the lm_head's row
-        graph, (logits, hidden, aux) = capture_or_eager(
-            lambda: self._body(key, static), self.device, self._pool, what=f"the forward {key}", warmups=2
-        )
-        if graph is None:  # graphs captured before still replay
-            self.use_graphs = False
-            self.capture_failures += 1
-        return _Graph(graph, logits, hidden, aux)

@@ -31,31 +31,26 @@ After a greedy verify, feeding the verified positions and the next proposal run 
 stay on the device, where they pick each request's tail row and place the chain's rows
 right after the accepted entries. The verify, the acceptance and the whole draft then run
 back to back on the GPU with no host round trip between them.
+
+Buckets, static buffers, capture and replay are the engine core's
+:class:`~loraserve.runtime.runner.graph_runner.GraphRunner`, the target's too: this module
+holds the draft's keys, buffers and forward bodies only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..kv import Allocation
-from ..model.layers import AttentionMetadata, build_attention_metadata
-from ..runner.cuda_graph import (
-    capture_or_eager,
-    context_bucket,
-    fill_padded,
-    graph_batch_sizes,
-    padded_batch_size,
-)
+from ..model.layers import AttentionMetadata
+from ..runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
 from .tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
 
 if TYPE_CHECKING:
     from .eagle_runner import EagleDraftRunner
-
-T = TypeVar("T")
 
 
 class _Key(NamedTuple):
@@ -86,40 +81,30 @@ class _FeedChainKey(NamedTuple):
 
 
 @dataclass
-class _ChainStatic:
+class _ChainStatic(StaticRequests):
     hidden: torch.Tensor  # [max_bs, H]: the head's output that proposes each request's first token
-    rows: torch.Tensor  # int64 [max_bs]
-    prefix_lens: torch.Tensor  # int64 [max_bs]: cached entries before the chain
     out_cache_loc: torch.Tensor  # int64 [max_bs * steps], request-major
 
 
 @dataclass
-class _FeedChainStatic:
+class _FeedChainStatic(StaticRequests):
     input_ids: torch.Tensor  # int64 [max_bs * width]: the token after each verified position
     features: torch.Tensor  # [max_bs * width, feature width]: the target's features there
-    rows: torch.Tensor  # int64 [max_bs]
-    prefix_lens: torch.Tensor  # int64 [max_bs]: committed entries before the feed
     slots: torch.Tensor  # int64 [max_bs * (width + steps)], request-major: every row allocated
     accept: torch.Tensor  # int64 [max_bs]: drafts accepted (the tail is fed row ``accept``)
 
 
 @dataclass
-class _Static:
+class _Static(StaticRequests):
     input_ids: torch.Tensor  # int64 [max_bs * width]
     features: torch.Tensor  # [max_bs * width, feature width]
-    rows: torch.Tensor  # int64 [max_bs]
-    prefix_lens: torch.Tensor  # int64 [max_bs]
     out_cache_loc: torch.Tensor  # int64 [max_bs * width]
 
 
-def _fill_requests(rows: torch.Tensor, prefix_lens: torch.Tensor, alloc: Allocation, padded: int) -> None:
-    """The per-request static inputs every draft graph reads: table rows and cached lengths."""
-    bs = len(alloc.seq_lens)
-    fill_padded(rows, alloc.rows, bs, padded)
-    fill_padded(prefix_lens, torch.tensor(alloc.prefix_lens, dtype=torch.int64), bs, padded)
+_Hidden = tuple[torch.Tensor, torch.Tensor | None]  # output features, logits of single steps
 
 
-class EagleGraphRunner:
+class EagleGraphRunner(GraphRunner):
     """Pads uniform EAGLE draft forwards into static buffers and replays captured graphs.
 
     ``use_graphs=False`` runs the same padded static path eagerly (the CPU tests use it).
@@ -127,30 +112,25 @@ class EagleGraphRunner:
     """
 
     def __init__(self, runner: EagleDraftRunner, *, max_bs: int, use_graphs: bool | None = None):
-        self.runner = runner
-        self.device = runner.device
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; use use_graphs=False to run the static path eagerly")
-        self.max_bs = int(max_bs)
-        self.batch_sizes = graph_batch_sizes(self.max_bs)
-        self.disabled = False
+        super().__init__(runner, max_bs=max_bs, use_graphs=use_graphs, what="the EAGLE draft forward")
+        self.runner: EagleDraftRunner = runner
         self._static: dict[tuple[int, bool], _Static] = {}
-        # key -> (captured graph, or None on the static path; the body's output tensors)
-        self._graphs: dict[_Key, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._graphs: dict[_Key, Captured[_Hidden]] = self.new_table()
         self._chain_static: dict[int, _ChainStatic] = {}
-        self._chains: dict[_ChainKey, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._chains: dict[_ChainKey, Captured[torch.Tensor]] = self.new_table()
         self._feed_static: dict[tuple[int, int], _FeedChainStatic] = {}
-        self._feed_chains: dict[
-            _FeedChainKey, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor]]
-        ] = {}
-        self._trees: dict[_TreeKey, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, ...]]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._feed_chains: dict[_FeedChainKey, Captured[tuple[torch.Tensor, torch.Tensor]]] = self.new_table()
+        self._trees: dict[_TreeKey, Captured[tuple[torch.Tensor, ...]]] = self.new_table()
+
+    @property
+    def disabled(self) -> bool:
+        """A capture failed: :meth:`can_run` refuses every batch (the runner runs them eagerly)."""
+        return self.capture_failures > 0
 
     @property
     def num_graphs(self) -> int:
-        tables = (self._graphs, self._chains, self._feed_chains, self._trees)
-        return sum(graph is not None for table in tables for graph, _ in table.values())
+        """Captured graphs (shapes run on the static path do not count)."""
+        return self.num_captured
 
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
@@ -163,19 +143,19 @@ class EagleGraphRunner:
         *,
         width: int = 1,
         from_target: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> _Hidden:
         """``width`` rows per request of ``alloc`` (already allocated); returns the output
         features ``[bs * width, H]`` and, for single-row steps on the head's own features,
         the logits ``[bs, vocab]`` (float32)."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self.shape(alloc)
         key = _Key(width, from_target, padded, context)
         s = self._static_for(width, from_target)
         n, total = padded * width, bs * width
         fill_padded(s.input_ids, input_ids, total, n)
         fill_padded(s.features, features, total, n)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        s.fill_requests(alloc, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, total, n)
-        hidden, logits = self._replay(self._graphs, key, lambda: self._body(key))
+        hidden, logits = self.replay(self._graphs, key, lambda: self._body(key))
         return hidden[:total].clone(), None if logits is None else logits[:bs].clone()
 
     def run_chain(self, alloc: Allocation, hidden: torch.Tensor, steps: int) -> torch.Tensor:
@@ -184,7 +164,7 @@ class EagleGraphRunner:
         allocated); returns the tokens ``[bs, steps + 1]``."""
         bs, padded, context = self._fill_chain(alloc, hidden, steps)
         key = _ChainKey(steps, padded, context)
-        return self._replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
+        return self.replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
 
     def run_feed_chain(
         self,
@@ -203,7 +183,7 @@ class EagleGraphRunner:
         tokens ``[bs, steps + 1]`` and the tails ``[bs, H]``."""
         bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, steps)
         key = _FeedChainKey(width, steps, padded, context)
-        tokens, tails = self._replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
+        tokens, tails = self.replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
         return tokens[:bs].clone(), tails[:bs].clone()
 
     def run_tree(self, alloc: Allocation, hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
@@ -211,7 +191,7 @@ class EagleGraphRunner:
         ``shape.entries`` rows per request of ``alloc`` (already allocated)."""
         bs, padded, context = self._fill_chain(alloc, hidden, shape.entries)
         key = _TreeKey(shape, 0, padded, context)
-        out = self._replay(self._trees, key, lambda: self._tree_body(key))
+        out = self.replay(self._trees, key, lambda: self._tree_body(key))
         return DraftTree(*(t[:bs].clone() for t in out), shape.num_steps)
 
     def run_feed_tree(
@@ -229,16 +209,17 @@ class EagleGraphRunner:
         (``width + shape.entries`` rows per request allocated). Returns the trees and the tails."""
         bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, shape.entries)
         key = _TreeKey(shape, width, padded, context)
-        *tree, tails = self._replay(self._trees, key, lambda: self._feed_tree_body(key))
+        *tree, tails = self.replay(self._trees, key, lambda: self._feed_tree_body(key))
         return DraftTree(*(t[:bs].clone() for t in tree), shape.num_steps), tails[:bs].clone()
 
+    # ------------------------------------------------------------------ static inputs
     def _fill_chain(self, alloc: Allocation, hidden: torch.Tensor, entries: int) -> tuple[int, int, int]:
         """Stage a chain's or a tree's inputs (tails, requests, ``entries`` slots each) in its
-        static buffers; returns :meth:`_shape`'s ``(bs, padded, context)``."""
-        bs, padded, context = self._shape(alloc)
+        static buffers; returns :meth:`shape`'s ``(bs, padded, context)``."""
+        bs, padded, context = self.shape(alloc)
         s = self._chain_static_for(entries)
         fill_padded(s.hidden, hidden, bs, padded)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        s.fill_requests(alloc, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, bs * entries, padded * entries)
         return bs, padded, context
 
@@ -248,74 +229,69 @@ class EagleGraphRunner:
     ) -> tuple[int, int, int]:  # fmt: skip
         """Stage a feed's inputs (``width`` pairs, then ``entries`` draft slots per request,
         the accepted counts) in its static buffers; returns ``(bs, padded, context)``."""
-        bs, padded, context = self._shape(alloc)
+        bs, padded, context = self.shape(alloc)
         s = self._feed_static_for(width, entries)
         n, total = padded * width, bs * width
         fill_padded(s.input_ids, input_ids, total, n)
         fill_padded(s.features, features, total, n)
-        _fill_requests(s.rows, s.prefix_lens, alloc, padded)
+        s.fill_requests(alloc, padded)
         per = width + entries
         fill_padded(s.slots, alloc.out_cache_loc, bs * per, padded * per)
         fill_padded(s.accept, accept, bs, padded)
         return bs, padded, context
 
-    def _tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
-        s = self._chain_static[key.shape.entries]
-        bs, n = key.batch_size, key.shape.entries
-        locs = s.out_cache_loc[: bs * n].view(bs, n)
-        tree = grow_tree(self.runner, s.rows[:bs], s.prefix_lens[:bs], locs, key.context, s.hidden[:bs], key.shape)
-        return tree.tensors()
-
-    def _feed_tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
-        s = self._feed_static[(key.width, key.shape.entries)]
-        rows, prefix, locs, tail = self._fed(s, key.batch_size, key.width, key.shape.entries, key.context)
-        tree = grow_tree(self.runner, rows, prefix, locs, key.context, tail, key.shape)
-        return (*tree.tensors(), tail)
-
-    def _shape(self, alloc: Allocation) -> tuple[int, int, int]:
-        """``(requests, padded batch size, context bucket)`` of a forward over ``alloc``."""
-        bs = len(alloc.seq_lens)
-        padded = padded_batch_size(self.batch_sizes, bs)
-        assert padded is not None, f"batch of {bs} exceeds the graphs' {self.max_bs}"
-        return bs, padded, context_bucket(max(alloc.seq_lens), self.runner.kv.max_context_len)
-
-    def _replay(self, table: dict, key, body: Callable[[], T]) -> T:
-        """``body``'s outputs for ``key``: its graph replayed, captured on first use, or run
-        eagerly (the static path, or after a failed capture turned graphs off)."""
-        entry = table.get(key)
-        if entry is None:
-            if not self.use_graphs or self.disabled:
-                entry = (None, body())
-            else:
-                entry = capture_or_eager(body, self.device, self._pool, what=f"the EAGLE draft forward {key}")
-                self.disabled = entry[0] is None
-            table[key] = entry
-        elif entry[0] is not None:
-            entry[0].replay()
-        else:
-            entry = (None, body())
-        return entry[1]
+    def _static_for(self, width: int, from_target: bool) -> _Static:
+        model, rows = self.runner.model, self.max_bs * width
+        feature = model.feature_size if from_target else model.hidden_size
+        return self.cached(
+            self._static,
+            (width, from_target),
+            lambda: self.static_requests(
+                _Static,
+                self.max_bs,
+                input_ids=self.zeros(rows),
+                features=self.zeros(rows, feature, dtype=self.runner.dtype),
+                out_cache_loc=self.zeros(rows),
+            ),
+        )
 
     def _chain_static_for(self, steps: int) -> _ChainStatic:
-        static = self._chain_static.get(steps)
-        if static is None:
-            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
-            hidden = torch.zeros(self.max_bs, self.runner.model.hidden_size, dtype=self.runner.dtype, device=self.device)
-            static = _ChainStatic(hidden, z(self.max_bs), z(self.max_bs), z(self.max_bs * max(steps, 1)))
-            self._chain_static[steps] = static
-        return static
+        return self.cached(
+            self._chain_static,
+            steps,
+            lambda: self.static_requests(
+                _ChainStatic,
+                self.max_bs,
+                hidden=self.zeros(self.max_bs, self.runner.model.hidden_size, dtype=self.runner.dtype),
+                out_cache_loc=self.zeros(self.max_bs * max(steps, 1)),
+            ),
+        )
 
     def _feed_static_for(self, width: int, steps: int) -> _FeedChainStatic:
-        static = self._feed_static.get((width, steps))
-        if static is None:
-            model, max_bs = self.runner.model, self.max_bs
-            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
-            features = torch.zeros(max_bs * width, model.feature_size, dtype=self.runner.dtype, device=self.device)
-            static = _FeedChainStatic(
-                z(max_bs * width), features, z(max_bs), z(max_bs), z(max_bs * (width + steps)), z(max_bs)
-            )
-            self._feed_static[(width, steps)] = static
-        return static
+        max_bs, feature = self.max_bs, self.runner.model.feature_size
+        return self.cached(
+            self._feed_static,
+            (width, steps),
+            lambda: self.static_requests(
+                _FeedChainStatic,
+                max_bs,
+                input_ids=self.zeros(max_bs * width),
+                features=self.zeros(max_bs * width, feature, dtype=self.runner.dtype),
+                slots=self.zeros(max_bs * (width + steps)),
+                accept=self.zeros(max_bs),
+            ),
+        )
+
+    # ------------------------------------------------------------------ bodies
+    def _body(self, key: _Key) -> _Hidden:
+        s = self._static[(key.width, key.from_target)]
+        bs, n = key.batch_size, key.batch_size * key.width
+        hidden = self.runner.head(
+            s.rows[:bs], s.prefix_lens[:bs], s.out_cache_loc[:n], key.width, key.context,
+            s.input_ids[:n], s.features[:n], from_target=key.from_target,
+        )  # fmt: skip
+        single = key.width == 1 and not key.from_target
+        return hidden, self.runner.model.compute_logits(hidden) if single else None
 
     def _chain_body(self, key: _ChainKey) -> torch.Tensor:
         s = self._chain_static[key.steps]
@@ -327,6 +303,21 @@ class EagleGraphRunner:
         s = self._feed_static[(key.width, key.steps)]
         rows, prefix, locs, tail = self._fed(s, key.batch_size, key.width, key.steps, key.context)
         return self._chain(rows, prefix, locs, key.context, tail), tail
+
+    def _tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
+        s = self._chain_static[key.shape.entries]
+        bs, n = key.batch_size, key.shape.entries
+        locs = s.out_cache_loc[: bs * n].view(bs, n)
+        tree = grow_tree(
+            self.runner, s.rows[:bs], s.prefix_lens[:bs], locs, key.context, s.hidden[:bs], key.shape
+        )
+        return tree.tensors()
+
+    def _feed_tree_body(self, key: _TreeKey) -> tuple[torch.Tensor, ...]:
+        s = self._feed_static[(key.width, key.shape.entries)]
+        rows, prefix, locs, tail = self._fed(s, key.batch_size, key.width, key.shape.entries, key.context)
+        tree = grow_tree(self.runner, rows, prefix, locs, key.context, tail, key.shape)
+        return (*tree.tensors(), tail)
 
     def _fed(
         self, s: _FeedChainStatic, bs: int, width: int, after: int, context: int
@@ -340,7 +331,7 @@ class EagleGraphRunner:
         slots = s.slots[: bs * (width + after)].view(bs, width + after)
         rows, prefix, accept = s.rows[:bs], s.prefix_lens[:bs], s.accept[:bs]
         n = bs * width
-        hidden = self._head(
+        hidden = self.runner.head(
             rows, prefix, slots[:, :width].reshape(-1), width, context,
             s.input_ids[:n], s.features[:n], from_target=True,
         )  # fmt: skip
@@ -349,76 +340,26 @@ class EagleGraphRunner:
         return rows, prefix + accept + 1, slots.gather(1, offsets), tail
 
     def _chain(
-        self, rows: torch.Tensor, prefix_lens: torch.Tensor, locs: torch.Tensor, context: int, hidden: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        locs: torch.Tensor,
+        context: int,
+        hidden: torch.Tensor,
     ) -> torch.Tensor:
         """Greedy tokens ``[bs, steps + 1]``: the LM head's argmax of ``hidden``, then one
         single-row head step per column of ``locs`` (each fed the previous token and output),
         the first at position ``prefix_lens``."""
-        model = self.runner.model
+        runner, model = self.runner, self.runner.model
         tokens = model.greedy_tokens(hidden)
         out = [tokens]
         for j in range(locs.shape[1]):
-            hidden = self._head(rows, prefix_lens + j, locs[:, j], 1, context, tokens, hidden, from_target=False)
+            hidden = runner.head(
+                rows, prefix_lens + j, locs[:, j], 1, context, tokens, hidden, from_target=False
+            )
             tokens = model.greedy_tokens(hidden)
             out.append(tokens)
         return torch.stack(out, dim=1)
-
-    def _static_for(self, width: int, from_target: bool) -> _Static:
-        static = self._static.get((width, from_target))
-        if static is None:
-            model = self.runner.model
-            rows = self.max_bs * width
-            z = lambda n: torch.zeros(n, dtype=torch.int64, device=self.device)  # noqa: E731
-            feature = model.feature_size if from_target else model.hidden_size
-            static = _Static(
-                z(rows),
-                torch.zeros(rows, feature, dtype=self.runner.dtype, device=self.device),
-                z(self.max_bs),
-                z(self.max_bs),
-                z(rows),
-            )
-            self._static[(width, from_target)] = static
-        return static
-
-    def _body(self, key: _Key) -> tuple[torch.Tensor, torch.Tensor | None]:
-        s = self._static[(key.width, key.from_target)]
-        bs, n = key.batch_size, key.batch_size * key.width
-        hidden = self._head(
-            s.rows[:bs], s.prefix_lens[:bs], s.out_cache_loc[:n], key.width, key.context,
-            s.input_ids[:n], s.features[:n], from_target=key.from_target,
-        )  # fmt: skip
-        single = key.width == 1 and not key.from_target
-        return hidden, self.runner.model.compute_logits(hidden) if single else None
-
-    def _head(
-        self,
-        rows: torch.Tensor,
-        prefix_lens: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        width: int,
-        context: int,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        *,
-        from_target: bool,
-    ) -> torch.Tensor:
-        """One uniform forward of the draft head (``width`` rows per request) on static tensors."""
-        runner = self.runner
-        layer = runner.config.layer
-        meta = build_attention_metadata(
-            req_to_token=runner.kv.req_to_token,
-            rows=rows,
-            prefix_lens=prefix_lens,
-            out_cache_loc=out_cache_loc,
-            max_q=width,
-            max_ctx=context,
-            groups=layer.num_heads // layer.num_kv_heads,
-            q_lens=None,
-            backend=runner.attention_backend,
-        )
-        return runner.model(
-            input_ids, features, meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0], from_target=from_target
-        )
 
 
 def grow_tree(
@@ -435,9 +376,7 @@ def grow_tree(
     entries ``locs[:, (d - 1) * K : d * K]`` (table positions right after the prefix), each
     node seeing the request's committed entries and its ancestors' (:mod:`.tree`). Static
     shapes throughout: the graph runner captures it; eager callers pass their allocation."""
-    model = runner.model
-    layer = runner.config.layer
-    groups = layer.num_heads // layer.num_kv_heads
+    model, groups = runner.model, runner.attn_groups
     bs, k = rows.shape[0], shape.top_k
     kv_indices = runner.kv.req_to_token.index_select(0, rows)[:, :context]
     own = torch.eye(shape.entries, dtype=torch.bool, device=rows.device)

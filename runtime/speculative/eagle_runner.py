@@ -17,7 +17,7 @@ import torch
 from ..kv import Allocation, KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
-from ..runner.cuda_graph import context_bucket
+from ..runner.graph_runner import context_bucket
 from .draft_vocab import (
     DraftVocab,
     TokenMapError,
@@ -101,6 +101,11 @@ class EagleDraftRunner:
             self.graphs = EagleGraphRunner(self, max_bs=cuda_graph_max_bs)
 
     @property
+    def attn_groups(self) -> int:
+        """Query heads per KV head of the draft's layer."""
+        return self.config.layer.num_heads // self.config.layer.num_kv_heads
+
+    @property
     def version(self) -> int:
         return self.config.version
 
@@ -132,29 +137,51 @@ class EagleDraftRunner:
         alloc = self.kv.allocate(request_ids, lens)
         try:
             uniform = len(set(lens)) == 1
-            meta = build_attention_metadata(
-                req_to_token=self.kv.req_to_token,
-                rows=alloc.rows,
-                prefix_lens=torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device),
-                out_cache_loc=alloc.out_cache_loc,
-                max_q=max(lens),
-                # bucketed as the target's contexts: a new length each step would be a new shape
-                max_ctx=context_bucket(max(alloc.seq_lens), self.kv.max_context_len),
-                groups=self.config.layer.num_heads // self.config.layer.num_kv_heads,
-                q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
-                backend=self.attention_backend,
-            )
-            return self.model(
+            return self.head(
+                alloc.rows,
+                torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device),
+                alloc.out_cache_loc,
+                max(lens),
+                self._context(alloc),
                 input_ids.to(self.device),
                 features.to(device=self.device, dtype=self.dtype),
-                meta,
-                self.kv.k_buffers[0],
-                self.kv.v_buffers[0],
                 from_target=from_target,
+                q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
             )
         except BaseException:
             self.kv.rollback(alloc)
             raise
+
+    def head(
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        width: int,
+        context: int,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        from_target: bool,
+        q_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward of the head over rows already allocated: ``width`` rows per request
+        (``q_lens``: each request's own count, a ragged batch), attending over ``context``
+        key columns. Uniform calls use device tensors only, so the graph runner captures them."""
+        meta = build_attention_metadata(
+            req_to_token=self.kv.req_to_token,
+            rows=rows,
+            prefix_lens=prefix_lens,
+            out_cache_loc=out_cache_loc,
+            max_q=width,
+            max_ctx=context,
+            groups=self.attn_groups,
+            q_lens=q_lens,
+            backend=self.attention_backend,
+        )
+        return self.model(
+            input_ids, features, meta, self.kv.k_buffers[0], self.kv.v_buffers[0], from_target=from_target
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
@@ -242,7 +269,9 @@ class EagleDraftRunner:
             )
 
     @torch.inference_mode()
-    def draft_tree(self, request_ids: Sequence[Hashable], hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
+    def draft_tree(
+        self, request_ids: Sequence[Hashable], hidden: torch.Tensor, shape: TreeShape
+    ) -> DraftTree:
         """Grow a greedy draft tree per request from the head output ``hidden`` (its tail):
         one replay where the graphs hold the batch, else the same work eagerly. The cache
         gains ``shape.entries`` entries per request (truncated by the next update)."""
@@ -278,24 +307,19 @@ class EagleDraftRunner:
             slots = alloc.out_cache_loc.view(bs, width + shape.entries)
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
             context = self._context(alloc)
-            layer = self.config.layer
-            meta = build_attention_metadata(
-                req_to_token=self.kv.req_to_token,
-                rows=alloc.rows,
-                prefix_lens=prefix,
-                out_cache_loc=slots[:, :width].reshape(-1),
-                max_q=width,
-                max_ctx=context,
-                groups=layer.num_heads // layer.num_kv_heads,
-                backend=self.attention_backend,
-            )
-            hidden = self.model(input_ids, features, meta, self.kv.k_buffers[0], self.kv.v_buffers[0], from_target=True)
+            hidden = self.head(
+                alloc.rows, prefix, slots[:, :width].reshape(-1), width, context, input_ids, features,
+                from_target=True,
+            )  # fmt: skip
             tails = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
             offsets = accept[:, None] + 1 + torch.arange(shape.entries, device=self.device)[None, :]
-            tree = grow_tree(self, alloc.rows, prefix + accept + 1, slots.gather(1, offsets), context, tails, shape)
+            tree = grow_tree(
+                self, alloc.rows, prefix + accept + 1, slots.gather(1, offsets), context, tails, shape
+            )
             return tree, tails
 
     def _context(self, alloc: Allocation) -> int:
+        """Key columns, bucketed as the target's contexts: a new length each step would be a new shape."""
         return context_bucket(max(alloc.seq_lens), self.kv.max_context_len)
 
     def _replay(

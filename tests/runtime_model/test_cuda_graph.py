@@ -81,7 +81,7 @@ def test_failed_capture_falls_back_to_eager_for_good(static_graph_pair, ops, mon
     that step nothing: it runs eagerly, and the runner stops capturing, since the failed
     capture's pool would fail every later one. Capture itself needs a GPU; the failure is
     injected where the runner calls it."""
-    import loraserve.runtime.runner.cuda_graph as cuda_graph
+    import loraserve.runtime.runner.graph_runner as cuda_graph
 
     calls = []
 
