@@ -43,7 +43,7 @@ class Driver:
         self.heartbeat_s = float(heartbeat_s)
         self._send_lock = threading.Lock()  # one message at a time, journal drained with it
         self._journal_lock = threading.Lock()
-        self._kv_ops: list[tuple[int, int, int]] = []
+        self._kv_ops: list[tuple] = []
         self._slot_events: list[SlotEvent] = []
         self._ids: dict[Hashable, int] = {}  # rank 0's request ids -> the ids followers use
         self._next_id = 1
@@ -78,6 +78,24 @@ class Driver:
             rid = self._ids.get(request_id)
             if rid is not None and num_tokens:
                 self._kv_ops.append((KVOp.TRUNCATE, rid, int(num_tokens)))
+
+    def kv_adopt(self, request_id: Hashable, slots: torch.Tensor) -> None:
+        with self._journal_lock:
+            rid = self._ids.get(request_id)
+            if rid is None:
+                rid = self._ids[request_id] = self._next_id
+                self._next_id += 1
+            self._kv_ops.append((KVOp.ADOPT, rid, int(slots.numel()), slots.tolist()))
+
+    def kv_forget(self, request_id: Hashable) -> None:
+        with self._journal_lock:
+            rid = self._ids.pop(request_id, None)
+            if rid is not None:
+                self._kv_ops.append((KVOp.FORGET, rid, 0))
+
+    def kv_release(self, slots: torch.Tensor) -> None:
+        with self._journal_lock:
+            self._kv_ops.append((KVOp.RELEASE, 0, int(slots.numel()), slots.tolist()))
 
     def attach_lora(self, manager: LoRAManager) -> None:
         """Journal every change of rank 0's adapter slots for the other ranks."""
@@ -207,9 +225,12 @@ class Driver:
 
 
 class MirroredKVCache(KVCache):
-    """Rank 0's KV cache: every truncate and free is journalled for the other ranks.
+    """Rank 0's KV cache: every truncate and free is journalled for the other ranks, and
+    so are the prefix cache's slot-level steps (adopt, forget, release): rank 0 alone
+    keeps the tree, the others replay what it did to the pool.
 
-    Allocation needs no journal: it happens inside a forward, which every rank runs.
+    Allocation needs no journal: it happens inside a forward, which every rank runs (the
+    evictions it makes are journalled as releases, which travel ahead of the forward).
     """
 
     def __init__(self, *, driver: Driver, **kwargs):
@@ -221,7 +242,17 @@ class MirroredKVCache(KVCache):
         self._driver.kv_truncate(request_id, num_tokens)
 
     def free(self, request_id: Hashable) -> None:
-        held = request_id in self
-        super().free(request_id)
-        if held:
+        # Journalled first: freeing may release a dropped adapter's cached prefix, which
+        # the other ranks must replay after the free, in the order rank 0 did them.
+        if request_id in self:
             self._driver.kv_free(request_id)
+        super().free(request_id)
+
+    def _journal_adopt(self, request_id: Hashable, slots: torch.Tensor) -> None:
+        self._driver.kv_adopt(request_id, slots)
+
+    def _journal_forget(self, request_id: Hashable) -> None:
+        self._driver.kv_forget(request_id)
+
+    def _journal_release(self, slots: torch.Tensor) -> None:
+        self._driver.kv_release(slots)

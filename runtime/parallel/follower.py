@@ -56,11 +56,17 @@ class Follower:
 
     def apply(self, message: Message) -> None:
         """Replay one message: journal first, then its forward or command."""
-        for op, rid, n in message.kv_ops:
+        for op, rid, n, *payload in message.kv_ops:
             if op == KVOp.FREE:
                 self.runner.kv.free(rid)
             elif op == KVOp.TRUNCATE:
                 self.runner.kv.truncate(rid, n)
+            elif op == KVOp.ADOPT:
+                self.runner.kv.adopt(rid, torch.tensor(payload[0], dtype=torch.int64))
+            elif op == KVOp.FORGET:
+                self.runner.kv.forget(rid)
+            elif op == KVOp.RELEASE:
+                self.runner.kv.release_slots(torch.tensor(payload[0], dtype=torch.int64))
             else:
                 raise TensorParallelError(f"rank {self.group.rank}: unknown KV operation {op}")
         for event in message.slot_events:

@@ -35,6 +35,10 @@ class Kind(enum.IntEnum):
 class KVOp(enum.IntEnum):
     FREE = 0
     TRUNCATE = 1
+    # The prefix cache's slot-level steps (rank 0 keeps the tree; the others replay these):
+    ADOPT = 2  # a request starts on a cached prefix: (op, request, n, slots)
+    FORGET = 3  # a request's row goes, its slots stay (handed to the cache): (op, request, 0)
+    RELEASE = 4  # slots go back to the free pool (eviction, duplicates): (op, 0, n, slots)
 
 
 @dataclass
@@ -72,7 +76,7 @@ class ForwardStep:
 @dataclass
 class Message:
     kind: Kind
-    kv_ops: list[tuple[int, int, int]] = field(default_factory=list)  # (KVOp, request, tokens)
+    kv_ops: list[tuple] = field(default_factory=list)  # (KVOp, request, tokens[, slots])
     slot_events: list[SlotEvent] = field(default_factory=list)
     step: ForwardStep | None = None
 

@@ -170,12 +170,14 @@ class ModelRunner:
             max_requests=max_requests,
             max_context_len=self.context_len,
         )
+        # Under tensor parallelism rank 0 keeps the prefix tree; the others replay its journal.
+        prefix = prefix_cache_enabled(config, is_draft=is_draft) and (group is None or group.is_driver)
         if driver is not None:
             from ..parallel.driver import MirroredKVCache
 
-            self.kv = MirroredKVCache(driver=driver, **kv_args)
+            self.kv = MirroredKVCache(driver=driver, **kv_args, prefix_cache=prefix)
         else:
-            self.kv = KVCache(**kv_args, prefix_cache=prefix_cache_enabled(config, is_draft=is_draft))
+            self.kv = KVCache(**kv_args, prefix_cache=prefix)
         log.info(
             "%s runner: %s (%s, %s layers) on %s in %s%s; KV cache %d tokens (%.2f GiB)",
             "draft" if is_draft else "target",
@@ -322,7 +324,7 @@ class ModelRunner:
         """Rank 0: describe the batch to the other ranks, then run it with them."""
         with driver.forward_scope():
             try:
-                driver.publish(batch, slots, alloc, free_tokens=self.kv.num_free_tokens)
+                driver.publish(batch, slots, alloc, free_tokens=self.kv.num_unused_tokens)
             except BaseException:
                 self.kv.rollback(alloc)
                 raise
@@ -356,9 +358,9 @@ class ModelRunner:
             alloc = self.kv.allocate(list(batch.request_ids), batch.per_request_tokens())
         except Exception as exc:
             raise TensorParallelError(f"rank {rank} diverged from rank 0: its KV cache refused the batch: {exc}") from exc
-        if self.kv.num_free_tokens != expect_free_tokens:
+        if self.kv.num_unused_tokens != expect_free_tokens:
             raise TensorParallelError(
-                f"rank {rank} diverged from rank 0: {self.kv.num_free_tokens} KV tokens free, rank 0 has "
+                f"rank {rank} diverged from rank 0: {self.kv.num_unused_tokens} KV tokens free, rank 0 has "
                 f"{expect_free_tokens}"
             )
         if expect_slot_ranks is not None and self.lora is not None:
@@ -432,12 +434,10 @@ class ModelRunner:
 def prefix_cache_enabled(config: RuntimeConfig, *, is_draft: bool) -> bool:
     """Whether this runner's KV pool keeps a prefix cache (``scheduler.prefix_cache``).
 
-    The target's only, and not under tensor parallelism: the other ranks replay rank 0's
-    KV journal (frees and truncates), which does not carry the cache's shared slots and
-    evictions yet, so they would diverge. A draft (STANDALONE) prefills each prompt whole
-    on its own: its pool holds no shared prefixes (see ``loraserve.runtime.speculative``).
+    The target's only: a draft (STANDALONE) prefills each prompt whole on its own, so its
+    pool holds no shared prefixes (see ``loraserve.runtime.speculative``).
     """
-    if is_draft or int(config.parallel.tensor_parallel_size) > 1:
+    if is_draft:
         return False
     return bool(getattr(config.scheduler, "prefix_cache", False))
 

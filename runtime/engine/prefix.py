@@ -1,0 +1,104 @@
+"""The engine's side of prefix caching: which key a request's KV is cached under, how much
+of a waiting request a cached prefix covers, and what a leaving request leaves behind.
+
+Keys: ``(adapter name, load epoch)``, the base model's being ``(None, 0)``. The epoch of
+a name moves on before and after every load and unload of it (any thread), so KV computed
+with one set of weights is never served to a request running another set under the same
+name; the engine thread then drops the old epochs' prefixes (:meth:`PrefixReuse.sweep`).
+A request keeps the key it was admitted under: if its adapter is reloaded meanwhile, the
+key is retired and what the request leaves is freed, not cached.
+
+Not reused: a request asking for prompt logprobs (``params.prompt_logprobs``) prefills
+its whole prompt, whose logits it needs, as vLLM does; its KV is still cached for others.
+
+The pool (:class:`loraserve.runtime.kv.KVCache`) does the rest: shared slots, LRU
+eviction, counting unused cached tokens as free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+
+from .request import Request
+
+BaseKey = (None, 0)
+
+
+class PrefixReuse:
+    """Keys, planning hints, matches at admission and caching at the end, for one engine."""
+
+    def __init__(self, kv, *, peek_limit: int = 256) -> None:
+        """``peek_limit``: waiting requests looked up per step (admission never reaches
+        further; the others plan as if nothing were cached, which only over-reserves)."""
+        self.kv = kv
+        self.enabled = getattr(kv, "prefix", None) is not None
+        self.peek_limit = peek_limit
+        self._lock = threading.Lock()
+        self._epochs: dict[str, int] = {}
+        self._stale: set[str] = set()
+
+    # ------------------------------------------------------------------ any thread
+    def adapter_changed(self, name: str) -> None:
+        """``name`` is being (or was) loaded or unloaded: its weights may change."""
+        with self._lock:
+            self._epochs[name] = self._epochs.get(name, 0) + 1
+            self._stale.add(name)
+
+    def key(self, adapter: str | None) -> Hashable:
+        if adapter is None:
+            return BaseKey
+        with self._lock:
+            return (adapter, self._epochs.get(adapter, 0))
+
+    # ------------------------------------------------------------------ engine thread
+    def reuses(self, req: Request) -> bool:
+        """Whether a request may start on a cached prefix."""
+        return self.enabled and getattr(req.params, "prompt_logprobs", None) is None
+
+    def sweep(self) -> int:
+        """Drop the prefixes of adapters' past epochs; returns the tokens freed now."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            if not self._stale:
+                return 0
+            current = {name: self._epochs[name] for name in self._stale}
+            self._stale.clear()
+        return self.kv.drop_prefixes(
+            lambda key: key[0] in current and key[1] < current[key[0]]  # type: ignore[index]
+        )
+
+    def plan_hints(self, waiting: Sequence[Request]) -> None:
+        """Tell the scheduler how much of each waiting request is cached (and how much of
+        that nobody holds, which admitting it takes out of the free count)."""
+        for i, req in enumerate(waiting):
+            if i >= self.peek_limit or not self.reuses(req):
+                req.prefix_hit = req.prefix_claim = 0
+                continue
+            match = self.kv.peek_prefix(self.key(req.adapter), req.all_ids)
+            req.prefix_hit, req.prefix_claim = match.length, match.evictable
+
+    def admit(self, req: Request) -> int:
+        """Start an admitted request on its cached prefix (at most what was planned);
+        returns the tokens it need not prefill."""
+        req.prefix_key = self.key(req.adapter) if self.enabled else None
+        hit = 0
+        if self.reuses(req) and req.prefix_hit > 0:
+            hit = self.kv.match_prefix(req.rid, req.prefix_key, req.all_ids, max_len=req.prefix_hit)
+        req.prefix_hit, req.prefix_claim = hit, 0
+        return hit
+
+    def release(self, req: Request, tokens: Sequence[int] | None) -> None:
+        """A request leaves the running set: cache the KV of its leading ``tokens`` (the
+        pool caches only what it holds) or, with None, free everything."""
+        key, req.prefix_key = req.prefix_key, None
+        req.prefix_hit = req.prefix_claim = 0
+        if not self.enabled or key is None or tokens is None:
+            self.kv.free(req.rid)
+            return
+        self.kv.cache_and_free(req.rid, key, tokens)
+
+    def forget(self, req: Request) -> None:
+        """The request's KV was freed outside :meth:`release` (it starts over)."""
+        req.prefix_hit = req.prefix_claim = 0
