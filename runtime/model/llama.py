@@ -49,6 +49,12 @@ class WeightLoadError(ValueError):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v, rotary positions and the paged KV cache.
+
+    ``in_features``: the width q/k/v read (default ``hidden_size``; an EAGLE3 draft layer
+    reads ``[embedding; feature]``, twice that). The output is always ``hidden_size`` wide.
+    """
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -58,6 +64,7 @@ class LlamaAttention(nn.Module):
         device,
         shard: ShardPlan | None = None,
         group: Collectives | None = None,
+        in_features: int | None = None,
     ):
         super().__init__()
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
@@ -65,7 +72,11 @@ class LlamaAttention(nn.Module):
             heads, kv_heads = shard.local_heads, shard.local_kv_heads
         q_size, kv_size = heads * arch.head_dim, kv_heads * arch.head_dim
         self.qkv_proj = Linear(
-            arch.hidden_size, (q_size, kv_size, kv_size), bias=arch.attention_bias, dtype=dtype, device=device
+            in_features or arch.hidden_size,
+            (q_size, kv_size, kv_size),
+            bias=arch.attention_bias,
+            dtype=dtype,
+            device=device,
         )
         if shard is None:
             self.o_proj = Linear(q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device)
@@ -94,6 +105,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated SiLU MLP with fused gate/up."""
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -120,6 +133,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each added to the residual stream.
+
+    ``attn_in_features``: the width the attention's q/k/v read (see :class:`LlamaAttention`;
+    a draft head's layer may read more than ``hidden_size``).
+    """
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -129,17 +148,26 @@ class LlamaDecoderLayer(nn.Module):
         device,
         shard: ShardPlan | None = None,
         group: Collectives | None = None,
+        attn_in_features: int | None = None,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(arch, rotary, dtype=dtype, device=device, shard=shard, group=group)
+        # Typed as any module: a draft head's layer may replace it (EAGLE without an input norm).
+        self.input_layernorm: nn.Module = RMSNorm(
+            arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device
+        )
+        self.self_attn = LlamaAttention(
+            arch, rotary, dtype=dtype, device=device, shard=shard, group=group, in_features=attn_in_features
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return self.mlp_block(x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache))
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: ``h`` (the residual after attention) plus its normed MLP."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -280,33 +308,47 @@ class LlamaForCausalLM(nn.Module):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy; the embedding is the source
-            target, part = _route(name)
-            if target not in params:
+            dest = checkpoint_destination(self, params, name)
+            if dest is None:
                 raise WeightLoadError(
                     f"checkpoint tensor {name!r} has no place in a {self.arch.architecture} with "
                     f"{self.arch.num_layers} layers: the checkpoint does not match config.json"
                 )
-            param = params[target]
             if self.shard is not None:
                 tensor = self.shard.shard_checkpoint_tensor(name, tensor)
-            if part is None:
-                dest = param.data
-            else:
-                module = self.get_submodule(target.rsplit(".", 1)[0])
-                offsets = module.slice_offsets
-                dest = param.data[offsets[part] : offsets[part + 1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                    f"{tuple(dest.shape)}: the checkpoint does not match config.json"
-                )
-            dest.copy_(tensor.to(dest.dtype))
+            copy_checkpoint_tensor(dest, name, tensor)
             loaded.add(name)
         expected = set(expected_checkpoint_names(self))
         missing = sorted(expected - loaded)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise WeightLoadError(f"checkpoint is missing tensors {missing[:5]}{more}: the weights are incomplete")
+
+
+def checkpoint_destination(
+    model: nn.Module, params: dict[str, nn.Parameter], name: str
+) -> torch.Tensor | None:
+    """Where the Hugging Face-named tensor ``name`` goes in ``model``: its parameter, or its
+    part of a fused one (``q_proj`` -> a slice of ``qkv_proj``); None where it has no place.
+    ``params``: ``model``'s named parameters."""
+    target, part = _route(name)
+    if target not in params:
+        return None
+    param = params[target]
+    if part is None:
+        return param.data
+    offsets = model.get_submodule(target.rsplit(".", 1)[0]).slice_offsets
+    return param.data[offsets[part] : offsets[part + 1]]
+
+
+def copy_checkpoint_tensor(dest: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """``dest[...] = tensor`` in ``dest``'s dtype, refusing a shape that does not fit."""
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise WeightLoadError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(dest.shape)}: the checkpoint does not match config.json"
+        )
+    dest.copy_(tensor.to(dest.dtype))
 
 
 def _route(name: str) -> tuple[str, int | None]:

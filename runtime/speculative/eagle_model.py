@@ -1,7 +1,10 @@
 """The EAGLE / EAGLE3 draft head: one decoder layer over the target's features.
 
-Built from the runtime's own layers (fused projections, rope table, paged attention), so
-it runs wherever the target runs. The token embedding and (unless the checkpoint has its
+Built from the target's own classes: the decoder layer is :class:`LlamaDecoderLayer`
+(attention, MLP, norms and their forward), parametrised only where EAGLE differs (the
+fc over the target's feature, EAGLE3's 2H-wide q/k/v input and its hidden norm, the
+optional input norm of the original EAGLE layout), and checkpoint tensors are routed
+into its fused weights by the target's loader. So it runs wherever the target runs. The token embedding and (unless the checkpoint has its
 own) the LM head are the target's BASE weights, held by reference: the draft reads the
 weight tensors directly and never calls the target's modules, so no adapter hook can reach
 a draft proposal. See :mod:`.eagle_format` for the checkpoint layout and the exact
@@ -16,17 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import Attention, AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
+from ..model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
+from ..model.llama import LlamaDecoderLayer, WeightLoadError, checkpoint_destination, copy_checkpoint_tensor
 from .draft_vocab import DraftVocab
 from .eagle_format import EagleDraftConfig
-
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 def base_weight(module: nn.Module) -> torch.Tensor:
@@ -44,8 +40,52 @@ def base_weight(module: nn.Module) -> torch.Tensor:
     return weight
 
 
+class EagleDecoderLayer(LlamaDecoderLayer):
+    """The target's decoder layer with EAGLE's input side (checkpoint prefix ``layers.0.``).
+
+    EAGLE: the fc output is the layer's input and residual, exactly as in the target
+    (:meth:`LlamaDecoderLayer.forward`); without ``input_norm`` (the original layout) it
+    feeds attention un-normed. EAGLE3 (:meth:`forward_eagle3`): attention reads
+    ``[input_layernorm(embedding), hidden_norm(feature)]`` (so q/k/v take ``2H``) over the
+    residual ``feature``. The MLP half is the target's either way.
+    """
+
+    def __init__(
+        self,
+        config: EagleDraftConfig,
+        rotary: RotaryEmbedding,
+        *,
+        input_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        layer = config.layer
+        super().__init__(layer, rotary, dtype=dtype, device=device, attn_in_features=config.attn_in_features)
+        if config.version == 3:
+            self.hidden_norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps, dtype=dtype, device=device)
+        elif not input_norm:
+            self.input_layernorm = nn.Identity()
+
+    def forward_eagle3(
+        self,
+        embeds: torch.Tensor,
+        feature: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """EAGLE3's layer: attention over the normed embedding and feature side by side."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        return self.mlp_block(feature + self.self_attn(x, meta, k_cache, v_cache))
+
+
 class EagleDraftModel(nn.Module):
-    """A single-layer EAGLE (version 1) or EAGLE3 (version 3) draft head."""
+    """A single-layer EAGLE (version 1) or EAGLE3 (version 3) draft head.
+
+    Parameters carry the checkpoint's names (:mod:`.eagle_format`): ``fc``, ``layers.0.*``
+    and, for EAGLE3, ``norm``; the embedding and (unless the checkpoint has its own) the
+    LM head are the target's, held as plain tensors, never as parameters.
+    """
 
     def __init__(
         self,
@@ -69,30 +109,13 @@ class EagleDraftModel(nn.Module):
         self.config = config
         self.version = config.version
         self.hidden_size = h
-        self.num_heads, self.num_kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        self.q_size, self.kv_size = layer.q_size, layer.kv_size
-        self.intermediate_size = layer.intermediate_size
-        eps = layer.rms_norm_eps
         kw = {"dtype": dtype, "device": device}
         self.fc = Linear(config.fc_in_features, (h,), bias=config.fc_bias, **kw)
-        # EAGLE's layer 0 traditionally has no input norm (the fc output feeds attention).
-        self.input_layernorm = RMSNorm(h, eps, **kw) if (has_input_norm or self.version == 3) else None
-        self.hidden_norm = RMSNorm(h, eps, **kw) if self.version == 3 else None
-        self.qkv_proj = Linear(
-            config.attn_in_features,
-            (self.q_size, self.kv_size, self.kv_size),
-            bias=layer.attention_bias,
-            **kw,
-        )
-        self.o_proj = Linear(self.q_size, (h,), bias=layer.o_bias, **kw)
-        self.post_attention_layernorm = RMSNorm(h, eps, **kw)
-        self.gate_up_proj = Linear(h, (self.intermediate_size,) * 2, bias=layer.mlp_bias, **kw)
-        self.down_proj = Linear(self.intermediate_size, (h,), bias=layer.mlp_bias, **kw)
-        self.norm = RMSNorm(h, eps, **kw) if self.version == 3 else None
         self.rotary = RotaryEmbedding(
             layer.rope, layer.head_dim, max_positions, layer.max_position_embeddings, **kw
         )
-        self.attn = Attention(layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        self.layers = nn.ModuleList([EagleDecoderLayer(config, self.rotary, input_norm=has_input_norm, **kw)])
+        self.norm = RMSNorm(h, layer.rms_norm_eps, **kw) if self.version == 3 else None
         # Shared, not registered: they belong to the target and are not draft parameters.
         # detach(): a plain tensor view of the same storage, so nn.Module does not adopt
         # the target's Parameters as the draft's own.
@@ -127,30 +150,11 @@ class EagleDraftModel(nn.Module):
         ``[T, n_aux*H_t]``) or, on later draft steps, the draft's own output (``[T, H]``).
         """
         emb = self.embed(input_ids)
+        layer = self.layers[0]
         if self.version == 3:
             feature = self.fc(features) if from_target else features
-            assert self.input_layernorm is not None and self.hidden_norm is not None
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], dim=-1)
-            residual = feature
-        else:
-            residual = self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
-            x = residual if self.input_layernorm is None else self.input_layernorm(residual)
-        h = residual + self._attention(x, meta, k_cache, v_cache)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
-
-    def _attention(
-        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q, k = self.rotary(
-            meta.positions,
-            q.reshape(tokens, self.num_heads, self.head_dim),
-            k.reshape(tokens, self.num_kv_heads, self.head_dim),
-        )
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, k_cache, v_cache, meta)
-        return self.o_proj(out)
+            return layer.forward_eagle3(emb, feature, meta, k_cache, v_cache)
+        return layer(self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1)), meta, k_cache, v_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (float32) over the target's vocabulary, ``-inf`` outside the draft's."""
@@ -164,24 +168,13 @@ class EagleDraftModel(nn.Module):
         return hidden if self.norm is None else self.norm(hidden)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy checkpoint tensors (already checked by :func:`load_eagle_tensors`)."""
+        """Copy checkpoint tensors (already checked by :func:`load_eagle_tensors`), routed
+        into the fused weights as the target's are."""
         params = dict(self.named_parameters())
         for name, tensor in tensors.items():
-            key = name.removeprefix("layers.0.").removeprefix("self_attn.").removeprefix("mlp.")
-            parts = key.split(".")
-            if parts[0] in _FUSED:
-                fused, index = _FUSED[parts[0]]
-                module = getattr(self, fused)
-                offsets = module.slice_offsets
-                dest = getattr(module, parts[1]).data[offsets[index] : offsets[index + 1]]
-            else:
-                if key not in params:
-                    raise ValueError(
-                        f"EAGLE draft tensor {name!r} has no place in a version-{self.version} draft"
-                    )
-                dest = params[key].data
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"EAGLE draft tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            dest = checkpoint_destination(self, params, name)
+            if dest is None:
+                raise WeightLoadError(
+                    f"EAGLE draft tensor {name!r} has no place in a version-{self.version} draft"
                 )
-            dest.copy_(tensor.to(dest.dtype))
+            copy_checkpoint_tensor(dest, name, tensor)
