@@ -20,7 +20,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .capabilities import CAPABILITIES, Capabilities
-from .config import LORA_MODULES, RaggedVerify, RuntimeConfig, SpecAlgorithm
+from .config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DRAFT_LOAD_FORMATS,
+    DTYPES,
+    LORA_BACKENDS,
+    LORA_MODULES,
+    RaggedVerify,
+    RuntimeConfig,
+    SpecAlgorithm,
+    chain_draft_tokens,
+)
 
 LORA_SPEC_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
     {
@@ -59,11 +70,42 @@ tree at most this many nodes): every decode request verifies that many rows."""
 # Tree drafts verify num_draft_tokens rows per request; at 8 requests a 16-node tree was
 # already slower than a chain on the H200 (bench/results/2026-12-04-spec-h200.md).
 TREE_COSTLY_BATCH = 8
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
-LORA_BACKENDS = ("auto", "triton", "torch")
-DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+MINIMUM: dict[str, int] = {
+    "model.context_length": 1,
+    "parallel.tensor_parallel_size": 1,
+    "scheduler.max_running_requests": 1,
+    "scheduler.max_total_tokens": 1,
+    "scheduler.chunked_prefill_size": 1,
+    "scheduler.max_prefill_tokens": 1,
+    "scheduler.max_admission_defer_steps": 0,
+    "cuda_graph.max_bs": 1,
+    "cuda_graph.max_prefill_tokens": 0,
+    "lora.max_loras_per_batch": 1,
+    "lora.max_loaded_loras": 1,
+    "lora.max_rank": 1,
+    "speculative.num_steps": 1,
+    "speculative.top_k": 1,
+    "speculative.num_draft_tokens": 2,
+    "speculative.ngram_min": 1,
+    "speculative.disable_batch_size": 0,
+    "speculative.tree_max_batch_size": 0,
+}
+"""The smallest value of each numeric field the policy bounds: the one statement of these
+bounds (the operator's spec model takes them from here; a test holds the CRD's equal)."""
+MAXIMUM: dict[str, int] = {
+    "lora.max_rank": MAX_LORA_RANK,
+    "speculative.num_steps": MAX_NUM_STEPS,
+    "speculative.top_k": MAX_TOP_K,
+    "speculative.num_draft_tokens": MAX_NUM_DRAFT_TOKENS,
+}
+"""The largest value of each numeric field the policy bounds above (as :data:`MINIMUM`)."""
+
+
+def tree_draft_tokens_limit(top_k: int, num_steps: int) -> int:
+    """The most tokens a tree of ``top_k`` over ``num_steps`` can verify per request: its
+    root plus ``top_k`` first-level nodes plus ``top_k²`` candidates per further step."""
+    return 1 + top_k + (num_steps - 1) * top_k**2
 
 _FIELD_REF = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)\}")
 
@@ -358,14 +400,16 @@ def _normalized(config: RuntimeConfig) -> tuple[RuntimeConfig, list[Violation]]:
     return config, out
 
 
-def _at_least(path: str, value: int | float | None, minimum: int, rule: str) -> Iterable[Violation]:
+def _at_least(path: str, value: int | float | None, rule: str) -> Iterable[Violation]:
+    minimum = MINIMUM[path]
     if value is not None and value < minimum:
         yield Violation(
             rule, path, f"must be at least {minimum}, got {value}", f"set {{{path}}} to {minimum} or more"
         )
 
 
-def _at_most(path: str, value: int | None, maximum: int, rule: str, why: str) -> Iterable[Violation]:
+def _at_most(path: str, value: int | None, rule: str, why: str) -> Iterable[Violation]:
+    maximum = MAXIMUM[path]
     if value is not None and value > maximum:
         yield Violation(
             rule, path, f"must be at most {maximum}, got {value} ({why})", f"set {{{path}}} to {maximum} or less"
@@ -385,24 +429,23 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
             Violation("model-required", "model.path", "the base model is not set", "name the base model")
         )
     out += _one_of("model.dtype", config.model.dtype, DTYPES, "model-dtype")
-    out += _at_least("model.context_length", config.model.context_length, 1, "context-length")
+    out += _at_least("model.context_length", config.model.context_length, "context-length")
     out += _at_least(
-        "parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, 1, "tensor-parallel"
+        "parallel.tensor_parallel_size", config.parallel.tensor_parallel_size, "tensor-parallel"
     )
     out += _one_of("device", config.device, DEVICES, "device")
     out += _one_of("attention_backend", config.attention_backend, ATTENTION_BACKENDS, "attention-backend")
     out += _at_least(
-        "scheduler.max_running_requests", config.scheduler.max_running_requests, 1, "max-running"
+        "scheduler.max_running_requests", config.scheduler.max_running_requests, "max-running"
     )
-    out += _at_least("scheduler.max_total_tokens", config.scheduler.max_total_tokens, 1, "max-total-tokens")
+    out += _at_least("scheduler.max_total_tokens", config.scheduler.max_total_tokens, "max-total-tokens")
     out += _at_least(
-        "scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, 1, "chunked-prefill"
+        "scheduler.chunked_prefill_size", config.scheduler.chunked_prefill_size, "chunked-prefill"
     )
-    out += _at_least("scheduler.max_prefill_tokens", config.scheduler.max_prefill_tokens, 1, "max-prefill")
+    out += _at_least("scheduler.max_prefill_tokens", config.scheduler.max_prefill_tokens, "max-prefill")
     out += _at_least(
         "scheduler.max_admission_defer_steps",
         config.scheduler.max_admission_defer_steps,
-        0,
         "max-admission-defer",
     )
     fraction = config.scheduler.kv_memory_fraction
@@ -419,8 +462,8 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
         out.append(
             Violation("port", "server.port", f"must be a TCP port, got {config.server.port}", "use 1-65535")
         )
-    out += _at_least("cuda_graph.max_bs", config.cuda_graph.max_bs, 1, "cuda-graph-bs")
-    if config.cuda_graph.max_prefill_tokens < 0:
+    out += _at_least("cuda_graph.max_bs", config.cuda_graph.max_bs, "cuda-graph-bs")
+    if config.cuda_graph.max_prefill_tokens < MINIMUM["cuda_graph.max_prefill_tokens"]:
         out.append(
             Violation(
                 "cuda-graph-prefill",
@@ -451,11 +494,11 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
             )
         )
     lora = config.lora
-    out += _at_least("lora.max_loras_per_batch", lora.max_loras_per_batch, 1, "lora-slots")
-    out += _at_least("lora.max_loaded_loras", lora.max_loaded_loras, 1, "lora-cache")
-    out += _at_least("lora.max_rank", lora.max_rank, 1, "lora-rank")
+    out += _at_least("lora.max_loras_per_batch", lora.max_loras_per_batch, "lora-slots")
+    out += _at_least("lora.max_loaded_loras", lora.max_loaded_loras, "lora-cache")
+    out += _at_least("lora.max_rank", lora.max_rank, "lora-rank")
     out += _at_most(
-        "lora.max_rank", lora.max_rank, MAX_LORA_RANK, "lora-rank-max", "every slot reserves GPU memory for it"
+        "lora.max_rank", lora.max_rank, "lora-rank-max", "every slot reserves GPU memory for it"
     )
     if lora.max_loras_per_batch > lora.max_loaded_loras >= 1:
         out.append(
@@ -546,10 +589,10 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
         )
     # Checked whatever the algorithm, as the CRD does; a nonzero value with NONE is harmless.
     out += _at_least(
-        "speculative.disable_batch_size", spec.disable_batch_size, 0, "speculative-disable-batch-size"
+        "speculative.disable_batch_size", spec.disable_batch_size, "speculative-disable-batch-size"
     )
     out += _at_least(
-        "speculative.tree_max_batch_size", spec.tree_max_batch_size, 0, "speculative-tree-max-batch-size"
+        "speculative.tree_max_batch_size", spec.tree_max_batch_size, "speculative-tree-max-batch-size"
     )
     if requested is SpecAlgorithm.NONE:
         return out
@@ -588,35 +631,35 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
                 related=("speculative.algorithm",),
             )
         )
-    out += _at_least("speculative.num_steps", spec.num_steps, 1, "num-steps")
-    out += _at_least("speculative.top_k", spec.top_k, 1, "top-k")
-    out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, 2, "num-draft-tokens")
+    out += _at_least("speculative.num_steps", spec.num_steps, "num-steps")
+    out += _at_least("speculative.top_k", spec.top_k, "top-k")
+    out += _at_least("speculative.num_draft_tokens", spec.num_draft_tokens, "num-draft-tokens")
     out += _at_most(
-        "speculative.num_steps", spec.num_steps, MAX_NUM_STEPS, "num-steps-max", "one draft forward per step"
+        "speculative.num_steps", spec.num_steps, "num-steps-max", "one draft forward per step"
     )
-    out += _at_most("speculative.top_k", spec.top_k, MAX_TOP_K, "top-k-max", "each tree level scores top_k² nodes")
+    out += _at_most("speculative.top_k", spec.top_k, "top-k-max", "each tree level scores top_k² nodes")
     out += _at_most(
         "speculative.num_draft_tokens",
         spec.num_draft_tokens,
-        MAX_NUM_DRAFT_TOKENS,
         "num-draft-tokens-max",
         "every request verifies that many rows each step",
     )
-    if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != spec.num_steps + 1:
+    chain = chain_draft_tokens(spec.num_steps)
+    if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != chain:
         out.append(
             Violation(
                 "chain-draft-tokens",
                 "speculative.num_draft_tokens",
                 f"with {{speculative.top_k}} 1 (a chain) each request verifies {{speculative.num_steps}} + 1 = "
-                f"{spec.num_steps + 1} tokens, "
+                f"{chain} tokens, "
                 f"got {spec.num_draft_tokens}",
-                f"set {{speculative.num_draft_tokens}} to {spec.num_steps + 1} (or leave it unset)",
+                f"set {{speculative.num_draft_tokens}} to {chain} (or leave it unset)",
                 related=("speculative.num_steps", "speculative.top_k"),
             )
         )
     if spec.top_k > 1 and spec.num_steps >= 1:
-        most = 1 + spec.top_k + (spec.num_steps - 1) * spec.top_k**2
-        if not 2 <= spec.num_draft_tokens <= most:
+        most = tree_draft_tokens_limit(spec.top_k, spec.num_steps)
+        if not MINIMUM["speculative.num_draft_tokens"] <= spec.num_draft_tokens <= most:
             out.append(
                 Violation(
                     "tree-draft-tokens",

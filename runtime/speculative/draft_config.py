@@ -10,8 +10,14 @@ The target's :class:`RuntimeConfig` is deep-copied first and never mutated.
 from __future__ import annotations
 
 from ..contract.capabilities import CAPABILITIES, Capabilities
-from ..contract.config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
-from ..contract.policy import resolve_speculative
+from ..contract.config import (
+    RaggedVerify,
+    RuntimeConfig,
+    SpecAlgorithm,
+    SpeculativeConfig,
+    chain_draft_tokens,
+)
+from ..contract.policy import MINIMUM, resolve_speculative, tree_draft_tokens_limit
 
 
 class SpeculativeConfigError(ValueError):
@@ -67,17 +73,18 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
             "speculative.num_steps", f"speculative.num_steps must be >= 1, got {spec.num_steps}"
         )
     if spec.top_k > 1:
-        most = 1 + spec.top_k + (spec.num_steps - 1) * spec.top_k**2
-        if not 2 <= spec.num_draft_tokens <= most:
+        # The policy's bounds (the webhook and start-up judge by the same ones).
+        least, most = MINIMUM["speculative.num_draft_tokens"], tree_draft_tokens_limit(spec.top_k, spec.num_steps)
+        if not least <= spec.num_draft_tokens <= most:
             raise SpeculativeConfigError(
                 "speculative.num_draft_tokens",
                 f"a tree of speculative.top_k {spec.top_k} over speculative.num_steps {spec.num_steps} offers "
-                f"{most - 1} candidates: speculative.num_draft_tokens must be 2..{most}, got {spec.num_draft_tokens}",
+                f"{most - 1} candidates: speculative.num_draft_tokens must be {least}..{most}, got {spec.num_draft_tokens}",
             )
-    elif spec.num_draft_tokens != spec.num_steps + 1:
+    elif spec.num_draft_tokens != chain_draft_tokens(spec.num_steps):
         raise SpeculativeConfigError(
             "speculative.num_draft_tokens",
-            f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for "
+            f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {chain_draft_tokens(spec.num_steps)} for "
             f"chain drafts (the last committed token plus one draft per step), got {spec.num_draft_tokens}",
         )
     if spec.adaptive:
