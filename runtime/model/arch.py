@@ -144,10 +144,16 @@ def _rope_spec(raw: dict) -> RopeSpec:
     )
 
 
+def declared_architecture(raw: dict, override: str | None = None) -> str | None:
+    """The architecture a config.json declares (its first ``architectures`` entry), unless
+    ``override`` (the runtime configuration's) names one."""
+    archs = raw.get("architectures") or []
+    return override or (archs[0] if archs else None)
+
+
 def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> ModelArchConfig:
     """Build a :class:`ModelArchConfig` from a parsed config.json."""
-    archs = raw.get("architectures") or []
-    architecture = architecture_override or (archs[0] if archs else None)
+    architecture = declared_architecture(raw, architecture_override)
     if architecture is None:
         model_type = raw.get("model_type")
         architecture = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(model_type)
@@ -203,15 +209,21 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     )
 
 
-def load_arch_config(model_dir: str | Path, *, architecture_override: str | None = None) -> ModelArchConfig:
-    """Read ``model_dir/config.json``; local files only."""
-    path = Path(model_dir) / "config.json"
+def read_config_json(directory: str | Path, *, missing: str) -> dict:
+    """``directory/config.json``, parsed; local files only. ``missing``: the fix to name
+    when the file is absent (which setting must point at which directory)."""
+    path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ModelConfigError(
-            f"{path} not found: model.path must be a local directory with config.json and safetensors weights"
-        )
+        raise ModelConfigError(f"{path} not found: {missing}")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def load_arch_config(model_dir: str | Path, *, architecture_override: str | None = None) -> ModelArchConfig:
+    """Read ``model_dir/config.json``; local files only."""
+    raw = read_config_json(
+        model_dir, missing="model.path must be a local directory with config.json and safetensors weights"
+    )
     return arch_from_dict(raw, architecture_override=architecture_override)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.arch import load_arch_config
+from ..model.arch import arch_from_dict, read_config_json
 from .eagle_format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
 
 _COPIED_KEYS = (
@@ -62,8 +62,8 @@ def build_eagle_draft(
     if torch_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     target_dir = Path(target_dir)
-    target = load_arch_config(target_dir)
-    raw_target = json.loads((target_dir / "config.json").read_text())
+    raw_target = read_config_json(target_dir, missing="target_dir must be a model directory")
+    target = arch_from_dict(raw_target)
     raw = {key: raw_target[key] for key in _COPIED_KEYS if key in raw_target}
     raw.update(
         architectures=[architecture],

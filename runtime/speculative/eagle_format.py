@@ -48,13 +48,18 @@ the layer attends over ``[input_layernorm(embed(x[i+1])), hidden_norm(feature[i]
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..model.arch import ModelArchConfig, ModelConfigError, arch_from_dict
+from ..model.arch import (
+    ModelArchConfig,
+    ModelConfigError,
+    arch_from_dict,
+    declared_architecture,
+    read_config_json,
+)
 
 INPUT_NORM = "layers.0.input_layernorm.weight"
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": 1, "LlamaForCausalLMEagle3": 3}
@@ -161,9 +166,10 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
 
 
 def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = None) -> EagleDraftConfig:
-    """Parse an EAGLE draft's config.json."""
-    archs = raw.get("architectures") or []
-    architecture = architecture_override or (archs[0] if archs else None)
+    """Parse an EAGLE draft's config.json: its decoder layer as the target's config.json is
+    parsed (:func:`~..model.arch.arch_from_dict`: heads, rope, norms, biases, dtype), plus
+    the fields EAGLE's formats add."""
+    architecture = declared_architecture(raw, architecture_override)
     if architecture not in EAGLE_ARCHITECTURES:
         raise ModelConfigError(
             f"draft config.json architecture {architecture!r} is not an EAGLE draft: use one of "
@@ -200,15 +206,7 @@ def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = Non
 
 def load_eagle_config(path: str | Path, *, architecture_override: str | None = None) -> EagleDraftConfig:
     """Read ``path/config.json`` of an EAGLE draft; local files only."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ModelConfigError(
-            f"{file} not found: speculative.draft_model_path must be a local EAGLE draft directory"
-        )
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{file} is not valid JSON: {exc}") from exc
+    raw = read_config_json(path, missing="speculative.draft_model_path must be a local EAGLE draft directory")
     return eagle_config_from_dict(raw, architecture_override=architecture_override)
 
 
