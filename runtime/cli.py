@@ -202,8 +202,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(effective, args)
 
 
-async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: float) -> None:
-    """Serve until SIGTERM/SIGINT, then drain with the listener still open, then stop.
+EXIT_BIND = 3  # the listening address cannot be bound (port in use, no permission, bad host)
+
+
+class BindError(OSError):
+    """The listening address cannot be bound; the message names it and the fix."""
+
+
+def _bind_listeners(host: str, port: int) -> list:
+    """Bound, listening sockets for every address ``host`` resolves to (as asyncio's
+    ``create_server`` binds them: SO_REUSEADDR, IPv6 sockets IPv6-only).
+
+    Bound before the app starts, so a port in use fails at once, before the model loads
+    and before "listening on" is logged. Raises :class:`BindError`.
+    """
+    import errno
+    import socket
+
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(
+            f"cannot listen on {where}: host {host!r} does not resolve ({exc.strerror}): fix --host"
+        ) from None
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _name, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)
+    except OSError as exc:
+        for sock in bound:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            fix = "the port is already in use: pass a free --port, or stop the process that holds it"
+        elif exc.errno == errno.EACCES:
+            fix = "permission denied (ports below 1024 need privileges): pass a --port of 1024 or above"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            fix = f"{host} is not an address of this machine: pass --host 0.0.0.0 or one of its addresses"
+        else:
+            fix = f"{exc.strerror or exc}: check --host and --port"
+        raise BindError(f"cannot listen on {where}: {fix}") from None
+    return bound
+
+
+async def _serve_until_signalled(app, sockets: list, drain_timeout_s: float) -> None:
+    """Serve on already bound ``sockets`` until SIGTERM/SIGINT, then drain with the listener
+    still open, then stop.
 
     aiohttp's ``run_app`` closes the listening socket first, so probes and new requests
     would meet a refused connection while in-flight requests drain.
@@ -230,7 +280,8 @@ async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: flo
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        await web.TCPSite(runner, host, port).start()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
         await stop.wait()
         await drain(app, drain_timeout_s, hurry=hurry)
     finally:
@@ -238,12 +289,21 @@ async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: flo
 
 
 def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
-    """Run the HTTP server until SIGTERM/SIGINT; drain, then return 0."""
+    """Bind, then run the HTTP server until SIGTERM/SIGINT; drain, then return 0.
+
+    An address that cannot be bound returns ``EXIT_BIND`` with one line on stderr naming
+    it and the fix, before the model loads and before "listening on" is logged.
+    """
 
     from .engine.factory import build_engine
     from .lora.sources import SourceSettings
     from .server import STATE, build_app
 
+    try:
+        sockets = _bind_listeners(cfg.server.host, cfg.server.port)
+    except BindError as exc:
+        print(f"loraserve-runtime: {exc}", file=sys.stderr)
+        return EXIT_BIND
     sources = SourceSettings(
         cache_dir=Path(cfg.server.adapter_cache_dir),
         pvc_root=Path(args.pvc_root),
@@ -259,7 +319,7 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         exit_on_load_failure=True,
     )
     log.info("listening on %s:%d (model %s)", cfg.server.host, cfg.server.port, cfg.model.path)
-    asyncio.run(_serve_until_signalled(app, cfg.server.host, cfg.server.port, args.drain_timeout))
+    asyncio.run(_serve_until_signalled(app, sockets, args.drain_timeout))
     state = app[STATE]
     if state.load_error:
         print(f"loraserve-runtime: the model failed to load: {state.load_error}", file=sys.stderr)
