@@ -13,15 +13,27 @@ user's field, e.g. ``spec.lora.maxRank``) and write status with ``model.to_dict(
 from __future__ import annotations
 
 import enum
+import functools
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, LORA_MODULES, RaggedVerify, SpecAlgorithm
-from loraserve.runtime.contract.policy import source_path_problem
+from loraserve.runtime.contract.config import (
+    ATTENTION_BACKENDS,
+    DEFAULTS,
+    DRAFT_LOAD_FORMATS,
+    DTYPES,
+    LORA_BACKENDS,
+    LORA_MODULES,
+    MAX_LOAD_TIMEOUT_S,
+    RaggedVerify,
+    SpecAlgorithm,
+)
+from loraserve.runtime.contract.policy import MAX_LORA_RANK, MAXIMUM, MINIMUM, source_path_problem
 
 GROUP = "loraserve.io"
 VERSION = "v1alpha1"
@@ -46,6 +58,10 @@ QUANTITY_PATTERN = r"^([1-9][0-9]*(\.[0-9]+)?|0\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[k
 """A positive Kubernetes quantity such as ``20Gi`` or ``500M``."""
 
 GPU_RESOURCE = "nvidia.com/gpu"
+
+MAX_BATCH_SIZE_SWITCH = 4096
+"""The API's bound on the batch sizes that switch drafting off (``disableBatchSize``,
+``treeMaxBatchSize``): larger than any batch a pod runs."""
 
 SOURCE_MESSAGE = (
     "must be pvc://<claim>/<path>, an absolute path, https://<url>, s3://<bucket>/<key> "
@@ -88,6 +104,37 @@ TokenMapPath = Annotated[str, Field(max_length=512), _matching(TOKEN_MAP_PATTERN
 Sha256 = Annotated[str, _matching(SHA256_PATTERN, SHA256_MESSAGE)]
 
 
+# --------------------------------------------------------------------------- runtime settings
+
+
+@dataclass(frozen=True)
+class Sets:
+    """Marks a spec field that sets one runtime configuration field (``path``, e.g.
+    ``lora.max_rank``): ``loraserve.operator.translate`` copies it across, and names it in
+    messages, with no code of its own for the field."""
+
+    path: str
+
+
+def _config_default(path: str) -> Any:
+    value = functools.reduce(getattr, path.split("."), DEFAULTS)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def sets(path: str, **constraints: Any) -> Any:
+    """A spec field that sets the runtime's ``path``: its default is the configuration's
+    (unless ``default=`` says otherwise) and its bounds the policy's (``MINIMUM`` /
+    ``MAXIMUM``), unless given; the CRD tests hold the CRD equal to both."""
+    constraints.setdefault("default", _config_default(path))
+    if path in MINIMUM:
+        constraints.setdefault("ge", MINIMUM[path])
+    if path in MAXIMUM:
+        constraints.setdefault("le", MAXIMUM[path])
+    info = Field(**constraints)
+    info.metadata.append(Sets(path))
+    return info
+
+
 class _Spec(BaseModel):
     """Common configuration: camelCase names on the wire, snake_case in Python."""
 
@@ -113,10 +160,10 @@ class ModelSpec(_Spec):
 
     source: SourceURI
     revision: str | None = Field(default=None, max_length=256)
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    context_length: int | None = Field(default=None, ge=1)
+    dtype: Literal[DTYPES] = sets("model.dtype")  # type: ignore[valid-type]
+    context_length: int | None = sets("model.context_length")
     served_name: str | None = Field(default=None, max_length=256)
-    architecture: str | None = Field(default=None, max_length=128)
+    architecture: str | None = sets("model.architecture", max_length=128)
 
 
 class DraftModelSpec(_Spec):
@@ -124,54 +171,58 @@ class DraftModelSpec(_Spec):
 
     source: SourceURI
     revision: str | None = Field(default=None, max_length=256)
-    architecture: str | None = Field(default=None, max_length=128)
-    token_map: TokenMapPath | None = None  # EAGLE family: the tokens the draft predicts over
+    architecture: str | None = sets("speculative.draft_model_architecture", max_length=128)
+    token_map: TokenMapPath | None = sets("speculative.token_map")  # EAGLE family: the tokens the draft predicts over
 
 
 class NgramSpec(_Spec):
     """Prompt-lookup (NGRAM) matching window."""
 
-    min_match: int = Field(default=1, ge=1)
-    max_match: int = Field(default=4, ge=1)
+    min_match: int = sets("speculative.ngram_min")
+    max_match: int = sets("speculative.ngram_max", ge=MINIMUM["speculative.ngram_min"])
 
 
 class SpeculativeSpec(_Spec):
     """Speculative decoding: a draft proposes tokens, the target verifies with each adapter."""
 
-    algorithm: SpecAlgorithm = SpecAlgorithm.NONE
+    algorithm: SpecAlgorithm = sets("speculative.algorithm")
     draft_model: DraftModelSpec | None = None
-    num_steps: int = Field(default=3, ge=1, le=32)  # runtime.policy.MAX_NUM_STEPS
-    top_k: int = Field(default=1, ge=1, le=16)  # runtime.policy.MAX_TOP_K
-    num_draft_tokens: int | None = Field(default=None, ge=2, le=256)  # runtime.policy.MAX_NUM_DRAFT_TOKENS
-    adaptive: bool = False
-    ragged_verify: RaggedVerify = RaggedVerify.STATIC
-    draft_load_format: Literal["auto", "safetensors", "pt", "dummy"] = "auto"
+    num_steps: int = sets("speculative.num_steps")
+    top_k: int = sets("speculative.top_k")
+    # Unset: derived from numSteps where the configuration's field says how (a chain).
+    num_draft_tokens: int | None = sets("speculative.num_draft_tokens", default=None)
+    adaptive: bool = sets("speculative.adaptive")
+    ragged_verify: RaggedVerify = sets("speculative.ragged_verify")
+    draft_load_format: Literal[DRAFT_LOAD_FORMATS] = sets("speculative.draft_load_format")  # type: ignore[valid-type]
     ngram: NgramSpec = Field(default_factory=NgramSpec)
-    disable_batch_size: int = Field(default=0, ge=0, le=4096)
-    tree_max_batch_size: int = Field(default=0, ge=0, le=4096)
-    auto_disable: bool = False
+    disable_batch_size: int = sets("speculative.disable_batch_size", le=MAX_BATCH_SIZE_SWITCH)
+    tree_max_batch_size: int = sets("speculative.tree_max_batch_size", le=MAX_BATCH_SIZE_SWITCH)
+    auto_disable: bool = sets("speculative.auto_disable")
 
 
 class LoRASpec(_Spec):
     """The LoRA adapter pool of each replica."""
 
-    enabled: bool = True
-    max_loras_per_batch: int = Field(default=8, ge=1)
-    max_loaded_loras: int = Field(default=32, ge=1)
-    max_rank: int = Field(default=64, ge=1, le=512)  # runtime.policy.MAX_LORA_RANK
-    target_modules: list[Literal[LORA_MODULES]] = Field(  # type: ignore[valid-type]
-        default=list(DEFAULT_LORA_MODULES), min_length=1, max_length=len(LORA_MODULES)
+    enabled: bool = sets("lora.enabled")
+    max_loras_per_batch: int = sets("lora.max_loras_per_batch")
+    max_loaded_loras: int = sets("lora.max_loaded_loras")
+    max_rank: int = sets("lora.max_rank")
+    target_modules: list[Literal[LORA_MODULES]] = sets(  # type: ignore[valid-type]
+        "lora.target_modules", min_length=1, max_length=len(LORA_MODULES)
     )
-    backend: Literal["auto", "triton", "torch"] = "auto"
-    overlap_loading: bool = False
-    load_timeout_seconds: int = Field(default=60, ge=1, le=3600)
+    backend: Literal[LORA_BACKENDS] = sets("lora.backend")  # type: ignore[valid-type]
+    overlap_loading: bool = sets("lora.overlap_loading")
+    # Whole seconds on the API; the runtime takes any positive number up to the same maximum.
+    load_timeout_seconds: int = sets(
+        "lora.load_timeout_s", default=int(DEFAULTS.lora.load_timeout_s), ge=1, le=MAX_LOAD_TIMEOUT_S
+    )
     """How long a request for a registered adapter a pod does not hold waits for its load."""
 
 
 class CudaGraphSpec(_Spec):
-    enabled: bool = False
-    max_batch_size: int = Field(default=64, ge=1)
-    max_prefill_tokens: int = Field(default=512, ge=0)
+    enabled: bool = sets("cuda_graph.enabled")
+    max_batch_size: int = sets("cuda_graph.max_bs")
+    max_prefill_tokens: int = sets("cuda_graph.max_prefill_tokens")
 
 
 class EnvVar(_Spec):
@@ -185,22 +236,22 @@ class EnvVar(_Spec):
 class RuntimeSpec(_Spec):
     """Knobs of the runtime process and its container."""
 
-    overlap_schedule: bool = False
-    two_batch_overlap: bool = False
+    overlap_schedule: bool = sets("scheduler.overlap_schedule")
+    two_batch_overlap: bool = sets("scheduler.two_batch_overlap")
     cuda_graph: CudaGraphSpec = Field(default_factory=CudaGraphSpec)
-    max_running_requests: int = Field(default=64, ge=1)
-    max_total_tokens: int | None = Field(default=None, ge=1)
-    chunked_prefill_size: int = Field(default=2048, ge=1)
-    max_prefill_tokens: int = Field(default=8192, ge=1)
-    max_admission_defer_steps: int = Field(default=8, ge=0, le=1024)
-    kv_memory_fraction: float = Field(default=0.85, gt=0, le=1)
-    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    max_running_requests: int = sets("scheduler.max_running_requests")
+    max_total_tokens: int | None = sets("scheduler.max_total_tokens")
+    chunked_prefill_size: int = sets("scheduler.chunked_prefill_size")
+    max_prefill_tokens: int = sets("scheduler.max_prefill_tokens")
+    max_admission_defer_steps: int = sets("scheduler.max_admission_defer_steps", le=1024)
+    kv_memory_fraction: float = sets("scheduler.kv_memory_fraction", gt=0, le=1)
+    attention_backend: Literal[ATTENTION_BACKENDS] = sets("attention_backend")  # type: ignore[valid-type]
     image: str | None = Field(default=None, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
     extra_args: list[str] = Field(default_factory=list, max_length=128)
-    remote_source_hosts: list[Annotated[str, Field(max_length=253, pattern=HOST_PATTERN)]] | None = Field(
-        default=None, max_length=64
+    remote_source_hosts: list[Annotated[str, Field(max_length=253, pattern=HOST_PATTERN)]] | None = sets(
+        "server.remote_source_hosts", default=None, max_length=64
     )
     """Hosts remote Adapter sources may reach (``*.example.com``: its subdomains); empty: any."""
 
@@ -454,7 +505,7 @@ class AdapterSpec(_Spec):
     serve: str = Field(min_length=1, max_length=253)
     source: SourceURI
     sha256: Sha256 | None = None
-    rank: int | None = Field(default=None, ge=1, le=512)  # runtime.policy.MAX_LORA_RANK
+    rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK)
     """Declared rank, checked against the serve now and against the file at load time."""
     target_modules: list[Literal[LORA_MODULES]] | None = Field(  # type: ignore[valid-type]
         default=None, min_length=1, max_length=len(LORA_MODULES)

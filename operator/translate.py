@@ -13,73 +13,77 @@ fixed directory under the models volume, which the pod's model fetch step fills.
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
+import typing
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-from loraserve.runtime.contract.config import (
-    CudaGraphConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    RuntimeConfig,
-    SchedulerConfig,
-    ServerConfig,
-    SpeculativeConfig,
-)
+from pydantic import BaseModel
+
+from loraserve.runtime.contract.config import RuntimeConfig
+from loraserve.runtime.contract.flags import settings
 from loraserve.runtime.contract.policy import AdapterDeclaration, Report, source_path_problem
 
-from .specs import AdapterSpec, EffectiveSpeculative, LoRAServeSpec, StorageSpec, VolumeType
+from .specs import AdapterSpec, EffectiveSpeculative, LoRAServeSpec, Sets, StorageSpec, VolumeType
 
-FIELD_PATHS: dict[str, str] = {
+SPECIAL_FIELD_PATHS: dict[str, str] = {
     "model.path": "spec.model.source",
     "model.revision": "spec.model.revision",
-    "model.dtype": "spec.model.dtype",
-    "model.context_length": "spec.model.contextLength",
     "model.served_name": "spec.model.servedName",
-    "model.architecture": "spec.model.architecture",
-    "speculative.algorithm": "spec.speculative.algorithm",
     "speculative.draft_model_path": "spec.speculative.draftModel",
-    "speculative.draft_model_architecture": "spec.speculative.draftModel.architecture",
-    "speculative.num_steps": "spec.speculative.numSteps",
-    "speculative.top_k": "spec.speculative.topK",
-    "speculative.num_draft_tokens": "spec.speculative.numDraftTokens",
-    "speculative.adaptive": "spec.speculative.adaptive",
-    "speculative.ragged_verify": "spec.speculative.raggedVerify",
-    "speculative.draft_load_format": "spec.speculative.draftLoadFormat",
-    "speculative.token_map": "spec.speculative.draftModel.tokenMap",
-    "speculative.ngram_min": "spec.speculative.ngram.minMatch",
-    "speculative.ngram_max": "spec.speculative.ngram.maxMatch",
-    "speculative.disable_batch_size": "spec.speculative.disableBatchSize",
-    "speculative.tree_max_batch_size": "spec.speculative.treeMaxBatchSize",
-    "speculative.auto_disable": "spec.speculative.autoDisable",
-    "lora.enabled": "spec.lora.enabled",
-    "lora.max_loras_per_batch": "spec.lora.maxLorasPerBatch",
-    "lora.max_loaded_loras": "spec.lora.maxLoadedLoras",
-    "lora.max_rank": "spec.lora.maxRank",
-    "lora.target_modules": "spec.lora.targetModules",
-    "lora.backend": "spec.lora.backend",
-    "lora.overlap_loading": "spec.lora.overlapLoading",
-    "lora.load_timeout_s": "spec.lora.loadTimeoutSeconds",
     "lora.catalog": "the serve's Adapters",
     "lora.adapters": "the serve's Adapters",
     "lora.pinned": "the serve's pinned Adapters",
-    "scheduler.max_running_requests": "spec.runtime.maxRunningRequests",
-    "scheduler.max_total_tokens": "spec.runtime.maxTotalTokens",
-    "scheduler.chunked_prefill_size": "spec.runtime.chunkedPrefillSize",
-    "scheduler.max_prefill_tokens": "spec.runtime.maxPrefillTokens",
-    "scheduler.max_admission_defer_steps": "spec.runtime.maxAdmissionDeferSteps",
-    "scheduler.overlap_schedule": "spec.runtime.overlapSchedule",
-    "scheduler.two_batch_overlap": "spec.runtime.twoBatchOverlap",
-    "scheduler.kv_memory_fraction": "spec.runtime.kvMemoryFraction",
-    "attention_backend": "spec.runtime.attentionBackend",
-    "cuda_graph.enabled": "spec.runtime.cudaGraph.enabled",
-    "cuda_graph.max_bs": "spec.runtime.cudaGraph.maxBatchSize",
-    "cuda_graph.max_prefill_tokens": "spec.runtime.cudaGraph.maxPrefillTokens",
     "parallel.tensor_parallel_size": "spec.gpus",
     "device": "spec.gpus",
     "server.admin_token": "spec.adminTokenSecretName",
-    "server.remote_source_hosts": "spec.runtime.remoteSourceHosts",
+}
+"""Runtime fields a LoRAServe sets through code of its own here (paths in the pod, derived
+names, the GPUs); every other one is a spec field marked :class:`~.specs.Sets`."""
+
+
+@dataclass(frozen=True)
+class SpecSetting:
+    """A spec field that sets one runtime configuration field as it is."""
+
+    attrs: tuple[str, ...]
+    """Its attribute path in :class:`LoRAServeSpec` (``("lora", "max_rank")``)."""
+    config_path: str
+    crd_path: str
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The spec model a field holds (through ``X | None``), if it holds one."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _spec_settings(
+    model: type[BaseModel], attrs: tuple[str, ...], crd: str
+) -> typing.Iterator[SpecSetting]:
+    for name, info in model.model_fields.items():
+        here, crd_here = (*attrs, name), f"{crd}.{info.alias or name}"
+        marker = next((m for m in info.metadata if isinstance(m, Sets)), None)
+        if marker is not None:
+            yield SpecSetting(here, marker.path, crd_here)
+        elif (sub := _model_of(info.annotation)) is not None:
+            yield from _spec_settings(sub, here, crd_here)
+
+
+@functools.cache
+def spec_settings() -> tuple[SpecSetting, ...]:
+    """Every LoRAServe field that sets a runtime field as it is (marked :class:`~.specs.Sets`)."""
+    return tuple(_spec_settings(LoRAServeSpec, (), "spec"))
+
+
+FIELD_PATHS: dict[str, str] = {
+    **{s.config_path: s.crd_path for s in spec_settings()},
+    **SPECIAL_FIELD_PATHS,
 }
 """Runtime configuration field -> the LoRAServe field it comes from."""
 
@@ -216,84 +220,70 @@ def served_name(spec: LoRAServeSpec) -> str:
 def to_runtime_config(spec: LoRAServeSpec) -> RuntimeConfig:
     """The configuration every runtime pod of this serve runs with (before start-up reads
     the model's own files)."""
-    model = spec.model
-    speculative = spec.speculative
-    draft = speculative.draft_model
+    config = RuntimeConfig()
+    _copy_settings(spec, config)
+    _place_in_pod(spec, config)
+    config.parallel.tensor_parallel_size = max(spec.gpus, 1)
+    config.device = "cuda" if spec.gpus >= 1 else "cpu"
+    return config
+
+
+def _read(spec: LoRAServeSpec, attrs: tuple[str, ...]) -> Any:
+    """A spec field's value; None under an absent optional parent (``draftModel``)."""
+    value: Any = spec
+    for attr in attrs:
+        if value is None:
+            return None
+        value = getattr(value, attr)
+    return value
+
+
+def _as_field(current: Any, value: Any) -> Any:
+    """``value`` in the form of the configuration field now holding ``current``."""
+    if isinstance(current, tuple):
+        return tuple(value)
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def _copy_settings(spec: LoRAServeSpec, config: RuntimeConfig) -> None:
+    """Every :class:`~.specs.Sets` field into its runtime field. An unset one keeps the
+    configuration's default, or takes what the field derives from its section (a chain's
+    numDraftTokens from numSteps), once the rest of the section is in."""
+    flags = {s.path: s for s in settings()}
+    unset = []
+    for setting in spec_settings():
+        holder_path, _, name = setting.config_path.rpartition(".")
+        holder = functools.reduce(getattr, holder_path.split("."), config) if holder_path else config
+        value = _read(spec, setting.attrs)
+        if value is None:
+            unset.append((holder, name, flags[setting.config_path].flag.derive))
+            continue
+        setattr(holder, name, _as_field(getattr(holder, name), value))
+    for holder, name, derive in unset:
+        if derive is not None:
+            setattr(holder, name, derive(holder))
+
+
+def _place_in_pod(spec: LoRAServeSpec, config: RuntimeConfig) -> None:
+    """The fields that depend on where files are in the pod, and the derived names."""
+    model, draft = spec.model, spec.speculative.draft_model
     # An unmounted claim keeps its URI, which :func:`unmounted_sources` reports.
     model_path = pod_path(model.source, spec.storage, revision=model.revision) or model.source
     draft_path = (
         (pod_path(draft.source, spec.storage, revision=draft.revision) or draft.source) if draft else None
     )
-    num_draft_tokens = speculative.num_draft_tokens
-    if num_draft_tokens is None:
-        # A chain verifies its drafted tokens plus one; trees must say (the CRD requires it).
-        num_draft_tokens = speculative.num_steps + 1
-    adapters = spec.storage.adapters
-    cache_dir = ServerConfig().adapter_cache_dir
-    if not adapters.read_only:
-        cache_dir = posixpath.join(adapters.mount_path, ".cache")
-    return RuntimeConfig(
-        model=ModelConfig(
-            path=model_path,
-            revision=model.revision or hf_revision(model.source),
-            dtype=model.dtype,
-            context_length=model.context_length,
-            served_name=served_name(spec),
-            architecture=model.architecture,
-        ),
-        speculative=SpeculativeConfig(
-            algorithm=speculative.algorithm,
-            draft_model_path=draft_path,
-            draft_model_architecture=draft.architecture if draft else None,
-            num_steps=speculative.num_steps,
-            top_k=speculative.top_k,
-            num_draft_tokens=num_draft_tokens,
-            adaptive=speculative.adaptive,
-            ragged_verify=speculative.ragged_verify,
-            draft_load_format=speculative.draft_load_format,
-            token_map=draft.token_map if draft else None,
-            ngram_min=speculative.ngram.min_match,
-            ngram_max=speculative.ngram.max_match,
-            disable_batch_size=speculative.disable_batch_size,
-            tree_max_batch_size=speculative.tree_max_batch_size,
-            auto_disable=speculative.auto_disable,
-        ),
-        lora=LoRAConfig(
-            enabled=spec.lora.enabled,
-            max_loras_per_batch=spec.lora.max_loras_per_batch,
-            max_loaded_loras=spec.lora.max_loaded_loras,
-            max_rank=spec.lora.max_rank,
-            target_modules=tuple(spec.lora.target_modules),
-            backend=spec.lora.backend,
-            overlap_loading=spec.lora.overlap_loading,
-            catalog=CATALOG_FILE,
-            load_timeout_s=float(spec.lora.load_timeout_seconds),
-        ),
-        scheduler=SchedulerConfig(
-            max_running_requests=spec.runtime.max_running_requests,
-            max_total_tokens=spec.runtime.max_total_tokens,
-            chunked_prefill_size=spec.runtime.chunked_prefill_size,
-            max_prefill_tokens=spec.runtime.max_prefill_tokens,
-            max_admission_defer_steps=spec.runtime.max_admission_defer_steps,
-            overlap_schedule=spec.runtime.overlap_schedule,
-            two_batch_overlap=spec.runtime.two_batch_overlap,
-            kv_memory_fraction=spec.runtime.kv_memory_fraction,
-        ),
-        cuda_graph=CudaGraphConfig(
-            enabled=spec.runtime.cuda_graph.enabled,
-            max_bs=spec.runtime.cuda_graph.max_batch_size,
-            max_prefill_tokens=spec.runtime.cuda_graph.max_prefill_tokens,
-        ),
-        server=ServerConfig(
-            port=RUNTIME_PORT,
-            adapter_cache_dir=cache_dir,
-            allowed_local_roots=allowed_local_roots(spec, cache_dir, model_path, draft_path),
-            remote_source_hosts=tuple(spec.runtime.remote_source_hosts or ()),
-        ),
-        parallel=ParallelConfig(tensor_parallel_size=max(spec.gpus, 1)),
-        device="cuda" if spec.gpus >= 1 else "cpu",
-        attention_backend=spec.runtime.attention_backend,
-    )
+    config.model.path = model_path
+    config.model.revision = model.revision or hf_revision(model.source)
+    config.model.served_name = served_name(spec)
+    config.speculative.draft_model_path = draft_path
+    config.lora.catalog = CATALOG_FILE
+    server = config.server
+    server.port = RUNTIME_PORT
+    if not spec.storage.adapters.read_only:
+        server.adapter_cache_dir = posixpath.join(spec.storage.adapters.mount_path, ".cache")
+    server.allowed_local_roots = allowed_local_roots(spec, server.adapter_cache_dir, model_path, draft_path)
 
 
 def allowed_local_roots(

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import kopf
 
 from loraserve.runtime.contract.capabilities import CAPABILITIES, Capabilities
-from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm, chain_draft_tokens
 from loraserve.runtime.contract.policy import (
     Namer,
     check_adapter,
@@ -147,8 +147,8 @@ def derived_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     speculative = spec.get("speculative") or {}
     chain = parsed.speculative.top_k == 1 and parsed.speculative.algorithm is not SpecAlgorithm.NONE
     if chain and "numDraftTokens" not in speculative:
-        # A chain verifies its drafted tokens plus one.
-        patch["speculative"] = {"numDraftTokens": parsed.speculative.num_steps + 1}
+        # A chain verifies its drafted tokens plus one (the one statement of that default).
+        patch["speculative"] = {"numDraftTokens": chain_draft_tokens(parsed.speculative.num_steps)}
     return patch
 
 
