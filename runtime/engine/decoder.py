@@ -36,7 +36,8 @@ from loraserve.kernels import ForwardMode
 
 from ..contract.config import RuntimeConfig
 from ..sampling import Sampler
-from .request import Request
+from .logits import gather_prompt_logprobs, last_rows, processed, token_logprobs, wants_prompt_logprobs
+from .request import Request, TopLogprobs
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StepOutput:
     logprobs: list[float] | None = None
     num_draft_tokens: int = 0  # speculation: drafts proposed this step
     num_accepted: int = 0  # speculation: drafts accepted this step
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when params.top_logprobs
 
 
 @runtime_checkable
@@ -63,11 +65,18 @@ class Decoder(Protocol):
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]) -> list[StepOutput]:
-    """One sampled token per row of ``logits``, row ``i`` for ``requests[i]``."""
-    out = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
-    logprobs = out.logprobs
+    """One sampled token per row of ``logits``, row ``i`` for ``requests[i]``, after each
+    request's logit processing; log-probabilities from the raw logits."""
+    chosen = processed(logits, requests)
+    out = sampler.sample(chosen, [r.params for r in requests], [r.generator for r in requests])
+    tokens = torch.tensor(out.token_ids, dtype=torch.int64, device=logits.device)[:, None]
+    logprobs, tops = token_logprobs(logits, tokens, requests)
     return [
-        StepOutput([tok], [logprobs[i]] if logprobs is not None and requests[i].params.logprobs else None)
+        StepOutput(
+            [tok],
+            None if logprobs is None else logprobs[i],
+            top_logprobs=None if tops is None else tops[i],
+        )
         for i, tok in enumerate(out.token_ids)
     ]
 
@@ -91,14 +100,19 @@ class StandardDecoder:
         ids: list[int] = []
         for req, n in chunks:
             ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
+        every_position = wants_prompt_logprobs(chunks)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             request_ids=[r.rid for r in requests],
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device()),
             extend_lens=[n for _, n in chunks],
             lora_names=[r.adapter for r in requests],
+            return_all_logits=every_position,
         )
         logits = self.runner.forward(batch).logits
+        if every_position:
+            gather_prompt_logprobs(chunks, logits)
+            logits = last_rows(chunks, logits)
         done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
         results: list[StepOutput | None] = [None] * len(chunks)
         if done:

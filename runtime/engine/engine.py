@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..contract.config import RuntimeConfig
-from ..sampling import Sampler, SamplingParamsError, make_generator
+from ..sampling import Sampler, SamplingParams, SamplingParamsError, make_generator
+from ..sampling.structured import Constraint, ConstraintCompiler
 from .decoder import Decoder, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
@@ -90,6 +91,7 @@ class Engine:
             tokenizer, "vocab_size", None
         )
 
+        self._constraints: ConstraintCompiler | None = None  # built on the first structured request
         self._cv = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._accepting = False
@@ -161,6 +163,7 @@ class Engine:
         params = request.params
         try:
             params.validate(self.vocab_size)
+            request.constraint = self._constraint(params)
         except SamplingParamsError as exc:
             raise EngineError.invalid(str(exc), param=exc.field) from exc
         n = len(request.prompt_ids)
@@ -410,6 +413,17 @@ class Engine:
         self._live[req.rid] = req
         self._enqueue(req)
 
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh matcher for a structured-output request (compiled grammars are cached)."""
+        if params.structured is None:
+            return None
+        if self._constraints is None:
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None or self.vocab_size is None:
+                raise SamplingParamsError("response_format", "structured output needs the model's tokenizer")
+            self._constraints = ConstraintCompiler(hf, self.vocab_size, sorted(self.eos_token_ids))
+        return self._constraints.constraint(params.structured)
+
     def _slots_pinned_against(self, adapter: str) -> bool:
         """Pinned adapters hold every GPU slot, so ``adapter`` can never get one."""
         pinned = self._pinned
@@ -531,15 +545,21 @@ class Engine:
         params = req.params
         new_ids: list[int] = []
         new_logprobs: list[float] = []
+        new_tops: list = []
         text_parts: list[str] = []
         reason: FinishReason | None = None
         for i, tok in enumerate(tokens):
             tok = int(tok)
             req.output_ids.append(tok)
             new_ids.append(tok)
+            if req.constraint is not None and not req.constraint.accept(tok):
+                # Masked sampling never picks such a token; say so rather than go on off-grammar.
+                log.error("request %s: token %d is outside its structured-output grammar", req.rid, tok)
             if out.logprobs is not None and i < len(out.logprobs):
                 req.output_logprobs.append(float(out.logprobs[i]))
                 new_logprobs.append(float(out.logprobs[i]))
+            if out.top_logprobs is not None and i < len(out.top_logprobs):
+                new_tops.append(out.top_logprobs[i])
             is_stop_token = tok in params.stop_token_ids or (
                 not params.ignore_eos and tok in self.eos_token_ids
             )
@@ -570,6 +590,7 @@ class Engine:
                 text="".join(text_parts),
                 token_ids=new_ids,
                 logprobs=new_logprobs if params.logprobs else None,
+                top_logprobs=new_tops if params.top_logprobs else None,
             )
             return
         req.num_cached = req.num_tokens - 1
@@ -580,6 +601,7 @@ class Engine:
                 token_ids=new_ids,
                 text="".join(text_parts),
                 logprobs=new_logprobs if params.logprobs else None,
+                top_logprobs=new_tops if params.top_logprobs else None,
                 prompt_tokens=len(req.prompt_ids),
                 completion_tokens=len(req.output_ids),
             ),
@@ -608,6 +630,7 @@ class Engine:
         text: str = "",
         token_ids: list[int] | None = None,
         logprobs: list[float] | None = None,
+        top_logprobs: list | None = None,
     ) -> None:
         if req.finished:
             return
@@ -642,6 +665,7 @@ class Engine:
                 token_ids=token_ids or [],
                 text=text,
                 logprobs=logprobs,
+                top_logprobs=top_logprobs,
                 finished=True,
                 finish_reason=reason,
                 error=error,
@@ -672,6 +696,9 @@ class Engine:
         )
 
     def _send(self, req: Request, out: RequestOutput) -> None:
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out.prompt_logprobs = req.prompt_logprobs  # with the first output only
+            req.prompt_logprobs_sent = True
         if req.sink is None:
             return
         try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sampling import SamplingParams
+from ..sampling.structured import Constraint
 
 if TYPE_CHECKING:
     from .text import TextStream
@@ -136,6 +137,11 @@ class Request:
     holds_adapter: bool = False
     # Free for a decoder to keep per-request state (e.g. a draft's cursor).
     decoder_state: object | None = None
+    # Structured output: the request's place in its grammar (advanced at each commit).
+    constraint: Constraint | None = None
+    # params.prompt_logprobs: gathered chunk by chunk while the prompt is prefilled.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def call(self) -> str:

@@ -35,6 +35,13 @@ from loraserve.kernels import ForwardMode
 
 from ..contract.config import RuntimeConfig, SpecAlgorithm
 from ..engine.decoder import StepOutput, sample_rows
+from ..engine.logits import (
+    gather_prompt_logprobs,
+    last_rows,
+    processed_verify,
+    token_logprobs,
+    wants_prompt_logprobs,
+)
 from ..engine.request import Request
 from ..runner.forward_batch import ForwardBatch
 from ..sampling import Sampler, processed_probs
@@ -100,13 +107,18 @@ class SpeculativeDecoder:
         ids: list[int] = []
         for req, n in chunks:
             ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
+        every_position = wants_prompt_logprobs(chunks)
         batch = self._target_batch(
             ForwardMode.EXTEND,
             requests,
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             extend_lens=[n for _, n in chunks],
+            return_all_logits=every_position,
         )
         output = self.runner.forward(batch)
+        if every_position:  # the drafters see the usual one row per chunk
+            gather_prompt_logprobs(chunks, output.logits)
+            output.logits = last_rows(chunks, output.logits)
         results: list[StepOutput | None] = [None] * len(chunks)
         done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
         if done:
@@ -219,14 +231,14 @@ class SpeculativeDecoder:
         verify_seconds = timer.seconds()
         for req, accepted in zip(requests, accept_lens, strict=True):
             self.runner.kv.truncate(req.rid, n - accepted)
-        logprobs = self._logprobs(requests, output.logits, acceptance)
+        logprobs = token_logprobs(output.logits, acceptance.tokens, requests)
         return self._outputs(requests, acceptance, logprobs, n, n, verify_seconds, time.perf_counter() - start)
 
     def _outputs(
         self,
         requests: Sequence[Request],
         acceptance: Acceptance,
-        logprobs: list[list[float] | None] | None,
+        logprobs: tuple[list | None, list | None],
         drafted: int,
         depth: int,
         verify_seconds: float,
@@ -235,12 +247,14 @@ class SpeculativeDecoder:
         """A verify step's outputs (``drafted`` draft tokens verified per request), recorded
         in the metrics as accept lengths out of ``depth`` positions."""
         accept_lens, token_rows = acceptance.host()
+        chosen, tops = logprobs
         outs = [
             StepOutput(
                 token_ids=row[: accepted + 1],
-                logprobs=None if logprobs is None or logprobs[i] is None else logprobs[i][: accepted + 1],
+                logprobs=None if chosen is None or chosen[i] is None else chosen[i][: accepted + 1],
                 num_draft_tokens=drafted,
                 num_accepted=accepted,
+                top_logprobs=None if tops is None or tops[i] is None else tops[i][: accepted + 1],
             )
             for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
         ]
@@ -251,9 +265,12 @@ class SpeculativeDecoder:
 
     def _tree_fits(self, requests: Sequence[Request]) -> bool:
         """Whether this step verifies a tree: an all-greedy batch (rejection sampling runs
-        over chains) no larger than ``speculative.tree_max_batch_size`` (when set)."""
+        over chains) no larger than ``speculative.tree_max_batch_size`` (when set), where no
+        request processes its logits (a node's processing depends on its path: chains only)."""
         limit = self.tree_max_batch_size
-        return (limit == 0 or len(requests) <= limit) and all(r.params.greedy for r in requests)
+        return (limit == 0 or len(requests) <= limit) and all(
+            r.params.greedy and not r.params.processes_logits for r in requests
+        )
 
     def _speculate_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[StepOutput]:
         """A greedy tree step: grow, verify every node at once, keep the accepted path."""
@@ -283,7 +300,9 @@ class SpeculativeDecoder:
                 for req, path, accepted in zip(requests, paths, accept_lens, strict=True)
             ]
         )
-        logprobs = self._logprobs(requests, acceptance.along_path(logits).reshape(-1, logits.shape[-1]), acceptance)
+        logprobs = token_logprobs(
+            acceptance.along_path(logits).reshape(-1, logits.shape[-1]), acceptance.tokens, requests
+        )
         return self._outputs(
             requests, acceptance, logprobs, n - 1, shape.num_steps, verify_seconds, time.perf_counter() - start
         )
@@ -297,6 +316,8 @@ class SpeculativeDecoder:
     ) -> Acceptance:
         bs, k = len(requests), self.k
         params = [r.params for r in requests]
+        # Each position as a plain step would see it (penalties, biases, grammar masks).
+        logits = processed_verify(logits, requests, drafts)
         if all(p.greedy for p in params):
             return greedy_accept(drafts, logits.view(bs, k, -1))
         # The target's sampling distribution of every row, exactly as the sampler builds it.
@@ -311,18 +332,6 @@ class SpeculativeDecoder:
         return rejection_accept(
             drafts, target, accept_u.to(logits.device), sample_u.to(logits.device), draft_probs
         )
-
-    @staticmethod
-    def _logprobs(
-        requests: Sequence[Request], logits: torch.Tensor, acceptance: Acceptance
-    ) -> list[list[float] | None] | None:
-        """Log-probabilities of the emitted tokens under the target's raw distribution."""
-        if not any(r.params.logprobs for r in requests):
-            return None
-        bs, k = acceptance.tokens.shape
-        logp = torch.log_softmax(logits.float().view(bs, k, -1), dim=-1)
-        chosen = logp.gather(2, acceptance.tokens.clamp_min(0)[..., None])[..., 0].tolist()
-        return [row if r.params.logprobs else None for r, row in zip(requests, chosen, strict=True)]
 
     # ------------------------------------------------------------------ lifecycle
     def on_add(self, request: Request) -> None:

@@ -87,7 +87,7 @@ def test_built_wheel_imports_without_the_checkout(installed, tmp_path, checkout_
 
 
 def test_runtime_policy_needs_no_operator_dependencies(installed, tmp_path):
-    """The serving image has torch's dependencies only: no pydantic, kopf or jsonschema."""
+    """The contract needs none of the operator's dependencies (pydantic, kopf, jsonschema, yaml)."""
     blocker = """
 import importlib.abc, json, sys
 class Block(importlib.abc.MetaPathFinder):
