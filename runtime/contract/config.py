@@ -396,6 +396,13 @@ class SchedulerConfig:
     kv_memory_fraction: float = setting(
         0.85, "--kv-memory-fraction", "share of free GPU memory the KV cache takes"
     )
+    prefix_cache: bool = setting(
+        True,
+        "--prefix-cache",
+        "reuse the KV of the longest prompt prefix cached under the same adapter (the base model is "
+        "its own key); finished requests leave their KV cached, evicted least recently used when the "
+        "pool needs room (--no-prefix-cache: prefill every prompt whole)",
+    )
 
 
 @dataclass
