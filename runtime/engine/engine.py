@@ -31,6 +31,7 @@ from ..sampling import Sampler, SamplingParams, SamplingParamsError, make_genera
 from ..sampling.structured import Constraint, ConstraintCompiler
 from .decoder import Decoder, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError
+from .prefix import PrefixReuse
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
 from .scheduler import Scheduler, SchedulerLimits, StepKind, StepPlan
 from .stats import EngineObserver, EngineSnapshot, StepTotals
@@ -82,6 +83,9 @@ class Engine:
             ),
         )
         self.scheduler = Scheduler(self.limits)
+        # Prefix caching lives in the target's KV pool (scheduler.prefix_cache); this is
+        # the engine's side of it: keys, planning hints, reuse at admission, caching at the end.
+        self.prefix = PrefixReuse(self.kv, peek_limit=2 * max_running + self.limits.max_head_bypass)
         self.model_context_len = self._model_context_len()
         # What one request can reach: the model's context, or the whole KV cache if smaller.
         self.context_len = min(self.model_context_len, int(getattr(self.kv, "max_context_len", 0) or 10**12))
@@ -274,8 +278,10 @@ class Engine:
                 "LoRA is disabled on this server (lora.enabled=false)", param="lora_name"
             )
         try:
+            self.prefix.adapter_changed(name)  # the weights behind the name may change
             return self.lora.load(name, path, pinned=pinned)
         finally:
+            self.prefix.adapter_changed(name)
             self.refresh_adapters()
 
     def unpin_adapter(self, name: str) -> None:
@@ -294,8 +300,10 @@ class Engine:
                 "LoRA is disabled on this server (lora.enabled=false)", param="lora_name"
             )
         try:
+            self.prefix.adapter_changed(name)
             self.lora.unload(name)
         finally:
+            self.prefix.adapter_changed(name)
             self.refresh_adapters()
 
     def list_adapters(self) -> list:
@@ -325,6 +333,8 @@ class Engine:
         began = time.perf_counter()
         if self._waiting and len(self._pinned) >= self.limits.max_loras_per_batch:
             self._fail_unschedulable()
+        self.prefix.sweep()
+        self.prefix.plan_hints(self._waiting)
         plan = self.scheduler.plan(
             self._waiting,
             self._running,
@@ -456,6 +466,9 @@ class Engine:
                 req.state = RequestState.RUNNING
                 req.admitted_time = time.monotonic()
                 req.prefill_target = req.num_tokens
+                if self.prefix.enabled:
+                    req.num_cached = self.prefix.admit(req)
+                    self._observe(self.observer.on_prefix_lookup, req, req.num_cached, req.num_tokens)
                 self.decoder.on_add(req)
             outs = self._isolated(
                 plan.extend,
@@ -530,6 +543,7 @@ class Engine:
                 self.kv.truncate(req.rid, held - cached)
         except Exception:  # the cache refuses: start this request over
             self.kv.free(req.rid)
+            self.prefix.forget(req)
             req.num_cached = 0
 
     def _commit(self, req: Request, out: StepOutput) -> None:
@@ -614,7 +628,8 @@ class Engine:
         self._running.remove(req)
         req.state = RequestState.WAITING
         self._call_hook(self.decoder.on_finish, req)
-        self.kv.free(req.rid)
+        # Its KV stays in the prefix cache (evictable like free tokens): it resumes from it.
+        self.prefix.release(req, req.all_ids[: req.num_cached])
         req.num_cached = 0
         req.prefill_target = 0
         req.num_retractions += 1
@@ -645,7 +660,8 @@ class Engine:
         req.finished_time = time.monotonic()
         if was_running:
             self._call_hook(self.decoder.on_finish, req)
-        self.kv.free(req.rid)
+        # A failed request's KV may be incomplete: freed, never cached.
+        self.prefix.release(req, None if reason is FinishReason.ERROR else req.all_ids)
         if req.holds_adapter and self.lora is not None:
             try:
                 self.lora.release(req.adapter)
@@ -744,6 +760,10 @@ class Engine:
             deferred_admission_steps=self._deferred_steps,
             cuda_graphs=int(getattr(graphs, "num_graphs", 0)),
             cuda_graph_capture_failures=int(getattr(graphs, "capture_failures", 0)),
+            prefix_cache_enabled=self.prefix.enabled,
+            prefix_cached_tokens=int(getattr(self.kv, "num_cached_tokens", 0)),
+            prefix_evictable_tokens=int(getattr(self.kv, "num_evictable_tokens", 0)),
+            prefix_evicted_tokens=int(getattr(self.kv, "prefix_evicted_tokens", 0)),
         )
 
     # ------------------------------------------------------------------ runner facts

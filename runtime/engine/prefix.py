@@ -11,6 +11,13 @@ key is retired and what the request leaves is freed, not cached.
 Not reused: a request asking for prompt logprobs (``params.prompt_logprobs``) prefills
 its whole prompt, whose logits it needs, as vLLM does; its KV is still cached for others.
 
+Speculative decoding: the target's KV is what is reused. A STANDALONE draft keeps no
+prefix cache: its pool catches up on the whole prompt in its first extend (the draft is
+small). An EAGLE head is fed the target's features of the positions the target computes,
+so after a hit it starts from the first uncached position: its cache then holds the
+suffix only, at positions counted from there (rotary attention sees relative positions),
+which can lower the first drafts' acceptance but never the output (verify is exact).
+
 The pool (:class:`loraserve.runtime.kv.KVCache`) does the rest: shared slots, LRU
 eviction, counting unused cached tokens as free.
 """
@@ -53,8 +60,9 @@ class PrefixReuse:
 
     # ------------------------------------------------------------------ engine thread
     def reuses(self, req: Request) -> bool:
-        """Whether a request may start on a cached prefix."""
-        return self.enabled and getattr(req.params, "prompt_logprobs", None) is None
+        """Whether a request may start on a cached prefix: not while its prompt logprobs
+        are still to be computed (after a retraction they were sent already)."""
+        return self.enabled and (getattr(req.params, "prompt_logprobs", None) is None or bool(req.output_ids))
 
     def sweep(self) -> int:
         """Drop the prefixes of adapters' past epochs; returns the tokens freed now."""

@@ -132,6 +132,12 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_retractions: int = 0
+    # Prefix cache (runtime/engine/prefix.py): while waiting, the tokens a cached prefix
+    # covers and how many of those nobody holds (the scheduler plans with both); once
+    # admitted, the tokens it shares with the cache and the key it caches under.
+    prefix_hit: int = 0
+    prefix_claim: int = 0
+    prefix_key: object | None = None
     # Owned by the engine: text assembly (detokenizer + stop strings) and the adapter hold.
     text_stream: TextStream | None = None
     holds_adapter: bool = False

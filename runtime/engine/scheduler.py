@@ -140,24 +140,20 @@ def outstanding_tokens(running: Sequence[Request], ratio: float) -> int:
 def admission_need(req: Request, ratio: float) -> int:
     """KV tokens a waiting request claims at admission: its prefill past a cached prefix,
     the cached tokens it takes out of the free count, and its reserve."""
-    return req.num_tokens - _hit(req) + getattr(req, "prefix_claim", 0) + reserve_tokens(req, ratio)
+    return req.num_tokens - req.prefix_hit + req.prefix_claim + reserve_tokens(req, ratio)
 
 
 def freed_by_retraction(req: Request) -> int:
     """KV tokens retracting a running request surely frees: its own, not the cached prefix
     it shares (others may hold that too); its KV stays cached, evictable like free."""
-    return max(req.num_cached - _hit(req), 0)
+    return max(req.num_cached - req.prefix_hit, 0)
 
 
 def prefill_left(req: Request) -> int:
     """Tokens a request still has to prefill (a waiting one starts after its cached prefix)."""
     if req.prefill_target:
         return req.prefill_target - req.num_cached
-    return req.num_tokens - max(req.num_cached, _hit(req))
-
-
-def _hit(req: Request) -> int:
-    return getattr(req, "prefix_hit", 0)
+    return req.num_tokens - max(req.num_cached, req.prefix_hit)
 
 
 def active_adapters(running: Sequence[Request]) -> set[str]:
