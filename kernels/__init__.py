@@ -6,8 +6,9 @@ HTTP or Kubernetes.
 """
 
 from .backend import LoRABackend
+from .forward_mode import ForwardMode, token_counts
 from .graph_metadata import GraphLoRAMetadata
-from .metadata import ForwardMode, LoRABatchInfo, build_batch_info, token_counts
+from .metadata import LoRABatchInfo, build_batch_info
 from .overlap import OverlapMode, OverlapPolicy, linear_with_lora
 from .reference import TorchLoRABackend
 

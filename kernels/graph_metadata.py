@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .forward_mode import ForwardMode, token_counts
 from .metadata import (
     TILE_M_CHOICES,
-    ForwardMode,
     LoRABatchInfo,
     check_slots,
     default_tile_m,
@@ -37,7 +37,6 @@ from .metadata import (
     max_tiles,
     pack_int32,
     tile_tables,
-    token_counts,
 )
 
 _SECTIONS = (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import LoRABackend, check_expand_shapes, check_shapes
+from .backend import LoRABackend
+from .checks import check_expand_shapes, check_shapes
 from .metadata import LoRABatchInfo
 
 

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from .backend import LoRABackend, check_expand_shapes, check_shapes, check_triton_device
+from .backend import LoRABackend
+from .checks import check_expand_shapes, check_shapes, check_triton_device
 from .metadata import LoRABatchInfo, ensure_tiles
 from .triton_ops import (
     ExpandConfig,

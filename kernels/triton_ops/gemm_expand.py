@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_expand_shapes, check_triton_device
+from ..checks import check_expand_shapes, check_triton_device
 from ..metadata import LoRABatchInfo
 from .configs import GemmConfig, next_pow2
 from .shrink import dot_precision, upcast_dot

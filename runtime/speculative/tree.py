@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..model.layers.attention import tree_attention_mask  # noqa: F401  (the tree verify's mask, for the drafters)
 from .acceptance import Acceptance
 
 # Subtracted per level so a child's score is strictly below its parent's even when the
@@ -188,21 +189,6 @@ def expand_tree(
         num_nodes,
         num_steps,
     )
-
-
-def tree_attention_mask(
-    prefix_lens: torch.Tensor, visible: torch.Tensor, max_ctx: int, groups: int
-) -> torch.Tensor:
-    """SDPA mask ``[bs, 1, groups * Q, max_ctx]`` for ``Q`` queries per request that see the
-    request's first ``prefix_lens`` keys and, of the ``T`` keys after them, those marked in
-    ``visible`` ``[bs, Q, T]``."""
-    bs, q, t = visible.shape
-    key = torch.arange(max_ctx, device=visible.device)
-    rel = key[None, :] - prefix_lens[:, None]  # [bs, ctx]
-    in_tail = (rel >= 0) & (rel < t)
-    tail = visible.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(bs, q, max_ctx))
-    mask = (rel < 0)[:, None, :] | (in_tail[:, None, :] & tail)
-    return mask[:, None, None].expand(bs, 1, groups, q, max_ctx).reshape(bs, 1, groups * q, max_ctx)
 
 
 def greedy_tree_accept(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:

@@ -189,8 +189,6 @@ def _tree_metadata(
     depths: torch.Tensor,
     ancestors: torch.Tensor,
 ) -> AttentionMetadata:
-    from ...speculative.tree import tree_attention_mask  # the tree's layout lives with the drafts
-
     bs = rows.shape[0]
     q_pos = prefix_lens[:, None] + depths  # [bs, max_q]
     mask = tree_attention_mask(prefix_lens, ancestors, max_ctx, groups)
@@ -266,3 +264,18 @@ class Attention(nn.Module):
         if meta.q_dest is not None:
             out = out.index_select(0, meta.q_dest)
         return out
+
+
+def tree_attention_mask(
+    prefix_lens: torch.Tensor, visible: torch.Tensor, max_ctx: int, groups: int
+) -> torch.Tensor:
+    """SDPA mask ``[bs, 1, groups * Q, max_ctx]`` for ``Q`` queries per request that see the
+    request's first ``prefix_lens`` keys and, of the ``T`` keys after them, those marked in
+    ``visible`` ``[bs, Q, T]``."""
+    bs, q, t = visible.shape
+    key = torch.arange(max_ctx, device=visible.device)
+    rel = key[None, :] - prefix_lens[:, None]  # [bs, ctx]
+    in_tail = (rel >= 0) & (rel < t)
+    tail = visible.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(bs, q, max_ctx))
+    mask = (rel < 0)[:, None, :] | (in_tail[:, None, :] & tail)
+    return mask[:, None, None].expand(bs, 1, groups, q, max_ctx).reshape(bs, 1, groups * q, max_ctx)
