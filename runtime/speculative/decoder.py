@@ -2,10 +2,10 @@
 
 One step, for a batch of decoding requests:
 
-1. the drafter proposes ``k - 1`` tokens per request (no adapter anywhere);
-2. the target runs ONE target-verify forward of ``bs × k`` rows, each request's last
+1. the drafter proposes ``width - 1`` tokens per request (no adapter anywhere);
+2. the target runs ONE target-verify forward of ``bs × width`` rows, each request's last
    committed token followed by its drafts, with the request's own adapter: every request
-   carries exactly ``k`` rows, so the LoRA segments stay uniform (token counts from
+   carries exactly ``width`` rows (the verify width), so the LoRA segments stay uniform (token counts from
    :func:`loraserve.kernels.token_counts`);
 3. acceptance: greedy (the target's argmax) or rejection sampling (the target's exact
    distribution after temperature / top-k / top-p);
@@ -13,12 +13,12 @@ One step, for a batch of decoding requests:
    recorded (per request in its :class:`StepOutput`, overall and per adapter in
    :class:`SpecMetrics`).
 
-A request too close to the context limit to verify ``k`` tokens decodes one token
+A request too close to the context limit to verify ``width`` tokens decodes one token
 without speculation in the same step. A step of at least
 ``speculative.disable_batch_size`` requests (when set) skips drafting altogether: one
 ordinary decode forward, whose results the drafter still sees (``on_decode``), so
 speculation resumes where it left off once the batch is smaller again. Large batches are
-where a verify of ``bs × k`` rows stops being nearly free. With
+where a verify of ``bs × width`` rows stops being nearly free. With
 ``speculative.auto_disable`` the choice is made per batch-size bucket from the measured
 throughput of both kinds of step (:mod:`.switch`).
 """
@@ -76,15 +76,15 @@ class SpeculativeDecoder:
         self.tree: TreeShape | None = None
         if spec.top_k > 1 and getattr(drafter, "supports_trees", False):
             self.tree = TreeShape(int(spec.top_k), int(spec.num_steps), int(spec.num_draft_tokens))
-        self.k = int(spec.num_steps) + 1 if self.tree is not None else int(spec.num_draft_tokens)
+        # The verify width of a chain step: the last committed token and its drafts.
+        self.width = int(spec.num_steps) + 1 if self.tree is not None else int(spec.num_draft_tokens)
         self.tree_max_batch_size = int(spec.tree_max_batch_size)  # 0: trees at every size
         self.disable_batch_size = int(spec.disable_batch_size)
         self.switch = SpeculationSwitch() if spec.auto_disable else None
-        self.num_drafts = self.k - 1
         # KV rows a step may append to one request (the larger of the two verify widths)
-        self.tokens_per_step = max(self.k, self.tree.num_nodes if self.tree is not None else 0)
+        self.tokens_per_step = max(self.width, self.tree.num_nodes if self.tree is not None else 0)
         self.device = getattr(runner, "device", torch.device("cpu"))
-        self.metrics = SpecMetrics(algorithm.value, self.k)
+        self.metrics = SpecMetrics(algorithm.value, self.width)
 
     # ------------------------------------------------------------------ prefill
     def _target_batch(
@@ -139,7 +139,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ decode
     def step(self, requests: Sequence[Request]) -> list[StepOutput]:
-        """Draft, verify and accept for every request; 1..k new tokens each."""
+        """Draft, verify and accept for every request; 1..width new tokens each."""
         limit = self.runner.kv.max_context_len
         fits = [r.num_tokens - 1 + self.tokens_per_step <= limit for r in requests]
         spec_rows = [i for i, ok in enumerate(fits) if ok]
@@ -179,7 +179,7 @@ class SpeculativeDecoder:
         return outputs  # type: ignore[return-value]
 
     def _plain(self, requests: Sequence[Request], keep_drafting: Sequence[bool]) -> list[StepOutput]:
-        """One ordinary decode step. Requests within ``k`` tokens of the context limit
+        """One ordinary decode step. Requests within ``width`` tokens of the context limit
         (``keep_drafting`` False) never speculate again and drop their draft state; the
         others (a batch too large to draft for) hand the drafter what it needs to resume."""
         for req, keep in zip(requests, keep_drafting, strict=True):
@@ -208,16 +208,16 @@ class SpeculativeDecoder:
         if self.tree is not None and self._tree_fits(requests):
             return self._speculate_tree(requests, self.tree)
         start = time.perf_counter()
-        n = self.num_drafts
+        width = self.width
         # Host list -> device without a blocking copy: the drafts are still being computed.
         last = torch.tensor([r.last_token for r in requests], dtype=torch.int64)
-        proposal = self.drafter.propose(requests, n)
+        proposal = self.drafter.propose(requests, width - 1)
         drafts = proposal.tokens.to(self.device)
         last = last.to(self.device, non_blocking=True)
         verify_ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
         timer = _VerifyTimer(self.device)
         output = self.runner.forward(
-            self._target_batch(ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=self.k)
+            self._target_batch(ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=width)
         )
         acceptance = self._accept(requests, drafts, output.logits, proposal.probs)
         timer.stop()
@@ -230,36 +230,38 @@ class SpeculativeDecoder:
         accept_lens = acceptance.host_accept_lens()  # the step's one wait for the device
         verify_seconds = timer.seconds()
         for req, accepted in zip(requests, accept_lens, strict=True):
-            self.runner.kv.truncate(req.rid, n - accepted)
+            self.runner.kv.truncate(req.rid, width - 1 - accepted)
         logprobs = token_logprobs(output.logits, acceptance.tokens, requests)
-        return self._outputs(requests, acceptance, logprobs, n, n, verify_seconds, time.perf_counter() - start)
+        return self._outputs(
+            requests, acceptance, logprobs, width, width - 1, verify_seconds, time.perf_counter() - start
+        )
 
     def _outputs(
         self,
         requests: Sequence[Request],
         acceptance: Acceptance,
         logprobs: tuple[list | None, list | None],
-        drafted: int,
-        depth: int,
+        width: int,
+        max_accept: int,
         verify_seconds: float,
         step_seconds: float,
     ) -> list[StepOutput]:
-        """A verify step's outputs (``drafted`` draft tokens verified per request), recorded
-        in the metrics as accept lengths out of ``depth`` positions."""
+        """A verify step's outputs (``width`` rows verified per request: ``width - 1`` drafts),
+        recorded in the metrics as accept lengths out of ``max_accept`` positions."""
         accept_lens, token_rows = acceptance.host()
         chosen, tops = logprobs
         outs = [
             StepOutput(
                 token_ids=row[: accepted + 1],
                 logprobs=None if chosen is None or chosen[i] is None else chosen[i][: accepted + 1],
-                num_draft_tokens=drafted,
+                num_draft_tokens=width - 1,
                 num_accepted=accepted,
                 top_logprobs=None if tops is None or tops[i] is None else tops[i][: accepted + 1],
             )
             for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
         ]
         self.metrics.record_step(
-            [r.adapter for r in requests], accept_lens, depth, verify_seconds=verify_seconds, step_seconds=step_seconds
+            [r.adapter for r in requests], accept_lens, max_accept, verify_seconds=verify_seconds, step_seconds=step_seconds
         )
         return outs
 
@@ -275,18 +277,18 @@ class SpeculativeDecoder:
     def _speculate_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[StepOutput]:
         """A greedy tree step: grow, verify every node at once, keep the accepted path."""
         start = time.perf_counter()
-        bs, n = len(requests), shape.num_nodes
+        bs, width = len(requests), shape.num_nodes  # a tree verifies every node
         last = torch.tensor([r.last_token for r in requests], dtype=torch.int64)
         tree = self.drafter.propose_tree(requests, shape)  # type: ignore[attr-defined]
         verify_ids = tree.with_root(last.to(self.device, non_blocking=True)).reshape(-1)
         timer = _VerifyTimer(self.device)
         output = self.runner.forward(
             self._target_batch(
-                ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=n,
+                ForwardMode.TARGET_VERIFY, requests, verify_ids, num_draft_tokens=width,
                 tree_depths=tree.depths, tree_ancestors=tree.ancestors,
             )
         )  # fmt: skip
-        logits = output.logits.view(bs, n, -1)
+        logits = output.logits.view(bs, width, -1)
         acceptance = greedy_tree_accept(tree, logits)
         timer.stop()
         acceptance.stage()  # as in a chain step: the host waits for the verify only
@@ -296,7 +298,7 @@ class SpeculativeDecoder:
         kv = self.runner.kv
         kv.keep(
             [
-                (req.rid, kv.seq_len(req.rid) - n, path[: accepted + 1])
+                (req.rid, kv.seq_len(req.rid) - width, path[: accepted + 1])
                 for req, path, accepted in zip(requests, paths, accept_lens, strict=True)
             ]
         )
@@ -304,7 +306,7 @@ class SpeculativeDecoder:
             acceptance.along_path(logits).reshape(-1, logits.shape[-1]), acceptance.tokens, requests
         )
         return self._outputs(
-            requests, acceptance, logprobs, n - 1, shape.num_steps, verify_seconds, time.perf_counter() - start
+            requests, acceptance, logprobs, width, shape.num_steps, verify_seconds, time.perf_counter() - start
         )
 
     def _accept(
@@ -314,21 +316,21 @@ class SpeculativeDecoder:
         logits: torch.Tensor,
         draft_probs: torch.Tensor | None,
     ) -> Acceptance:
-        bs, k = len(requests), self.k
+        bs, width = len(requests), self.width
         params = [r.params for r in requests]
         # Each position as a plain step would see it (penalties, biases, grammar masks).
         logits = processed_verify(logits, requests, drafts)
         if all(p.greedy for p in params):
-            return greedy_accept(drafts, logits.view(bs, k, -1))
+            return greedy_accept(drafts, logits.view(bs, width, -1))
         # The target's sampling distribution of every row, exactly as the sampler builds it.
-        target = processed_probs(logits, [p for p in params for _ in range(k)]).view(bs, k, -1)
-        accept_u = torch.zeros(bs, k - 1, dtype=torch.float64)
-        sample_u = torch.zeros(bs, k, dtype=torch.float64)
+        target = processed_probs(logits, [p for p in params for _ in range(width)]).view(bs, width, -1)
+        accept_u = torch.zeros(bs, width - 1, dtype=torch.float64)
+        sample_u = torch.zeros(bs, width, dtype=torch.float64)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         # Greedy rows keep u = 0: with a one-hot target that accepts exactly the argmax.
-        draws = self.sampler.uniform([requests[i].generator for i in sampled], 2 * k - 1)
-        accept_u[sampled] = draws[:, : k - 1]
-        sample_u[sampled] = draws[:, k - 1 :]
+        draws = self.sampler.uniform([requests[i].generator for i in sampled], 2 * width - 1)
+        accept_u[sampled] = draws[:, : width - 1]
+        sample_u[sampled] = draws[:, width - 1 :]
         return rejection_accept(
             drafts, target, accept_u.to(logits.device), sample_u.to(logits.device), draft_probs
         )
