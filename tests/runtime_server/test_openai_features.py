@@ -160,7 +160,8 @@ def _check_completion_logprobs_shape(lp: dict, n_tokens: int, alternatives: int)
             assert top is None
             continue
         # OpenAI: the most likely `alternatives` tokens, and always the chosen one.
-        assert alternatives <= len(top) <= alternatives + 1 or len(set(top)) < alternatives, (i, top)
+        # (Fewer when alternatives share a text, e.g. partial UTF-8 bytes shown as U+FFFD.)
+        assert 1 <= len(top) <= alternatives + 1, (i, top)
         assert top[token] == pytest.approx(logprob)
         assert all(v <= 0 for v in top.values())
     for i in range(1, n_tokens):
