@@ -319,9 +319,37 @@ class SpeculativeConfig:
         gated=True,
     )
 
+    draft_max_loras: int = setting(
+        0,
+        "--draft-max-loras",
+        "draft adapters: GPU slots of the draft's own adapter pool, for Adapters that name a "
+        "draft adapter (0: every request drafts unadapted)",
+        gated=True,
+    )
+    draft_max_lora_rank: int = setting(
+        16, "--draft-max-lora-rank", "draft adapters: the largest rank a draft slot holds", gated=True
+    )
+
     @property
     def enabled(self) -> bool:
         return self.algorithm is not SpecAlgorithm.NONE
+
+    def draft_lora_pool(self, target: LoRAConfig) -> LoRAConfig | None:
+        """The draft's own adapter pool, or None. Built from the draft settings: the target's
+        adapters (``target.adapters``) never reach the draft; only the host cache's size
+        (one draft adapter per target adapter at most) and the kernels are shared."""
+        if self.draft_max_loras <= 0 or not target.enabled:
+            return None
+        return LoRAConfig(
+            enabled=True,
+            max_loras_per_batch=self.draft_max_loras,
+            max_loaded_loras=target.max_loaded_loras,
+            max_rank=self.draft_max_lora_rank,
+            target_modules=DEFAULT_LORA_MODULES,
+            backend=target.backend,
+            adapters={},
+            pinned=(),
+        )
 
 
 @dataclass

@@ -310,6 +310,36 @@ class Engine:
         """The adapter manager's infos (name, path, rank, state, pinned...)."""
         return [] if self.lora is None else list(self.lora.list())
 
+    # Draft adapters: the draft's own pool (speculative.draft_max_loras), keyed by the name of
+    # the Adapter they serve. Output never depends on them (the target verifies), so they
+    # need no admission bookkeeping: a request drafts with one if it is loaded when it starts.
+    @property
+    def draft_pool(self):
+        """The draft's adapter pool, or None (no draft model, or no draft adapters)."""
+        return getattr(getattr(self.decoder, "drafter", None), "lora", None)
+
+    def load_draft_adapter(self, name: str, path):
+        """Load the draft adapter of Adapter ``name`` (blocking, like :meth:`load_adapter`)."""
+        pool = self.draft_pool
+        if pool is None:
+            raise EngineError.invalid(
+                "this server has no draft adapter pool: draft adapters need a STANDALONE draft and "
+                "speculative.draft_max_loras > 0 (--draft-max-loras)",
+                param="draft",
+            )
+        return pool.load(name, path)
+
+    def unload_draft_adapter(self, name: str) -> None:
+        """Drop Adapter ``name``'s draft adapter, if any (requests drafting with it finish first)."""
+        pool = self.draft_pool
+        if pool is not None:
+            pool.unload(name)
+
+    def list_draft_adapters(self) -> list:
+        """The draft pool's infos ([] without one)."""
+        pool = self.draft_pool
+        return [] if pool is None else list(pool.list())
+
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         while not self._stopping:

@@ -134,11 +134,17 @@ class ModelRunner:
         self._full_vocab: tuple[VocabEmbedding, LMHead] | None = None
 
         self.lora: LoRAManager | None = None
-        if not is_draft and config.lora.enabled:
+        # A draft's pool holds draft adapters only: its lora section is the draft pool that
+        # build_draft_config made from speculative.draft_max_loras, and nothing is loaded into
+        # it at start-up (draft adapters come with their Adapters, by name).
+        pool = config.lora if config.lora.enabled else None
+        if is_draft and config.speculative.draft_max_loras <= 0:
+            pool = None
+        if pool is not None:
             self.lora = LoRAManager(
-                config.lora,
+                pool,
                 self.model,
-                backend=get_backend(config.lora.backend, str(self.device)),
+                backend=get_backend(pool.backend, str(self.device)),
                 device=self.device,
                 dtype=self.dtype,
                 shard=self.shard,
@@ -199,8 +205,9 @@ class ModelRunner:
                 self, max_bs=config.cuda_graph.max_bs, max_prefill_tokens=config.cuda_graph.max_prefill_tokens
             )
 
-        # Followers hold the adapters rank 0 loads, replayed from its journal.
-        if self.lora is not None and (self.tp is None or self.tp.group.is_driver):
+        # Followers hold the adapters rank 0 loads, replayed from its journal. The pool's own
+        # start-up list: a draft's is empty (its draft adapters come with their Adapters).
+        if self.lora is not None and not is_draft and (self.tp is None or self.tp.group.is_driver):
             for name, path in config.lora.adapters.items():
                 self.lora.load(name, path, pinned=name in config.lora.pinned)
         if driver is not None:

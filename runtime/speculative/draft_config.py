@@ -133,9 +133,14 @@ def build_draft_config(target: RuntimeConfig, *, context_length: int | None = No
     draft.model.context_length = context_length if context_length is not None else target.model.context_length
     if hasattr(draft.model, "load_format"):
         draft.model.load_format = spec.draft_load_format
-    # No adapters in the draft: one draft serves every adapter, and its proposals must not
-    # depend on which adapters happen to be loaded.
-    draft.lora.enabled = False
-    draft.lora.adapters = {}
-    draft.lora.pinned = ()
+    # None of the target's adapters in the draft: one draft serves every adapter, and its
+    # proposals never depend on which target adapters are loaded. Its own pool (draft
+    # adapters, by Adapter name) exists only with speculative.draft_max_loras.
+    pool = spec.draft_lora_pool(target.lora)
+    if pool is not None:
+        draft.lora = pool
+    else:
+        draft.lora.enabled = False
+        draft.lora.adapters = {}
+        draft.lora.pinned = ()
     return draft

@@ -9,8 +9,10 @@ uniform two-token forward (each request's last two committed tokens; a request m
 only one drops its newest cached entry and recomputes it), so every step is made of
 fixed-width forwards that CUDA graphs replay, and no step pays a forward only to cache
 the last draft. A request whose draft cache is further behind (new, or re-synced after a
-failure) first catches up in one extend. The draft runner has no adapter pool (``lora is
-None``): every adapter's requests get the same, base-model proposals.
+failure) first catches up in one extend. The draft runner never holds the target's
+adapters; its own pool, when the serve has one (``speculative.draft_max_loras``), holds
+draft adapters: a request whose Adapter has one drafts with it (:mod:`.draft_adapters`),
+every other request gets the base draft's proposals.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..engine.request import Request
 from ..runner.forward_batch import ForwardBatch, ForwardOutput
 from ..sampling import Sampler
 from .acceptance import Acceptance
+from .draft_adapters import DraftAdapterLeases
 from .drafter import DraftProposal, choose_drafts, fit_vocab
 
 
@@ -35,9 +38,10 @@ class StandaloneDrafter:
     hidden_layers = None
 
     def __init__(self, runner, sampler: Sampler, vocab_size: int):
-        if getattr(runner, "lora", None) is not None:
-            raise ValueError("a STANDALONE draft runner must have no adapter pool (lora is None)")
+        if not getattr(runner, "is_draft", False):
+            raise ValueError("a STANDALONE drafter drives a draft runner (is_draft=True)")
         self.runner = runner
+        self.adapters = DraftAdapterLeases(runner.lora)
         self.sampler = sampler
         self.vocab_size = vocab_size  # the target's
         self.device = runner.device
@@ -51,7 +55,7 @@ class StandaloneDrafter:
 
     def _catch_up(self, chunks: Sequence[tuple[Request, int]], *, last_logits: bool) -> torch.Tensor | None:
         """Extend the draft by ``all_ids[cached : end]`` per request; returns last-row logits."""
-        rids, lens, ids = [], [], []
+        rids, lens, ids, names = [], [], [], []
         for req, end in chunks:
             start = self._cached(req)
             if start > end:  # stale state (should not happen): start this request over
@@ -61,6 +65,7 @@ class StandaloneDrafter:
                 rids.append(req.rid)
                 lens.append(end - start)
                 ids.extend(req.all_ids[start:end])
+                names.append(self.adapters.name_for(req))
         if not rids:
             return None
         batch = ForwardBatch(
@@ -68,6 +73,7 @@ class StandaloneDrafter:
             request_ids=rids,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             extend_lens=lens,
+            lora_names=names if self.runner.lora is not None else None,
         )
         logits = self.runner.forward(batch).logits
         return logits if last_logits else None
@@ -85,6 +91,7 @@ class StandaloneDrafter:
         if num_tokens == 0:
             return DraftProposal(tokens)
         rids = [r.rid for r in requests]
+        names = self.adapters.names(requests)
         missing = [r.num_tokens - self._cached(r) for r in requests]
         if all(m == 1 for m in missing):
             # The usual case: only the last committed token is new, a (graph-able) decode.
@@ -94,6 +101,7 @@ class StandaloneDrafter:
                     mode=ForwardMode.DECODE,
                     request_ids=rids,
                     input_ids=last.to(self.device, non_blocking=True),
+                    lora_names=names,
                 )
             ).logits
         elif all(m in (1, 2) for m in missing) and all(r.num_tokens >= 2 for r in requests):
@@ -105,7 +113,10 @@ class StandaloneDrafter:
         for j in range(num_tokens):
             if j > 0:
                 batch = ForwardBatch(
-                    mode=ForwardMode.DECODE, request_ids=rids, input_ids=tokens[:, j - 1].contiguous()
+                    mode=ForwardMode.DECODE,
+                    request_ids=rids,
+                    input_ids=tokens[:, j - 1].contiguous(),
+                    lora_names=names,
                 )
                 logits = self.runner.forward(batch).logits
             step_tokens, step_probs = choose_drafts(
@@ -131,6 +142,7 @@ class StandaloneDrafter:
                 request_ids=[r.rid for r in requests],
                 input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
                 num_draft_tokens=2,
+                lora_names=self.adapters.names(requests),
             )
         )
         return out.logits.view(len(requests), 2, -1)[:, 1]
@@ -150,6 +162,7 @@ class StandaloneDrafter:
 
     def release(self, request: Request) -> None:
         self.runner.kv.free(request.rid)
+        self.adapters.release(request)
 
 
 def _last_two(req: Request) -> list[int]:
