@@ -245,6 +245,8 @@ class RuntimeSpec(_Spec):
     max_prefill_tokens: int = sets("scheduler.max_prefill_tokens")
     max_admission_defer_steps: int = sets("scheduler.max_admission_defer_steps", le=1024)
     kv_memory_fraction: float = sets("scheduler.kv_memory_fraction", gt=0, le=1)
+    prefix_cache: bool = sets("scheduler.prefix_cache")
+    """Reuse the KV of prompt prefixes cached per adapter (on by default)."""
     attention_backend: Literal[ATTENTION_BACKENDS] = sets("attention_backend")  # type: ignore[valid-type]
     image: str | None = Field(default=None, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

@@ -96,6 +96,7 @@ PERTURBATIONS = [
     ("runtime.overlapSchedule", True, "scheduler.overlap_schedule", True),
     ("runtime.twoBatchOverlap", True, "scheduler.two_batch_overlap", True),
     ("runtime.kvMemoryFraction", 0.5, "scheduler.kv_memory_fraction", 0.5),
+    ("runtime.prefixCache", False, "scheduler.prefix_cache", False),
     ("runtime.attentionBackend", "triton", "attention_backend", "triton"),
     ("runtime.cudaGraph.enabled", True, "cuda_graph.enabled", True),
     ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
