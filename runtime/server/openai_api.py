@@ -83,8 +83,10 @@ def _lp(value: float | None) -> float | None:
 
 
 class TokenTexts:
-    """Each token id's text (special tokens spelled out, as OpenAI and vLLM report them),
-    decoded once per API call: the alternatives at every position repeat the same ids."""
+    """Each token id's text, decoded once per API call (the alternatives at every position
+    repeat the same ids). Special tokens decode to "" as they do in the choice's text (vLLM
+    decodes logprob tokens with the request's ``skip_special_tokens``, true by default), so
+    ``text_offset`` indexes the text returned: an echoed prompt's BOS takes no room."""
 
     def __init__(self, state: ServerState) -> None:
         self._tok = state.tokenizer
@@ -93,7 +95,7 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tok.decode([token_id], skip_special_tokens=False) if self._tok else str(token_id)
+            text = self._tok.decode([token_id]) if self._tok else str(token_id)
             self._cache[token_id] = text
         return text
 
