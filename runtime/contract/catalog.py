@@ -47,6 +47,9 @@ class CatalogEntry:
     sha256: str | None = None
     rank: int | None = None
     pinned: bool = False
+    # The Adapter's draft adapter (a LoRA for the serve's draft), loaded with it.
+    draft_source: str | None = None
+    draft_sha256: str | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -76,7 +79,28 @@ def _entry(raw: object, index: int) -> CatalogEntry:
     pinned = raw.get("pinned", False)
     if not isinstance(pinned, bool):
         raise CatalogError(f"{where}.pinned must be true or false", field=f"{where}.pinned")
-    return CatalogEntry(name, source.strip(), sha.lower() if sha else None, rank, pinned)
+    draft, draft_sha = raw.get("draft_source"), raw.get("draft_sha256")
+    if draft is not None and (not isinstance(draft, str) or not draft.strip() or len(draft) > MAX_SOURCE):
+        raise CatalogError(
+            f"{where}.draft_source must be a non-empty string of at most {MAX_SOURCE} characters",
+            field=f"{where}.draft_source",
+        )
+    if draft_sha is not None and (
+        draft is None or not isinstance(draft_sha, str) or not SHA256_RE.match(draft_sha.lower())
+    ):
+        raise CatalogError(
+            f"{where}.draft_sha256 must be 64 hexadecimal characters, beside a draft_source",
+            field=f"{where}.draft_sha256",
+        )
+    return CatalogEntry(
+        name,
+        source.strip(),
+        sha.lower() if sha else None,
+        rank,
+        pinned,
+        draft.strip() if draft else None,
+        draft_sha.lower() if draft_sha else None,
+    )
 
 
 def parse_catalog(data: object) -> tuple[CatalogEntry, ...]:

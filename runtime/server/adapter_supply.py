@@ -52,6 +52,7 @@ class AdapterRecord:
     local_path: str
     pinned: bool
     loaded_at: int
+    draft: tuple[str, str | None] | None = None  # the draft adapter's (source, sha256)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class AdapterSupply:
     def _unload(self, name: str) -> None:
         assert self.engine is not None
         self.engine.unload_adapter(name)
+        self.engine.unload_draft_adapter(name)
         self.records.pop(name, None)
         self.warm.discard(name)
 
@@ -198,6 +200,8 @@ class AdapterSupply:
         for name, entry in sorted(self.catalog.items()):
             state, message = self.state_of(name)
             item = {**entry.to_dict(), "state": state, "warm": name in self.warm}
+            if entry.draft_source is not None:
+                item["draft_state"] = "loaded" if self.draft_loaded(name) else "absent"
             if message:
                 item["message"] = message
             out.append(item)
@@ -267,7 +271,10 @@ class AdapterSupply:
                     code="model_not_found",
                 )
             try:
-                info = await self.load(name, entry.source, sha256=entry.sha256, pinned=False, warm=False)
+                draft = None if entry.draft_source is None else (entry.draft_source, entry.draft_sha256)
+                info = await self.load(
+                    name, entry.source, sha256=entry.sha256, pinned=False, warm=False, draft=draft
+                )
                 _check_declared_rank(self, name, entry, info)
             except ApiError as exc:
                 outcome = "transient" if exc.status >= 500 else "failed"
@@ -282,9 +289,23 @@ class AdapterSupply:
         log.info("adapter %s loaded on demand in %.2f s", name, time.monotonic() - started)
 
     # ------------------------------------------------------------------ loading
-    async def load(self, name: str, source: str, *, sha256: str | None, pinned: bool, warm: bool):
+    def draft_loaded(self, name: str) -> bool:
+        """Whether Adapter ``name``'s draft adapter is in the draft's pool."""
+        return self.engine is not None and any(i.name == name for i in self.engine.list_draft_adapters())
+
+    async def load(
+        self,
+        name: str,
+        source: str,
+        *,
+        sha256: str | None,
+        pinned: bool,
+        warm: bool,
+        draft: tuple[str, str | None] | None = None,
+    ):
         """Fetch, verify and load ``name`` (caller holds :meth:`lock`), evicting an idle
-        on-demand adapter if the host cache is full. Returns the engine's info."""
+        on-demand adapter if the host cache is full, then its draft adapter (``draft``:
+        source, sha256), all or nothing. Returns the engine's info."""
         engine = self._engine()
         try:
             local = await resolve_source(source, self.sources, sha256=sha256)
@@ -303,11 +324,36 @@ class AdapterSupply:
                 raise adapter_error(exc) from None
             except EngineError as exc:
                 raise ApiError.from_request_error(exc.error) from None
-        self.records[name] = AdapterRecord(name, source, sha256, str(local), pinned, int(time.time()))
+        if draft is not None:
+            await self._load_draft(name, *draft)
+        self.records[name] = AdapterRecord(name, source, sha256, str(local), pinned, int(time.time()), draft)
         self._failed.pop(name, None)
         self._used[name] = time.monotonic()
         self.set_warm(name, warm)
         return info
+
+    async def _load_draft(self, name: str, source: str, sha256: str | None) -> None:
+        """Load ``name``'s draft adapter; on failure unload ``name`` again (an Adapter is
+        served with the draft adapter it declares, or not at all) and raise naming ``draft``."""
+        engine = self._engine()
+        try:
+            local = await resolve_source(source, self.sources, sha256=sha256)
+            await asyncio.to_thread(engine.load_draft_adapter, name, local)
+        except (SourceError, AdapterError, EngineError) as exc:
+            engine.unload_adapter(name)
+            if isinstance(exc, SourceError):
+                err = source_error(exc)
+            elif isinstance(exc, AdapterError):
+                err = adapter_error(exc)
+            else:
+                err = ApiError.from_request_error(exc.error)
+            raise ApiError(
+                err.status,
+                f"draft adapter of {name!r}: {err.message}",
+                param="draft" if err.param in (None, "draft") else f"draft.{err.param}",
+                code=err.code,
+                headers=err.headers,
+            ) from None
 
     def set_warm(self, name: str, warm: bool) -> None:
         """Keep ``name`` loaded (True) or let it be evicted when idle (False)."""
@@ -382,8 +428,9 @@ def _check_declared_rank(supply: AdapterSupply, name: str, entry: CatalogEntry, 
     )
 
 
-def _identity(entry: CatalogEntry) -> tuple[str, str | None]:
-    return entry.source, entry.sha256
+def _identity(entry: CatalogEntry) -> tuple[str | None, ...]:
+    """What an entry loads: a change of any of it reloads the adapter."""
+    return entry.source, entry.sha256, entry.draft_source, entry.draft_sha256
 
 
 def _full(exc: AdapterCapacityError, config: RuntimeConfig) -> AdapterCapacityError:

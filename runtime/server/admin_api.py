@@ -62,7 +62,18 @@ def _info_body(
         "rank": getattr(info, "rank", None),
         "target_modules": list(getattr(info, "target_modules", ()) or ()),
         "warnings": warnings or [],
+        "draft": None
+        if rec.draft is None
+        else {"lora_path": rec.draft[0], "sha256": rec.draft[1], "loaded": supply.draft_loaded(rec.name)},
     }
+
+
+def _same_draft(held: tuple[str, str | None] | None, asked: tuple[str, str | None] | None) -> bool:
+    """Whether a repeated load asks for the draft adapter already held (a sha256 left out
+    matches any)."""
+    if held is None or asked is None:
+        return held is None and asked is None
+    return held[0] == asked[0] and (asked[1] is None or asked[1] == held[1])
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -77,12 +88,22 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     async with state.adapter_lock(name):
         rec = state.adapters.get(name)
         if rec is not None and name in engine.adapter_names:
-            same = rec.source == body.lora_path and (body.sha256 is None or body.sha256 == rec.sha256)
+            draft = None if body.draft is None else (body.draft.lora_path, body.draft.sha256)
+            same = (
+                rec.source == body.lora_path
+                and (body.sha256 is None or body.sha256 == rec.sha256)
+                and _same_draft(rec.draft, draft)
+            )
             if not same:
                 raise ApiError(
                     409,
                     f"adapter {name!r} is already loaded from {rec.source!r}"
                     + (f" (sha256 {rec.sha256})" if rec.sha256 else "")
+                    + (
+                        f" with the draft adapter {rec.draft[0]!r}"
+                        if rec.draft
+                        else " without a draft adapter"
+                    )
                     + ": unload it first or choose another lora_name",
                     param="lora_name",
                     code="adapter_conflict",
@@ -101,7 +122,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name), supply))
         try:
             info = await supply.load(
-                name, body.lora_path, sha256=body.sha256, pinned=body.pinned, warm=body.warm
+                name,
+                body.lora_path,
+                sha256=body.sha256,
+                pinned=body.pinned,
+                warm=body.warm,
+                draft=None if body.draft is None else (body.draft.lora_path, body.draft.sha256),
             )
         except ApiError as exc:
             raise _load_conflict(exc, engine, name) from None
@@ -124,10 +150,12 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     name = parse_unload_adapter(await read_body(request))
     async with state.adapter_lock(name):
         if name not in engine.adapter_names:
+            engine.unload_draft_adapter(name)
             state.supply.forget(name)
             return web.json_response({"status": "not_loaded", "lora_name": name})
         try:
             await asyncio.to_thread(engine.unload_adapter, name)
+            engine.unload_draft_adapter(name)
         except AdapterError as exc:
             raise adapter_error(exc) from None
         state.supply.forget(name)

@@ -573,9 +573,9 @@ def _from_structured_outputs(value: object) -> list[tuple[str, StructuredOutput]
     return found
 
 
-def get_structured(body: dict) -> StructuredOutput | None:
-    """The request's output constraint, from whichever of OpenAI's ``response_format`` and
-    vLLM's ``guided_*`` / ``structured_outputs`` carries it; at most one per request."""
+def get_structured(body: dict) -> tuple[str, StructuredOutput] | None:
+    """The request's output constraint and the field that carries it (OpenAI's
+    ``response_format``, vLLM's ``guided_*`` or ``structured_outputs.*``); at most one."""
     found: list[tuple[str, StructuredOutput]] = []
     if body.get("response_format") is not None:
         fmt = _from_response_format(body["response_format"])
@@ -593,7 +593,7 @@ def get_structured(body: dict) -> StructuredOutput | None:
             param=found[1][0],
             code="conflicting_parameters",
         )
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 @dataclass
@@ -607,6 +607,9 @@ class GenerationRequest:
     include_usage: bool = False
     ignored: tuple[str, ...] = ()
     """Fields of the body this server ignored (logged; see :func:`ignored_fields`)."""
+    constraint_field: str | None = None
+    """The field that carried ``params.structured``: the engine names every constraint it
+    cannot compile ``response_format``; the API names the field the client sent."""
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -644,6 +647,7 @@ def _common(
         raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p", code="invalid_value")
     top_k = get_int(body, "top_k", 0, minimum=-1)
     seed = get_int(body, "seed")
+    structured = get_structured(body)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -658,11 +662,16 @@ def _common(
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=_get_logit_bias(body),
-        structured=get_structured(body),
+        structured=structured[1] if structured else None,
         **_get_penalties(body),
     )
     return GenerationRequest(
-        model=model, params=params, n=n or 1, stream=stream, include_usage=_stream_options(body, stream)
+        model=model,
+        params=params,
+        n=n or 1,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        constraint_field=structured[0] if structured else None,
     )
 
 
@@ -831,6 +840,14 @@ def _content_text(content: object, where: str, role: str) -> str:
 
 # ---------------------------------------------------------------------------- admin
 @dataclass
+class DraftSource:
+    """An Adapter's draft adapter: where its LoRA for the serve's draft comes from."""
+
+    lora_path: str
+    sha256: str | None = None
+
+
+@dataclass
 class LoadAdapterRequest:
     lora_name: str
     lora_path: str
@@ -838,6 +855,7 @@ class LoadAdapterRequest:
     pinned: bool = False
     warm: bool = True
     """Kept loaded (never evicted for on-demand loads); false: evictable when idle."""
+    draft: DraftSource | None = None
 
 
 def check_adapter_name(name: str, param: str = "lora_name") -> str:
@@ -852,35 +870,50 @@ def check_adapter_name(name: str, param: str = "lora_name") -> str:
 
 
 def parse_load_adapter(body: dict) -> LoadAdapterRequest:
-    """``POST /v1/load_lora_adapter``: ``{lora_name, lora_path, sha256?, pinned?, warm?}``."""
+    """``POST /v1/load_lora_adapter``: ``{lora_name, lora_path, sha256?, pinned?, warm?,
+    draft?: {lora_path, sha256?}}``."""
     name = check_adapter_name(get_str(body, "lora_name", required=True) or "")
+    path, sha = _adapter_source(body, "")
+    return LoadAdapterRequest(
+        name, path, sha, get_bool(body, "pinned"), get_bool(body, "warm", True), _draft_source(body)
+    )
+
+
+def _draft_source(body: dict) -> DraftSource | None:
+    draft = body.get("draft")
+    if draft is None:
+        return None
+    if not isinstance(draft, dict):
+        raise invalid("draft must be an object {lora_path, sha256?}", param="draft", code="invalid_type")
+    return DraftSource(*_adapter_source(draft, "draft."))
+
+
+def _adapter_source(body: dict, prefix: str) -> tuple[str, str | None]:
+    """``lora_path`` and ``sha256`` of a load body (or its ``draft``), checked."""
+    param = f"{prefix}lora_path"
     path = get_str(body, "lora_path", required=True) or ""
     if not path.strip():
-        raise invalid("lora_path must not be empty", param="lora_path", code="invalid_value")
+        raise invalid(f"{param} must not be empty", param=param, code="invalid_value")
     if len(path) > MAX_LORA_PATH_CHARS:
         raise invalid(
-            f"lora_path is {len(path)} characters long: the maximum length is {MAX_LORA_PATH_CHARS}",
-            param="lora_path",
+            f"{param} is {len(path)} characters long: the maximum length is {MAX_LORA_PATH_CHARS}",
+            param=param,
             code="invalid_value",
         )
     bad = _CONTROL_RE.search(path)
     if bad:
         raise invalid(
-            f"lora_path contains the control character {bad.group()!a} at character {bad.start()}: "
+            f"{param} contains the control character {bad.group()!a} at character {bad.start()}: "
             "send a path or URL without control characters",
-            param="lora_path",
+            param=param,
             code="invalid_value",
         )
     sha = get_str(body, "sha256")
     if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
-        raise invalid("sha256 must be 64 hexadecimal characters", param="sha256", code="invalid_value")
-    return LoadAdapterRequest(
-        name,
-        path.strip(),
-        sha.lower() if sha else None,
-        get_bool(body, "pinned"),
-        get_bool(body, "warm", True),
-    )
+        raise invalid(
+            f"{prefix}sha256 must be 64 hexadecimal characters", param=f"{prefix}sha256", code="invalid_value"
+        )
+    return path.strip(), sha.lower() if sha else None
 
 
 def parse_unload_adapter(body: dict) -> str:
