@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -14,7 +15,14 @@ from .adapter_supply import public_root
 from .auth import check_bearer
 from .errors import ApiError
 from .generation import ChoiceState, Generation
-from .schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json_body
+from .schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
 from .state import STATE, ServerState
 
 SSE_HEADERS = {
@@ -182,6 +190,18 @@ def chat_logprobs(texts: TokenTexts, positions: list[Position], *, alternatives:
     return {"content": content}
 
 
+@contextlib.asynccontextmanager
+async def _constraint_errors_named(req: GenerationRequest):
+    """A constraint the engine cannot compile is reported on ``response_format``; name the
+    field the client actually sent (``guided_regex``, ``structured_outputs.grammar``...)."""
+    try:
+        yield
+    except ApiError as exc:
+        if exc.param == "response_format" and req.constraint_field not in (None, "response_format"):
+            exc.param = req.constraint_field
+        raise
+
+
 # ------------------------------------------------------------------------------ completions
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
@@ -191,6 +211,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [await _encode(tok.encode, p) if isinstance(p, str) else list(p) for p in req.prompts]
     model = req.model or state.served_name
     async with (
+        _constraint_errors_named(req),
         state.use_model(req.model) as adapter,
         Generation(
             engine, prompts, req.params, n=req.n, adapter=adapter, id_prefix="cmpl", prompt_param="prompt"
@@ -264,6 +285,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await _encode_chat(state, req.messages)
     model = req.model or state.served_name
     async with (
+        _constraint_errors_named(req),
         state.use_model(req.model) as adapter,
         Generation(
             engine,

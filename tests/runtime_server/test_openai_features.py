@@ -491,7 +491,13 @@ async def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(se
         "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_regex": "([unclosed"}
     )
     assert status == 400, out
-    assert out["error"]["param"] in ("guided_regex", "response_format")
+    assert out["error"]["param"] == "guided_regex"
+    status, out = await server.post(
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 5, "structured_outputs": {"grammar": "root ::= undefined_rule"}},
+    )
+    assert status == 400, out
+    assert out["error"]["param"] == "structured_outputs.grammar"
 
 
 # ----------------------------------------------------------------------------- speculation
