@@ -461,6 +461,28 @@ async def test_json_schema_output_parses_and_matches_the_schema(server):
     assert text == out["choices"][0]["message"]["content"]
 
 
+async def test_client_parses_structured_output_into_a_pydantic_model(server):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Pick(BaseModel):
+        color: Literal["red", "green", "blue"]
+        ok: bool  # (not an int: a random model may write digits until max_tokens)
+
+    async with _client(server) as client:
+        out = await client.chat.completions.parse(
+            model="chat-r16",
+            messages=[{"role": "user", "content": "Pick a color."}],
+            response_format=Pick,
+            max_tokens=60,
+            temperature=0,
+        )
+    assert out.choices[0].finish_reason == "stop"
+    picked = out.choices[0].message.parsed
+    assert isinstance(picked, Pick) and picked.color in ("red", "green", "blue")
+
+
 async def test_json_object_output_is_a_json_object(server):
     out = await _complete(
         server,
@@ -511,6 +533,7 @@ PROCESSED_BODIES = [
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
     },
     {"model": ADAPTER, "logprobs": 3},
+    {"model": BASE, "logprobs": 2, "echo": True, "presence_penalty": 1.0},
 ]
 
 
@@ -544,5 +567,7 @@ async def test_speculative_decoding_stays_lossless_with_logit_processing(server,
     for (ref_text, ref_lp), (text, lp) in zip(reference, got, strict=True):
         assert text == ref_text
         if ref_lp is not None:
-            assert lp["tokens"] == ref_lp["tokens"]
+            assert lp["tokens"] == ref_lp["tokens"] and lp["text_offset"] == ref_lp["text_offset"]
             assert lp["token_logprobs"] == pytest.approx(ref_lp["token_logprobs"], abs=1e-4)
+            for top, ref_top in zip(lp["top_logprobs"], ref_lp["top_logprobs"], strict=True):
+                assert top == ref_top if ref_top is None else top == pytest.approx(ref_top, abs=1e-4)
