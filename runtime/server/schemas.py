@@ -468,7 +468,7 @@ def _schema_text(value: object, param: str) -> str:
             raise invalid(
                 f"{param} is not valid JSON: {exc.msg}", param=param, code="invalid_value"
             ) from None
-    if not isinstance(value, (dict, bool)):
+    if not isinstance(value, dict):
         raise invalid(
             f"{param} must be a JSON schema (an object), got {_type_name(value)}",
             param=param,
