@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -25,17 +24,23 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def _bench_kernels():
-    """bench/kernels.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", HERE / "kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+def _import_bench_kernels() -> None:
+    """Make ``bench.kernels`` importable the way its ``__main__.py`` does (the repository
+    root never goes on ``sys.path``: its ``operator/`` would shadow the standard library's)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels_entry", HERE / "kernels" / "__main__.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    entry.import_package()
 
 
 def main() -> int:
-    bk = _bench_kernels()
+    """Run the chosen cases' launches once to warm up, then once more for the profiler."""
+    _import_bench_kernels()
+    from bench.kernels.module_bench import ModuleCase
+    from bench.kernels.shapes import Workload, llama_modules
+    from bench.kernels.variants import path_of
+    from loraserve.kernels.triton_backend import TritonLoRABackend
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="dec bs64 a64,dec bs32 a8,ver4 bs32 a32")
     parser.add_argument("--modules", default="qkv,o,gate_up,down")
@@ -43,15 +48,15 @@ def main() -> int:
     parser.add_argument("--small-rank-block", type=int, default=None, help="the backend's, when set")
     args = parser.parse_args()
     device = torch.device("cuda")
-    modules = bk.llama_modules(tiny=False)
+    modules = llama_modules(tiny=False)
     workloads = [
-        bk.Workload("decode", 64, 64, 16, 1, args.pool_rank, rank_major_b=True),
-        bk.Workload("decode", 32, 8, 16, 1, args.pool_rank, rank_major_b=True),
-        bk.Workload("verify", 32, 32, 16, 4, args.pool_rank, rank_major_b=True),
+        Workload("decode", 64, 64, 16, 1, args.pool_rank, rank_major_b=True),
+        Workload("decode", 32, 8, 16, 1, args.pool_rank, rank_major_b=True),
+        Workload("verify", 32, 32, 16, 4, args.pool_rank, rank_major_b=True),
     ]
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     extra = {} if args.small_rank_block is None else {"small_rank_block": args.small_rank_block}
-    backend = bk.TritonLoRABackend(fused=False, **extra)
+    backend = TritonLoRABackend(fused=False, **extra)
     gen = torch.Generator().manual_seed(5)
     runs = []
     for w in workloads:
@@ -59,11 +64,11 @@ def main() -> int:
             continue
         for name in args.modules.split(","):
             m = modules[name]
-            case = bk.ModuleCase(w, m, device, gen, l2_bytes=0, max_sets=2)
+            case = ModuleCase(w, m, device, gen, l2_bytes=0, max_sets=2)
             fn = case.triton_fns(backend)[0]
             fn()
             print(
-                f"case {w.label()} {name}: {bk.path_of(backend, case.info, case.x[0], case.B[0], m.offsets)}",
+                f"case {w.label()} {name}: {path_of(backend, case.info, case.x[0], case.B[0], m.offsets)}",
                 flush=True,
             )
             runs.append(fn)

@@ -1,24 +1,25 @@
-"""Shared fixtures for the benchmark scripts' tests."""
+"""Shared set-up for the benchmarks' tests: ``bench.speculative`` importable by name.
+
+``bench/`` is not an installed package and the repository root never goes on ``sys.path``
+(its ``operator/`` would shadow the standard library's), so the package is imported the
+way ``python bench/speculative`` imports it: by its ``__main__.py``'s ``import_package``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def bench():
-    """``bench/spec.py`` loaded as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location("spec_bench_under_test", REPO / "bench" / "spec.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def _import_speculative() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "bench_speculative_entry", REPO / "bench" / "speculative" / "__main__.py"
+    )
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    entry.import_package()
+
+
+_import_speculative()

@@ -65,7 +65,7 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
     the EAGLE head's tree run (``--tree``). ``--phases`` times one more request per draft at concurrency 1, phase by phase."""
     out, phases = tmp_path / "spec.md", tmp_path / "phases"
     _bench(
-        "spec.py", "--draft", "standalone,eagle", "--out", str(out), "--phases", str(phases),
+        "speculative", "--draft", "standalone,eagle", "--out", str(out), "--phases", str(phases),
         "--c1-requests", "6", "--tree", "2:6", timeout=900,
     )  # fmt: skip
     text = out.read_text()

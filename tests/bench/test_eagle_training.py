@@ -1,16 +1,26 @@
-"""``bench/spec.py``'s EAGLE head training with the target's features computed once."""
+"""``bench/speculative``'s EAGLE head training with the target's features computed once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from bench.speculative.eagle_head import EagleHead
+from bench.speculative.eagle_training import (
+    EagleTraining,
+    FeatureCache,
+    eagle_loss,
+    target_features,
+    train_eagle_head,
+)
+from bench.speculative.shapes import llama_config
+
 
 @pytest.fixture(scope="module")
-def target(bench):
+def target():
     import transformers
 
-    raw = bench.llama_config("smoke-small", 64)
+    raw = llama_config("smoke-small", 64)
     cfg = transformers.LlamaConfig(
         **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
     )
@@ -18,11 +28,11 @@ def target(bench):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def test_cached_features_are_the_targets_features_of_their_windows(bench, target):
+def test_cached_features_are_the_targets_features_of_their_windows(target):
     windows = torch.randint(0, 64, (7, 17), generator=torch.Generator().manual_seed(1))
-    cache = bench.FeatureCache.build(target, windows, torch.device("cpu"), chunk=3)
+    cache = FeatureCache.build(target, windows, torch.device("cpu"), chunk=3)
     assert cache.features.dtype == torch.bfloat16 and cache.features.shape == (7, 17, 64)
-    want = bench.target_features(target, windows).to(torch.bfloat16)
+    want = target_features(target, windows).to(torch.bfloat16)
     assert torch.equal(cache.features, want)
     picked, feats = cache.sample(5, torch.Generator().manual_seed(2))
     for row, feat in zip(picked, feats, strict=True):
@@ -30,45 +40,45 @@ def test_cached_features_are_the_targets_features_of_their_windows(bench, target
         assert torch.equal(feat, want[i])  # a sampled window comes with its own features
 
 
-def test_the_loss_on_cached_features_equals_the_loss_computing_them(bench, target):
-    head = bench.EagleHead(
+def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
+    head = EagleHead(
         "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
     )
     windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
-    opts = bench.EagleTraining(seconds=0, seq=16, batch=4, lr=0)
-    fresh, top_fresh = bench.eagle_loss(head, target, windows, opts)
-    feats = bench.target_features(target, windows)
-    cached, top_cached = bench.eagle_loss(head, target, windows, opts, feats)
+    opts = EagleTraining(seconds=0, seq=16, batch=4, lr=0)
+    fresh, top_fresh = eagle_loss(head, target, windows, opts)
+    feats = target_features(target, windows)
+    cached, top_cached = eagle_loss(head, target, windows, opts, feats)
     assert torch.equal(fresh, cached) and top_fresh == top_cached
 
 
-def test_training_with_a_cache_reports_it_and_learns(bench, target):
+def test_training_with_a_cache_reports_it_and_learns(target):
     data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(5))
-    opts = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=30, cache_gib=0.001)
-    head, info = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    opts = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=30, cache_gib=0.001)
+    head, info = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
     assert info["steps"] == 30
     assert info["cached_teacher_windows"] == 24 and 0 < info["cached_corpus_windows"] <= 4000 // 17
-    off = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.0)
-    _, info_off = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), off)
+    off = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.0)
+    _, info_off = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), off)
     assert info_off["feature_cache"] == "off"
     # thirty steps lower the loss from where one step (same init and data) leaves it
-    one = bench.EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.001)
-    head_one, _ = bench.train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), one)
+    one = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.001)
+    head_one, _ = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), one)
     windows = teacher[:8]
     with torch.no_grad():
-        trained_loss, _ = bench.eagle_loss(head, target, windows, opts)
-        start_loss, _ = bench.eagle_loss(head_one, target, windows, opts)
+        trained_loss, _ = eagle_loss(head, target, windows, opts)
+        start_loss, _ = eagle_loss(head_one, target, windows, opts)
     assert trained_loss < start_loss
 
 
 @pytest.mark.parametrize("steps", [2, 4])
-def test_unrolled_steps_attend_as_the_serving_chain_does(bench, target, steps):
+def test_unrolled_steps_attend_as_the_serving_chain_does(target, steps):
     """Step ``s`` at position ``j`` equals one causal forward over the pairs serving's ``s``-th
     chain step sees: target features up to ``j - s + 1``, then the chain's own entries, each
     fed the previous step's output (an entry's K/V depend on its own pair only)."""
     torch.manual_seed(7)
-    head = bench.EagleHead(
+    head = EagleHead(
         "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
     )
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(8))

@@ -1,4 +1,4 @@
-"""``bench/phase_trace.py``: kernels charged to the phase that launched them, and the
+"""``bench/speculative/phases/trace.py``: kernels charged to the phase that launched them, and the
 synchronizing calls a step makes."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from collections import Counter
 import pytest
 import torch
 
+from bench.speculative.phases import trace as phase_trace
+
 
 @pytest.fixture(scope="module")
-def trace(bench):
-    return bench._load_phase_trace()
+def trace():
+    return phase_trace
 
 
 def _write(path, events):

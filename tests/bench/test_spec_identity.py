@@ -1,4 +1,4 @@
-"""``bench/spec.py``'s agreement report: the first token where two outputs differ, and the
+"""``bench/speculative``'s agreement report: the first token where two outputs differ, and the
 split of identical outputs into base-model and adapter requests that the batch-shape floor
 and each draft's run are read by."""
 
@@ -7,54 +7,58 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.speculative.identity import first_difference_gap, first_divergence, identity_by_kind
+from bench.speculative.measure import Row
+from bench.speculative.report import identity_table
 
-def test_first_divergence(bench):
-    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert bench.first_divergence([5], [6]) == 0
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([5], [6]) == 0
     # One output stopping early differs where the shorter one ends.
-    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
-    assert bench.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
 
 
-def test_identity_by_kind_splits_base_and_adapter_requests(bench):
+def test_identity_by_kind_splits_base_and_adapter_requests():
     adapters = [None, "ad0", "ad1", None, "ad0"]
     a = [[1, 2, 3], [1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]]
     b = [[1, 2, 3], [1, 0, 3], [4, 5, 6], [7, 8, 0], [0, 1, 1]]
-    got = bench.identity_by_kind(adapters, a, b)
+    got = identity_by_kind(adapters, a, b)
     assert got == {
         "adapter": {"identical": 1, "count": 3, "mean_first_divergence": 0.5, "max_gap": None},  # diffs at 1, 0
         "base": {"identical": 1, "count": 2, "mean_first_divergence": 2.0, "max_gap": None},
     }
     # gap(i, at) is asked for every differing request, by its index and first difference
     asked = []
-    gapped = bench.identity_by_kind(adapters, a, b, lambda i, at: asked.append((i, at)) or float(i))
+    gapped = identity_by_kind(adapters, a, b, lambda i, at: asked.append((i, at)) or float(i))
     assert asked == [(1, 1), (3, 2), (4, 0)]
     assert gapped["adapter"]["max_gap"] == 4.0 and gapped["base"]["max_gap"] == 3.0
-    same = bench.identity_by_kind(adapters, a, a)
+    same = identity_by_kind(adapters, a, a)
     assert all(v["identical"] == v["count"] and v["mean_first_divergence"] is None for v in same.values())
     with pytest.raises(ValueError):
-        bench.identity_by_kind(adapters, a, b[:-1])
+        identity_by_kind(adapters, a, b[:-1])
 
 
-def test_identity_table_reports_floor_and_drafts(bench):
+def test_identity_table_reports_floor_and_drafts():
     identity = {"base": {"identical": 2, "count": 2, "mean_first_divergence": None},
                 "adapter": {"identical": 5, "count": 8, "mean_first_divergence": 40.3}}  # fmt: skip
-    row = bench.Row(8, "eagle", 1.0, 2.0, 2.0, {}, 7, 10, identity)
+    row = Row(8, "eagle", 1.0, 2.0, 2.0, {}, 7, 10, identity)
     floor = {"base": {"identical": 1, "count": 2, "mean_first_divergence": 12.0},
              "adapter": {"identical": 6, "count": 8, "mean_first_divergence": 55.0}, "against": 1}  # fmt: skip
-    lines = bench._identity_table([row], {8: {"floor": floor}})
+    lines = identity_table([row], {8: {"floor": floor}})
     assert (
         "| 8 | plain c=1 vs plain c=8 (floor) | 1/2 (first diff at 12.0) | 6/8 (first diff at 55.0) |"
         in lines
     )
     assert "| 8 | eagle vs plain | 2/2 | 5/8 (first diff at 40.3) |" in lines
     identity["adapter"]["max_gap"] = 0.125
-    lines = bench._identity_table([row], {8: {}})
+    lines = identity_table([row], {8: {}})
     assert "| 8 | eagle vs plain | 2/2 | 5/8 (first diff at 40.3; gap ≤ 0.125) |" in lines
 
 
-def test_first_difference_gap_is_the_targets_logit_difference(bench, tmp_path):
+def test_first_difference_gap_is_the_targets_logit_difference(tmp_path):
     """On a real (tiny) runner: two continuations that share a prefix and then take the
     target's top-1 and top-2 tokens differ by exactly the logit gap the target gives them
     after that prefix; one output ending first has no gap."""
@@ -76,6 +80,6 @@ def test_first_difference_gap_is_the_targets_logit_difference(bench, tmp_path):
     top = logits.topk(2)
     first, second = (int(t) for t in top.indices)
     a, b = [*shared, first, 1], [*shared, second, 2]
-    gap = bench.first_difference_gap(runner, prompt, None, a, b, 2)
+    gap = first_difference_gap(runner, prompt, None, a, b, 2)
     assert gap == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-5) and gap > 0
-    assert bench.first_difference_gap(runner, prompt, None, shared, [*shared, first], 2) is None
+    assert first_difference_gap(runner, prompt, None, shared, [*shared, first], 2) is None

@@ -1,4 +1,4 @@
-"""``bench/spec.py --phases``: the recorder that times a decoder's calls by wrapping bound
+"""``bench/speculative --phases``: the recorder that times a decoder's calls by wrapping bound
 methods, and the per-step summary of what it recorded (host times, CUDA-event spans and
 the gaps between them), on stand-ins for the decoder and for CUDA events."""
 
@@ -8,6 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.speculative.phases.recorder import PhaseRecorder, Span
+from bench.speculative.phases.report import phases_markdown
+from bench.speculative.phases.summary import summarize_phases
 from loraserve.kernels import ForwardMode
 
 
@@ -21,26 +24,26 @@ class FakeEvent:
         return other.ms - self.ms
 
 
-def _span(bench, name, t0, t1, g0, g1, children=(), tokens=0):
+def _span(name, t0, t1, g0, g1, children=(), tokens=0):
     """Host times in ms (stored in seconds, as perf_counter gives them), GPU times in ms."""
-    return bench.Span(name, FakeEvent(g0), FakeEvent(g1), t0 / 1e3, t1 / 1e3, list(children), tokens)
+    return Span(name, FakeEvent(g0), FakeEvent(g1), t0 / 1e3, t1 / 1e3, list(children), tokens)
 
 
-def _step(bench, at: float, verify_ms: float):
+def _step(at: float, verify_ms: float):
     """A step at host time ``at``: propose (one nested draft call), verify, 1 ms of host
     work untimed at the end; on the GPU, everything 0.5 ms behind the host."""
     g = at + 0.5
-    propose = _span(bench, "drafter.propose", at + 0.1, at + 1.1, g + 0.1, g + 1.2,
-                    [_span(bench, "draft.draft_chain", at + 0.3, at + 0.9, g + 0.3, g + 1.1)])  # fmt: skip
-    verify = _span(bench, "target.forward[TARGET_VERIFY]", at + 1.2, at + 1.2 + verify_ms, g + 1.2,
+    propose = _span("drafter.propose", at + 0.1, at + 1.1, g + 0.1, g + 1.2,
+                    [_span("draft.draft_chain", at + 0.3, at + 0.9, g + 0.3, g + 1.1)])  # fmt: skip
+    verify = _span("target.forward[TARGET_VERIFY]", at + 1.2, at + 1.2 + verify_ms, g + 1.2,
                    g + 1.2 + verify_ms)  # fmt: skip
     end = at + 1.2 + verify_ms + 1.0
-    return _span(bench, "decoder.step", at, end, g, end + 0.5, [propose, verify], tokens=3)
+    return _span("decoder.step", at, end, g, end + 0.5, [propose, verify], tokens=3)
 
 
-def test_summary_rows_gaps_and_totals(bench):
-    steps = [_step(bench, 20.0 * i, verify_ms=8.0 + (i % 2)) for i in range(7)]
-    s = bench.summarize_phases(steps, [], skip=3)
+def test_summary_rows_gaps_and_totals():
+    steps = [_step(20.0 * i, verify_ms=8.0 + (i % 2)) for i in range(7)]
+    s = summarize_phases(steps, [], skip=3)
     assert (s["steps"], s["skipped"], s["tokens_per_step"]) == (4, 3, 3.0)
     labels = [(r["depth"], r["label"]) for r in s["rows"]]
     assert labels == [
@@ -70,8 +73,8 @@ def test_summary_rows_gaps_and_totals(bench):
     assert s["between_gpu_ms"] == pytest.approx([(8.8 + 9.8 + 8.8) / 3, 8.8], abs=1e-3)
 
 
-def test_summary_without_events_and_with_an_extend_between_steps(bench):
-    steps = [_step(bench, 20.0 * i, verify_ms=8.0) for i in range(4)]
+def test_summary_without_events_and_with_an_extend_between_steps():
+    steps = [_step(20.0 * i, verify_ms=8.0) for i in range(4)]
     for span in steps:  # the CPU: no events anywhere
         stack = [span]
         while stack:
@@ -79,13 +82,13 @@ def test_summary_without_events_and_with_an_extend_between_steps(bench):
             node.start = node.end = None
             stack += node.children
     extend = (0.045, 0.050)  # host seconds: between steps 2 and 3
-    s = bench.summarize_phases(steps, [extend], skip=0)
+    s = summarize_phases(steps, [extend], skip=0)
     assert s["step_gpu_ms"] is None and all(r["gpu_ms"] is None for r in s["rows"])
     assert s["between_host_ms"] == pytest.approx([9.8, 9.8])  # 2 of the 3 gaps
     assert s["between_gpu_ms"] is None
     # fewer steps than the warm-up: all of them count
-    assert bench.summarize_phases(steps[:2], [], skip=3)["steps"] == 2
-    text = bench.phases_markdown(
+    assert summarize_phases(steps[:2], [], skip=3)["steps"] == 2
+    text = phases_markdown(
         "eagle", {"spec": {**s, "generated": 12, "seconds": 0.1, "graphs_captured": 0}},
         {"device": "cpu", "prompt_tokens": 32, "adapter": None, "new_tokens": 12, "overhead_us": 1.0},
     )  # fmt: skip
@@ -147,9 +150,9 @@ class _Decoder:
         return [None]
 
 
-def test_recorder_wraps_instances_and_restores_them(bench):
+def test_recorder_wraps_instances_and_restores_them():
     decoder = _Decoder()
-    recorder = bench.PhaseRecorder(cuda=False)
+    recorder = PhaseRecorder(cuda=False)
     recorder.instrument(decoder)
     assert decoder.extend([]) == [None]  # outside a step: noted, not recorded
     outs = [decoder.step(["r"]) for _ in range(2)]
@@ -178,11 +181,11 @@ def test_recorder_wraps_instances_and_restores_them(bench):
     assert recorder.overhead_us(calls=20) >= 0.0 and not recorder._saved
 
 
-def test_recorder_keeps_an_instance_attribute_that_was_there(bench):
+def test_recorder_keeps_an_instance_attribute_that_was_there():
     decoder = _Decoder()
     own = decoder.step
     decoder.step = own  # already an instance attribute
-    recorder = bench.PhaseRecorder(cuda=False)
+    recorder = PhaseRecorder(cuda=False)
     recorder.instrument(decoder)
     assert decoder.step is not own
     recorder.restore()

@@ -1,6 +1,6 @@
 """Where a decode step's device time and host waits go: kernels and synchronizations by phase.
 
-Used by ``bench/spec.py --phases`` for one extra, untimed request per decoder:
+Used by ``--phases`` (``bench/speculative``) for one extra, untimed request per decoder:
 
 - :class:`SyncTrace` records every synchronizing CUDA call (torch's sync debug mode) with
   its call site in the project and the phase it was made in;

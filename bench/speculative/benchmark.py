@@ -1,0 +1,53 @@
+"""The benchmark from start to end: train, serve, check, time every level, report."""
+
+from __future__ import annotations
+
+import time
+
+from . import cli
+from .checks import check_serving
+from .concurrency import Results, measure_level
+from .decoders import build_decoders
+from .log import log
+from .measure import MeasureOptions
+from .models import TrainedModels, train_models
+from .report import write_report
+from .serving import build_serving
+from .settings import Settings
+from .workloads import prompt_pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on ``argv``; 1 when a ``--smoke`` run's outputs differ or runs failed."""
+    s = cli.parse(argv)
+    started = time.monotonic()
+    trained = train_models(s)
+    serving = build_serving(s, trained)
+    pool = prompt_pool(trained.held_ids, s.prompt_len)
+    check = check_serving(s, trained, serving, pool)
+    decoders = build_decoders(s, serving, trained.draft_dir)
+    opts = MeasureOptions.from_settings(s, started)
+    results = Results()
+    for c in s.concurrency:
+        if measure_level(c, s.k_sweep, serving, decoders, pool, opts, results):
+            write_report(s, trained, serving.target_params, check, results)
+    print(write_report(s, trained, serving.target_params, check, results))
+    log(f"total {time.monotonic() - started:.0f} s")
+    return smoke_verdict(s, trained, results)
+
+
+def smoke_verdict(s: Settings, trained: TrainedModels, results: Results) -> int:
+    """0, except for a ``--smoke`` run where a speculative output differs from the plain one,
+    a run failed or the served EAGLE head proposes other tokens than the trained head."""
+    if not s.smoke:
+        return 0
+    bad = [(r.concurrency, r.draft) for r in results.rows if r.same != r.count]
+    eagle_check = trained.infos.get("eagle", {}).get("check")
+    if eagle_check and (eagle_check["proposal_agreement"] != 1.0 or eagle_check["rel_feature_diff"] > 1e-4):
+        results.notes.append(
+            f"the served EAGLE head proposes other tokens than the trained head: {eagle_check}"
+        )
+    if bad or results.notes:
+        print(f"smoke: outputs differ or runs failed: {bad} {results.notes}")
+        return 1
+    return 0

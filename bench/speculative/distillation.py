@@ -1,0 +1,88 @@
+"""The target's own continuations, and the STANDALONE draft distilled on them."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .corpus import tokenize, unseen_code_files
+from .log import log
+from .training import teacher_sequences, train_lm
+
+
+@dataclass
+class TeacherData:
+    """The target's own greedy continuations (plus how they were made) for draft training."""
+
+    data: torch.Tensor  # [n, seq + 1]
+    seq: int
+    fraction: float  # share of each draft batch taken from ``data``
+    info: dict
+
+
+def teacher_continuations(
+    args, target, data, tok_dir, device, *, smoke, k, prompt_len, gen_tokens
+) -> TeacherData:
+    """Greedy continuations of the target for the drafts' distillation (``--distill-prompts``)."""
+    t0 = time.monotonic()
+    if args.distill_prompts == "unseen":
+        # The serving regime: prompts of the benchmark's length from code the target never
+        # saw, continued past the longest sequence a request reaches.
+        unseen_files = unseen_code_files(1_000_000 if smoke else 8_000_000)
+        prompt_data = tokenize(tok_dir, unseen_files)
+        gen_len = args.distill_seq or 64 * math.ceil((prompt_len + gen_tokens + k) / 64)
+        teacher_prompt = prompt_len
+        source = f"{len(unseen_files)} unseen torch modules ({prompt_data.numel():,} tokens)"
+    else:  # run 2's recipe
+        prompt_data = data
+        gen_len = args.distill_seq or (64 if smoke else 192)
+        teacher_prompt = gen_len // 3
+        source = "the training corpus"
+    out = teacher_sequences(
+        # 24576 on a GPU: with 1024 the EAGLE head memorised them (training top-1 0.78, held
+        # out 0.44), 8192 and 70 s of training held out 0.47-0.49, 16384 and 170 s 0.52-0.53,
+        # 24576 and 240 s 0.52-0.53 with 2.22 of 5 drafts accepted against 2.03-2.12
+        # (bench/results/2026-12-03-spec-h200.md, runs 5, 7, 10-12)
+        target, prompt_data, device, count=args.distill_count or (32 if smoke else 24576),
+        prompt_len=teacher_prompt, new_tokens=gen_len - teacher_prompt + 1, seed=3,
+    )  # fmt: skip
+    seconds = time.monotonic() - t0
+    log(f"teacher continuations: {tuple(out.shape)} of {source} in {seconds:.1f} s")
+    fraction = args.teacher_fraction if args.teacher_fraction is not None else (
+        0.75 if args.distill_prompts == "unseen" else 0.5
+    )  # fmt: skip
+    info = {"teacher_prompts": source, "teacher_sequences": list(out.shape), "teacher_seconds": round(seconds, 1),
+            "teacher_fraction": fraction, "seq": gen_len}  # fmt: skip
+    return TeacherData(out, gen_len, fraction, info)
+
+
+def train_standalone(
+    args, target, draft_shape, vocab, data, teacher, seconds, device, *, seq, batch, smoke, max_steps
+):
+    """The STANDALONE draft: distilled from ``target`` on ``teacher`` data, or trained on the corpus."""
+    lr = 2e-3 if smoke else 1e-3
+    if args.draft_training == "distill":
+        draft, info = train_lm(
+            draft_shape, vocab, data, seconds, device, seq=teacher.seq, batch=batch, lr=lr, seed=2,
+            teacher=target, teacher_data=teacher.data, teacher_fraction=teacher.fraction, max_steps=max_steps,
+        )  # fmt: skip
+        info.update(teacher.info)
+    else:
+        draft, info = train_lm(
+            draft_shape,
+            vocab,
+            data,
+            seconds,
+            device,
+            seq=seq,
+            batch=batch,
+            lr=lr,
+            seed=2,
+            max_steps=max_steps,
+        )
+    info["training"] = args.draft_training
+    log(f"STANDALONE draft trained: {info}")
+    return draft, info

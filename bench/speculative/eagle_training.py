@@ -1,0 +1,221 @@
+"""Training of the EAGLE head over the frozen small target's features."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .eagle_head import EagleHead
+from .log import log
+from .training import lr_scale, progress
+
+
+@dataclass
+class EagleTraining:
+    """How the EAGLE head trains (``--eagle-*`` options)."""
+
+    seconds: float
+    seq: int
+    batch: int
+    lr: float
+    teacher_fraction: float = 0.5
+    noise: float = 0.0  # EAGLE's uniform feature noise U(-noise, noise) on the step-1 input
+    unroll: int = (
+        2  # draft steps trained per position: 1 teacher forcing only; s > 1 also steps 2..s on own features
+    )
+    feature_weight: float = 0.1  # smooth-L1 on the feature, next to KL to the target on the token
+    seed: int = 4
+    max_steps: int | None = None  # also ends training (a shared CPU trains as far as an idle one)
+    cache_gib: float = (
+        0.0  # > 0: the target's features of every training window computed once, up to this size
+    )
+
+
+def target_features(target, window: torch.Tensor) -> torch.Tensor:
+    """The target's final normed hidden states ``[B, L, H]``: the feature the runtime feeds."""
+    autocast = window.device.type == "cuda"
+    with (
+        torch.no_grad(),
+        torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast),
+    ):
+        return target.model(input_ids=window).last_hidden_state.float()
+
+
+def eagle_loss(
+    head: EagleHead, target, window: torch.Tensor, opts: EagleTraining, feats: torch.Tensor | None = None
+):
+    """EAGLE's loss on token windows ``[B, L]``: per draft step, KL from the target's
+    next-token distribution plus ``feature_weight`` x smooth-L1 to the target's feature.
+    ``feats``: the target's features of ``window`` when already computed (:class:`FeatureCache`).
+
+    Returns (loss, per-step top-1 agreement with the target's greedy token).
+    """
+    feats = target_features(target, window) if feats is None else feats.float()
+    ids, inputs, want = window[:, 1:], feats[:, :-1], feats[:, 1:]
+    if opts.noise:
+        inputs = inputs + (2 * torch.rand_like(inputs) - 1) * opts.noise
+    with torch.no_grad():
+        teacher = torch.log_softmax(head.logits(want), -1)
+    autocast = window.device.type == "cuda"
+    with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
+        outs = head.unrolled(ids, inputs, opts.unroll) if opts.unroll > 1 else [head(ids, inputs)]
+    loss, top1 = torch.zeros((), device=window.device), []
+    for step, out in enumerate(outs):
+        out, t_logp, w = out[:, step:], teacher[:, step:], want[:, step:]  # step s skips rows < s - 1
+        logp = torch.log_softmax(head.logits(out), -1)
+        vocab = logp.shape[-1]
+        kl = torch.nn.functional.kl_div(
+            logp.reshape(-1, vocab), t_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
+        )
+        loss = loss + kl + opts.feature_weight * torch.nn.functional.smooth_l1_loss(out.float(), w)
+        top1.append(float((logp.argmax(-1) == t_logp.argmax(-1)).float().mean()))
+    return loss, top1
+
+
+@dataclass
+class FeatureCache:
+    """Training windows with the target's features, computed once (``--eagle-cache-gib``).
+
+    The target is frozen, so its features of a window never change: computing them once
+    leaves every training step the head's own work (the target's forward was about 40% of
+    a step). Corpus windows are then fixed, non-overlapping slices of the corpus instead of
+    windows at random offsets."""
+
+    windows: torch.Tensor  # int64 [n, seq + 1], on the device
+    features: torch.Tensor  # bfloat16 [n, seq + 1, H], on the device
+
+    @classmethod
+    def build(cls, target, windows: torch.Tensor, device: torch.device, chunk: int = 256) -> FeatureCache:
+        """The cache of ``windows`` (``[n, seq + 1]``), features computed ``chunk`` windows at a time."""
+        windows = windows.to(device)
+        parts = [target_features(target, part).to(torch.bfloat16) for part in windows.split(chunk)]
+        return cls(windows, torch.cat(parts))
+
+    def sample(self, count: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` random cached windows with their features."""
+        rows = torch.randint(0, self.windows.shape[0], (count,), generator=gen).to(self.windows.device)
+        return self.windows[rows], self.features[rows]
+
+
+def _feature_caches(
+    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: EagleTraining
+) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
+    """The corpus and teacher caches within ``opts.cache_gib`` (teacher rows first), or None."""
+    if opts.cache_gib <= 0:
+        return None
+    t0 = time.monotonic()
+    width = opts.seq + 1
+    per_row = width * target.config.hidden_size * 2  # bfloat16
+    budget = int(opts.cache_gib * 2**30) // per_row
+    n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget // 2)
+    n_corpus = min(data.numel() // width, budget - n_teacher)
+    if n_corpus < 1 or (teacher_data is not None and n_teacher < 1):
+        return None
+    corpus = FeatureCache.build(target, data[: n_corpus * width].view(n_corpus, width), device)
+    teacher = None
+    if n_teacher:
+        assert teacher_data is not None
+        teacher = FeatureCache.build(target, teacher_data[:n_teacher, :width], device)
+    info = {
+        "cached_corpus_windows": n_corpus,
+        "cached_teacher_windows": n_teacher,
+        "cache_gib": round((n_corpus + n_teacher) * per_row / 2**30, 2),
+        "cache_seconds": round(time.monotonic() - t0, 1),
+    }
+    log(f"EAGLE feature cache: {info}")
+    return corpus, teacher, info
+
+
+def train_eagle_head(
+    target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
+    opts: EagleTraining,
+) -> tuple[EagleHead, dict]:  # fmt: skip
+    """Train an EAGLE head over the frozen ``target`` for ``opts.seconds``.
+
+    Batches mix corpus windows and the target's own greedy continuations (``teacher_data``,
+    ``[n, seq + 1]``; the STANDALONE draft's distillation data) in ``teacher_fraction``.
+    With ``opts.cache_gib`` the target's features of the windows are computed once, before
+    the clock starts (:class:`FeatureCache`); the time it takes is reported.
+    """
+    head = _new_head(target, shape, device, opts.seed)
+    params = list(head.parameters())
+    optim = torch.optim.AdamW(
+        params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
+    )
+    gen = torch.Generator().manual_seed(opts.seed)
+    data = data.to(device)
+    caches = _feature_caches(target, data, teacher_data, device, opts)
+    start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
+    while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
+        for group in optim.param_groups:
+            group["lr"] = opts.lr * lr_scale(step, frac)
+        n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
+        window, feats = _batch(data, teacher_data, caches, gen, opts, n_teacher)
+        loss, top1 = eagle_loss(head, target, window, opts, feats)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+    head.eval()
+    return head, {
+        "steps": step,
+        "tokens": step * opts.batch * opts.seq,
+        "final_loss": round(loss.item(), 3),
+        "train_top1": [round(a, 3) for a in top1],
+        "params": sum(p.numel() for p in params),
+        "noise": opts.noise,
+        "unroll": opts.unroll,
+        "feature_weight": opts.feature_weight,
+        "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
+        "seq": opts.seq,
+        **(caches[2] if caches is not None else {"feature_cache": "off"}),
+    }
+
+
+def _new_head(target, shape: str, device: torch.device, seed: int) -> EagleHead:
+    """A head over ``target``'s embeddings and LM head, initialised as a Llama layer (``seed``)."""
+    cfg = target.config
+    head = EagleHead(
+        shape, target.model.embed_tokens.weight, target.lm_head.weight, eps=cfg.rms_norm_eps,
+        theta=float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]),
+    ).to(device)  # fmt: skip
+    torch.manual_seed(seed)
+    for p in head.parameters():  # norms start at 1; the rest as a Llama initialises
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return head
+
+
+def _batch(data, teacher_data, caches, gen: torch.Generator, opts: EagleTraining, n_teacher: int):
+    """A training batch of ``opts.batch`` windows, ``n_teacher`` of them the target's own
+    continuations, with their cached features (None without caches: computed by the loss)."""
+    if caches is not None:
+        corpus, teacher, _ = caches
+        window, feats = corpus.sample(opts.batch - n_teacher, gen)
+        if teacher is not None and n_teacher:
+            t_window, t_feats = teacher.sample(n_teacher, gen)
+            window, feats = torch.cat([window, t_window]), torch.cat([feats, t_feats])
+        return window, feats
+    device = data.device
+    starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
+    window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
+    if n_teacher:
+        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
+        window = torch.cat([window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(device)])
+    return window, None
+
+
+@torch.no_grad()
+def eagle_heldout_top1(
+    head: EagleHead, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, steps: int = 2
+) -> list[float]:
+    """Per-step top-1 agreement with the target's greedy token on held-out windows
+    (steps 2.. on the head's own previous feature): an offline proxy of multi-step acceptance."""
+    n = min(16, (held_ids.numel() - 1) // (seq + 1))
+    window = held_ids[: n * (seq + 1)].view(n, seq + 1).to(device)
+    opts = EagleTraining(seconds=0, seq=seq, batch=n, lr=0, unroll=steps)
+    _, top1 = eagle_loss(head, target, window, opts)
+    return [round(a, 3) for a in top1]

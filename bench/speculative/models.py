@@ -1,0 +1,104 @@
+"""Everything a run trains, in order: the corpus, the small target, then each draft."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraserve.runtime.dev.devmodels import write_tokenizer
+
+from .corpus import corpus_files, tokenize
+from .distillation import TeacherData, teacher_continuations, train_standalone
+from .eagle_head import EagleHead
+from .eagle_training import EagleTraining, eagle_heldout_top1, train_eagle_head
+from .log import log
+from .settings import Settings
+from .training import save_hf, train_lm
+
+
+@dataclass
+class TrainedModels:
+    """What training leaves for serving: files under ``work`` and what the report says of them."""
+
+    work: Path  # the run's scratch directory
+    tokenizer_dir: Path
+    held_ids: torch.Tensor  # the held-out files' tokens: the benchmark's prompts
+    small_dir: Path  # the trained small target (bfloat16, Hugging Face layout)
+    small_state: dict[str, torch.Tensor]  # its weights, for the function-preserving expansion
+    target_info: dict
+    infos: dict[str, dict]  # per draft: its training record (and, later, its serving check)
+    draft_dir: Path | None = None  # the STANDALONE draft
+    head: EagleHead | None = None  # the EAGLE head as trained (bfloat16 values)
+
+
+def train_models(s: Settings) -> TrainedModels:
+    """Tokenize the corpus, train the small target, then the drafts ``s.drafts`` asks for."""
+    work = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    tok_dir = write_tokenizer(work / "tokenizer", s.vocab)
+    data, held_ids = _corpus(s, tok_dir)
+    target, target_info = _train_target(s, data)
+    teacher = None
+    if s.args.draft_training == "distill" or "eagle" in s.drafts:
+        teacher = teacher_continuations(s.args, target, data, tok_dir, s.device, smoke=s.smoke, k=s.k,
+                                        prompt_len=s.prompt_len, gen_tokens=s.gen_tokens)  # fmt: skip
+    infos: dict[str, dict] = {}
+    draft_dir = head = None
+    if "standalone" in s.drafts:
+        draft, infos["standalone"] = train_standalone(
+            s.args, target, s.draft_shape, s.vocab, data, teacher, s.train_draft_s, s.device,
+            seq=s.seq, batch=s.batch, smoke=s.smoke, max_steps=s.max_steps[1],
+        )  # fmt: skip
+        draft_dir = save_hf(draft, work / "draft", tok_dir)
+        del draft
+    if "eagle" in s.drafts:
+        assert teacher is not None
+        head, infos["eagle"] = _train_eagle(s, target, data, held_ids, teacher)
+    # save_hf casts the target to bfloat16 in place: the drafts above trained on its float32 self
+    small_dir = save_hf(target, work / "target-small", tok_dir)
+    small_state = {n: t.detach() for n, t in target.state_dict().items()}
+    del target
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return TrainedModels(work, tok_dir, held_ids, small_dir, small_state, target_info, infos, draft_dir, head)
+
+
+def _corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training corpus's tokens and the held-out prompt files' tokens."""
+    train_files, held = corpus_files(2_000_000 if s.smoke else 40_000_000)
+    data = tokenize(tok_dir, train_files)
+    held_ids = tokenize(tok_dir, held)
+    log(
+        f"corpus: {len(train_files)} files, {data.numel():,} tokens; held-out prompt files: {[p.name for p in held]}"
+    )
+    return data, held_ids
+
+
+def _train_target(s: Settings, data: torch.Tensor):
+    """The small target, trained on the corpus for ``--train-target-s``."""
+    target, info = train_lm(
+        s.small_shape, s.vocab, data, s.train_target_s, s.device, seq=s.seq, batch=s.batch,
+        lr=1.5e-3 if s.smoke else 6e-4, seed=1, max_steps=s.max_steps[0],
+    )  # fmt: skip
+    log(f"target-small trained: {info}")
+    return target, info
+
+
+def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
+    """The EAGLE head over ``target``, rounded to what is served, with its held-out top-1."""
+    args = s.args
+    opts = EagleTraining(
+        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.eagle_lr or (2e-3 if s.smoke else 1e-3),
+        teacher_fraction=teacher.fraction, noise=args.eagle_noise, unroll=args.eagle_unroll,
+        feature_weight=args.eagle_feature_weight, max_steps=s.max_steps[2],
+        cache_gib=args.eagle_cache_gib if args.eagle_cache_gib is not None else (0.02 if s.smoke else 32.0),
+    )  # fmt: skip
+    head, info = train_eagle_head(target, s.small_shape, data, teacher.data, s.device, opts)
+    head.round_to_bf16()  # what is served
+    info["heldout_top1"] = eagle_heldout_top1(
+        head, target, held_ids, s.device, seq=teacher.seq, steps=max(2, opts.unroll)
+    )
+    log(f"EAGLE head trained: {info}")
+    return head, info

@@ -1,0 +1,104 @@
+"""The serving side: the target's directory, the EAGLE head's, the adapters and the runner."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
+from loraserve.runtime.dev.devmodels import copy_tokenizer
+from loraserve.runtime.runner.model_runner import ModelRunner
+
+from .adapters import write_adapter
+from .eagle_checkpoint import eagle_config, save_eagle_head
+from .expansion import expand_eagle_head, expand_into
+from .log import log
+from .models import TrainedModels
+from .settings import Settings
+from .shapes import SHAPES, llama_config
+
+
+@dataclass
+class Serving:
+    """The runner serving the target, the runtime configuration it was built from, and the
+    EAGLE head's directory (None without an EAGLE draft)."""
+
+    config: RuntimeConfig
+    runner: ModelRunner
+    target_params: int
+    head_dir: Path | None
+
+
+def build_serving(s: Settings, trained: TrainedModels) -> Serving:
+    """Write the serving target (``--target-shape``), the EAGLE head for it and 4 adapters,
+    then build the runner; an expanded target gets the trained weights placed in it."""
+    target_dir, raw, expanded = _target_dir(s, trained)
+    head_dir = _eagle_dir(s, trained, raw)
+    adapters = {
+        f"ad{i}": write_adapter(
+            trained.work / f"ad{i}", raw, rank=16, seed=10 + i, b_std=s.args.adapter_b_std
+        )
+        for i in range(4)
+    }
+    config = runtime_config(s, target_dir, adapters)
+    t0 = time.monotonic()
+    runner = ModelRunner(config, random_weights=expanded)
+    if expanded:
+        expand_into(runner, trained.small_state, s.small_shape)
+    target_params = sum(p.numel() for p in runner.model.parameters())
+    log(
+        f"target runner ({s.target_shape}, {target_params / 1e9:.2f} B params, attention {runner.attention_backend}) "
+        f"built in {time.monotonic() - t0:.1f} s"
+    )
+    return Serving(config, runner, target_params, head_dir)
+
+
+def _target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict, bool]:
+    """The serving target's directory, its config.json and whether its weights are to be
+    expanded from the small model's (``trained``: the small model's own directory)."""
+    small_dir = trained.small_dir
+    if s.target_shape == "trained":
+        return small_dir, json.loads((small_dir / "config.json").read_text()), False
+    hs, hb = SHAPES[s.small_shape][0], SHAPES[s.target_shape][0]
+    small_eps = json.loads((small_dir / "config.json").read_text()).get("rms_norm_eps", 1e-5)
+    # RMSNorm over the padded width sees hs/hb of the mean square: eps scales with it
+    raw = llama_config(s.target_shape, s.vocab, eps=small_eps * hs / hb)
+    target_dir = trained.work / f"target-{s.target_shape}"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(raw, indent=1))
+    copy_tokenizer(trained.tokenizer_dir, target_dir)
+    return target_dir, raw, True
+
+
+def _eagle_dir(s: Settings, trained: TrainedModels, raw: dict) -> Path | None:
+    """The trained EAGLE head written for the serving target (expanded to its shape), or None."""
+    if trained.head is None:
+        return None
+    tensors = trained.head.checkpoint()
+    if s.target_shape != "trained":
+        tensors = expand_eagle_head(tensors, s.small_shape, s.target_shape)
+    return save_eagle_head(tensors, eagle_config(raw, raw["intermediate_size"]), trained.work / "eagle")
+
+
+def runtime_config(s: Settings, target_dir: Path, adapters: dict[str, Path]) -> RuntimeConfig:
+    """The runtime configuration of the plain (no speculation) serving target."""
+    max_c = max(s.concurrency)
+    config = RuntimeConfig()
+    config.model.path = str(target_dir)
+    config.model.dtype = "float32" if s.device.type == "cpu" else "bfloat16"
+    config.device = str(s.device)
+    config.seed = 0
+    config.lora.max_rank = 16
+    config.lora.max_loras_per_batch = 4
+    config.lora.max_loaded_loras = 4
+    config.lora.target_modules = DEFAULT_LORA_MODULES
+    config.lora.adapters = {n: str(p) for n, p in adapters.items()}
+    config.scheduler.max_running_requests = max_c
+    widest = max([s.k] + [tokens for _, tokens in s.trees])
+    config.scheduler.max_total_tokens = max_c * (s.prompt_len + s.gen_tokens + 2 * widest + 16) + 4096
+    config.cuda_graph.enabled = s.device.type == "cuda"
+    config.cuda_graph.max_bs = max_c
+    config.attention_backend = s.args.attention_backend
+    return config

@@ -1,0 +1,173 @@
+"""Training of plain Llamas: the small target, and a STANDALONE draft by distillation."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .shapes import llama_config
+
+
+def train_lm(
+    shape: str,
+    vocab: int,
+    data: torch.Tensor,
+    seconds: float,
+    device: torch.device,
+    *,
+    seq: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    teacher=None,
+    teacher_data: torch.Tensor | None = None,
+    teacher_fraction: float = 0.5,
+    max_steps: int | None = None,
+):
+    """Train a Llama of ``shape`` for ``seconds`` on random windows of ``data``.
+
+    With a ``teacher``, the loss is the KL divergence from the teacher's next-token
+    distribution (distillation), and ``teacher_fraction`` of every batch comes from
+    ``teacher_data`` (sequences the teacher generated itself, ``[n, seq + 1]``): the draft
+    learns to predict what the target says, which is what speculation accepts.
+    ``max_steps`` also ends training (whichever comes first; the schedule follows the
+    larger of the time and step fractions).
+    """
+    model = new_llama(shape, vocab, seed, device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    gen = torch.Generator().manual_seed(seed)
+    data = data.to(device)
+    start, step, losses = time.monotonic(), 0, []
+    loss = torch.zeros(())
+    while (frac := progress(time.monotonic() - start, seconds, step, max_steps)) < 1.0:
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_scale(step, frac)
+        n_teacher = 0 if teacher_data is None else max(1, round(batch * teacher_fraction))
+        window = _batch(data, teacher_data, gen, batch - n_teacher, n_teacher, seq)
+        loss = _loss(model, teacher, window, vocab)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            losses.append(loss.item())
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    final = losses[-1] if losses else loss.item()
+    return model, {
+        "steps": step,
+        "tokens": step * batch * seq,
+        "final_loss": round(final, 3),
+        "params": n_params,
+    }
+
+
+def new_llama(shape: str, vocab: int, seed: int, device: torch.device):
+    """A randomly initialised (``seed``) Hugging Face Llama of ``shape``, in training mode."""
+    import transformers
+
+    raw = llama_config(shape, vocab)
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    model.train()
+    return model
+
+
+def _batch(
+    data: torch.Tensor,
+    teacher_data: torch.Tensor | None,
+    gen: torch.Generator,
+    n_corpus: int,
+    n_teacher: int,
+    seq: int,
+) -> torch.Tensor:
+    """``[n_corpus + n_teacher, seq + 1]`` tokens: corpus windows at random offsets, then
+    random rows of ``teacher_data`` (on ``data``'s device)."""
+    device = data.device
+    starts = torch.randint(0, data.numel() - seq - 1, (n_corpus,), generator=gen)
+    idx = starts[:, None] + torch.arange(seq + 1)[None, :]
+    window = data[idx.to(device)]
+    if teacher_data is not None:
+        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
+        window = torch.cat([window, teacher_data[rows.to(teacher_data.device)].to(device)])
+    return window
+
+
+def _loss(model, teacher, window: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Next-token cross-entropy on ``window``, or with a ``teacher`` the KL divergence from
+    the teacher's next-token distribution (bf16 autocast on CUDA)."""
+    device = window.device
+    autocast = {"device_type": device.type, "dtype": torch.bfloat16, "enabled": device.type == "cuda"}
+    with torch.autocast(**autocast):
+        logits = model(input_ids=window[:, :-1]).logits
+    if teacher is None:
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), window[:, 1:].reshape(-1))
+    with torch.no_grad(), torch.autocast(**autocast):
+        target_logp = torch.log_softmax(teacher(input_ids=window[:, :-1]).logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(
+        logp.reshape(-1, vocab), target_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
+    )
+
+
+def progress(elapsed: float, seconds: float, step: int, max_steps: int | None) -> float:
+    """Share of the training budget spent: time, or steps when ``max_steps`` caps them."""
+    frac = elapsed / seconds if seconds > 0 else 1.0
+    return max(frac, step / max_steps) if max_steps else frac
+
+
+def lr_scale(step: int, frac: float, warmup: int = 50) -> float:
+    """Linear warm-up, then cosine decay to 10% over the time budget (as ``train_lm``)."""
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@torch.no_grad()
+def teacher_sequences(
+    model,
+    data: torch.Tensor,
+    device: torch.device,
+    *,
+    count: int,
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+) -> torch.Tensor:
+    """Greedy continuations by ``model`` of random windows of ``data``, ``[count, prompt+new]``.
+
+    ``data`` is never the held-out files the benchmark prompts are cut from.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
+    prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
+    chunks = []
+    # large batches on a GPU: generation of a small model is bound by per-step latency
+    for part in prompts.split(2048 if device.type == "cuda" else 512):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model.generate(
+                input_ids=part,
+                attention_mask=torch.ones_like(part),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        chunks.append(out[:, : prompt_len + new_tokens])
+    return torch.cat(chunks)
+
+
+def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:
+    """Save ``model`` in bfloat16 (in place) with the tokenizer: a directory the runtime loads."""
+    from loraserve.runtime.dev.devmodels import copy_tokenizer
+
+    model.to(torch.bfloat16).save_pretrained(str(dest), safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, dest)
+    return dest
