@@ -19,7 +19,7 @@ IMPLEMENTED_ALGORITHMS: dict[SpecAlgorithm, bool] = {
     SpecAlgorithm.STANDALONE: True,
     SpecAlgorithm.EAGLE: True,
     SpecAlgorithm.EAGLE3: True,
-    SpecAlgorithm.DFLASH: False,
+    SpecAlgorithm.DFLASH: True,
     SpecAlgorithm.DSPARK: False,
     SpecAlgorithm.FROZEN_KV_MTP: False,
 }

@@ -645,7 +645,9 @@ def _speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | No
         "every request verifies that many rows each step",
     )
     chain = chain_draft_tokens(spec.num_steps)
-    if spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != chain:
+    # A DFLASH block is drafted in one forward: num_draft_tokens is the block, num_steps unused.
+    chained = algorithm is not SpecAlgorithm.DFLASH
+    if chained and spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != chain:
         out.append(
             Violation(
                 "chain-draft-tokens",

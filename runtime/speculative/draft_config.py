@@ -81,6 +81,15 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
                 f"a tree of speculative.top_k {spec.top_k} over speculative.num_steps {spec.num_steps} offers "
                 f"{most - 1} candidates: speculative.num_draft_tokens must be {least}..{most}, got {spec.num_draft_tokens}",
             )
+    elif algorithm is SpecAlgorithm.DFLASH:
+        # One draft forward per step: num_draft_tokens is the block (the last token and its
+        # drafts); num_steps is not used. The checkpoint's block_size bounds it at start-up.
+        if spec.num_draft_tokens < 2:
+            raise SpeculativeConfigError(
+                "speculative.num_draft_tokens",
+                f"a DFLASH block holds the last token and at least one draft: speculative.num_draft_tokens "
+                f"must be >= 2, got {spec.num_draft_tokens}",
+            )
     elif spec.num_draft_tokens != chain_draft_tokens(spec.num_steps):
         raise SpeculativeConfigError(
             "speculative.num_draft_tokens",

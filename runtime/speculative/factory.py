@@ -79,6 +79,8 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
         )
         _check_same_tokenizer(runner.model_path, draft_runner.model_path)
         return StandaloneDrafter(draft_runner, sampler, runner.vocab_size), algorithm
+    if algorithm is SpecAlgorithm.DFLASH:
+        return _dflash_drafter(config, runner, sampler), algorithm
 
     from .draft_vocab import TokenMapError
     from .eagle_drafter import EagleDrafter
@@ -124,6 +126,47 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
     )
     tree = TreeShape(spec.top_k, spec.num_steps, spec.num_draft_tokens) if spec.top_k > 1 else None
     return EagleDrafter(draft_runner, sampler, runner.vocab_size, tree=tree), algorithm
+
+
+def _dflash_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> Drafter:
+    """A DFLASH drafter over the target's BASE embedding and lm_head (unwrapped from any
+    adapter wrapper here, the one place the draft takes them)."""
+    from .dflash_drafter import DFlashDrafter
+    from .dflash_runner import DFlashDraftRunner
+    from .eagle_model import base_weight
+
+    spec = config.speculative
+    try:
+        draft_runner = DFlashDraftRunner(
+            str(spec.draft_model_path),
+            target_arch=runner.arch,
+            target_dir=runner.model_path,
+            embed_weight=base_weight(runner.embed_tokens),
+            lm_head_weight=base_weight(runner.lm_head),
+            dtype=runner.dtype,
+            device=runner.device,
+            max_total_tokens=runner.kv.capacity,
+            max_requests=runner.kv.max_requests,
+            max_context_len=runner.kv.max_context_len,
+            architecture=spec.draft_model_architecture,
+            load_format=spec.draft_load_format,
+            seed=config.seed,
+            attention_backend=runner.attention_backend,
+        )
+        draft_runner.config.check_block(int(spec.num_draft_tokens))
+    except ModelConfigError as exc:
+        field = "speculative.num_draft_tokens" if "num_draft_tokens" in str(exc) else "speculative.draft_model_path"
+        raise SpeculativeConfigError(field, str(exc)) from exc
+    log.info(
+        "DFLASH draft %s: block of %d (trained on %s), target layers %s, mask token %d (%s)",
+        spec.draft_model_path,
+        spec.num_draft_tokens,
+        draft_runner.config.block_size,
+        list(draft_runner.config.target_layer_ids),
+        draft_runner.mask_token_id,
+        draft_runner.mask_source,
+    )
+    return DFlashDrafter(draft_runner, sampler, runner.vocab_size)
 
 
 def build_decoder(*, config: RuntimeConfig, runner, sampler: Sampler) -> SpeculativeDecoder:

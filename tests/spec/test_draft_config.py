@@ -116,7 +116,7 @@ def test_runnable_algorithms_come_from_the_capability_table():
         ({"ragged_verify": RaggedVerify.DYNAMIC}, "speculative.ragged_verify"),
         ({"adaptive": True}, "speculative.adaptive"),
         ({"draft_model_path": None}, "speculative.draft_model_path"),
-        ({"algorithm": SpecAlgorithm.DFLASH}, "speculative.algorithm"),
+        ({"algorithm": SpecAlgorithm.DSPARK}, "speculative.algorithm"),
         ({"algorithm": SpecAlgorithm.NONE}, "speculative.algorithm"),
         ({"algorithm": SpecAlgorithm.NGRAM, "ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max"),
     ],
