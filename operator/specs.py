@@ -182,6 +182,14 @@ class NgramSpec(_Spec):
     max_match: int = sets("speculative.ngram_max", ge=MINIMUM["speculative.ngram_min"])
 
 
+class DraftLoraSpec(_Spec):
+    """The draft's own adapter pool, for Adapters that name a draft adapter (``spec.draft``)."""
+
+    max_loras: int = sets("speculative.draft_max_loras")
+    """Draft adapter slots: distinct draft adapters per batch (0: no pool, every request drafts unadapted)."""
+    max_rank: int = sets("speculative.draft_max_lora_rank")
+
+
 class SpeculativeSpec(_Spec):
     """Speculative decoding: a draft proposes tokens, the target verifies with each adapter."""
 
@@ -198,6 +206,7 @@ class SpeculativeSpec(_Spec):
     disable_batch_size: int = sets("speculative.disable_batch_size", le=MAX_BATCH_SIZE_SWITCH)
     tree_max_batch_size: int = sets("speculative.tree_max_batch_size", le=MAX_BATCH_SIZE_SWITCH)
     auto_disable: bool = sets("speculative.auto_disable")
+    draft_lora: DraftLoraSpec = Field(default_factory=DraftLoraSpec)
 
 
 class LoRASpec(_Spec):
@@ -501,6 +510,19 @@ class PlacementSpec(_Spec):
     """How many replicas load the adapter (mode Replicas only)."""
 
 
+class DraftAdapterSpec(_Spec):
+    """``Adapter.spec.draft``: a LoRA for the serve's draft model (PEFT format), loaded and
+    unloaded with the adapter. It changes what the draft proposes, never the output."""
+
+    source: SourceURI
+    sha256: Sha256 | None = None
+    rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK)
+    """Declared rank, checked against the serve's spec.speculative.draftLora.maxRank now."""
+    target_modules: list[Literal[LORA_MODULES]] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=len(LORA_MODULES)
+    )
+
+
 class AdapterSpec(_Spec):
     """``Adapter.spec``: one LoRA adapter served by one LoRAServe of the same namespace."""
 
@@ -515,6 +537,8 @@ class AdapterSpec(_Spec):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     pinned: bool = False
     """Keep the adapter in a GPU slot even when idle."""
+    draft: DraftAdapterSpec | None = None
+    """Its draft adapter (None: requests draft unadapted)."""
 
 
 class AdapterPodState(enum.StrEnum):
@@ -526,10 +550,21 @@ class AdapterPodState(enum.StrEnum):
     FAILED = "Failed"
 
 
+class DraftPodState(enum.StrEnum):
+    """An Adapter's draft adapter on one pod (only for Adapters with ``spec.draft``)."""
+
+    LOADED = "Loaded"
+    ABSENT = "Absent"
+    """The adapter is loaded and its draft adapter is not: its requests draft unadapted."""
+    FAILED = "Failed"
+    """The pod refused the draft adapter (so the adapter's load failed too: all or nothing)."""
+
+
 class AdapterPodStatus(_Spec):
     pod: str
     pod_ip: str | None = Field(default=None, alias="podIP")
     state: AdapterPodState
+    draft: DraftPodState | None = None
     message: str | None = None
     time: str | None = None
 

@@ -25,7 +25,12 @@ from pydantic import BaseModel
 
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.contract.flags import settings
-from loraserve.runtime.contract.policy import AdapterDeclaration, Report, source_path_problem
+from loraserve.runtime.contract.policy import (
+    AdapterDeclaration,
+    DraftAdapterDeclaration,
+    Report,
+    source_path_problem,
+)
 
 from .specs import AdapterSpec, EffectiveSpeculative, LoRAServeSpec, Sets, StorageSpec, VolumeType
 
@@ -94,6 +99,10 @@ ADAPTER_FIELD_PATHS: dict[str, str] = {
     "adapter.rank": "spec.rank",
     "adapter.target_modules": "spec.targetModules",
     "adapter.pinned": "spec.pinned",
+    "adapter.draft": "spec.draft",
+    "adapter.draft.source": "spec.draft.source",
+    "adapter.draft.rank": "spec.draft.rank",
+    "adapter.draft.target_modules": "spec.draft.targetModules",
 }
 """The policy's adapter fields -> the Adapter's fields."""
 
@@ -309,6 +318,12 @@ def adapter_declaration(name: str, spec: AdapterSpec) -> AdapterDeclaration:
         rank=spec.rank,
         target_modules=tuple(spec.target_modules) if spec.target_modules is not None else None,
         pinned=spec.pinned,
+        draft=None
+        if spec.draft is None
+        else DraftAdapterDeclaration(
+            rank=spec.draft.rank,
+            target_modules=tuple(spec.draft.target_modules) if spec.draft.target_modules is not None else None,
+        ),
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .capabilities import CAPABILITIES, Capabilities
 from .config import (
     ATTENTION_BACKENDS,
+    DEFAULT_LORA_MODULES,
     DEVICES,
     DRAFT_LOAD_FORMATS,
     DTYPES,
@@ -53,6 +54,18 @@ TREE_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
 
 FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantForCausalLM"})
 """Draft architectures that run as FROZEN_KV_MTP when named under EAGLE or NEXTN."""
+
+DRAFT_ADAPTER_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.STANDALONE})
+"""Effective algorithms whose draft takes draft adapters in this runtime (a STANDALONE draft
+is a whole model with its own adapter pool; EAGLE-family heads come later)."""
+NO_DRAFT_MODEL_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.NONE, SpecAlgorithm.NGRAM})
+"""Algorithms with no draft model at all: nothing a draft adapter could adapt."""
+DRAFT_LORA_MODULES: tuple[str, ...] = DEFAULT_LORA_MODULES
+"""The modules of the draft's adapter pool (``SpeculativeConfig.draft_lora_pool``): never the
+embeddings or lm_head."""
+MAX_DRAFT_LORAS = 64
+"""The most draft adapter slots (``speculative.draft_max_loras``): each holds A and B at the
+draft rank for every draft module, beside the target's slots."""
 
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 LARGE_RANK = 256
@@ -90,6 +103,8 @@ MINIMUM: dict[str, int] = {
     "speculative.ngram_min": 1,
     "speculative.disable_batch_size": 0,
     "speculative.tree_max_batch_size": 0,
+    "speculative.draft_max_loras": 0,
+    "speculative.draft_max_lora_rank": 1,
 }
 """The smallest value of each numeric field the policy bounds: the one statement of these
 bounds (the operator's spec model takes them from here; a test holds the CRD's equal)."""
@@ -98,6 +113,8 @@ MAXIMUM: dict[str, int] = {
     "speculative.num_steps": MAX_NUM_STEPS,
     "speculative.top_k": MAX_TOP_K,
     "speculative.num_draft_tokens": MAX_NUM_DRAFT_TOKENS,
+    "speculative.draft_max_loras": MAX_DRAFT_LORAS,
+    "speculative.draft_max_lora_rank": MAX_LORA_RANK,
 }
 """The largest value of each numeric field the policy bounds above (as :data:`MINIMUM`)."""
 
@@ -212,6 +229,14 @@ class PolicyError(ValueError):
 
 
 @dataclass(frozen=True)
+class DraftAdapterDeclaration:
+    """An adapter's draft adapter (a LoRA for the serve's draft), as far as it is known."""
+
+    rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class AdapterDeclaration:
     """What is known of an adapter before (or after) its file is read."""
 
@@ -219,6 +244,8 @@ class AdapterDeclaration:
     rank: int | None = None
     target_modules: tuple[str, ...] | None = None
     pinned: bool = False
+    draft: DraftAdapterDeclaration | None = None
+    """Its draft adapter, when it names one (None: requests draft unadapted)."""
 
 
 _HF_COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -373,6 +400,7 @@ def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIE
     violations += _lora(config, effective, note, capabilities)
     violations += _cuda_graph(config)
     violations += _availability(config, effective, note, capabilities)
+    violations += _draft_lora(config, effective, note)
     warnings += _warnings(config, effective)
     return Report(tuple(violations), tuple(warnings), effective, note, config.speculative.algorithm)
 
@@ -858,6 +886,56 @@ def _availability(
     return out
 
 
+def _draft_lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | None) -> list[Violation]:
+    """The draft adapter pool (``speculative.draft_max_loras`` / ``draft_max_lora_rank``).
+
+    A pool on a serve whose draft is an EAGLE-family head or a DFLASH / DSPARK draft is
+    refused (not available yet): those drafts would run unadapted while the serve's
+    Adapters name draft adapters for them. NONE / NGRAM have no draft at all, so a pool
+    there is only a warning (``_warnings``), as a draft model named for NGRAM is.
+    """
+    spec = config.speculative
+    out: list[Violation] = []
+    out += _at_least("speculative.draft_max_loras", spec.draft_max_loras, "draft-lora-slots")
+    out += _at_most(
+        "speculative.draft_max_loras", spec.draft_max_loras, "draft-lora-slots-max", "each slot reserves GPU memory"
+    )
+    out += _at_least("speculative.draft_max_lora_rank", spec.draft_max_lora_rank, "draft-lora-rank")
+    out += _at_most(
+        "speculative.draft_max_lora_rank",
+        spec.draft_max_lora_rank,
+        "draft-lora-rank-max",
+        "every draft slot reserves GPU memory for it",
+    )
+    algorithm = SpecAlgorithm(effective.speculative.algorithm)
+    if spec.draft_max_loras <= 0 or algorithm in NO_DRAFT_MODEL_ALGORITHMS:
+        return out
+    if algorithm not in DRAFT_ADAPTER_ALGORITHMS:
+        out.append(
+            Violation(
+                "draft-lora-algorithm",
+                "speculative.draft_max_loras",
+                f"a draft adapter pool for the {_named(algorithm, note)} draft: draft adapters serve STANDALONE "
+                "drafts in this version",
+                "set {speculative.draft_max_loras} to 0, or draft with STANDALONE",
+                related=("speculative.algorithm",),
+                kind=Kind.UNAVAILABLE,
+            )
+        )
+    if config.lora.enabled and spec.draft_max_loras > config.lora.max_loaded_loras >= 1:
+        out.append(
+            Violation(
+                "draft-lora-slots-cache",
+                "speculative.draft_max_loras",
+                f"{spec.draft_max_loras} draft adapter slots exceed the {config.lora.max_loaded_loras} adapters "
+                "cached in host memory ({lora.max_loaded_loras}); a draft adapter is cached beside its adapter",
+                "lower {speculative.draft_max_loras} or raise {lora.max_loaded_loras}",
+                related=("lora.max_loaded_loras",),
+            )
+        )
+    return out
+
+
 def _order(algorithm: SpecAlgorithm) -> int:
     return list(SpecAlgorithm).index(algorithm)
 
@@ -893,6 +971,22 @@ def _warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWar
                 "draft-ignored",
                 "speculative.draft_model_path",
                 f"{requested.value} uses no draft model; it is ignored",
+            )
+        )
+    if spec.draft_max_loras > 0 and requested in NO_DRAFT_MODEL_ALGORITHMS:
+        out.append(
+            PolicyWarning(
+                "draft-lora-ignored",
+                "speculative.draft_max_loras",
+                _no_draft_model(requested) + "; the draft adapter pool is ignored",
+            )
+        )
+    elif spec.draft_max_loras > 0 and not config.lora.enabled:
+        out.append(
+            PolicyWarning(
+                "draft-lora-ignored",
+                "speculative.draft_max_loras",
+                "draft adapters come with adapters, and {lora.enabled} is false; the draft adapter pool is ignored",
             )
         )
     if requested is SpecAlgorithm.NONE and spec.token_map:
@@ -973,9 +1067,11 @@ def check_adapter(
 
     ``other_pinned``: how many other adapters of the same serve are pinned. Field paths
     of the adapter are ``adapter.name``, ``adapter.serve``, ``adapter.rank``,
-    ``adapter.target_modules`` and ``adapter.pinned``; the serve's are the configuration's own.
+    ``adapter.target_modules``, ``adapter.pinned`` and, for its draft adapter,
+    ``adapter.draft``, ``adapter.draft.rank`` and ``adapter.draft.target_modules``; the
+    serve's are the configuration's own.
     """
-    effective, _ = effective_config(config)
+    effective, note = effective_config(config)
     algorithm = SpecAlgorithm(effective.speculative.algorithm)
     lora = config.lora
     violations: list[Violation] = []
@@ -1045,6 +1141,7 @@ def check_adapter(
                     "base model's; its accept rate drops (output is unaffected)",
                 )
             )
+    violations += _draft_adapter(config, adapter.draft, algorithm, note)
     if adapter.pinned:
         pinned = other_pinned + 1
         if pinned > lora.max_loras_per_batch:
@@ -1068,3 +1165,96 @@ def check_adapter(
                 )
             )
     return Report(tuple(violations), tuple(warnings))
+
+
+def _no_draft_model(algorithm: SpecAlgorithm) -> str:
+    """Why a serve of ``algorithm`` (NONE or NGRAM) has nothing a draft adapter could adapt."""
+    if algorithm is SpecAlgorithm.NGRAM:
+        return "NGRAM drafts from the prompt: there is no draft model to adapt"
+    return "the serve does not speculate ({speculative.algorithm} NONE): there is no draft model to adapt"
+
+
+def _draft_adapter(
+    config: RuntimeConfig,
+    draft: DraftAdapterDeclaration | None,
+    algorithm: SpecAlgorithm,
+    note: str | None,
+) -> list[Violation]:
+    """An adapter's draft adapter against the serve's draft (``algorithm`` is the effective one).
+
+    The draft adapter only changes what is proposed, never the output (the target verifies
+    with the adapter itself), but a draft adapter the serve cannot load fails its Adapter's
+    load, all or nothing: so every misfit is refused here, with the fix.
+    """
+    if draft is None:
+        return []
+    spec = config.speculative
+    if algorithm in NO_DRAFT_MODEL_ALGORITHMS:
+        return [
+            Violation(
+                "adapter-draft-no-draft-model",
+                "adapter.draft",
+                _no_draft_model(algorithm),
+                "remove {adapter.draft}, or serve the adapter from a STANDALONE serve",
+                related=("speculative.algorithm",),
+            )
+        ]
+    if algorithm not in DRAFT_ADAPTER_ALGORITHMS:
+        return [
+            Violation(
+                "adapter-draft-algorithm",
+                "adapter.draft",
+                f"the serve's {_named(algorithm, note)} draft cannot take adapters: draft adapters serve "
+                "STANDALONE drafts in this version",
+                "remove {adapter.draft}, or serve the adapter from a STANDALONE serve",
+                related=("speculative.algorithm",),
+                kind=Kind.UNAVAILABLE,
+            )
+        ]
+    out: list[Violation] = []
+    if spec.draft_max_loras <= 0:
+        out.append(
+            Violation(
+                "adapter-draft-no-pool",
+                "adapter.draft",
+                "the serve has no draft adapter pool ({speculative.draft_max_loras} is 0)",
+                "set {speculative.draft_max_loras} to 1 or more (draft adapters per batch), or remove {adapter.draft}",
+                related=("speculative.draft_max_loras",),
+            )
+        )
+    if draft.rank is not None:
+        if draft.rank < 1:
+            out.append(
+                Violation(
+                    "adapter-draft-rank",
+                    "adapter.draft.rank",
+                    f"must be at least 1, got {draft.rank}",
+                    "use the draft adapter's rank",
+                )
+            )
+        elif draft.rank > spec.draft_max_lora_rank:
+            out.append(
+                Violation(
+                    "adapter-draft-rank-too-large",
+                    "adapter.draft.rank",
+                    f"draft rank {draft.rank} exceeds {{speculative.draft_max_lora_rank}} ({spec.draft_max_lora_rank})",
+                    f"raise {{speculative.draft_max_lora_rank}} to at least {draft.rank}, or use a lower-rank "
+                    "draft adapter",
+                    related=("speculative.draft_max_lora_rank",),
+                )
+            )
+    if draft.target_modules is not None:
+        modules = tuple(draft.target_modules)
+        out += _modules("adapter.draft.target_modules", modules, "adapter-draft-modules")
+        outside = [m for m in dict.fromkeys(modules) if m in LORA_MODULES and m not in DRAFT_LORA_MODULES]
+        if outside:
+            out.append(
+                Violation(
+                    "adapter-draft-modules-not-served",
+                    "adapter.draft.target_modules",
+                    f"targets {', '.join(outside)}, which the draft adapter pool does not wrap (it wraps "
+                    f"{', '.join(DRAFT_LORA_MODULES)})",
+                    f"retrain the draft adapter without {', '.join(outside)}",
+                )
+            )
+    return out

@@ -80,6 +80,8 @@ PERTURBATIONS = [
     ("speculative.disableBatchSize", 32, "speculative.disable_batch_size", 32),
     ("speculative.treeMaxBatchSize", 4, "speculative.tree_max_batch_size", 4),
     ("speculative.autoDisable", True, "speculative.auto_disable", True),
+    ("speculative.draftLora.maxLoras", 4, "speculative.draft_max_loras", 4),
+    ("speculative.draftLora.maxRank", 32, "speculative.draft_max_lora_rank", 32),
     ("lora.enabled", False, "lora.enabled", False),
     ("lora.maxLorasPerBatch", 3, "lora.max_loras_per_batch", 3),
     ("lora.maxLoadedLoras", 5, "lora.max_loaded_loras", 5),
