@@ -183,13 +183,13 @@ def _serve_namer(serve: str):
     return name
 
 
-def _claim_problem(adapter: AdapterSpec, serve: LoRAServeSpec, serve_name: str, field: str) -> str | None:
-    """An Adapter's ``pvc://`` source whose claim the serve's pods do not mount."""
-    if escape := source_problem(field, adapter.source):
+def _claim_problem(source: str, serve: LoRAServeSpec, serve_name: str, field: str) -> str | None:
+    """An Adapter's ``pvc://`` source (or its draft's) whose claim the serve's pods do not mount."""
+    if escape := source_problem(field, source):
         return escape
-    if not adapter.source.startswith("pvc://") or pod_path(adapter.source, serve.storage) is not None:
+    if not source.startswith("pvc://") or pod_path(source, serve.storage) is not None:
         return None
-    claim = adapter.source[len("pvc://") :].split("/", 1)[0]
+    claim = source[len("pvc://") :].split("/", 1)[0]
     mounted = [
         f"{volume.claim_name!r} (spec.storage.{label})"
         for label, volume in (("models", serve.storage.models), ("adapters", serve.storage.adapters))
@@ -215,25 +215,38 @@ def _misfits(
     warnings, each rendered with ``name``."""
     report = check_adapter(config, adapter_declaration(adapter.name, parsed), other_pinned=other_pinned)
     problems = [v.render(name) for v in report.violations]
-    claim = _claim_problem(parsed, serve, serve_name, name("adapter.source"))
+    problems += _source_problems(parsed.source, name("adapter.source"), serve, config, serve_name)
+    if parsed.draft is not None:
+        # The runtime fetches a draft adapter as it fetches the adapter: the same volumes,
+        # roots and hosts bound it.
+        problems += _source_problems(parsed.draft.source, name("adapter.draft.source"), serve, config, serve_name)
+    return problems, [w.render(name) for w in report.warnings]
+
+
+def _source_problems(
+    source: str, field: str, serve: LoRAServeSpec, config: RuntimeConfig, serve_name: str
+) -> list[str]:
+    """Why the pods of a serve (``config`` is it translated) cannot read an adapter source."""
+    problems = []
+    claim = _claim_problem(source, serve, serve_name, field)
     if claim:
         problems.append(claim)
     roots = config.server.allowed_local_roots
-    local = posixpath.normpath(parsed.source) if parsed.source.startswith("/") else None
+    local = posixpath.normpath(source) if source.startswith("/") else None
     if local and roots and not any(local == r or local.startswith(r.rstrip("/") + "/") for r in roots):
         problems.append(
-            f"{name('adapter.source')}: {parsed.source} is outside the volumes of LoRAServe {serve_name!r} "
+            f"{field}: {source} is outside the volumes of LoRAServe {serve_name!r} "
             f"({', '.join(roots)}), the only directories its pods read adapters from; fix: put the adapter "
             f"under {serve.storage.adapters.mount_path} or use pvc://<claim>/<path>"
         )
     hosts = serve.runtime.remote_source_hosts
-    source_host = urlsplit(parsed.source).hostname if parsed.source.startswith("https://") else None
+    source_host = urlsplit(source).hostname if source.startswith("https://") else None
     if hosts and source_host is not None and not host_allowed(source_host, hosts):
         problems.append(
-            f"{name('adapter.source')}: host {source_host!r} is not in LoRAServe {serve_name!r} "
+            f"{field}: host {source_host!r} is not in LoRAServe {serve_name!r} "
             f"spec.runtime.remoteSourceHosts ({', '.join(hosts)}); fix: use one of them or add the host there"
         )
-    return problems, [w.render(name) for w in report.warnings]
+    return problems
 
 
 def floating_sources(serve: LoRAServeSpec) -> list[str]:
@@ -348,6 +361,10 @@ def judge_adapter(
     floating = check_source_revision("spec.source", adapter.source, sha256=adapter.sha256)
     if floating is not None:
         verdict.warnings.append(floating.render())
+    if adapter.draft is not None:
+        floating = check_source_revision("spec.draft.source", adapter.draft.source, sha256=adapter.draft.sha256)
+        if floating is not None:
+            verdict.warnings.append(floating.render())
     labels = (metadata or {}).get("labels") or {}
     if SERVE_LABEL in labels and labels[SERVE_LABEL] != adapter.serve:
         verdict.warnings.append(

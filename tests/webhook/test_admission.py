@@ -77,6 +77,9 @@ async def test_negative_examples_are_refused_with_their_message(lab, manifest, p
     ns = "negatives"
     for name in ("llama3-1b-plain.yaml", "adapter-style-https.yaml"):
         await lab.apply(manifest(name, ns))  # the serve they refer to, and its adapter
+    needed = re.search(r"^# Needs the LoRAServe of examples/(\S+\.yaml)", path.read_text(), re.M)
+    if needed and needed.group(1) != "llama3-1b-plain.yaml":
+        await lab.apply(manifest(needed.group(1), ns))  # another serve (draft adapters' ones)
     expected = re.search(r"^# expect-message: (.+)$", path.read_text(), re.M).group(1).strip().strip('"')
     obj = manifest(f"invalid/{path.name}", ns)
     applied = await lab.apply(obj)
