@@ -59,8 +59,11 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
             "speculative.algorithm",
             f"speculative.algorithm {algorithm.value}{how} is not implemented in this runtime; use one of {names}",
         )
-    if spec.top_k < 1:
-        raise SpeculativeConfigError("speculative.top_k", f"speculative.top_k must be >= 1, got {spec.top_k}")
+    least_k = MINIMUM["speculative.top_k"]
+    if spec.top_k < least_k:
+        raise SpeculativeConfigError(
+            "speculative.top_k", f"speculative.top_k must be >= {least_k}, got {spec.top_k}"
+        )
     if spec.top_k > 1 and algorithm not in capabilities.tree_algorithms:
         trees = ", ".join(sorted(a.value for a in capabilities.tree_algorithms)) or "no algorithm"
         raise SpeculativeConfigError(
@@ -68,9 +71,10 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
             f"speculative.top_k {spec.top_k} asks for tree drafts, which this runtime grows for {trees}, "
             f"not {algorithm.value}: set speculative.top_k to 1",
         )
-    if spec.num_steps < 1:
+    least_steps = MINIMUM["speculative.num_steps"]
+    if spec.num_steps < least_steps:
         raise SpeculativeConfigError(
-            "speculative.num_steps", f"speculative.num_steps must be >= 1, got {spec.num_steps}"
+            "speculative.num_steps", f"speculative.num_steps must be >= {least_steps}, got {spec.num_steps}"
         )
     if spec.top_k > 1:
         # The policy's bounds (the webhook and start-up judge by the same ones).
