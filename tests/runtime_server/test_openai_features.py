@@ -148,6 +148,26 @@ async def test_an_adapter_named_with_a_slash_is_retrieved(server, assets):
         await server.post("/v1/unload_lora_adapter", {"lora_name": name}, headers=server.admin_headers())
 
 
+async def test_a_catalogued_adapter_not_yet_loaded_is_retrieved_as_listed(assets, tmp_path):
+    from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
+
+    from .conftest import make_config, running_server
+
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(encode_catalog([CatalogEntry(ADAPTER, str(assets.demo.adapters[ADAPTER]))]))
+    config = make_config(assets, adapters={})
+    config.lora.catalog = str(catalog)
+    async with running_server(config, tmp_path) as srv:
+        for headers in ({}, srv.admin_headers()):  # the admin token also sees lora.source
+            status, listing = await srv.get("/v1/models", headers=headers)
+            assert status == 200
+            status, got = await srv.get(f"/v1/models/{ADAPTER}", headers=headers)
+            assert status == 200
+            assert got == next(m for m in listing["data"] if m["id"] == ADAPTER)
+            assert got["lora"]["state"] == "registered" and ("source" in got["lora"]) == bool(headers)
+        assert srv.engine.adapter_names == frozenset(), "retrieving a model does not load it"
+
+
 # ----------------------------------------------------------------------------- logprobs
 def _check_completion_logprobs_shape(lp: dict, n_tokens: int, alternatives: int) -> None:
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
