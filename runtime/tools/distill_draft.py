@@ -118,6 +118,8 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
     """Check the inputs, train the draft LoRA, write and check it; returns the report."""
     options.lora.check()
     check_settings(options.training)
+    if options.eval_sequences < 1:
+        raise DistillError(f"--eval-sequences must be positive, got {options.eval_sequences}")
     target = check_model_dir(options.target, "--target", "target model")
     draft = check_model_dir(options.draft, "--draft", "STANDALONE draft model")
     adapter = check_adapter_dir(options.adapter)

@@ -112,7 +112,7 @@ def train(
         optimizer.step()
         scheduler.step()
         if step == 0 or (step + 1) % log_every == 0 or step + 1 == settings.steps:
-            last = float(loss)  # a host sync: only on logged steps
+            last = float(loss.detach())  # a host sync: only on logged steps
             first = last if step == 0 else first
             log(f"step {step + 1}/{settings.steps}: loss {last:.4f} ({time.perf_counter() - start:.1f} s)")
     _sync(device)
