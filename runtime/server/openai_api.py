@@ -356,6 +356,50 @@ class _StreamedChoices:
         return self.echo[index // self.n]
 
 
+def _chat_chunk_choice(
+    texts: TokenTexts, req: GenerationRequest, choice: ChoiceState, out: RequestOutput, finish: str | None
+) -> dict:
+    """One choice's entry of a chat chunk: the text delta and its tokens' logprobs."""
+    positions = generated_positions(out.token_ids, out.logprobs, out.top_logprobs)
+    logprobs = (
+        chat_logprobs(texts, positions, alternatives=req.params.top_logprobs)
+        if req.params.logprobs and positions
+        else None
+    )
+    return {
+        "index": choice.index,
+        "delta": {"content": out.text} if out.text else {},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
+
+
+def _completion_chunk_choice(
+    texts: TokenTexts,
+    req: GenerationRequest,
+    sent: _StreamedChoices,
+    choice: ChoiceState,
+    out: RequestOutput,
+    finish: str | None,
+) -> dict:
+    """One choice's entry of a completions chunk; the choice's first carries its echo."""
+    text = out.text
+    positions = generated_positions(out.token_ids, out.logprobs, out.top_logprobs)
+    prefix = sent.pending_echo(choice.index)
+    if prefix is not None:
+        sent.echoed.add(choice.index)
+        text = prefix + text
+        positions = prompt_positions(choice.prompt_ids, out.prompt_logprobs) + positions
+    offset = sent.sent_chars.get(choice.index, 0)
+    sent.sent_chars[choice.index] = offset + len(text)
+    logprobs = (
+        completion_logprobs(texts, positions, alternatives=req.params.top_logprobs, offset=offset)
+        if req.params.logprobs and positions
+        else None
+    )
+    return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
 async def _stream(
     request: web.Request,
     state: ServerState,
@@ -401,42 +445,19 @@ async def _stream(
         if out.error is not None:
             await resp.write(_sse(ApiError.from_request_error(out.error).body()))
             return
-        prefix = sent.pending_echo(choice.index)
         if (
-            prefix is None
+            sent.pending_echo(choice.index) is None
             and not out.finished
             and not out.text
             and not (req.params.logprobs and out.token_ids)
         ):
             return  # text held back (a partial character or a possible stop string)
         finish = out.finish_reason.value if out.finished and out.finish_reason else None
-        positions = generated_positions(out.token_ids, out.logprobs, out.top_logprobs)
-        if chat:
-            logprobs = (
-                chat_logprobs(texts, positions, alternatives=req.params.top_logprobs)
-                if req.params.logprobs and positions
-                else None
-            )
-            entry = {
-                "index": choice.index,
-                "delta": {"content": out.text} if out.text else {},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            text = out.text
-            if prefix is not None:
-                sent.echoed.add(choice.index)
-                text = prefix + text
-                positions = prompt_positions(choice.prompt_ids, out.prompt_logprobs) + positions
-            offset = sent.sent_chars.get(choice.index, 0)
-            sent.sent_chars[choice.index] = offset + len(text)
-            logprobs = (
-                completion_logprobs(texts, positions, alternatives=req.params.top_logprobs, offset=offset)
-                if req.params.logprobs and positions
-                else None
-            )
-            entry = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        entry = (
+            _chat_chunk_choice(texts, req, choice, out, finish)
+            if chat
+            else _completion_chunk_choice(texts, req, sent, choice, out, finish)
+        )
         await resp.write(chunk([entry]))
 
     if first is not None:
