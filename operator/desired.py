@@ -621,10 +621,21 @@ def catalog_entries(
         except SpecError:
             continue
         path = adapter_pod_path(spec.source, storage)
-        if path is None:
+        # An Adapter is served with the draft adapter it names or not at all (the runtime
+        # loads both or neither): an unreachable draft source leaves the entry out too.
+        draft = adapter_pod_path(spec.draft.source, storage) if spec.draft is not None else None
+        if path is None or (spec.draft is not None and draft is None):
             continue
         entries.append(
-            CatalogEntry(name=name, source=path, sha256=spec.sha256, rank=spec.rank, pinned=spec.pinned)
+            CatalogEntry(
+                name=name,
+                source=path,
+                sha256=spec.sha256,
+                rank=spec.rank,
+                pinned=spec.pinned,
+                draft_source=draft,
+                draft_sha256=spec.draft.sha256 if spec.draft is not None else None,
+            )
         )
     return tuple(sorted(entries, key=lambda e: e.name))
 

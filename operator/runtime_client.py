@@ -10,8 +10,8 @@ refused, timeout, 5xx, 429, not ready yet), because the two are retried differen
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,13 +27,31 @@ Secret was mounted). 408/425/429: slow down."""
 class RuntimeCallError(Exception):
     """An admin call to a runtime pod failed."""
 
-    def __init__(self, message: str, *, status: int | None = None, transient: bool, call: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        transient: bool,
+        call: str = "",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(f"{call}: {message}" if call else message)
         self.message = message
         """The runtime's own words (or the transport error), without the call."""
         self.status = status
         self.transient = transient
         self.call = call
+        self.param = param
+        """The request field the runtime blamed (``draft``, ``draft.lora_path``...), if it said."""
+        self.code = code
+        """The runtime's error code (``adapter_conflict``...), if it said."""
+
+    @property
+    def draft_fault(self) -> bool:
+        """The runtime refused the load because of the draft adapter (it loads both or neither)."""
+        return self.param is not None and (self.param == "draft" or self.param.startswith("draft."))
 
     @property
     def adapter_fault(self) -> bool:
@@ -56,6 +74,9 @@ class LoadedAdapter:
     """Kept loaded (never evicted); None when the runtime does not say."""
     message: str | None = None
     warnings: tuple[str, ...] = ()
+    draft_loaded: bool | None = None
+    """A load answer's ``draft.loaded``: whether the pod holds the adapter's draft adapter
+    (None: the answer names no draft adapter)."""
 
     @property
     def loaded(self) -> bool:
@@ -76,11 +97,49 @@ class PodModels:
 
 
 @dataclass(frozen=True)
+class CatalogState:
+    """One entry of a pod's ``GET /v1/lora_catalog`` listing: what the pod's catalog says of
+    an adapter and its state there."""
+
+    name: str
+    state: str
+    """loaded | loading | failed | registered."""
+    draft_source: str | None = None
+    draft_sha256: str | None = None
+    draft_state: str | None = None
+    """loaded | absent, for an entry with a draft adapter (None otherwise)."""
+
+
+@dataclass(frozen=True)
 class PodCatalog:
     """A pod's adapter catalog as ``GET /v1/lora_catalog`` reports it."""
 
     digest: str | None
     ready: bool
+    adapters: Mapping[str, CatalogState] = field(default_factory=dict)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def parse_catalog_listing(answer: Mapping) -> PodCatalog:
+    """``GET /v1/lora_catalog``'s answer: the digest, readiness and each entry's state."""
+    entries: dict[str, CatalogState] = {}
+    for item in answer.get("adapters") or []:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            continue
+        entries[item["name"]] = CatalogState(
+            name=item["name"],
+            state=_text(item.get("state")) or "registered",
+            draft_source=_text(item.get("draft_source")),
+            draft_sha256=_text(item.get("draft_sha256")),
+            draft_state=_text(item.get("draft_state")),
+        )
+    digest = answer.get("digest")
+    return PodCatalog(
+        digest=digest if isinstance(digest, str) else None, ready=bool(answer.get("ready")), adapters=entries
+    )
 
 
 def classify_status(status: int) -> bool:
@@ -90,6 +149,18 @@ def classify_status(status: int) -> bool:
     if 400 <= status < 500:
         return status in _TRANSIENT_4XX
     return True
+
+
+def error_fields(body: str) -> tuple[str | None, str | None]:
+    """``param`` and ``code`` of an OpenAI-style error body (None where absent)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, None
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        return None, None
+    return _text(err.get("param")), _text(err.get("code"))
 
 
 def error_message(status: int, body: str) -> str:
@@ -136,6 +207,7 @@ def _adapter(name: str, source: object, info: dict) -> LoadedAdapter:
     sha = info.get("sha256")
     state, warm, message = info.get("state"), info.get("warm"), info.get("message")
     warnings = info.get("warnings")
+    draft = info.get("draft")
     return LoadedAdapter(
         name=name,
         source=source if isinstance(source, str) else None,
@@ -146,6 +218,7 @@ def _adapter(name: str, source: object, info: dict) -> LoadedAdapter:
         warm=warm if isinstance(warm, bool) else None,
         message=message if isinstance(message, str) else None,
         warnings=tuple(w for w in warnings if isinstance(w, str)) if isinstance(warnings, list) else (),
+        draft_loaded=bool(draft.get("loaded")) if isinstance(draft, dict) else None,
     )
 
 
@@ -196,11 +269,14 @@ class RuntimeClient:
             ) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
+                    param, code = error_fields(text)
                     raise RuntimeCallError(
                         error_message(resp.status, text),
                         status=resp.status,
                         transient=classify_status(resp.status),
                         call=f"{method} {url}",
+                        param=param,
+                        code=code,
                     )
                 try:
                     return json.loads(text) if text else None
@@ -222,18 +298,29 @@ class RuntimeClient:
         return parse_models(await self._call("GET", "/v1/models", timeout=self._probe_timeout))
 
     async def load(
-        self, name: str, source: str, *, sha256: str | None = None, pinned: bool = False, warm: bool = True
+        self,
+        name: str,
+        source: str,
+        *,
+        sha256: str | None = None,
+        pinned: bool = False,
+        warm: bool = True,
+        draft: tuple[str, str | None] | None = None,
     ) -> LoadedAdapter:
         """``POST /v1/load_lora_adapter``; the runtime fetches ``source`` and checks ``sha256``.
 
         ``warm``: kept loaded; False demotes an adapter the pod holds to evictable.
-        Returns what the runtime read from the file (rank, target modules, warnings).
+        ``draft``: its draft adapter's (source, sha256), loaded with it, all or nothing.
+        Returns what the runtime read from the file (rank, target modules, warnings) and
+        whether the draft adapter is loaded.
         """
         body: dict[str, object] = {"lora_name": name, "lora_path": source, "warm": warm}
         if sha256:
             body["sha256"] = sha256
         if pinned:
             body["pinned"] = True
+        if draft is not None:
+            body["draft"] = {"lora_path": draft[0], **({"sha256": draft[1]} if draft[1] else {})}
         answer = await self._call("POST", "/v1/load_lora_adapter", body=body, timeout=self._request_timeout)
         info = answer if isinstance(answer, dict) else {}
         return _adapter(name, info.get("lora_path", source), info)
@@ -244,12 +331,11 @@ class RuntimeClient:
         return accept_stats(text if isinstance(text, str) else "", name)
 
     async def catalog(self) -> PodCatalog:
-        """``GET /v1/lora_catalog``: the digest of the catalog the pod holds."""
+        """``GET /v1/lora_catalog``: the digest of the catalog the pod holds, and each entry's state."""
         answer = await self._call("GET", "/v1/lora_catalog", timeout=self._probe_timeout)
         if not isinstance(answer, dict):
             raise RuntimeCallError("GET /v1/lora_catalog answered without an object", transient=True)
-        digest = answer.get("digest")
-        return PodCatalog(digest=digest if isinstance(digest, str) else None, ready=bool(answer.get("ready")))
+        return parse_catalog_listing(answer)
 
     async def put_catalog(self, entries: Sequence[CatalogEntry]) -> None:
         """``PUT /v1/lora_catalog``: replace the pod's catalog (idempotent)."""

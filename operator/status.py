@@ -240,6 +240,7 @@ def pods_status(tracks: Iterable[PodTrack]) -> list[dict]:
             "pod": track.pod,
             "podIP": track.pod_ip or None,
             "state": track.state.value,
+            "draft": track.draft.value if track.draft is not None else None,
             "time": iso(track.since),
         }
         if track.message:

@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from loraserve.operator.specs import AdapterPhase
+from loraserve.operator.specs import AdapterPhase, DraftPodState
 from loraserve.operator.specs import AdapterPodState as PodState
 
 
@@ -55,6 +55,8 @@ class PodTrack:
     failed_tries: int = 0
     next_try_at: float | None = None  # monotonic time before which no load is sent
     generation: int | None = None  # the Adapter generation this track works for
+    draft: DraftPodState | None = None
+    """The Adapter's draft adapter on this pod (Adapters with spec.draft only; None: not known)."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ is due, gets ``POST /v1/load_lora_adapter`` with the serve's admin token. Pods t
 but are no longer targeted (placement shrank) are asked to unload it. Report per-pod state
 and conditions in the status, written only when it changed.
 
+An Adapter with a draft adapter (``spec.draft``) is loaded with it, all or nothing: every
+load names the draft, and the per-pod status says whether the pod holds the draft adapter
+(from the load's answer, or from the pod's ``GET /v1/lora_catalog``); a pod that holds the
+adapter without it is loaded again.
+
 The operator moves no adapter bytes: the runtime fetches the source and checks its sha256.
 """
 
@@ -21,9 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import desired as ds
-from ..runtime_client import LoadedAdapter, PodModels, RuntimeCallError
+from ..runtime_client import LoadedAdapter, PodCatalog, PodModels, RuntimeCallError
 from ..specs import (
     AdapterSpec,
+    DraftPodState,
     LoRAServeSpec,
     PlacementMode,
     SpecError,
@@ -97,6 +103,7 @@ def restore_tracks(
             message=entry.get("message") or "",
             since=wall,
             generation=generation,
+            draft=DraftPodState.FAILED if entry.get("draft") == DraftPodState.FAILED.value else None,
         )
     return tracks
 
@@ -125,6 +132,45 @@ async def read_token(
     if token is not None:
         ctx.tokens[key] = (token, time.monotonic() + ctx.config.resync_interval_s)
     return token
+
+
+async def observe_catalogs(
+    ctx: OperatorContext, pods: Sequence[PodView], token: str | None
+) -> dict[str, PodCatalog]:
+    """``GET /v1/lora_catalog`` on every pod: the listing of each that answered (the others
+    are judged by ``GET /v1/models`` alone this pass)."""
+    answers = await asyncio.gather(*(ctx.runtime(p, token).catalog() for p in pods), return_exceptions=True)
+    listings: dict[str, PodCatalog] = {}
+    for pod, answer in zip(pods, answers, strict=True):
+        if isinstance(answer, PodCatalog):
+            listings[pod.name] = answer
+        elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer
+    return listings
+
+
+Draft = tuple[str, str | None]
+"""A draft adapter as the runtime is asked to load it: (path or URI in the pod, sha256)."""
+
+
+def listed_draft(listing: PodCatalog | None, name: str, draft: Draft) -> DraftPodState | None:
+    """Whether a pod holds ``name``'s draft adapter, from its catalog listing: None when its
+    catalog does not list this draft yet (the operator's push is on its way)."""
+    entry = listing.adapters.get(name) if listing is not None else None
+    if entry is None or entry.draft_source != draft[0]:
+        return None
+    if draft[1] is not None and entry.draft_sha256 != draft[1]:
+        return None
+    return {"loaded": DraftPodState.LOADED, "absent": DraftPodState.ABSENT}.get(entry.draft_state or "")
+
+
+def unreachable_source(field: str, source: str, serve: str) -> str:
+    """Why the pods of ``serve`` cannot be asked to load ``source`` (of ``field``)."""
+    claim = source[len("pvc://") :].split("/", 1)[0]
+    return source_problem(field, source) or (
+        f"{field}: claim {claim!r} is not mounted by LoRAServe {serve!r}; fix: mount it there as "
+        "spec.storage.adapters (type PersistentVolumeClaim), or use another source"
+    )
 
 
 async def observe_pods(
@@ -222,15 +268,18 @@ async def reconcile_adapter(
         return outcome
 
     lora_path = ds.adapter_pod_path(spec.source, serve_spec.storage)
-    if lora_path is None:
-        claim = spec.source[len("pvc://") :].split("/", 1)[0]
+    draft_path = (
+        ds.adapter_pod_path(spec.draft.source, serve_spec.storage) if spec.draft is not None else None
+    )
+    if lora_path is None or (spec.draft is not None and draft_path is None):
         memory.tracks.clear()
-        problem = source_problem("spec.source", spec.source) or (
-            f"spec.source: claim {claim!r} is not mounted by LoRAServe {spec.serve!r}; fix: mount it there as "
-            "spec.storage.adapters (type PersistentVolumeClaim), or use another source"
-        )
+        if lora_path is None:
+            problem = unreachable_source("spec.source", spec.source, spec.serve)
+        else:
+            problem = unreachable_source("spec.draft.source", spec.draft.source, spec.serve)  # type: ignore[union-attr]
         await report(AdapterFindings(generation=generation, invalid=[problem]))
         return outcome
+    draft: Draft | None = (draft_path, spec.draft.sha256) if spec.draft is not None and draft_path else None
 
     usable = sorted((p for p in pods if p.usable), key=lambda p: p.name)
     if not memory.restored:
@@ -238,6 +287,10 @@ async def reconcile_adapter(
         memory.restored = True
     token = await read_token(ctx, namespace, spec.serve, serve_spec)
     held, unreachable = await observe_pods(ctx, usable, token)
+    # Only an Adapter with a draft adapter needs the listings (the draft's state is there).
+    answering = [p for p in usable if p.name in held]
+    listings = await observe_catalogs(ctx, answering, token) if draft else {}
+    drafts: dict[str, DraftPodState] = {}  # what this pass learned of each pod's draft adapter
 
     if memory.warnings_generation != generation:
         memory.warnings = _restored_warnings(body.get("status"), generation, memory.warnings_generation)
@@ -272,6 +325,17 @@ async def reconcile_adapter(
                 track = dataclasses.replace(
                     track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None
                 )
+        elif (
+            loaded is not None
+            and draft
+            and listed_draft(listings.get(pod), name, draft) is DraftPodState.ABSENT
+        ):
+            # Loaded without its draft adapter (loaded before the Adapter named one): load both.
+            reload.add(pod)
+            if track.state is not st.PodState.FAILED:
+                track = dataclasses.replace(
+                    track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None
+                )
         elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
             refuse[pod] = why
         elif loaded is not None and loaded.warm is False:
@@ -281,6 +345,8 @@ async def reconcile_adapter(
         elif loaded is not None:
             seen = seen or loaded
             track = st.observed_loaded(track, wall)
+            if draft and (known := listed_draft(listings.get(pod), name, draft)) is not None:
+                drafts[pod] = known
         else:
             track = st.observed_missing(track, wall)
         tracks[pod] = track
@@ -295,7 +361,7 @@ async def reconcile_adapter(
         reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen, memory)))
         results = await asyncio.gather(
             *(
-                _load(ctx, by_name[pod], token, name, lora_path, spec, unload_first=pod in reload)
+                _load(ctx, by_name[pod], token, name, lora_path, spec, draft, unload_first=pod in reload)
                 for pod in due
             )
         )
@@ -303,8 +369,12 @@ async def reconcile_adapter(
         if outcome.gone:
             return outcome
         now, wall = time.monotonic(), time.time()
-        for pod, (result, info) in zip(due, results, strict=True):
+        for pod, (result, info, draft_fault) in zip(due, results, strict=True):
             ctx.counters.loads[(namespace, pod, name)] += 1
+            if draft and draft_fault:
+                drafts[pod] = DraftPodState.FAILED
+            elif draft and info is not None and info.draft_loaded is not None:
+                drafts[pod] = DraftPodState.LOADED if info.draft_loaded else DraftPodState.ABSENT
             if result.ok and info is not None and (why := declaration_mismatch(spec, info)):
                 refuse[pod] = why
                 continue
@@ -333,10 +403,23 @@ async def reconcile_adapter(
         tracks[pod] = st.after_load(tracks[pod], fault, ctx.retry, now=now, wall=wall)
 
     others = await _others(
-        ctx, outcome, name, spec, lora_path, token, usable, set(targets), held, unreachable, wall
+        ctx,
+        outcome,
+        name,
+        spec,
+        lora_path,
+        token,
+        usable,
+        set(targets),
+        held,
+        unreachable,
+        wall,
+        draft,
+        listings,
     )
     await _read_accept_length(ctx, memory, name, usable, token)
 
+    tracks = {pod: with_draft(track, draft, drafts.get(pod)) for pod, track in tracks.items()}
     memory.tracks = tracks
     live = {p.name for p in pods}
     for counter in (ctx.counters.loads, ctx.counters.unloads):
@@ -345,6 +428,20 @@ async def reconcile_adapter(
     await report(_findings(generation, tracks, usable, spec, seen, memory, others))
     outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
     return outcome
+
+
+def with_draft(track: st.PodTrack, draft: Draft | None, learned: DraftPodState | None) -> st.PodTrack:
+    """``track`` with its draft adapter's state: what this pass learned, else what the track
+    knew while the adapter stays Loaded (or Failed), else unknown."""
+    if draft is None:
+        value = None
+    elif learned is not None:
+        value = learned
+    elif track.state in (st.PodState.LOADED, st.PodState.FAILED):
+        value = track.draft
+    else:
+        value = None
+    return track if value is track.draft else dataclasses.replace(track, draft=value)
 
 
 _RUNTIME_STATES = {
@@ -367,6 +464,8 @@ async def _others(
     held: Mapping[str, PodModels],
     unreachable: Mapping[str, str],
     wall: float,
+    draft: Draft | None = None,
+    listings: Mapping[str, PodCatalog] | None = None,
 ) -> list[st.PodTrack]:
     """The pods that do not keep the adapter warm: they serve it on demand. Any that still
     holds it warm (placement moved) is demoted to evictable, never unloaded under traffic.
@@ -383,7 +482,10 @@ async def _others(
             and not source_differs(entry, (lora_path, spec.source), spec.sha256)
         ):
             try:
-                await ctx.runtime(view, token).load(name, lora_path, sha256=spec.sha256, warm=False)
+                # The same draft adapter: a load naming another (or none) is a conflict.
+                await ctx.runtime(view, token).load(
+                    name, lora_path, sha256=spec.sha256, warm=False, draft=draft
+                )
                 outcome.notes.append(
                     Note("Normal", "Demoted", f"pod {view.name} now loads it on demand (placement)")
                 )
@@ -395,6 +497,11 @@ async def _others(
             state, message = st.PodState.PENDING, "not in this pod's catalog yet"
         else:
             state, message = _RUNTIME_STATES.get(entry.state, st.PodState.PENDING), entry.message or ""
+        known = (
+            listed_draft((listings or {}).get(view.name), name, draft)
+            if draft and state is st.PodState.LOADED
+            else None
+        )
         out.append(
             st.PodTrack(
                 pod=view.name,
@@ -403,6 +510,7 @@ async def _others(
                 state=state,
                 message=message,
                 since=wall,
+                draft=known,
             )
         )
     return out
@@ -475,17 +583,32 @@ async def _load(
     name: str,
     path: str,
     spec: AdapterSpec,
+    draft: Draft | None,
     *,
     unload_first: bool,
-) -> tuple[st.LoadOutcome, LoadedAdapter | None]:
+) -> tuple[st.LoadOutcome, LoadedAdapter | None, bool]:
+    """Load ``name`` on ``pod`` (with its draft adapter): the outcome, what the pod read, and
+    whether a failure was the draft adapter's."""
     client = ctx.runtime(pod, token)
     try:
         if unload_first:
             await client.unload(name)
-        info = await client.load(name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True)
+        try:
+            info = await client.load(
+                name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True, draft=draft
+            )
+        except RuntimeCallError as exc:
+            if exc.code != "adapter_conflict" or unload_first:
+                raise
+            # The pod holds the name from another source or with another draft adapter (its
+            # catalog push is on its way): the Adapter decides what the name means.
+            await client.unload(name)
+            info = await client.load(
+                name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True, draft=draft
+            )
     except RuntimeCallError as exc:
-        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient), None
-    return st.LoadOutcome(ok=True), info
+        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient), None, exc.draft_fault
+    return st.LoadOutcome(ok=True), info, False
 
 
 async def serve_token(ctx: OperatorContext, namespace: str, serve_name: str) -> str | None:
