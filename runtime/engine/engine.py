@@ -364,7 +364,7 @@ class Engine:
         if self._waiting and len(self._pinned) >= self.limits.max_loras_per_batch:
             self._fail_unschedulable()
         self.prefix.sweep()
-        self.prefix.plan_hints(self._waiting)
+        self.prefix.plan_hints(self._waiting, self._running)
         plan = self.scheduler.plan(
             self._waiting,
             self._running,
@@ -510,6 +510,7 @@ class Engine:
                 if req.finished:
                     continue
                 req.num_cached += n
+                self.prefix.cache_running(req)  # later arrivals share this prompt at once
                 if out is not None:
                     self._commit(req, out)
             prefilled = sum(n for _, n in plan.extend)

@@ -77,9 +77,14 @@ class PrefixReuse:
             lambda key: key[0] in current and key[1] < current[key[0]]  # type: ignore[index]
         )
 
-    def plan_hints(self, waiting: Sequence[Request]) -> None:
+    def plan_hints(self, waiting: Sequence[Request], running: Sequence[Request] = ()) -> None:
         """Tell the scheduler how much of each waiting request is cached (and how much of
-        that nobody holds, which admitting it takes out of the free count)."""
+        that nobody holds, which admitting it takes out of the free count), and what
+        retracting each running request would give back (shared prefixes stay held)."""
+        if not self.enabled:
+            return
+        for req in running:
+            req.kv_releasable = self.kv.releasable_tokens(req.rid)
         for i, req in enumerate(waiting):
             if i >= self.peek_limit or not self.reuses(req):
                 req.prefix_hit = req.prefix_claim = 0
@@ -97,11 +102,18 @@ class PrefixReuse:
         req.prefix_hit, req.prefix_claim = hit, 0
         return hit
 
+    def cache_running(self, req: Request) -> None:
+        """After a prefill chunk: its tokens are cached at once, so requests admitted from
+        now on share them while this one still runs (as SGLang caches unfinished requests)."""
+        if self.enabled and req.prefix_key is not None and not req.finished:
+            self.kv.cache_prefix(req.rid, req.prefix_key, req.all_ids[: req.num_cached])
+
     def release(self, req: Request, tokens: Sequence[int] | None) -> None:
         """A request leaves the running set: cache the KV of its leading ``tokens`` (the
         pool caches only what it holds) or, with None, free everything."""
         key, req.prefix_key = req.prefix_key, None
         req.prefix_hit = req.prefix_claim = 0
+        req.kv_releasable = None
         if not self.enabled or key is None or tokens is None:
             self.kv.free(req.rid)
             return
@@ -110,3 +122,4 @@ class PrefixReuse:
     def forget(self, req: Request) -> None:
         """The request's KV was freed outside :meth:`release` (it starts over)."""
         req.prefix_hit = req.prefix_claim = 0
+        req.kv_releasable = None

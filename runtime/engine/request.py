@@ -134,10 +134,13 @@ class Request:
     num_retractions: int = 0
     # Prefix cache (runtime/engine/prefix.py): while waiting, the tokens a cached prefix
     # covers and how many of those nobody holds (the scheduler plans with both); once
-    # admitted, the tokens it shares with the cache and the key it caches under.
+    # admitted, the tokens it reused and the key its KV is cached under.
     prefix_hit: int = 0
     prefix_claim: int = 0
     prefix_key: object | None = None
+    # While running, with the cache on: the KV tokens retracting it would surely give back
+    # (its own, and the cached prefix no other request holds); None: its num_cached.
+    kv_releasable: int | None = None
     # Owned by the engine: text assembly (detokenizer + stop strings) and the adapter hold.
     text_stream: TextStream | None = None
     holds_adapter: bool = False

@@ -144,8 +144,11 @@ def admission_need(req: Request, ratio: float) -> int:
 
 
 def freed_by_retraction(req: Request) -> int:
-    """KV tokens retracting a running request surely frees: its own, not the cached prefix
-    it shares (others may hold that too); its KV stays cached, evictable like free."""
+    """KV tokens retracting a running request surely frees: its own and the cached prefix
+    nobody else holds (as the engine measured it), else all but the prefix it reused; its
+    KV stays cached, evictable like free tokens."""
+    if req.kv_releasable is not None:
+        return req.kv_releasable
     return max(req.num_cached - req.prefix_hit, 0)
 
 

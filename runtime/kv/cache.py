@@ -238,6 +238,39 @@ class KVCache:
         self._release_node(req)
         return n - result.present
 
+    def cache_prefix(self, request_id: Hashable, key: Hashable, token_ids: Sequence[int]) -> int:
+        """Put a running request's leading ``token_ids`` (those its entries hold) in the
+        prefix cache now, so requests admitted from now on share them (a prompt's chunks
+        as they are prefilled); the request keeps them as its shared prefix. Where the
+        cache already held some (another request computed them meanwhile) the request
+        switches to the cache's copy and frees its own. Returns the tokens added."""
+        req = self._requests.get(request_id)
+        if req is None or self.prefix is None:
+            return 0
+        n = min(len(token_ids), req.length)
+        if n <= req.shared:
+            return 0
+        result = self.prefix.insert(key, np.asarray(token_ids[:n], dtype=np.int64), req.slots[:n])
+        if result.node is None or result.slots is None:
+            return 0  # a retired key: the request keeps its own KV
+        lo = req.shared
+        own, theirs = req.slots[lo:n].clone(), result.slots[lo:n]
+        self.release_slots(own[own != theirs])
+        self.share(request_id, lo, theirs)
+        self.prefix.lock(result.node)
+        self._release_node(req)
+        req.node = result.node
+        return n - result.present
+
+    def releasable_tokens(self, request_id: Hashable) -> int:
+        """Tokens that would turn free or evictable if this request alone let go of its KV
+        (its own entries, and the cached prefix no other request holds)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return 0
+        own = req.length - req.shared
+        return own + (self.prefix.exclusive_tokens(req.node) if self.prefix is not None else 0)
+
     def drop_prefixes(self, predicate) -> int:
         """Forget the cached prefixes of every key for which ``predicate(key)`` holds (an
         adapter was unloaded or reloaded); returns the tokens freed now (prefixes still in
@@ -258,7 +291,7 @@ class KVCache:
         return int(freed.numel())
 
     # -------------------------------------------- slot-level steps (replayed by TP ranks)
-    # Every change the prefix cache makes to the pool is one of these three, so a mirror
+    # Every change the prefix cache makes to the pool is one of these four, so a mirror
     # of this pool (another tensor-parallel rank) replays them without a tree of its own:
     # the journal hooks ``_journal_*`` are no-ops here and overridden by a mirroring pool.
     def adopt(self, request_id: Hashable, slots: torch.Tensor) -> None:
@@ -275,6 +308,19 @@ class KVCache:
             self.req_to_token[req.row, :n] = slots.to(self.device, non_blocking=True)
         req.length = req.shared = n
         self._journal_adopt(request_id, slots)
+
+    def share(self, request_id: Hashable, start: int, slots: torch.Tensor) -> None:
+        """A request's entries from ``start`` on become ``slots``, held by the prefix cache:
+        its shared prefix grows to their end."""
+        req = self._require(request_id)
+        n = int(slots.numel())
+        if start != req.shared or start + n > req.length:
+            raise KVCacheError(f"request {request_id!r}: cannot share entries {start}..{start + n}")
+        with torch.inference_mode():
+            req.slots[start : start + n] = slots
+            self.req_to_token[req.row, start : start + n] = slots.to(self.device, non_blocking=True)
+        req.shared = start + n
+        self._journal_share(request_id, start, slots)
 
     def forget(self, request_id: Hashable) -> None:
         """Drop a request's row without freeing any of its slots (the caller hands them on)."""
@@ -294,6 +340,9 @@ class KVCache:
         pass
 
     def _journal_forget(self, request_id: Hashable) -> None:
+        pass
+
+    def _journal_share(self, request_id: Hashable, start: int, slots: torch.Tensor) -> None:
         pass
 
     def _journal_release(self, slots: torch.Tensor) -> None:

@@ -79,6 +79,7 @@ class InsertResult:
 
     present: int
     node: Node | None
+    slots: torch.Tensor | None = None  # the cache's slots for every inserted token, after it
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -169,6 +170,7 @@ class PrefixCache:
         now = self._tick()
         node = tree.root
         pos = 0
+        parts: list[torch.Tensor] = []
         while pos < query.shape[0]:
             child = node.children.get(int(query[pos]))
             if child is None:
@@ -177,6 +179,7 @@ class PrefixCache:
             if n < len(child):
                 child = self._split(child, n)
             child.last_access = now
+            parts.append(child.slots)
             node = child
             pos += n
         present = pos
@@ -185,8 +188,19 @@ class PrefixCache:
             node.children[int(query[pos])] = leaf
             self.num_tokens += len(leaf)
             self.num_evictable += len(leaf)
+            parts.append(leaf.slots)
             node = leaf
-        return InsertResult(present, None if node is tree.root else node)
+        cached = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return InsertResult(present, None if node is tree.root else node, cached)
+
+    def exclusive_tokens(self, node: Node | None) -> int:
+        """Tokens on ``node``'s path that only one request holds (freed to the evictable
+        pool if that request let go)."""
+        total = 0
+        while node is not None and node.parent is not None and node.lock == 1:
+            total += len(node)
+            node = node.parent
+        return total
 
     def lock(self, node: Node | None) -> None:
         """A request holds ``node`` and its ancestors: none of them may be evicted."""

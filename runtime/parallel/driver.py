@@ -93,6 +93,12 @@ class Driver:
             if rid is not None:
                 self._kv_ops.append((KVOp.FORGET, rid, 0))
 
+    def kv_share(self, request_id: Hashable, start: int, slots: torch.Tensor) -> None:
+        with self._journal_lock:
+            rid = self._ids.get(request_id)
+            if rid is not None:
+                self._kv_ops.append((KVOp.SHARE, rid, int(start), slots.tolist()))
+
     def kv_release(self, slots: torch.Tensor) -> None:
         with self._journal_lock:
             self._kv_ops.append((KVOp.RELEASE, 0, int(slots.numel()), slots.tolist()))
@@ -226,7 +232,7 @@ class Driver:
 
 class MirroredKVCache(KVCache):
     """Rank 0's KV cache: every truncate and free is journalled for the other ranks, and
-    so are the prefix cache's slot-level steps (adopt, forget, release): rank 0 alone
+    so are the prefix cache's slot-level steps (adopt, share, forget, release): rank 0 alone
     keeps the tree, the others replay what it did to the pool.
 
     Allocation needs no journal: it happens inside a forward, which every rank runs (the
@@ -256,3 +262,6 @@ class MirroredKVCache(KVCache):
 
     def _journal_release(self, slots: torch.Tensor) -> None:
         self._driver.kv_release(slots)
+
+    def _journal_share(self, request_id: Hashable, start: int, slots: torch.Tensor) -> None:
+        self._driver.kv_share(request_id, start, slots)

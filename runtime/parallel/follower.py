@@ -63,6 +63,8 @@ class Follower:
                 self.runner.kv.truncate(rid, n)
             elif op == KVOp.ADOPT:
                 self.runner.kv.adopt(rid, torch.tensor(payload[0], dtype=torch.int64))
+            elif op == KVOp.SHARE:
+                self.runner.kv.share(rid, n, torch.tensor(payload[0], dtype=torch.int64))
             elif op == KVOp.FORGET:
                 self.runner.kv.forget(rid)
             elif op == KVOp.RELEASE:

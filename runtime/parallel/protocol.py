@@ -39,6 +39,7 @@ class KVOp(enum.IntEnum):
     ADOPT = 2  # a request starts on a cached prefix: (op, request, n, slots)
     FORGET = 3  # a request's row goes, its slots stay (handed to the cache): (op, request, 0)
     RELEASE = 4  # slots go back to the free pool (eviction, duplicates): (op, 0, n, slots)
+    SHARE = 5  # a running request's entries from ``start`` become cached slots: (op, request, start, slots)
 
 
 @dataclass

@@ -338,6 +338,31 @@ def test_retraction_caches_then_the_request_resumes_from_its_own_kv():
     _all_slots_accounted(kv)
 
 
+def test_a_running_prompt_is_shared_before_the_request_ends():
+    kv = _kv()
+    prompt = list(range(40, 50))
+    kv.allocate(["r1", "r2"], [10, 10])  # both prefilled the same prompt in one step
+    r2_own = kv.token_slots("r2")
+    assert kv.cache_prefix("r1", A, prompt) == 10
+    assert kv.shared_len("r1") == 10 and kv.num_evictable_tokens == 0  # held by r1
+    assert kv.cache_prefix("r2", A, prompt) == 0  # already there: r2 switches to r1's copy
+    assert kv.token_slots("r2").tolist() == kv.token_slots("r1").tolist()
+    row = kv._requests["r2"].row
+    assert kv.req_to_token[row, :10].tolist() == kv.token_slots("r1").tolist()
+    assert kv._num_free == 64 - 10 and not set(r2_own.tolist()) & set(kv.token_slots("r1").tolist())
+    _all_slots_accounted(kv)
+    # a third request arriving now reuses it while both still run
+    assert kv.match_prefix("r3", A, [*prompt, 1]) == 10
+    kv.allocate(["r1", "r2"], [2, 2])  # decoding goes on past the shared prefix
+    assert kv.releasable_tokens("r1") == 2  # the prompt is held by r2 and r3 too
+    kv.free("r2")
+    kv.free("r3")
+    assert kv.releasable_tokens("r1") == 12
+    kv.cache_and_free("r1", A, [*prompt, 3, 4])
+    assert kv.num_cached_tokens == 12 and kv.num_evictable_tokens == 12
+    _all_slots_accounted(kv)
+
+
 def test_drop_prefixes_of_an_unloaded_adapter():
     kv = _kv()
     kv.allocate(["r1", "r2"], [4, 4])
@@ -406,6 +431,8 @@ def test_random_pool_workload_never_loses_or_double_hands_a_slot():
                 continue
             if rng.random() < 0.3 and kv.seq_len(rid) - kv.shared_len(rid) > 0:
                 kv.truncate(rid, 1)
+            if rng.random() < 0.4:
+                kv.cache_prefix(rid, key, ids[: rng.randrange(1, len(ids) + 1)])
             live[rid] = (key, ids)
         _all_slots_accounted(kv)
         assert kv.num_evictable_tokens <= kv.num_cached_tokens
@@ -441,6 +468,9 @@ class _Journalled(KVCache):
     def _journal_release(self, slots):
         self.log.append(("release", slots.clone()))
 
+    def _journal_share(self, request_id, start, slots):
+        self.log.append(("share", request_id, start, slots.clone()))
+
 
 def test_a_pool_without_a_tree_replays_the_slot_steps_into_the_same_state():
     """What a tensor-parallel follower needs: adopt / forget / release (plus the usual
@@ -471,6 +501,8 @@ def test_a_pool_without_a_tree_replays_the_slot_steps_into_the_same_state():
             except KVCacheFullError:
                 primary.free(rid)
                 continue
+            if rng.random() < 0.5:  # its prompt is cached while it runs
+                primary.cache_prefix(rid, key, ids[: rng.randrange(1, len(ids) + 1)])
             live[rid] = (key, ids)
         for op, *rest in primary.log:
             if op == "allocate":
