@@ -557,16 +557,31 @@ PROCESSED_BODIES = [
 ]
 
 
-async def _processed_answers(server) -> list[tuple[str, dict | None]]:
-    """Greedy answers to every processed body, sent together (one mixed batch)."""
+async def _processed_answers(server, *, together: bool = True) -> list[tuple[str, dict | None]]:
+    """Greedy answers to every processed body, sent together (one mixed batch) or alone."""
     prompt = "for item in items:\n    total += item\nfor item in items:\n    total"
-    outs = await asyncio.gather(
-        *[
-            _complete(server, {"prompt": prompt, "max_tokens": 30, "temperature": 0, **b})
-            for b in PROCESSED_BODIES
-        ]
-    )
+    bodies = [{"prompt": prompt, "max_tokens": 30, "temperature": 0, **b} for b in PROCESSED_BODIES]
+    if together:
+        outs = await asyncio.gather(*[_complete(server, b) for b in bodies])
+    else:
+        outs = [await _complete(server, b) for b in bodies]
     return [(o["choices"][0]["text"], o["choices"][0]["logprobs"]) for o in outs]
+
+
+def _assert_same_answers(
+    got: list[tuple[str, dict | None]], reference: list[tuple[str, dict | None]]
+) -> None:
+    for (ref_text, ref_lp), (text, lp) in zip(reference, got, strict=True):
+        assert text == ref_text
+        if ref_lp is not None:
+            assert lp["tokens"] == ref_lp["tokens"] and lp["text_offset"] == ref_lp["text_offset"]
+            assert lp["token_logprobs"] == pytest.approx(ref_lp["token_logprobs"], abs=1e-4)
+            for top, ref_top in zip(lp["top_logprobs"], ref_lp["top_logprobs"], strict=True):
+                assert top == ref_top if ref_top is None else top == pytest.approx(ref_top, abs=1e-4)
+
+
+async def test_processed_requests_in_one_mixed_batch_answer_as_they_do_alone(server):
+    _assert_same_answers(await _processed_answers(server), await _processed_answers(server, together=False))
 
 
 async def test_speculative_decoding_stays_lossless_with_logit_processing(server, assets, tmp_path):
@@ -584,10 +599,4 @@ async def test_speculative_decoding_stays_lossless_with_logit_processing(server,
     cfg.speculative.num_draft_tokens = 4
     async with running_server(cfg, tmp_path / "spec") as spec:
         got = await _processed_answers(spec)
-    for (ref_text, ref_lp), (text, lp) in zip(reference, got, strict=True):
-        assert text == ref_text
-        if ref_lp is not None:
-            assert lp["tokens"] == ref_lp["tokens"] and lp["text_offset"] == ref_lp["text_offset"]
-            assert lp["token_logprobs"] == pytest.approx(ref_lp["token_logprobs"], abs=1e-4)
-            for top, ref_top in zip(lp["top_logprobs"], ref_lp["top_logprobs"], strict=True):
-                assert top == ref_top if ref_top is None else top == pytest.approx(ref_top, abs=1e-4)
+    _assert_same_answers(got, reference)
