@@ -228,10 +228,14 @@ def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec
         engine.load_adapter("tenant", spec_assets.adapters["attn-r8"])
         new = _run_wave(engine, [("new", [*prompt, 3], params, "tenant")])
         assert hits.by_rid.get("new", 0) == 0
-        expected = _run_wave(engine, [("ref", [*prompt, 3], params, "attn-r8")])
+        # the new weights' KV is cached in turn
+        again = _run_wave(engine, [("new-again", [*prompt, 4], params, "tenant")])
+        assert hits.by_rid["new-again"] == 40
+        expected = _run_wave(engine, [("ref", [*prompt, 3], params, "attn-r8"), ("ref2", [*prompt, 4], params, "attn-r8")])
     finally:
         engine.shutdown(drain_timeout_s=1.0)
     assert new["new"] == expected["ref"]
+    assert again["new-again"] == expected["ref2"]
 
 
 def test_prompt_logprobs_requests_prefill_their_whole_prompt(make_spec_config):
