@@ -8,6 +8,6 @@ batching, chunked prefill, adapters) twice, cache off then on (:mod:`.driver`), 
 report (:mod:`.report`) gives TTFT p50/p99, output tok/s, the hit rate and whether the
 two runs produced the same tokens.
 
-    python -m bench.prefix --smoke                 # CPU, tiny model, seconds
-    python -m bench.prefix --size 8b --out r.md    # GPU, random Llama-8B-shaped weights
+    python bench/prefix --smoke                 # CPU, tiny model, seconds
+    python bench/prefix --size 8b --out r.md    # GPU, random Llama-8B-shaped weights
 """

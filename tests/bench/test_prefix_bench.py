@@ -1,0 +1,34 @@
+"""``python bench/prefix --smoke`` runs end to end on the CPU: every workload, cache off
+and on, the same tokens either way, hits where prefixes are shared and none where not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_prefix_bench_smoke(tmp_path):
+    out, js = tmp_path / "prefix.md", tmp_path / "prefix.json"
+    result = subprocess.run(
+        [sys.executable, "-P", str(REPO / "bench" / "prefix"), "--smoke", "--out", str(out), "--json", str(js)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = {s["workload"]: s for s in json.loads(js.read_text())}
+    assert set(summaries) == {"system-prompts", "chat-replay", "no-shared-prefix"}
+    for s in summaries.values():
+        done, total = (int(x) for x in s["same_tokens"].split("/"))
+        assert done == total == s["requests"], s
+        assert s["off_hit_rate"] == 0.0
+    assert summaries["system-prompts"]["hit_rate"] > 0.5
+    assert summaries["chat-replay"]["hit_rate"] > 0.5
+    assert summaries["no-shared-prefix"]["hit_rate"] < 0.05
+    text = out.read_text()
+    assert text.count("| system-prompts |") == 2 and "TTFT p99 ms" in text
