@@ -48,6 +48,7 @@ from .distill.models import (
     load_student,
     load_teacher,
     load_tokenizer,
+    require_peft,
     save_adapter,
 )
 from .distill.objective import HeldOutScore, score
@@ -116,6 +117,7 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: None) -> DistillReport:
     """Check the inputs, train the draft LoRA, write and check it; returns the report."""
+    require_peft()
     options.lora.check()
     check_settings(options.training)
     if options.eval_sequences < 1:

@@ -307,6 +307,9 @@ def test_packing_split_and_schedule():
     assert factors[-1] == pytest.approx(0.1, abs=0.01) and factors[10] > factors[50] > factors[90]
 
 
-def test_lora_settings_refuse_unknown_modules():
+def test_lora_settings_refuse_modules_the_draft_pool_does_not_wrap():
     with pytest.raises(DistillError, match="short names"):
         LoraSettings(target_modules=("model.layers.0.q_proj",)).check()
+    with pytest.raises(DistillError, match="never embed_tokens or lm_head"):
+        LoraSettings(target_modules=("q_proj", "lm_head")).check()
+    LoraSettings().check()

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ...contract.config import LORA_MODULES
+from ...contract.config import DEFAULT_LORA_MODULES
+
+# The runtime's draft-adapter pool wraps the draft's linear layers only, never embed_tokens or
+# lm_head (README, "Draft adapters"): a draft adapter on those would be refused at admission.
+DRAFT_LORA_MODULES = DEFAULT_LORA_MODULES
 
 
 class DistillError(ValueError):
@@ -29,26 +33,21 @@ class LoraSettings:
 
     rank: int = 16
     alpha: float = 32.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    target_modules: tuple[str, ...] = DRAFT_LORA_MODULES
 
     def check(self) -> None:
         if self.rank < 1:
             raise DistillError(f"--rank must be a positive integer, got {self.rank}")
         if not self.target_modules:
-            raise DistillError("--target-modules is empty: name at least one of " + ",".join(LORA_MODULES))
-        unknown = sorted(set(self.target_modules) - set(LORA_MODULES))
+            raise DistillError(
+                "--target-modules is empty: name at least one of " + ",".join(DRAFT_LORA_MODULES)
+            )
+        unknown = sorted(set(self.target_modules) - set(DRAFT_LORA_MODULES))
         if unknown:
             raise DistillError(
-                f"--target-modules has {unknown}: the runtime serves LoRA on {','.join(LORA_MODULES)} "
-                "(short names, as the runtime names them)"
+                f"--target-modules has {unknown}: the runtime's draft adapters adapt "
+                f"{','.join(DRAFT_LORA_MODULES)} (short names, as the runtime names them; never embed_tokens "
+                "or lm_head)"
             )
 
 
@@ -84,6 +83,16 @@ def check_adapter_dir(path: str | Path) -> Path:
             "wrote for the target's adapter (adapter_config.json + adapter_model.safetensors)"
         )
     return path
+
+
+def require_peft() -> None:
+    """peft is an optional dependency of the package (the ``realmodel`` extra): say so up front."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise DistillError(
+            "this command needs peft, which is not installed: pip install 'loraserve[realmodel]' (or peft>=0.13)"
+        ) from exc
 
 
 def load_tokenizer(model_dir: Path):
