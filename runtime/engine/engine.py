@@ -33,7 +33,7 @@ from .decoder import Decoder, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError
 from .prefix import PrefixReuse
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
-from .scheduler import Scheduler, SchedulerLimits, StepKind, StepPlan
+from .scheduler import Scheduler, SchedulerLimits, StepKind, StepPlan, fair_order
 from .stats import EngineObserver, EngineSnapshot, StepTotals
 from .text import TextStream
 
@@ -364,7 +364,11 @@ class Engine:
         if self._waiting and len(self._pinned) >= self.limits.max_loras_per_batch:
             self._fail_unschedulable()
         self.prefix.sweep()
-        self.prefix.plan_hints(self._waiting, self._running)
+        if self.prefix.enabled:
+            # Looked up in admission order, as far as admission (and fair preemption) reach.
+            reach = max(self.limits.max_running_requests - len(self._running), 1) + 8
+            order = fair_order(self._waiting, self._running, limit=reach)
+            self.prefix.plan_hints(order, self._running, reach=reach)
         plan = self.scheduler.plan(
             self._waiting,
             self._running,

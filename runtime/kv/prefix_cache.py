@@ -117,7 +117,8 @@ class PrefixCache:
 
         An edge matched only in part is split, so the returned node ends exactly at the
         match (locking it then holds no token past it). ``touch``: count this as a use for
-        LRU (a peek for planning passes False and changes nothing, not even a split)."""
+        LRU (a peek for planning passes False: it changes nothing, not even a split, and
+        returns no slots)."""
         query = _as_array(tokens)
         tree = self._trees.get(key)
         if tree is None or tree.retired or query.shape[0] == 0:
@@ -134,12 +135,12 @@ class PrefixCache:
             n = common_prefix_len(child.tokens, query[pos:])
             if n < len(child):
                 if not touch:  # count the partial edge without changing the tree
-                    parts.append(child.slots[:n])
                     evictable += n if child.lock == 0 else 0
                     pos += n
                     break
                 child = self._split(child, n)
-            parts.append(child.slots)
+            if touch:  # a peek reports lengths only: no slots gathered
+                parts.append(child.slots)
             evictable += len(child) if child.lock == 0 else 0
             if touch:
                 child.last_access = now

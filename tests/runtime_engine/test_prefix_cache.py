@@ -83,7 +83,7 @@ def test_peek_changes_nothing():
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3, 4], _seq(0, 4))
     m = pc.match(A, [1, 2, 9], touch=False)
-    assert m.length == 2 and m.evictable == 2 and m.slots.tolist() == [0, 1]
+    assert m.length == 2 and m.evictable == 2 and m.slots.numel() == 0  # lengths only
     # no split happened: one edge of 4 tokens
     root = pc._trees[A].root
     assert len(root.children) == 1 and len(next(iter(root.children.values()))) == 4
