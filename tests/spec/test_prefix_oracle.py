@@ -255,3 +255,39 @@ def test_prompt_logprobs_requests_prefill_their_whole_prompt(make_spec_config):
     assert on == off
     assert hits.by_rid["lp"] == 0
     assert hits.by_rid["after"] == 31
+
+
+def test_metrics_report_hits_per_adapter_and_the_caches_share_of_the_pool(make_spec_config):
+    """``/metrics``: vLLM's prefix_cache_queries / prefix_cache_hits, per-model hit and query
+    tokens, and the cache's place in the pool."""
+    from loraserve.runtime.server.metrics import Metrics
+
+    config = make_spec_config()
+    config.scheduler.prefix_cache = True
+    gen = torch.Generator().manual_seed(21)
+    system = _tokens(gen, 30)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    holder: dict = {}
+    metrics = Metrics("tiny", snapshot=lambda: holder["engine"].snapshot)
+    engine = holder["engine"] = Engine(config, ModelRunner(config), observer=metrics)
+    engine.start()
+    try:
+        _run_wave(engine, [("a", [*system, 1], params, "all-r16")])
+        _run_wave(engine, [("b", [*system, 2], params, "all-r16"), ("c", [*system, 3], params, None)])
+        text = metrics.render().decode()
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+
+    def value(line_start: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(line_start))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value('vllm:prefix_cache_queries_total{model_name="tiny"}') == 3 * 31
+    assert value('vllm:prefix_cache_hits_total{model_name="tiny"}') == 30
+    assert value('loraserve:prefix_cache_hit_tokens_total{model="all-r16"}') == 30
+    assert value('loraserve:prefix_cache_query_tokens_total{model="tiny"}') == 31  # the base model's
+    assert value('loraserve:prefix_cache_hit_requests_total{model="all-r16"}') == 1
+    cached = value('loraserve:prefix_cache_tokens{model_name="tiny"}')
+    assert cached >= 2 * 31
+    assert value('loraserve:prefix_cache_evictable_tokens{model_name="tiny"}') == cached  # nothing runs
+    assert value('loraserve:prefix_cache_usage_perc{model_name="tiny"}') == cached / engine.kv.capacity
