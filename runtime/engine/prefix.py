@@ -13,10 +13,11 @@ its whole prompt, whose logits it needs, as vLLM does; its KV is still cached fo
 
 Speculative decoding: the target's KV is what is reused. A STANDALONE draft keeps no
 prefix cache: its pool catches up on the whole prompt in its first extend (the draft is
-small). An EAGLE head is fed the target's features of the positions the target computes,
-so after a hit it starts from the first uncached position: its cache then holds the
-suffix only, at positions counted from there (rotary attention sees relative positions),
-which can lower the first drafts' acceptance but never the output (verify is exact).
+small). An EAGLE head (and a DFLASH draft) is fed the target's features of the positions
+the target computes, so after a hit it starts from the first uncached position: its cache
+then holds the suffix only, at positions counted from there (rotary attention sees
+relative positions), which can lower the first drafts' acceptance but never the output
+(verify is exact).
 
 The pool (:class:`loraserve.runtime.kv.KVCache`) does the rest: shared slots, LRU
 eviction, counting unused cached tokens as free.
