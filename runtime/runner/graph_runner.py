@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+S = TypeVar("S", bound="StaticRequests")
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 64
@@ -239,7 +240,7 @@ class GraphRunner:
         """A static buffer on the runner's device (int64 unless said otherwise)."""
         return torch.zeros(*size, dtype=dtype, device=self.device)
 
-    def static_requests(self, cls: type[StaticRequests], requests: int, **buffers: torch.Tensor):
+    def static_requests(self, cls: type[S], requests: int, **buffers: torch.Tensor) -> S:
         """``cls`` with zeroed per-request buffers for ``requests`` requests and ``buffers``."""
         return cls(rows=self.zeros(requests), prefix_lens=self.zeros(requests), **buffers)
 
