@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def smoke_verdict(s: Settings, trained: TrainedModels, results: Results) -> int:
     """0, except for a ``--smoke`` run where a speculative output differs from the plain one,
-    a run failed or the served EAGLE head proposes other tokens than the trained head."""
+    a run failed or a served EAGLE head / DFLASH draft proposes other tokens than the trained one."""
     if not s.smoke:
         return 0
     bad = [(r.concurrency, r.draft) for r in results.rows if r.same != r.count]
@@ -46,6 +46,11 @@ def smoke_verdict(s: Settings, trained: TrainedModels, results: Results) -> int:
     if eagle_check and (eagle_check["proposal_agreement"] != 1.0 or eagle_check["rel_feature_diff"] > 1e-4):
         results.notes.append(
             f"the served EAGLE head proposes other tokens than the trained head: {eagle_check}"
+        )
+    dflash_check = trained.infos.get("dflash", {}).get("check")
+    if dflash_check and dflash_check["proposal_agreement"] != 1.0:
+        results.notes.append(
+            f"the served DFLASH draft proposes other tokens than the trained draft: {dflash_check}"
         )
     if bad or results.notes:
         print(f"smoke: outputs differ or runs failed: {bad} {results.notes}")

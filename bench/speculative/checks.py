@@ -8,6 +8,7 @@ import torch
 
 from loraserve.runtime.runner.model_runner import ModelRunner
 
+from .dflash_check import dflash_check
 from .eagle_head import EagleHead
 from .eagle_training import target_features
 from .log import log
@@ -138,4 +139,10 @@ def check_serving(s: Settings, trained: TrainedModels, serving: Serving, pool: l
             serving.runner, serving.head_dir, trained.head, trained.small_dir, pool[:4], s.k - 1
         )
         log(f"served EAGLE head vs trained head on held-out prompts: {eagle['check']}")
+    if trained.dflash is not None and serving.dflash_dir is not None:
+        info = trained.infos["dflash"]
+        info["check"] = dflash_check(
+            serving.runner, serving.dflash_dir, trained.dflash, trained.small_dir, pool[:4]
+        )
+        log(f"served DFLASH draft vs trained draft on held-out prompts: {info['check']}")
     return check

@@ -29,6 +29,8 @@ def parse(argv: list[str] | None = None) -> Settings:
         ap.error(
             f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}"
         )
+    if args.dflash_block is not None and args.dflash_block < 2:
+        ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     return settings_from(args, argv)
 
 
@@ -149,7 +151,8 @@ def _add_measurement_args(ap: argparse.ArgumentParser) -> None:
         "--draft",
         default="standalone",
         help="comma list of drafts, each its own speculative run against the same no-spec baseline:"
-        " standalone (a small distilled Llama) and/or eagle (an EAGLE head over the target's features)",
+        " standalone (a small distilled Llama), eagle (an EAGLE head over the target's features) and/or"
+        " dflash (a DFLASH block drafter over the target's layer outputs)",
     )
 
 
@@ -169,6 +172,13 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
     )
     ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
+    ap.add_argument(
+        "--dflash-block",
+        type=int,
+        default=None,
+        help="DFLASH: the block the draft trains on and the target verifies (num_draft_tokens; default 8,"
+        " smoke 4)",
+    )
     ap.add_argument(
         "--eagle-cache-gib",
         type=float,

@@ -62,10 +62,16 @@ def spec_config(
     """The serving configuration with speculation by ``draft`` (a chain of ``s.k``, or ``tree``)."""
     config = serving.config.copy()
     spec = config.speculative
-    spec.algorithm = SpecAlgorithm.EAGLE if draft == "eagle" else SpecAlgorithm.STANDALONE
-    spec.draft_model_path = str(serving.head_dir if draft == "eagle" else draft_dir)
+    spec.algorithm = {"eagle": SpecAlgorithm.EAGLE, "dflash": SpecAlgorithm.DFLASH}.get(
+        draft, SpecAlgorithm.STANDALONE
+    )
+    spec.draft_model_path = str(
+        {"eagle": serving.head_dir, "dflash": serving.dflash_dir}.get(draft, draft_dir)
+    )
     spec.num_steps = s.k - 1
     spec.num_draft_tokens = s.k
+    if draft == "dflash":  # one forward drafts the whole block: its width is the block trained on
+        spec.num_draft_tokens = s.dflash_block
     if tree is not None:
         spec.top_k, spec.num_draft_tokens = tree
         spec.tree_max_batch_size = s.args.tree_max_batch_size

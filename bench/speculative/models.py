@@ -11,6 +11,8 @@ import torch
 from loraserve.runtime.dev.devmodels import write_tokenizer
 
 from .corpus import corpus_files, tokenize
+from .dflash_draft import DFlashDraft
+from .dflash_training import DFlashTraining, dflash_heldout, train_dflash
 from .distillation import TeacherData, teacher_continuations, train_standalone
 from .eagle_head import EagleHead
 from .eagle_training import EagleTraining, eagle_heldout_top1, train_eagle_head
@@ -32,6 +34,7 @@ class TrainedModels:
     infos: dict[str, dict]  # per draft: its training record (and, later, its serving check)
     draft_dir: Path | None = None  # the STANDALONE draft
     head: EagleHead | None = None  # the EAGLE head as trained (bfloat16 values)
+    dflash: DFlashDraft | None = None  # the DFLASH draft as trained (bfloat16 values)
 
 
 def train_models(s: Settings) -> TrainedModels:
@@ -41,7 +44,7 @@ def train_models(s: Settings) -> TrainedModels:
     data, held_ids = _corpus(s, tok_dir)
     target, target_info = _train_target(s, data)
     teacher = None
-    if s.args.draft_training == "distill" or "eagle" in s.drafts:
+    if s.args.draft_training == "distill" or "eagle" in s.drafts or "dflash" in s.drafts:
         teacher = teacher_continuations(s.args, target, data, tok_dir, s.device, smoke=s.smoke, k=s.k,
                                         prompt_len=s.prompt_len, gen_tokens=s.gen_tokens)  # fmt: skip
     infos: dict[str, dict] = {}
@@ -56,13 +59,19 @@ def train_models(s: Settings) -> TrainedModels:
     if "eagle" in s.drafts:
         assert teacher is not None
         head, infos["eagle"] = _train_eagle(s, target, data, held_ids, teacher)
+    dflash = None
+    if "dflash" in s.drafts:
+        assert teacher is not None
+        dflash, infos["dflash"] = _train_dflash(s, target, data, held_ids, teacher)
     # save_hf casts the target to bfloat16 in place: the drafts above trained on its float32 self
     small_dir = save_hf(target, work / "target-small", tok_dir)
     small_state = {n: t.detach() for n, t in target.state_dict().items()}
     del target
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
-    return TrainedModels(work, tok_dir, held_ids, small_dir, small_state, target_info, infos, draft_dir, head)
+    return TrainedModels(
+        work, tok_dir, held_ids, small_dir, small_state, target_info, infos, draft_dir, head, dflash
+    )
 
 
 def _corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,3 +111,28 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
     )
     log(f"EAGLE head trained: {info}")
     return head, info
+
+
+def dflash_layer_ids(num_target_layers: int) -> list[int]:
+    """The target layers the DFLASH draft reads: low, middle and high outputs spread over
+    1..L-3 as the reference spreads them (one layer, ``0``, for a target too small for that)."""
+    from loraserve.runtime.speculative.dflash_format import default_target_layer_ids
+
+    if num_target_layers < 4:
+        return [0]
+    return list(default_target_layer_ids(num_target_layers, 3))
+
+
+def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
+    """The DFLASH draft over ``target`` (one layer reading three of its layers' outputs),
+    rounded to what is served, with its held-out agreement."""
+    opts = DFlashTraining(
+        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=2e-3 if s.smoke else 1e-3,
+        block=s.dflash_block, layer_ids=dflash_layer_ids(target.config.num_hidden_layers),
+        teacher_fraction=teacher.fraction, max_steps=s.max_steps[2],
+    )  # fmt: skip
+    draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts)
+    draft.round_to_bf16()  # what is served
+    info.update(dflash_heldout(draft, target, held_ids, s.device, seq=teacher.seq))
+    log(f"DFLASH draft trained: {info}")
+    return draft, info

@@ -44,6 +44,8 @@ def report_lines(
         lines.append(_standalone_line(s, infos["standalone"]))
     if infos.get("eagle"):
         lines.append(_eagle_line(s, infos["eagle"]))
+    if infos.get("dflash"):
+        lines.append(_dflash_line(s, infos["dflash"]))
     lines += _results_table(s, results.rows)
     lines += identity_table(results.rows, results.details)
     lines += _time_table(results.details)
@@ -108,6 +110,23 @@ def _eagle_line(s: Settings, e_info: dict) -> str:
         f" {e_info['teacher_fraction']:.0%} of each batch, sequences of {e_info['seq']};"
         f" held-out top-1 agreement with the target per draft step {e_info['heldout_top1']};"
         f" served head vs trained head: {e_info.get('check')}"
+    )
+
+
+def _dflash_line(s: Settings, f_info: dict) -> str:
+    """The DFLASH draft: shape, training, held-out agreement and the serving check."""
+    served = (
+        "expanded function-preservingly to the serving shape" if s.target_shape != "trained" else "as trained"
+    )
+    return (
+        f"- draft DFLASH: {f_info['layers']} layer(s) of the small target's shape over its layer outputs"
+        f" {f_info['target_layer_ids']} (shares its embeddings and lm_head), block {f_info['block']}, {served};"
+        f" {_count(f_info['params'])} trained params, {f_info['steps']} steps, {f_info['windows']} windows of"
+        f" {f_info['seq']} with {f_info['blocks_per_window']} blocks each, final loss {f_info['final_loss']:.2f};"
+        f" masked block prediction, KL to the target weighted exp(-j/{f_info['decay']:g}) by block position,"
+        f" teacher continuations {f_info['teacher_fraction']:.0%} of each batch; held-out top-1 agreement per"
+        f" block position {f_info['heldout_top1']}, mean leading agreeing positions {f_info['heldout_leading']}"
+        f" of {f_info['max_leading']}; served draft vs trained draft: {f_info.get('check')}"
     )
 
 

@@ -12,6 +12,7 @@ from loraserve.runtime.dev.devmodels import copy_tokenizer
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .adapters import write_adapter
+from .dflash_checkpoint import dflash_config, expand_dflash, save_dflash
 from .eagle_checkpoint import eagle_config, save_eagle_head
 from .expansion import expand_eagle_head, expand_into
 from .log import log
@@ -23,12 +24,13 @@ from .shapes import SHAPES, llama_config
 @dataclass
 class Serving:
     """The runner serving the target, the runtime configuration it was built from, and the
-    EAGLE head's directory (None without an EAGLE draft)."""
+    EAGLE head's and the DFLASH draft's directories (None without those drafts)."""
 
     config: RuntimeConfig
     runner: ModelRunner
     target_params: int
     head_dir: Path | None
+    dflash_dir: Path | None = None
 
 
 def build_serving(s: Settings, trained: TrainedModels) -> Serving:
@@ -36,6 +38,7 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
     then build the runner; an expanded target gets the trained weights placed in it."""
     target_dir, raw, expanded = _target_dir(s, trained)
     head_dir = _eagle_dir(s, trained, raw)
+    dflash_dir = _dflash_dir(s, trained, raw)
     adapters = {
         f"ad{i}": write_adapter(
             trained.work / f"ad{i}", raw, rank=16, seed=10 + i, b_std=s.args.adapter_b_std
@@ -52,7 +55,7 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
         f"target runner ({s.target_shape}, {target_params / 1e9:.2f} B params, attention {runner.attention_backend}) "
         f"built in {time.monotonic() - t0:.1f} s"
     )
-    return Serving(config, runner, target_params, head_dir)
+    return Serving(config, runner, target_params, head_dir, dflash_dir)
 
 
 def _target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict, bool]:
@@ -82,6 +85,23 @@ def _eagle_dir(s: Settings, trained: TrainedModels, raw: dict) -> Path | None:
     return save_eagle_head(tensors, eagle_config(raw, raw["intermediate_size"]), trained.work / "eagle")
 
 
+def _dflash_dir(s: Settings, trained: TrainedModels, raw: dict) -> Path | None:
+    """The trained DFLASH draft written for the serving target (expanded to its shape), or None."""
+    draft = trained.dflash
+    if draft is None:
+        return None
+    tensors = draft.checkpoint()
+    layers = len(draft.layers)
+    if s.target_shape != "trained":
+        tensors = expand_dflash(
+            tensors, s.small_shape, s.target_shape, num_layers=layers, num_features=len(draft.layer_ids)
+        )
+    config = dflash_config(
+        raw, intermediate=raw["intermediate_size"], num_layers=layers, layer_ids=draft.layer_ids, block=draft.block, mask_id=draft.mask_id,
+    )  # fmt: skip
+    return save_dflash(tensors, config, trained.work / "dflash")
+
+
 def runtime_config(s: Settings, target_dir: Path, adapters: dict[str, Path]) -> RuntimeConfig:
     """The runtime configuration of the plain (no speculation) serving target."""
     max_c = max(s.concurrency)
@@ -96,7 +116,7 @@ def runtime_config(s: Settings, target_dir: Path, adapters: dict[str, Path]) -> 
     config.lora.target_modules = DEFAULT_LORA_MODULES
     config.lora.adapters = {n: str(p) for n, p in adapters.items()}
     config.scheduler.max_running_requests = max_c
-    widest = max([s.k] + [tokens for _, tokens in s.trees])
+    widest = max([s.k, s.dflash_block] + [tokens for _, tokens in s.trees])
     config.scheduler.max_total_tokens = max_c * (s.prompt_len + s.gen_tokens + 2 * widest + 16) + 4096
     config.cuda_graph.enabled = s.device.type == "cuda"
     config.cuda_graph.max_bs = max_c

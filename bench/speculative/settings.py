@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-DRAFTS = ("standalone", "eagle")
+DRAFTS = ("standalone", "eagle", "dflash")
 
 
 def parse_drafts(value: str) -> list[str]:
-    """``--draft``: a comma list of ``standalone`` and ``eagle``, each at most once."""
+    """``--draft``: a comma list of ``standalone``, ``eagle`` and ``dflash``, each at most once."""
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in DRAFTS]
     if not names or bad or len(set(names)) != len(names):
@@ -74,6 +74,7 @@ class Settings:
     trees: list[tuple[int, int]]
     max_steps: tuple[int | None, int | None, int | None]  # TARGET, STANDALONE, EAGLE
     k: int
+    dflash_block: int  # the DFLASH draft's block: trained on and verified (num_draft_tokens)
     gen_tokens: int
     prompt_len: int
     concurrency: list[int]
@@ -110,6 +111,7 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
         trees=trees,
         max_steps=caps,
         k=args.k or (4 if smoke else 6),
+        dflash_block=args.dflash_block or (4 if smoke else 8),
         gen_tokens=args.gen_tokens or (24 if smoke else 192),
         prompt_len=args.prompt_len or (32 if smoke else 128),
         concurrency=[int(c) for c in (args.concurrency or ("1,2,4" if smoke else "1,8,32")).split(",")],

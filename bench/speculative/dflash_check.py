@@ -1,0 +1,73 @@
+"""The served DFLASH draft (loaded by the runtime, over the serving target) against the
+trained one (over the trained small target): the same block proposals after held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loraserve.runtime.runner.model_runner import ModelRunner
+
+from .dflash_draft import DFlashDraft
+from .dflash_training import target_outputs
+
+
+@torch.no_grad()
+def dflash_check(
+    runner: ModelRunner, draft_dir: Path, draft: DFlashDraft, small_dir: Path, prompts: list[list[int]]
+) -> dict:
+    """After each prompt, the block drafted from the target's next token: the share of block
+    positions where the served draft's argmax equals the trained draft's, and the smallest
+    top-2 margin among those that differ (a bf16 flip of a near-tie has a tiny one)."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.speculative.dflash_runner import DFlashDraftRunner
+    from loraserve.runtime.speculative.eagle_model import base_weight
+
+    device = runner.device
+    longest = max(len(p) for p in prompts) + draft.block + 1
+    served = DFlashDraftRunner(
+        draft_dir, target_arch=runner.arch, target_dir=runner.model_path,
+        embed_weight=base_weight(runner.embed_tokens), lm_head_weight=base_weight(runner.lm_head),
+        dtype=runner.dtype, device=device, max_total_tokens=2 * longest, max_requests=2, max_context_len=longest,
+    )  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
+    trained = draft.to(device=device, dtype=torch.float32)
+    same = total = 0
+    margins: list[float] = []
+    first_pair = None
+    for prompt in prompts:
+        ids = torch.tensor(prompt, device=device)
+        out = runner.forward(
+            ForwardBatch(ForwardMode.EXTEND, ["dflash-check"], ids, extend_lens=[len(prompt)],
+                         hidden_layers=served.capture_layers)
+        )  # fmt: skip
+        runner.kv.free("dflash-check")
+        first = int(out.logits[-1].argmax())
+        served.append_context(["c"], out.aux_hidden_states, [len(prompt)])
+        logits = served.draft_block(["c"], torch.tensor([first]), draft.block)[0]
+        served.release("c")
+        got = logits.argmax(-1).tolist()
+        window = torch.tensor([[*prompt, first]], device=device)
+        feats, _ = target_outputs(ref, window, draft.layer_ids)
+        want = (
+            trained.block_logits(window, feats, torch.tensor([[len(prompt)]], device=device))[0, 0]
+            .argmax(-1)
+            .tolist()
+        )
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b:
+                top2 = logits[j].topk(2).values
+                margins.append(float(top2[0] - top2[1]))
+        same += sum(a == b for a, b in zip(got, want, strict=True))
+        total += len(want)
+        first_pair = first_pair or {"trained": want, "served": got}
+    del ref, served
+    return {
+        "proposal_agreement": round(same / total, 3),
+        "disagreeing_margin": round(min(margins), 4) if margins else None,
+        "first_prompt": first_pair,
+    }
