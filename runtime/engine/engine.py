@@ -277,11 +277,16 @@ class Engine:
             raise EngineError.invalid(
                 "LoRA is disabled on this server (lora.enabled=false)", param="lora_name"
             )
+        # New weights may come under this name (a load of a name already serving is
+        # idempotent: its cached prefixes stay); their requests get a new prefix-cache key.
+        fresh = name not in self.lora
         try:
-            self.prefix.adapter_changed(name)  # the weights behind the name may change
+            if fresh:
+                self.prefix.adapter_changed(name)
             return self.lora.load(name, path, pinned=pinned)
         finally:
-            self.prefix.adapter_changed(name)
+            if fresh:
+                self.prefix.adapter_changed(name)
             self.refresh_adapters()
 
     def unpin_adapter(self, name: str) -> None:

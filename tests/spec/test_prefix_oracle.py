@@ -205,9 +205,10 @@ def test_a_prefix_cached_under_one_adapter_is_never_served_to_another(make_spec_
 
 
 def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec_assets):
-    """``tenant`` is loaded from one adapter, serves a prompt (cached), is unloaded and
-    loaded again from other weights under the same name: the next request misses and gets
-    what the new weights give without any cache."""
+    """``tenant`` is loaded from one adapter, serves a prompt (cached; a repeated load of
+    the same adapter keeps it), is unloaded and loaded again from other weights under the
+    same name: the next request misses and gets what the new weights give without any
+    cache, and the one after hits the new weights' KV."""
     config = make_spec_config()
     config.scheduler.prefix_cache = True
     config.lora.max_loaded_loras = len(config.lora.adapters) + 1
@@ -224,6 +225,9 @@ def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec
         assert engine.kv.num_cached_tokens > 0
         _run_wave(engine, [("old-again", [*prompt, 2], params, "tenant")])
         assert hits.by_rid["old-again"] == 40
+        engine.load_adapter("tenant", spec_assets.adapters["all-r16"])  # idempotent: same weights
+        _run_wave(engine, [("old-third", [*prompt, 5], params, "tenant")])
+        assert hits.by_rid["old-third"] == 40
         engine.unload_adapter("tenant")
         engine.load_adapter("tenant", spec_assets.adapters["attn-r8"])
         new = _run_wave(engine, [("new", [*prompt, 3], params, "tenant")])
