@@ -37,37 +37,17 @@ from loraserve.kernels import ForwardMode
 
 from ..model.layers import build_attention_metadata
 from .forward_batch import ForwardBatch, ForwardOutput
-from .graph_runner import (  # re-exported: the target's graph helpers lived here first
-    MIN_CONTEXT_BUCKET,
-    GraphRunner,
-    StaticRequests,
-    capture_graph,
-    capture_or_eager,
-    context_bucket,
-    fill_padded,
-    graph_batch_sizes,
-    padded_batch_size,
-    prefill_widths,
-)
+from .graph_runner import GraphRunner, StaticRequests, fill_padded, padded_batch_size, prefill_widths
+
+# Re-exported: the model runner and tests found these here before the shared runner existed.
+from .graph_runner import context_bucket as context_bucket
+from .graph_runner import graph_batch_sizes as graph_batch_sizes
 
 if TYPE_CHECKING:
     from loraserve.kernels.graph_metadata import GraphLoRAMetadata
 
     from ..kv import Allocation
     from .model_runner import ModelRunner
-
-__all__ = [
-    "MIN_CONTEXT_BUCKET",
-    "CudaGraphRunner",
-    "GraphKey",
-    "capture_graph",
-    "capture_or_eager",
-    "context_bucket",
-    "fill_padded",
-    "graph_batch_sizes",
-    "padded_batch_size",
-    "prefill_widths",
-]
 
 _Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # logits, hidden, aux
 
