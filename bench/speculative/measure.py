@@ -126,7 +126,7 @@ def measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptio
     ``plain``: ``(config, decoder)`` of the no-spec baseline, timed beside the draft by
     ``--phases``.
     """
-    k, count = opts.k, len(bench.prompts)
+    k, count = getattr(decoder, "width", opts.k), len(bench.prompts)  # a DFLASH block may differ from k
     warm_spec = make_workload(pool, count if c > 1 else 2, opts.gen_tokens, offset=100)
     run_workload(spec_config, runner, decoder, warm_spec, c, f"warm-{name}-{c}", defer_steps=opts.defer_steps)
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
