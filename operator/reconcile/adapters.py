@@ -271,13 +271,14 @@ async def reconcile_adapter(
     draft_path = (
         ds.adapter_pod_path(spec.draft.source, serve_spec.storage) if spec.draft is not None else None
     )
-    if lora_path is None or (spec.draft is not None and draft_path is None):
+    # An Adapter is served with the draft adapter it names or not at all.
+    unreachable_sources = [("spec.source", spec.source)] if lora_path is None else []
+    if spec.draft is not None and draft_path is None:
+        unreachable_sources.append(("spec.draft.source", spec.draft.source))
+    if unreachable_sources:
         memory.tracks.clear()
-        if lora_path is None:
-            problem = unreachable_source("spec.source", spec.source, spec.serve)
-        else:
-            problem = unreachable_source("spec.draft.source", spec.draft.source, spec.serve)  # type: ignore[union-attr]
-        await report(AdapterFindings(generation=generation, invalid=[problem]))
+        problems = [unreachable_source(field, source, spec.serve) for field, source in unreachable_sources]
+        await report(AdapterFindings(generation=generation, invalid=problems))
         return outcome
     draft: Draft | None = (draft_path, spec.draft.sha256) if spec.draft is not None and draft_path else None
 
