@@ -19,7 +19,9 @@ A = SpecAlgorithm
 DRAFT = DraftAdapterDeclaration()
 
 
-def serve(algorithm: SpecAlgorithm = A.STANDALONE, *, pool: int = 4, rank: int = 16, **changes) -> RuntimeConfig:
+def serve(
+    algorithm: SpecAlgorithm = A.STANDALONE, *, pool: int = 4, rank: int = 16, **changes
+) -> RuntimeConfig:
     """A valid serve of ``algorithm`` with a draft adapter pool of ``pool`` slots."""
     c = RuntimeConfig()
     c.model.path = "/models/base"
@@ -96,7 +98,9 @@ def test_a_declared_draft_rank_fits_the_pool_rank():
     report = judge(serve(rank=16), DraftAdapterDeclaration(rank=32))
     assert report.rules() == {"adapter-draft-rank-too-large"}
     (message,) = rendered(report)
-    assert message.startswith("spec.draft.rank: draft rank 32 exceeds spec.speculative.draftLora.maxRank (16)")
+    assert message.startswith(
+        "spec.draft.rank: draft rank 32 exceeds spec.speculative.draftLora.maxRank (16)"
+    )
     assert "raise spec.speculative.draftLora.maxRank to at least 32" in message
     assert judge(serve(), DraftAdapterDeclaration(rank=0)).rules() == {"adapter-draft-rank"}
 
@@ -184,7 +188,9 @@ def test_the_spec_model_takes_its_defaults_and_bounds_from_the_config_and_policy
     spec = specs.parse_loraserve_spec({"model": {"source": "/m"}})
     assert (spec.speculative.draft_lora.max_loras, spec.speculative.draft_lora.max_rank) == (0, 16)
     with pytest.raises(specs.SpecError, match=r"spec\.speculative\.draftLora\.maxLoras"):
-        specs.parse_loraserve_spec({"model": {"source": "/m"}, "speculative": {"draftLora": {"maxLoras": 65}}})
+        specs.parse_loraserve_spec(
+            {"model": {"source": "/m"}, "speculative": {"draftLora": {"maxLoras": 65}}}
+        )
     config = translate.to_runtime_config(
         specs.parse_loraserve_spec(
             {"model": {"source": "/m"}, "speculative": {"draftLora": {"maxLoras": 3, "maxRank": 32}}}

@@ -79,7 +79,8 @@ async def test_a_serve_without_a_draft_pool_names_the_fix(lab):
     refused = await lab.apply(adapter("sql", ns, "s"))
     assert not refused.allowed
     assert (
-        "fix: set LoRAServe 's' spec.speculative.draftLora.maxLoras to 1 or more" in refused.validation.message
+        "fix: set LoRAServe 's' spec.speculative.draftLora.maxLoras to 1 or more"
+        in refused.validation.message
     )
 
 
@@ -90,7 +91,10 @@ async def test_rank_and_modules_are_judged_against_the_draft_pool_all_at_once(la
     assert not refused.allowed
     message = refused.validation.message
     assert message.startswith("2 problems:")
-    assert "spec.draft.rank: draft rank 32 exceeds LoRAServe 's' spec.speculative.draftLora.maxRank (16)" in message
+    assert (
+        "spec.draft.rank: draft rank 32 exceeds LoRAServe 's' spec.speculative.draftLora.maxRank (16)"
+        in message
+    )
     assert "spec.draft.targetModules: targets lm_head, which the draft adapter pool does not wrap" in message
 
 
@@ -103,7 +107,9 @@ async def test_the_draft_source_follows_the_source_rules(lab):
     assert "spec.draft.source: claim 'other' is not mounted by LoRAServe 's'" in unmounted.validation.message
     floating = await lab.apply(adapter("y", ns, "s", source="hf://acme/y-draft"))
     assert floating.allowed
-    assert any(w.startswith("spec.draft.source: hf://acme/y-draft names no revision") for w in floating.warnings)
+    assert any(
+        w.startswith("spec.draft.source: hf://acme/y-draft names no revision") for w in floating.warnings
+    )
     mounted = await lab.apply(adapter("z", ns, "s", source="pvc://lora/z/draft"))
     assert mounted.allowed, mounted.validation.message
 
@@ -114,7 +120,9 @@ async def test_removing_the_pool_under_draft_adapters_is_refused_naming_them(lab
     assert (await lab.apply(adapter("sql", ns, "s"))).allowed
     lowered = await lab.apply(serve("s", ns, pool=0))
     assert not lowered.allowed
-    assert "existing Adapter 'sql' spec.draft: the serve has no draft adapter pool" in lowered.validation.message
+    assert (
+        "existing Adapter 'sql' spec.draft: the serve has no draft adapter pool" in lowered.validation.message
+    )
     ngram = await lab.apply(serve("s", ns, "NGRAM", pool=0))
     assert not ngram.allowed and "NGRAM drafts from the prompt" in ngram.validation.message
     await lab.delete(adapter("sql", ns, "s"))
@@ -131,5 +139,6 @@ async def test_the_serves_pool_is_judged_with_its_algorithm(lab):
     ngram = await lab.apply(serve("n", ns, "NGRAM", pool=2))
     assert ngram.allowed
     assert any(
-        w.startswith("spec.speculative.draftLora.maxLoras: NGRAM drafts from the prompt") for w in ngram.warnings
+        w.startswith("spec.speculative.draftLora.maxLoras: NGRAM drafts from the prompt")
+        for w in ngram.warnings
     )
