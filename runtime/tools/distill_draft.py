@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.config import SpeculativeConfig
 from .distill.corpus import CorpusError, load_corpus
 from .distill.models import (
     DistillError,
@@ -203,6 +204,12 @@ def format_report(report: DistillReport) -> str:
         "  (what a greedy draft's accept rate follows)",
         f"wrote {report.out}: {', '.join(report.files)} (read back by the runtime's adapter loader)",
     ]
+    pool_rank = SpeculativeConfig().draft_max_lora_rank
+    if lora.rank > pool_rank:
+        lines.append(
+            f"note: rank {lora.rank} is above the draft pool's default largest rank {pool_rank}: serve it with "
+            f"speculative.draftLora.maxRank (--draft-max-lora-rank) of at least {lora.rank}"
+        )
     if report.vocabulary.target_size != report.vocabulary.draft_size:
         lines.append(
             f"note: vocab_size {report.vocabulary.target_size} (target) vs {report.vocabulary.draft_size} (draft): "

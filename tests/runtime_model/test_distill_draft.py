@@ -215,7 +215,9 @@ def test_cli_prints_the_report(models, tmp_path, capsys):
     # A second run into the same folder is refused unless asked for.
     rc = main([*_minimal_args(models, out), "--steps", "1"])
     assert rc == 2 and "is not empty" in capsys.readouterr().err
-    assert main([*_minimal_args(models, out), "--steps", "1", "--overwrite", "--quiet"]) == 0
+    assert main([*_minimal_args(models, out), "--steps", "1", "--overwrite", "--rank", "32"]) == 0
+    # A rank above the draft pool's default is written, and the report says what to set.
+    assert "speculative.draftLora.maxRank (--draft-max-lora-rank) of at least 32" in capsys.readouterr().out
 
 
 def _minimal_args(models, out: Path, **replace: str) -> list[str]:
