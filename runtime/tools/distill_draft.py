@@ -26,8 +26,6 @@ and is future work.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,12 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ..contract.config import SpeculativeConfig
 from .distill.corpus import CorpusError, load_corpus
 from .distill.models import (
     DistillError,
     LoraSettings,
-    Vocabulary,
     check_adapter_dir,
     check_model_dir,
     check_vocabulary,
@@ -52,11 +48,11 @@ from .distill.models import (
     require_peft,
     save_adapter,
 )
-from .distill.objective import HeldOutScore, score
-from .distill.train import TrainSettings, TrainStats, check_settings, train
+from .distill.objective import score
+from .distill.report import DistillReport, format_report, write_report_file
+from .distill.train import TrainSettings, check_settings, train
 
 PROG = "loraserve-distill-draft"
-REPORT_FILE = "distill_report.json"
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -76,23 +72,6 @@ class DistillOptions:
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
     overwrite: bool = False
-
-
-@dataclass
-class DistillReport:
-    """What the command prints (and writes beside the adapter as distill_report.json)."""
-
-    out: Path
-    files: list[str]
-    lora: LoraSettings
-    vocabulary: Vocabulary
-    train_sequences: int
-    held_out_sequences: int  # scored (at most --eval-sequences of the held-out slice)
-    seq_len: int
-    stats: TrainStats
-    before: HeldOutScore
-    after: HeldOutScore
-    load_seconds: float
 
 
 def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
@@ -167,55 +146,16 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
         before=before,
         after=after,
         load_seconds=load_seconds,
+        training=options.training,
+        inputs={
+            "target": str(options.target),
+            "adapter": str(options.adapter),
+            "draft": str(options.draft),
+            "corpus": [str(p) for p in options.corpus],
+        },
     )
-    write_report_file(report, options)
+    write_report_file(report)
     return report
-
-
-def write_report_file(report: DistillReport, options: DistillOptions) -> None:
-    """``distill_report.json`` beside the adapter: what it was distilled from, and how well."""
-    record = {
-        "target": str(options.target),
-        "adapter": str(options.adapter),
-        "draft": str(options.draft),
-        "corpus": [str(p) for p in options.corpus],
-        "seq_len": report.seq_len,
-        "train_sequences": report.train_sequences,
-        "held_out_sequences": report.held_out_sequences,
-        "lora": dataclasses.asdict(report.lora),
-        "training": dataclasses.asdict(options.training),
-        "stats": {**dataclasses.asdict(report.stats), "tokens_per_second": report.stats.tokens_per_second},
-        "before": dataclasses.asdict(report.before),
-        "after": dataclasses.asdict(report.after),
-    }
-    (report.out / REPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
-
-
-def format_report(report: DistillReport) -> str:
-    """The short report the command prints."""
-    s, b, a = report.stats, report.before, report.after
-    lora = report.lora
-    lines = [
-        f"draft LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.target_modules)}: {s.steps} steps in "
-        f"{s.seconds:.1f} s ({s.tokens:,} tokens, {s.tokens_per_second:,.0f} tokens/s; loading {report.load_seconds:.1f} s)",
-        f"held-out: {report.held_out_sequences} sequences x {report.seq_len} tokens ({a.positions:,} positions)",
-        f"  KL(adapted target || draft), nats/token: {b.kl:.4f} -> {a.kl:.4f}",
-        f"  top-1 agreement with the adapted target: {b.agreement:.2%} -> {a.agreement:.2%}"
-        "  (what a greedy draft's accept rate follows)",
-        f"wrote {report.out}: {', '.join(report.files)} (read back by the runtime's adapter loader)",
-    ]
-    pool_rank = SpeculativeConfig().draft_max_lora_rank
-    if lora.rank > pool_rank:
-        lines.append(
-            f"note: rank {lora.rank} is above the draft pool's default largest rank {pool_rank}: serve it with "
-            f"speculative.draftLora.maxRank (--draft-max-lora-rank) of at least {lora.rank}"
-        )
-    if report.vocabulary.target_size != report.vocabulary.draft_size:
-        lines.append(
-            f"note: vocab_size {report.vocabulary.target_size} (target) vs {report.vocabulary.draft_size} (draft): "
-            f"compared over the first {report.vocabulary.width} logits, as the runtime does"
-        )
-    return "\n".join(lines)
 
 
 def _modules(text: str) -> tuple[str, ...]:

@@ -45,8 +45,9 @@ from loraserve.runtime.tools.distill.models import (
     load_tokenizer,
 )
 from loraserve.runtime.tools.distill.objective import kl_per_position
+from loraserve.runtime.tools.distill.report import REPORT_FILE
 from loraserve.runtime.tools.distill.train import TrainSettings, lr_factor
-from loraserve.runtime.tools.distill_draft import REPORT_FILE, DistillOptions, distill, main
+from loraserve.runtime.tools.distill_draft import DistillOptions, distill, main
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 SEQ_LEN = 32
