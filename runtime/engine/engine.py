@@ -289,6 +289,11 @@ class Engine:
                 self.prefix.adapter_changed(name)
             self.refresh_adapters()
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Drop every cached prefix, between steps (vLLM's ``/reset_prefix_cache``); the
+        future holds the KV tokens freed at once."""
+        return self.call(self.prefix.reset)
+
     def unpin_adapter(self, name: str) -> None:
         """Release ``name``'s GPU slot to the LRU again (it stays loaded)."""
         if self.lora is None:

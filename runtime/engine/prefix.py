@@ -1,10 +1,12 @@
 """The engine's side of prefix caching: which key a request's KV is cached under, how much
 of a waiting request a cached prefix covers, and what a leaving request leaves behind.
 
-Keys: ``(adapter name, load epoch)``, the base model's being ``(None, 0)``. The epoch of
-a name moves on before and after every load and unload of it (any thread), so KV computed
-with one set of weights is never served to a request running another set under the same
-name; the engine thread then drops the old epochs' prefixes (:meth:`PrefixReuse.sweep`).
+Keys: ``(adapter name, load epoch, generation)``, the base model's name being None. The
+epoch of a name moves on around every load that may bring new weights and every unload
+(any thread), so KV computed with one set of weights is never served to a request running
+another set under the same name; the engine thread then drops the old epochs' prefixes
+(:meth:`PrefixReuse.sweep`). The generation moves on when the whole cache is reset
+(:meth:`PrefixReuse.reset`, vLLM's ``/reset_prefix_cache``).
 A request keeps the key it was admitted under: if its adapter is reloaded meanwhile, the
 key is retired and what the request leaves is freed, not cached.
 
@@ -32,8 +34,6 @@ import numpy as np
 
 from .request import Request
 
-BaseKey = (None, 0)
-
 
 class PrefixReuse:
     """Keys, planning hints, matches at admission and caching at the end, for one engine."""
@@ -47,6 +47,7 @@ class PrefixReuse:
         self._lock = threading.Lock()
         self._epochs: dict[str, int] = {}
         self._stale: set[str] = set()
+        self._generation = 0
         self._queries: dict[str, np.ndarray] = {}  # waiting requests' tokens (engine thread)
 
     # ------------------------------------------------------------------ any thread
@@ -57,10 +58,9 @@ class PrefixReuse:
             self._stale.add(name)
 
     def key(self, adapter: str | None) -> Hashable:
-        if adapter is None:
-            return BaseKey
         with self._lock:
-            return (adapter, self._epochs.get(adapter, 0))
+            epoch = 0 if adapter is None else self._epochs.get(adapter, 0)
+            return (adapter, epoch, self._generation)
 
     # ------------------------------------------------------------------ engine thread
     def reuses(self, req: Request) -> bool:
@@ -80,6 +80,15 @@ class PrefixReuse:
         return self.kv.drop_prefixes(
             lambda key: key[0] in current and key[1] < current[key[0]]  # type: ignore[index]
         )
+
+    def reset(self) -> int:
+        """Drop every cached prefix (engine thread); requests running now cache nothing
+        when they end. Returns the tokens freed now."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            self._generation += 1
+        return self.kv.drop_prefixes(lambda key: True)
 
     def plan_hints(
         self, waiting: Sequence[Request], running: Sequence[Request] = (), *, reach: int | None = None

@@ -9,7 +9,7 @@ load). ``GET``/``PUT /v1/lora_catalog`` read and replace the serve's catalog on 
 same name from the same source answers 200 without loading again; the same name from a
 different source is a 409 until the old one is unloaded (and, while the unloaded one still
 finishes its in-flight requests, a 503 ``adapter_draining`` with ``Retry-After``).
-Unloading is idempotent too.
+Unloading is idempotent too. ``POST /reset_prefix_cache`` drops the prefix cache.
 The adapter's bytes are fetched and verified here (``loraserve.runtime.lora.sources``);
 errors that are the adapter's fault answer 4xx, transient ones (a source unreachable,
 the pool momentarily full) 5xx, so a caller knows whether retrying can help.
@@ -162,6 +162,16 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         # In-flight requests finish with the adapter; it is freed when the last one ends.
         # A catalogued adapter stays registered: the next request for it loads it again.
         return web.json_response({"status": "unloaded", "lora_name": name})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """``POST /reset_prefix_cache`` (vLLM's route): drop every cached prompt prefix, of every
+    adapter and the base model; requests running now are unaffected."""
+    state = request.app[STATE]
+    check_bearer(request, state.admin_token)
+    engine = state.require_engine()
+    freed = await asyncio.wrap_future(engine.reset_prefix_cache())
+    return web.json_response({"status": "reset", "freed_tokens": int(freed)})
 
 
 async def get_lora_catalog(request: web.Request) -> web.Response:

@@ -109,6 +109,7 @@ def build_app(
     app.router.add_post("/v1/unload_lora_adapter", admin_api.unload_lora_adapter)
     app.router.add_get("/v1/lora_catalog", admin_api.get_lora_catalog)
     app.router.add_put("/v1/lora_catalog", admin_api.put_lora_catalog)
+    app.router.add_post("/reset_prefix_cache", admin_api.reset_prefix_cache)
 
     async def load_model() -> None:
         try:
