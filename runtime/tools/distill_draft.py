@@ -8,9 +8,9 @@ base target, and the accept rate drops as far as the adapter moved the target. T
 a LoRA for the draft (its base frozen) so the draft predicts the ADAPTED target instead: on
 the given text, the draft's next-token distribution is pulled towards the adapted target's
 (forward KL over every position, temperature T; the target's logits are computed on the
-fly per batch, nothing is written to disk but the adapter). The result is a PEFT adapter
-folder (adapter_config.json + adapter_model.safetensors) for the draft, which an Adapter
-names as its draft adapter; it is read back through the runtime's adapter loader before the
+fly per batch, never stored). The result is a PEFT adapter folder (adapter_config.json +
+adapter_model.safetensors) for the draft, which an Adapter names as its draft adapter
+(``spec.draft.source``); it is read back through the runtime's adapter loader before the
 command reports success.
 
 It prints the steps, the seconds, and, on a held-out 5% of the corpus, the KL from the
