@@ -30,12 +30,12 @@ def _waves():
     gen = torch.Generator().manual_seed(3)
     systems = {a: torch.randint(3, 500, (40,), generator=gen).tolist() for a in ADAPTERS}
     waves = []
-    for w, per in enumerate((1, 3, 3)):
+    for w, per in enumerate((1, 2, 2)):
         wave = []
         for i, a in enumerate(ADAPTERS):
             for j in range(per):
                 question = torch.randint(3, 500, (6 + j,), generator=gen).tolist()
-                params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+                params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
                 wave.append((f"w{w}-{i}-{j}", [*systems[a], *question], params, a))
         waves.append(wave)
     return waves
@@ -85,7 +85,7 @@ def test_two_ranks_with_the_prefix_cache_answer_like_one_device_without(tp_asset
     one.scheduler.prefix_cache = False
     expected, _ = _serve(one, ModelRunner(one), waves)
     # A pool too small to keep every prefix: evictions travel to the other rank too.
-    config = tp_config(tp_assets.gqa, 2, adapters, max_total_tokens=300, max_running_requests=6)
+    config = tp_config(tp_assets.gqa, 2, adapters, max_total_tokens=220, max_running_requests=6)
     config.scheduler.prefix_cache = True
     with tp_group(config) as (_, runner):
         got, hit = _serve(config, runner, waves)

@@ -157,9 +157,9 @@ def test_output_with_the_cache_equals_output_without(make_spec_config, waves, ba
 def test_retraction_under_kv_pressure_with_the_cache(make_spec_config):
     """A pool too small for the running set: requests are retracted (their KV cached) and
     resume from it; cached prefixes are evicted to make room."""
-    waves = _waves(3, system=24, question=4, max_tokens=30)
+    waves = _waves(3, system=24, question=4, max_tokens=20)
     expected, _, _ = run_waves(make_spec_config(), waves, prefix_cache=False)
-    config = make_spec_config(max_total_tokens=200, max_running_requests=10, chunked_prefill_size=32)
+    config = make_spec_config(max_total_tokens=150, max_running_requests=10, chunked_prefill_size=32)
     outputs, hits, engine = run_waves(config, waves, prefix_cache=True)
     assert outputs == expected
     assert hits.retractions > 0
