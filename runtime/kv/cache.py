@@ -116,6 +116,7 @@ class KVCache:
         self._requests: dict[Hashable, _Request] = {}
         self.prefix: PrefixCache | None = PrefixCache() if prefix_cache else None
         self.prefix_evicted_tokens = 0  # cached tokens evicted to make room, since start
+        self._evict_batch = max(1, self.capacity // 512)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -371,7 +372,9 @@ class KVCache:
                 f"{self.num_free_tokens} tokens and {len(self._free_rows)} request rows free"
             )
         if total > self._num_free:
-            self.evict_prefixes(total - self._num_free)
+            # A little more than needed: each eviction walks the tree, so under steady
+            # pressure it runs every few hundred tokens rather than every step.
+            self.evict_prefixes(max(total - self._num_free, self._evict_batch))
         slots = self._free_slots[self._num_free - total : self._num_free].flip(0).clone()
         self._num_free -= total
         rows: list[int] = []
