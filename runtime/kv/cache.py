@@ -13,9 +13,12 @@ rejected draft tokens) or released (:meth:`KVCache.free`).
 With a prefix cache (``prefix_cache=True``, :mod:`.prefix_cache`), slots may be shared: a
 request that starts with a prefix cached under its adapter key begins holding the tree's
 slots for it (:meth:`KVCache.match_prefix`, which locks them) and only appends the rest;
-a request that ends leaves its KV in the tree (:meth:`KVCache.cache_and_free`) instead of
-freeing it. The leading ``shared`` slots of a request belong to the tree: truncating or
-freeing the request never frees them. Cached tokens no request holds count as free
+a running request's prefilled prompt joins the tree at once (:meth:`KVCache.cache_prefix`),
+and a request that ends leaves its KV in the tree (:meth:`KVCache.cache_and_free`) instead
+of freeing it. The leading ``shared`` slots of a request belong to the tree: truncating or
+freeing the request never frees them. Every such change reaches the pool as one of four
+slot-level steps (adopt, share, forget, release) that a tensor-parallel mirror replays
+without a tree of its own. Cached tokens no request holds count as free
 (:attr:`KVCache.num_free_tokens`): :meth:`KVCache.allocate` evicts them, least recently
 used first, before it would ever report the pool full, so a scheduler that plans with the
 free count retracts a running request only when the cache has nothing left to give.
