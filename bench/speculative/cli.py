@@ -29,6 +29,8 @@ def parse(argv: list[str] | None = None) -> Settings:
         ap.error(
             f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}"
         )
+    if args.dflash_layers is not None and args.dflash_layers < 1:
+        ap.error(f"--dflash-layers must be at least 1, got {args.dflash_layers}")
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     return settings_from(args, argv)
@@ -172,6 +174,13 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
     )
     ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
+    ap.add_argument(
+        "--dflash-layers",
+        type=int,
+        default=None,
+        help="DFLASH: draft layers, each reading one target layer's output spread as the reference spreads"
+        " them (default 3, smoke 2; one layer cannot both read its block's token and query the context)",
+    )
     ap.add_argument(
         "--dflash-block",
         type=int,

@@ -113,23 +113,23 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
     return head, info
 
 
-def dflash_layer_ids(num_target_layers: int) -> list[int]:
-    """The target layers the DFLASH draft reads: low, middle and high outputs spread over
-    1..L-3 as the reference spreads them (one layer, ``0``, for a target too small for that)."""
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers the DFLASH draft reads: as many as it has layers, spread over
+    1..L-3 as the reference spreads them, distinct (layer ``0`` alone for a target too small)."""
     from loraserve.runtime.speculative.dflash_format import default_target_layer_ids
 
     if num_target_layers < 4:
         return [0]
-    return list(default_target_layer_ids(num_target_layers, 3))
+    return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
 
 
 def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
-    """The DFLASH draft over ``target`` (one layer reading three of its layers' outputs),
-    rounded to what is served, with its held-out agreement."""
+    """The DFLASH draft over ``target`` (``--dflash-layers`` layers reading as many of its
+    layers' outputs), rounded to what is served, with its held-out agreement."""
     opts = DFlashTraining(
         seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=2e-3 if s.smoke else 1e-3,
-        block=s.dflash_block, layer_ids=dflash_layer_ids(target.config.num_hidden_layers),
-        teacher_fraction=teacher.fraction, max_steps=s.max_steps[2],
+        block=s.dflash_block, layer_ids=dflash_layer_ids(target.config.num_hidden_layers, s.dflash_layers),
+        num_layers=s.dflash_layers, teacher_fraction=teacher.fraction, max_steps=s.max_steps[2],
     )  # fmt: skip
     draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts)
     draft.round_to_bf16()  # what is served

@@ -265,6 +265,10 @@ def dflash_config_from_dict(
                 f"DFLASH draft dflash_config.target_layer_ids must be a non-empty list of layer indices, got {ids!r}"
             )
         layer_ids = tuple(ids)
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ModelConfigError(
+                f"DFLASH draft dflash_config.target_layer_ids must name distinct layers, got {ids!r}"
+            )
     mask_id = nested.get("mask_token_id", raw.get("mask_token_id"))
     if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0):
         raise ModelConfigError(

@@ -94,6 +94,7 @@ def test_default_target_layers_follow_the_reference():
         ({"architectures": ["LlamaForCausalLM"]}, "not a DFLASH draft"),
         ({"layer_types": ["sliding_attention"]}, "sliding-window"),
         ({"dflash_config": {"target_layer_ids": []}}, "target_layer_ids"),
+        ({"dflash_config": {"target_layer_ids": [1, 1]}}, "distinct"),
         ({"dflash_config": {"target_layer_ids": [0], "mask_token_id": -1}}, "mask_token_id"),
         ({"dflash_config": {"target_layer_ids": [0], "block_size": 0}}, "block_size"),
     ],
