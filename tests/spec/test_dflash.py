@@ -484,3 +484,26 @@ def test_joint_law_of_sampled_tokens_matches_the_target(make_spec_config, engine
     support = reference > 0
     assert counts[~support].sum() == 0
     assert chi_square(counts[support], reference[support]) > ALPHA
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def test_policy_admits_dflash_with_lora_and_refuses_its_trees(make_spec_config, drafts):
+    """This image's capabilities: DFLASH with adapters, a block of any width (num_steps
+    unused; the checkpoint's block_size bounds it at start-up), CUDA graphs; trees refused."""
+    from loraserve.runtime.contract import policy
+
+    config = _config(make_spec_config, drafts["one"])
+    config.device = "cuda"  # CUDA graphs are refused on the CPU, whatever the algorithm
+    config.cuda_graph.enabled = True
+    config.cuda_graph.max_bs = config.scheduler.max_running_requests
+    config.speculative.num_steps, config.speculative.num_draft_tokens = 3, 16
+    report = policy.check_config(config)
+    assert not report.violations, [v.render() for v in report.violations]
+    config.speculative.top_k = 2
+    rules = {v.rule for v in policy.check_config(config).violations}
+    assert "tree-algorithm" in rules
+    config.speculative.top_k, config.speculative.algorithm = 1, "DSPARK"
+    rules = {v.rule for v in policy.check_config(config).violations}
+    assert "algorithm-unavailable" in rules  # DSPARK stays not available in this image
