@@ -241,11 +241,18 @@ def test_prefill_graph_replay_equals_eager_on_gpu(tmp_path, make_config, ops):
             assert graphed.graphs.num_graphs == captured + 1
     assert graphed.graphs.capture_failures == 0 and graphed.graphs.use_graphs
 
-    # Greedy decoding on from each runner's own cache (graphed decode steps replay too).
+    # Decoding on from each runner's own cache (graphed decode steps replay too), both fed the
+    # eager runner's greedy tokens: bf16 rounding may split a near-tie differently (seen on an
+    # H100 at the 6th step, eager and graphed alike before and after the graph runner was
+    # shared), so the argmax must agree wherever the eager top-2 margin is not a near-tie.
     rids = list(firsts)
     names = [firsts[r][0] for r in rids]
-    tokens = {"eager": [firsts[r][1] for r in rids], "graphed": [firsts[r][1] for r in rids]}
+    tokens = [firsts[r][1] for r in rids]
     for _ in range(6):
-        for label, runner in (("eager", eager), ("graphed", graphed)):
-            tokens[label] = ops.decode(runner, rids, tokens[label], names=names).logits.argmax(-1).tolist()
-        assert tokens["graphed"] == tokens["eager"]
+        want = ops.decode(eager, rids, tokens, names=names).logits.float()
+        got = ops.decode(graphed, rids, tokens, names=names).logits.float()
+        assert rel(got, want) < 3e-2  # bf16 caches built by two kernel choices: drift of ~1e-2
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp_min(1.0)
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+        tokens = want.argmax(-1).tolist()
