@@ -64,6 +64,32 @@ class Decoder(Protocol):
     def on_finish(self, request: Request) -> None: ...
 
 
+def chunk_ids(chunks: Sequence[tuple[Request, int]]) -> list[int]:
+    """The token ids a prefill batch runs: each request's next ``n`` tokens of ``all_ids``."""
+    ids: list[int] = []
+    for req, n in chunks:
+        ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
+    return ids
+
+
+def prefill_outputs(
+    sampler: Sampler, chunks: Sequence[tuple[Request, int]], logits: torch.Tensor, every_position: bool
+) -> tuple[torch.Tensor, list[StepOutput | None]]:
+    """After a prefill forward: record prompt logprobs (``every_position``: ``logits`` holds
+    every row), then sample the first token of each request whose prompt is now complete.
+    Returns the chunks' last-row logits and one output per chunk (None: still prefilling)."""
+    if every_position:
+        gather_prompt_logprobs(chunks, logits)
+        logits = last_rows(chunks, logits)
+    results: list[StepOutput | None] = [None] * len(chunks)
+    done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
+    if done:
+        rows = logits.index_select(0, torch.tensor(done, device=logits.device))
+        for i, out in zip(done, sample_rows(sampler, rows, [chunks[i][0] for i in done]), strict=True):
+            results[i] = out
+    return logits, results
+
+
 def sample_rows(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]) -> list[StepOutput]:
     """One sampled token per row of ``logits``, row ``i`` for ``requests[i]``, after each
     request's logit processing; log-probabilities from the raw logits."""
@@ -97,30 +123,17 @@ class StandardDecoder:
         from ..runner.forward_batch import ForwardBatch
 
         requests = [r for r, _ in chunks]
-        ids: list[int] = []
-        for req, n in chunks:
-            ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
         every_position = wants_prompt_logprobs(chunks)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             request_ids=[r.rid for r in requests],
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device()),
+            input_ids=torch.tensor(chunk_ids(chunks), dtype=torch.int64, device=self._device()),
             extend_lens=[n for _, n in chunks],
             lora_names=[r.adapter for r in requests],
             return_all_logits=every_position,
         )
         logits = self.runner.forward(batch).logits
-        if every_position:
-            gather_prompt_logprobs(chunks, logits)
-            logits = last_rows(chunks, logits)
-        done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
-        results: list[StepOutput | None] = [None] * len(chunks)
-        if done:
-            rows = logits.index_select(0, torch.tensor(done, device=logits.device))
-            outs = sample_rows(self.sampler, rows, [requests[i] for i in done])
-            for i, out in zip(done, outs, strict=True):
-                results[i] = out
-        return results
+        return prefill_outputs(self.sampler, chunks, logits, every_position)[1]
 
     def step(self, requests: Sequence[Request]) -> list[StepOutput]:
         from ..runner.forward_batch import ForwardBatch

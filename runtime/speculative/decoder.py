@@ -34,14 +34,8 @@ import torch
 from loraserve.kernels import ForwardMode
 
 from ..contract.config import RuntimeConfig, SpecAlgorithm
-from ..engine.decoder import StepOutput, sample_rows
-from ..engine.logits import (
-    gather_prompt_logprobs,
-    last_rows,
-    processed_verify,
-    token_logprobs,
-    wants_prompt_logprobs,
-)
+from ..engine.decoder import StepOutput, chunk_ids, prefill_outputs, sample_rows
+from ..engine.logits import processed_verify, token_logprobs, wants_prompt_logprobs
 from ..engine.request import Request
 from ..runner.forward_batch import ForwardBatch
 from ..sampling import Sampler, processed_probs
@@ -104,29 +98,17 @@ class SpeculativeDecoder:
     def extend(self, chunks: Sequence[tuple[Request, int]]) -> list[StepOutput | None]:
         """Target prefill chunks (with the features a drafter needs), then the drafter's."""
         requests = [r for r, _ in chunks]
-        ids: list[int] = []
-        for req, n in chunks:
-            ids.extend(req.all_ids[req.num_cached : req.num_cached + n])
         every_position = wants_prompt_logprobs(chunks)
         batch = self._target_batch(
             ForwardMode.EXTEND,
             requests,
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(chunk_ids(chunks), dtype=torch.int64, device=self.device),
             extend_lens=[n for _, n in chunks],
             return_all_logits=every_position,
         )
         output = self.runner.forward(batch)
-        if every_position:  # the drafters see the usual one row per chunk
-            gather_prompt_logprobs(chunks, output.logits)
-            output.logits = last_rows(chunks, output.logits)
-        results: list[StepOutput | None] = [None] * len(chunks)
-        done = [i for i, (req, n) in enumerate(chunks) if req.num_cached + n >= req.prefill_target]
-        if done:
-            rows = output.logits.index_select(0, torch.tensor(done, device=output.logits.device))
-            for i, out in zip(
-                done, sample_rows(self.sampler, rows, [requests[i] for i in done]), strict=True
-            ):
-                results[i] = out
+        # The drafters see the usual one row per chunk.
+        output.logits, results = prefill_outputs(self.sampler, chunks, output.logits, every_position)
         first = [None if out is None else out.token_ids[0] for out in results]
         try:
             self.drafter.on_extend(chunks, output, first)
