@@ -14,25 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.arch import arch_from_dict, read_config_json
+from ..model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
 from ..speculative.dflash_format import dflash_config_from_dict
-
-_COPIED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_parameters",
-    "rope_theta",
-    "rope_scaling",
-    "hidden_act",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
 
 _UNSET = object()
 
@@ -56,7 +39,7 @@ def dflash_draft_config(
     """
     raw_target = read_config_json(target_dir, missing="target_dir must be a model directory")
     target = arch_from_dict(raw_target)
-    raw = {key: raw_target[key] for key in _COPIED_KEYS if key in raw_target}
+    raw = {key: raw_target[key] for key in DRAFT_SHAPE_KEYS if key in raw_target}
     nested: dict = {}
     if block_size is not None:
         nested["block_size"] = int(block_size)

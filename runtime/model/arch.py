@@ -209,6 +209,25 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     )
 
 
+DRAFT_SHAPE_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "hidden_act",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+"""The target's config.json keys a draft head built for it copies (EAGLE, DFLASH builders)."""
+
+
 def read_config_json(directory: str | Path, *, missing: str) -> dict:
     """``directory/config.json``, parsed; local files only. ``missing``: the fix to name
     when the file is absent (which setting must point at which directory)."""

@@ -13,25 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.arch import arch_from_dict, read_config_json
+from ..model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
 from .eagle_format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
-
-_COPIED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_parameters",
-    "rope_theta",
-    "rope_scaling",
-    "hidden_act",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
 
 
 def build_eagle_draft(
@@ -64,7 +47,7 @@ def build_eagle_draft(
     target_dir = Path(target_dir)
     raw_target = read_config_json(target_dir, missing="target_dir must be a model directory")
     target = arch_from_dict(raw_target)
-    raw = {key: raw_target[key] for key in _COPIED_KEYS if key in raw_target}
+    raw = {key: raw_target[key] for key in DRAFT_SHAPE_KEYS if key in raw_target}
     raw.update(
         architectures=[architecture],
         model_type="llama",

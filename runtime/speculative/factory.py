@@ -84,27 +84,14 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
 
     from .draft_vocab import TokenMapError
     from .eagle_drafter import EagleDrafter
-    from .eagle_model import base_weight
     from .eagle_runner import EagleDraftRunner
 
     requested = SpecAlgorithm(spec.algorithm)
     try:
         draft_runner = EagleDraftRunner(
-            str(spec.draft_model_path),
-            target_arch=runner.arch,
-            embed_weight=base_weight(runner.embed_tokens),
-            lm_head_weight=base_weight(runner.lm_head),
-            dtype=runner.dtype,
-            device=runner.device,
-            max_total_tokens=runner.kv.capacity,
-            max_requests=runner.kv.max_requests,
-            max_context_len=runner.kv.max_context_len,
-            architecture=spec.draft_model_architecture,
-            load_format=spec.draft_load_format,
-            seed=config.seed,
+            **_head_runner_args(config, runner),
             cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
             token_map=spec.token_map,
-            attention_backend=runner.attention_backend,
         )
     except TokenMapError as exc:
         raise SpeculativeConfigError("speculative.token_map", str(exc)) from exc
@@ -128,31 +115,39 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
     return EagleDrafter(draft_runner, sampler, runner.vocab_size, tree=tree), algorithm
 
 
+def _head_runner_args(config: RuntimeConfig, runner) -> dict:
+    """What every draft head beside the target is built from: its checkpoint, the target's
+    shape, the target's BASE embedding and lm_head (unwrapped from any adapter wrapper here,
+    the one place a head takes them), and the target's KV limits and attention backend."""
+    from .eagle_model import base_weight
+
+    spec = config.speculative
+    return dict(
+        path=str(spec.draft_model_path),
+        target_arch=runner.arch,
+        embed_weight=base_weight(runner.embed_tokens),
+        lm_head_weight=base_weight(runner.lm_head),
+        dtype=runner.dtype,
+        device=runner.device,
+        max_total_tokens=runner.kv.capacity,
+        max_requests=runner.kv.max_requests,
+        max_context_len=runner.kv.max_context_len,
+        architecture=spec.draft_model_architecture,
+        load_format=spec.draft_load_format,
+        seed=config.seed,
+        attention_backend=runner.attention_backend,
+    )
+
+
 def _dflash_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> Drafter:
     """A DFLASH drafter over the target's BASE embedding and lm_head (unwrapped from any
     adapter wrapper here, the one place the draft takes them)."""
     from .dflash_drafter import DFlashDrafter
     from .dflash_runner import DFlashDraftRunner
-    from .eagle_model import base_weight
 
     spec = config.speculative
     try:
-        draft_runner = DFlashDraftRunner(
-            str(spec.draft_model_path),
-            target_arch=runner.arch,
-            target_dir=runner.model_path,
-            embed_weight=base_weight(runner.embed_tokens),
-            lm_head_weight=base_weight(runner.lm_head),
-            dtype=runner.dtype,
-            device=runner.device,
-            max_total_tokens=runner.kv.capacity,
-            max_requests=runner.kv.max_requests,
-            max_context_len=runner.kv.max_context_len,
-            architecture=spec.draft_model_architecture,
-            load_format=spec.draft_load_format,
-            seed=config.seed,
-            attention_backend=runner.attention_backend,
-        )
+        draft_runner = DFlashDraftRunner(**_head_runner_args(config, runner), target_dir=runner.model_path)
         draft_runner.config.check_block(int(spec.num_draft_tokens))
     except ModelConfigError as exc:
         field = "speculative.num_draft_tokens" if "num_draft_tokens" in str(exc) else "speculative.draft_model_path"
