@@ -13,9 +13,10 @@ key is retired and what the request leaves is freed, not cached.
 Not reused: a request asking for prompt logprobs (``params.prompt_logprobs``) prefills
 its whole prompt, whose logits it needs, as vLLM does; its KV is still cached for others.
 
-Speculative decoding: the target's KV is what is reused. A STANDALONE draft keeps no
-prefix cache: its pool catches up on the whole prompt in its first extend (the draft is
-small). An EAGLE head (and a DFLASH draft) is fed the target's features of the positions
+Speculative decoding: the target's KV is what is reused here. A STANDALONE draft without
+draft adapters keeps a prefix cache of its own, under one key (its KV depends on the
+tokens alone; ``loraserve.runtime.speculative.standalone``); with draft adapters it
+catches up on the whole prompt in its first extend (the draft is small). An EAGLE head (and a DFLASH draft) is fed the target's features of the positions
 the target computes, so after a hit it starts from the first uncached position: its cache
 then holds the suffix only, at positions counted from there (rotary attention sees
 relative positions), which can lower the first drafts' acceptance but never the output

@@ -177,7 +177,9 @@ class ModelRunner:
             max_context_len=self.context_len,
         )
         # Under tensor parallelism rank 0 keeps the prefix tree; the others replay its journal.
-        prefix = prefix_cache_enabled(config, is_draft=is_draft) and (group is None or group.is_driver)
+        prefix = prefix_cache_enabled(config, is_draft=is_draft, adapters=self.lora is not None) and (
+            group is None or group.is_driver
+        )
         if driver is not None:
             from ..parallel.driver import MirroredKVCache
 
@@ -438,13 +440,14 @@ class ModelRunner:
         )
 
 
-def prefix_cache_enabled(config: RuntimeConfig, *, is_draft: bool) -> bool:
+def prefix_cache_enabled(config: RuntimeConfig, *, is_draft: bool, adapters: bool = False) -> bool:
     """Whether this runner's KV pool keeps a prefix cache (``scheduler.prefix_cache``).
 
-    The target's only: a draft (STANDALONE) prefills each prompt whole on its own, so its
-    pool holds no shared prefixes (see ``loraserve.runtime.speculative``).
+    The target's always; a STANDALONE draft's only without draft adapters (its KV then
+    depends on the tokens alone, one key for every request; with draft adapters it
+    prefills each prompt whole on its own, see ``loraserve.runtime.speculative.standalone``).
     """
-    if is_draft:
+    if is_draft and adapters:
         return False
     return bool(getattr(config.scheduler, "prefix_cache", False))
 

@@ -36,7 +36,7 @@ from loraserve.kernels import ForwardMode
 from ..contract.config import RuntimeConfig, SpecAlgorithm
 from ..engine.decoder import StepOutput, chunk_ids, prefill_outputs, sample_rows
 from ..engine.logits import processed_verify, token_logprobs, wants_prompt_logprobs
-from ..engine.request import Request
+from ..engine.request import FinishReason, Request
 from ..runner.forward_batch import ForwardBatch
 from ..sampling import Sampler, processed_probs
 from .acceptance import Acceptance, greedy_accept, rejection_accept
@@ -322,7 +322,13 @@ class SpeculativeDecoder:
         self.drafter.release(request)  # nothing from an earlier run of this request is valid
 
     def on_finish(self, request: Request) -> None:
-        self.drafter.release(request)
+        # A drafter may keep what a request leaves (a STANDALONE draft's prefix cache), but
+        # never a failed request's state.
+        finish = getattr(self.drafter, "finish", None)
+        if finish is not None and request.finish_reason is not FinishReason.ERROR:
+            finish(request)
+        else:
+            self.drafter.release(request)
 
 
 class _VerifyTimer:

@@ -13,6 +13,12 @@ failure) first catches up in one extend. The draft runner never holds the target
 adapters; its own pool, when the serve has one (``speculative.draft_max_loras``), holds
 draft adapters: a request whose Adapter has one drafts with it (:mod:`.draft_adapters`),
 every other request gets the base draft's proposals.
+
+Prefix caching (``scheduler.prefix_cache``): without draft adapters the draft's KV depends
+on the tokens alone, so its pool keeps a prefix cache of its own under one key: a request
+starts its draft on the longest cached prefix of its tokens (whatever its target adapter)
+and leaves its committed tokens' draft KV cached when it ends or is retracted. With draft
+adapters the draft prefills each prompt whole (the target still reuses its own prefix).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class StandaloneDrafter:
         self.sampler = sampler
         self.vocab_size = vocab_size  # the target's
         self.device = runner.device
+        # The draft's KV depends on the tokens alone (no draft adapters): one prefix-cache
+        # key for every request, whatever its target adapter.
+        self._prefix_cache = getattr(runner.kv, "prefix", None) is not None and runner.lora is None
 
     @property
     def lora(self):
@@ -61,6 +70,8 @@ class StandaloneDrafter:
             if start > end:  # stale state (should not happen): start this request over
                 self.runner.kv.free(req.rid)
                 start = 0
+            if start == 0 and self._prefix_cache:  # a cached prefix of the draft's own KV
+                start = self.runner.kv.match_prefix(req.rid, DRAFT_KEY, req.all_ids[:end])
             if end > start:
                 rids.append(req.rid)
                 lens.append(end - start)
@@ -163,6 +174,18 @@ class StandaloneDrafter:
     def release(self, request: Request) -> None:
         self.runner.kv.free(request.rid)
         self.adapters.release(request)
+
+    def finish(self, request: Request) -> None:
+        """The request leaves (finished or retracted, not failed): between steps the draft's
+        entries hold its committed tokens, which stay cached for the next request (with a
+        prefix cache; else as :meth:`release`)."""
+        if self._prefix_cache:
+            self.runner.kv.cache_and_free(request.rid, DRAFT_KEY, request.all_ids)
+        self.release(request)
+
+
+DRAFT_KEY = ("draft", None)
+"""The draft pool's one prefix-cache key (its KV depends on no adapter)."""
 
 
 def _last_two(req: Request) -> list[int]:
