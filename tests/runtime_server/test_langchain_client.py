@@ -1,8 +1,8 @@
 """``langchain-openai``'s ChatOpenAI against the real runtime server (tiny model, real HTTP).
 
 What its users do: invoke, stream, structured output through a JSON schema, log-probabilities,
-and tools (refused with a 400 naming ``tools``). Skipped where langchain-openai is not
-installed (it is not one of the project's dependencies).
+and tools (refused with a 400 naming ``tools``). langchain-openai is a test dependency
+(requirements-dev.txt).
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+import langchain_openai
+import openai
 import pytest
 from pydantic import BaseModel
-
-langchain_openai = pytest.importorskip("langchain_openai")
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
