@@ -89,9 +89,8 @@ class ConstraintCompiler:
     def constraint(self, spec: StructuredOutput) -> Constraint:
         """A fresh matcher for ``spec`` (it rolls back any number of tokens, as a verify
         needs); :class:`SamplingParamsError` naming ``response_format`` when the schema,
-        regex or grammar does not compile."""
-        import xgrammar as xgr
-
+        regex or grammar does not compile, or when xgrammar is not installed."""
+        xgr = _xgrammar()
         return Constraint(xgr.GrammarMatcher(self._compiled(spec)), self._vocab_size)
 
     def _compiled(self, spec: StructuredOutput):
@@ -106,7 +105,7 @@ class ConstraintCompiler:
             return compiled
 
     def _compile(self, spec: StructuredOutput):
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
@@ -132,6 +131,19 @@ class ConstraintCompiler:
                 spec.kind, spec.kind
             )
             raise SamplingParamsError(FIELD, f"the {what} cannot be used: {_first_line(exc)}") from exc
+
+
+def _xgrammar():
+    """The xgrammar module, or a 400-worthy error naming what is missing (never a 500)."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise SamplingParamsError(
+            FIELD,
+            "structured output is not available on this server: the xgrammar package is not "
+            f"installed ({exc}); install loraserve's dependencies, or send the request without a constraint",
+        ) from exc
+    return xgrammar
 
 
 def _first_line(exc: BaseException) -> str:

@@ -230,3 +230,17 @@ def test_verify_masks_equal_a_token_by_token_walk(tokenizer):
         [drafts[0], tokenizer.encode("z", add_special_tokens=False)[0], drafts[1]]
     )
     assert torch.equal(refused[2], refused[1]) and torch.equal(refused[3], refused[1])
+
+
+def test_without_xgrammar_a_constraint_is_a_400_not_a_500(tiny, tokenizer, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
+    engine = Engine(_config(tiny), ModelRunner(_config(tiny)), tokenizer=tokenizer)
+    with pytest.raises(EngineError) as err:
+        engine.prepare(
+            Request("x", [5, 6], SamplingParams(max_tokens=3, structured=StructuredOutput("json_object")))
+        )
+    assert err.value.error.status == 400 and err.value.error.param == "response_format"
+    assert "xgrammar" in err.value.error.message
+    engine.prepare(Request("y", [5, 6], SamplingParams(max_tokens=3)))  # everything else still served
