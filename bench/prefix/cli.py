@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--chunked-prefill", type=int, default=8192)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument(
+        "--max-admission-defer-steps",
+        type=int,
+        default=None,
+        help="the scheduler's admission deferral (default: the runtime's); 0 admits at once",
+    )
     p.add_argument("--out", default=None, help="write the markdown report here")
     p.add_argument("--json", default=None, help="write the summaries here")
     args = p.parse_args(argv)
@@ -57,6 +63,8 @@ def build_engine(model_dir: Path, adapters: dict[str, str], args, prefix_cache: 
     cfg.scheduler.chunked_prefill_size = args.chunked_prefill
     cfg.scheduler.max_prefill_tokens = max(args.chunked_prefill, 8192)
     cfg.scheduler.prefix_cache = prefix_cache
+    if args.max_admission_defer_steps is not None:
+        cfg.scheduler.max_admission_defer_steps = args.max_admission_defer_steps
     cfg.cuda_graph.enabled = args.cuda_graphs
     runner = ModelRunner(cfg, random_weights=True)
     hits = HitCounter()
