@@ -108,7 +108,12 @@ class Generation:
     async def __aenter__(self) -> Generation:
         try:
             for req in self._requests:
-                self.engine.prepare(req, prompt_param=self.prompt_param)
+                if req.params.structured is not None:
+                    # Compiling a new grammar (and, once, the vocabulary's tables) takes tens to
+                    # hundreds of ms: off the event loop, which serves every other stream.
+                    await asyncio.to_thread(self.engine.prepare, req, prompt_param=self.prompt_param)
+                else:
+                    self.engine.prepare(req, prompt_param=self.prompt_param)
         except EngineError as exc:
             raise ApiError.from_request_error(exc.error) from None
         except SamplingParamsError as exc:
