@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from ..contract.catalog import CatalogEntry, catalog_digest
 from ..contract.config import RuntimeConfig
 from ..engine import Engine, EngineError
-from ..lora import AdapterCapacityError, AdapterError
+from ..lora import AdapterCapacityError, AdapterError, AdapterNotFoundError
 from ..lora.sources import SourceError, SourceSettings, resolve_source
 from .errors import ApiError
 from .metrics import Metrics
@@ -290,8 +290,16 @@ class AdapterSupply:
 
     # ------------------------------------------------------------------ loading
     def draft_loaded(self, name: str) -> bool:
-        """Whether Adapter ``name``'s draft adapter is in the draft's pool."""
-        return self.engine is not None and any(i.name == name for i in self.engine.list_draft_adapters())
+        """Whether Adapter ``name``'s draft adapter is in the draft's pool (one lookup, not a
+        listing of the pool: the catalog listing asks once per entry)."""
+        pool = None if self.engine is None else self.engine.draft_pool
+        if pool is None:
+            return False
+        try:
+            pool.get(name)
+        except AdapterNotFoundError:
+            return False
+        return True
 
     async def load(
         self,
