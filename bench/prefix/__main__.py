@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -13,16 +11,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def import_package(folder: Path = HERE) -> types.ModuleType:
-    """This folder imported as the package ``bench.prefix`` (as ``bench/speculative`` does):
-    its own folder comes off ``sys.path`` and ``bench`` becomes a namespace package over
-    ``bench/``; the repository root never goes on ``sys.path`` (its ``operator/`` would
-    shadow the standard library's)."""
-    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != folder]
-    if "bench" not in sys.modules:
-        spec = importlib.machinery.ModuleSpec("bench", None, is_package=True)
-        spec.submodule_search_locations = [str(folder.parent)]
-        sys.modules["bench"] = importlib.util.module_from_spec(spec)
-    return importlib.import_module(f"bench.{folder.name}")
+    """``folder`` imported as ``bench.<folder name>`` (``bench/bootstrap.py`` says how and why)."""
+    spec = importlib.util.spec_from_file_location("bench_bootstrap", HERE.parent / "bootstrap.py")
+    bootstrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bootstrap)
+    return bootstrap.import_package(folder)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""How a benchmark folder run by path (``python bench/<name> ARGS``) imports itself.
+
+Run by path, a folder's ``__main__.py`` belongs to no package and the folder is
+``sys.path[0]``. :func:`import_package` takes that entry off (the modules there are not
+top-level names) and makes ``bench`` a namespace package over the ``bench/`` folder, so the
+folder imports as ``bench.<name>``. The repository root never goes on ``sys.path``: its
+``operator/`` would shadow the standard library's ``operator`` (and so would this folder's
+``operator.py``). Each ``__main__.py`` loads this file by its path and calls it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+
+def import_package(folder: Path) -> types.ModuleType:
+    """``folder``, a benchmark under ``bench/``, imported as the package ``bench.<folder name>``."""
+    folder = folder.resolve()
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != folder]
+    if "bench" not in sys.modules:
+        spec = importlib.machinery.ModuleSpec("bench", None, is_package=True)
+        spec.submodule_search_locations = [str(folder.parent)]
+        sys.modules["bench"] = importlib.util.module_from_spec(spec)
+    return importlib.import_module(f"bench.{folder.name}")
