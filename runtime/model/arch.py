@@ -8,6 +8,7 @@ older ``rope_theta`` + ``rope_scaling`` pair.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,6 +227,32 @@ DRAFT_SHAPE_KEYS: tuple[str, ...] = (
     "pad_token_id",
 )
 """The target's config.json keys a draft head built for it copies (EAGLE, DFLASH builders)."""
+
+
+def check_draft_tensors(
+    kind: str,
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    detail: str,
+    show: int | None = None,
+) -> None:
+    """A draft checkpoint's tensors against the names and shapes its config.json implies;
+    :class:`ModelConfigError` naming the first disagreement (``show``: list at most that many
+    missing / unexpected names)."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ModelConfigError(
+            f"{kind} draft {path} does not match its config.json ({detail}): "
+            f"missing {missing[:show]}, unexpected {unexpected[:show]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ModelConfigError(
+                f"{kind} draft tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
+            )
 
 
 def read_config_json(directory: str | Path, *, missing: str) -> dict:

@@ -65,6 +65,7 @@ from ..model.arch import (
     ModelArchConfig,
     ModelConfigError,
     arch_from_dict,
+    check_draft_tensors,
     declared_architecture,
     read_config_json,
 )
@@ -414,18 +415,8 @@ def load_dflash_tensors(path: str | Path, config: DFlashDraftConfig) -> dict[str
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
         del tensors[name]  # recomputed from the config
     expected = config.tensor_shapes()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ModelConfigError(
-            f"DFLASH draft {path} does not match its config.json ({config.num_layers} layers, "
-            f"{len(config.target_layer_ids)} target layers): missing {missing[:6]}, unexpected {unexpected[:6]}"
-        )
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ModelConfigError(
-                f"DFLASH draft tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
-            )
+    detail = f"{config.num_layers} layers, {len(config.target_layer_ids)} target layers"
+    check_draft_tensors("DFLASH", path, tensors, expected, detail=detail, show=6)
     return tensors
 
 

@@ -57,6 +57,7 @@ from ..model.arch import (
     ModelArchConfig,
     ModelConfigError,
     arch_from_dict,
+    check_draft_tensors,
     declared_architecture,
     read_config_json,
 )
@@ -241,16 +242,5 @@ def load_eagle_tensors(
         del expected[INPUT_NORM]
     if config.own_lm_head and "d2t" in tensors and "d2t" not in expected:
         expected["d2t"] = (config.draft_vocab_size,)  # optional at full size: a permutation
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ModelConfigError(
-            f"EAGLE draft {path} does not match its config.json (version {config.version}): "
-            f"missing {missing}, unexpected {unexpected}"
-        )
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ModelConfigError(
-                f"EAGLE draft tensor {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
-            )
+    check_draft_tensors("EAGLE", path, tensors, expected, detail=f"version {config.version}")
     return tensors
