@@ -15,19 +15,17 @@ apply after emitting the drafts before it. Oracles:
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 
 import pytest
 import torch
 
-from loraserve.kernels import ForwardMode
-from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
-from loraserve.runtime.sampling import SamplingParams, processed_probs
+from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.sampling.params import StructuredOutput
-from loraserve.runtime.sampling.processors import RowState, process_logits
+
+from .joint_law import reference_law, sampled_counts
 
 CASES = {
     "ngram": ("NGRAM", None),
@@ -113,35 +111,6 @@ def _sampled(seed: int) -> SamplingParams:
     )
 
 
-def _reference(runner: ModelRunner, adapter: str | None) -> torch.Tensor:
-    """The target's joint law of three processed, sampled tokens, ``[V, V, V]``."""
-    params = _sampled(0)
-    counter = itertools.count()
-
-    def dist(outputs: list[int]) -> torch.Tensor:
-        prefix = [*PROMPT, *outputs]
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            request_ids=[f"ref{next(counter)}"],
-            input_ids=torch.tensor(prefix, dtype=torch.int64),
-            extend_lens=[len(prefix)],
-            lora_names=[adapter],
-        )
-        logits = runner.forward(batch).logits
-        runner.kv.free(batch.request_ids[0])
-        logits = process_logits(logits, [RowState(params, PROMPT, outputs)])
-        return processed_probs(logits, [params])[0].double()
-
-    vocab = runner.vocab_size
-    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    p1 = dist([])
-    for a in p1.nonzero().flatten().tolist():
-        p2 = dist([a])
-        for b in p2.nonzero().flatten().tolist():
-            joint[a, b] = p1[a] * p2[b] * dist([a, b])
-    return joint
-
-
 @pytest.mark.slow
 # A draft equal to the target proposes from the unprocessed law: both acceptance and the
 # residual resampling run (an n-gram draft repeats tokens the penalties push away: rarely
@@ -153,14 +122,9 @@ def test_joint_law_of_processed_sampled_tokens_matches_the_target(
     config = make_spec_config(algorithm, draft, max_running_requests=64)
     requests = [(f"s{i}", PROMPT, _sampled(2000 + i), adapter) for i in range(NUM_REQUESTS)]
     run = engine_run(config, requests, timeout_s=600)
-    vocab = run.engine.runner.vocab_size
-    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for rid, *_ in requests:
-        out = run.outputs[rid]
-        assert out.error is None and len(out.tokens) == 3
-        counts[tuple(out.tokens)] += 1
+    counts = sampled_counts(run, requests)
     assert run.engine.decoder.metrics.snapshot().overall.accepted_tokens > 0
-    reference = _reference(ModelRunner(make_spec_config()), adapter)
+    reference = reference_law(ModelRunner(make_spec_config()), adapter, PROMPT, _sampled(0))
     support = reference > 0
     assert counts[~support].sum() == 0
     assert chi_square(counts[support], reference[support]) > ALPHA

@@ -12,15 +12,12 @@ random seed (ALPHA); the seeds are fixed, so a run is reproducible.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
-import torch
 
-from loraserve.kernels import ForwardMode
-from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
-from loraserve.runtime.sampling import SamplingParams, processed_probs
+from loraserve.runtime.sampling import SamplingParams
+
+from .joint_law import reference_law, sampled_counts
 
 ALPHA = 1e-3
 NUM_REQUESTS = 3000
@@ -29,34 +26,6 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive, so n-gram drafts match
 
 def _params(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=seed)
-
-
-def _reference(runner: ModelRunner, adapter: str | None) -> torch.Tensor:
-    """The target's joint law of three sampled tokens, ``[V, V, V]`` (sparse: top-k 6)."""
-    params = _params(0)
-    counter = itertools.count()
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            request_ids=[f"ref{next(counter)}"],
-            input_ids=torch.tensor(prefix, dtype=torch.int64),
-            extend_lens=[len(prefix)],
-            lora_names=[adapter],
-        )
-        logits = runner.forward(batch).logits
-        runner.kv.free(batch.request_ids[0])
-        return processed_probs(logits, [params])[0].double()
-
-    vocab = runner.vocab_size
-    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    p1 = dist(PROMPT)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = dist([*PROMPT, a])
-        for b in p2.nonzero().flatten().tolist():
-            p3 = dist([*PROMPT, a, b])
-            joint[a, b] = p1[a] * p2[b] * p3
-    return joint
 
 
 @pytest.mark.slow
@@ -76,19 +45,13 @@ def test_joint_law_of_sampled_tokens_matches_the_target(
     config = make_spec_config(algorithm, draft, max_running_requests=64)
     requests = [(f"s{i}", PROMPT, _params(1000 + i), adapter) for i in range(NUM_REQUESTS)]
     run = engine_run(config, requests, timeout_s=600)
-    vocab = run.engine.runner.vocab_size
-    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for rid, *_ in requests:
-        out = run.outputs[rid]
-        assert out.error is None and len(out.tokens) == 3
-        a, b, c = out.tokens
-        counts[a, b, c] += 1
+    counts = sampled_counts(run, requests)
     snap = run.engine.decoder.metrics.snapshot()
     assert snap.overall.verify_steps >= NUM_REQUESTS  # the 2nd and 3rd tokens came from speculation
     if draft == "same" or algorithm == "NGRAM":
         assert snap.overall.accepted_tokens > 0  # resampling and bonus paths both ran
 
-    reference = _reference(ModelRunner(make_spec_config()), adapter)
+    reference = reference_law(ModelRunner(make_spec_config()), adapter, PROMPT, _params(0))
     support = reference > 0
     assert counts[~support].sum() == 0  # nothing outside the target's top-k support
     assert chi_square(counts[support], reference[support]) > ALPHA
