@@ -166,18 +166,21 @@ class EngineRun:
     engine: object | None = None
 
 
-def run_engine(config, requests, *, timeout_s: float = 300.0, runner=None, decoder_hook=None) -> EngineRun:
+def run_engine(
+    config, requests, *, timeout_s: float = 300.0, runner=None, decoder_hook=None, tokenizer=None
+) -> EngineRun:
     """Run ``requests`` (``(rid, prompt_ids, SamplingParams, adapter)``) through a real engine.
 
     Requests are submitted back to back; the scheduler batches them up to
-    ``scheduler.max_running_requests``. Returns every request's final tokens.
+    ``scheduler.max_running_requests``. Returns every request's final tokens. ``tokenizer``:
+    the engine's (structured output and stop strings need one).
     """
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
     from loraserve.runtime.runner.model_runner import ModelRunner
 
     runner = runner or ModelRunner(config)
-    engine = Engine(config, runner)
+    engine = Engine(config, runner, tokenizer=tokenizer)
     engine.refresh_adapters()
     if decoder_hook is not None:
         decoder_hook(engine.decoder)

@@ -16,7 +16,6 @@ apply after emitting the drafts before it. Oracles:
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -144,34 +143,11 @@ STRUCTURED = (
 )
 
 
-def _run_with_tokenizer(config, requests, tokenizer, timeout_s: float = 120.0) -> dict[str, tuple]:
-    from loraserve.runtime.engine.engine import Engine
-    from loraserve.runtime.engine.request import Request
-
-    engine = Engine(config, ModelRunner(config), tokenizer=tokenizer)
-    results: dict[str, tuple] = {}
-    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
-    done = threading.Event()
-
-    def sink_for(rid):
-        def sink(out):
-            tokens[rid].extend(out.token_ids)
-            if out.finished:
-                results[rid] = (tokens[rid], out.finish_reason, out.error)
-                if len(results) == len(requests):
-                    done.set()
-
-        return sink
-
-    engine.start()
-    try:
-        for rid, prompt, params, adapter in requests:
-            req = Request(rid, tokenizer.encode(prompt), params, adapter=adapter, sink=sink_for(rid))
-            engine.submit(engine.prepare(req), prepared=True)
-        assert done.wait(timeout_s)
-    finally:
-        engine.shutdown(drain_timeout_s=1.0)
-    return results
+def _run_structured(engine_run, config, requests, tokenizer) -> dict[str, tuple]:
+    """Each request's (tokens, finish reason, error); prompts are text."""
+    encoded = [(rid, tokenizer.encode(prompt), params, adapter) for rid, prompt, params, adapter in requests]
+    run = engine_run(config, encoded, tokenizer=tokenizer, timeout_s=120.0)
+    return {rid: (out.tokens, out.reason, out.error) for rid, out in run.outputs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +171,9 @@ def _structured_requests():
 
 
 @pytest.fixture(scope="module")
-def structured_baseline(make_spec_config, tokenizer):
+def structured_baseline(make_spec_config, engine_run, tokenizer):
     requests = _structured_requests()
-    results = _run_with_tokenizer(make_spec_config(), requests, tokenizer)
+    results = _run_structured(engine_run, make_spec_config(), requests, tokenizer)
     for rid, (tokens, reason, error) in results.items():
         assert error is None, (rid, error)
         text = tokenizer.decode(tokens)
@@ -215,10 +191,10 @@ def structured_baseline(make_spec_config, tokenizer):
 
 @pytest.mark.parametrize("case", ["ngram", "standalone-same", "eagle3"])
 def test_structured_output_is_identical_under_speculation(
-    make_spec_config, tokenizer, structured_baseline, case
+    make_spec_config, engine_run, tokenizer, structured_baseline, case
 ):
     requests, expected = structured_baseline
     algorithm, draft = CASES[case]
-    results = _run_with_tokenizer(make_spec_config(algorithm, draft), requests, tokenizer)
+    results = _run_structured(engine_run, make_spec_config(algorithm, draft), requests, tokenizer)
     for rid, *_ in requests:
         assert results[rid][0] == expected[rid][0], rid
