@@ -203,6 +203,13 @@ async def test_catalog_pushes_replace_unload_and_refuse_bad_bodies(assets, tmp_p
             ({"adapters": [{"name": "x", "source": str(a)}, {"name": "x", "source": str(b)}]}, "adapters"),
             ({"adapters": "x"}, "adapters"),
             ({"adapters": [{"name": "bad name", "source": str(a)}]}, "adapters[0].name"),
+            ({"adapters": [{"name": "x", "source": str(a), "draft_source": 5}]}, "adapters[0].draft_source"),
+            ({"adapters": [{"name": "x", "source": str(a), "draft_source": " "}]}, "adapters[0].draft_source"),
+            ({"adapters": [{"name": "x", "source": str(a), "draft_sha256": "0" * 64}]}, "adapters[0].draft_sha256"),
+            (
+                {"adapters": [{"name": "x", "source": str(a), "draft_source": str(a), "draft_sha256": "xyz"}]},
+                "adapters[0].draft_sha256",
+            ),
         ):
             status, err = await _put(srv, bad)
             assert status == 400 and err["error"]["param"] == field, (bad, err)
