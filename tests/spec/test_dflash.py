@@ -457,30 +457,18 @@ def test_the_target_adapter_context_never_reaches_the_draft(make_spec_config, dr
 def test_joint_law_of_sampled_tokens_matches_the_target(make_spec_config, engine_run, chi_square, drafts):
     """As tests/spec/test_sampling_oracle.py, with DFLASH drafting (each block position drawn
     from the draft's marginal there) and the emb-head adapter."""
-    import importlib.util
+    from .joint_law import reference_law, sampled_counts
+    from .test_sampling_oracle import ALPHA, NUM_REQUESTS, PROMPT, _params
 
-    spec = importlib.util.spec_from_file_location(
-        "sampling_oracle", Path(__file__).with_name("test_sampling_oracle.py")
-    )
-    oracle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(oracle)  # its law, prompt and parameters (tests are not a package)
-    ALPHA, NUM_REQUESTS, PROMPT, _params, _reference = (
-        oracle.ALPHA, oracle.NUM_REQUESTS, oracle.PROMPT, oracle._params, oracle._reference
-    )  # fmt: skip
     adapter = "emb-head"
     config = _config(make_spec_config, drafts["one"], max_running_requests=64)
     requests = [(f"s{i}", PROMPT, _params(1000 + i), adapter) for i in range(NUM_REQUESTS)]
     run = engine_run(config, requests, timeout_s=600)
-    vocab = run.engine.runner.vocab_size
-    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for rid, *_ in requests:
-        out = run.outputs[rid]
-        assert out.error is None and len(out.tokens) == 3
-        counts[tuple(out.tokens)] += 1
+    counts = sampled_counts(run, requests)
     snap = run.engine.decoder.metrics.snapshot()
     assert snap.overall.verify_steps >= NUM_REQUESTS
     assert snap.overall.accepted_tokens > 0  # the accept path ran, not only resampling
-    reference = _reference(ModelRunner(make_spec_config()), adapter)
+    reference = reference_law(ModelRunner(make_spec_config()), adapter, PROMPT, _params(0))
     support = reference > 0
     assert counts[~support].sum() == 0
     assert chi_square(counts[support], reference[support]) > ALPHA
