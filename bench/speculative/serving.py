@@ -36,7 +36,7 @@ class Serving:
 def build_serving(s: Settings, trained: TrainedModels) -> Serving:
     """Write the serving target (``--target-shape``), the EAGLE head for it and 4 adapters,
     then build the runner; an expanded target gets the trained weights placed in it."""
-    target_dir, raw, expanded = _target_dir(s, trained)
+    target_dir, raw, expanded = serving_target_dir(s, trained)
     head_dir = _eagle_dir(s, trained, raw)
     dflash_dir = _dflash_dir(s, trained, raw)
     adapters = {
@@ -58,7 +58,7 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
     return Serving(config, runner, target_params, head_dir, dflash_dir)
 
 
-def _target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict, bool]:
+def serving_target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict, bool]:
     """The serving target's directory, its config.json and whether its weights are to be
     expanded from the small model's (``trained``: the small model's own directory)."""
     small_dir = trained.small_dir
