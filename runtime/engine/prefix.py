@@ -22,6 +22,14 @@ then holds the suffix only, at positions counted from there (rotary attention se
 relative positions), which can lower the first drafts' acceptance but never the output
 (verify is exact).
 
+Requests that arrive together with the same uncached prefix (a tenant's system prompt
+the cache has not seen yet, sent by several users at once) would each compute it in the
+same extend step. Each waiting request gets a group, its key and the next
+:attr:`PrefixReuse.SHARED_RUN` tokens it would compute; a request whose group another
+request is computing in this step (or is prefilling) waits a step and then finds that KV
+cached, as SGLang's in-batch prefix caching does. The scheduler applies it
+(``select_admissions``); requests alone in their group are unaffected.
+
 The pool (:class:`loraserve.runtime.kv.KVCache`) does the rest: shared slots, LRU
 eviction, counting unused cached tokens as free.
 """
@@ -38,6 +46,10 @@ from .request import Request
 
 class PrefixReuse:
     """Keys, planning hints, matches at admission and caching at the end, for one engine."""
+
+    # Uncached tokens two requests must share, right where their prefill would start, to
+    # be grouped: fewer would delay a request a step to save less than the step costs.
+    SHARED_RUN = 64
 
     def __init__(self, kv, *, peek_limit: int = 256) -> None:
         """``peek_limit``: waiting requests looked up per step (admission never reaches
@@ -106,13 +118,29 @@ class PrefixReuse:
             return
         for req in running:
             req.kv_releasable = self.kv.releasable_tokens(req.rid)
+            req.prefix_group = (
+                self._group(req.prefix_key, req.all_ids, req.num_cached)
+                if req.is_prefilling and req.prefix_key is not None
+                else None
+            )
         limit = self.peek_limit if reach is None else min(reach, self.peek_limit)
         for i, req in enumerate(waiting):
             if i >= limit or not self.reuses(req):
                 req.prefix_hit = req.prefix_claim = 0
+                req.prefix_group = None
                 continue
-            match = self.kv.peek_prefix(self.key(req.adapter), self._query(req))
+            key, query = self.key(req.adapter), self._query(req)
+            match = self.kv.peek_prefix(key, query)
             req.prefix_hit, req.prefix_claim = match.length, match.evictable
+            req.prefix_group = self._group(key, query, match.length)
+
+    def _group(self, key: Hashable, tokens: Sequence[int] | np.ndarray, start: int) -> Hashable | None:
+        """The group of a request whose prefill starts at ``start``: its key, ``start`` and
+        the next :attr:`SHARED_RUN` tokens (None when fewer are left to compute)."""
+        if len(tokens) - start <= self.SHARED_RUN:
+            return None
+        run = np.asarray(tokens[start : start + self.SHARED_RUN], dtype=np.int64)
+        return (key, start, run.tobytes())
 
     def _query(self, req: Request) -> np.ndarray:
         """A waiting request's tokens as an array, converted once (its tokens do not change
@@ -126,6 +154,7 @@ class PrefixReuse:
         """Start an admitted request on its cached prefix (at most what was planned);
         returns the tokens it need not prefill."""
         req.prefix_key = self.key(req.adapter) if self.enabled else None
+        req.prefix_group = None
         self._queries.pop(req.rid, None)
         hit = 0
         if self.reuses(req) and req.prefix_hit > 0:
@@ -144,7 +173,7 @@ class PrefixReuse:
         pool caches only what it holds) or, with None, free everything."""
         key, req.prefix_key = req.prefix_key, None
         req.prefix_hit = req.prefix_claim = 0
-        req.kv_releasable = None
+        req.kv_releasable = req.prefix_group = None
         self._queries.pop(req.rid, None)
         if not self.enabled or key is None or tokens is None:
             self.kv.free(req.rid)
@@ -154,4 +183,4 @@ class PrefixReuse:
     def forget(self, req: Request) -> None:
         """The request's KV was freed outside :meth:`release` (it starts over)."""
         req.prefix_hit = req.prefix_claim = 0
-        req.kv_releasable = None
+        req.kv_releasable = req.prefix_group = None

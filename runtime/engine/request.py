@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -138,6 +138,9 @@ class Request:
     prefix_hit: int = 0
     prefix_claim: int = 0
     prefix_key: object | None = None
+    # Requests that would compute the same uncached tokens next share a group: one of them
+    # is admitted (or is prefilling), the others wait a step and reuse its KV.
+    prefix_group: Hashable | None = None
     # While running, with the cache on: the KV tokens retracting it would surely give back
     # (its own, and the cached prefix no other request holds); None: its num_cached.
     kv_releasable: int | None = None

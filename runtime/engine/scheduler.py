@@ -24,7 +24,10 @@ covers (``prefix_hit``) and how many of those cached tokens nobody holds now
 them). Admission needs only the rest of the prompt plus that claim, and the request's
 first chunk starts after the prefix. Free tokens count cached tokens nobody holds (the
 pool evicts them on demand), so a running request is retracted only when evicting every
-unused cached prefix would not make room.
+unused cached prefix would not make room. Requests that would compute the same uncached
+tokens (one ``prefix_group``, set by the engine) are not prefilled side by side: while
+one of them is admitted this step or is prefilling, the others wait and then reuse its
+KV; later requests may pass them meanwhile.
 
 Fair across API calls: an API call's choices (prompts × ``n``) share a ``group``, and the
 queue is taken round-robin between calls, least-served first (fewest requests running,
@@ -269,7 +272,11 @@ def select_admissions(
         slots = min(slots, free_rows)
     head_reason = BlockReason.NONE
     head_pending = False  # the queue's head was skipped over, so later admissions overtake it
+    # Uncached prefixes being computed now (by running prefills and by this step's admissions).
+    computing = {r.prefix_group for r in running if r.prefix_group is not None}
     for req in waiting:
+        if req.prefix_group is not None and req.prefix_group in computing:
+            continue  # another request computes this prefix now: reuse it from the next step
         if chunk_budget <= 0:
             if not head_pending:
                 head_reason = BlockReason.CHUNK
@@ -293,11 +300,25 @@ def select_admissions(
                 break
             bypass_used += 1
         admitted.append(req)
+        if req.prefix_group is not None:
+            computing.add(req.prefix_group)
         adapters |= {req.adapter} if req.adapter is not None else set()
         budget -= need
         slots -= 1
         chunk_budget -= min(prefill_left(req), chunk_budget)
     return admitted, head_reason, bypass_used
+
+
+def waiting_on_shared_prefix(
+    waiting: Sequence[Request], running: Sequence[Request], admitted: Sequence[Request]
+) -> int:
+    """Waiting requests held back only because another request computes their uncached
+    prefix now: they are admitted next step, so they are no backlog to batch for."""
+    computing = {r.prefix_group for r in (*running, *admitted) if r.prefix_group is not None}
+    if not computing:
+        return 0
+    taken = {id(r) for r in admitted}
+    return sum(1 for r in waiting if r.prefix_group in computing and id(r) not in taken)
 
 
 def plan_extend(
@@ -432,7 +453,7 @@ class Scheduler:
             admitted = [r for r in admitted if any(c[0] is r for c in chunks)]
             defer = should_defer_admission(
                 num_admissible=len(admitted),
-                num_waiting=len(waiting),
+                num_waiting=len(waiting) - waiting_on_shared_prefix(waiting, running, admitted),
                 num_decoding=len(decoding),
                 prefilling=bool(prefilling),
                 deferred_steps=self._deferred_steps,

@@ -283,3 +283,38 @@ def test_batched_admission_off_admits_each_freed_slot_at_once():
 def test_max_admission_defer_steps_must_not_be_negative():
     with pytest.raises(ValueError, match="max_admission_defer_steps"):
         limits(max_admission_defer_steps=-1)
+
+
+# ------------------------------------------------------------------ shared uncached prefixes
+def test_requests_computing_the_same_uncached_prefix_are_not_prefilled_side_by_side():
+    """One request of a prefix group is admitted; the others of its group wait for its KV
+    while requests outside the group (no group, another group) are admitted past them."""
+    waiting = [req(8, "a"), req(8, "a"), req(8, None), req(8, "a"), req(8, "b")]
+    for r in (waiting[0], waiting[1], waiting[3]):
+        r.prefix_group = ("a", 0, b"system")
+    waiting[4].prefix_group = ("b", 0, b"system")
+    admitted, reason, used = select_admissions(waiting, [], 10_000, limits(), 64, 0)
+    assert admitted == [waiting[0], waiting[2], waiting[4]]
+    assert reason is BlockReason.NONE and used == 0
+    # A running request still prefilling the prefix holds its group back too.
+    leader = running(req(8, "a"), decoding=False)
+    leader.prefix_group = ("a", 0, b"system")
+    admitted, _, _ = select_admissions(waiting[1:], [leader], 10_000, limits(), 64, 0)
+    assert admitted == [waiting[2], waiting[4]]
+
+
+def test_requests_waiting_on_a_shared_prefix_are_no_backlog_to_defer_for():
+    """Seven followers of an admissible leader would look like a backlog and make admission
+    wait for slots; they are admitted next step, so the leader goes now."""
+    sched = Scheduler(limits(max_running_requests=64), costs=gpu_like_costs())
+    run = [running(req(4)) for _ in range(30)]
+    waiting = [req(8, "a") for _ in range(8)]
+    for r in waiting:
+        r.prefix_group = ("a", 0, b"system")
+    plan = sched.plan(waiting, run, free_tokens=10_000)
+    assert plan.kind is StepKind.EXTEND and plan.admit == waiting[:1]
+    # Without groups the eight are all admissible: no backlog either, all admitted.
+    for r in waiting:
+        r.prefix_group = None
+    plan = Scheduler(limits(max_running_requests=64), costs=gpu_like_costs()).plan(waiting, run, 10_000)
+    assert plan.admit == waiting

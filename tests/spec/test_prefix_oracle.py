@@ -297,3 +297,50 @@ def test_metrics_report_hits_per_adapter_and_the_caches_share_of_the_pool(make_s
     assert cached >= 2 * 31
     assert value('loraserve:prefix_cache_evictable_tokens{model_name="tiny"}') == cached  # nothing runs
     assert value('loraserve:prefix_cache_usage_perc{model_name="tiny"}') == cached / engine.kv.capacity
+
+
+def _submit_together(config, wave, *, prefix_cache: bool):
+    """Every request of ``wave`` reaches the engine before it plans a step (its thread is
+    held in a call meanwhile), as requests arriving in the same instant do."""
+    config = config.copy()
+    config.scheduler.prefix_cache = prefix_cache
+    hits = Hits()
+    engine = Engine(config, ModelRunner(config), observer=hits)
+    engine.start()
+    gate = threading.Event()
+    held = engine.call(gate.wait)
+    try:
+        outputs = {}
+        runner = threading.Thread(target=lambda: outputs.update(_run_wave(engine, wave)))
+        runner.start()
+        while len(engine._inbox) < len(wave):  # the submits are queued behind the held call
+            threading.Event().wait(0.01)
+        gate.set()
+        held.result(timeout=30)
+        runner.join(timeout=120)
+    finally:
+        gate.set()
+        engine.shutdown(drain_timeout_s=1.0)
+    return outputs, hits
+
+
+def test_requests_arriving_together_compute_their_shared_uncached_prefix_once(make_spec_config):
+    """Three users per adapter send its (uncached) system prompt at the same instant: one
+    computes it, the others reuse its KV a step later, never across adapters, and every
+    output equals the cache-off output."""
+    gen = torch.Generator().manual_seed(5)
+    system = {a: _tokens(gen, 90) for a in ADAPTERS}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    wave = [
+        (f"{i}-{j}", [*system[a], *_tokens(gen, 6)], params, a)
+        for i, a in enumerate(ADAPTERS)
+        for j in range(3)
+    ]
+    config = make_spec_config(max_running_requests=16, chunked_prefill_size=4096)
+    expected, _ = _submit_together(config, wave, prefix_cache=False)
+    outputs, hits = _submit_together(config, wave, prefix_cache=True)
+    assert len(expected) == len(wave) and all(len(v) == 6 for v in expected.values())
+    assert outputs == expected
+    for i in range(len(ADAPTERS)):
+        got = sorted(hits.by_rid.get(f"{i}-{j}", 0) for j in range(3))
+        assert got[0] == 0 and got[1] >= 90 and got[2] >= 90, (ADAPTERS[i], got)
