@@ -1,7 +1,8 @@
 """Prefix caching per adapter: TTFT and throughput with the cache on and off.
 
 Workloads of realistic shape (:mod:`.workloads`): 8 adapters, each with its own
-1,500-token system prompt, and 64 concurrent users sending 100-token questions; a
+1,500-token system prompt, and 64 concurrent users sending 100-token questions (who think
+between an answer and their next question, or send it at once: `--think-s`); a
 multi-turn chat replay (every turn resends the whole conversation); and prompts that
 share nothing, for the cache's cost. Each runs through the real engine (continuous
 batching, chunked prefill, adapters) twice, cache off then on (:mod:`.driver`), and the

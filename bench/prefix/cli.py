@@ -17,8 +17,8 @@ from loraserve.runtime.engine import Engine
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .driver import HitCounter, RunResult, run_sessions
-from .report import HEADER, row, summary
-from .workloads import WORKLOADS, Shape, adapter_names
+from .report import HEADER, row, summary, workload_label
+from .workloads import WORKLOADS, Shape, adapter_names, with_think_time
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument(
+        "--think-s",
+        default=None,
+        help="comma list of users' mean think times in seconds, each a run of every workload"
+        " (0: the next request the instant an answer ends); default 2,0 (smoke 0)",
+    )
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool (default: from free memory)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--chunked-prefill", type=int, default=8192)
@@ -45,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.size, args.device, args.dtype = "smoke", "cpu", "float32"
         args.max_total_tokens = args.max_total_tokens or 16384
         args.chunked_prefill = 256
+    default_think = "0" if args.smoke else "2,0"
+    args.think_s = [float(x) for x in (args.think_s or default_think).split(",")]
     return args
 
 
@@ -73,7 +81,9 @@ def build_engine(model_dir: Path, adapters: dict[str, str], args, prefix_cache: 
     return engine, hits
 
 
-def run_one(name: str, shape: Shape, model_dir: Path, adapters: dict[str, str], args, cache: bool) -> RunResult:
+def run_one(
+    name: str, think_s: float, shape: Shape, model_dir: Path, adapters: dict[str, str], args, cache: bool
+) -> RunResult:
     engine, hits = build_engine(model_dir, adapters, args, cache)
     try:
         vocab = engine.runner.vocab_size
@@ -83,7 +93,8 @@ def run_one(name: str, shape: Shape, model_dir: Path, adapters: dict[str, str], 
         run_sessions(engine, warm, 2, f"warm-{name}")
         hits.hit = hits.query = 0
         evicted_before = engine.kv.prefix_evicted_tokens
-        result = run_sessions(engine, WORKLOADS[name](shape, vocab), shape.output_tokens, name)
+        sessions = with_think_time(WORKLOADS[name](shape, vocab), think_s)
+        result = run_sessions(engine, sessions, shape.output_tokens, name)
         result.hit_tokens, result.query_tokens = hits.hit, hits.query
         result.evicted_tokens = engine.kv.prefix_evicted_tokens - evicted_before
         return result
@@ -115,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             name: str(write_random_adapter(Path(tmp) / name, arch, rank=8, seed=i))
             for i, name in enumerate(adapter_names(shape))
         }
-        for name in args.workloads.split(","):
-            off = run_one(name, shape, model_dir, adapters, args, cache=False)
-            on = run_one(name, shape, model_dir, adapters, args, cache=True)
-            lines += [row(name, False, off, None), row(name, True, on, off)]
-            summaries.append(summary(name, off, on))
-            print(lines[-2], lines[-1], sep="\n", flush=True)
+        for think_s in args.think_s:
+            for name in args.workloads.split(","):
+                off = run_one(name, think_s, shape, model_dir, adapters, args, cache=False)
+                on = run_one(name, think_s, shape, model_dir, adapters, args, cache=True)
+                label = workload_label(name, think_s)
+                lines += [row(label, False, off, None), row(label, True, on, off)]
+                summaries.append(summary(label, off, on))
+                print(lines[-2], lines[-1], sep="\n", flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)

@@ -52,7 +52,8 @@ class RunResult:
 
 
 def run_sessions(engine: Engine, sessions: list[Session], output_tokens: int, tag: str, timeout_s: float = 1800) -> RunResult:
-    """Every session sends its requests one after another, all sessions at once."""
+    """Every session sends its requests one after another (after its waits), all sessions
+    at once. Output tok/s counts the whole run, waits included."""
     result = RunResult()
     lock = threading.Lock()
     done = threading.Event()
@@ -80,7 +81,7 @@ def run_sessions(engine: Engine, sessions: list[Session], output_tokens: int, ta
                 result.output_tokens += len(answer)
                 remaining[i] -= 1
             if remaining[i] > 0 and out.error is None:
-                submit(i, turn + 1, answer)
+                later(i, turn + 1, answer)
                 return
             with lock:
                 live[0] -= 1
@@ -91,9 +92,19 @@ def run_sessions(engine: Engine, sessions: list[Session], output_tokens: int, ta
         req = Request(rid=rid, prompt_ids=session.prompt(turn, last), params=params, adapter=session.adapter, sink=sink)
         engine.submit(req)
 
+    def later(i: int, turn: int, last: list[int]) -> None:
+        """Send after the user's wait (at once without one); TTFT counts from the send."""
+        wait = sessions[i].wait_before(turn)
+        if wait <= 0:
+            submit(i, turn, last)
+            return
+        timer = threading.Timer(wait, submit, args=(i, turn, last))
+        timer.daemon = True
+        timer.start()
+
     start = time.perf_counter()
     for i in range(len(sessions)):
-        submit(i, 0, [])
+        later(i, 0, [])
     if not done.wait(timeout_s):
         raise RuntimeError(f"{tag}: timed out")
     result.seconds = time.perf_counter() - start

@@ -10,6 +10,11 @@ HEADER = [
 ]  # fmt: skip
 
 
+def workload_label(name: str, think_s: float) -> str:
+    """A workload's row name: users who think say how long."""
+    return name if think_s <= 0 else f"{name}, think {think_s:g} s"
+
+
 def same_tokens(a: RunResult, b: RunResult) -> str:
     """Requests whose outputs agree between two runs (greedy: they should, up to rounding)."""
     agree = sum(1 for rid, toks in a.outputs.items() if b.outputs.get(rid) == toks)

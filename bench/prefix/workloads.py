@@ -33,13 +33,20 @@ class Session:
     """One user's stream of requests, sent one after another (a closed loop).
 
     ``parts[i]`` is what the user adds before request ``i``; with ``carry`` the previous
-    prompt and the model's answer stay in front of it (a chat resending its history)."""
+    prompt and the model's answer stay in front of it (a chat resending its history).
+    ``waits[i]`` is how long the user waits before sending request ``i``: for ``i = 0``
+    when it joins, then the time it takes to read an answer and write the next question
+    (:func:`with_think_time`; empty: none)."""
 
     adapter: str | None
     prefix: list[int]
     parts: list[list[int]]
     carry: bool = False
     history: list[int] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+
+    def wait_before(self, turn: int) -> float:
+        return self.waits[turn] if self.waits else 0.0
 
     def prompt(self, turn: int, last_answer: list[int]) -> list[int]:
         if not self.carry:
@@ -97,6 +104,23 @@ def unique_prompts(shape: Shape, vocab: int, seed: int = 2) -> list[Session]:
         Session(names[u % len(names)], [], [_tokens(rng, n, vocab) for _ in range(shape.rounds)])
         for u in range(shape.users)
     ]
+
+
+def with_think_time(sessions: list[Session], mean_s: float, seed: int = 7) -> list[Session]:
+    """Users who think: each joins at a uniform moment of the first ``mean_s`` seconds and
+    waits an exponential time of mean ``mean_s`` before each later request. Drawn from
+    ``seed`` alone, so the cache-off and cache-on runs see the same users.
+
+    Without thinking (``mean_s`` 0) every user sends its next request the instant its
+    answer ends; users whose answers end in the same step then stay in lockstep, and a
+    request's time to first token is that of the whole wave's prefill rather than its own.
+    """
+    if mean_s <= 0:
+        return sessions
+    rng = random.Random(seed)
+    for s in sessions:
+        s.waits = [rng.uniform(0.0, mean_s), *(rng.expovariate(1.0 / mean_s) for _ in s.parts[1:])]
+    return sessions
 
 
 WORKLOADS = {"system-prompts": system_prompts, "chat-replay": chat_replay, "no-shared-prefix": unique_prompts}

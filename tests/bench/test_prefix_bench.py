@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_prefix_bench_smoke(tmp_path):
     out, js = tmp_path / "prefix.md", tmp_path / "prefix.json"
     result = subprocess.run(
-        [sys.executable, "-P", str(REPO / "bench" / "prefix"), "--smoke", "--out", str(out), "--json", str(js)],
+        [sys.executable, "-P", str(REPO / "bench" / "prefix"), "--smoke", "--out", str(out), "--json", str(js), "--think-s", "0,0.02"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -22,13 +22,15 @@ def test_prefix_bench_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = {s["workload"]: s for s in json.loads(js.read_text())}
-    assert set(summaries) == {"system-prompts", "chat-replay", "no-shared-prefix"}
+    names = ("system-prompts", "chat-replay", "no-shared-prefix")
+    assert set(summaries) == {*names, *(f"{n}, think 0.02 s" for n in names)}
     for s in summaries.values():
         done, total = (int(x) for x in s["same_tokens"].split("/"))
         assert done == total == s["requests"], s
         assert s["off_hit_rate"] == 0.0
-    assert summaries["system-prompts"]["hit_rate"] > 0.5
-    assert summaries["chat-replay"]["hit_rate"] > 0.5
-    assert summaries["no-shared-prefix"]["hit_rate"] < 0.05
+    for think in ("", ", think 0.02 s"):
+        assert summaries[f"system-prompts{think}"]["hit_rate"] > 0.5
+        assert summaries[f"chat-replay{think}"]["hit_rate"] > 0.5
+        assert summaries[f"no-shared-prefix{think}"]["hit_rate"] < 0.05
     text = out.read_text()
     assert text.count("| system-prompts |") == 2 and "TTFT p99 ms" in text
