@@ -443,8 +443,9 @@ class CudaGraphConfig:
     max_prefill_tokens: int = setting(
         512,
         "--cuda-graph-max-prefill-tokens",
-        "one-request prefill chunks of up to this many tokens replay CUDA graphs too, an eager "
-        "prefill being host-bound at small batches (0: prefill runs eagerly)",
+        "extend (prefill) steps of up to this many tokens, every request's chunk padded to one "
+        "width, replay CUDA graphs too, an eager prefill being host-bound at small batches "
+        "(0: prefill runs eagerly)",
         gated=True,
     )
 

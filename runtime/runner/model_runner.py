@@ -2,10 +2,10 @@
 
 ``forward`` runs one batch in any mode (extend, decode, target-verify), appending the
 batch's tokens to the KV cache; callers drop rejected tokens through ``runner.kv``. With
-``cuda_graph.enabled`` on a GPU, decode and target-verify batches and one-request prefill
-chunks of up to ``cuda_graph.max_prefill_tokens`` tokens replay CUDA graphs
-(``loraserve.runtime.runner.cuda_graph``; its ``can_run`` decides); every other batch runs
-eagerly, with the same results. A draft runner (``is_draft=True``) is built from the same class but has no adapter pool
+``cuda_graph.enabled`` on a GPU, decode and target-verify batches and extends of one or
+several requests of up to ``cuda_graph.max_prefill_tokens`` padded tokens replay CUDA
+graphs (``loraserve.runtime.runner.cuda_graph``; its ``can_run`` decides); every other
+batch runs eagerly, with the same results. A draft runner (``is_draft=True``) is built from the same class but has no adapter pool
 at all: ``runner.lora is None`` and it always runs the base weights.
 
 Tensor parallelism (``parallel.tensor_parallel_size > 1``, target only): the process

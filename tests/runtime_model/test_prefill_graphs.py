@@ -52,12 +52,13 @@ def test_static_prefill_path_equals_eager(static_graph_pair, ops, adapter):
     else; decoding on from that cache matches the eager runner token for token."""
     eager, graphed = static_graph_pair(("all-r16", "emb-head"), max_bs=4, max_prefill_tokens=128)
     gen = torch.Generator().manual_seed(7)
-    # Requests already in the cache (a batch of two: eager in both runners).
+    # Requests already in the cache (a batch of two: eager in one runner, padded to two
+    # rows of width 32 in the other; test_multi_extend_graphs.py covers such batches).
     others = ["x", "y"]
     other_prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (12, 30)]
     for r in (eager, graphed):
         ops.extend(r, others, other_prompts, names=["all-r16", None])
-    assert graphed.graphs.num_graphs == 0
+    assert graphed.graphs.num_graphs == 1
 
     cases = [  # request, chunk length, outputs asked for
         ("a", 1, {}),
@@ -89,8 +90,8 @@ def test_static_prefill_path_equals_eager(static_graph_pair, ops, adapter):
         if rid not in rids:
             rids.append(rid)
     # One capture per (width, context, outputs) key: widths 16, 16, 32, 128, 32 with
-    # different outputs each time, all in context bucket 64 but "d" (128).
-    assert graphed.graphs.num_graphs == 5
+    # different outputs each time, all in context bucket 64 but "d" (128); and the two.
+    assert graphed.graphs.num_graphs == 6
 
     # Decode on from the prefilled cache: greedy, every request, eager-only steps.
     graphed.graphs = None
@@ -107,8 +108,9 @@ def test_static_prefill_path_equals_eager(static_graph_pair, ops, adapter):
 
 
 def test_prefill_graph_routing(assets, make_config, ops):
-    """What replays: one request of at most max_prefill_tokens tokens that wants only its
-    last logits, whose padded rows stay inside the context. Everything else is eager."""
+    """What replays: extends of at most max_prefill_tokens padded tokens that want only
+    their last logits, whose padded rows stay inside the context. Everything else is
+    eager (test_multi_extend_graphs.py: batches of several requests)."""
     from loraserve.runtime.runner.model_runner import ModelRunner
 
     config = make_config(assets.models["llama-gqa"])
@@ -126,7 +128,7 @@ def test_prefill_graph_routing(assets, make_config, ops):
 
     out = ops.extend(runner, ["long"], [prompt(65)])  # over the knob
     assert routed == [] and out.logits.shape == (1, runner.vocab_size)
-    ops.extend(runner, ["p", "q"], [prompt(3), prompt(4)], names=["all-r16", None])  # two requests
+    ops.extend(runner, ["p", "q"], [prompt(3), prompt(40)], names=["all-r16", None])  # 2 x 64 > 64
     assert routed == []
     out = ops.extend(runner, ["all"], [prompt(6)], all_logits=True)  # every position's logits
     assert routed == [] and out.logits.shape == (6, runner.vocab_size)
@@ -178,11 +180,11 @@ def test_prefill_and_verify_of_one_width_keep_separate_buffers(static_graph_pair
         )
     graphs = graphed.graphs
     assert {(ForwardMode.TARGET_VERIFY, 16), (ForwardMode.EXTEND, 16)} <= set(graphs._inputs)
-    assert graphs._inputs[(ForwardMode.EXTEND, 16)].input_ids.numel() == 16
+    assert graphs._inputs[(ForwardMode.EXTEND, 16)].input_ids.numel() == 2 * 16  # 2 x 16 <= 32 tokens
     assert graphs._inputs[(ForwardMode.TARGET_VERIFY, 16)].input_ids.numel() == 4 * 16
     assert graphs._lora_meta[(ForwardMode.EXTEND, 16)].mode is ForwardMode.EXTEND
     assert graphs._lora_meta[(ForwardMode.TARGET_VERIFY, 16)].mode is ForwardMode.TARGET_VERIFY
-    # The prefill's lm_head rows: the one-request decode layout.
+    # The prefill's lm_head rows: the decode layout.
     assert (ForwardMode.DECODE, 1) in graphs._lora_meta
 
 
