@@ -195,14 +195,7 @@ class LoRAManager:
                 self._check_pin_capacity(name)
         # File I/O and validation outside the lock: batches keep flowing meanwhile.
         try:
-            weights = load_adapter(
-                resolved,
-                arch=self.arch,
-                max_rank=self.config.max_rank,
-                pool_modules=self.modules,
-                dtype=self.dtype,
-                base_tensor=self._base_tensor,
-            )
+            weights = self.read_adapter(resolved)
         except AdapterError as exc:
             exc.adapter = name
             raise
@@ -397,14 +390,7 @@ class LoRAManager:
     def mirror_load(self, name: str, path: str | Path) -> None:
         """Replay another rank's ``load``: read and cut the adapter; no capacity or pin policy."""
         resolved = Path(path).resolve()
-        weights = load_adapter(
-            resolved,
-            arch=self.arch,
-            max_rank=self.config.max_rank,
-            pool_modules=self.modules,
-            dtype=self.dtype,
-            base_tensor=self._base_tensor,
-        )
+        weights = self.read_adapter(resolved)
         if self._shard is not None:
             weights = shard_adapter(weights, self._shard)
         if self.device.type == "cuda":
@@ -437,6 +423,18 @@ class LoRAManager:
             listener(event)
 
     # ------------------------------------------------------------------ internals
+    def read_adapter(self, path: Path) -> AdapterWeights:
+        """Read and validate the adapter at ``path`` for this pool (a subclass for another
+        model's layout, such as a draft head's, reads its own module names here)."""
+        return load_adapter(
+            path,
+            arch=self.arch,
+            max_rank=self.config.max_rank,
+            pool_modules=self.modules,
+            dtype=self.dtype,
+            base_tensor=self._base_tensor,
+        )
+
     def _base_tensor(self, module: str) -> torch.Tensor | None:
         if self._base_tensor_fn is not None:
             return self._base_tensor_fn(module)

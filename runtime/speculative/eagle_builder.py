@@ -92,3 +92,55 @@ def build_eagle_draft(
     (dest / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+def build_eagle_draft_adapter(
+    dest: str | Path,
+    draft_dir: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"),
+    seed: int = 0,
+    init_std: float = 0.05,
+) -> Path:
+    """Write a random draft adapter for the EAGLE head at ``draft_dir``, as peft names a
+    LoRA of the head's modules (``base_model.model.fc...``, ``base_model.model.layers.0...``).
+
+    Both ``lora_A`` and ``lora_B`` are random (peft starts ``lora_B`` at zero), so the
+    adapter moves the head's proposals: tests use it to tell adapted rows from base ones.
+    """
+    from safetensors.torch import save_file
+
+    from .eagle_format import load_eagle_config
+    from .eagle_lora import HEAD_LORA_MODULES
+
+    unknown = sorted(set(target_modules) - set(HEAD_LORA_MODULES))
+    if unknown:
+        raise ValueError(f"target_modules {unknown} are not head modules: use {HEAD_LORA_MODULES}")
+    shapes = load_eagle_config(draft_dir).tensor_shapes()
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for module in target_modules:
+        if module == "fc":
+            name = "fc"
+        else:
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"layers.0.{block}.{module}"
+        out_dim, in_dim = shapes[f"{name}.weight"]
+        prefix = f"base_model.model.{name}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_dim, generator=generator) * init_std
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, rank, generator=generator) * init_std
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(target_modules),
+        "bias": "none",
+        "lora_dropout": 0.0,
+    }
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dest

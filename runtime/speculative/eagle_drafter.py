@@ -23,6 +23,12 @@ Tree drafts (:meth:`EagleDrafter.propose_tree`, greedy batches): the tree grows 
 same tails (:mod:`.tree`); after its verify the accepted path is fed like a chain's
 verified positions (the target's features at the path's nodes), and the next tree grows
 in the same replay.
+
+Draft adapters: with a draft adapter pool on the head (:mod:`.eagle_lora`), a request
+whose Adapter has a draft adapter runs every head forward of its own with it, from its
+first fed pair to its release (:class:`~.draft_adapters.DraftAdapterLeases`); every other
+request of the same batch runs the base head. The target still verifies with the
+request's own adapter, so only proposals change.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ..engine.request import Request
 from ..runner.forward_batch import ForwardOutput
 from ..sampling import Sampler
 from .acceptance import Acceptance
+from .draft_adapters import DraftAdapterLeases
 from .drafter import DraftProposal, choose_drafts
 from .eagle_runner import EagleDraftRunner
 from .tree import DraftTree, TreeShape, ancestor_closure
@@ -62,7 +69,9 @@ class EagleDrafter:
 
     supports_trees = True
 
-    def __init__(self, runner: EagleDraftRunner, sampler: Sampler, vocab_size: int, *, tree: TreeShape | None = None):
+    def __init__(
+        self, runner: EagleDraftRunner, sampler: Sampler, vocab_size: int, *, tree: TreeShape | None = None
+    ):
         """``tree``: the shape of the trees :meth:`propose_tree` grows (None: chains only)."""
         self.runner = runner
         self.tree_shape = tree
@@ -73,6 +82,7 @@ class EagleDrafter:
         self.hidden_layers: tuple[int, ...] | None = runner.aux_layer_ids if runner.version == 3 else None
         self._states: dict[str, _State] = {}
         self._pending: _Pending | None = None
+        self.adapters = DraftAdapterLeases(runner.lora)
 
     @property
     def lora(self):
@@ -97,6 +107,7 @@ class EagleDrafter:
             torch.cat([feats for _, _, feats in items]),
             lens,
             from_target=True,
+            lora_names=self.adapters.names([req for req, _, _ in items]),
         )
         ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
         self._commit([req for req, _, _ in items], lens, out.index_select(0, ends))
@@ -125,7 +136,11 @@ class EagleDrafter:
         bs, k = tokens.shape
         self._drop_speculative(requests)
         out = self.runner.forward_uniform(
-            [r.rid for r in requests], tokens.clamp_min(0).reshape(-1), feats.reshape(bs * k, -1), k
+            [r.rid for r in requests],
+            tokens.clamp_min(0).reshape(-1),
+            feats.reshape(bs * k, -1),
+            k,
+            lora_names=self.adapters.names(requests),
         )
         for req, n in zip(requests, keep, strict=True):
             if n < k:
@@ -176,7 +191,9 @@ class EagleDrafter:
         ):
             # Greedy: the first token's argmax and every later step in one replay.
             hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-            chained = self.runner.draft_chain([r.rid for r in reqs], hidden, num_tokens)
+            chained = self.runner.draft_chain(
+                [r.rid for r in reqs], hidden, num_tokens, lora_names=self.adapters.names(reqs)
+            )
             if len(live) == bs:  # the usual step: nothing else to launch
                 return DraftProposal(chained)
         tokens = torch.tensor([r.last_token for r in requests], dtype=torch.int64, device=self.device)
@@ -187,12 +204,12 @@ class EagleDrafter:
         if chained is not None:
             tokens[rows] = chained
             return DraftProposal(tokens)
-        rids = [r.rid for r in reqs]
+        rids, names = [r.rid for r in reqs], self.adapters.names(reqs)
         hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
         probs: list[torch.Tensor | None] = []
         for j in range(num_tokens):
             if j > 0:
-                hidden, logits = self.runner.step(rids, tokens[rows, j - 1], hidden)
+                hidden, logits = self.runner.step(rids, tokens[rows, j - 1], hidden, lora_names=names)
             else:
                 logits = self.runner.compute_logits(hidden)
             step_tokens, step_probs = choose_drafts(logits, reqs, self.sampler)
@@ -218,7 +235,11 @@ class EagleDrafter:
         rows = self._pending_rows(pending, requests)
         if rows is None:
             return None
-        return pending.tokens if rows == list(range(len(pending.index))) else pending.tokens.index_select(0, self._index(rows))
+        return (
+            pending.tokens
+            if rows == list(range(len(pending.index)))
+            else pending.tokens.index_select(0, self._index(rows))
+        )
 
     def _take_pending_tree(self, requests: Sequence[Request]) -> DraftTree | None:
         """The trees grown ahead for these requests, or None (used at most once)."""
@@ -228,7 +249,11 @@ class EagleDrafter:
         rows = self._pending_rows(pending, requests)
         if rows is None:
             return None
-        return pending.tree if rows == list(range(len(pending.index))) else pending.tree.select(self._index(rows))
+        return (
+            pending.tree
+            if rows == list(range(len(pending.index)))
+            else pending.tree.select(self._index(rows))
+        )
 
     @staticmethod
     def _pending_rows(pending: _Pending, requests: Sequence[Request]) -> list[int] | None:
@@ -244,13 +269,19 @@ class EagleDrafter:
         ready = self._take_pending_tree(requests)
         if ready is not None:
             return ready
-        live = [i for i, r in enumerate(requests) if (s := self._states.get(r.rid)) is not None and s.tail is not None]
+        live = [
+            i
+            for i, r in enumerate(requests)
+            if (s := self._states.get(r.rid)) is not None and s.tail is not None
+        ]
         reqs = [requests[i] for i in live]
         self._drop_speculative(reqs)
         if not reqs:
             return blank_tree(len(requests), shape, self.device)
         hidden = torch.stack([self._states[r.rid].tail for r in reqs])  # type: ignore[misc]
-        grown = self.runner.draft_tree([r.rid for r in reqs], hidden, shape)
+        grown = self.runner.draft_tree(
+            [r.rid for r in reqs], hidden, shape, lora_names=self.adapters.names(reqs)
+        )
         if len(reqs) == len(requests):
             return grown
         tree = blank_tree(len(requests), shape, self.device)
@@ -264,7 +295,11 @@ class EagleDrafter:
         chain's by default) can run as one replay for this batch."""
         if steps is None:
             steps = width - 2  # the next proposal is width - 1 tokens: the first, then steps
-        if steps < 0 or not all(r.params.greedy for r in requests) or not self.runner.can_chain(len(requests)):
+        if (
+            steps < 0
+            or not all(r.params.greedy for r in requests)
+            or not self.runner.can_chain(len(requests))
+        ):
             return False
         kv = self.runner.kv
         committed = [s.committed if (s := self._states.get(r.rid)) is not None else 0 for r in requests]
@@ -274,7 +309,9 @@ class EagleDrafter:
         freed = sum(max(0, kv.seq_len(r.rid) - c) for r, c in zip(requests, committed, strict=True))
         return kv.num_free_tokens + freed >= len(requests) * (width + steps)
 
-    def _feed_ahead(self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor, feed) -> None:
+    def _feed_ahead(
+        self, requests: Sequence[Request], acceptance: Acceptance, feats: torch.Tensor, feed
+    ) -> None:
         """Feed the verified positions and draft the next step (``feed``: the runner's
         ``feed_chain`` or ``feed_tree`` with its last argument bound) in one replay, queued
         before the host reads the acceptance (that read waits for the verify, not for this
@@ -287,10 +324,13 @@ class EagleDrafter:
             feats.reshape(bs * width, -1),
             acceptance.accept_lens,
             width,
+            lora_names=self.adapters.names(requests),
         )
         self._commit(requests, [a + 1 for a in acceptance.host_accept_lens()], tails)
         index = {r.rid: i for i, r in enumerate(requests)}
-        self._pending = _Pending(index, None, ahead) if isinstance(ahead, DraftTree) else _Pending(index, ahead)
+        self._pending = (
+            _Pending(index, None, ahead) if isinstance(ahead, DraftTree) else _Pending(index, ahead)
+        )
 
     def _invalidate(self, requests: Sequence[Request]) -> None:
         """Drop a proposal computed ahead if any of these requests' draft state changes."""
@@ -308,12 +348,16 @@ class EagleDrafter:
             feats = acceptance.along_path(feats.view(bs, -1, feats.shape[-1]))
             shape = self.tree_shape
             if shape is not None and self._can_propose_ahead(requests, k, shape.entries):
-                self._feed_ahead(requests, acceptance, feats, functools.partial(self.runner.feed_tree, shape=shape))
+                self._feed_ahead(
+                    requests, acceptance, feats, functools.partial(self.runner.feed_tree, shape=shape)
+                )
                 return
         else:
             feats = feats.view(bs, k, -1)
         if acceptance.path is None and self._can_propose_ahead(requests, k):
-            self._feed_ahead(requests, acceptance, feats, functools.partial(self.runner.feed_chain, num_tokens=k - 1))
+            self._feed_ahead(
+                requests, acceptance, feats, functools.partial(self.runner.feed_chain, num_tokens=k - 1)
+            )
             return
         graphs = self.runner.graphs
         if graphs is not None and graphs.can_run(len(requests)):
@@ -342,6 +386,7 @@ class EagleDrafter:
         self._invalidate([request])
         self._states.pop(request.rid, None)
         self.runner.kv.free(request.rid)
+        self.adapters.release(request)
 
 
 def blank_tree(batch_size: int, shape: TreeShape, device: torch.device) -> DraftTree:

@@ -32,6 +32,12 @@ stay on the device, where they pick each request's tail row and place the chain'
 right after the accepted entries. The verify, the acceptance and the whole draft then run
 back to back on the GPU with no host round trip between them.
 
+Draft adapters (:mod:`.eagle_lora`): a batch where some request drafts with a draft
+adapter replays graphs of its own, captured with the LoRA ops of the head's linears. Their
+segment layouts live in fixed buffers, one per row width the body runs (1 for draft steps,
+``k`` for a feed or a tree frontier), rewritten before each replay with the batch's slots
+padded by base rows; a batch without draft adapters replays the plain graphs.
+
 Buckets, static buffers, capture and replay are the engine core's
 :class:`~loraserve.runtime.runner.graph_runner.GraphRunner`, the target's too: this module
 holds the draft's keys, buffers and forward bodies only.
@@ -39,18 +45,23 @@ holds the draft's keys, buffers and forward bodies only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
 from ..kv import Allocation
 from ..model.layers import AttentionMetadata
 from ..runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
+from .eagle_lora import HeadAdapterBatch, HeadGraphLoRA
 from .tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
 
 if TYPE_CHECKING:
     from .eagle_runner import EagleDraftRunner
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 class _Key(NamedTuple):
@@ -121,6 +132,8 @@ class EagleGraphRunner(GraphRunner):
         self._feed_static: dict[tuple[int, int], _FeedChainStatic] = {}
         self._feed_chains: dict[_FeedChainKey, Captured[tuple[torch.Tensor, torch.Tensor]]] = self.new_table()
         self._trees: dict[_TreeKey, Captured[tuple[torch.Tensor, ...]]] = self.new_table()
+        self._lora: HeadGraphLoRA | None = None  # draft adapters' fixed layouts, made on first use
+        self._adapted: dict[int, dict] = {}  # id of a plain table -> its graphs with draft adapters
 
     @property
     def disabled(self) -> bool:
@@ -143,10 +156,12 @@ class EagleGraphRunner(GraphRunner):
         *,
         width: int = 1,
         from_target: bool = False,
+        slots: Sequence[int] | None = None,
     ) -> _Hidden:
         """``width`` rows per request of ``alloc`` (already allocated); returns the output
         features ``[bs * width, H]`` and, for single-row steps on the head's own features,
-        the logits ``[bs, vocab]`` (float32)."""
+        the logits ``[bs, vocab]`` (float32). ``slots``: each request's draft adapter slot
+        (None: no request has one)."""
         bs, padded, context = self.shape(alloc)
         key = _Key(width, from_target, padded, context)
         s = self._static_for(width, from_target)
@@ -155,16 +170,21 @@ class EagleGraphRunner(GraphRunner):
         fill_padded(s.features, features, total, n)
         s.fill_requests(alloc, padded)
         fill_padded(s.out_cache_loc, alloc.out_cache_loc, total, n)
-        hidden, logits = self.replay(self._graphs, key, lambda: self._body(key))
+        hidden, logits = self._replay(self._graphs, key, lambda: self._body(key), slots, (width,), padded)
         return hidden[:total].clone(), None if logits is None else logits[:bs].clone()
 
-    def run_chain(self, alloc: Allocation, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+    def run_chain(
+        self, alloc: Allocation, hidden: torch.Tensor, steps: int, *, slots: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Each request's first greedy draft token from the head output ``hidden``, then
         ``steps`` draft steps per request of ``alloc`` (``steps`` rows each, already
         allocated); returns the tokens ``[bs, steps + 1]``."""
         bs, padded, context = self._fill_chain(alloc, hidden, steps)
         key = _ChainKey(steps, padded, context)
-        return self.replay(self._chains, key, lambda: self._chain_body(key))[:bs].clone()
+        widths = (1,) if steps else ()
+        return self._replay(self._chains, key, lambda: self._chain_body(key), slots, widths, padded)[
+            :bs
+        ].clone()
 
     def run_feed_chain(
         self,
@@ -175,6 +195,7 @@ class EagleGraphRunner(GraphRunner):
         *,
         width: int,
         steps: int,
+        slots: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``width`` verified pairs per request of ``alloc`` (``width + steps`` rows each,
         already allocated), then propose greedily from each request's tail, the output at row
@@ -183,15 +204,20 @@ class EagleGraphRunner(GraphRunner):
         tokens ``[bs, steps + 1]`` and the tails ``[bs, H]``."""
         bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, steps)
         key = _FeedChainKey(width, steps, padded, context)
-        tokens, tails = self.replay(self._feed_chains, key, lambda: self._feed_chain_body(key))
+        widths = (width, 1) if steps else (width,)
+        tokens, tails = self._replay(
+            self._feed_chains, key, lambda: self._feed_chain_body(key), slots, widths, padded
+        )
         return tokens[:bs].clone(), tails[:bs].clone()
 
-    def run_tree(self, alloc: Allocation, hidden: torch.Tensor, shape: TreeShape) -> DraftTree:
+    def run_tree(
+        self, alloc: Allocation, hidden: torch.Tensor, shape: TreeShape, *, slots: Sequence[int] | None = None
+    ) -> DraftTree:
         """Grow each request's tree from the head output ``hidden`` (its tail) over the
         ``shape.entries`` rows per request of ``alloc`` (already allocated)."""
         bs, padded, context = self._fill_chain(alloc, hidden, shape.entries)
         key = _TreeKey(shape, 0, padded, context)
-        out = self.replay(self._trees, key, lambda: self._tree_body(key))
+        out = self._replay(self._trees, key, lambda: self._tree_body(key), slots, (shape.top_k,), padded)
         return DraftTree(*(t[:bs].clone() for t in out), shape.num_steps)
 
     def run_feed_tree(
@@ -203,14 +229,43 @@ class EagleGraphRunner(GraphRunner):
         *,
         width: int,
         shape: TreeShape,
+        slots: Sequence[int] | None = None,
     ) -> tuple[DraftTree, torch.Tensor]:
         """Feed ``width`` pairs of each request's accepted path, then grow its next tree from
         the output at row ``accept[i]`` over the entries right after the accepted ones
         (``width + shape.entries`` rows per request allocated). Returns the trees and the tails."""
         bs, padded, context = self._fill_feed(alloc, input_ids, features, accept, width, shape.entries)
         key = _TreeKey(shape, width, padded, context)
-        *tree, tails = self.replay(self._trees, key, lambda: self._feed_tree_body(key))
+        *tree, tails = self._replay(
+            self._trees, key, lambda: self._feed_tree_body(key), slots, (width, shape.top_k), padded
+        )
         return DraftTree(*(t[:bs].clone() for t in tree), shape.num_steps), tails[:bs].clone()
+
+    def _replay(
+        self,
+        table: dict[K, Captured[T]],
+        key: K,
+        body: Callable[[], T],
+        slots: Sequence[int] | None,
+        widths: Sequence[int],
+        padded: int,
+    ) -> T:
+        """:meth:`replay` with the call's draft adapters: their layouts for every row width
+        the body runs (``widths``) are written into the fixed buffers first, and the body
+        (at capture, or on the static path) reads those buffers. A batch with draft adapters
+        replays graphs of its own (holding the LoRA ops); one without keeps the plain ones."""
+        if slots is None:
+            return self.replay(table, key, body)
+        table = self.cached(self._adapted, id(table), self.new_table)
+        manager = self.runner.lora
+        assert manager is not None, "draft adapter slots without a draft adapter pool"
+        if self._lora is None:
+            self._lora = HeadGraphLoRA(manager, self.max_bs, self.device)
+        lora = self._lora
+        lora.update(widths, slots, padded)
+        batch = HeadAdapterBatch(manager, slots, graph=lora, padded=padded)
+        with self.runner.adapters_for_replay(batch):
+            return self.replay(table, key, body, before_capture=lambda: lora.capture(widths, padded))
 
     # ------------------------------------------------------------------ static inputs
     def _fill_chain(self, alloc: Allocation, hidden: torch.Tensor, entries: int) -> tuple[int, int, int]:
@@ -394,6 +449,7 @@ def grow_tree(
             mask=tree_attention_mask(prefix_lens, seen, context, groups),
             q_dest=None,
         )
+        runner.apply_adapters(k)  # each request's draft adapter over its k frontier rows
         hidden = model(
             tokens.reshape(-1), feats.reshape(bs * k, -1), meta, runner.kv.k_buffers[0], runner.kv.v_buffers[0],
             from_target=False,

@@ -121,7 +121,10 @@ class EagleDraftModel(nn.Module):
         # the target's Parameters as the draft's own.
         self._embed_weight = embed_weight.detach()
         self.vocab = vocab
-        self.lora = None  # a draft never carries adapters
+        # The target's adapters never reach the head. Its own draft adapters (if the serve
+        # has a draft adapter pool) hook into its linears from the runner's pool, never into
+        # the shared embedding / LM head above.
+        self.lora = None
 
     @property
     def feature_size(self) -> int:

@@ -4,6 +4,11 @@ The draft's cache mirrors the target's token positions: entry ``i`` of a request
 the draft layer's K/V for the pair (feature of position ``i``, token ``i + 1``). It is a
 separate :class:`~loraserve.runtime.kv.KVCache` of one layer, sized to hold as many
 tokens as the target's, so the draft can never run out before the target does.
+
+Draft adapters (``draft_lora``: the serve's draft adapter pool, :mod:`.eagle_lora`): every
+public call takes ``lora_names``, each request's draft adapter (None: the base head), and
+runs the head's linears with them, eagerly or inside the graphs. The target's adapters
+never reach this runner.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.config import LoRAConfig
 from ..kv import Allocation, KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
@@ -28,6 +34,7 @@ from .draft_vocab import (
 )
 from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
 from .eagle_graphs import EagleGraphRunner, grow_tree
+from .eagle_lora import HeadAdapterBatch, HeadLoRAManager
 from .eagle_model import EagleDraftModel
 from .tree import DraftTree, TreeShape
 
@@ -36,7 +43,6 @@ class EagleDraftRunner:
     """Loads a draft head next to its target and runs ragged or uniform batches of it."""
 
     is_draft = True
-    lora = None  # drafts never carry adapters
 
     def __init__(
         self,
@@ -56,12 +62,15 @@ class EagleDraftRunner:
         cuda_graph_max_bs: int = 0,
         token_map: str | None = None,
         attention_backend: str = "sdpa",
+        draft_lora: LoRAConfig | None = None,
     ):
         """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
         from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager). ``token_map``: a file of
         token ids the draft predicts over, through those rows of the target's LM head
         (:func:`.draft_vocab.load_token_map`; relative paths are files of the draft's
-        directory). ``attention_backend``: the target's (see :mod:`..model.layers.attention`)."""
+        directory). ``attention_backend``: the target's (see :mod:`..model.layers.attention`).
+        ``draft_lora``: the draft adapter pool (``speculative.draft_lora_pool``; None: every
+        request drafts with the base head)."""
         self.attention_backend = attention_backend
         self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
         self.config.check_target(target_arch)
@@ -85,6 +94,8 @@ class EagleDraftRunner:
         )
         self.model.load_weights(tensors)
         self.model.eval()
+        self.lora: HeadLoRAManager | None = _draft_pool(draft_lora, self.model, self.device, dtype)
+        self._adapters: HeadAdapterBatch | None = None  # the call in progress's draft adapters
         layer = self.config.layer
         self.kv = KVCache(
             num_layers=1,
@@ -97,7 +108,10 @@ class EagleDraftRunner:
             max_context_len=max_context_len,
         )
         self.graphs: EagleGraphRunner | None = None
-        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+        # Draft adapters inside graphs need kernels that read device tensors alone (Triton),
+        # as the target's do; with another LoRA backend the head runs eagerly.
+        capturable = self.lora is None or self.lora.backend.name == "triton"
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda" and capturable:
             self.graphs = EagleGraphRunner(self, max_bs=cuda_graph_max_bs)
 
     @property
@@ -122,13 +136,26 @@ class EagleDraftRunner:
         new_lens: Sequence[int],
         *,
         from_target: bool = True,
+        lora_names: Sequence[str | None] | None = None,
     ) -> torch.Tensor:
         """Append ``new_lens[i]`` pairs for request ``i``; returns the output features ``[T, H]``.
 
         ``input_ids`` / ``features`` are flat in request order; ``from_target``: the
-        features are the target's (else the draft's own outputs). On failure the cache
-        is left as it was.
+        features are the target's (else the draft's own outputs). ``lora_names``: each
+        request's draft adapter (None: the base head). On failure the cache is left as it was.
         """
+        with self._adapting(lora_names):
+            return self._forward(request_ids, input_ids, features, new_lens, from_target=from_target)
+
+    def _forward(
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        new_lens: Sequence[int],
+        *,
+        from_target: bool,
+    ) -> torch.Tensor:
         lens = [int(n) for n in new_lens]
         if input_ids.numel() != sum(lens) or features.shape[0] != sum(lens):
             raise ValueError(
@@ -147,6 +174,7 @@ class EagleDraftRunner:
                 features.to(device=self.device, dtype=self.dtype),
                 from_target=from_target,
                 q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
+                ragged_lens=None if uniform else lens,
             )
         except BaseException:
             self.kv.rollback(alloc)
@@ -164,10 +192,12 @@ class EagleDraftRunner:
         *,
         from_target: bool,
         q_lens: torch.Tensor | None = None,
+        ragged_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """One forward of the head over rows already allocated: ``width`` rows per request
-        (``q_lens``: each request's own count, a ragged batch), attending over ``context``
-        key columns. Uniform calls use device tensors only, so the graph runner captures them."""
+        (``q_lens``: each request's own count, a ragged batch, ``ragged_lens`` on the host),
+        attending over ``context`` key columns. Uniform calls use device tensors only, so
+        the graph runner captures them."""
         meta = build_attention_metadata(
             req_to_token=self.kv.req_to_token,
             rows=rows,
@@ -179,49 +209,77 @@ class EagleDraftRunner:
             q_lens=q_lens,
             backend=self.attention_backend,
         )
+        self.apply_adapters(width, ragged_lens)
         return self.model(
             input_ids, features, meta, self.kv.k_buffers[0], self.kv.v_buffers[0], from_target=from_target
         )
+
+    def apply_adapters(self, width: int, ragged_lens: Sequence[int] | None = None) -> None:
+        """Lay out the call's draft adapters for the next head forward (``width`` rows per
+        request, or ``ragged_lens``); nothing when no request of the call has one."""
+        if self._adapters is not None:
+            self._adapters.apply(width, ragged_lens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_uniform(
-        self, request_ids: Sequence[Hashable], input_ids: torch.Tensor, features: torch.Tensor, width: int
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        width: int,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> torch.Tensor:
         """Append ``width`` of the target's (feature, next token) pairs for every request;
         returns the output features ``[bs * width, H]``. Replayed from a CUDA graph where one
         is available. On failure the cache is left as it was."""
         bs = len(request_ids)
-        if self.graphs is None or not self.graphs.can_run(bs):
-            return self.forward(request_ids, input_ids, features, [width] * bs, from_target=True)
-        hidden, _ = self._replay(request_ids, input_ids, features, width, from_target=True)
-        return hidden
+        with self._adapting(lora_names, graphed=self._graphable(bs)) as slots:
+            if not self._graphable(bs):
+                return self._forward(request_ids, input_ids, features, [width] * bs, from_target=True)
+            hidden, _ = self._replay(request_ids, input_ids, features, width, from_target=True, slots=slots)
+            return hidden
 
     @torch.inference_mode()
     def step(
-        self, request_ids: Sequence[Hashable], input_ids: torch.Tensor, features: torch.Tensor
+        self,
+        request_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: a row per request from its previous draft token and the head's own
         output feature; returns ``(output features [bs, H], logits [bs, vocab])``. Replayed
         from a CUDA graph where one is available, else eager. On failure the cache is left
         as it was."""
         bs = len(request_ids)
-        if self.graphs is None or not self.graphs.can_run(bs):
-            hidden = self.forward(request_ids, input_ids, features, [1] * bs, from_target=False)
-            return hidden, self.compute_logits(hidden)
-        hidden, logits = self._replay(request_ids, input_ids, features, 1, from_target=False)
-        assert logits is not None
-        return hidden, logits
+        with self._adapting(lora_names, graphed=self._graphable(bs)) as slots:
+            if not self._graphable(bs):
+                hidden = self._forward(request_ids, input_ids, features, [1] * bs, from_target=False)
+                return hidden, self.compute_logits(hidden)
+            hidden, logits = self._replay(request_ids, input_ids, features, 1, from_target=False, slots=slots)
+            assert logits is not None
+            return hidden, logits
 
     def can_chain(self, batch_size: int) -> bool:
         """Whether greedy draft steps of this batch run as one graph chain (:meth:`draft_chain`)."""
+        return self._graphable(batch_size)
+
+    def _graphable(self, batch_size: int) -> bool:
         return self.graphs is not None and self.graphs.can_run(batch_size)
 
     @torch.inference_mode()
     def draft_chain(
-        self, request_ids: Sequence[Hashable], hidden: torch.Tensor, num_tokens: int
+        self,
+        request_ids: Sequence[Hashable],
+        hidden: torch.Tensor,
+        num_tokens: int,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> torch.Tensor:
         """``num_tokens`` greedy draft tokens per request, as one replay: the first from the head
         output ``hidden`` (the LM head's argmax), each later one from a draft step fed the
@@ -232,8 +290,8 @@ class EagleDraftRunner:
         if num_tokens < 1:
             raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
         steps = num_tokens - 1
-        with self._allocated(request_ids, steps) as alloc:
-            return self.graphs.run_chain(alloc, hidden.to(self.device, self.dtype), steps)
+        with self._adapting(lora_names, graphed=True) as slots, self._allocated(request_ids, steps) as alloc:
+            return self.graphs.run_chain(alloc, hidden.to(self.device, self.dtype), steps, slots=slots)
 
     @torch.inference_mode()
     def feed_chain(
@@ -244,6 +302,8 @@ class EagleDraftRunner:
         accept_lens: torch.Tensor,
         width: int,
         num_tokens: int,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """After a greedy verify, in one replay: append ``width`` of the target's (feature,
         next token) pairs per request, and propose ``num_tokens`` greedy drafts from the pair
@@ -258,7 +318,10 @@ class EagleDraftRunner:
         if num_tokens < 1:
             raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
         steps = num_tokens - 1
-        with self._allocated(request_ids, width + steps) as alloc:
+        with (
+            self._adapting(lora_names, graphed=True) as slots,
+            self._allocated(request_ids, width + steps) as alloc,
+        ):
             return self.graphs.run_feed_chain(
                 alloc,
                 input_ids.to(self.device),
@@ -266,19 +329,29 @@ class EagleDraftRunner:
                 accept_lens.to(self.device, torch.int64),
                 width=width,
                 steps=steps,
+                slots=slots,
             )
 
     @torch.inference_mode()
     def draft_tree(
-        self, request_ids: Sequence[Hashable], hidden: torch.Tensor, shape: TreeShape
+        self,
+        request_ids: Sequence[Hashable],
+        hidden: torch.Tensor,
+        shape: TreeShape,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> DraftTree:
         """Grow a greedy draft tree per request from the head output ``hidden`` (its tail):
         one replay where the graphs hold the batch, else the same work eagerly. The cache
         gains ``shape.entries`` entries per request (truncated by the next update)."""
         hidden = hidden.to(self.device, self.dtype)
-        with self._allocated(request_ids, shape.entries) as alloc:
-            if self.graphs is not None and self.graphs.can_run(len(request_ids)):
-                return self.graphs.run_tree(alloc, hidden, shape)
+        graphed = self._graphable(len(request_ids))
+        with (
+            self._adapting(lora_names, graphed=graphed) as slots,
+            self._allocated(request_ids, shape.entries) as alloc,
+        ):
+            if graphed:
+                return self.graphs.run_tree(alloc, hidden, shape, slots=slots)  # type: ignore[union-attr]
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
             locs = alloc.out_cache_loc.view(len(request_ids), shape.entries)
             return grow_tree(self, alloc.rows, prefix, locs, self._context(alloc), hidden, shape)
@@ -292,6 +365,8 @@ class EagleDraftRunner:
         accept_lens: torch.Tensor,
         width: int,
         shape: TreeShape,
+        *,
+        lora_names: Sequence[str | None] | None = None,
     ) -> tuple[DraftTree, torch.Tensor]:
         """After a tree verify: append ``width`` pairs of each request's accepted path (the
         target's features at the path's nodes, each with the token that followed), then grow
@@ -301,20 +376,26 @@ class EagleDraftRunner:
         features = features.to(self.device, self.dtype)
         accept = accept_lens.to(self.device, torch.int64)
         bs = len(request_ids)
-        with self._allocated(request_ids, width + shape.entries) as alloc:
-            if self.graphs is not None and self.graphs.can_run(bs):
-                return self.graphs.run_feed_tree(alloc, input_ids, features, accept, width=width, shape=shape)
-            slots = alloc.out_cache_loc.view(bs, width + shape.entries)
+        graphed = self._graphable(bs)
+        with (
+            self._adapting(lora_names, graphed=graphed) as slots,
+            self._allocated(request_ids, width + shape.entries) as alloc,
+        ):
+            if graphed:
+                return self.graphs.run_feed_tree(  # type: ignore[union-attr]
+                    alloc, input_ids, features, accept, width=width, shape=shape, slots=slots
+                )
+            slots_ = alloc.out_cache_loc.view(bs, width + shape.entries)
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
             context = self._context(alloc)
             hidden = self.head(
-                alloc.rows, prefix, slots[:, :width].reshape(-1), width, context, input_ids, features,
+                alloc.rows, prefix, slots_[:, :width].reshape(-1), width, context, input_ids, features,
                 from_target=True,
             )  # fmt: skip
             tails = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
             offsets = accept[:, None] + 1 + torch.arange(shape.entries, device=self.device)[None, :]
             tree = grow_tree(
-                self, alloc.rows, prefix + accept + 1, slots.gather(1, offsets), context, tails, shape
+                self, alloc.rows, prefix + accept + 1, slots_.gather(1, offsets), context, tails, shape
             )
             return tree, tails
 
@@ -330,6 +411,7 @@ class EagleDraftRunner:
         width: int,
         *,
         from_target: bool,
+        slots: Sequence[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Allocate ``width`` rows per request and run them through the graph runner; on
         failure the allocation is rolled back."""
@@ -341,7 +423,36 @@ class EagleDraftRunner:
                 features.to(self.device, self.dtype),
                 width=width,
                 from_target=from_target,
+                slots=slots,
             )
+
+    @contextmanager
+    def _adapting(
+        self, lora_names: Sequence[str | None] | None, *, graphed: bool = False
+    ) -> Iterator[list[int] | None]:
+        """Place the call's draft adapters in the pool's slots; yields each request's slot,
+        or None when no request has one (the base head, with no LoRA work at all). Eager
+        calls get their layouts here; graph calls from the graph runner (:mod:`.eagle_graphs`)."""
+        if self.lora is None or lora_names is None or all(n is None for n in lora_names):
+            yield None
+            return
+        slots = self.lora.prepare_batch(list(lora_names))
+        if not graphed:
+            self._adapters = HeadAdapterBatch(self.lora, slots)
+        try:
+            yield slots
+        finally:
+            self._adapters = None
+            self.lora.ctx.clear()
+
+    @contextmanager
+    def adapters_for_replay(self, batch: HeadAdapterBatch | None) -> Iterator[None]:
+        """The graph runner's layouts for one replay's body (``None``: no adapters)."""
+        self._adapters = batch
+        try:
+            yield
+        finally:
+            self._adapters = None
 
     @contextmanager
     def _allocated(self, request_ids: Sequence[Hashable], rows: int) -> Iterator[Allocation]:
@@ -352,6 +463,20 @@ class EagleDraftRunner:
         except BaseException:
             self.kv.rollback(alloc)
             raise
+
+
+def _draft_pool(
+    config: LoRAConfig | None, model: EagleDraftModel, device: torch.device, dtype: torch.dtype
+) -> HeadLoRAManager | None:
+    """The head's draft adapter pool (None: no draft adapters). Never the target's adapters:
+    the pool is built from the draft settings and starts empty."""
+    if config is None or not config.enabled:
+        return None
+    from loraserve.kernels import get_backend
+
+    return HeadLoRAManager(
+        config, model, backend=get_backend(config.backend, str(device)), device=device, dtype=dtype
+    )
 
 
 def _draft_vocab(
