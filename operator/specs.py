@@ -33,7 +33,13 @@ from loraserve.runtime.contract.config import (
     RaggedVerify,
     SpecAlgorithm,
 )
-from loraserve.runtime.contract.policy import MAX_LORA_RANK, MAXIMUM, MINIMUM, source_path_problem
+from loraserve.runtime.contract.policy import (
+    DRAFT_ADAPTER_MODULE_NAMES,
+    MAX_LORA_RANK,
+    MAXIMUM,
+    MINIMUM,
+    source_path_problem,
+)
 
 GROUP = "loraserve.io"
 VERSION = "v1alpha1"
@@ -518,9 +524,10 @@ class DraftAdapterSpec(_Spec):
     sha256: Sha256 | None = None
     rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK)
     """Declared rank, checked against the serve's spec.speculative.draftLora.maxRank now."""
-    target_modules: list[Literal[LORA_MODULES]] | None = Field(  # type: ignore[valid-type]
-        default=None, min_length=1, max_length=len(LORA_MODULES)
+    target_modules: list[Literal[DRAFT_ADAPTER_MODULE_NAMES]] | None = Field(  # type: ignore[valid-type]
+        default=None, min_length=1, max_length=len(DRAFT_ADAPTER_MODULE_NAMES)
     )
+    """Declared modules (an EAGLE head's draft adapter may name its ``fc``), judged by the policy."""
 
 
 class AdapterSpec(_Spec):

@@ -55,14 +55,32 @@ TREE_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
 FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantForCausalLM"})
 """Draft architectures that run as FROZEN_KV_MTP when named under EAGLE or NEXTN."""
 
-DRAFT_ADAPTER_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.STANDALONE})
-"""Effective algorithms whose draft takes draft adapters in this runtime (a STANDALONE draft
-is a whole model with its own adapter pool; EAGLE-family heads come later)."""
+DRAFT_ADAPTER_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
+    {SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3}
+)
+"""Effective algorithms whose draft takes draft adapters in this runtime: a STANDALONE draft
+(a whole model with its own adapter pool) and an EAGLE / EAGLE3 head (a pool over the
+head's own linear layers; NEXTN resolves to EAGLE). DFLASH / DSPARK drafts and the
+FROZEN_KV_MTP assistant take none in this version."""
 NO_DRAFT_MODEL_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.NONE, SpecAlgorithm.NGRAM})
 """Algorithms with no draft model at all: nothing a draft adapter could adapt."""
 DRAFT_LORA_MODULES: tuple[str, ...] = DEFAULT_LORA_MODULES
 """The modules of the draft's adapter pool (``SpeculativeConfig.draft_lora_pool``): never the
 embeddings or lm_head."""
+HEAD_DRAFT_LORA_MODULES: tuple[str, ...] = (*DRAFT_LORA_MODULES, "fc")
+"""The modules of an EAGLE / EAGLE3 head's draft adapter pool: its decoder layer's
+projections and the fc that fuses the target's features, as the head's checkpoint names
+them. The embed_tokens / lm_head it shares with the target are never adapted."""
+DRAFT_ADAPTER_MODULE_NAMES: tuple[str, ...] = (*LORA_MODULES, "fc")
+"""Every module name an Adapter's ``spec.draft.targetModules`` may declare (the policy then
+judges them against the serve's draft)."""
+
+
+def draft_lora_modules(algorithm: SpecAlgorithm) -> tuple[str, ...]:
+    """The modules the draft adapter pool of an ``algorithm`` serve (the effective one) wraps."""
+    return HEAD_DRAFT_LORA_MODULES if algorithm.is_eagle_family else DRAFT_LORA_MODULES
+
+
 MAX_DRAFT_LORAS = 64
 """The most draft adapter slots (``speculative.draft_max_loras``): each holds A and B at the
 draft rank for every draft module, beside the target's slots."""
@@ -577,21 +595,21 @@ def _basic(config: RuntimeConfig) -> list[Violation]:
     return out
 
 
-def _modules(path: str, modules: Iterable[str], rule: str) -> list[Violation]:
+def _modules(
+    path: str, modules: Iterable[str], rule: str, *, known: tuple[str, ...] = LORA_MODULES
+) -> list[Violation]:
     modules = tuple(modules)
     out: list[Violation] = []
     if not modules:
-        out.append(
-            Violation(rule, path, "no target modules", f"list at least one of {', '.join(LORA_MODULES)}")
-        )
-    unknown = sorted(set(modules) - set(LORA_MODULES))
+        out.append(Violation(rule, path, "no target modules", f"list at least one of {', '.join(known)}"))
+    unknown = sorted(set(modules) - set(known))
     if unknown:
         out.append(
             Violation(
                 rule,
                 path,
                 f"unknown modules {', '.join(unknown)}",
-                f"use modules from {', '.join(LORA_MODULES)}",
+                f"use modules from {', '.join(known)}",
             )
         )
     if len(set(modules)) != len(modules):
@@ -889,10 +907,11 @@ def _availability(
 def _draft_lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | None) -> list[Violation]:
     """The draft adapter pool (``speculative.draft_max_loras`` / ``draft_max_lora_rank``).
 
-    A pool on a serve whose draft is an EAGLE-family head or a DFLASH / DSPARK draft is
-    refused (not available yet): those drafts would run unadapted while the serve's
-    Adapters name draft adapters for them. NONE / NGRAM have no draft at all, so a pool
-    there is only a warning (``_warnings``), as a draft model named for NGRAM is.
+    A pool serves STANDALONE drafts and EAGLE / EAGLE3 heads. On a serve whose draft is a
+    DFLASH / DSPARK draft or the FROZEN_KV_MTP assistant it is refused (not available yet):
+    those drafts would run unadapted while the serve's Adapters name draft adapters for
+    them. NONE / NGRAM have no draft at all, so a pool there is only a warning
+    (``_warnings``), as a draft model named for NGRAM is.
     """
     spec = config.speculative
     out: list[Violation] = []
@@ -915,9 +934,8 @@ def _draft_lora(config: RuntimeConfig, effective: RuntimeConfig, note: str | Non
             Violation(
                 "draft-lora-algorithm",
                 "speculative.draft_max_loras",
-                f"a draft adapter pool for the {_named(algorithm, note)} draft: draft adapters serve STANDALONE "
-                "drafts in this version",
-                "set {speculative.draft_max_loras} to 0, or draft with STANDALONE",
+                f"a draft adapter pool for the {_named(algorithm, note)} draft: {_NO_DRAFT_ADAPTERS}",
+                "set {speculative.draft_max_loras} to 0, or draft with STANDALONE, EAGLE or EAGLE3",
                 related=("speculative.algorithm",),
                 kind=Kind.UNAVAILABLE,
             )
@@ -1174,6 +1192,12 @@ def _no_draft_model(algorithm: SpecAlgorithm) -> str:
     return "the serve does not speculate ({speculative.algorithm} NONE): there is no draft model to adapt"
 
 
+_NO_DRAFT_ADAPTERS = (
+    "draft adapters serve STANDALONE drafts and EAGLE / EAGLE3 heads in this version (this draft's layers "
+    "have no draft adapter pool)"
+)
+
+
 def _draft_adapter(
     config: RuntimeConfig,
     draft: DraftAdapterDeclaration | None,
@@ -1195,7 +1219,7 @@ def _draft_adapter(
                 "adapter-draft-no-draft-model",
                 "adapter.draft",
                 _no_draft_model(algorithm),
-                "remove {adapter.draft}, or serve the adapter from a STANDALONE serve",
+                "remove {adapter.draft}, or serve the adapter from a STANDALONE, EAGLE or EAGLE3 serve",
                 related=("speculative.algorithm",),
             )
         ]
@@ -1204,9 +1228,8 @@ def _draft_adapter(
             Violation(
                 "adapter-draft-algorithm",
                 "adapter.draft",
-                f"the serve's {_named(algorithm, note)} draft cannot take adapters: draft adapters serve "
-                "STANDALONE drafts in this version",
-                "remove {adapter.draft}, or serve the adapter from a STANDALONE serve",
+                f"the serve's {_named(algorithm, note)} draft cannot take adapters: {_NO_DRAFT_ADAPTERS}",
+                "remove {adapter.draft}, or serve the adapter from a STANDALONE, EAGLE or EAGLE3 serve",
                 related=("speculative.algorithm",),
                 kind=Kind.UNAVAILABLE,
             )
@@ -1244,17 +1267,36 @@ def _draft_adapter(
                 )
             )
     if draft.target_modules is not None:
-        modules = tuple(draft.target_modules)
-        out += _modules("adapter.draft.target_modules", modules, "adapter-draft-modules")
-        outside = [m for m in dict.fromkeys(modules) if m in LORA_MODULES and m not in DRAFT_LORA_MODULES]
-        if outside:
-            out.append(
-                Violation(
-                    "adapter-draft-modules-not-served",
-                    "adapter.draft.target_modules",
-                    f"targets {', '.join(outside)}, which the draft adapter pool does not wrap (it wraps "
-                    f"{', '.join(DRAFT_LORA_MODULES)})",
-                    f"retrain the draft adapter without {', '.join(outside)}",
-                )
-            )
+        out += _draft_modules(tuple(draft.target_modules), algorithm)
+    return out
+
+
+def _draft_modules(modules: tuple[str, ...], algorithm: SpecAlgorithm) -> list[Violation]:
+    """Declared draft adapter modules against the pool of the serve's draft: a STANDALONE
+    draft's linears, or an EAGLE head's (its layer's projections and its fc; the head
+    shares the target's embed_tokens / lm_head, which stay unadapted)."""
+    served = draft_lora_modules(algorithm)
+    out = _modules("adapter.draft.target_modules", modules, "adapter-draft-modules", known=DRAFT_ADAPTER_MODULE_NAMES)
+    outside = [m for m in dict.fromkeys(modules) if m in DRAFT_ADAPTER_MODULE_NAMES and m not in served]
+    if not outside:
+        return out
+    if algorithm.is_eagle_family:
+        why = (
+            f"targets {', '.join(outside)}, which an {algorithm.value} head's draft adapter pool does not wrap "
+            f"(it wraps {', '.join(served)}; the head shares the target's base embed_tokens and lm_head, "
+            "which stay unadapted for every request)"
+        )
+    else:
+        why = (
+            f"targets {', '.join(outside)}, which the draft adapter pool does not wrap (it wraps "
+            f"{', '.join(served)})"
+        )
+    out.append(
+        Violation(
+            "adapter-draft-modules-not-served",
+            "adapter.draft.target_modules",
+            why,
+            f"retrain the draft adapter without {', '.join(outside)}",
+        )
+    )
     return out

@@ -1,7 +1,7 @@
 """The compatibility policy's draft adapter rules, each in both directions.
 
 An Adapter's draft adapter (``AdapterDeclaration.draft``) against its serve's draft
-(algorithm, pool, rank, modules), and the serve's draft adapter pool itself
+(algorithm: a STANDALONE draft or an EAGLE / EAGLE3 head; pool, rank, modules), and the serve's draft adapter pool itself
 (``speculative.draft_max_loras`` / ``draft_max_lora_rank``). Messages are checked as the
 webhook renders them, in the user's field names, with the fix named.
 """
@@ -72,17 +72,43 @@ def test_a_serve_without_speculation_has_no_draft_model():
     assert "spec.speculative.algorithm NONE" in rendered(report)[0]
 
 
-@pytest.mark.parametrize("algorithm", [A.EAGLE, A.EAGLE3, A.NEXTN, A.DFLASH, A.DSPARK])
-def test_drafts_other_than_standalone_take_no_adapters_in_this_version(algorithm):
+@pytest.mark.parametrize("algorithm", [A.EAGLE, A.EAGLE3, A.NEXTN])
+def test_an_eagle_head_takes_a_draft_adapter_on_its_own_layers(algorithm):
+    assert judge(serve(algorithm)).ok
+    head = (*DEFAULT_LORA_MODULES, "fc")
+    assert judge(serve(algorithm), DraftAdapterDeclaration(rank=16, target_modules=head)).ok
+    report = judge(serve(algorithm, pool=0), DraftAdapterDeclaration(rank=32))
+    assert report.rules() == {"adapter-draft-no-pool", "adapter-draft-rank-too-large"}
+
+
+@pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
+def test_an_eagle_head_shares_the_targets_embeddings_which_stay_unadapted(module):
+    report = judge(serve(A.EAGLE3), DraftAdapterDeclaration(target_modules=("fc", module)))
+    assert report.rules() == {"adapter-draft-modules-not-served"}
+    (message,) = rendered(report)
+    assert message.startswith(
+        f"spec.draft.targetModules: targets {module}, which an EAGLE3 head's draft adapter pool does not wrap"
+    )
+    assert "shares the target's base embed_tokens and lm_head" in message
+    assert f"fix: retrain the draft adapter without {module}" in message
+
+
+def test_only_a_heads_pool_wraps_fc():
+    report = judge(serve(), DraftAdapterDeclaration(target_modules=("q_proj", "fc")))
+    assert report.rules() == {"adapter-draft-modules-not-served"}
+    assert "targets fc, which the draft adapter pool does not wrap" in rendered(report)[0]
+
+
+@pytest.mark.parametrize("algorithm", [A.DFLASH, A.DSPARK])
+def test_block_drafts_take_no_adapters_in_this_version(algorithm):
     report = judge(serve(algorithm))
     assert report.rules() == {"adapter-draft-algorithm"}
     (violation,) = report.violations
     assert violation.kind is Kind.UNAVAILABLE  # a later version may serve them
     message = rendered(report)[0]
-    assert "draft adapters serve STANDALONE drafts in this version" in message
+    assert "draft adapters serve STANDALONE drafts and EAGLE / EAGLE3 heads in this version" in message
     assert message.startswith("spec.draft: not available in this runtime:")
-    if algorithm is A.NEXTN:
-        assert "EAGLE (NEXTN resolves to EAGLE)" in message
+    assert "fix: remove spec.draft, or serve the adapter from a STANDALONE, EAGLE or EAGLE3 serve" in message
 
 
 def test_a_standalone_serve_without_a_pool_names_the_fix():
@@ -142,13 +168,20 @@ def test_a_standalone_pool_is_servable():
     assert report.ok and not {w.rule for w in report.warnings if w.rule.startswith("draft-lora")}
 
 
-@pytest.mark.parametrize("algorithm", [A.EAGLE, A.EAGLE3, A.NEXTN, A.DFLASH])
+@pytest.mark.parametrize("algorithm", [A.EAGLE, A.EAGLE3, A.NEXTN])
+def test_a_pool_for_an_eagle_head_is_servable(algorithm):
+    report = policy.check_config(serve(algorithm))
+    assert report.ok, report.rules()
+
+
+@pytest.mark.parametrize("algorithm", [A.DFLASH])
 def test_a_pool_for_a_draft_that_takes_no_adapters_is_unavailable(algorithm):
     report = policy.check_config(serve(algorithm))
     assert "draft-lora-algorithm" in report.rules()
     (violation,) = [v for v in report.violations if v.rule == "draft-lora-algorithm"]
     assert violation.kind is Kind.UNAVAILABLE
-    assert "draft adapters serve STANDALONE drafts in this version" in violation.render(translate.crd_path)
+    message = violation.render(translate.crd_path)
+    assert "draft adapters serve STANDALONE drafts and EAGLE / EAGLE3 heads in this version" in message
     assert "draft-lora-algorithm" not in policy.check_config(serve(algorithm, pool=0)).rules()
 
 
@@ -204,9 +237,9 @@ def test_the_adapter_declaration_carries_the_draft():
         {
             "serve": "s",
             "source": "/adapters/sql",
-            "draft": {"source": "/adapters/sql-draft", "rank": 8, "targetModules": ["q_proj", "v_proj"]},
+            "draft": {"source": "/adapters/sql-draft", "rank": 8, "targetModules": ["q_proj", "v_proj", "fc"]},
         }
     )
     declaration = translate.adapter_declaration("sql", spec)
-    assert declaration.draft == DraftAdapterDeclaration(rank=8, target_modules=("q_proj", "v_proj"))
+    assert declaration.draft == DraftAdapterDeclaration(rank=8, target_modules=("q_proj", "v_proj", "fc"))
     assert translate.adapter_declaration("sql", spec.model_copy(update={"draft": None})).draft is None

@@ -64,13 +64,25 @@ async def test_ngram_refuses_a_draft_adapter_with_the_reason(lab):
     assert await lab.get("Adapter", "sql", ns) is None
 
 
-async def test_an_eagle3_head_takes_no_draft_adapter_in_this_version(lab):
+async def test_an_eagle3_head_takes_a_draft_adapter_on_its_own_layers(lab):
     ns = "draft-eagle"
-    assert (await lab.apply(serve("s", ns, "EAGLE3", pool=0))).allowed
+    assert (await lab.apply(serve("s", ns, "EAGLE3"))).allowed
+    applied = await lab.apply(adapter("sql", ns, "s", rank=8, targetModules=["q_proj", "down_proj", "fc"]))
+    assert applied.allowed, applied.validation.message
+    refused = await lab.apply(adapter("emb", ns, "s", targetModules=["fc", "lm_head"]))
+    assert not refused.allowed
+    assert refused.validation.message.startswith(
+        "spec.draft.targetModules: targets lm_head, which an EAGLE3 head's draft adapter pool does not wrap"
+    )
+
+
+async def test_a_dflash_draft_takes_no_draft_adapter_in_this_version(lab):
+    ns = "draft-dflash"
+    assert (await lab.apply(serve("s", ns, "DFLASH", pool=0))).allowed
     refused = await lab.apply(adapter("sql", ns, "s"))
     assert not refused.allowed
     assert "spec.draft: not available in this runtime:" in refused.validation.message
-    assert "draft adapters serve STANDALONE drafts in this version" in refused.validation.message
+    assert "draft adapters serve STANDALONE drafts and EAGLE / EAGLE3 heads" in refused.validation.message
 
 
 async def test_a_serve_without_a_draft_pool_names_the_fix(lab):
@@ -132,9 +144,11 @@ async def test_removing_the_pool_under_draft_adapters_is_refused_naming_them(lab
 async def test_the_serves_pool_is_judged_with_its_algorithm(lab):
     ns = "draft-pool"
     eagle = await lab.apply(serve("e", ns, "EAGLE", pool=2))
-    assert not eagle.allowed
-    assert eagle.validation.message.startswith(
-        "spec.speculative.draftLora.maxLoras: not available in this runtime: a draft adapter pool for the EAGLE draft"
+    assert eagle.allowed, eagle.validation.message  # a pool over the head's own layers
+    dflash = await lab.apply(serve("d", ns, "DFLASH", pool=2))
+    assert not dflash.allowed
+    assert dflash.validation.message.startswith(
+        "spec.speculative.draftLora.maxLoras: not available in this runtime: a draft adapter pool for the DFLASH draft"
     )
     ngram = await lab.apply(serve("n", ns, "NGRAM", pool=2))
     assert ngram.allowed
