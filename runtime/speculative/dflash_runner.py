@@ -10,13 +10,19 @@ the same attention layer (SDPA or the paged Triton kernel) the target uses.
 Entry ``i`` of a request holds every draft layer's K/V of the target's features at the
 ``i``-th position the draft has seen. Positions are the draft's own (its entry index): a
 request whose draft state was lost starts again at 0 and keeps the right relative
-distances (rotary attention depends on nothing else). Outside :meth:`draft_block` the
-cache holds context entries only; a block's entries are dropped as soon as it has run.
+distances (rotary attention depends on nothing else). Outside :meth:`draft` and
+:meth:`feed_block` the cache holds context entries only; a block's entries are dropped as
+soon as it has been queued.
+
+With CUDA graphs on (``cuda_graph_max_bs``), the uniform forwards (a block of the verify
+width, an append of one row or of a verify's rows per request, and the two fused after a
+greedy verify) replay from :class:`.DFlashGraphRunner`; prefill chunks stay eager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +39,7 @@ from .dflash_format import (
     random_dflash_tensors,
     resolve_mask_token_id,
 )
+from .dflash_graphs import DFlashGraphRunner
 from .dflash_model import DFlashDraftModel
 
 
@@ -59,9 +66,14 @@ class DFlashDraftRunner:
         load_format: str = "auto",
         seed: int = 0,
         attention_backend: str = "sdpa",
+        cuda_graph_max_bs: int = 0,
+        block_width: int | None = None,
     ):
         """``embed_weight`` / ``lm_head_weight``: the target's BASE weights (unwrapped from
-        any adapter wrapper by the caller); ``attention_backend``: the target's."""
+        any adapter wrapper by the caller); ``attention_backend``: the target's.
+        ``cuda_graph_max_bs``: replay blocks of ``block_width`` rows (the verify width) and
+        context appends of up to this many requests from CUDA graphs (:mod:`.dflash_graphs`;
+        0 or no ``block_width``: always eager)."""
         self.path = Path(path)
         self.config: DFlashDraftConfig = load_dflash_config(
             path, target_num_layers=target_arch.num_layers, architecture_override=architecture
@@ -103,6 +115,9 @@ class DFlashDraftRunner:
             max_requests=max_requests,
             max_context_len=max_context_len,
         )
+        self.graphs: DFlashGraphRunner | None = None
+        if cuda_graph_max_bs > 0 and block_width is not None and self.device.type == "cuda":
+            self.graphs = DFlashGraphRunner(self, max_bs=cuda_graph_max_bs, width=block_width)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -117,12 +132,28 @@ class DFlashDraftRunner:
         """Context entries the draft holds for a request (0 when it has none)."""
         return self.kv.seq_len(request_id) if request_id in self.kv else 0
 
+    @property
+    def feature_size(self) -> int:
+        """Width of a context row from the target: its captured layer outputs side by side."""
+        return self.config.fc_in_features
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def can_graph(self, batch_size: int) -> bool:
+        """Whether uniform forwards of ``batch_size`` requests replay from the graph runner."""
+        return self.graphs is not None and self.graphs.can_run(batch_size)
+
     @torch.inference_mode()
     def append_context(
         self, request_ids: Sequence[Hashable], features: torch.Tensor, lens: Sequence[int]
     ) -> None:
         """Append ``lens[i]`` context rows for request ``i`` from the target's captured
-        features (flat ``[sum(lens), K * H]`` in request order). All or nothing."""
+        features (flat ``[sum(lens), K * H]`` in request order). All or nothing.
+
+        A uniform append of one row or of a verify's ``width`` rows per request replays
+        from the graph runner where one holds the batch; others run eagerly."""
         counts = [int(n) for n in lens]
         if features.shape[0] != sum(counts):
             raise ValueError(f"{features.shape[0]} feature rows for lens summing to {sum(counts)}")
@@ -132,61 +163,164 @@ class DFlashDraftRunner:
         if len(keep) < len(counts):
             request_ids = [request_ids[i] for i in keep]
             counts = [counts[i] for i in keep]
-        alloc = self.kv.allocate(request_ids, counts)
-        try:
+        features = features.to(device=self.device, dtype=self.dtype)
+        graphs = self.graphs
+        uniform = len(set(counts)) == 1 and graphs is not None and counts[0] in (1, graphs.width)
+        with self._allocated(request_ids, counts) as alloc:
+            if uniform and self.can_graph(len(counts)):
+                assert graphs is not None
+                graphs.run_append(alloc, features, counts[0])
+                return
             starts = np.repeat(np.asarray(alloc.prefix_lens, dtype=np.int64), counts)
             within = np.arange(sum(counts), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
             positions = torch.from_numpy(starts + within).to(self.device, non_blocking=True)
             self.model.write_context(
-                features.to(device=self.device, dtype=self.dtype),
-                positions,
-                alloc.out_cache_loc,
-                self.kv.k_buffers,
-                self.kv.v_buffers,
+                features, positions, alloc.out_cache_loc, self.kv.k_buffers, self.kv.v_buffers
             )
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
 
-    @torch.inference_mode()
-    def draft_block(
-        self, request_ids: Sequence[Hashable], first_tokens: torch.Tensor, width: int
+    def write_rows(
+        self, features: torch.Tensor, prefix_lens: torch.Tensor, slots: torch.Tensor, rows: int
+    ) -> None:
+        """Write ``rows`` context entries per request (positions ``prefix_lens[i] + j``, cache
+        ``slots``, request-major) from ``features``. Device tensors only: the graph runner
+        captures it."""
+        offsets = torch.arange(rows, device=prefix_lens.device)
+        positions = (prefix_lens[:, None] + offsets[None, :]).reshape(-1)
+        self.model.write_context(features, positions, slots, self.kv.k_buffers, self.kv.v_buffers)
+
+    def block_hidden(
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        slots: torch.Tensor,
+        context: int,
+        first_tokens: torch.Tensor,
+        width: int,
     ) -> torch.Tensor:
-        """Draft one block per request: ``[first_tokens[i], mask × (width - 1)]`` after the
-        request's context, every block row seeing the whole context and the whole block.
-        Returns the draft's logits (float32) at block rows ``1 .. width - 1``:
-        ``[bs, width - 1, vocab]``. The block's cache entries are dropped before returning."""
-        bs = len(request_ids)
+        """The block ``[first_tokens[i], mask × (width - 1)]`` of each request at positions
+        ``prefix_lens[i] ..``, written into ``slots`` (``width`` per request, already in the
+        requests' token table) and attending over ``context`` key columns. Returns the final
+        hidden rows of block positions ``1 .. width - 1``: ``[bs, width - 1, H]``. Device
+        tensors only: the graph runner captures it."""
+        bs = rows.shape[0]
         ids = torch.full((bs, width), self.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = first_tokens.to(self.device)
-        alloc = self.kv.allocate(request_ids, [width] * bs)
-        try:
-            hidden = self._block(alloc, ids.reshape(-1), width)
-        finally:
-            for rid in request_ids:
-                self.kv.truncate(rid, width)
-        hidden = hidden.view(bs, width, -1)[:, 1:]
-        return self.model.compute_logits(hidden.reshape(bs * (width - 1), -1)).view(bs, width - 1, -1)
-
-    def _block(self, alloc: Allocation, input_ids: torch.Tensor, width: int) -> torch.Tensor:
-        bs = len(alloc.request_ids)
+        ids[:, 0] = first_tokens
         # The block as a "tree" whose nodes are all ancestors of each other: node n sits at
         # prefix + n and sees the whole context and every node (non-causal in the block).
         depths = torch.arange(width, device=self.device).expand(bs, width)
         visible = torch.ones(bs, width, width, dtype=torch.bool, device=self.device)
         meta = build_attention_metadata(
             req_to_token=self.kv.req_to_token,
-            rows=alloc.rows,
-            prefix_lens=torch.tensor(alloc.prefix_lens, dtype=torch.int64).to(self.device, non_blocking=True),
-            out_cache_loc=alloc.out_cache_loc,
+            rows=rows,
+            prefix_lens=prefix_lens,
+            out_cache_loc=slots,
             max_q=width,
-            max_ctx=context_bucket(max(alloc.seq_lens), self.kv.max_context_len),
+            max_ctx=context,
             groups=self.attn_groups,
             backend=self.attention_backend,
             tree_depths=depths,
             tree_ancestors=visible,
         )
-        return self.model(input_ids, meta, self.kv.k_buffers, self.kv.v_buffers)
+        hidden = self.model(ids.reshape(-1), meta, self.kv.k_buffers, self.kv.v_buffers)
+        return hidden.view(bs, width, -1)[:, 1:]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the target's vocabulary from the draft's final hidden rows."""
+        return self.model.compute_logits(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's argmax of each hidden row (int64, the rows' shape without ``H``)."""
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def draft(
+        self, request_ids: Sequence[Hashable], first_tokens: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft one block per request: ``[first_tokens[i], mask × (width - 1)]`` after the
+        request's context, every block row seeing the whole context and the whole block.
+        Returns the greedy drafts ``[bs, width - 1]`` and the final hidden rows of block
+        positions ``1 .. width - 1`` (``[bs, width - 1, H]``; :meth:`compute_logits` gives
+        their logits). Replayed from a CUDA graph where one holds the batch. The block's
+        cache entries are dropped before returning."""
+        bs = len(request_ids)
+        first = first_tokens.to(self.device, torch.int64)
+        with self._allocated(request_ids, [width] * bs) as alloc:
+            if self.can_graph(bs):
+                assert self.graphs is not None
+                out = self.graphs.run_block(alloc, first)
+            else:
+                prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64).to(self.device, non_blocking=True)
+                context = context_bucket(max(alloc.seq_lens), self.kv.max_context_len)
+                hidden = self.block_hidden(alloc.rows, prefix, alloc.out_cache_loc, context, first, width)
+                out = self.greedy_tokens(hidden), hidden
+        for rid in request_ids:
+            self.kv.truncate(rid, width)
+        return out
+
+    def draft_block(
+        self, request_ids: Sequence[Hashable], first_tokens: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """:meth:`draft`'s logits (float32): ``[bs, width - 1, vocab]``."""
+        _, hidden = self.draft(request_ids, first_tokens, width)
+        return self.compute_logits(hidden)
+
+    def can_feed_block(self, request_ids: Sequence[Hashable], width: int) -> bool:
+        """Whether :meth:`feed_block` can run for these requests after a verify of ``width``
+        rows: the graphs hold the batch and its width, and every request has room for the
+        verified rows and a block past its context (in its context limit and in the cache)."""
+        bs = len(request_ids)
+        if not self.can_graph(bs):
+            return False
+        assert self.graphs is not None
+        if width != self.graphs.width:
+            return False
+        held = [self.held(rid) for rid in request_ids]
+        if any(n + 2 * width > self.kv.max_context_len for n in held):
+            return False
+        return self.kv.num_free_tokens >= 2 * width * bs
+
+    @torch.inference_mode()
+    def feed_block(
+        self,
+        request_ids: Sequence[Hashable],
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        """After a greedy verify, in one replay: append the ``width`` verified rows' features
+        per request, and draft the next block from the target's token after each request's
+        accepted drafts (``tokens[i, accept_lens[i]]``; both device tensors the host need
+        not have read), right after the accepted entries. Returns the greedy drafts
+        ``[bs, width - 1]``.
+
+        The cache gains ``2 * width`` entries per request; the caller keeps the first
+        ``accept_lens[i] + 1`` (:meth:`keep_context`). On failure the cache is left as it was."""
+        assert self.graphs is not None
+        bs = len(request_ids)
+        with self._allocated(request_ids, [2 * width] * bs) as alloc:
+            return self.graphs.run_feed_block(
+                alloc,
+                features.to(self.device, self.dtype),
+                tokens.to(self.device, torch.int64).clamp_min(0).reshape(-1),
+                accept_lens.to(self.device, torch.int64),
+            )
+
+    def keep_context(self, request_ids: Sequence[Hashable], rows: int, keep: Sequence[int]) -> None:
+        """Drop all but the first ``keep[i]`` of the last ``rows`` entries of request ``i``."""
+        for rid, n in zip(request_ids, keep, strict=True):
+            if n < rows:
+                self.kv.truncate(rid, rows - n)
+
+    @contextmanager
+    def _allocated(self, request_ids: Sequence[Hashable], counts: Sequence[int]) -> Iterator[Allocation]:
+        """``counts[i]`` new cache entries for request ``i``, rolled back if the body fails."""
+        alloc = self.kv.allocate(request_ids, counts)
+        try:
+            yield alloc
+        except BaseException:
+            self.kv.rollback(alloc)
+            raise
 
     def release(self, request_id: Hashable) -> None:
         self.kv.free(request_id)

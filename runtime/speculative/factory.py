@@ -92,6 +92,8 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
             **_head_runner_args(config, runner),
             cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
             token_map=spec.token_map,
+            # The head's own draft adapter pool (never the target's adapters).
+            draft_lora=spec.draft_lora_pool(config.lora),
         )
     except TokenMapError as exc:
         raise SpeculativeConfigError("speculative.token_map", str(exc)) from exc
@@ -147,7 +149,12 @@ def _dflash_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> Drafter:
 
     spec = config.speculative
     try:
-        draft_runner = DFlashDraftRunner(**_head_runner_args(config, runner), target_dir=runner.model_path)
+        draft_runner = DFlashDraftRunner(
+            **_head_runner_args(config, runner),
+            target_dir=runner.model_path,
+            cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
+            block_width=int(spec.num_draft_tokens),
+        )
         draft_runner.config.check_block(int(spec.num_draft_tokens))
     except ModelConfigError as exc:
         field = "speculative.num_draft_tokens" if "num_draft_tokens" in str(exc) else "speculative.draft_model_path"

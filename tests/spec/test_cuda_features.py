@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .test_dflash import _requests as dflash_requests
+from .test_dflash import drafts  # noqa: F401 (fixture)
+from .test_dflash_graphs import WIDTH, check_against_eager, dflash_pair
 from .test_draft_adapters import ADAPTED
 from .test_draft_adapters import _requests as draft_requests
 from .test_processing_oracle import _requests as processed_requests
@@ -57,3 +60,29 @@ def test_draft_adapters_under_cuda_graphs(make_spec_config, engine_run, spec_ass
     # bf16 / tf32 kernels may split a near-tie differently from the target: nearly every draft
     assert stats.accepted_tokens / stats.draft_tokens > 0.9
     assert run.engine.decoder.drafter.runner.graphs is not None
+
+
+# --------------------------------------------------------------------------- DFLASH under graphs
+
+
+def test_dflash_proposals_from_cuda_graphs_equal_eager(spec_assets, drafts):  # noqa: F811
+    """The DFLASH draft's block, append and fused append + block replayed from captured
+    graphs (padded batches, two context buckets): the same proposals as eager forwards."""
+    graphed, eager = dflash_pair(spec_assets, drafts["two"], "cuda", max_bs=4, use_graphs=True)
+    check_against_eager(graphed, eager, "cuda", tol=1e-4)  # cuBLAS, too, picks kernels by rows
+    assert graphed.graphs is not None and graphed.graphs.num_captured == graphed.graphs.num_shapes > 0
+
+
+def test_dflash_greedy_under_cuda_graphs_is_lossless(make_spec_config, engine_run, drafts):  # noqa: F811
+    """Greedy DFLASH with the target's and the draft's graphs on: the tokens of plain
+    decoding, per adapter, with the draft's block and appends replayed from graphs."""
+    requests = dflash_requests(count=10, seed=4)
+    plain = engine_run(_on_gpu(make_spec_config(max_running_requests=8)), requests)
+    expected = {rid: plain.outputs[rid].tokens for rid, *_ in requests}
+    config = _on_gpu(make_spec_config("DFLASH", None, k=WIDTH, max_running_requests=8))
+    config.speculative.draft_model_path = str(drafts["two"])
+    run = engine_run(config, requests)
+    _check(run, requests, expected)
+    graphs = run.engine.decoder.drafter.runner.graphs
+    assert graphs is not None and graphs.num_captured > 0 and graphs._feeds
+    assert run.engine.decoder.metrics.snapshot().overall.accepted_tokens > 0

@@ -359,7 +359,7 @@ def _replay_proposals(drafter, log) -> list[torch.Tensor]:
         if kind == "append":
             drafter.runner.append_context(*args)
         else:
-            out.append(drafter.runner.draft_block(*args))
+            out.append(drafter.runner.draft(*args))
     return out
 
 
@@ -369,7 +369,7 @@ def test_proposals_are_bit_identical_with_and_without_an_embedding_and_head_adap
     """Serving the emb-head adapter (embed_tokens + lm_head + v_proj) among others, with the
     target's embed_tokens and lm_head WRAPPED in adapter-carrying modules: every draft call
     replayed on a draft built beside a plain target (no adapters at all) gives bit-identical
-    logits. A draft that took the wrapped weights, or ran the target's adapter hooks, fails."""
+    proposals and hidden rows (the logits of sampled drafts). A draft that took the wrapped weights, or ran the target's adapter hooks, fails."""
     config = _config(make_spec_config, drafts["one"], max_running_requests=6)
     runner = ModelRunner(config)
     gen = torch.Generator().manual_seed(5)
@@ -385,23 +385,23 @@ def test_proposals_are_bit_identical_with_and_without_an_embedding_and_head_adap
         assert inner.lora is None and inner.model.lora is None
         assert inner.model._embed_weight.data_ptr() == base_embed.weight.data_ptr()
         assert inner.model._head_weight.data_ptr() == base_head.weight.data_ptr()
-        append, block = inner.append_context, inner.draft_block
+        append, block = inner.append_context, inner.draft
 
         def appending(rids, feats, lens):
             log.append(("append", (list(rids), feats.clone(), list(lens))))
             return append(rids, feats, lens)
 
         def drafting(rids, first, width):
-            logits = block(rids, first, width)
+            tokens, hidden = block(rids, first, width)
             log.append(("block", (list(rids), first.clone(), width)))
-            recorded.append(logits.clone())
-            return logits
+            recorded.append((tokens.clone(), hidden.clone()))
+            return tokens, hidden
 
-        inner.append_context, inner.draft_block = appending, drafting
+        inner.append_context, inner.draft = appending, drafting
         # the engine's target must not run the wrapped modules: restore them for serving
         runner.model.model.embed_tokens, runner.model.lm_head = base_embed, base_head
 
-    recorded: list[torch.Tensor] = []
+    recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
     # every other request serves the emb-head adapter, the rest a mix of the others and the base
     requests = [
         (f"a{i}", p, params, "emb-head" if i % 2 else name)
@@ -420,7 +420,7 @@ def test_proposals_are_bit_identical_with_and_without_an_embedding_and_head_adap
     replayed = _replay_proposals(plain, log)
     assert len(replayed) == len(recorded)
     for ours, theirs in zip(recorded, replayed, strict=True):
-        assert torch.equal(ours, theirs)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
 def test_the_target_adapter_context_never_reaches_the_draft(make_spec_config, drafts):
