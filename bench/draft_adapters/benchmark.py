@@ -1,0 +1,160 @@
+"""The benchmark from start to end: train, distill, serve, time every level, report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..speculative.checks import expansion_check
+from ..speculative.log import log
+from ..speculative.models import TrainedModels, train_models
+from ..speculative.workloads import prompt_pool
+from . import cli
+from .checks import served_adapter_checks
+from .corpora import load_task_corpus
+from .decoders import build_decoders
+from .draft_distillation import distill_draft_adapter
+from .measure import BASE, LevelOptions, measure_kind, warm_up
+from .report import Record, write_report
+from .serving import build_serving
+from .task_adapters import TaskAdapter, train_task_adapter
+from .timing import PhaseClock
+from .verdict import verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on ``argv``; with ``--smoke``, 1 when a check of the flow failed."""
+    s = cli.parse(argv)
+    spec = s.spec
+    clock, record = PhaseClock(), Record()
+    with clock.phase("target and STANDALONE draft"):
+        trained = train_models(spec)
+    record.setup.update(target=trained.target_info, draft=trained.infos["standalone"])
+    adapters = train_adapters(s, trained, clock)
+    for a in adapters:
+        record.adapters[a.name] = {"training": a.info}
+    with clock.phase("draft adapters"):
+        draft_adapters = distill_all(s, trained, adapters, record)
+    if spec.device.type == "cuda":
+        torch.cuda.empty_cache()
+    with clock.phase("serving"):
+        serving = build_serving(spec, trained, adapters, max(s.adapter_training.rank, 16))
+        pools = {BASE: prompt_pool(trained.held_ids, spec.prompt_len)}
+        pools.update({a.name: prompt_pool(a.corpus.held_ids, spec.prompt_len) for a in adapters})
+        record.setup.update(params=serving.target_params)
+        record.setup["check"] = expansion_check(
+            serving.runner, trained.small_dir, pools[BASE][0], spec.device
+        )
+        decoders = build_decoders(spec, serving, trained.draft_dir, draft_adapters, s.draft_training.rank)
+        check_served(trained, adapters, draft_adapters, serving, decoders, pools, record)
+    opts = LevelOptions(spec.gen_tokens, spec.waves, spec.args.c1_requests)
+    longest = 0.0
+    for c in spec.concurrency:
+        if clock.elapsed() + 1.2 * longest > s.deadline_s:
+            record.notes.append(
+                f"concurrency {c} skipped: the --deadline-s {s.deadline_s:.0f} s budget is spent"
+            )
+            log(record.notes[-1])
+            continue
+        started = clock.elapsed()
+        with clock.phase(f"concurrency {c}"):
+            warm_up(c, pools, serving, decoders, opts)
+            for kind, pool in pools.items():
+                try:
+                    record.results.append(measure_kind(c, kind, pool, serving, decoders, opts, spec.k))
+                except Exception as exc:  # keep what was measured; say what failed
+                    record.notes.append(f"concurrency {c} {kind} failed: {type(exc).__name__}: {exc}")
+                    log(record.notes[-1])
+        longest = max(longest, clock.elapsed() - started)
+        _update(s, record, clock, adapters)
+    print(_update(s, record, clock, adapters))
+    log(f"total {clock.elapsed():.0f} s")
+    return smoke_verdict(s, record)
+
+
+def train_adapters(s: cli.Settings, trained: TrainedModels, clock: PhaseClock) -> list[TaskAdapter]:
+    """Each task corpus read and tokenized, then its LoRA trained on the small target."""
+    with clock.phase("task corpora"):
+        corpora = [
+            load_task_corpus(name, trained.tokenizer_dir, trained.work, train_bytes=s.train_bytes,
+                             held_bytes=s.held_bytes)
+            for name in s.adapters
+        ]  # fmt: skip
+    for c in corpora:
+        log(f"task corpus {c.name}: {c.info()}")
+    with clock.phase("task adapters"):
+        return [
+            train_task_adapter(trained.small_dir, corpus, trained.work / f"adapter-{corpus.name}", s.spec.device,
+                               s.adapter_training, seed=20 + i)
+            for i, corpus in enumerate(corpora)
+        ]  # fmt: skip
+
+
+def check_served(trained: TrainedModels, adapters: list[TaskAdapter], draft_adapters: dict[str, Path],
+                 serving, decoders, pools: dict[str, list[list[int]]], record: Record) -> None:  # fmt: skip
+    """The served task adapters against the small adapted target, and the draft adapters in
+    the draft's pool against the draft with them, each on one of its adapter's prompts."""
+    prompts = {a.name: pools[a.name][0] for a in adapters}
+    target = served_adapter_checks(
+        serving.runner, trained.small_dir, {a.name: a.small_dir for a in adapters}, prompts
+    )
+    draft = served_adapter_checks(
+        decoders.spec["adapted"].drafter.runner, trained.draft_dir, draft_adapters, prompts
+    )
+    for a in adapters:
+        record.adapters[a.name]["check"] = target[a.name]
+        record.adapters[a.name]["draft_check"] = draft.get(a.name)
+        log(f"{a.name}: served target vs small target, both adapted: {target[a.name]}; served draft adapter vs"
+            f" distilled: {draft.get(a.name)}")  # fmt: skip
+
+
+def distill_all(
+    s: cli.Settings, trained: TrainedModels, adapters: list[TaskAdapter], record: Record
+) -> dict[str, Path]:
+    """Each task adapter's draft adapter (by the adapter's name); one whose distillation fails
+    is noted and left out (its requests then draft unadapted in the draft-adapter runs too)."""
+    out = {}
+    for a in adapters:
+        try:
+            out[a.name], record.adapters[a.name]["draft"] = distill_draft_adapter(
+                a, trained.small_dir, trained.draft_dir, trained.work / f"draft-adapter-{a.name}", s.spec.device,
+                s.draft_training,
+            )  # fmt: skip
+        except Exception as exc:  # the other adapters still measure
+            record.notes.append(f"draft adapter {a.name}: distillation failed: {type(exc).__name__}: {exc}")
+            log(record.notes[-1])
+    return out
+
+
+def _update(s: cli.Settings, record: Record, clock: PhaseClock, adapters: list[TaskAdapter]) -> str:
+    """The verdicts and phases as they stand, the report written: a run cut short keeps what it measured."""
+    record.verdicts = verdicts(record.results, [a.name for a in adapters], s.args.no_loss_tolerance)
+    record.phases = clock.record()
+    return write_report(s, record)
+
+
+def smoke_verdict(s: cli.Settings, record: Record) -> int:
+    """0, except for a ``--smoke`` run (float32, exact) where a speculative output differs from
+    the plain one, a run failed, a served adapter computes other than the trained one, or a
+    draft adapter's distillation did not bring the draft closer to its adapted target."""
+    if not s.spec.smoke:
+        return 0
+    bad = [
+        (r.concurrency, r.kind, name)
+        for r in record.results
+        for name in ("shared", "adapted")
+        if r.identical(name)[0] != r.identical(name)[1] or r.identical(name)[1] == 0
+    ]
+    for name, a in record.adapters.items():
+        draft = a.get("draft", {})
+        for what in ("check", "draft_check"):
+            check = a.get(what) or {}
+            if check.get("argmax_agreement") != 1.0 or check.get("rel_logit_diff", 1.0) > 1e-4:
+                bad.append((name, what, check))
+        if not draft.get("kl_after", float("inf")) < draft.get("kl_before", 0.0):
+            bad.append((name, "distillation", draft))
+    if bad or record.notes:
+        print(f"smoke: checks failed: {bad} {record.notes}")
+        return 1
+    return 0

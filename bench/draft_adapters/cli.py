@@ -1,0 +1,132 @@
+"""The command line: this benchmark's options, and ``bench/speculative``'s settings built
+from them (the target, the STANDALONE draft, the serving shapes and workload sizes are that
+benchmark's, trained and served by its code).
+
+Defaults size a GPU run for one 10-minute call on an H100 (about 8 minutes: the phases'
+seconds are printed and reported, to tune them); ``--smoke`` runs the whole flow on a CPU
+with tiny shapes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..speculative import cli as spec_cli
+from ..speculative.settings import Settings as SpecSettings
+from .corpora import SOURCES
+from .draft_distillation import DraftAdapterTraining
+from .task_adapters import AdapterTraining
+
+DESCRIPTION = (
+    "Draft adapters: accept length and speedup of adapted requests with the shared STANDALONE draft and with"
+    " each task adapter's distilled draft adapter, beside base requests."
+)
+
+
+@dataclass
+class Settings:
+    """The run: ``bench/speculative``'s settings and this benchmark's own."""
+
+    spec: SpecSettings
+    args: argparse.Namespace
+    argv: list[str] | None
+    adapters: list[str]
+    adapter_training: AdapterTraining
+    draft_training: DraftAdapterTraining
+    train_bytes: int  # text per task corpus trained on
+    held_bytes: int  # held-out text per task corpus (prompts, the adapter's measure)
+    deadline_s: float
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option, with the GPU default (``--smoke``'s in brackets)."""
+    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    add = ap.add_argument
+    add("--smoke", action="store_true", help="CPU, tiny shapes, short training")
+    add("--out", default=None, help="markdown report (JSON beside it unless --json)")
+    add("--json", default=None, help="JSON record of the run")
+    add(
+        "--adapters",
+        default="cpp,transformers,sympy",
+        help=f"comma list of task corpora from {list(SOURCES)}",
+    )
+    add("--target-shape", default=None, help="8b (default on GPU) or trained")
+    add("--k", type=int, default=None, help="num_draft_tokens (6 [4])")
+    add("--gen-tokens", type=int, default=None, help="new tokens per request (128 [12])")
+    add("--prompt-len", type=int, default=None, help="prompt tokens (128 [32])")
+    add("--concurrency", default=None, help="comma list (1,8,32 [1,4])")
+    add("--c1-requests", type=int, default=None, help="requests per kind at concurrency 1 (3 [1])")
+    add("--waves", type=int, default=None, help="requests per kind at concurrency c = waves x c (2 [1])")
+    add("--train-target-s", type=float, default=None, help="small target training (60 [4])")
+    add("--train-draft-s", type=float, default=None, help="STANDALONE draft distillation (90 [2])")
+    add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
+    add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
+    add("--train-adapter-s", type=float, default=None, help="seconds per task adapter (20 [3])")
+    add("--adapter-max-steps", type=int, default=None, help="step cap per task adapter (none [6])")
+    add("--adapter-rank", type=int, default=16, help="rank of the task adapters")
+    add("--adapter-lr", type=float, default=None, help="task adapters' peak learning rate (1e-3 [3e-3])")
+    add("--draft-adapter-rank", type=int, default=16, help="rank of the draft adapters")
+    add(
+        "--draft-adapter-steps",
+        type=int,
+        default=None,
+        help="distillation steps per draft adapter (800 [12])",
+    )
+    add("--draft-adapter-batch", type=int, default=None, help="distillation sequences per step (8 [4])")
+    add("--draft-adapter-seq", type=int, default=None, help="distillation sequence length (512 [64])")
+    add("--draft-adapter-lr", type=float, default=None, help="distillation peak learning rate (1e-3 [3e-3])")
+    add("--corpus-mb", type=float, default=None, help="text per task corpus trained on (6 [0.25])")
+    add("--deadline-s", type=float, default=None, help="skip concurrency levels after this (540 [none])")
+    add("--no-loss-tolerance", type=float, default=0.02, help="the no-loss target's allowance for noise")
+    add("--attention-backend", default="auto", choices=("auto", "sdpa", "triton"))
+    return ap
+
+
+def parse(argv: list[str] | None = None) -> Settings:
+    """The command line ``argv`` (``sys.argv[1:]`` when None) with the defaults filled in."""
+    args = build_parser().parse_args(argv)
+    smoke = args.smoke
+    adapters = [a.strip() for a in args.adapters.split(",") if a.strip()]
+    if (
+        not adapters
+        or len(adapters) > 4
+        or set(adapters) - set(SOURCES)
+        or len(set(adapters)) != len(adapters)
+    ):
+        raise SystemExit(f"--adapters {args.adapters!r}: one to four distinct corpora of {list(SOURCES)}")
+
+    def pick(value, gpu, cpu):
+        return value if value is not None else (cpu if smoke else gpu)
+
+    spec_argv = [
+        "--draft", "standalone", "--attention-backend", args.attention_backend,
+        "--train-target-s", str(pick(args.train_target_s, 60, 4)),
+        "--train-draft-s", str(pick(args.train_draft_s, 90, 2)),
+        "--distill-count", str(pick(args.distill_count, 4096, 16)),
+        "--k", str(pick(args.k, 6, 4)),
+        "--gen-tokens", str(pick(args.gen_tokens, 128, 12)),
+        "--prompt-len", str(pick(args.prompt_len, 128, 32)),
+        "--concurrency", pick(args.concurrency, "1,8,32", "1,4"),
+        "--c1-requests", str(pick(args.c1_requests, 3, 1)),
+        "--waves", str(pick(args.waves, 2, 1)),
+    ]  # fmt: skip
+    spec_argv += ["--smoke"] if smoke else []
+    spec_argv += ["--target-shape", args.target_shape] if args.target_shape else []
+    spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
+    spec = spec_cli.parse(spec_argv)
+    adapter_training = AdapterTraining(
+        seconds=pick(args.train_adapter_s, 20.0, 3.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 3e-3),
+        seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
+    )  # fmt: skip
+    draft_training = DraftAdapterTraining(
+        rank=args.draft_adapter_rank, steps=pick(args.draft_adapter_steps, 800, 12),
+        batch=pick(args.draft_adapter_batch, 8, 4), seq=pick(args.draft_adapter_seq, 512, 64),
+        lr=pick(args.draft_adapter_lr, 1e-3, 3e-3), eval_sequences=8 if smoke else 64,
+    )  # fmt: skip
+    corpus_mb = pick(args.corpus_mb, 6.0, 0.25)
+    return Settings(
+        spec=spec, args=args, argv=argv, adapters=adapters, adapter_training=adapter_training,
+        draft_training=draft_training, train_bytes=int(corpus_mb * 1e6), held_bytes=int(corpus_mb * 1e6 / 15),
+        deadline_s=pick(args.deadline_s, 540.0, float("inf")),
+    )  # fmt: skip

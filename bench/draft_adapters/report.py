@@ -1,0 +1,227 @@
+"""The markdown report and the JSON record: setup, task adapters and their draft adapters,
+one row per (concurrency, request kind), the targets per adapter, the time per phase."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..speculative.shapes import SHAPES
+from .cli import Settings
+from .measure import KindResult
+from .verdict import C1_GAIN_TARGET, RECOVERY_TARGET, AdapterVerdict
+
+
+@dataclass
+class Record:
+    """Everything the report is written from; filled in as the run goes."""
+
+    setup: dict = field(default_factory=dict)  # target, draft, serving checks
+    adapters: dict[str, dict] = field(default_factory=dict)  # per task adapter: training, moves, check, draft
+    results: list[KindResult] = field(default_factory=list)
+    verdicts: list[AdapterVerdict] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def write_report(s: Settings, record: Record) -> str:
+    """The report as it stands, written to ``--out`` (and the JSON to ``--json``, or beside it)."""
+    text = "\n".join(report_lines(s, record)) + "\n"
+    json_path = (
+        Path(s.args.json) if s.args.json else Path(s.args.out).with_suffix(".json") if s.args.out else None
+    )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(json_record(s, record), indent=1, default=str))
+    if s.args.out:
+        out = Path(s.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    return text
+
+
+def json_record(s: Settings, record: Record) -> dict:
+    """The run as JSON: setup, adapters, every run, the verdicts and the phases."""
+    return {
+        "argv": s.argv if s.argv is not None else sys.argv[1:],
+        "setup": record.setup,
+        "adapters": record.adapters,
+        "results": [dataclasses.asdict(r) for r in record.results],
+        "verdicts": [verdict_record(v) for v in record.verdicts],
+        "phases": record.phases,
+        "notes": record.notes,
+    }
+
+
+def verdict_record(v: AdapterVerdict) -> dict:
+    """One adapter's verdict as JSON, with the derived numbers and each target's outcome."""
+    return {**dataclasses.asdict(v), "lost": v.lost, "c1_gain": v.c1_gain, "met": v.met()}
+
+
+def report_lines(s: Settings, record: Record) -> list[str]:
+    """Setup, adapters, results, targets, phases, notes."""
+    lines = _setup_lines(s, record.setup)
+    lines += adapter_table(record.adapters)
+    lines += results_table(s, record.results)
+    lines += targets_table(record.verdicts)
+    lines += ["", "Time per phase (s): " + ", ".join(f"{k} {v}" for k, v in record.phases.items())]
+    lines += [""] + [f"- {n}" for n in record.notes]
+    return lines
+
+
+def _setup_lines(s: Settings, setup: dict) -> list[str]:
+    spec = s.spec
+    gpu = (
+        torch.cuda.get_device_name(spec.device)
+        if spec.device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    argv = s.argv if s.argv is not None else sys.argv[1:]
+    target, draft = setup.get("target", {}), setup.get("draft", {})
+    lines = [
+        f"# Draft adapters: accept length of adapted requests with the shared draft and with their own"
+        f" ({datetime.date.today().isoformat()})",
+        "",
+        f"- device: {gpu}; torch {torch.__version__}; python {platform.python_version()}",
+        f"- command: `python bench/draft_adapters {' '.join(argv)}`",
+    ]
+    if "params" in setup:
+        lines.append(
+            f"- serving target: {spec.target_shape} shape, {setup['params'] / 1e9:.2f} B parameters,"
+            f" {'bf16, CUDA graphs on' if spec.device.type == 'cuda' else 'float32, no CUDA graphs'};"
+            f" computes the trained small target's function (check on a held-out prompt: {setup.get('check')})"
+        )
+    if target:
+        lines.append(
+            f"- small target {SHAPES[spec.small_shape]} (hidden, layers, heads, kv, head_dim, mlp) trained"
+            f" {target['steps']} steps on the standard library's Python, final loss {target['final_loss']}"
+        )
+    if draft:
+        lines.append(
+            f"- STANDALONE draft {SHAPES[spec.draft_shape]}, distilled from the target {draft['steps']} steps"
+            f" (final KL {draft['final_loss']}); served as trained, beside the served target"
+        )
+    lines.append(
+        f"- verify width k = {spec.k}; greedy; prompts of {spec.prompt_len} tokens from held-out files (base:"
+        f" the standard library's; an adapter's: its corpus's); {spec.gen_tokens} new tokens; each kind's"
+        f" requests run on their own: {spec.args.c1_requests} one after another at concurrency 1,"
+        f" {spec.waves} x c at concurrency c"
+    )
+    return lines
+
+
+def adapter_table(adapters: dict[str, dict]) -> list[str]:
+    """Per task adapter: its corpus, training, how far it moved the target, the served check
+    and its draft adapter's distillation."""
+    lines = [
+        "",
+        "## Task adapters and their draft adapters",
+        "",
+        "Task adapters: LoRA on every linear module of the small target, next-token loss on their corpus, expanded"
+        " to the served shape; moved = held-out loss of the target without -> with the adapter and the share of"
+        " positions whose top-1 token it changes; served check = served adapted target vs small adapted target on a"
+        " held-out prompt. Draft adapters: `loraserve-distill-draft` (KL to the adapted target on the adapter's"
+        " corpus, draft frozen), scored on its held-out slice before -> after; draft check = the draft adapter as"
+        " served from the draft's pool vs the distilled one (peft), and how far it moves the draft's logits.",
+        "",
+        "| adapter | corpus | trained | held-out loss | top-1 changed | served check | draft adapter trained"
+        " | KL(adapted target, draft) | top-1 agreement | draft check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in adapters.items():
+        t, d, c, dc = (
+            a.get("training", {}),
+            a.get("draft", {}),
+            a.get("check", {}),
+            a.get("draft_check") or {},
+        )
+        lines.append(
+            f"| {name} | {t.get('source')} ({t.get('train_tokens', 0) / 1e6:.1f} M tokens) |"
+            f" {t.get('steps')} steps, {t.get('seconds')} s, loss {t.get('final_loss')} |"
+            f" {t.get('heldout_loss_base')} -> {t.get('heldout_loss_adapted')} | {_pct(t.get('top1_changed'))} |"
+            f" rel {c.get('rel_logit_diff')}, argmax {c.get('argmax_agreement')} |"
+            f" {d.get('steps')} steps, {d.get('seconds')} s | {d.get('kl_before')} -> {d.get('kl_after')} |"
+            f" {_pct(d.get('agreement_before'))} -> {_pct(d.get('agreement_after'))} |"
+            f" rel {dc.get('rel_logit_diff')}, argmax {dc.get('argmax_agreement')}, shift {dc.get('adapter_shift')} |"
+        )
+    return lines
+
+
+def results_table(s: Settings, results: list[KindResult]) -> list[str]:
+    """One row per (concurrency, kind): plain, shared draft, draft adapter."""
+    lines = [
+        "",
+        "## Runs",
+        "",
+        f"Accepted = mean accepted drafts a step (of {s.spec.k - 1}; tokens a step = 1 + that). Identical ="
+        " outputs equal to the plain run's, token for token (bf16 on a GPU flips near-ties).",
+        "",
+        "| c | kind | requests | no spec tok/s | shared draft tok/s | speedup | accepted | draft adapter tok/s"
+        " | speedup | accepted | identical (shared, adapter) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        plain, shared, adapted = (r.runs.get(n) for n in ("plain", "shared", "adapted"))
+        cells = [f"{plain.tokens_per_s:,.1f}" if plain else "–"]
+        for name, run in (("shared", shared), ("adapted", adapted)):
+            speed = r.speedup(name)
+            cells += [f"{run.tokens_per_s:,.1f}" if run else "–", f"{speed:.2f}x" if speed else "–",
+                      str(r.accept(name))]  # fmt: skip
+        same = ", ".join("/".join(map(str, r.identical(n))) for n in ("shared", "adapted"))
+        lines.append(f"| {r.concurrency} | {r.kind} | {r.requests} | {' | '.join(cells)} | {same} |")
+    return lines
+
+
+def targets_table(verdicts: list[AdapterVerdict]) -> list[str]:
+    """Each adapter against issue 25's targets, and whether every adapter meets each."""
+    if not verdicts:
+        return []
+    top = verdicts[0].top
+    tol = verdicts[0].tolerance
+    lines = [
+        "",
+        "## Targets",
+        "",
+        "Accepted drafts a step, mean over the concurrency levels: base requests and this adapter's requests with the"
+        f" shared draft, then with the adapter's draft adapter; recovered = the share of the lost accept length won"
+        f" back (target >= {RECOVERY_TARGET:.0%}); c = 1 speedup with the shared draft -> with the draft adapter (target:"
+        f" >= {C1_GAIN_TARGET:.0%} higher); c = {top}: the draft adapter's tokens/s over the shared draft's (target:"
+        f" no loss, >= {1 - tol:.2f}).",
+        "",
+        "| adapter | base | adapted, shared draft | adapted, draft adapter | lost | recovered | c=1 speedup"
+        f" | gain | c={top} ratio | met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        met = v.met()
+        c1 = f"{v.c1_speedups[0]:.2f}x -> {v.c1_speedups[1]:.2f}x" if v.c1_speedups else "–"
+        lines.append(
+            f"| {v.name} | {_num(v.base_accept)} | {_num(v.shared_accept)} | {_num(v.adapted_accept)} |"
+            f" {_num(v.lost)} | {_pct(v.recovered)} | {c1} | {_pct(v.c1_gain)} | {_num(v.top_ratio, 3)} |"
+            f" {', '.join(f'{k} {_yes(m)}' for k, m in met.items())} |"
+        )
+    overall = {k: [v.met()[k] for v in verdicts] for k in verdicts[0].met()}
+    lines += ["", "Every adapter: " + ", ".join(
+        f"{k} **{'met' if all(x is True for x in ms) else 'not met' if any(x is False for x in ms) else 'not shown'}**"
+        for k, ms in overall.items()
+    )]  # fmt: skip
+    return lines
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def _yes(met: bool | None) -> str:
+    return {True: "yes", False: "NO", None: "n/a"}[met]
