@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--json", default=None, help="JSON record of the run")
     add(
         "--adapters",
-        default="cpp,transformers,sympy",
-        help=f"comma list of task corpora from {list(SOURCES)}",
+        default=None,
+        help=f"comma list of task corpora from {list(SOURCES)} (cpp,transformers,sympy [cpp,sympy])",
     )
     add("--target-shape", default=None, help="8b (default on GPU) or trained")
     add("--k", type=int, default=None, help="num_draft_tokens (6 [4])")
@@ -62,10 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--train-draft-s", type=float, default=None, help="STANDALONE draft distillation (90 [2])")
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
     add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
-    add("--train-adapter-s", type=float, default=None, help="seconds per task adapter (20 [3])")
+    add(
+        "--train-adapter-s",
+        type=float,
+        default=None,
+        help="seconds per task adapter (20 [10, capped at 6 steps])",
+    )
     add("--adapter-max-steps", type=int, default=None, help="step cap per task adapter (none [6])")
     add("--adapter-rank", type=int, default=16, help="rank of the task adapters")
-    add("--adapter-lr", type=float, default=None, help="task adapters' peak learning rate (1e-3 [3e-3])")
+    add("--adapter-lr", type=float, default=None, help="task adapters' peak learning rate (1e-3 [1e-2])")
     add("--draft-adapter-rank", type=int, default=16, help="rank of the draft adapters")
     add(
         "--draft-adapter-steps",
@@ -87,14 +92,15 @@ def parse(argv: list[str] | None = None) -> Settings:
     """The command line ``argv`` (``sys.argv[1:]`` when None) with the defaults filled in."""
     args = build_parser().parse_args(argv)
     smoke = args.smoke
-    adapters = [a.strip() for a in args.adapters.split(",") if a.strip()]
+    chosen = args.adapters or ("cpp,sympy" if smoke else "cpp,transformers,sympy")
+    adapters = [a.strip() for a in chosen.split(",") if a.strip()]
     if (
         not adapters
         or len(adapters) > 4
         or set(adapters) - set(SOURCES)
         or len(set(adapters)) != len(adapters)
     ):
-        raise SystemExit(f"--adapters {args.adapters!r}: one to four distinct corpora of {list(SOURCES)}")
+        raise SystemExit(f"--adapters {chosen!r}: one to four distinct corpora of {list(SOURCES)}")
 
     def pick(value, gpu, cpu):
         return value if value is not None else (cpu if smoke else gpu)
@@ -116,7 +122,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
     spec = spec_cli.parse(spec_argv)
     adapter_training = AdapterTraining(
-        seconds=pick(args.train_adapter_s, 20.0, 3.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 3e-3),
+        seconds=pick(args.train_adapter_s, 20.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
         seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
     )  # fmt: skip
     draft_training = DraftAdapterTraining(

@@ -117,7 +117,7 @@ def adapter_moves(model, held_ids: torch.Tensor, device: torch.device, *, seq: i
             base = model(input_ids=window[:, :-1]).logits.float()
     target = window[:, 1:].flatten()
     return {
-        "heldout_loss_base": round(float(torch.nn.functional.cross_entropy(base.flatten(0, 1), target)), 3),
+        "heldout_loss_base": round(float(torch.nn.functional.cross_entropy(base.flatten(0, 1), target)), 4),
         "heldout_loss_adapted": round(
             float(torch.nn.functional.cross_entropy(adapted.flatten(0, 1), target)), 3
         ),
