@@ -8,6 +8,8 @@ forwards. tests/spec/test_cuda_features.py runs the same oracles with real graph
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,10 +24,17 @@ WIDTH = 4
 
 
 def dflash_pair(
-    spec_assets, draft, device: str, *, max_bs: int, use_graphs: bool, width: int = WIDTH
+    spec_assets,
+    draft,
+    device: str,
+    *,
+    max_bs: int,
+    use_graphs: bool,
+    width: int = WIDTH,
+    attention: str = "sdpa",
 ) -> tuple[DFlashDraftRunner, DFlashDraftRunner]:
     """Two runners of one draft beside one target: the first runs its uniform forwards
-    through the graph runner, the second eagerly."""
+    through the graph runner (on ``attention``), the second eagerly (on SDPA)."""
     arch = load_arch_config(spec_assets.target)
     target = build_model(
         arch,
@@ -35,14 +44,14 @@ def dflash_pair(
         model_dir=spec_assets.target,
     )
 
-    def make() -> DFlashDraftRunner:
+    def make(attention: str = "sdpa") -> DFlashDraftRunner:
         return DFlashDraftRunner(
             draft, target_arch=arch, target_dir=spec_assets.target, embed_weight=target.embed_tokens.weight,
             lm_head_weight=target.lm_head.weight, dtype=torch.float32, device=device, max_total_tokens=2048,
-            max_requests=8, max_context_len=256,
+            max_requests=8, max_context_len=256, attention_backend=attention,
         )  # fmt: skip
 
-    graphed, eager = make(), make()
+    graphed, eager = make(attention), make()
     graphed.graphs = DFlashGraphRunner(graphed, max_bs=max_bs, width=width, use_graphs=use_graphs)
     return graphed, eager
 
@@ -132,6 +141,21 @@ def check_against_eager(
 def test_static_path_proposals_are_bit_identical_to_eager(spec_assets, drafts, which):  # noqa: F811
     graphed, eager = dflash_pair(spec_assets, drafts[which], "cpu", max_bs=4, use_graphs=False)
     check_against_eager(graphed, eager, "cpu")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the paged kernel needs CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+def test_static_path_on_the_paged_kernel_proposes_what_eager_sdpa_does(spec_assets, drafts):  # noqa: F811
+    """The block through the paged Triton kernel (the target's backend on a GPU; padded
+    requests read table row 0): the proposals of eager SDPA, the rest equal up to the two
+    kernels' rounding."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    graphed, eager = dflash_pair(
+        spec_assets, drafts["two"], device, max_bs=4, use_graphs=False, attention="triton"
+    )
+    check_against_eager(graphed, eager, device, tol=1e-4)
 
 
 def test_a_block_of_another_width_is_refused_and_leaves_the_cache(spec_assets, drafts):  # noqa: F811
