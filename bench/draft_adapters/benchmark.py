@@ -15,7 +15,7 @@ from .checks import served_adapter_checks
 from .corpora import load_task_corpus
 from .decoders import build_decoders
 from .draft_distillation import distill_draft_adapter
-from .measure import BASE, LevelOptions, measure_kind, warm_up
+from .measure import BASE, MIXED, LevelOptions, measure_kind, warm_up
 from .report import Record, write_report
 from .serving import build_serving
 from .task_adapters import TaskAdapter, train_task_adapter
@@ -47,30 +47,46 @@ def main(argv: list[str] | None = None) -> int:
             serving.runner, trained.small_dir, pools[BASE][0], spec.device
         )
         decoders = build_decoders(spec, serving, trained.draft_dir, draft_adapters, s.draft_training.rank)
-        check_served(trained, adapters, draft_adapters, serving, decoders, pools, record)
-    opts = LevelOptions(spec.gen_tokens, spec.waves, spec.args.c1_requests)
-    longest = 0.0
-    for c in spec.concurrency:
-        if clock.elapsed() + 1.2 * longest > s.deadline_s:
-            record.notes.append(
-                f"concurrency {c} skipped: the --deadline-s {s.deadline_s:.0f} s budget is spent"
-            )
-            log(record.notes[-1])
-            continue
-        started = clock.elapsed()
-        with clock.phase(f"concurrency {c}"):
-            warm_up(c, pools, serving, decoders, opts)
-            for kind, pool in pools.items():
-                try:
-                    record.results.append(measure_kind(c, kind, pool, serving, decoders, opts, spec.k))
-                except Exception as exc:  # keep what was measured; say what failed
-                    record.notes.append(f"concurrency {c} {kind} failed: {type(exc).__name__}: {exc}")
-                    log(record.notes[-1])
-        longest = max(longest, clock.elapsed() - started)
-        _update(s, record, clock, adapters)
+        try:  # a failed check is reported; the timed runs still measure
+            check_served(trained, adapters, draft_adapters, serving, decoders, pools, record)
+        except Exception as exc:
+            _note(record, f"serving checks failed: {type(exc).__name__}: {exc}")
+    measure_levels(s, pools, serving, decoders, record, clock, adapters)
     print(_update(s, record, clock, adapters))
     log(f"total {clock.elapsed():.0f} s")
     return smoke_verdict(s, record)
+
+
+def measure_levels(s: cli.Settings, pools: dict[str, list[list[int]]], serving, decoders, record: Record,
+                   clock: PhaseClock, adapters: list[TaskAdapter]) -> None:  # fmt: skip
+    """Every concurrency level (the warm-ups, then each kind), while ``--deadline-s`` leaves
+    time for one more level as long as the longest so far; the report rewritten after each."""
+    spec = s.spec
+    opts = LevelOptions(spec.gen_tokens, spec.waves, spec.args.c1_requests)
+    kinds = [*pools, *([MIXED] if s.args.mixed else [])]
+    longest = 0.0
+    for c in spec.concurrency:
+        if clock.elapsed() + 1.2 * longest > s.deadline_s:
+            _note(record, f"concurrency {c} skipped: the --deadline-s {s.deadline_s:.0f} s budget is spent")
+            continue
+        started = clock.elapsed()
+        with clock.phase(f"concurrency {c}"):
+            for kind in ["warm-up", *kinds]:
+                try:  # keep what was measured; say what failed
+                    if kind == "warm-up":
+                        warm_up(c, pools, serving, decoders, opts)
+                    else:
+                        record.results.append(measure_kind(c, kind, pools, serving, decoders, opts, spec.k))
+                except Exception as exc:
+                    _note(record, f"concurrency {c} {kind} failed: {type(exc).__name__}: {exc}")
+        longest = max(longest, clock.elapsed() - started)
+        _update(s, record, clock, adapters)
+
+
+def _note(record: Record, message: str) -> None:
+    """``message`` into the report's notes, and logged."""
+    record.notes.append(message)
+    log(message)
 
 
 def train_adapters(s: cli.Settings, trained: TrainedModels, clock: PhaseClock) -> list[TaskAdapter]:
@@ -122,8 +138,7 @@ def distill_all(
                 s.draft_training,
             )  # fmt: skip
         except Exception as exc:  # the other adapters still measure
-            record.notes.append(f"draft adapter {a.name}: distillation failed: {type(exc).__name__}: {exc}")
-            log(record.notes[-1])
+            _note(record, f"draft adapter {a.name}: distillation failed: {type(exc).__name__}: {exc}")
     return out
 
 

@@ -59,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--c1-requests", type=int, default=None, help="requests per kind at concurrency 1 (3 [1])")
     add("--waves", type=int, default=None, help="requests per kind at concurrency c = waves x c (2 [1])")
     add("--train-target-s", type=float, default=None, help="small target training (60 [4])")
-    add("--train-draft-s", type=float, default=None, help="STANDALONE draft distillation (90 [2])")
+    add("--train-draft-s", type=float, default=None, help="STANDALONE draft distillation (80 [2])")
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
     add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
     add(
         "--train-adapter-s",
         type=float,
         default=None,
-        help="seconds per task adapter (20 [10, capped at 6 steps])",
+        help="seconds per task adapter (15 [10, capped at 6 steps])",
     )
     add("--adapter-max-steps", type=int, default=None, help="step cap per task adapter (none [6])")
     add("--adapter-rank", type=int, default=16, help="rank of the task adapters")
@@ -76,14 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-adapter-steps",
         type=int,
         default=None,
-        help="distillation steps per draft adapter (800 [12])",
+        help="distillation steps per draft adapter (600 [12])",
     )
     add("--draft-adapter-batch", type=int, default=None, help="distillation sequences per step (8 [4])")
     add("--draft-adapter-seq", type=int, default=None, help="distillation sequence length (512 [64])")
     add("--draft-adapter-lr", type=float, default=None, help="distillation peak learning rate (1e-3 [3e-3])")
     add("--corpus-mb", type=float, default=None, help="text per task corpus trained on (6 [0.25])")
-    add("--deadline-s", type=float, default=None, help="skip concurrency levels after this (540 [none])")
+    add(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds from the start after which no further concurrency level starts (520 [none])",
+    )
     add("--no-loss-tolerance", type=float, default=0.02, help="the no-loss target's allowance for noise")
+    add(
+        "--mixed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time one workload of every kind in the same batches at each level (default on)",
+    )
     add("--attention-backend", default="auto", choices=("auto", "sdpa", "triton"))
     return ap
 
@@ -108,7 +119,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     spec_argv = [
         "--draft", "standalone", "--attention-backend", args.attention_backend,
         "--train-target-s", str(pick(args.train_target_s, 60, 4)),
-        "--train-draft-s", str(pick(args.train_draft_s, 90, 2)),
+        "--train-draft-s", str(pick(args.train_draft_s, 80, 2)),
         "--distill-count", str(pick(args.distill_count, 4096, 16)),
         "--k", str(pick(args.k, 6, 4)),
         "--gen-tokens", str(pick(args.gen_tokens, 128, 12)),
@@ -122,11 +133,11 @@ def parse(argv: list[str] | None = None) -> Settings:
     spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
     spec = spec_cli.parse(spec_argv)
     adapter_training = AdapterTraining(
-        seconds=pick(args.train_adapter_s, 20.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
+        seconds=pick(args.train_adapter_s, 15.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
         seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
     )  # fmt: skip
     draft_training = DraftAdapterTraining(
-        rank=args.draft_adapter_rank, steps=pick(args.draft_adapter_steps, 800, 12),
+        rank=args.draft_adapter_rank, steps=pick(args.draft_adapter_steps, 600, 12),
         batch=pick(args.draft_adapter_batch, 8, 4), seq=pick(args.draft_adapter_seq, 512, 64),
         lr=pick(args.draft_adapter_lr, 1e-3, 3e-3), eval_sequences=8 if smoke else 64,
     )  # fmt: skip
@@ -134,5 +145,5 @@ def parse(argv: list[str] | None = None) -> Settings:
     return Settings(
         spec=spec, args=args, argv=argv, adapters=adapters, adapter_training=adapter_training,
         draft_training=draft_training, train_bytes=int(corpus_mb * 1e6), held_bytes=int(corpus_mb * 1e6 / 15),
-        deadline_s=pick(args.deadline_s, 540.0, float("inf")),
+        deadline_s=pick(args.deadline_s, 520.0, float("inf")),
     )  # fmt: skip

@@ -4,7 +4,9 @@ workload, without speculation, with the shared draft and with the draft adapters
 A kind's workload holds only that kind's requests (base requests on held-out standard
 library prompts, an adapter's requests on its corpus's held-out files), so its tokens/s is
 that kind's speedup; the same prompts run through the three decoders and the speculative
-outputs are compared with the plain ones token for token. Before the timed runs, each
+outputs are compared with the plain ones token for token. A last workload mixes every kind
+in the same batches (``MIXED``), where the decoder's per-adapter metrics give each kind's
+accept length beside the others'. Before the timed runs, each
 decoder serves one mixed warm-up workload at this concurrency (every kind in it), so the
 CUDA graphs of the batch and context buckets the timed runs meet are already captured.
 """
@@ -21,6 +23,7 @@ from ..speculative.workloads import RunResult, Workload, run_workload
 from .decoders import SPEC_RUNS, Decoders
 
 BASE = "base"
+MIXED = "mixed"  # every kind in one workload, as a serve sees them: per-adapter accept lengths side by side
 
 
 @dataclass(frozen=True)
@@ -80,35 +83,35 @@ class KindResult:
         return sum(k["identical"] for k in kinds), sum(k["count"] for k in kinds)
 
 
-def workload(kind: str, pool: list[list[int]], count: int, gen_tokens: int, offset: int = 0) -> Workload:
-    """``count`` requests of ``kind`` on prompts of its pool from ``offset``."""
-    adapter = None if kind == BASE else kind
-    prompts = [pool[(offset + i) % len(pool)] for i in range(count)]
-    return Workload(prompts, [adapter] * count, gen_tokens)
+def workload(
+    kind: str, pools: dict[str, list[list[int]]], count: int, gen_tokens: int, offset: int = 0
+) -> Workload:
+    """``count`` requests of ``kind`` on prompts of its pool from ``offset``; ``MIXED``: request
+    ``i`` of every kind in turn (base, then each adapter), each on a prompt of its own pool."""
+    kinds = [k for k in pools if k != MIXED] if kind == MIXED else [kind]
+    chosen = [kinds[i % len(kinds)] for i in range(count)]
+    prompts = [pools[k][(offset + i // len(kinds)) % len(pools[k])] for i, k in enumerate(chosen)]
+    return Workload(prompts, [None if k == BASE else k for k in chosen], gen_tokens)
 
 
 def warm_up(
     c: int, pools: dict[str, list[list[int]]], serving: Serving, decoders: Decoders, opts: LevelOptions
 ) -> None:
     """Each decoder serves a mixed workload of every kind at concurrency ``c`` (not timed)."""
-    kinds = list(pools)
-    count = max(c, 2)
-    prompts = [
-        pools[kinds[i % len(kinds)]][(100 + i) % len(pools[kinds[i % len(kinds)]])] for i in range(count)
-    ]
-    adapters = [None if kinds[i % len(kinds)] == BASE else kinds[i % len(kinds)] for i in range(count)]
-    work = Workload(prompts, adapters, opts.gen_tokens)
+    work = workload(MIXED, pools, max(c, 2), opts.gen_tokens, offset=100)
     run_workload(serving.config, serving.runner, decoders.plain, work, c, f"warm-plain-{c}")
     for name in SPEC_RUNS:
         run_workload(decoders.configs[name], serving.runner, decoders.spec[name], work, c, f"warm-{name}-{c}")
 
 
 def measure_kind(
-    c: int, kind: str, pool: list[list[int]], serving: Serving, decoders: Decoders, opts: LevelOptions, k: int
-) -> KindResult:
+    c: int, kind: str, pools: dict[str, list[list[int]]], serving: Serving, decoders: Decoders,
+    opts: LevelOptions, k: int,
+) -> KindResult:  # fmt: skip
     """``kind``'s workload at concurrency ``c`` through the plain decoder, then each speculative one."""
     runner = serving.runner
-    work = workload(kind, pool, opts.count(c), opts.gen_tokens)
+    count = max(opts.count(c), len(pools)) if kind == MIXED else opts.count(c)  # every kind at least once
+    work = workload(kind, pools, count, opts.gen_tokens)
     result = KindResult(c, kind, len(work.prompts))
     off = run_workload(serving.config, runner, decoders.plain, work, c, f"off-{kind}-{c}")
     result.runs["plain"] = Run.of(off)

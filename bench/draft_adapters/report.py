@@ -15,7 +15,7 @@ import torch
 
 from ..speculative.shapes import SHAPES
 from .cli import Settings
-from .measure import KindResult
+from .measure import MIXED, KindResult
 from .verdict import C1_GAIN_TARGET, RECOVERY_TARGET, AdapterVerdict
 
 
@@ -176,6 +176,15 @@ def results_table(s: Settings, results: list[KindResult]) -> list[str]:
                       str(r.accept(name))]  # fmt: skip
         same = ", ".join("/".join(map(str, r.identical(n))) for n in ("shared", "adapted"))
         lines.append(f"| {r.concurrency} | {r.kind} | {r.requests} | {' | '.join(cells)} | {same} |")
+    mixed = [r for r in results if r.kind == MIXED and r.runs.get("shared") and r.runs.get("adapted")]
+    if mixed:
+        lines += ["", "Mixed batches (every kind in the same batches), accepted drafts a step per kind, shared draft ->"
+                  " draft adapters:", ""]  # fmt: skip
+        for r in mixed:
+            shared = r.runs["shared"].summary["per_adapter_mean_accept"]
+            adapted = r.runs["adapted"].summary["per_adapter_mean_accept"]
+            per = ", ".join(f"{kind} {shared[kind]} -> {adapted.get(kind)}" for kind in shared)
+            lines.append(f"- c = {r.concurrency}: {per}")
     return lines
 
 

@@ -31,7 +31,7 @@ def test_draft_adapters_bench_smoke(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(record_file.read_text())
 
-    kinds = {"base", *ADAPTERS}
+    kinds = {"base", *ADAPTERS, "mixed"}  # mixed: every kind in the same batches
     assert {(r["concurrency"], r["kind"]) for r in record["results"]} == {
         (c, k) for c in (1, 4) for k in kinds
     }
@@ -43,6 +43,12 @@ def test_draft_adapters_bench_smoke(tmp_path):
             for kind in run["identity"].values():
                 assert kind["identical"] == kind["count"] > 0, (r["concurrency"], r["kind"], name)
             assert run["summary"]["mean_accept"] >= 0
+        if r["kind"] == "mixed":  # each kind's accept length measured in the same batches
+            for name in ("shared", "adapted"):
+                assert set(r["runs"][name]["summary"]["per_adapter_mean_accept"]) == {"base", *ADAPTERS}
+        if r["kind"] == "mixed":  # each kind's accept length measured in the same batches
+            for name in ("shared", "adapted"):
+                assert set(r["runs"][name]["summary"]["per_adapter_mean_accept"]) == {"base", *ADAPTERS}
 
     for name in ADAPTERS:
         a = record["adapters"][name]
@@ -75,4 +81,6 @@ def test_draft_adapters_bench_smoke(tmp_path):
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
     assert len(rows) == 2 * len(kinds), text
+    assert "- c = 1: base " in text and "- c = 4: base " in text  # the mixed batches' accept lengths per kind
+    assert "- c = 1: base " in text and "- c = 4: base " in text  # the mixed batches' accept lengths per kind
     assert "Every adapter: recovery" in text and "Time per phase (s):" in text
