@@ -18,9 +18,12 @@ adapted target to the draft and the draft's top-1 agreement with the adapted tar
 argmax, before and after: agreement is what a greedy draft's accept rate follows. Use text
 like the adapter's traffic (its prompts and the adapted target's answers) for the corpus.
 
-This version distils STANDALONE drafts (a small model with the target's tokenizer). An
-EAGLE / EAGLE3 head's LoRA needs the adapted target's hidden features as the head's input,
-and is future work.
+``--draft`` may also be an EAGLE / EAGLE3 head (its config.json says so): the LoRA then
+adapts the head's own layers (``--target-modules`` from q_proj..down_proj and fc; default all
+of them), its base frozen, and the head reads the ADAPTED target's features, as it does
+serving that adapter's requests; its next-token distribution is pulled towards the adapted
+target's the same way (:mod:`.distill.eagle`). The adapter is written with the head's
+module names and read back through the head's draft adapter pool's loader.
 """
 
 from __future__ import annotations
@@ -35,9 +38,17 @@ from pathlib import Path
 import torch
 
 from .distill.corpus import CorpusError, load_corpus
+from .distill.eagle import (
+    HEAD_MODULES,
+    check_head_settings,
+    check_written_head_adapter,
+    is_eagle_head,
+    load_head_pair,
+)
 from .distill.models import (
     DistillError,
     LoraSettings,
+    Vocabulary,
     check_adapter_dir,
     check_model_dir,
     check_vocabulary,
@@ -98,12 +109,16 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: None) -> DistillReport:
     """Check the inputs, train the draft LoRA, write and check it; returns the report."""
     require_peft()
-    options.lora.check()
+    head = is_eagle_head(options.draft)
+    if head:
+        check_head_settings(options.lora)
+    else:
+        options.lora.check()
     check_settings(options.training)
     if options.eval_sequences < 1:
         raise DistillError(f"--eval-sequences must be positive, got {options.eval_sequences}")
     target = check_model_dir(options.target, "--target", "target model")
-    draft = check_model_dir(options.draft, "--draft", "STANDALONE draft model")
+    draft = check_model_dir(options.draft, "--draft", "EAGLE head" if head else "STANDALONE draft model")
     adapter = check_adapter_dir(options.adapter)
     check_out_dir(options.out, options.overwrite)
     device, dtype = resolve_device(options.device, options.dtype)
@@ -112,7 +127,8 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
         raise DistillError(
             f"--target {str(target)!r} has no tokenizer files: the corpus is tokenized with it"
         )
-    vocabulary = check_vocabulary(target, draft, tokenizer, load_tokenizer(draft))
+    # A head predicts the target's own token ids (its embeddings are the target's).
+    vocabulary = None if head else check_vocabulary(target, draft, tokenizer, load_tokenizer(draft))
     corpus = load_corpus(options.corpus, tokenizer, options.seq_len, seed=options.training.seed)
     log(
         f"corpus: {corpus.files} file(s), {corpus.tokens:,} tokens -> {corpus.train.shape[0]} training and "
@@ -122,7 +138,16 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
     torch.manual_seed(options.training.seed)
     start = time.perf_counter()
     teacher = load_teacher(target, adapter, dtype, device)
-    student = load_student(draft, options.lora, dtype, device)
+    if head:
+        teacher, student, width = load_head_pair(
+            target, draft, teacher, options.lora, seq_len=options.seq_len, dtype=dtype, device=device,
+            seed=options.training.seed,
+        )  # fmt: skip
+        size = len(tokenizer)
+        vocabulary = Vocabulary(width, target_size=size, draft_size=width, tokenizer_checked=True)
+    else:
+        student = load_student(draft, options.lora, dtype, device)
+    assert vocabulary is not None
     load_seconds = time.perf_counter() - start
 
     held_out = corpus.held_out[: options.eval_sequences]
@@ -132,8 +157,12 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
     stats = train(teacher, student, corpus.train, vocabulary.width, options.training, device=device, log=log)
     after = score(teacher, student, held_out, vocabulary.width, batch_size=batch, device=device)
 
-    files = save_adapter(student, options.out)
-    check_written_adapter(options.out, draft, options.lora)
+    if head:
+        files = student.save(options.out)
+        check_written_head_adapter(options.out, draft, options.lora)
+    else:
+        files = save_adapter(student, options.out)
+        check_written_adapter(options.out, draft, options.lora)
     report = DistillReport(
         out=options.out,
         files=files,
@@ -180,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft",
         required=True,
         type=Path,
-        help="the STANDALONE draft model's folder (the target's tokenizer)",
+        help="the STANDALONE draft model's folder (the target's tokenizer), or an EAGLE / EAGLE3 head's",
     )
     ap.add_argument("--corpus", required=True, nargs="+", type=Path, help="plain UTF-8 text files")
     ap.add_argument("--out", required=True, type=Path, help="folder to write the draft's PEFT adapter into")
@@ -189,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--target-modules",
         type=_modules,
-        default=lora.target_modules,
-        help=f"comma-separated modules of the draft to adapt (default {','.join(lora.target_modules)})",
+        default=None,
+        help=f"comma-separated modules of the draft to adapt (default {','.join(lora.target_modules)}; "
+        f"for an EAGLE head {','.join(HEAD_MODULES)})",
     )
     ap.add_argument(
         "--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})"
@@ -229,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _target_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--target-modules``, or the default of the draft's kind (a head adapts its fc too)."""
+    if args.target_modules is not None:
+        return tuple(args.target_modules)
+    return HEAD_MODULES if is_eagle_head(args.draft) else LoraSettings().target_modules
+
+
 def options_from_args(args: argparse.Namespace) -> DistillOptions:
     return DistillOptions(
         target=args.target,
@@ -236,7 +273,7 @@ def options_from_args(args: argparse.Namespace) -> DistillOptions:
         draft=args.draft,
         corpus=list(args.corpus),
         out=args.out,
-        lora=LoraSettings(rank=args.rank, alpha=args.alpha, target_modules=tuple(args.target_modules)),
+        lora=LoraSettings(rank=args.rank, alpha=args.alpha, target_modules=_target_modules(args)),
         training=TrainSettings(
             steps=args.steps,
             batch_size=args.batch_size,

@@ -86,7 +86,7 @@ def score(
         kl_sum += float(kl_per_position(student_logits, teacher_logits, width).sum())
         # The teacher's argmax over its whole vocabulary: a token the draft cannot score is a miss.
         agree += int((student_logits[..., :width].argmax(-1) == teacher_logits.argmax(-1)).sum())
-        positions += ids.numel()
+        positions += teacher_logits.shape[0] * teacher_logits.shape[1]  # the positions scored
     student.train(was_training)
     return HeldOutScore(
         kl=kl_sum / max(positions, 1), agreement=agree / max(positions, 1), positions=positions

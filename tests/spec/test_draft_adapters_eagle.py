@@ -1,0 +1,446 @@
+"""Draft adapters for EAGLE / EAGLE3 heads: a request drafts with its Adapter's head adapter.
+
+Oracles, through a real engine on the CPU:
+
+- lossless: output with speculation and head draft adapters = output without speculation,
+  per adapter, in one mixed batch (adapters with a head adapter, one without, the base
+  model), chains and trees, EAGLE and EAGLE3, eager and through the graph runner's static
+  path (padded batches, the LoRA layouts in fixed buffers);
+- isolation: a head adapter changes only its own requests' proposals; every other request's
+  head output is bit-identical to the unadapted head's;
+- effect: on a head that IS the target's (single) layer, a head adapter equal to the
+  target's adapter accepts every greedy draft, and one DISTILLED by
+  ``loraserve-distill-draft`` lifts the accept rate above the shared head's; with the lease
+  ignored (every request drafting unadapted) the lift is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.lora import AdapterError
+from loraserve.runtime.model import build_model, load_arch_config
+from loraserve.runtime.sampling import SamplingParams
+from loraserve.runtime.speculative.draft_adapters import DraftAdapterLeases
+from loraserve.runtime.speculative.eagle_builder import build_eagle_draft, build_eagle_draft_adapter
+from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle_lora import HEAD_LORA_MODULES
+from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.metrics import BASE_LABEL
+from loraserve.runtime.speculative.tree import TreeShape
+
+HEADS = {"eagle": ("EAGLE", 1), "eagle3": ("EAGLE3", 3)}
+TREE = {"top_k": 2, "num_steps": 3, "num_draft_tokens": 8}
+DRAFTED = ("attn-r8", "all-r16")  # Adapters with a head draft adapter; mlp-r4 and the base without
+
+
+@pytest.fixture(scope="module")
+def head_adapters(spec_assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Random head draft adapters (both LoRA factors random: they move proposals) per head."""
+    root = tmp_path_factory.mktemp("head_adapters")
+    paths = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}
+    return {
+        head: {
+            name: build_eagle_draft_adapter(
+                root / head / name, paths[head], rank=8, seed=40 + i, init_std=0.15
+            )
+            for i, name in enumerate(DRAFTED)
+        }
+        for head in HEADS
+    }
+
+
+def _requests(max_tokens: int = 12):
+    prompts = [
+        [5, 9, 33, 7, 81, 4],
+        [12, 400, 77, 3],
+        [66, 67, 68, 69, 70, 71, 72],
+        [8, 8, 9, 9, 10],
+        [301, 7, 7],
+    ]
+    names = ["attn-r8", "all-r16", "mlp-r4", None, "attn-r8"]
+    return [
+        (f"r{i}", prompt, SamplingParams(max_tokens=max_tokens - i % 3, temperature=0.0), names[i])
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(make_spec_config, engine_run):
+    run = engine_run(make_spec_config(), _requests())
+    return {rid: run.outputs[rid].tokens for rid, *_ in _requests()}
+
+
+def _head_config(make_spec_config, head: str, *, tree: bool, pool: int = 2):
+    algorithm, _ = HEADS[head]
+    config = make_spec_config(algorithm, head, max_running_requests=8)
+    config.speculative.draft_max_loras = pool
+    config.speculative.draft_max_lora_rank = 16
+    if tree:
+        spec = config.speculative
+        spec.top_k, spec.num_steps, spec.num_draft_tokens = (
+            TREE["top_k"],
+            TREE["num_steps"],
+            TREE["num_draft_tokens"],
+        )
+    return config
+
+
+def _loading(adapters: dict[str, Path], *, static_path: bool = False):
+    def hook(decoder):
+        runner = decoder.drafter.runner
+        assert runner.lora is not None and runner.lora.list() == []  # the target's adapters stay out
+        for name, path in adapters.items():
+            runner.lora.load(name, path)
+        if static_path:  # the graph runner's padded static path, run eagerly on the CPU
+            runner.graphs = EagleGraphRunner(runner, max_bs=4, use_graphs=False)
+
+    return hook
+
+
+@pytest.mark.parametrize("static_path", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("head", list(HEADS))
+def test_head_draft_adapters_are_lossless_in_mixed_batches(
+    make_spec_config, engine_run, head_adapters, expected, head, shape, static_path
+):
+    config = _head_config(make_spec_config, head, tree=shape == "tree")
+    run = engine_run(config, _requests(), decoder_hook=_loading(head_adapters[head], static_path=static_path))
+    for rid, *_ in _requests():
+        assert run.outputs[rid].error is None, rid
+        assert run.outputs[rid].tokens == expected[rid], rid
+    pool = run.engine.draft_pool
+    placed = {info.name: info for info in pool.list()}
+    assert set(placed) == set(DRAFTED)
+    # Both were placed in a slot by a draft forward, and every lease was released.
+    assert all(info.slot is not None and info.refcount == 0 for info in placed.values())
+    if static_path:
+        assert run.engine.decoder.drafter.runner.graphs.num_shapes > 0
+
+
+# --------------------------------------------------------------------------- runner level
+
+
+def _runners(spec_assets, head: str, adapter: Path):
+    """The same head three times: unadapted, with a pool (eager), with a pool through the
+    graph runner's static path (batches padded to 4)."""
+    path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
+    arch = load_arch_config(spec_assets.target)
+    target = build_model(
+        arch, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, model_dir=spec_assets.target
+    )
+    pool = RuntimeConfig().speculative
+    pool.draft_max_loras, pool.draft_max_lora_rank = 2, 16
+    lora = RuntimeConfig().lora
+    lora.backend = "torch"
+
+    def make(with_pool: bool) -> EagleDraftRunner:
+        runner = EagleDraftRunner(
+            str(path),
+            target_arch=arch,
+            embed_weight=target.embed_tokens.weight,
+            lm_head_weight=target.lm_head.weight,
+            dtype=torch.float32,
+            device="cpu",
+            max_total_tokens=1024,
+            max_requests=8,
+            max_context_len=256,
+            draft_lora=pool.draft_lora_pool(lora) if with_pool else None,
+        )
+        if with_pool:
+            runner.lora.load("x", adapter)
+        return runner
+
+    plain, eager, static = make(False), make(True), make(True)
+    static.graphs = EagleGraphRunner(static, max_bs=4, use_graphs=False)
+    return plain, eager, static
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters, head):
+    plain, eager, static = _runners(spec_assets, head, head_adapters[head]["attn-r8"])
+    gen = torch.Generator().manual_seed(3)
+    lens = {"a": 7, "b": 5, "c": 9}
+    rids, names = list(lens), ["x", None, "x"]
+    ids = torch.randint(3, 500, (sum(lens.values()),), generator=gen)
+    feats = torch.randn(sum(lens.values()), plain.model.feature_size, generator=gen)
+    base = plain.forward(rids, ids, feats, list(lens.values()))
+    outs = [r.forward(rids, ids, feats, list(lens.values()), lora_names=names) for r in (eager, static)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    spans = {"a": slice(0, 7), "b": slice(7, 12), "c": slice(12, 21)}
+    assert torch.equal(outs[0][spans["b"]], base[spans["b"]])  # bit-identical: no adapter on b
+    for rid in ("a", "c"):
+        assert not torch.allclose(outs[0][spans[rid]], base[spans[rid]], atol=1e-3)
+    tails = {name: out[[6, 11, 20]] for name, out in (("base", base), ("adapted", outs[0]))}
+
+    # Chains: 3 requests padded to the graph bucket of 4 (static) against eager single steps.
+    chain = static.draft_chain(rids, tails["adapted"], 4, lora_names=names)
+    want, hidden = [eager.compute_logits(tails["adapted"]).argmax(-1)], tails["adapted"]
+    base_hidden, base_want = tails["base"], [plain.compute_logits(tails["base"]).argmax(-1)]
+    for _ in range(3):
+        hidden, logits = eager.step(rids, want[-1], hidden, lora_names=names)
+        want.append(logits.argmax(-1))
+        base_hidden, logits = plain.step(rids, base_want[-1], base_hidden)
+        base_want.append(logits.argmax(-1))
+    assert torch.equal(chain, torch.stack(want, 1))
+    assert torch.equal(chain[1], torch.stack(base_want, 1)[1])  # b proposes what the plain head does
+    assert not torch.equal(chain[[0, 2]], torch.stack(base_want, 1)[[0, 2]])
+
+    # Trees, grown from fresh tails: static (padded) = eager; b's tree is the plain head's.
+    for r in (plain, eager, static):
+        for rid in rids:
+            r.kv.truncate(rid, 3)  # the chain's entries
+    shape = TreeShape(2, 3, 8)
+    trees = [
+        static.draft_tree(rids, tails["adapted"], shape, lora_names=names),
+        eager.draft_tree(rids, tails["adapted"], shape, lora_names=names),
+    ]
+    plain_tree = plain.draft_tree(rids, tails["base"], shape)
+    for mine, theirs in zip(trees[0].tensors(), trees[1].tensors(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(trees[0].tokens[1], plain_tree.tokens[1])
+    assert not torch.equal(trees[0].tokens[0], plain_tree.tokens[0])
+    assert static.graphs.num_shapes >= 2 and eager.lora.list()[0].refcount == 0
+
+
+def test_head_adapters_are_read_against_the_head(spec_assets, head_adapters, tmp_path):
+    _, eager, _ = _runners(spec_assets, "eagle", head_adapters["eagle"]["attn-r8"])
+    pool = eager.lora
+    assert pool.get("x").target_modules == HEAD_LORA_MODULES
+    with pytest.raises(AdapterError) as err:  # the EAGLE3 head's fc and q/k/v are wider
+        pool.load("other", head_adapters["eagle3"]["attn-r8"])
+    assert "fc lora_A has shape" in str(err.value) or "lora_A has shape" in str(err.value)
+    with pytest.raises(AdapterError) as err:  # a target adapter names layers the head lacks
+        pool.load("target", spec_assets.adapters["all-r16"])
+    assert "one decoder layer" in str(err.value)
+    for module in ("lm_head", "embed_tokens"):
+        bad = tmp_path / module
+        build_eagle_draft_adapter(bad, spec_assets.eagle, rank=4, target_modules=("q_proj",))
+        raw = json.loads((bad / "adapter_config.json").read_text())
+        raw["target_modules"] = ["q_proj", module]
+        (bad / "adapter_config.json").write_text(json.dumps(raw))
+        with pytest.raises(AdapterError) as err:
+            pool.load(module, bad)
+        assert f"shares the target's base {module}" in str(err.value) and err.value.field == "target_modules"
+    big = build_eagle_draft_adapter(tmp_path / "big", spec_assets.eagle, rank=32)
+    with pytest.raises(AdapterError) as err:
+        pool.load("big", big)
+    assert "draft_max_lora_rank" in str(err.value) and err.value.field == "r"
+    assert [i.name for i in pool.list()] == ["x"]  # every refusal left the pool as it was
+
+
+# --------------------------------------------------------------------------- the effect
+
+
+@pytest.fixture(scope="module")
+def layer_head(tmp_path_factory) -> dict[str, Path]:
+    """A one-layer target whose attention adds nothing (o_proj 0), so its next token is a
+    function of the current token; an EAGLE head that IS its layer (fc = [I, 0] passes the
+    token's embedding; the head's missing final norm only rescales, argmax unchanged), so the
+    shared head proposes exactly the base target's tokens; an MLP adapter that moves them."""
+    from safetensors.torch import load_file, save_file
+
+    from loraserve.runtime.dev.devmodels import build_adapter, build_tiny_model
+
+    root = tmp_path_factory.mktemp("layer_head")
+    target = build_tiny_model(root / "target", num_layers=1, seed=7, initializer_range=0.2)
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.weight"].zero_()
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    adapter = build_adapter(
+        root / "adapter", target, rank=8, alpha=16, target_modules=("gate_proj", "up_proj", "down_proj"), seed=8,
+        init_std=0.15,
+    )  # fmt: skip
+    head = build_eagle_draft(root / "head", target, version=1)
+    tensors = load_file(str(head / "model.safetensors"))
+    for name in tensors:
+        if name.startswith("layers.0."):
+            tensors[name] = weights[f"model.{name}"].clone()
+    hidden = tensors["fc.weight"].shape[0]
+    tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
+    corpus = root / "corpus.txt"
+    corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8"))
+    return {"target": target, "adapter": adapter, "head": head, "corpus": corpus, "root": root}
+
+
+def _layer_config(models: dict[str, Path], pool: int = 1) -> RuntimeConfig:
+    config = RuntimeConfig()
+    config.model.path = str(models["target"])
+    config.device = "cpu"
+    config.scheduler.max_total_tokens = 4096
+    config.scheduler.max_running_requests = 8
+    config.lora.max_rank = 16
+    config.lora.backend = "torch"
+    config.lora.adapters = {"mlp": str(models["adapter"])}
+    spec = config.speculative
+    spec.algorithm = SpecAlgorithm.EAGLE
+    spec.draft_model_path = str(models["head"])
+    spec.num_steps, spec.num_draft_tokens = 3, 4
+    spec.draft_max_loras, spec.draft_max_lora_rank = pool, 16
+    return config
+
+
+def _layer_requests():
+    gen = torch.Generator().manual_seed(11)
+    names = ["mlp", None, "mlp", "mlp"]
+    return [
+        (
+            f"q{i}",
+            torch.randint(3, 500, (6,), generator=gen).tolist(),
+            SamplingParams(max_tokens=24, temperature=0.0),
+            name,
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def _rate(run, adapter: str | None) -> float:
+    stats = run.engine.decoder.metrics.snapshot().per_adapter[adapter or BASE_LABEL]
+    return stats.accepted_tokens / stats.draft_tokens
+
+
+@pytest.fixture(scope="module")
+def layer_runs(layer_head, engine_run):
+    """Spec off, and spec on without draft adapters: the references."""
+    off = _layer_config(layer_head)
+    off.speculative.algorithm = SpecAlgorithm.NONE
+    plain = engine_run(off, _layer_requests())
+    shared = engine_run(_layer_config(layer_head), _layer_requests())
+    return {rid: plain.outputs[rid].tokens for rid, *_ in _layer_requests()}, shared
+
+
+def _served(engine_run, layer_head, draft_adapter: Path):
+    def hook(decoder):
+        decoder.drafter.lora.load("mlp", draft_adapter)
+
+    return engine_run(_layer_config(layer_head), _layer_requests(), decoder_hook=hook)
+
+
+def _check_outputs(run, expected) -> None:
+    for rid, *_ in _layer_requests():
+        assert run.outputs[rid].error is None and run.outputs[rid].tokens == expected[rid], rid
+
+
+def test_the_targets_own_adapter_as_head_adapter_accepts_every_draft(engine_run, layer_head, layer_runs):
+    expected, shared = layer_runs
+    assert _rate(shared, None) == 1.0  # the head is the base target's layer
+    assert _rate(shared, "mlp") < 0.8  # the adapter moved the target away from the shared head
+    # peft names the target adapter's tensors model.layers.0.mlp.*: the head's own names.
+    adapted = _served(engine_run, layer_head, layer_head["adapter"])
+    _check_outputs(adapted, expected)
+    assert _rate(adapted, "mlp") == 1.0
+    assert _rate(adapted, None) == 1.0
+
+
+@pytest.fixture
+def one_thread():
+    """Training the tiny head runs far faster on one thread (and leaves the other core free)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _traffic(engine_run, layer_head, count: int = 48) -> torch.Tensor:
+    """The adapted target's own greedy text, ``[count, 32]`` token ids: what distillation should
+    see (the adapter's prompts and answers), other prompts than the served ones."""
+    config = _layer_config(layer_head)
+    config.speculative.algorithm = SpecAlgorithm.NONE
+    gen = torch.Generator().manual_seed(12)
+    requests = [
+        (f"t{i}", torch.randint(3, 500, (6,), generator=gen).tolist(), SamplingParams(max_tokens=26, temperature=0.0, ignore_eos=True), "mlp")
+        for i in range(count)
+    ]  # fmt: skip
+    run = engine_run(config, requests)
+    return torch.tensor([prompt + run.outputs[rid].tokens for rid, prompt, *_ in requests])
+
+
+def test_a_distilled_head_adapter_lifts_acceptance_and_ignoring_the_lease_loses_it(
+    engine_run, layer_head, layer_runs, tmp_path, monkeypatch, one_thread
+):
+    """The distillation of ``loraserve-distill-draft`` (its teacher, head student, loop and
+    writer) on the adapter's traffic; the CLI's text path is tested beside it."""
+    from loraserve.runtime.tools.distill.eagle import check_written_head_adapter, load_head_pair
+    from loraserve.runtime.tools.distill.models import LoraSettings, load_teacher
+    from loraserve.runtime.tools.distill.objective import score
+    from loraserve.runtime.tools.distill.train import TrainSettings, train
+
+    expected, shared = layer_runs
+    traffic = _traffic(engine_run, layer_head)
+    lora = LoraSettings(rank=8, alpha=16, target_modules=("gate_proj", "up_proj", "down_proj", "fc"))
+    adapted = load_teacher(layer_head["target"], layer_head["adapter"], torch.float32, "cpu")
+    teacher, student, width = load_head_pair(
+        layer_head["target"],
+        layer_head["head"],
+        adapted,
+        lora,
+        seq_len=32,
+        dtype=torch.float32,
+        device="cpu",
+        seed=0,
+    )
+    before = score(teacher, student, traffic[:8], width, batch_size=8, device="cpu")
+    train(teacher, student, traffic[8:], width, TrainSettings(steps=300, batch_size=8, lr=1e-2), device="cpu")
+    after = score(teacher, student, traffic[:8], width, batch_size=8, device="cpu")
+    assert after.agreement > before.agreement + 0.4, (before, after)  # measured: 0.10 -> 0.77
+    out = tmp_path / "head-adapter"
+    student.save(out)
+    check_written_head_adapter(out, layer_head["head"], lora)
+
+    distilled = _served(engine_run, layer_head, out)
+    _check_outputs(distilled, expected)
+    assert _rate(distilled, "mlp") > _rate(shared, "mlp") + 0.15  # measured: 0.04 -> 0.29
+    assert _rate(distilled, None) == 1.0  # base requests draft with the shared head, as before
+    # Mutation: with the lease ignored every request drafts unadapted, and the lift is gone.
+    monkeypatch.setattr(DraftAdapterLeases, "name_for", lambda self, req: None)
+    ignored = _served(engine_run, layer_head, out)
+    _check_outputs(ignored, expected)
+    assert _rate(ignored, "mlp") == _rate(shared, "mlp")
+
+
+@pytest.mark.parametrize("head", ["layer", "eagle3"])
+def test_the_cli_distils_a_head_adapter_the_runtime_loads(
+    layer_head, spec_assets, head, tmp_path, capsys, one_thread
+):
+    from loraserve.runtime.tools.distill_draft import main
+
+    if head == "layer":
+        target, adapter, draft = layer_head["target"], layer_head["adapter"], layer_head["head"]
+    else:
+        target, adapter, draft = spec_assets.target, spec_assets.adapters["all-r16"], spec_assets.eagle3
+    out = tmp_path / "out"
+    args = ["--target", str(target), "--adapter", str(adapter), "--draft", str(draft), "--corpus"]
+    args += [
+        str(layer_head["corpus"]),
+        "--out",
+        str(out),
+        "--rank",
+        "8",
+        "--steps",
+        "40",
+        "--batch-size",
+        "4",
+    ]
+    args += ["--seq-len", "32", "--lr", "1e-2", "--device", "cpu", "--quiet"]
+    assert main(args) == 0
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["after"]["kl"] < report["before"]["kl"]
+    assert report["lora"]["target_modules"] == list(HEAD_LORA_MODULES)  # a head's default: fc too
+    assert "draft LoRA r=8" in capsys.readouterr().out
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == list(HEAD_LORA_MODULES)
+    from safetensors.torch import load_file
+
+    names = sorted(load_file(str(out / "adapter_model.safetensors")))
+    assert "base_model.model.fc.lora_A.weight" in names
+    assert "base_model.model.layers.0.self_attn.q_proj.lora_B.weight" in names
+    # Refused by name: a head LoRA never adapts the lm_head it shares with the target.
+    assert main([*args[:-1], "--quiet", "--overwrite", "--target-modules", "q_proj,lm_head"]) == 2
+    assert "shares the target's" in capsys.readouterr().err
