@@ -13,6 +13,10 @@ from .test_dflash import drafts  # noqa: F401 (fixture)
 from .test_dflash_graphs import WIDTH, check_against_eager, dflash_pair
 from .test_draft_adapters import ADAPTED
 from .test_draft_adapters import _requests as draft_requests
+from .test_draft_adapters_eagle import _head_config as head_config
+from .test_draft_adapters_eagle import _loading as head_loading
+from .test_draft_adapters_eagle import _requests as head_requests
+from .test_draft_adapters_eagle import check_head_adapter_proposals, head_adapters, head_runners  # noqa: F401
 from .test_processing_oracle import _requests as processed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -86,3 +90,39 @@ def test_dflash_greedy_under_cuda_graphs_is_lossless(make_spec_config, engine_ru
     graphs = run.engine.decoder.drafter.runner.graphs
     assert graphs is not None and graphs.num_captured > 0 and graphs._feeds
     assert run.engine.decoder.metrics.snapshot().overall.accepted_tokens > 0
+
+
+# --------------------------------------------------------------------------- EAGLE head draft adapters
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_head_draft_adapter_proposals_from_cuda_graphs_equal_eager(spec_assets, head_adapters, head):  # noqa: F811
+    """A head's draft adapter inside captured graphs (chains and trees; 3 requests padded to
+    4, one of them without the adapter), on the Triton LoRA kernels: the proposals of eager
+    forwards, and the unadapted request's those of the head without a pool."""
+    plain, eager, graphed = head_runners(
+        spec_assets, head, head_adapters[head]["attn-r8"], device="cuda", use_graphs=True, backend="triton"
+    )
+    check_head_adapter_proposals(plain, eager, graphed, "cuda", exact=False)
+    assert graphed.graphs.num_captured == graphed.graphs.num_shapes > 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_head_draft_adapters_under_cuda_graphs_are_lossless(
+    make_spec_config,
+    engine_run,
+    head_adapters,  # noqa: F811
+    head,
+    shape,
+):
+    """Mixed batches (adapters with a head draft adapter, one without, the base model) with
+    the target's and the head's graphs on: the tokens of plain decoding, per adapter."""
+    requests = head_requests()
+    plain = engine_run(_on_gpu(make_spec_config(max_running_requests=8)), requests)
+    expected = {rid: plain.outputs[rid].tokens for rid, *_ in requests}
+    config = _on_gpu(head_config(make_spec_config, head, tree=shape == "tree"))
+    run = engine_run(config, requests, decoder_hook=head_loading(head_adapters[head]))
+    _check(run, requests, expected)
+    graphs = run.engine.decoder.drafter.runner.graphs
+    assert graphs is not None and any(graphs._adapted.values())  # replays holding the head's LoRA ops

@@ -127,18 +127,30 @@ def test_head_draft_adapters_are_lossless_in_mixed_batches(
 # --------------------------------------------------------------------------- runner level
 
 
-def _runners(spec_assets, head: str, adapter: Path):
+def head_runners(
+    spec_assets,
+    head: str,
+    adapter: Path,
+    *,
+    device: str = "cpu",
+    use_graphs: bool = False,
+    backend: str = "torch",
+):
     """The same head three times: unadapted, with a pool (eager), with a pool through the
-    graph runner's static path (batches padded to 4)."""
+    graph runner (batches padded to 4; ``use_graphs=False``: its static path, run eagerly)."""
     path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
     arch = load_arch_config(spec_assets.target)
     target = build_model(
-        arch, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, model_dir=spec_assets.target
+        arch,
+        dtype=torch.float32,
+        device=torch.device(device),
+        max_positions=256,
+        model_dir=spec_assets.target,
     )
     pool = RuntimeConfig().speculative
     pool.draft_max_loras, pool.draft_max_lora_rank = 2, 16
     lora = RuntimeConfig().lora
-    lora.backend = "torch"
+    lora.backend = backend
 
     def make(with_pool: bool) -> EagleDraftRunner:
         runner = EagleDraftRunner(
@@ -147,7 +159,7 @@ def _runners(spec_assets, head: str, adapter: Path):
             embed_weight=target.embed_tokens.weight,
             lm_head_weight=target.lm_head.weight,
             dtype=torch.float32,
-            device="cpu",
+            device=device,
             max_total_tokens=1024,
             max_requests=8,
             max_context_len=256,
@@ -157,30 +169,33 @@ def _runners(spec_assets, head: str, adapter: Path):
             runner.lora.load("x", adapter)
         return runner
 
-    plain, eager, static = make(False), make(True), make(True)
-    static.graphs = EagleGraphRunner(static, max_bs=4, use_graphs=False)
-    return plain, eager, static
+    plain, eager, graphed = make(False), make(True), make(True)
+    graphed.graphs = EagleGraphRunner(graphed, max_bs=4, use_graphs=use_graphs)
+    return plain, eager, graphed
 
 
-@pytest.mark.parametrize("head", list(HEADS))
-def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters, head):
-    plain, eager, static = _runners(spec_assets, head, head_adapters[head]["attn-r8"])
+def check_head_adapter_proposals(plain, eager, graphed, device: str, *, exact: bool = True) -> None:
+    """Requests a and c draft with adapter ``x``, b without, through ``graphed`` (padded to 4)
+    and ``eager``: the same features and proposals (chains and trees); b's are the plain
+    head's (bit-identical features where ``exact``), a's and c's are not."""
     gen = torch.Generator().manual_seed(3)
-    lens = {"a": 7, "b": 5, "c": 9}
-    rids, names = list(lens), ["x", None, "x"]
-    ids = torch.randint(3, 500, (sum(lens.values()),), generator=gen)
-    feats = torch.randn(sum(lens.values()), plain.model.feature_size, generator=gen)
-    base = plain.forward(rids, ids, feats, list(lens.values()))
-    outs = [r.forward(rids, ids, feats, list(lens.values()), lora_names=names) for r in (eager, static)]
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    lens = [7, 5, 9]
+    rids, names = ["a", "b", "c"], ["x", None, "x"]
+    ids = torch.randint(3, 500, (sum(lens),), generator=gen).to(device)
+    feats = torch.randn(sum(lens), plain.model.feature_size, generator=gen).to(device)
+    base = plain.forward(rids, ids, feats, lens)
+    outs = [r.forward(rids, ids, feats, lens, lora_names=names) for r in (eager, graphed)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # both ragged, so both eager
     spans = {"a": slice(0, 7), "b": slice(7, 12), "c": slice(12, 21)}
-    assert torch.equal(outs[0][spans["b"]], base[spans["b"]])  # bit-identical: no adapter on b
+    if exact:
+        assert torch.equal(outs[0][spans["b"]], base[spans["b"]])  # bit-identical: no adapter on b
     for rid in ("a", "c"):
         assert not torch.allclose(outs[0][spans[rid]], base[spans[rid]], atol=1e-3)
-    tails = {name: out[[6, 11, 20]] for name, out in (("base", base), ("adapted", outs[0]))}
+    last = torch.tensor([6, 11, 20], device=device)
+    tails = {"base": base[last], "adapted": outs[0][last]}
 
-    # Chains: 3 requests padded to the graph bucket of 4 (static) against eager single steps.
-    chain = static.draft_chain(rids, tails["adapted"], 4, lora_names=names)
+    # Chains: one replay of 3 requests padded to 4, against eager single steps.
+    chain = graphed.draft_chain(rids, tails["adapted"], 4, lora_names=names)
     want, hidden = [eager.compute_logits(tails["adapted"]).argmax(-1)], tails["adapted"]
     base_hidden, base_want = tails["base"], [plain.compute_logits(tails["base"]).argmax(-1)]
     for _ in range(3):
@@ -192,13 +207,13 @@ def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters
     assert torch.equal(chain[1], torch.stack(base_want, 1)[1])  # b proposes what the plain head does
     assert not torch.equal(chain[[0, 2]], torch.stack(base_want, 1)[[0, 2]])
 
-    # Trees, grown from fresh tails: static (padded) = eager; b's tree is the plain head's.
-    for r in (plain, eager, static):
+    # Trees from the same tails: graphed (padded) = eager; b's tree is the plain head's.
+    for r in (plain, eager, graphed):
         for rid in rids:
             r.kv.truncate(rid, 3)  # the chain's entries
     shape = TreeShape(2, 3, 8)
     trees = [
-        static.draft_tree(rids, tails["adapted"], shape, lora_names=names),
+        graphed.draft_tree(rids, tails["adapted"], shape, lora_names=names),
         eager.draft_tree(rids, tails["adapted"], shape, lora_names=names),
     ]
     plain_tree = plain.draft_tree(rids, tails["base"], shape)
@@ -206,11 +221,17 @@ def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters
         assert torch.equal(mine, theirs)
     assert torch.equal(trees[0].tokens[1], plain_tree.tokens[1])
     assert not torch.equal(trees[0].tokens[0], plain_tree.tokens[0])
-    assert static.graphs.num_shapes >= 2 and eager.lora.list()[0].refcount == 0
+    assert graphed.graphs.num_shapes >= 2 and eager.lora.list()[0].refcount == 0
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters, head):
+    runners = head_runners(spec_assets, head, head_adapters[head]["attn-r8"])
+    check_head_adapter_proposals(*runners, "cpu")
 
 
 def test_head_adapters_are_read_against_the_head(spec_assets, head_adapters, tmp_path):
-    _, eager, _ = _runners(spec_assets, "eagle", head_adapters["eagle"]["attn-r8"])
+    _, eager, _ = head_runners(spec_assets, "eagle", head_adapters["eagle"]["attn-r8"])
     pool = eager.lora
     assert pool.get("x").target_modules == HEAD_LORA_MODULES
     with pytest.raises(AdapterError) as err:  # the EAGLE3 head's fc and q/k/v are wider
