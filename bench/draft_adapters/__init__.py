@@ -13,9 +13,11 @@ requests, in ``bench/speculative``'s setting (its code trains and serves the mod
    on the small target as it is served (its bfloat16 weights) by next-token loss on that
    corpus. Reported: how far each moves the target on held-out files of its corpus (loss
    without and with it, share of top-1 tokens it changes).
-3. Draft adapters: ``loraserve-distill-draft``'s :func:`distill` on each task adapter's
-   corpus (the product's command, called as a user would), the draft frozen; its held-out
-   KL and top-1 agreement with the adapted target before and after are reported.
+3. Draft adapters: ``loraserve-distill-draft``'s :func:`distill` for each task adapter (the
+   product's command, called as a user would), the draft frozen, on text like the adapter's
+   traffic, as the command asks: a slice of its corpus and the adapted target's greedy
+   answers to prompts from it (``answers``); its held-out KL and top-1 agreement with the
+   adapted target before and after are reported.
 4. Serving through the real engine: the 8B-shaped target computing the small target's
    function (``speculative.expansion``), each task adapter expanded the same function-
    preserving way (``lora_expansion``; checked: the served adapted target against the small
@@ -31,6 +33,6 @@ requests, in ``bench/speculative``'s setting (its code trains and serves the mod
 
 Every phase's seconds are logged as it ends and reported (``timing``), to tune the time
 budgets of a one-call GPU run. Modules in the order a run uses them: ``cli``, ``corpora``,
-``task_adapters``, ``draft_distillation``, ``lora_expansion`` and ``serving``, ``decoders``,
+``task_adapters``, ``answers``, ``draft_distillation``, ``lora_expansion`` and ``serving``, ``decoders``,
 ``measure``, ``verdict``, ``report``; ``benchmark.main`` ties them together.
 """

@@ -94,7 +94,7 @@ def train_adapters(s: cli.Settings, trained: TrainedModels, clock: PhaseClock) -
     with clock.phase("task corpora"):
         corpora = [
             load_task_corpus(name, trained.tokenizer_dir, trained.work, train_bytes=s.train_bytes,
-                             held_bytes=s.held_bytes)
+                             held_bytes=s.held_bytes, distill_bytes=s.distill_bytes)
             for name in s.adapters
         ]  # fmt: skip
     for c in corpora:
@@ -102,7 +102,7 @@ def train_adapters(s: cli.Settings, trained: TrainedModels, clock: PhaseClock) -
     with clock.phase("task adapters"):
         return [
             train_task_adapter(trained.small_dir, corpus, trained.work / f"adapter-{corpus.name}", s.spec.device,
-                               s.adapter_training, seed=20 + i)
+                               s.adapter_training, seed=20 + i, tokenizer_dir=trained.tokenizer_dir)
             for i, corpus in enumerate(corpora)
         ]  # fmt: skip
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..speculative import cli as spec_cli
 from ..speculative.settings import Settings as SpecSettings
+from .answers import AnswerSettings
 from .corpora import SOURCES
 from .draft_distillation import DraftAdapterTraining
 from .task_adapters import AdapterTraining
@@ -35,6 +36,7 @@ class Settings:
     adapter_training: AdapterTraining
     draft_training: DraftAdapterTraining
     train_bytes: int  # text per task corpus trained on
+    distill_bytes: int  # of which the draft adapter's distillation reads this much, beside the answers
     held_bytes: int  # held-out text per task corpus (prompts, the adapter's measure)
     deadline_s: float
 
@@ -81,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--draft-adapter-batch", type=int, default=None, help="distillation sequences per step (8 [4])")
     add("--draft-adapter-seq", type=int, default=None, help="distillation sequence length (512 [64])")
     add("--draft-adapter-lr", type=float, default=None, help="distillation peak learning rate (1e-3 [3e-3])")
+    add(
+        "--answers",
+        type=int,
+        default=None,
+        help="adapted target's answers per draft adapter's corpus (2048 [8])",
+    )
+    add("--answer-tokens", type=int, default=None, help="new tokens per answer (128 [16])")
+    add(
+        "--distill-corpus-mb",
+        type=float,
+        default=None,
+        help="corpus text per draft adapter's distillation (1.5 [0.1])",
+    )
     add("--corpus-mb", type=float, default=None, help="text per task corpus trained on (6 [0.25])")
     add(
         "--deadline-s",
@@ -135,6 +150,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     adapter_training = AdapterTraining(
         seconds=pick(args.train_adapter_s, 15.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
         seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
+        answers=AnswerSettings(pick(args.answers, 2048, 8), 16 if smoke else 64, pick(args.answer_tokens, 128, 16)),
     )  # fmt: skip
     draft_training = DraftAdapterTraining(
         rank=args.draft_adapter_rank, steps=pick(args.draft_adapter_steps, 600, 12),
@@ -145,5 +161,6 @@ def parse(argv: list[str] | None = None) -> Settings:
     return Settings(
         spec=spec, args=args, argv=argv, adapters=adapters, adapter_training=adapter_training,
         draft_training=draft_training, train_bytes=int(corpus_mb * 1e6), held_bytes=int(corpus_mb * 1e6 / 15),
+        distill_bytes=int(pick(args.distill_corpus_mb, 1.5, 0.1) * 1e6),
         deadline_s=pick(args.deadline_s, 520.0, float("inf")),
     )  # fmt: skip

@@ -78,7 +78,7 @@ class TaskCorpus:
     held_files: list[Path]
     train_ids: torch.Tensor
     held_ids: torch.Tensor
-    text_file: Path  # the training files' text in one UTF-8 file: the draft adapter's corpus
+    text_file: Path  # a slice of the training files' text in one UTF-8 file: for the draft adapter
 
     def info(self) -> dict:
         """What the report says of the corpus."""
@@ -113,9 +113,11 @@ def split_files(files: list[Path], train_bytes: int, held_bytes: int) -> tuple[l
 
 
 def load_task_corpus(
-    name: str, tokenizer_dir: Path, work: Path, *, train_bytes: int, held_bytes: int
+    name: str, tokenizer_dir: Path, work: Path, *, train_bytes: int, held_bytes: int, distill_bytes: int
 ) -> TaskCorpus:
-    """Task corpus ``name`` (a key of :data:`SOURCES`), tokenized with the local tokenizer."""
+    """Task corpus ``name`` (a key of :data:`SOURCES`), tokenized with the local tokenizer;
+    the first ``distill_bytes`` characters of its training files' text written out for the
+    draft adapter's distillation."""
     source = SOURCES[name]
     train_files, held_files = split_files(source.files(), train_bytes, held_bytes)
     if not train_files or not held_files:
@@ -123,9 +125,8 @@ def load_task_corpus(
             f"--adapters {name}: {source.describe} found no files to train on here; choose others of {list(SOURCES)}"
         )
     text_file = work / f"corpus-{name}.txt"
-    text_file.write_text(
-        "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in train_files), encoding="utf-8"
-    )
+    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in train_files)
+    text_file.write_text(text[:distill_bytes], encoding="utf-8")
     return TaskCorpus(
         name, source.describe, train_files, held_files,
         tokenize(tokenizer_dir, train_files), tokenize(tokenizer_dir, held_files), text_file,

@@ -1,8 +1,8 @@
 """One draft adapter per task adapter, distilled by the product's own command.
 
 ``loraserve-distill-draft``'s :func:`distill` runs as a user would run it: the small target's
-folder, the task adapter's PEFT folder, the STANDALONE draft's folder and the adapter's
-corpus as a text file. It pulls the draft's next-token distribution (through a fresh LoRA,
+folder, the task adapter's PEFT folder, the STANDALONE draft's folder and text files like the
+adapter's traffic (a slice of its corpus, and the adapted target's answers: ``answers``). It pulls the draft's next-token distribution (through a fresh LoRA,
 the draft frozen) towards the ADAPTED target's, writes a PEFT adapter for the draft, reads
 it back through the runtime's loader, and scores the draft against the adapted target on a
 held-out slice of the corpus before and after (KL and top-1 agreement).
@@ -46,7 +46,7 @@ def distill_draft_adapter(
 ) -> tuple[Path, dict]:  # fmt: skip
     """The draft adapter of ``adapter`` written to ``dest``, and the distillation's record."""
     options = DistillOptions(
-        target=target_dir, adapter=adapter.small_dir, draft=draft_dir, corpus=[adapter.corpus.text_file],
+        target=target_dir, adapter=adapter.small_dir, draft=draft_dir, corpus=adapter.distill_files,
         out=dest, lora=LoraSettings(rank=opts.rank, alpha=2.0 * opts.rank),
         training=TrainSettings(steps=opts.steps, batch_size=opts.batch, lr=opts.lr, seed=0),
         seq_len=opts.seq, eval_sequences=opts.eval_sequences, device=str(device),

@@ -127,8 +127,9 @@ def adapter_table(adapters: dict[str, dict]) -> list[str]:
         "Task adapters: LoRA on every linear module of the small target, next-token loss on their corpus, expanded"
         " to the served shape; moved = held-out loss of the target without -> with the adapter and the share of"
         " positions whose top-1 token it changes; served check = served adapted target vs small adapted target on a"
-        " held-out prompt. Draft adapters: `loraserve-distill-draft` (KL to the adapted target on the adapter's"
-        " corpus, draft frozen), scored on its held-out slice before -> after; draft check = the draft adapter as"
+        " held-out prompt. Draft adapters: `loraserve-distill-draft` (KL to the adapted target, draft frozen) on a"
+        " slice of the adapter's corpus and the adapted target's greedy answers to prompts from it, scored on a"
+        " held-out slice before -> after; draft check = the draft adapter as"
         " served from the draft's pool vs the distilled one (peft), and how far it moves the draft's logits.",
         "",
         "| adapter | corpus | trained | held-out loss | top-1 changed | served check | draft adapter trained"
@@ -147,7 +148,8 @@ def adapter_table(adapters: dict[str, dict]) -> list[str]:
             f" {t.get('steps')} steps, {t.get('seconds')} s, loss {t.get('final_loss')} |"
             f" {t.get('heldout_loss_base')} -> {t.get('heldout_loss_adapted')} | {_pct(t.get('top1_changed'))} |"
             f" rel {c.get('rel_logit_diff')}, argmax {c.get('argmax_agreement')} |"
-            f" {d.get('steps')} steps, {d.get('seconds')} s | {d.get('kl_before')} -> {d.get('kl_after')} |"
+            f" {d.get('steps')} steps, {d.get('seconds')} s, {d.get('train_sequences')} sequences"
+            f" ({t.get('answers', 0)} answers) | {d.get('kl_before')} -> {d.get('kl_after')} |"
             f" {_pct(d.get('agreement_before'))} -> {_pct(d.get('agreement_after'))} |"
             f" rel {dc.get('rel_logit_diff')}, argmax {dc.get('argmax_agreement')}, shift {dc.get('adapter_shift')} |"
         )

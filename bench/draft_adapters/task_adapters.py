@@ -20,6 +20,7 @@ from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES
 
 from ..speculative.log import log
 from ..speculative.training import lr_scale, progress
+from .answers import AnswerSettings, write_answers
 from .corpora import TaskCorpus
 
 
@@ -34,6 +35,7 @@ class AdapterTraining:
     batch: int
     max_steps: int | None = None
     eval_windows: int = 32
+    answers: AnswerSettings | None = None  # the adapted target's answers for the draft's distillation
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TaskAdapter:
     corpus: TaskCorpus
     small_dir: Path
     info: dict
+    distill_files: list[Path]  # the draft adapter's corpus: a slice of the task corpus, and the answers
 
 
 def windows(data: torch.Tensor, gen: torch.Generator, count: int, seq: int) -> torch.Tensor:
@@ -60,9 +63,11 @@ def load_small_target(small_dir: Path, device: torch.device):
 
 
 def train_task_adapter(
-    small_dir: Path, corpus: TaskCorpus, dest: Path, device: torch.device, opts: AdapterTraining, *, seed: int
-) -> TaskAdapter:
-    """Train one LoRA on ``corpus`` for ``opts.seconds``, save it (PEFT layout) under ``dest``."""
+    small_dir: Path, corpus: TaskCorpus, dest: Path, device: torch.device, opts: AdapterTraining, *, seed: int,
+    tokenizer_dir: Path,
+) -> TaskAdapter:  # fmt: skip
+    """Train one LoRA on ``corpus`` for ``opts.seconds``, save it (PEFT layout) under ``dest``,
+    and write the adapted target's answers beside it (``opts.answers``)."""
     from peft import LoraConfig, get_peft_model
 
     base = load_small_target(small_dir, device)
@@ -98,9 +103,16 @@ def train_task_adapter(
             "rank": opts.rank, "tokens": step * opts.batch * opts.seq, **corpus.info()}  # fmt: skip
     info.update(adapter_moves(model, corpus.held_ids, device, seq=opts.seq, count=opts.eval_windows))
     model.save_pretrained(str(dest), safe_serialization=True, save_embedding_layers=False)
+    files = [corpus.text_file]
+    if opts.answers is not None and opts.answers.count > 0:
+        answers, answer_info = write_answers(
+            model, corpus, tokenizer_dir, dest.parent / f"answers-{corpus.name}.txt", device, opts.answers
+        )
+        files.append(answers)
+        info.update(answer_info)
     log(f"task adapter {corpus.name} trained: {info}")
     del model, base
-    return TaskAdapter(corpus.name, corpus, dest, info)
+    return TaskAdapter(corpus.name, corpus, dest, info, files)
 
 
 @torch.no_grad()
