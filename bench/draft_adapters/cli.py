@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--concurrency", default=None, help="comma list (1,8,32 [1,4])")
     add("--c1-requests", type=int, default=None, help="requests per kind at concurrency 1 (3 [1])")
     add("--waves", type=int, default=None, help="requests per kind at concurrency c = waves x c (2 [1])")
-    add("--train-target-s", type=float, default=None, help="small target training (60 [4])")
-    add("--train-draft-s", type=float, default=None, help="STANDALONE draft distillation (80 [2])")
+    add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [4])")
+    add("--train-draft-s", type=float, default=None, help="seconds of STANDALONE draft distillation (80 [2])")
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
     add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
     add(
@@ -87,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--answers",
         type=int,
         default=None,
-        help="adapted target's answers per draft adapter's corpus (2048 [8])",
+        help="adapted target's answers per draft adapter's corpus (1024 [8])",
     )
     add("--answer-tokens", type=int, default=None, help="new tokens per answer (128 [16])")
     add(
         "--distill-corpus-mb",
         type=float,
         default=None,
-        help="corpus text per draft adapter's distillation (1.5 [0.1])",
+        help="corpus text per draft adapter's distillation (1 [0.1])",
     )
     add("--corpus-mb", type=float, default=None, help="text per task corpus trained on (6 [0.25])")
     add(
@@ -150,7 +150,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     adapter_training = AdapterTraining(
         seconds=pick(args.train_adapter_s, 15.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
         seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
-        answers=AnswerSettings(pick(args.answers, 2048, 8), 16 if smoke else 64, pick(args.answer_tokens, 128, 16)),
+        answers=AnswerSettings(pick(args.answers, 1024, 8), 16 if smoke else 64, pick(args.answer_tokens, 128, 16)),
     )  # fmt: skip
     draft_training = DraftAdapterTraining(
         rank=args.draft_adapter_rank, steps=pick(args.draft_adapter_steps, 600, 12),
@@ -161,6 +161,6 @@ def parse(argv: list[str] | None = None) -> Settings:
     return Settings(
         spec=spec, args=args, argv=argv, adapters=adapters, adapter_training=adapter_training,
         draft_training=draft_training, train_bytes=int(corpus_mb * 1e6), held_bytes=int(corpus_mb * 1e6 / 15),
-        distill_bytes=int(pick(args.distill_corpus_mb, 1.5, 0.1) * 1e6),
+        distill_bytes=int(pick(args.distill_corpus_mb, 1.0, 0.1) * 1e6),
         deadline_s=pick(args.deadline_s, 520.0, float("inf")),
     )  # fmt: skip
