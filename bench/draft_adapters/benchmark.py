@@ -9,11 +9,12 @@ import torch
 from ..speculative.checks import expansion_check
 from ..speculative.log import log
 from ..speculative.models import TrainedModels, train_models
+from ..speculative.serving import Serving
 from ..speculative.workloads import prompt_pool
 from . import cli
 from .checks import served_adapter_checks
 from .corpora import load_task_corpus
-from .decoders import build_decoders
+from .decoders import Decoders, build_decoders
 from .draft_distillation import distill_draft_adapter
 from .measure import BASE, MIXED, LevelOptions, measure_kind, warm_up
 from .report import Record, write_report
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     return smoke_verdict(s, record)
 
 
-def measure_levels(s: cli.Settings, pools: dict[str, list[list[int]]], serving, decoders, record: Record,
-                   clock: PhaseClock, adapters: list[TaskAdapter]) -> None:  # fmt: skip
+def measure_levels(s: cli.Settings, pools: dict[str, list[list[int]]], serving: Serving, decoders: Decoders,
+                   record: Record, clock: PhaseClock, adapters: list[TaskAdapter]) -> None:  # fmt: skip
     """Every concurrency level (the warm-ups, then each kind), while ``--deadline-s`` leaves
     time for one more level as long as the longest so far; the report rewritten after each."""
     spec = s.spec
@@ -108,7 +109,8 @@ def train_adapters(s: cli.Settings, trained: TrainedModels, clock: PhaseClock) -
 
 
 def check_served(trained: TrainedModels, adapters: list[TaskAdapter], draft_adapters: dict[str, Path],
-                 serving, decoders, pools: dict[str, list[list[int]]], record: Record) -> None:  # fmt: skip
+                 serving: Serving, decoders: Decoders, pools: dict[str, list[list[int]]],
+                 record: Record) -> None:  # fmt: skip
     """The served task adapters against the small adapted target, and the draft adapters in
     the draft's pool against the draft with them, each on one of its adapter's prompts."""
     prompts = {a.name: pools[a.name][0] for a in adapters}

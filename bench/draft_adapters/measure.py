@@ -6,9 +6,9 @@ library prompts, an adapter's requests on its corpus's held-out files), so its t
 that kind's speedup; the same prompts run through the three decoders and the speculative
 outputs are compared with the plain ones token for token. A last workload mixes every kind
 in the same batches (``MIXED``), where the decoder's per-adapter metrics give each kind's
-accept length beside the others'. Before the timed runs, each
-decoder serves one mixed warm-up workload at this concurrency (every kind in it), so the
-CUDA graphs of the batch and context buckets the timed runs meet are already captured.
+accept length beside the others'. Before the timed runs, each decoder serves one mixed
+warm-up workload at this concurrency, so the CUDA graphs of the batch and context buckets
+the timed runs meet are already captured.
 """
 
 from __future__ import annotations
