@@ -163,11 +163,12 @@ def results_table(s: Settings, results: list[KindResult]) -> list[str]:
         "## Runs",
         "",
         f"Accepted = mean accepted drafts a step (of {s.spec.k - 1}; tokens a step = 1 + that). Identical ="
-        " outputs equal to the plain run's, token for token (bf16 on a GPU flips near-ties).",
+        " outputs equal to the plain run's, token for token (bf16 on a GPU flips near-ties). Step ms: a speculative"
+        " decode step, drafting and verify.",
         "",
         "| c | kind | requests | no spec tok/s | shared draft tok/s | speedup | accepted | draft adapter tok/s"
-        " | speedup | accepted | identical (shared, adapter) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | speedup | accepted | step ms (shared, adapter) | identical (shared, adapter) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         plain, shared, adapted = (r.runs.get(n) for n in ("plain", "shared", "adapted"))
@@ -176,8 +177,13 @@ def results_table(s: Settings, results: list[KindResult]) -> list[str]:
             speed = r.speedup(name)
             cells += [f"{run.tokens_per_s:,.1f}" if run else "–", f"{speed:.2f}x" if speed else "–",
                       str(r.accept(name))]  # fmt: skip
+        steps = ", ".join(
+            str(run.summary["step_ms"]) if run and run.summary else "–" for run in (shared, adapted)
+        )
         same = ", ".join("/".join(map(str, r.identical(n))) for n in ("shared", "adapted"))
-        lines.append(f"| {r.concurrency} | {r.kind} | {r.requests} | {' | '.join(cells)} | {same} |")
+        lines.append(
+            f"| {r.concurrency} | {r.kind} | {r.requests} | {' | '.join(cells)} | {steps} | {same} |"
+        )
     mixed = [r for r in results if r.kind == MIXED and r.runs.get("shared") and r.runs.get("adapted")]
     if mixed:
         lines += ["", "Mixed batches (every kind in the same batches), accepted drafts a step per kind, shared draft ->"
