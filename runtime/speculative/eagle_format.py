@@ -37,6 +37,10 @@ training writes its drafts): then the checkpoint holds its own ``lm_head.weight`
 ``d2t`` ``[draft_vocab_size]`` (int64; draft row ``i`` predicts target token ``i + d2t[i]``).
 ``t2d`` (a training-time mask) is ignored. See :mod:`.draft_vocab`.
 
+Draft adapters of a head (:mod:`.eagle_lora`) are PEFT LoRAs named by these tensors' modules
+(``base_model.model.fc.lora_A.weight``, ``base_model.model.layers.0.self_attn.q_proj...``);
+their shapes are checked against :meth:`EagleDraftConfig.tensor_shapes`.
+
 Semantics. EAGLE: the feature of position ``i`` is the target's final (normed) hidden
 state there; the draft input at position ``i`` is ``fc([embed(x[i+1]), feature[i]])``, its
 output is the predicted feature of position ``i + 1`` and ``lm_head(output)`` the

@@ -17,6 +17,7 @@ Oracles, through a real engine on the CPU:
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -228,6 +229,18 @@ def check_head_adapter_proposals(plain, eager, graphed, device: str, *, exact: b
 def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters, head):
     runners = head_runners(spec_assets, head, head_adapters[head]["attn-r8"])
     check_head_adapter_proposals(*runners, "cpu")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton LoRA kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+def test_the_triton_kernels_give_head_adapters_the_same_proposals(spec_assets, head_adapters):
+    """The serving kernels on the head's layouts (ragged prefill, draft steps, tree frontiers;
+    on the static path, the fixed graph buffers): the isolation check above, on EAGLE3's
+    2H-wide q/k/v and fc."""
+    runners = head_runners(spec_assets, "eagle3", head_adapters["eagle3"]["attn-r8"], backend="triton")
+    check_head_adapter_proposals(*runners, "cpu", exact=False)
 
 
 def test_head_adapters_are_read_against_the_head(spec_assets, head_adapters, tmp_path):
