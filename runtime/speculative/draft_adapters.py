@@ -40,13 +40,30 @@ class DraftAdapterLeases:
         return name
 
     def names(self, requests: Sequence[Request]) -> list[str | None] | None:
-        """``lora_names`` for a draft batch of ``requests`` (None when no pool exists)."""
+        """``lora_names`` for a draft batch of ``requests`` (None when no pool exists), fitted
+        to the pool's slots (:func:`fit_slots`)."""
         if self.pool is None:
             return None
-        return [self.name_for(r) for r in requests]
+        return fit_slots([self.name_for(r) for r in requests], self.pool.num_slots)
 
     def release(self, req: Request) -> None:
         """End ``req``'s lease (its draft state is being dropped)."""
         name = self._held.pop(req.rid, None)
         if name is not None:
             self.pool.release(name)
+
+
+def fit_slots(names: Sequence[str | None], slots: int) -> list[str | None]:
+    """``names`` with at most ``slots`` distinct draft adapters: the first ``slots`` (in batch
+    order) keep theirs and the other requests draft this forward unadapted.
+
+    A draft batch may hold more Adapters with draft adapters than the draft pool has slots
+    (``speculative.draft_max_loras`` below the target's ``lora.max_loras_per_batch``). Their
+    proposals only get worse for that forward, and output never changes; refusing the
+    forward instead would fail the step and retry the batch request by request.
+    """
+    distinct = list(dict.fromkeys(n for n in names if n is not None))
+    if len(distinct) <= slots:
+        return list(names)
+    kept = set(distinct[:slots])
+    return [n if n in kept else None for n in names]

@@ -125,6 +125,21 @@ def test_head_draft_adapters_are_lossless_in_mixed_batches(
         assert run.engine.decoder.drafter.runner.graphs.num_shapes > 0
 
 
+def test_more_head_adapters_in_a_batch_than_draft_slots_keep_drafting(
+    make_spec_config, engine_run, head_adapters, expected, caplog
+):
+    """Two drafted Adapters in one batch, one draft slot: one drafts with its head adapter,
+    the other unadapted for that forward, instead of a failed draft step (which would retry
+    the batch request by request)."""
+    config = _head_config(make_spec_config, "eagle", tree=False, pool=1)
+    with caplog.at_level("ERROR"):
+        run = engine_run(config, _requests(), decoder_hook=_loading(head_adapters["eagle"]))
+    for rid, *_ in _requests():
+        assert run.outputs[rid].error is None and run.outputs[rid].tokens == expected[rid], rid
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert any(info.slot is not None for info in run.engine.draft_pool.list())
+
+
 # --------------------------------------------------------------------------- runner level
 
 
