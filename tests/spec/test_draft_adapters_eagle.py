@@ -237,7 +237,41 @@ def check_head_adapter_proposals(plain, eager, graphed, device: str, *, exact: b
         assert torch.equal(mine, theirs)
     assert torch.equal(trees[0].tokens[1], plain_tree.tokens[1])
     assert not torch.equal(trees[0].tokens[0], plain_tree.tokens[0])
+
+    # Requests with an unadapted history (the same cache entries and tails in every runner):
+    # from those tails a tree's first level and a chain's first token are the plain head's (the
+    # LM head is shared and unadapted); what the draft steps grow differs only where the
+    # adapter runs in them.
+    fresh = ["d", "e", "f"]
+    tail = plain.forward(fresh, ids, feats, lens)[last]
+    plain_tree = plain.draft_tree(fresh, tail, shape)
+    for rid in fresh:
+        plain.kv.truncate(rid, shape.entries)
+    plain_chain = [plain.compute_logits(tail).argmax(-1)]
+    hidden = tail
+    for _ in range(3):
+        hidden, logits = plain.step(fresh, plain_chain[-1], hidden)
+        plain_chain.append(logits.argmax(-1))
+    plain_chain = torch.stack(plain_chain, 1)
+    for runner in (graphed, eager):
+        runner.forward(fresh, ids, feats, lens)
+        grown = runner.draft_tree(fresh, tail, shape, lora_names=names)
+        for i in range(3):
+            assert _level_one(grown, i) == _level_one(plain_tree, i)
+        assert torch.equal(grown.tokens[1], plain_tree.tokens[1])
+        assert not torch.equal(grown.tokens[[0, 2]], plain_tree.tokens[[0, 2]])
+        for rid in fresh:
+            runner.kv.truncate(rid, shape.entries)
+        chain = runner.draft_chain(fresh, tail, 4, lora_names=names) if runner is graphed else None
+        if chain is not None:
+            assert torch.equal(chain[:, 0], plain_chain[:, 0]) and torch.equal(chain[1], plain_chain[1])
+            assert not torch.equal(chain[[0, 2], 1:], plain_chain[[0, 2], 1:])
     assert graphed.graphs.num_shapes >= 2 and eager.lora.list()[0].refcount == 0
+
+
+def _level_one(tree, row: int) -> list[int]:
+    """The tokens a request's tree proposes right after its root (from its tail's logits)."""
+    return sorted(tree.tokens[row][tree.depths[row] == 1].tolist())
 
 
 @pytest.mark.parametrize("head", list(HEADS))
