@@ -15,6 +15,7 @@ import torch
 
 from ..model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
 from .eagle_format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
+from .eagle_lora import HEAD_LORA_MODULES
 
 
 def build_eagle_draft(
@@ -100,7 +101,7 @@ def build_eagle_draft_adapter(
     *,
     rank: int = 8,
     alpha: float = 16.0,
-    target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"),
+    target_modules: Sequence[str] = HEAD_LORA_MODULES,
     seed: int = 0,
     init_std: float = 0.05,
 ) -> Path:
@@ -113,7 +114,6 @@ def build_eagle_draft_adapter(
     from safetensors.torch import save_file
 
     from .eagle_format import load_eagle_config
-    from .eagle_lora import HEAD_LORA_MODULES
 
     unknown = sorted(set(target_modules) - set(HEAD_LORA_MODULES))
     if unknown:
