@@ -139,6 +139,7 @@ class DFlashDraftRunner:
 
     @property
     def hidden_size(self) -> int:
+        """The draft's (and the target's) hidden size."""
         return self.config.hidden_size
 
     def can_graph(self, batch_size: int) -> bool:
