@@ -121,8 +121,10 @@ def test_head_draft_adapters_are_lossless_in_mixed_batches(
     assert set(placed) == set(DRAFTED)
     # Both were placed in a slot by a draft forward, and every lease was released.
     assert all(info.slot is not None and info.refcount == 0 for info in placed.values())
-    if static_path:
-        assert run.engine.decoder.drafter.runner.graphs.num_shapes > 0
+    if static_path:  # the verify's feed and the next proposal ran as one padded replay, adapted
+        graphs = run.engine.decoder.drafter.runner.graphs
+        fed = graphs._trees if shape == "tree" else graphs._feed_chains
+        assert graphs._adapted.get(id(fed)), "no adapted feed-and-propose replay ran"
 
 
 def test_more_head_adapters_in_a_batch_than_draft_slots_keep_drafting(
