@@ -385,17 +385,17 @@ class EagleDraftRunner:
                 return self.graphs.run_feed_tree(  # type: ignore[union-attr]
                     alloc, input_ids, features, accept, width=width, shape=shape, slots=slots
                 )
-            slots_ = alloc.out_cache_loc.view(bs, width + shape.entries)
+            locs = alloc.out_cache_loc.view(bs, width + shape.entries)
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
             context = self._context(alloc)
             hidden = self.head(
-                alloc.rows, prefix, slots_[:, :width].reshape(-1), width, context, input_ids, features,
+                alloc.rows, prefix, locs[:, :width].reshape(-1), width, context, input_ids, features,
                 from_target=True,
             )  # fmt: skip
             tails = hidden.view(bs, width, -1)[torch.arange(bs, device=self.device), accept]
             offsets = accept[:, None] + 1 + torch.arange(shape.entries, device=self.device)[None, :]
             tree = grow_tree(
-                self, alloc.rows, prefix + accept + 1, slots_.gather(1, offsets), context, tails, shape
+                self, alloc.rows, prefix + accept + 1, locs.gather(1, offsets), context, tails, shape
             )
             return tree, tails
 
