@@ -1,10 +1,21 @@
 """Training of the DFLASH draft over the frozen small target: masked block prediction.
 
 Each training window (the target's own greedy continuations and corpus windows, as the
-other drafts train on) gets ``blocks`` random anchors; the draft predicts every masked
-position of each anchor's block from the target's layer outputs before the anchor, and
-learns the target's next-token distribution there (KL), earlier block positions weighted
-more (a block is accepted from its start: the DFlash paper's position decay).
+other drafts train on) gets ``blocks`` distinct random anchors (the reference trains
+hundreds of blocks per sequence in one forward: the target's outputs are computed once per
+window, and every block costs the draft only its own rows); the draft predicts every
+masked position of each anchor's block from the target's layer outputs before the anchor,
+and learns the target's next-token distribution there (KL), earlier block positions
+weighted more (a block is accepted from its start: the DFlash paper's position decay).
+
+Only labels a served draft can be judged by count. Block position ``j`` of anchor ``a``
+is verified only when the drafts before it were accepted, i.e. when tokens ``a + 1 ..
+a + j - 1`` are the target's own greedy choices; the label there is the target's
+distribution after exactly those tokens. Where a window's tokens are not the target's
+choices (corpus text, a teacher prompt), the target's distribution at ``a + j - 1`` is
+conditioned on tokens the draft never sees and serving never verifies after: such labels
+are noise, and are masked (the reference trains on responses the target generated, for
+the same reason). Position 1 always counts.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ class DFlashTraining:
     layer_ids: list[int]
     num_layers: int = 1
     mask_id: int = 0  # the local tokenizer's <pad>: a token no text contains
-    blocks: int = 8  # anchors per window
+    blocks: int = 24  # distinct anchors per window
     teacher_fraction: float = 0.5
     decay: float = 4.0  # weight of block position j: exp(-(j - 1) / decay)
     seed: int = 5
@@ -50,26 +61,56 @@ def target_outputs(target, window: torch.Tensor, layer_ids: list[int]) -> tuple[
         return feats, target.lm_head(out.last_hidden_state).float()
 
 
+def sample_anchors(
+    b: int, length: int, block: int, n: int, gen: torch.Generator, *, first: int = 1
+) -> torch.Tensor:
+    """``n`` distinct anchors ``[b, n]`` per window of ``length`` tokens, each in ``first ..
+    length - block + 1``: the block ``a .. a + block - 1`` takes its labels from the target's
+    rows ``a .. a + block - 2``, the last of which is the window's last token."""
+    span = length - block + 2 - first
+    if span < n:
+        raise ValueError(f"windows of {length} tokens hold fewer than {n} blocks of {block} from {first}")
+    return torch.rand(b, span, generator=gen).argsort(-1)[:, :n] + first
+
+
+def block_targets(
+    window: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's log-distributions at every masked block position ``[B, n, block - 1, V]``
+    and which of them count ``[B, n, block - 1]`` (bool): position ``j`` counts when tokens
+    ``a + 1 .. a + j - 1`` of the window are the target's greedy choices (see the module)."""
+    b, n = anchors.shape
+    rows = (anchors[:, :, None] + torch.arange(block - 1, device=window.device)).view(b, -1)
+    vocab = logits.shape[-1]
+    teacher = torch.log_softmax(logits.gather(1, rows[..., None].expand(-1, -1, vocab)), -1)
+    # follows[i]: token i + 1 is the target's greedy choice after the window's tokens 0..i
+    follows = window[:, 1:] == logits[:, :-1].argmax(-1)
+    before = rows.view(b, n, block - 1)[:, :, :-1].reshape(b, -1)  # rows a .. a + block - 3
+    chosen = follows.gather(1, before).view(b, n, block - 2)  # tokens a + 1 .. a + block - 2
+    ones = torch.ones(b, n, 1, dtype=torch.bool, device=window.device)
+    counts = torch.cat([ones, chosen.cumprod(-1).bool()], -1)
+    return teacher.view(b, n, block - 1, vocab), counts
+
+
 def dflash_loss(draft: DFlashDraft, target, window: torch.Tensor, opts: DFlashTraining, gen: torch.Generator):
     """Position-weighted KL from the target's next-token distribution at every masked block
-    position; returns (loss, per-position top-1 agreement with the target's greedy token)."""
+    position that counts; returns (loss, per-position top-1 agreement with the target's
+    greedy token there)."""
     b, length = window.shape
     blk = opts.block
     feats, logits = target_outputs(target, window, opts.layer_ids)
     # anchor a: context 0..a-1, block a..a+blk-1, labels from the target's logits at a..a+blk-2
-    anchors = torch.randint(1, length - blk + 2, (b, opts.blocks), generator=gen).to(window.device)
+    anchors = sample_anchors(b, length, blk, opts.blocks, gen).to(window.device)
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
         draft_logits = draft.block_logits(window, feats, anchors)
-    rows = (anchors[:, :, None] + torch.arange(blk - 1, device=window.device)).view(b, -1)
-    vocab = logits.shape[-1]
-    teacher = torch.log_softmax(logits.gather(1, rows[..., None].expand(-1, -1, vocab)), -1)
-    teacher = teacher.view(b, opts.blocks, blk - 1, vocab)
+    teacher, counts = block_targets(window, logits, anchors, blk)
     logp = torch.log_softmax(draft_logits, -1)
     kl = (teacher.exp() * (teacher - logp)).sum(-1)  # [B, n, blk - 1]
-    weight = torch.exp(-torch.arange(blk - 1, device=window.device) / opts.decay)
-    loss = (kl * weight).sum(-1).mean() / weight.sum()
-    top1 = (logp.argmax(-1) == teacher.argmax(-1)).float().mean((0, 1))
+    weight = torch.exp(-torch.arange(blk - 1, device=window.device) / opts.decay) * counts
+    loss = (kl * weight).sum() / weight.sum()
+    hits = (logp.argmax(-1) == teacher.argmax(-1)) & counts
+    top1 = hits.sum((0, 1)).float() / counts.sum((0, 1)).clamp_min(1)
     return loss, [round(float(a), 3) for a in top1]
 
 
@@ -137,27 +178,32 @@ def train_dflash(
 
 @torch.no_grad()
 def dflash_heldout(
-    draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int
+    draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int = 16
 ) -> dict:
-    """On held-out windows: per-position top-1 agreement with the target's greedy token, and
-    the mean number of leading block positions that agree (an offline proxy of accepted
-    drafts per step)."""
-    n = min(16, (held_ids.numel() - 1) // (seq + 1))
-    window = held_ids[: n * (seq + 1)].view(n, seq + 1).to(device)
-    opts = DFlashTraining(
-        seconds=0, seq=seq, batch=n, lr=0, block=draft.block, layer_ids=draft.layer_ids, blocks=8,
-        mask_id=draft.mask_id,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(11)
+    """What serving would accept, offline: the target's greedy continuations of ``count``
+    held-out prompts (``seq // 3`` tokens each), blocks anchored in the continued part. Per
+    block position: top-1 agreement with the target's greedy token, and the share of blocks
+    whose drafts agree up to there (the per-position acceptance of greedy serving); the mean
+    number of leading agreeing positions (accepted drafts per step)."""
+    from .training import teacher_sequences
+
+    prompt = seq // 3
+    window = teacher_sequences(
+        target, held_ids, device, count=count, prompt_len=prompt, new_tokens=seq + 1 - prompt, seed=11
+    )
+    blk, blocks = draft.block, 8
     feats, logits = target_outputs(target, window, draft.layer_ids)
-    blk = draft.block
-    anchors = torch.randint(1, window.shape[1] - blk + 2, (n, opts.blocks), generator=gen).to(device)
+    # the block's drafts follow the prompt: its first token is the prompt's last or later
+    gen = torch.Generator().manual_seed(11)
+    anchors = sample_anchors(count, seq + 1, blk, blocks, gen, first=prompt - 1).to(device)
     got = draft.block_logits(window, feats, anchors).argmax(-1)
-    rows = (anchors[:, :, None] + torch.arange(blk - 1, device=device)).view(n, -1)
-    want = logits.argmax(-1).gather(1, rows).view(n, opts.blocks, blk - 1)
+    rows = (anchors[:, :, None] + torch.arange(blk - 1, device=device)).view(count, -1)
+    want = logits.argmax(-1).gather(1, rows).view(count, blocks, blk - 1)
     match = (got == want).float()
+    leading = match.cumprod(-1)
     return {
         "heldout_top1": [round(float(a), 3) for a in match.mean((0, 1))],
-        "heldout_leading": round(float(match.cumprod(-1).sum(-1).mean()), 3),
+        "heldout_accept": [round(float(a), 3) for a in leading.mean((0, 1))],
+        "heldout_leading": round(float(leading.sum(-1).mean()), 3),
         "max_leading": blk - 1,
     }
