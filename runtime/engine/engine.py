@@ -333,7 +333,8 @@ class Engine:
         pool = self.draft_pool
         if pool is None:
             raise EngineError.invalid(
-                "this server has no draft adapter pool: draft adapters need a STANDALONE draft and "
+                "this server has no draft adapter pool: draft adapters need a STANDALONE draft or an EAGLE / "
+                "EAGLE3 head, and "
                 "speculative.draft_max_loras > 0 (--draft-max-loras)",
                 param="draft",
             )
