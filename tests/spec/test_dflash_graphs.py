@@ -215,3 +215,54 @@ def test_mixed_sampled_and_greedy_batches_match_the_eager_draft(make_spec_config
         assert static.outputs[rid].tokens == eager.outputs[rid].tokens, rid
     graphs = static.engine.decoder.drafter.runner.graphs
     assert graphs._blocks and graphs._appends
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-graphs"])
+def test_proposals_after_verify_steps_equal_proposals_from_scratch(
+    make_spec_config,
+    engine_run,
+    drafts,  # noqa: F811
+    static,
+):
+    """The draft's context after prefills, verifies (the accepted rows of each) and
+    drafting ahead is what a fresh draft builds from one prefill of the committed tokens:
+    every proposal the engine makes equals the block drafted from scratch there."""
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.runner.model_runner import ModelRunner
+    from loraserve.runtime.sampling import Sampler
+    from loraserve.runtime.speculative import build_decoder
+
+    config = _config(make_spec_config, drafts["two"], k=WIDTH, max_running_requests=4)
+    requests = _requests(count=6, seed=11, max_tokens=14)
+    seen: list[tuple[list[int], str | None, list[int]]] = []
+
+    def spy(decoder):
+        if static:
+            _with_static_graphs(4, WIDTH)(decoder)
+        drafter = decoder.drafter
+        propose = drafter.propose
+
+        def recording(batch, n):
+            proposal = propose(batch, n)
+            for req, row in zip(batch, proposal.tokens.tolist(), strict=True):
+                seen.append((list(req.all_ids), req.adapter, row))
+            return proposal
+
+        drafter.propose = recording
+
+    run = engine_run(config, requests, decoder_hook=spy)
+    assert all(run.outputs[rid].error is None for rid, *_ in requests)
+    runner = ModelRunner(config)
+    fresh = build_decoder(config=config, runner=runner, sampler=Sampler(0)).drafter
+    assert len(seen) > 20
+    for ids, adapter, row in seen:
+        out = runner.forward(
+            ForwardBatch(ForwardMode.EXTEND, ["x"], torch.tensor(ids[:-1]), extend_lens=[len(ids) - 1],
+                         lora_names=[adapter], hidden_layers=fresh.hidden_layers)
+        )  # fmt: skip
+        runner.kv.free("x")
+        fresh.runner.append_context(["x"], out.aux_hidden_states, [len(ids) - 1])
+        tokens, _ = fresh.runner.draft(["x"], torch.tensor([ids[-1]]), WIDTH)
+        fresh.runner.release("x")
+        assert tokens[0].tolist() == row, (len(ids), adapter)
