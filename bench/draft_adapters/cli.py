@@ -1,6 +1,6 @@
 """The command line: this benchmark's options, and ``bench/speculative``'s settings built
-from them (the target, the STANDALONE draft, the serving shapes and workload sizes are that
-benchmark's, trained and served by its code).
+from them (the target, the draft (``--draft``: the STANDALONE draft or the EAGLE head), the
+serving shapes and workload sizes are that benchmark's, trained and served by its code).
 
 Defaults size a GPU run for one 10-minute call on an H100 (about 8 minutes: the phases'
 seconds are printed and reported, to tune them); ``--smoke`` runs the whole flow on a CPU
@@ -20,9 +20,12 @@ from .draft_distillation import DraftAdapterTraining
 from .task_adapters import AdapterTraining
 
 DESCRIPTION = (
-    "Draft adapters: accept length and speedup of adapted requests with the shared STANDALONE draft and with"
-    " each task adapter's distilled draft adapter, beside base requests."
+    "Draft adapters: accept length and speedup of adapted requests with the shared draft (a STANDALONE draft or"
+    " an EAGLE head) and with each task adapter's distilled draft adapter, beside base requests."
 )
+
+DRAFTS = ("standalone", "eagle")
+DRAFT_LABELS = {"standalone": "STANDALONE draft", "eagle": "EAGLE head"}
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Settings:
     spec: SpecSettings
     args: argparse.Namespace
     argv: list[str] | None
+    draft: str  # "standalone" or "eagle": the shared draft, and what the draft adapters adapt
     adapters: list[str]
     adapter_training: AdapterTraining
     draft_training: DraftAdapterTraining
@@ -46,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=DESCRIPTION)
     add = ap.add_argument
     add("--smoke", action="store_true", help="CPU, tiny shapes, short training")
+    add(
+        "--draft",
+        choices=DRAFTS,
+        default="standalone",
+        help="the shared draft: standalone (a small distilled Llama) or eagle (an EAGLE head over the target's"
+        " features, served as an EAGLE chain of k); the draft adapters adapt it (default standalone)",
+    )
     add("--out", default=None, help="markdown report (JSON beside it unless --json)")
     add("--json", default=None, help="JSON record of the run")
     add(
@@ -61,7 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--c1-requests", type=int, default=None, help="requests per kind at concurrency 1 (3 [1])")
     add("--waves", type=int, default=None, help="requests per kind at concurrency c = waves x c (2 [1])")
     add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [4])")
-    add("--train-draft-s", type=float, default=None, help="seconds of STANDALONE draft distillation (80 [2])")
+    add(
+        "--train-draft-s",
+        type=float,
+        default=None,
+        help="seconds of STANDALONE draft distillation or EAGLE head training (80 [2])",
+    )
+    add(
+        "--eagle-cache-gib",
+        type=float,
+        default=None,
+        help="--draft eagle: GiB of the target's features of the head's training windows computed once"
+        " (bench/speculative's flag; 8 [0.02])",
+    )
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
     add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
     add(
@@ -132,7 +155,7 @@ def parse(argv: list[str] | None = None) -> Settings:
         return value if value is not None else (cpu if smoke else gpu)
 
     spec_argv = [
-        "--draft", "standalone", "--attention-backend", args.attention_backend,
+        "--draft", args.draft, "--attention-backend", args.attention_backend,
         "--train-target-s", str(pick(args.train_target_s, 60, 4)),
         "--train-draft-s", str(pick(args.train_draft_s, 80, 2)),
         "--distill-count", str(pick(args.distill_count, 4096, 16)),
@@ -144,6 +167,8 @@ def parse(argv: list[str] | None = None) -> Settings:
         "--waves", str(pick(args.waves, 2, 1)),
     ]  # fmt: skip
     spec_argv += ["--smoke"] if smoke else []
+    if args.draft == "eagle":  # 8 GiB of features take ~4 s on an H100; the speculative default (32) ~16 s
+        spec_argv += ["--eagle-cache-gib", str(pick(args.eagle_cache_gib, 8.0, 0.02))]
     spec_argv += ["--target-shape", args.target_shape] if args.target_shape else []
     spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
     spec = spec_cli.parse(spec_argv)
@@ -159,7 +184,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     )  # fmt: skip
     corpus_mb = pick(args.corpus_mb, 6.0, 0.25)
     return Settings(
-        spec=spec, args=args, argv=argv, adapters=adapters, adapter_training=adapter_training,
+        spec=spec, args=args, argv=argv, draft=args.draft, adapters=adapters, adapter_training=adapter_training,
         draft_training=draft_training, train_bytes=int(corpus_mb * 1e6), held_bytes=int(corpus_mb * 1e6 / 15),
         distill_bytes=int(pick(args.distill_corpus_mb, 1.0, 0.1) * 1e6),
         deadline_s=pick(args.deadline_s, 520.0, float("inf")),

@@ -1,9 +1,9 @@
 """The three decoders every request kind is timed with, over one serving runner.
 
 - ``plain``: no speculation (the baseline of every speedup).
-- ``shared``: STANDALONE speculation, the draft unadapted for every request: the
-  production default without draft adapters (no draft pool: the draft keeps its prefix
-  cache and runs no LoRA kernels).
+- ``shared``: speculation with the draft (``--draft``: STANDALONE, or an EAGLE chain of k
+  as ``bench/speculative`` serves its head) unadapted for every request: the production
+  default without draft adapters (no draft pool: the draft runs no LoRA kernels).
 - ``adapted``: the same draft with its own adapter pool (``speculative.draft_max_loras``)
   holding each task adapter's draft adapter under the task adapter's name, as the engine's
   ``load_draft_adapter`` loads them: a request of a task adapter drafts with its draft
@@ -37,11 +37,14 @@ class Decoders:
 
 
 def build_decoders(
-    s: Settings, serving: Serving, draft_dir: Path, draft_adapters: dict[str, Path], rank: int
-) -> Decoders:
-    """The plain, shared-draft and draft-adapter decoders; the draft adapters loaded."""
+    s: Settings, serving: Serving, draft_dir: Path | None, draft_adapters: dict[str, Path], rank: int,
+    draft: str = "standalone",
+) -> Decoders:  # fmt: skip
+    """The plain, shared-draft and draft-adapter decoders; the draft adapters (as served:
+    ``serving.served_draft_adapters``) loaded. ``draft``: ``standalone`` (``draft_dir``) or
+    ``eagle`` (``serving.head_dir``)."""
     sampler = Sampler(0)
-    shared = spec_config(s, serving, draft_dir, "standalone", False, None)
+    shared = spec_config(s, serving, draft_dir, draft, False, None)
     adapted = shared.copy()
     adapted.speculative.draft_max_loras = max(len(draft_adapters), 1)
     adapted.speculative.draft_max_lora_rank = rank

@@ -68,7 +68,7 @@ def verdict_record(v: AdapterVerdict) -> dict:
 def report_lines(s: Settings, record: Record) -> list[str]:
     """Setup, adapters, results, targets, phases, notes."""
     lines = _setup_lines(s, record.setup)
-    lines += adapter_table(record.adapters)
+    lines += adapter_table(record.adapters, head=s.draft == "eagle")
     lines += results_table(s, record.results)
     lines += targets_table(record.verdicts)
     lines += ["", "Time per phase (s): " + ", ".join(f"{k} {v}" for k, v in record.phases.items())]
@@ -103,7 +103,15 @@ def _setup_lines(s: Settings, setup: dict) -> list[str]:
             f"- small target {SHAPES[spec.small_shape]} (hidden, layers, heads, kv, head_dim, mlp) trained"
             f" {target['steps']} steps on the standard library's Python, final loss {target['final_loss']}"
         )
-    if draft:
+    if draft and s.draft == "eagle":
+        lines.append(
+            f"- EAGLE head (one decoder layer of the small target's shape over its final normed features, its"
+            f" embeddings and LM head shared) trained {draft['steps']} steps as `bench/speculative` trains it"
+            f" (final loss {draft['final_loss']}, held-out top-1 per draft step {draft.get('heldout_top1')});"
+            f" served expanded to the target's shape as an EAGLE chain (check against the trained head on"
+            f" held-out prompts: {_head_check(setup.get('head_check'))})"
+        )
+    elif draft:
         lines.append(
             f"- STANDALONE draft {SHAPES[spec.draft_shape]}, distilled from the target {draft['steps']} steps"
             f" (final KL {draft['final_loss']}); served as trained, beside the served target"
@@ -117,9 +125,22 @@ def _setup_lines(s: Settings, setup: dict) -> list[str]:
     return lines
 
 
-def adapter_table(adapters: dict[str, dict]) -> list[str]:
+def adapter_table(adapters: dict[str, dict], head: bool = False) -> list[str]:
     """Per task adapter: its corpus, training, how far it moved the target, the served check
-    and its draft adapter's distillation."""
+    and its draft adapter's distillation (``head``: the draft is an EAGLE head)."""
+    if head:
+        draft_text = (
+            " EAGLE head: draft adapters on the head's fc and projections, distilled over the small target with its"
+            " task adapter (the head reads its features), then expanded as the head is; draft check = the served"
+            " head with its adapter (the head's pool, the served target's features) vs the trained head with the"
+            " distilled adapter merged (the small target's features): proposals after held-out prompts, output"
+            " features, padded dimensions, and how far the adapter moves the served head's logits."
+        )
+    else:
+        draft_text = (
+            " draft check = the draft adapter as served from the draft's pool vs the distilled one (peft), and how"
+            " far it moves the draft's logits."
+        )
     lines = [
         "",
         "## Task adapters and their draft adapters",
@@ -129,8 +150,7 @@ def adapter_table(adapters: dict[str, dict]) -> list[str]:
         " positions whose top-1 token it changes; served check = served adapted target vs small adapted target on a"
         " held-out prompt. Draft adapters: `loraserve-distill-draft` (KL to the adapted target, draft frozen) on a"
         " slice of the adapter's corpus and the adapted target's greedy answers to prompts from it, scored on a"
-        " held-out slice before -> after; draft check = the draft adapter as"
-        " served from the draft's pool vs the distilled one (peft), and how far it moves the draft's logits.",
+        " held-out slice before -> after;" + draft_text,
         "",
         "| adapter | corpus | trained | held-out loss | top-1 changed | served check | draft adapter trained"
         " | KL(adapted target, draft) | top-1 agreement | draft check |",
@@ -151,7 +171,7 @@ def adapter_table(adapters: dict[str, dict]) -> list[str]:
             f" {d.get('steps')} steps, {d.get('seconds')} s, {d.get('train_sequences')} sequences"
             f" ({t.get('answers', 0)} answers) | {d.get('kl_before')} -> {d.get('kl_after')} |"
             f" {_pct(d.get('agreement_before'))} -> {_pct(d.get('agreement_after'))} |"
-            f" rel {dc.get('rel_logit_diff')}, argmax {dc.get('argmax_agreement')}, shift {dc.get('adapter_shift')} |"
+            f" {_head_check(dc) if head else _draft_check(dc)} |"
         )
     return lines
 
@@ -230,6 +250,24 @@ def targets_table(verdicts: list[AdapterVerdict]) -> list[str]:
         for k, ms in overall.items()
     )]  # fmt: skip
     return lines
+
+
+def _draft_check(check: dict) -> str:
+    """A STANDALONE draft adapter's served check: logits against the distilled adapter's."""
+    return f"rel {check.get('rel_logit_diff')}, argmax {check.get('argmax_agreement')}, shift {check.get('adapter_shift')}"
+
+
+def _head_check(check: dict | None) -> str:
+    """An EAGLE head's served check (with or without a draft adapter): proposals and features."""
+    if not check:
+        return "–"
+    text = (
+        f"proposals {check.get('proposal_agreement')}, features rel {check.get('rel_feature_diff')},"
+        f" padded {check.get('padded_norm')}"
+    )
+    if check.get("disagreeing_margin") is not None:
+        text += f", smallest margin of a differing proposal {check['disagreeing_margin']}"
+    return text + (f", shift {check['adapter_shift']}" if "adapter_shift" in check else "")
 
 
 def _num(value: float | None, digits: int = 2) -> str:

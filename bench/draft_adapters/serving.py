@@ -1,13 +1,16 @@
 """The served target: the 8B-shaped expansion of the small target, with the task adapters
-expanded the same way (``lora_expansion``)."""
+expanded the same way (``lora_expansion``); with ``--draft eagle`` the EAGLE head and its
+draft adapters too, expanded as ``bench/speculative`` expands the head."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from loraserve.runtime.runner.model_runner import ModelRunner
 
-from ..speculative.expansion import expand_into
+from ..speculative.eagle_checkpoint import eagle_config, save_eagle_head
+from ..speculative.expansion import expand_eagle_head, expand_into
 from ..speculative.log import log
 from ..speculative.models import TrainedModels
 from ..speculative.serving import Serving, runtime_config, serving_target_dir
@@ -17,15 +20,24 @@ from .task_adapters import TaskAdapter
 
 
 def build_serving(s: Settings, trained: TrainedModels, adapters: list[TaskAdapter], rank: int) -> Serving:
-    """Write the serving target and its adapters (expanded unless ``--target-shape trained``),
-    then build the runner with the trained weights placed in it."""
-    target_dir, _raw, expanded = serving_target_dir(s, trained)
+    """Write the serving target and its adapters (expanded unless ``--target-shape trained``)
+    and the EAGLE head for it when one was trained, then build the runner with the trained
+    weights placed in it."""
+    target_dir, raw, expanded = serving_target_dir(s, trained)
     served = {
         a.name: expand_lora(a.small_dir, trained.work / f"served-{a.name}", s.small_shape, s.target_shape)
         if expanded
         else a.small_dir
         for a in adapters
     }
+    head_dir = None
+    if trained.head is not None:  # as bench/speculative serves it: expanded to the served target's shape
+        tensors = trained.head.checkpoint()
+        if expanded:
+            tensors = expand_eagle_head(tensors, s.small_shape, s.target_shape)
+        head_dir = save_eagle_head(
+            tensors, eagle_config(raw, raw["intermediate_size"]), trained.work / "eagle"
+        )
     config = runtime_config(s, target_dir, served)
     config.lora.max_rank = max(config.lora.max_rank, rank)
     config.lora.max_loras_per_batch = config.lora.max_loaded_loras = max(len(served), 1)
@@ -38,4 +50,20 @@ def build_serving(s: Settings, trained: TrainedModels, adapters: list[TaskAdapte
         f"target runner ({s.target_shape}, {params / 1e9:.2f} B params, attention {runner.attention_backend},"
         f" adapters {sorted(served)}) built in {time.monotonic() - t0:.1f} s"
     )
-    return Serving(config, runner, params, None, None)
+    return Serving(config, runner, params, head_dir, None)
+
+
+def served_draft_adapters(
+    s: Settings, trained: TrainedModels, draft_adapters: dict[str, Path]
+) -> dict[str, Path]:
+    """The draft adapters as the draft's pool loads them. A STANDALONE draft is served as
+    trained, so its adapters are too; an EAGLE head is served expanded to the target's shape,
+    so its adapters are expanded the same way (``lora_expansion.expand_head_lora_tensors``)."""
+    if trained.head is None or s.target_shape == "trained":
+        return dict(draft_adapters)
+    return {
+        name: expand_lora(
+            path, trained.work / f"served-draft-{name}", s.small_shape, s.target_shape, head=True
+        )
+        for name, path in draft_adapters.items()
+    }
