@@ -180,11 +180,17 @@ def train_dflash(
 def dflash_heldout(
     draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int = 16
 ) -> dict:
-    """What serving would accept, offline: the target's greedy continuations of ``count``
-    held-out prompts (``seq // 3`` tokens each), blocks anchored in the continued part. Per
-    block position: top-1 agreement with the target's greedy token, and the share of blocks
-    whose drafts agree up to there (the per-position acceptance of greedy serving); the mean
-    number of leading agreeing positions (accepted drafts per step)."""
+    """What serving would accept, offline, on the target's greedy continuations of ``count``
+    held-out prompts (``seq // 3`` tokens each).
+
+    Blocks anchored at random in the continued part: per block position, top-1 agreement
+    with the target's greedy token and the share of blocks whose drafts agree up to there;
+    the mean number of leading agreeing positions. Random anchors flatter a draft: serving
+    anchors each block right after the last one's first miss, a token the draft failed to
+    predict. So the continuations are also walked as greedy serving walks them (each block
+    anchored at the target's token after the previous block's accepted drafts): accepted
+    drafts per step and the share of steps that accept position ``j``, which is what the
+    served run's per-position acceptance measures on the base model."""
     from .training import teacher_sequences
 
     prompt = seq // 3
@@ -193,17 +199,44 @@ def dflash_heldout(
     )
     blk, blocks = draft.block, 8
     feats, logits = target_outputs(target, window, draft.layer_ids)
+    greedy = logits.argmax(-1)
+    offsets = torch.arange(blk - 1, device=device)
     # the block's drafts follow the prompt: its first token is the prompt's last or later
     gen = torch.Generator().manual_seed(11)
     anchors = sample_anchors(count, seq + 1, blk, blocks, gen, first=prompt - 1).to(device)
     got = draft.block_logits(window, feats, anchors).argmax(-1)
-    rows = (anchors[:, :, None] + torch.arange(blk - 1, device=device)).view(count, -1)
-    want = logits.argmax(-1).gather(1, rows).view(count, blocks, blk - 1)
+    want = greedy.gather(1, (anchors[:, :, None] + offsets).view(count, -1)).view(count, blocks, blk - 1)
     match = (got == want).float()
     leading = match.cumprod(-1)
+    walk = _walk(draft, window, feats, greedy, prompt - 1)
     return {
         "heldout_top1": [round(float(a), 3) for a in match.mean((0, 1))],
         "heldout_accept": [round(float(a), 3) for a in leading.mean((0, 1))],
         "heldout_leading": round(float(leading.sum(-1).mean()), 3),
         "max_leading": blk - 1,
+        "heldout_walk_accept": [round(float(a), 3) for a in walk.mean(0)],
+        "heldout_walk_mean": round(float(walk.sum(-1).mean()), 3),
     }
+
+
+def _walk(
+    draft: DFlashDraft, window: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Greedy speculation over windows that are the target's greedy continuations: each
+    block at the window's token after the previous block's accepted drafts, from ``start``
+    while a whole block fits. Returns every step's accepted positions ``[steps, block - 1]``
+    (0/1, leading ones)."""
+    count, length = window.shape
+    blk = draft.block
+    last = length - blk + 1  # the last anchor whose labels are all in the window
+    offsets = torch.arange(blk - 1, device=window.device)
+    pos = torch.full((count,), start, dtype=torch.long, device=window.device)
+    steps = []
+    while bool((pos <= last).any()):
+        live = pos <= last
+        anchor = pos.clamp(max=last)
+        got = draft.block_logits(window, feats, anchor[:, None])[:, 0].argmax(-1)
+        lead = (got == greedy.gather(1, anchor[:, None] + offsets)).long().cumprod(-1)
+        steps.append(lead[live])
+        pos = torch.where(live, pos + lead.sum(-1) + 1, pos)
+    return torch.cat(steps).float()
