@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="--draft eagle: GiB of the target's features of the head's training windows computed once"
-        " (bench/speculative's flag; 8 [0.02])",
+        " (bench/speculative's flag; 8 [0.002])",
     )
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
     add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
@@ -167,8 +167,8 @@ def parse(argv: list[str] | None = None) -> Settings:
         "--waves", str(pick(args.waves, 2, 1)),
     ]  # fmt: skip
     spec_argv += ["--smoke"] if smoke else []
-    if args.draft == "eagle":  # 8 GiB of features take ~4 s on an H100; the speculative default (32) ~16 s
-        spec_argv += ["--eagle-cache-gib", str(pick(args.eagle_cache_gib, 8.0, 0.02))]
+    if args.draft == "eagle":  # 8 GiB of features took 4 s on an H100; a smoke run's head trains ~20 steps
+        spec_argv += ["--eagle-cache-gib", str(pick(args.eagle_cache_gib, 8.0, 0.002))]
     spec_argv += ["--target-shape", args.target_shape] if args.target_shape else []
     spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
     spec = spec_cli.parse(spec_argv)
