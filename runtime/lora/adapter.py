@@ -94,7 +94,9 @@ class AdapterWeights:
 
     @property
     def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
 
 
 def _fail(message: str, field: str) -> AdapterError:
@@ -120,7 +122,9 @@ def read_adapter_config(path: Path) -> dict:
     try:
         raw = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _fail(f"{config_path} is not valid JSON ({exc}): rewrite it with peft's save_pretrained", CONFIG_FILE) from exc
+        raise _fail(
+            f"{config_path} is not valid JSON ({exc}): rewrite it with peft's save_pretrained", CONFIG_FILE
+        ) from exc
     if not isinstance(raw, dict):
         raise _fail(f"{config_path} must hold a JSON object", CONFIG_FILE)
     peft_type = raw.get("peft_type", "LORA")
@@ -161,9 +165,14 @@ def read_adapter_config(path: Path) -> dict:
             "init_lora_weights",
         )
     if raw.get("bias", "none") not in ("none", None):
-        raise _fail(f"bias={raw['bias']!r}: trained bias terms are not supported; retrain with bias='none'", "bias")
+        raise _fail(
+            f"bias={raw['bias']!r}: trained bias terms are not supported; retrain with bias='none'", "bias"
+        )
     if raw.get("trainable_token_indices"):
-        raise _fail("trainable_token_indices is set: trainable-token adapters are not supported", "trainable_token_indices")
+        raise _fail(
+            "trainable_token_indices is set: trainable-token adapters are not supported",
+            "trainable_token_indices",
+        )
     return raw
 
 
@@ -185,24 +194,9 @@ def load_adapter(
     equal, refused when not.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise _fail(f"adapter path {str(path)!r} is not a directory: give the folder holding {CONFIG_FILE}", "path")
-    raw = read_adapter_config(path)
+    raw = read_adapter_config(adapter_dir(path, "adapter"))
     pool = tuple(pool_modules)
-
-    rank = raw.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise _fail(f"r must be a positive integer, got {rank!r}", "r")
-    if rank > max_rank:
-        raise _fail(
-            f"adapter rank r={rank} exceeds lora.max_rank={max_rank}: raise lora.max_rank to at least {rank} "
-            "or use an adapter of lower rank",
-            "r",
-        )
-    alpha = raw.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise _fail(f"lora_alpha must be a number, got {alpha!r}", "lora_alpha")
-    use_rslora = bool(raw.get("use_rslora", False))
+    rank, alpha, use_rslora = read_scaling(raw, max_rank=max_rank, limit="lora.max_rank", what="adapter")
 
     declared = raw.get("target_modules")
     if isinstance(declared, list):
@@ -222,20 +216,13 @@ def load_adapter(
                 "target_modules",
             )
     elif declared is not None and not isinstance(declared, str):
-        raise _fail(f"target_modules must be a list of names or a pattern string, got {declared!r}", "target_modules")
+        raise _fail(
+            f"target_modules must be a list of names or a pattern string, got {declared!r}", "target_modules"
+        )
     # A pattern string (e.g. "all-linear" or a regex) is resolved from the tensors below.
 
     weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
-        pickles = [p for p in PICKLE_FILES if (path / p).is_file()]
-        if pickles:
-            raise _fail(
-                f"{path / pickles[0]} is a pickle file, which can run arbitrary code when loaded, and is refused: "
-                f"re-save the adapter with safetensors (peft save_pretrained(..., safe_serialization=True))",
-                pickles[0],
-            )
-        raise _fail(f"{weights_path} is missing: the adapter needs its weights in {WEIGHTS_FILE}", WEIGHTS_FILE)
-    tensors = _read_safetensors(weights_path)
+    tensors = read_adapter_tensors(path, "adapter")
 
     # Full copies of the base embedding / lm_head first (a resized vocabulary is named as
     # such, before the LoRA shapes disagree): checked against the served weights, then dropped.
@@ -266,7 +253,10 @@ def load_adapter(
         where = module if layer is None else f"layer {layer} {module}"
         for which in ("A", "B"):
             if which not in pair:
-                raise _fail(f"{where} has lora_{'BA'[which == 'B']} but no lora_{which}: the file is incomplete", where)
+                raise _fail(
+                    f"{where} has lora_{'BA'[which == 'B']} but no lora_{which}: the file is incomplete",
+                    where,
+                )
         a, b = pair["A"], pair["B"]
         in_dim, out_dim = arch.module_dims(module)
         if module == "embed_tokens":
@@ -306,14 +296,54 @@ def load_adapter(
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def adapter_dir(path: Path, what: str) -> Path:
+    """``path`` if it is a directory, else the error naming it (``what``: "adapter",
+    "draft adapter")."""
+    if not path.is_dir():
+        raise _fail(
+            f"{what} path {str(path)!r} is not a directory: give the folder holding {CONFIG_FILE}", "path"
+        )
+    return path
+
+
+def read_scaling(raw: dict, *, max_rank: int, limit: str, what: str) -> tuple[int, float, bool]:
+    """An adapter config's rank, ``lora_alpha`` and ``use_rslora``, checked; ``limit`` is
+    the setting that bounds the rank (named in the fix), ``what`` the kind of adapter."""
+    rank = raw.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _fail(f"r must be a positive integer, got {rank!r}", "r")
+    if rank > max_rank:
+        raise _fail(
+            f"{what} rank r={rank} exceeds {limit}={max_rank}: raise {limit} to at least {rank} "
+            f"or use a {what} of lower rank",
+            "r",
+        )
+    alpha = raw.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise _fail(f"lora_alpha must be a number, got {alpha!r}", "lora_alpha")
+    return rank, float(alpha), bool(raw.get("use_rslora", False))
+
+
+def read_adapter_tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``path``'s safetensors file; a pickle file is refused (it can run code
+    when loaded), a missing or unreadable file named."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        pickles = [p for p in PICKLE_FILES if (path / p).is_file()]
+        if pickles:
+            raise _fail(
+                f"{path / pickles[0]} is a pickle file, which can run arbitrary code when loaded, and is refused: "
+                f"re-save the {what} with safetensors (peft save_pretrained(..., safe_serialization=True))",
+                pickles[0],
+            )
+        raise _fail(f"{file} is missing: the {what} needs its weights in {WEIGHTS_FILE}", WEIGHTS_FILE)
     try:
-        return load_file(str(path), device="cpu")
+        return load_file(str(file), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise _fail(f"{path} is not a readable safetensors file ({exc})", WEIGHTS_FILE) from exc
+        raise _fail(f"{file} is not a readable safetensors file ({exc})", WEIGHTS_FILE) from exc
 
 
 def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple[str, int | None], str]:
@@ -341,7 +371,10 @@ def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple
 
 
 def _check_full_copy(
-    full_name: str, tensor: torch.Tensor, module: str, base_tensor: Callable[[str], torch.Tensor | None] | None
+    full_name: str,
+    tensor: torch.Tensor,
+    module: str,
+    base_tensor: Callable[[str], torch.Tensor | None] | None,
 ) -> None:
     """Accept peft's copy of the whole base ``embed_tokens`` / ``lm_head`` weight only when it
     is the served model's own: same shape and every value equal, compared in the coarser of

@@ -33,7 +33,14 @@ from loraserve.kernels import ForwardMode, GraphLoRAMetadata, LoRABackend, LoRAB
 
 from ..contract.config import LoRAConfig
 from ..lora import AdapterError
-from ..lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, AdapterWeights, read_adapter_config
+from ..lora.adapter import (
+    WEIGHTS_FILE,
+    AdapterWeights,
+    adapter_dir,
+    read_adapter_config,
+    read_adapter_tensors,
+    read_scaling,
+)
 from ..lora.manager import LoRAManager
 from ..lora.pool import LinearLoRAHook, rank_major_b
 from .eagle_format import EagleDraftConfig
@@ -101,26 +108,15 @@ def load_head_adapter(
     projections, ``("fc", None)`` for the feature fc.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise _fail(
-            f"draft adapter path {str(path)!r} is not a directory: give the folder holding {CONFIG_FILE}",
-            "path",
-        )
-    raw = read_adapter_config(path)
-    rank = raw.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise _fail(f"r must be a positive integer, got {rank!r}", "r")
-    if rank > max_rank:
-        raise _fail(
-            f"draft adapter rank r={rank} exceeds speculative.draft_max_lora_rank={max_rank}: raise "
-            f"speculative.draft_max_lora_rank (--draft-max-lora-rank) to at least {rank} or use a lower rank",
-            "r",
-        )
-    alpha = raw.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise _fail(f"lora_alpha must be a number, got {alpha!r}", "lora_alpha")
+    raw = read_adapter_config(adapter_dir(path, "draft adapter"))
+    rank, alpha, use_rslora = read_scaling(
+        raw,
+        max_rank=max_rank,
+        limit="speculative.draft_max_lora_rank (--draft-max-lora-rank)",
+        what="draft adapter",
+    )
     check_head_modules(raw.get("target_modules"))
-    tensors = _read_weights(path)
+    tensors = read_adapter_tensors(path, "draft adapter")
     shapes = config.tensor_shapes()
     parts: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     for full_name, tensor in tensors.items():
@@ -148,31 +144,11 @@ def load_head_adapter(
     return AdapterWeights(
         path=path.resolve(),
         rank=rank,
-        alpha=float(alpha),
-        use_rslora=bool(raw.get("use_rslora", False)),
+        alpha=alpha,
+        use_rslora=use_rslora,
         target_modules=modules,
         weights=weights,
     )
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        pickles = [p for p in PICKLE_FILES if (path / p).is_file()]
-        if pickles:
-            raise _fail(
-                f"{path / pickles[0]} is a pickle file, which can run arbitrary code when loaded, and is refused: "
-                "re-save the draft adapter with safetensors (peft save_pretrained(..., safe_serialization=True))",
-                pickles[0],
-            )
-        raise _fail(f"{file} is missing: the draft adapter needs its weights in {WEIGHTS_FILE}", WEIGHTS_FILE)
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise _fail(f"{file} is not a readable safetensors file ({exc})", WEIGHTS_FILE) from exc
 
 
 def _parse(full_name: str) -> tuple[tuple[str, int | None], str]:
