@@ -28,11 +28,22 @@ requests, in ``bench/speculative``'s setting (its code trains and serves the mod
 5. The targets per adapter (``verdict``): at least half of the lost accept length won back,
    a c = 1 speedup at least 10% above the shared draft's, no loss at the highest level.
 
+``--draft eagle`` does the same with an EAGLE head instead of the STANDALONE draft: the head
+trained as ``bench/speculative`` trains it (over the small target's features) and served as
+it serves it (expanded to the target's shape, an EAGLE chain of k); each head draft adapter
+is distilled by :func:`distill` with the head as the student over the SMALL target with its
+task adapter (the head reads the adapted target's features; the served target computes the
+small one's function, so the adapter is expanded as the head is: ``draft_distillation``
+says why), loaded into the head's own pool, and checked as served against the distilled
+head (``head_checks``).
+
     python bench/draft_adapters --smoke                       # CPU, tiny shapes, under a minute
+    python bench/draft_adapters --smoke --draft eagle         # the same with an EAGLE head
     python bench/draft_adapters --out da.md --json da.json    # GPU, about 8 minutes on an H100
+    python bench/draft_adapters --draft eagle --out da-eagle.md --json da-eagle.json
 
 Every phase's seconds are logged as it ends and reported (``timing``), to tune the time
 budgets of a one-call GPU run. Modules in the order a run uses them: ``cli``, ``corpora``,
 ``task_adapters``, ``answers``, ``draft_distillation``, ``lora_expansion`` and ``serving``, ``decoders``,
-``measure``, ``verdict``, ``report``; ``benchmark.main`` ties them together.
+``head_checks`` (``--draft eagle``), ``measure``, ``verdict``, ``report``; ``benchmark.main`` ties them together.
 """
