@@ -17,9 +17,9 @@ SMALL trained target (with the task adapter), the head written at the small targ
 them serving an adapted request). The served 8B-shaped target computes the small one's
 function, its features being the small target's zero-padded, and the served head is the
 small head expanded the same function-preserving way (``bench/speculative``), so the head
-adapter is expanded that way too (``lora_expansion.expand_head_lora``) and the served head
+adapter is expanded that way too (``lora_expansion.expand_head_lora_tensors``) and the served head
 with it computes what the distilled one does (checked: ``head_checks``). Distilling over
-the 8B shape directly would need the 8B target in Hugging Face form (16 GB written and read
+the 8B shape directly would need the 8B target in Hugging Face form (16 GB written once, read
 per adapter, an 8B forward per step) for the same function.
 """
 
