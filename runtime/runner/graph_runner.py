@@ -220,6 +220,12 @@ class GraphRunner:
         """Shapes that replay a captured graph."""
         return sum(entry.graph is not None for table in self._tables for entry in table.values())
 
+    @property
+    def num_graphs(self) -> int:
+        """The graphs a runner reports (metrics, benchmarks): captured ones, unless a
+        subclass counts otherwise."""
+        return self.num_captured
+
     def padded(self, batch_size: int) -> int:
         """The captured batch size that holds ``batch_size`` requests."""
         padded = padded_batch_size(self.batch_sizes, batch_size)

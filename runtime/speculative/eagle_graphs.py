@@ -140,11 +140,6 @@ class EagleGraphRunner(GraphRunner):
         """A capture failed: :meth:`can_run` refuses every batch (the runner runs them eagerly)."""
         return self.capture_failures > 0
 
-    @property
-    def num_graphs(self) -> int:
-        """Captured graphs (shapes run on the static path do not count)."""
-        return self.num_captured
-
     def can_run(self, batch_size: int) -> bool:
         return not self.disabled and 0 < batch_size <= self.max_bs
 
