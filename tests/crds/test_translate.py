@@ -14,7 +14,7 @@ from loraserve.runtime.contract import policy
 from loraserve.runtime.contract.capabilities import Capabilities
 from loraserve.runtime.contract.config import RaggedVerify, SpecAlgorithm
 
-POLICY_SOURCE = Path(policy.__file__).read_text()
+POLICY_SOURCE = "\n".join(p.read_text() for p in sorted(Path(policy.__file__).parent.glob("*.py")))
 EVERYTHING = Capabilities(algorithms=frozenset(SpecAlgorithm), tree_algorithms=frozenset(SpecAlgorithm), dynamic_ragged_verify=True)
 CONFIG_PATH = re.compile(
     r"\b(?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+\b|\bdevice\b"

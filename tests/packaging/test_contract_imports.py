@@ -15,6 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loraserve.runtime.contract import policy
+
+POLICY_DIR = Path(policy.__file__).parent
+
 BLOCK_TORCH_AND_IMPORT = """
 import importlib, importlib.abc, json, pkgutil, sys
 
@@ -69,6 +73,10 @@ def test_the_contract_and_every_operator_module_import_without_torch(tmp_path):
     imported = set(result["imported"])
     for name in ("config", "flags", "capabilities", "policy", "catalog"):
         assert f"loraserve.runtime.contract.{name}" in imported
+    policy_modules = sorted(p.stem for p in POLICY_DIR.glob("*.py") if p.stem != "__init__")
+    assert policy_modules, POLICY_DIR
+    for name in policy_modules:
+        assert f"loraserve.runtime.contract.policy.{name}" in imported
     for name in ("specs", "translate", "desired", "webhooks", "handlers", "main", "reconcile.serve"):
         assert f"loraserve.operator.{name}" in imported
 

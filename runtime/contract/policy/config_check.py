@@ -1,0 +1,33 @@
+"""The configuration check: a whole :class:`RuntimeConfig` judged by every rule, in order,
+into one :class:`Report` with its effective (resolved) form."""
+
+from __future__ import annotations
+
+from ..capabilities import CAPABILITIES, Capabilities
+from ..config import RuntimeConfig
+from .algorithms import effective_config
+from .availability import availability
+from .basic import model_and_placement, normalized, scheduler_and_server
+from .config_warnings import config_warnings
+from .cuda_graphs import gpu_fields, graph_verify_width
+from .draft_adapters import draft_lora_pool
+from .findings import Report
+from .lora import lora_compatibility, lora_pool
+from .speculative import speculative
+
+
+def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIES) -> Report:
+    """Judge a whole runtime configuration: every violation, every warning, the effective form."""
+    config, violations = normalized(config)
+    effective, note = effective_config(config)
+    violations += model_and_placement(config)
+    violations += scheduler_and_server(config)
+    violations += gpu_fields(config)
+    violations += lora_pool(config)
+    violations += speculative(config, effective, note)
+    violations += lora_compatibility(config, effective, note, capabilities)
+    violations += graph_verify_width(config)
+    violations += availability(config, effective, note, capabilities)
+    violations += draft_lora_pool(config, effective, note)
+    warnings = config_warnings(config, effective)
+    return Report(tuple(violations), tuple(warnings), effective, note, config.speculative.algorithm)

@@ -1,0 +1,76 @@
+"""CUDA graph and GPU-only rules: the graphs' batch and prefill bounds, features that need a
+GPU, and speculation that changes the verify width a graph was captured for."""
+
+from __future__ import annotations
+
+from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm
+from .bounds import MINIMUM
+from .fields import at_least
+from .findings import Violation
+
+
+def gpu_fields(config: RuntimeConfig) -> list[Violation]:
+    """The CUDA graphs' bounds, and CUDA graphs or Triton attention asked of a CPU."""
+    graphs = config.cuda_graph
+    out: list[Violation] = []
+    out += at_least("cuda_graph.max_bs", graphs.max_bs, "cuda-graph-bs")
+    if graphs.max_prefill_tokens < MINIMUM["cuda_graph.max_prefill_tokens"]:
+        out.append(
+            Violation(
+                "cuda-graph-prefill",
+                "cuda_graph.max_prefill_tokens",
+                f"must be at least 0, got {graphs.max_prefill_tokens}",
+                "set {cuda_graph.max_prefill_tokens} to 0 (prefills run eagerly) or to the longest single "
+                "prefill chunk to replay from CUDA graphs, such as 512",
+            )
+        )
+    if graphs.enabled and config.device == "cpu":
+        out.append(
+            Violation(
+                "cuda-graph-cpu",
+                "cuda_graph.enabled",
+                "CUDA graphs need a GPU and this configuration runs on CPU",
+                "set {cuda_graph.enabled} to false, or run on a GPU",
+                related=("device",),
+            )
+        )
+    if config.attention_backend == "triton" and config.device == "cpu":
+        out.append(
+            Violation(
+                "attention-triton-cpu",
+                "attention_backend",
+                "the paged Triton attention needs a GPU and this configuration runs on CPU",
+                "set {attention_backend} to auto (SDPA on a CPU) or sdpa, or run on a GPU",
+                related=("device",),
+            )
+        )
+    return out
+
+
+def graph_verify_width(config: RuntimeConfig) -> list[Violation]:
+    """CUDA graphs beside speculation whose verify width varies (dynamic ragged, adaptive)."""
+    spec = config.speculative
+    if not config.cuda_graph.enabled or SpecAlgorithm(spec.algorithm) is SpecAlgorithm.NONE:
+        return []
+    out: list[Violation] = []
+    if spec.ragged_verify is RaggedVerify.DYNAMIC:
+        out.append(
+            Violation(
+                "cuda-graph-ragged",
+                "cuda_graph.enabled",
+                "CUDA graphs are captured for one verify width, and dynamic ragged verify gives each request its own",
+                "set {cuda_graph.enabled} to false or {speculative.ragged_verify} to static",
+                related=("speculative.ragged_verify",),
+            )
+        )
+    if spec.adaptive:
+        out.append(
+            Violation(
+                "cuda-graph-adaptive",
+                "cuda_graph.enabled",
+                "CUDA graphs are captured for one verify width, and adaptive speculation changes it at run time",
+                "set {cuda_graph.enabled} to false or {speculative.adaptive} to false",
+                related=("speculative.adaptive",),
+            )
+        )
+    return out
