@@ -56,7 +56,8 @@ def _gpu_records() -> list[dict]:
     """``env`` of every GPU run under bench/results/ that recorded its versions."""
     records = []
     for path in sorted((ROOT / "bench" / "results").glob("*.json")):
-        env = json.loads(path.read_text()).get("env") if path.stat().st_size else None
+        data = json.loads(path.read_text()) if path.stat().st_size else None
+        env = data.get("env") if isinstance(data, dict) else None  # some results are plain lists of rows
         if isinstance(env, dict) and "triton" in env and not str(env.get("gpu", "cpu")).startswith("cpu"):
             records.append({**env, "file": path.name})
     assert records, "bench/results/ holds GPU runs with their versions"
