@@ -228,45 +228,140 @@ async def reconcile_adapter(
     when it is not the serve the Adapter names).
     """
     meta = body.get("metadata") or {}
-    name, namespace = meta["name"], meta["namespace"]
-    generation = meta.get("generation")
-    outcome = AdapterOutcome()
     now, wall = time.monotonic(), time.time()
+    run = _Pass(ctx, meta["name"], meta["namespace"], meta.get("generation"), body.get("status"), now, wall)
+    # Observe: the Adapter, its serve, where the adapter lies in the pods, what the pods hold.
+    wanted = await _read_wanted(run, body, memory, serve_body)
+    if wanted is None:
+        return run.outcome
+    observed = await _observe(run, body, memory, pods, wanted)
+    # Diff: each targeted pod's track against what it holds.
+    diff = _diff(run, memory, observed, wanted)
+    # Act: load where due, unload a file that contradicts the declaration, demote the others.
+    await _load_due(run, memory, observed, wanted, diff, stopping)
+    if run.outcome.gone:  # the Adapter was deleted while its Loading status was written
+        return run.outcome
+    await _unload_refused(run, observed, diff)
+    others = await _others(
+        ctx,
+        run.outcome,
+        run.name,
+        wanted.spec,
+        wanted.lora_path,
+        observed.token,
+        observed.usable,
+        set(observed.targets),
+        observed.held,
+        observed.unreachable,
+        run.wall,
+        wanted.draft,
+        observed.listings,
+    )
+    # Report: the status and when the next retry is due.
+    await _report_pass(run, memory, pods, observed, wanted, diff, others)
+    return run.outcome
 
-    previous = {"status": body.get("status")}
 
-    async def report(findings: AdapterFindings) -> None:
-        outcome.status = adapter_status(findings, previous["status"], now=iso(wall))
-        patch = status_patch(previous["status"], outcome.status)
+@dataclass
+class _Pass:
+    """One pass over an Adapter: which it is, when the pass runs, what it has reported."""
+
+    ctx: OperatorContext
+    name: str
+    namespace: str
+    generation: int | None
+    previous_status: Mapping | None
+    now: float
+    wall: float
+    outcome: AdapterOutcome = field(default_factory=AdapterOutcome)
+
+    async def report(self, findings: AdapterFindings) -> None:
+        """Write the status ``findings`` make, when it changed; an Adapter gone meanwhile is noted."""
+        self.outcome.status = adapter_status(findings, self.previous_status, now=iso(self.wall))
+        patch = status_patch(self.previous_status, self.outcome.status)
         if patch is None:
             return
         try:
-            await ctx.kube.patch(ADAPTERS, namespace, name, {"status": patch}, subresource="status")
+            await self.ctx.kube.patch(
+                ADAPTERS, self.namespace, self.name, {"status": patch}, subresource="status"
+            )
         except KubeError as exc:
             if not exc.not_found:
                 raise
-            outcome.gone = True
-        previous["status"] = outcome.status
+            self.outcome.gone = True
+        self.previous_status = self.outcome.status
 
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What the Adapter asks for: its spec, its path in the serve's pods, its draft adapter."""
+
+    spec: AdapterSpec
+    serve_spec: LoRAServeSpec
+    lora_path: str
+    draft: Draft | None
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """What the serve's pods hold this pass, and the pods the Adapter targets."""
+
+    usable: list[PodView]
+    token: str | None
+    held: dict[str, PodModels]
+    unreachable: dict[str, str]
+    listings: Mapping[str, PodCatalog]
+    targets: list[str]
+
+    @property
+    def by_name(self) -> dict[str, PodView]:
+        return {p.name: p for p in self.usable}
+
+
+@dataclass
+class _Diff:
+    """Each targeted pod's track after observing it, and what the pass must do about it."""
+
+    tracks: dict[str, st.PodTrack] = field(default_factory=dict)
+    reload: set[str] = field(default_factory=set)
+    refuse: dict[str, str] = field(default_factory=dict)
+    """Pod -> why the file it holds contradicts the declaration."""
+    seen: LoadedAdapter | None = None
+    """What a pod says about the file (rank, modules)."""
+    drafts: dict[str, DraftPodState] = field(default_factory=dict)
+    """What this pass learned of each pod's draft adapter."""
+
+
+async def _read_wanted(
+    run: _Pass, body: Mapping, memory: AdapterMemory, serve_body: Mapping | None
+) -> _Wanted | None:
+    """The Adapter's spec and its serve's; None once a finding that ends the pass is reported
+    (an invalid spec, a serve missing or invalid, a source the pods cannot reach)."""
     try:
         spec: AdapterSpec = parse_adapter_spec(dict(body.get("spec") or {}))
     except SpecError as exc:
         memory.tracks.clear()
-        await report(AdapterFindings(generation=generation, invalid=exc.problems))
-        return outcome
-
+        await run.report(AdapterFindings(generation=run.generation, invalid=exc.problems))
+        return None
     if serve_body is None or (serve_body.get("metadata") or {}).get("name") != spec.serve:
-        serve_body = await ctx.kube.get(LORASERVES, namespace, spec.serve)
+        serve_body = await run.ctx.kube.get(LORASERVES, run.namespace, spec.serve)
     if serve_body is None or (serve_body.get("metadata") or {}).get("deletionTimestamp"):
         memory.tracks.clear()
-        await report(AdapterFindings(generation=generation, serve_found=False))
-        return outcome
+        await run.report(AdapterFindings(generation=run.generation, serve_found=False))
+        return None
     try:
         serve_spec = parse_loraserve_spec(dict(serve_body.get("spec") or {}))
     except SpecError:
-        await report(AdapterFindings(generation=generation, ready_pods=0))
-        return outcome
+        await run.report(AdapterFindings(generation=run.generation, ready_pods=0))
+        return None
+    return await _pod_paths(run, memory, spec, serve_spec)
 
+
+async def _pod_paths(
+    run: _Pass, memory: AdapterMemory, spec: AdapterSpec, serve_spec: LoRAServeSpec
+) -> _Wanted | None:
+    """Where the adapter and its draft adapter lie in the serve's pods; None once a source
+    they cannot reach is reported."""
     lora_path = ds.adapter_pod_path(spec.source, serve_spec.storage)
     draft_path = (
         ds.adapter_pod_path(spec.draft.source, serve_spec.storage) if spec.draft is not None else None
@@ -278,157 +373,223 @@ async def reconcile_adapter(
     if unreachable_sources:
         memory.tracks.clear()
         problems = [unreachable_source(field, source, spec.serve) for field, source in unreachable_sources]
-        await report(AdapterFindings(generation=generation, invalid=problems))
-        return outcome
+        await run.report(AdapterFindings(generation=run.generation, invalid=problems))
+        return None
     draft: Draft | None = (draft_path, spec.draft.sha256) if spec.draft is not None and draft_path else None
+    return _Wanted(spec, serve_spec, lora_path, draft)
 
+
+async def _observe(
+    run: _Pass, body: Mapping, memory: AdapterMemory, pods: Sequence[PodView], wanted: _Wanted
+) -> _Observed:
+    """What each usable pod holds (and lists, for a draft adapter), and the pods to target."""
+    spec = wanted.spec
     usable = sorted((p for p in pods if p.usable), key=lambda p: p.name)
     if not memory.restored:
-        memory.tracks.update(restore_tracks(body.get("status"), generation, usable, wall))
+        memory.tracks.update(restore_tracks(body.get("status"), run.generation, usable, run.wall))
         memory.restored = True
-    token = await read_token(ctx, namespace, spec.serve, serve_spec)
-    held, unreachable = await observe_pods(ctx, usable, token)
+    token = await read_token(run.ctx, run.namespace, spec.serve, wanted.serve_spec)
+    held, unreachable = await observe_pods(run.ctx, usable, token)
     # Only an Adapter with a draft adapter needs the listings (the draft's state is there).
     answering = [p for p in usable if p.name in held]
-    listings = await observe_catalogs(ctx, answering, token) if draft else {}
-    drafts: dict[str, DraftPodState] = {}  # what this pass learned of each pod's draft adapter
+    listings = await observe_catalogs(run.ctx, answering, token) if wanted.draft else {}
+    if memory.warnings_generation != run.generation:
+        memory.warnings = _restored_warnings(body.get("status"), run.generation, memory.warnings_generation)
+        memory.warnings_generation = run.generation
+    return _Observed(usable, token, held, unreachable, listings, _targets(run.name, spec, usable, held))
 
-    if memory.warnings_generation != generation:
-        memory.warnings = _restored_warnings(body.get("status"), generation, memory.warnings_generation)
-        memory.warnings_generation = generation
+
+def _targets(
+    name: str, spec: AdapterSpec, usable: Sequence[PodView], held: Mapping[str, PodModels]
+) -> list[str]:
+    """The pods to hold the adapter: its replicas placed by load, or every usable pod."""
     holding = {pod for pod, models in held.items() if name in models.loaded}
     load = {pod: len(models.loaded) for pod, models in held.items()}
     if spec.placement.mode is PlacementMode.REPLICAS:
-        targets = st.place(name, list(held), spec.placement.replicas, holding, load)
+        return st.place(name, list(held), spec.placement.replicas, holding, load)
+    return [p.name for p in usable]
+
+
+def _diff(run: _Pass, memory: AdapterMemory, observed: _Observed, wanted: _Wanted) -> _Diff:
+    """Each targeted pod's track against what the pod holds."""
+    diff = _Diff()
+    by_name = observed.by_name
+    for pod in observed.targets:
+        track = _pod_track(run, memory.tracks.get(pod), by_name[pod])
+        diff.tracks[pod] = _observed_track(run, observed, wanted, diff, pod, track)
+    return diff
+
+
+def _pod_track(run: _Pass, track: st.PodTrack | None, view: PodView) -> st.PodTrack:
+    """The pod's track for this generation: new for a new pod (or a new pod of that name)."""
+    if track is None or track.pod_uid != view.uid:
+        track = st.new_track(view.name, view.ip or "", view.uid, generation=run.generation, wall=run.wall)
+    track = st.reset_for_generation(track, run.generation, run.wall)
+    if track.pod_ip != (view.ip or ""):
+        track = dataclasses.replace(track, pod_ip=view.ip or "")
+    return track
+
+
+def _observed_track(
+    run: _Pass, observed: _Observed, wanted: _Wanted, diff: _Diff, pod: str, track: st.PodTrack
+) -> st.PodTrack:
+    """``track`` after what ``pod`` holds; a pod to load again, or to refuse, goes in ``diff``."""
+    name, spec, draft = run.name, wanted.spec, wanted.draft
+    loaded = observed.held[pod].loaded.get(name) if pod in observed.held else None
+    if pod in observed.unreachable:
+        if track.state is not st.PodState.FAILED:
+            track = dataclasses.replace(track, message=f"pod not answering: {observed.unreachable[pod]}")
+    elif loaded is not None and source_differs(loaded, (wanted.lora_path, spec.source), spec.sha256):
+        diff.reload.add(pod)
+        track = _load_again(track)
+    elif (
+        loaded is not None
+        and draft
+        and listed_draft(observed.listings.get(pod), name, draft) is DraftPodState.ABSENT
+    ):
+        # Loaded without its draft adapter (loaded before the Adapter named one): load both.
+        diff.reload.add(pod)
+        track = _load_again(track)
+    elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
+        diff.refuse[pod] = why
+    elif loaded is not None and loaded.warm is False:
+        # Loaded on demand, now placed here: the load call keeps it warm (no refetch).
+        if track.state is not st.PodState.FAILED:
+            track = dataclasses.replace(track, state=st.PodState.PENDING, next_try_at=None)
+    elif loaded is not None:
+        diff.seen = diff.seen or loaded
+        track = st.observed_loaded(track, run.wall)
+        if draft and (known := listed_draft(observed.listings.get(pod), name, draft)) is not None:
+            diff.drafts[pod] = known
     else:
-        targets = [p.name for p in usable]
-    by_name = {p.name: p for p in usable}
+        track = st.observed_missing(track, run.wall)
+    return track
 
-    tracks: dict[str, st.PodTrack] = {}
-    reload: set[str] = set()
-    refuse: dict[str, str] = {}  # pod -> why the file it holds contradicts the declaration
-    seen: LoadedAdapter | None = None  # what a pod says about the file (rank, modules)
-    for pod in targets:
-        view = by_name[pod]
-        track = memory.tracks.get(pod)
-        if track is None or track.pod_uid != view.uid:
-            track = st.new_track(pod, view.ip or "", view.uid, generation=generation, wall=wall)
-        track = st.reset_for_generation(track, generation, wall)
-        if track.pod_ip != (view.ip or ""):
-            track = dataclasses.replace(track, pod_ip=view.ip or "")
-        loaded = held[pod].loaded.get(name) if pod in held else None
-        if pod in unreachable:
-            if track.state is not st.PodState.FAILED:
-                track = dataclasses.replace(track, message=f"pod not answering: {unreachable[pod]}")
-        elif loaded is not None and source_differs(loaded, (lora_path, spec.source), spec.sha256):
-            reload.add(pod)
-            if track.state is not st.PodState.FAILED:
-                track = dataclasses.replace(
-                    track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None
-                )
-        elif (
-            loaded is not None
-            and draft
-            and listed_draft(listings.get(pod), name, draft) is DraftPodState.ABSENT
-        ):
-            # Loaded without its draft adapter (loaded before the Adapter named one): load both.
-            reload.add(pod)
-            if track.state is not st.PodState.FAILED:
-                track = dataclasses.replace(
-                    track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None
-                )
-        elif loaded is not None and (why := declaration_mismatch(spec, loaded)):
-            refuse[pod] = why
-        elif loaded is not None and loaded.warm is False:
-            # Loaded on demand, now placed here: the load call keeps it warm (no refetch).
-            if track.state is not st.PodState.FAILED:
-                track = dataclasses.replace(track, state=st.PodState.PENDING, next_try_at=None)
-        elif loaded is not None:
-            seen = seen or loaded
-            track = st.observed_loaded(track, wall)
-            if draft and (known := listed_draft(listings.get(pod), name, draft)) is not None:
-                drafts[pod] = known
-        else:
-            track = st.observed_missing(track, wall)
-        tracks[pod] = track
 
-    due = [pod for pod, track in tracks.items() if pod in held and st.due(track, now)]
-    if due and not stopping():
-        for pod in due:
-            tracks[pod] = st.start_loading(tracks[pod], wall)
-        memory.tracks = tracks
-        # The Loading report and the loads go out together: a load often takes less time
-        # than a status write.
-        reporting = asyncio.ensure_future(report(_findings(generation, tracks, usable, spec, seen, memory)))
-        results = await asyncio.gather(
-            *(
-                _load(ctx, by_name[pod], token, name, lora_path, spec, draft, unload_first=pod in reload)
-                for pod in due
+def _load_again(track: st.PodTrack) -> st.PodTrack:
+    """``track`` due for a fresh load (with fresh tries), unless it has failed for good."""
+    if track.state is st.PodState.FAILED:
+        return track
+    return dataclasses.replace(track, state=st.PodState.PENDING, failed_tries=0, next_try_at=None)
+
+
+async def _load_due(
+    run: _Pass,
+    memory: AdapterMemory,
+    observed: _Observed,
+    wanted: _Wanted,
+    diff: _Diff,
+    stopping: Callable[[], bool],
+) -> None:
+    """Load the adapter on every answering pod whose track is due, reporting Loading meanwhile."""
+    tracks = diff.tracks
+    due = [pod for pod, track in tracks.items() if pod in observed.held and st.due(track, run.now)]
+    if not due or stopping():
+        return
+    for pod in due:
+        tracks[pod] = st.start_loading(tracks[pod], run.wall)
+    memory.tracks = tracks
+    by_name = observed.by_name
+    # The Loading report and the loads go out together: a load often takes less time
+    # than a status write.
+    reporting = asyncio.ensure_future(
+        run.report(_findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory))
+    )
+    results = await asyncio.gather(
+        *(
+            _load(
+                run.ctx,
+                by_name[pod],
+                observed.token,
+                run.name,
+                wanted.lora_path,
+                wanted.spec,
+                wanted.draft,
+                unload_first=pod in diff.reload,
             )
+            for pod in due
         )
-        await reporting
-        if outcome.gone:
-            return outcome
-        now, wall = time.monotonic(), time.time()
-        for pod, (result, info, draft_fault) in zip(due, results, strict=True):
-            ctx.counters.loads[(namespace, pod, name)] += 1
-            if draft and draft_fault:
-                drafts[pod] = DraftPodState.FAILED
-            elif draft and info is not None and info.draft_loaded is not None:
-                drafts[pod] = DraftPodState.LOADED if info.draft_loaded else DraftPodState.ABSENT
-            if result.ok and info is not None and (why := declaration_mismatch(spec, info)):
-                refuse[pod] = why
-                continue
-            if result.ok and info is not None:
-                seen = seen or info
-                memory.warnings[pod] = info.warnings
-            tracks[pod] = st.after_load(tracks[pod], result, ctx.retry, now=now, wall=wall)
-            after = tracks[pod]
-            if after.state is st.PodState.LOADED:
-                outcome.notes.append(Note("Normal", "Loaded", f"loaded on pod {pod}"))
-            elif after.state is st.PodState.FAILED:
-                outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {after.message}"))
-            else:
-                outcome.notes.append(Note("Warning", "LoadRetrying", f"pod {pod}: {after.message}"))
+    )
+    await reporting
+    if run.outcome.gone:
+        return
+    run.now, run.wall = time.monotonic(), time.time()
+    for pod, result in zip(due, results, strict=True):
+        _record_load(run, memory, wanted, diff, pod, *result)
 
-    for pod, why in sorted(refuse.items()):
-        # The file is not what the Adapter declares: it must not serve. Unload, fail at once.
+
+def _record_load(
+    run: _Pass,
+    memory: AdapterMemory,
+    wanted: _Wanted,
+    diff: _Diff,
+    pod: str,
+    result: st.LoadOutcome,
+    info: LoadedAdapter | None,
+    draft_fault: bool,
+) -> None:
+    """One pod's load answer into its track, its draft adapter's state and an Event note."""
+    draft = wanted.draft
+    run.ctx.counters.loads[(run.namespace, pod, run.name)] += 1
+    if draft and draft_fault:
+        diff.drafts[pod] = DraftPodState.FAILED
+    elif draft and info is not None and info.draft_loaded is not None:
+        diff.drafts[pod] = DraftPodState.LOADED if info.draft_loaded else DraftPodState.ABSENT
+    if result.ok and info is not None and (why := declaration_mismatch(wanted.spec, info)):
+        diff.refuse[pod] = why
+        return
+    if result.ok and info is not None:
+        diff.seen = diff.seen or info
+        memory.warnings[pod] = info.warnings
+    diff.tracks[pod] = st.after_load(diff.tracks[pod], result, run.ctx.retry, now=run.now, wall=run.wall)
+    after = diff.tracks[pod]
+    if after.state is st.PodState.LOADED:
+        run.outcome.notes.append(Note("Normal", "Loaded", f"loaded on pod {pod}"))
+    elif after.state is st.PodState.FAILED:
+        run.outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {after.message}"))
+    else:
+        run.outcome.notes.append(Note("Warning", "LoadRetrying", f"pod {pod}: {after.message}"))
+
+
+async def _unload_refused(run: _Pass, observed: _Observed, diff: _Diff) -> None:
+    """The file is not what the Adapter declares: it must not serve. Unload, fail at once."""
+    by_name, tracks = observed.by_name, diff.tracks
+    for pod, why in sorted(diff.refuse.items()):
         try:
-            await ctx.runtime(by_name[pod], token).unload(name)
-            ctx.counters.unloads[(namespace, pod, name)] += 1
+            await run.ctx.runtime(by_name[pod], observed.token).unload(run.name)
+            run.ctx.counters.unloads[(run.namespace, pod, run.name)] += 1
         except RuntimeCallError as exc:
-            logger.warning("unloading %s/%s from pod %s failed: %s", namespace, name, pod, exc)
+            logger.warning("unloading %s/%s from pod %s failed: %s", run.namespace, run.name, pod, exc)
         fault = st.LoadOutcome(ok=False, message=why, transient=False)
         if tracks[pod].state is not st.PodState.FAILED or tracks[pod].message != why:
-            outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {why}"))
-        tracks[pod] = st.after_load(tracks[pod], fault, ctx.retry, now=now, wall=wall)
+            run.outcome.notes.append(Note("Warning", "LoadFailed", f"pod {pod}: {why}"))
+        tracks[pod] = st.after_load(tracks[pod], fault, run.ctx.retry, now=run.now, wall=run.wall)
 
-    others = await _others(
-        ctx,
-        outcome,
-        name,
-        spec,
-        lora_path,
-        token,
-        usable,
-        set(targets),
-        held,
-        unreachable,
-        wall,
-        draft,
-        listings,
-    )
-    await _read_accept_length(ctx, memory, name, usable, token)
 
-    tracks = {pod: with_draft(track, draft, drafts.get(pod)) for pod, track in tracks.items()}
+async def _report_pass(
+    run: _Pass,
+    memory: AdapterMemory,
+    pods: Sequence[PodView],
+    observed: _Observed,
+    wanted: _Wanted,
+    diff: _Diff,
+    others: Sequence[st.PodTrack],
+) -> None:
+    """The status of the pass (with the accept length and each pod's draft adapter), and
+    when the next retry is due; counters of pods that are gone are dropped."""
+    await _read_accept_length(run.ctx, memory, run.name, observed.usable, observed.token)
+    tracks = {
+        pod: with_draft(track, wanted.draft, diff.drafts.get(pod)) for pod, track in diff.tracks.items()
+    }
     memory.tracks = tracks
     live = {p.name for p in pods}
-    for counter in (ctx.counters.loads, ctx.counters.unloads):
-        for key in [k for k in counter if k[0] == namespace and k[2] == name and k[1] not in live]:
+    for counter in (run.ctx.counters.loads, run.ctx.counters.unloads):
+        for key in [k for k in counter if k[0] == run.namespace and k[2] == run.name and k[1] not in live]:
             del counter[key]  # pods that are gone: keep the counters bounded
-    await report(_findings(generation, tracks, usable, spec, seen, memory, others))
-    outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
-    return outcome
+    await run.report(
+        _findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory, others)
+    )
+    run.outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
 
 
 def with_draft(track: st.PodTrack, draft: Draft | None, learned: DraftPodState | None) -> st.PodTrack:
