@@ -1,10 +1,22 @@
-"""``bench/speculative``'s DFLASH training: which block labels count, and where blocks go."""
+"""``bench/speculative``'s DFLASH training: which block labels count, where blocks go, and the
+target's outputs computed once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from bench.speculative.dflash_training import block_targets, sample_anchors
+from bench.speculative.dflash_training import (
+    DFlashTraining,
+    block_targets,
+    cache_budget,
+    cached_outputs,
+    sample_anchors,
+    split_cached,
+    target_outputs,
+    train_dflash,
+)
+from bench.speculative.shapes import llama_config
 
 
 def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
@@ -34,3 +46,40 @@ def test_anchors_are_distinct_and_leave_room_for_the_labels():
     anchors = sample_anchors(64, 20, 4, 10, gen, first=3)
     assert anchors.min() >= 3 and anchors.max() <= 20 - 4 + 1  # the last label row is the window's last token
     assert all(len(set(row.tolist())) == 10 for row in anchors)
+
+
+@pytest.fixture(scope="module")
+def target():
+    import transformers
+
+    raw = llama_config("smoke-small", 64)
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_cached_outputs_give_the_targets_layer_outputs_and_logits(target):
+    """The cache keeps the layer outputs and the final normed hidden state in bfloat16; the
+    logits come back through the LM head, as the uncached step computes them."""
+    windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
+    feats, logits = target_outputs(target, windows, [0, 1])
+    cached = cached_outputs(target, windows, [0, 1])
+    assert cached.dtype == torch.bfloat16 and cached.shape == (3, 17, 3 * 64)
+    got_feats, got_logits = split_cached(target, cached)
+    assert torch.equal(got_feats, feats.to(torch.bfloat16).float())
+    assert torch.allclose(got_logits, logits, atol=0.05)
+    assert torch.equal(got_logits.argmax(-1), logits.argmax(-1))
+
+
+def test_training_on_cached_outputs_reports_the_cache(target):
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+    teacher = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(5))
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0, 1], num_layers=2,
+                          blocks=6, max_steps=3, cache_gib=0.0005)  # fmt: skip
+    _, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    assert info["steps"] == 3 and info["cached_teacher_windows"] >= 1 and info["cached_corpus_windows"] >= 1
+    assert info["labels"] == "greedy"  # cross-entropy to the target's greedy token by default
+    assert cache_budget(DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], num_layers=1),
+                        torch.device("cpu")) == 0.0  # fmt: skip
