@@ -63,9 +63,9 @@ class DFlashTraining:
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
-# cached steps made 2,837 with a third of the draft's work. 40 GiB holds every one of 12,288
-# teacher windows of 193 tokens with three layer outputs of the 1024-wide small target (and
-# as many corpus windows), or ~9k of each with five; a step's own memory is a few GiB.
+# cached steps made 2,837 with a third of the draft's work. 40 GiB holds ~9k teacher and ~9k
+# corpus windows of 193 tokens with five layer outputs of the 1024-wide small target (all
+# 12,288 teacher windows with three); a step's own memory is a few GiB.
 CACHE_GIB = 40.0
 
 
