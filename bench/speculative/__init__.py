@@ -35,7 +35,7 @@ Method (everything is built inside the run; nothing is downloaded):
    function-preserving way, and a check compares the served head's proposals and output
    features with the trained head's on held-out prompts.
    ``--draft dflash`` trains a DFLASH draft (``loraserve.runtime.speculative.dflash_format``):
-   ``--dflash-layers`` layers (default 3) of the small target's shape over as many of its
+   ``--dflash-layers`` layers (default 5, the reference's depth for 8B targets) of the small target's shape over as many of its
    layer outputs (spread over 1..L-3 as the reference spreads them), drafting a block of
    ``--dflash-block`` tokens (default 8) in one forward. Masked block prediction on the same
    batches: random anchors per window, the block ``[x_a, mask...]`` learns the target's

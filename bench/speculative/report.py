@@ -123,12 +123,16 @@ def _dflash_line(s: Settings, f_info: dict) -> str:
         f" {f_info['target_layer_ids']} (shares its embeddings and lm_head), block {f_info['block']}, {served};"
         f" {_count(f_info['params'])} trained params, {f_info['steps']} steps, {f_info['windows']} windows of"
         f" {f_info['seq']} with {f_info['blocks_per_window']} blocks each, final loss {f_info['final_loss']:.2f};"
-        f" masked block prediction, KL to the target weighted exp(-j/{f_info['decay']:g}) by block position"
+        f" masked block prediction, {_LABELS.get(f_info.get('labels'), 'KL to the target')} weighted"
+        f" exp(-j/{f_info['decay']:g}) by block position"
         " (a position's label counts only after the target's own greedy tokens, what serving verifies),"
         f" teacher continuations {f_info['teacher_fraction']:.0%} of each batch; held-out top-1 agreement per"
         f" block position {f_info['heldout_top1']}, mean leading agreeing positions {f_info['heldout_leading']}"
         f" of {f_info['max_leading']}{_walk(f_info)}; served draft vs trained draft: {f_info.get('check')}"
     )
+
+
+_LABELS = {"greedy": "cross-entropy to the target's greedy token", "distribution": "KL to the target"}
 
 
 def _walk(f_info: dict) -> str:

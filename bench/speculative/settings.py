@@ -113,7 +113,7 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
         max_steps=caps,
         k=args.k or (4 if smoke else 6),
         dflash_block=args.dflash_block or (4 if smoke else 8),
-        dflash_layers=args.dflash_layers or (2 if smoke else 3),
+        dflash_layers=args.dflash_layers,
         gen_tokens=args.gen_tokens or (24 if smoke else 192),
         prompt_len=args.prompt_len or (32 if smoke else 128),
         concurrency=[int(c) for c in (args.concurrency or ("1,2,4" if smoke else "1,8,32")).split(",")],
