@@ -6,9 +6,12 @@ library prompts, an adapter's requests on its corpus's held-out files), so its t
 that kind's speedup; the same prompts run through the three decoders and the speculative
 outputs are compared with the plain ones token for token. A last workload mixes every kind
 in the same batches (``MIXED``), where the decoder's per-adapter metrics give each kind's
-accept length beside the others'. Before the timed runs, each decoder serves one mixed
-warm-up workload at this concurrency, so the CUDA graphs of the batch and context buckets
-the timed runs meet are already captured.
+accept length beside the others'. Before the timed runs, each decoder serves warm-up
+workloads of the timed runs' size at this concurrency: one of base requests alone and one
+mixed. Both are needed because CUDA graphs are captured lazily per (batch bucket, context
+bucket, LoRA or not): a batch of base requests alone replays graphs without the LoRA ops,
+which a mixed workload never meets, and the decoder timed first would otherwise pay their
+capture inside its timed run (the base rows' step time, not the others', would show it).
 """
 
 from __future__ import annotations
@@ -97,11 +100,15 @@ def workload(
 def warm_up(
     c: int, pools: dict[str, list[list[int]]], serving: Serving, decoders: Decoders, opts: LevelOptions
 ) -> None:
-    """Each decoder serves a mixed workload of every kind at concurrency ``c`` (not timed)."""
-    work = workload(MIXED, pools, max(c, 2), opts.gen_tokens, offset=100)
-    run_workload(serving.config, serving.runner, decoders.plain, work, c, f"warm-plain-{c}")
-    for name in SPEC_RUNS:
-        run_workload(decoders.configs[name], serving.runner, decoders.spec[name], work, c, f"warm-{name}-{c}")
+    """Each decoder serves a base-only and a mixed workload at concurrency ``c``, each of the
+    timed runs' size (not timed): every graph shape the timed runs meet is captured here."""
+    count = max(opts.count(c), 2)
+    for kind in (BASE, MIXED):
+        work = workload(kind, pools, count, opts.gen_tokens, offset=100)
+        run_workload(serving.config, serving.runner, decoders.plain, work, c, f"warm-plain-{kind}-{c}")
+        for name in SPEC_RUNS:
+            tag = f"warm-{name}-{kind}-{c}"
+            run_workload(decoders.configs[name], serving.runner, decoders.spec[name], work, c, tag)
 
 
 def measure_kind(
