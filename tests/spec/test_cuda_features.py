@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .test_dflash import _requests as dflash_requests
-from .test_dflash import drafts  # noqa: F401 (fixture)
+from .test_dflash import accepting_draft, drafts  # noqa: F401 (fixture)
 from .test_dflash_graphs import WIDTH, check_against_eager, dflash_pair
 from .test_draft_adapters import ADAPTED
 from .test_draft_adapters import _requests as draft_requests
@@ -77,19 +77,25 @@ def test_dflash_proposals_from_cuda_graphs_equal_eager(spec_assets, drafts):  # 
     assert graphed.graphs is not None and graphed.graphs.num_captured == graphed.graphs.num_shapes > 0
 
 
-def test_dflash_greedy_under_cuda_graphs_is_lossless(make_spec_config, engine_run, drafts):  # noqa: F811
+@pytest.mark.parametrize("which", ["two", "accepting"])
+def test_dflash_greedy_under_cuda_graphs_is_lossless(
+    spec_assets, make_spec_config, engine_run, drafts, tmp_path, which  # noqa: F811
+):
     """Greedy DFLASH with the target's and the draft's graphs on: the tokens of plain
-    decoding, per adapter, with the draft's block and appends replayed from graphs."""
+    decoding, per adapter, with the draft's block and appends replayed from graphs; with a
+    random draft (every block rejected) and with one whose blocks are accepted."""
     requests = dflash_requests(count=10, seed=4)
     plain = engine_run(_on_gpu(make_spec_config(max_running_requests=8)), requests)
     expected = {rid: plain.outputs[rid].tokens for rid, *_ in requests}
     config = _on_gpu(make_spec_config("DFLASH", None, k=WIDTH, max_running_requests=8))
-    config.speculative.draft_model_path = str(drafts["two"])
+    draft = drafts["two"] if which == "two" else accepting_draft(tmp_path / "d", spec_assets.target, [*expected.values()])
+    config.speculative.draft_model_path = str(draft)
     run = engine_run(config, requests)
     _check(run, requests, expected)
     graphs = run.engine.decoder.drafter.runner.graphs
     assert graphs is not None and graphs.num_captured > 0 and graphs._feeds
-    assert run.engine.decoder.metrics.snapshot().overall.accepted_tokens > 0
+    if which == "accepting":
+        assert run.engine.decoder.metrics.snapshot().overall.accepted_tokens > 0
 
 
 # --------------------------------------------------------------------------- EAGLE head draft adapters

@@ -48,6 +48,39 @@ def drafts(spec_assets, tmp_path_factory) -> dict[str, Path]:
     }  # fmt: skip
 
 
+def accepting_draft(dest: Path, target_dir: Path, outputs: list[list[int]], *, block_size: int = 6) -> Path:
+    """A DFLASH draft whose blocks the target accepts: its layer adds nothing to the stream
+    (``o_proj`` and ``down_proj`` zero), so every block position proposes the same token,
+    ``argmax lm_head(norm(embed(mask)))``; the mask token is picked so that this is the token
+    the target emits most often in ``outputs`` (of those some mask token maps to). Random
+    drafts are never accepted under greedy decoding, which leaves a greedy oracle testing
+    rejections alone; with this one, blocks are accepted wherever the target emits that
+    token, runs of it accepting several drafts a step."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {}
+    for f in Path(target_dir).glob("*.safetensors"):
+        weights.update(load_file(f))
+    embed = weights["model.embed_tokens.weight"].double()
+    head = weights.get("lm_head.weight", embed).double()
+    eps = float(json.loads((Path(target_dir) / "config.json").read_text()).get("rms_norm_eps", 1e-6))
+    image = ((embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + eps)) @ head.T).argmax(-1)
+    counts = torch.bincount(torch.tensor([t for out in outputs for t in out]), minlength=image.numel())
+    for token in counts.argsort(descending=True).tolist():
+        masks = (image == token).nonzero().flatten()
+        if masks.numel():
+            break
+    else:
+        raise AssertionError("no mask token maps to any token the target emits")
+    build_dflash_draft(dest, target_dir, target_layer_ids=[1], block_size=block_size, mask_token_id=int(masks[0]))
+    tensors = load_file(dest / "model.safetensors")
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
 def _config(make_spec_config, draft: Path, *, k: int = 4, **sched):
     config = make_spec_config("DFLASH", None, k=k, **sched)
     config.speculative.draft_model_path = str(draft)
@@ -321,6 +354,30 @@ def test_greedy_output_is_identical_per_adapter(
     snap = run.engine.decoder.metrics.snapshot()
     assert snap.algorithm == "DFLASH"
     assert set(snap.per_adapter) == {"", *ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def accepting(spec_assets, baseline, tmp_path_factory) -> Path:
+    """:func:`accepting_draft` for the baseline's outputs."""
+    _, expected = baseline
+    return accepting_draft(tmp_path_factory.mktemp("dflash") / "accepting", spec_assets.target, list(expected.values()))
+
+
+@pytest.mark.parametrize("k,max_running", [(6, 1), (4, 12)])
+def test_greedy_output_is_identical_where_blocks_are_accepted(
+    make_spec_config, engine_run, baseline, accepting, k, max_running
+):
+    """The oracle with drafts the target accepts, one and several a step: the accepted
+    rows' KV, the draft's context appended from them and the bonus token all feed the
+    next step, and the output stays plain decoding's per adapter."""
+    requests, expected = baseline
+    run = engine_run(_config(make_spec_config, accepting, k=k, max_running_requests=max_running), requests)
+    for rid, _, _, adapter in requests:
+        out = run.outputs[rid]
+        assert out.error is None, (rid, out.error)
+        assert out.tokens == expected[rid], f"{rid} (adapter {adapter}) diverged"
+    stats = run.engine.decoder.metrics.snapshot().overall
+    assert stats.accepted_tokens > 0 and sum(stats.histogram[2:]) > 0, stats  # single and multi-token accepts
 
 
 def test_greedy_output_is_identical_with_chunked_prefill_and_undrafted_steps(

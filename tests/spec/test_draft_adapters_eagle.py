@@ -289,9 +289,10 @@ def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters
 def test_the_triton_kernels_give_head_adapters_the_same_proposals(spec_assets, head_adapters):
     """The serving kernels on the head's layouts (ragged prefill, draft steps, tree frontiers;
     on the static path, the fixed graph buffers): the isolation check above, on EAGLE3's
-    2H-wide q/k/v and fc."""
-    runners = head_runners(spec_assets, "eagle3", head_adapters["eagle3"]["attn-r8"], backend="triton")
-    check_head_adapter_proposals(*runners, "cpu", exact=False)
+    2H-wide q/k/v and fc. On the interpreter where no CUDA device is present, else on the GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runners = head_runners(spec_assets, "eagle3", head_adapters["eagle3"]["attn-r8"], device=device, backend="triton")
+    check_head_adapter_proposals(*runners, device, exact=False)
 
 
 def test_head_adapters_are_read_against_the_head(spec_assets, head_adapters, tmp_path):
