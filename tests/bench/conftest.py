@@ -2,24 +2,14 @@
 
 ``bench/`` is not an installed package and the repository root never goes on ``sys.path``
 (its ``operator/`` would shadow the standard library's), so the package is imported the
-way ``python bench/speculative`` imports it: by its ``__main__.py``'s ``import_package``.
+way ``python bench/speculative`` imports it: by ``bench/bootstrap.py``'s ``import_package``.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-
-def _import_speculative() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "bench_speculative_entry", REPO / "bench" / "speculative" / "__main__.py"
-    )
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    entry.import_package()
-
-
-_import_speculative()
+runpy.run_path(str(BENCH / "bootstrap.py"))["import_package"](BENCH / "speculative")
