@@ -26,11 +26,17 @@ def import_package(folder: Path) -> types.ModuleType:
     """``folder``, a benchmark under ``bench/``, imported as the package ``bench.<folder name>``."""
     folder = folder.resolve()
     sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != folder]
+    return import_module(folder.name)
+
+
+def import_module(name: str) -> types.ModuleType:
+    """``bench/<name>`` (a folder or a ``.py`` file) imported as ``bench.<name>``: also how a
+    script under ``bench/`` run by path uses another one's code."""
     if "bench" not in sys.modules:
         spec = importlib.machinery.ModuleSpec("bench", None, is_package=True)
-        spec.submodule_search_locations = [str(folder.parent)]
+        spec.submodule_search_locations = [str(Path(__file__).resolve().parent)]
         sys.modules["bench"] = importlib.util.module_from_spec(spec)
-    return importlib.import_module(f"bench.{folder.name}")
+    return importlib.import_module(f"bench.{name}")
 
 
 def main(main_file: str, entry: str, env: Mapping[str, str] | None = None) -> NoReturn:
