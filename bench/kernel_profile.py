@@ -16,7 +16,7 @@ chose, so the report's rows can be matched to them.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import runpy
 from pathlib import Path
 
 import torch
@@ -27,10 +27,7 @@ HERE = Path(__file__).resolve().parent
 def _import_bench_kernels() -> None:
     """Make ``bench.kernels`` importable the way its ``__main__.py`` does (the repository
     root never goes on ``sys.path``: its ``operator/`` would shadow the standard library's)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels_entry", HERE / "kernels" / "__main__.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    entry.import_package()
+    runpy.run_path(str(HERE / "bootstrap.py"))["import_package"](HERE / "kernels")
 
 
 def main() -> int:

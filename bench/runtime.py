@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -55,8 +56,9 @@ PRESETS = {
 }  # fmt: skip
 
 
-def write_model_config(dest: Path, preset: str) -> Path:
-    """A Llama config.json only: the runner fills random weights on the device."""
+def write_model_config(dest: Path, preset: str, presets: Mapping[str, dict] = PRESETS) -> Path:
+    """A Llama config.json only, of ``presets[preset]``'s dimensions: the runner fills random
+    weights on the device."""
     dest.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -66,7 +68,7 @@ def write_model_config(dest: Path, preset: str) -> Path:
         "torch_dtype": "bfloat16",
         "bos_token_id": 1,
         "eos_token_id": 2,
-        **PRESETS[preset],
+        **presets[preset],
     }
     (dest / "config.json").write_text(json.dumps(cfg, indent=1))
     return dest

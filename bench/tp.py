@@ -24,9 +24,11 @@ import datetime
 import json
 import os
 import platform
+import runpy
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 # NVLink multicast stays off: on shared hosts it can take the GPUs out of service.
@@ -38,13 +40,13 @@ import torch
 
 from loraserve.kernels import ForwardMode
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
-from loraserve.runtime.model import ModelArchConfig
 from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.parallel.protocol import ForwardStep, Kind, Message
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 
-PRESETS = {
+# Beside bench/runtime.py's presets (1b, 8b): the CPU smoke target and its draft.
+SMOKE_PRESETS = {
     "smoke": dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=509, max_position_embeddings=2048,
@@ -53,51 +55,14 @@ PRESETS = {
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64, vocab_size=509, max_position_embeddings=2048,
     ),
-    # Llama 3.2 1B dimensions (also the draft of the 8B)
-    "1b": dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True,
-    ),
-    # Llama 3.1 8B dimensions
-    "8b": dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-    ),
 }  # fmt: skip
 
 
-def write_config(dest: Path, preset: str) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "torch_dtype": "bfloat16",
-        **PRESETS[preset],
-    }
-    (dest / "config.json").write_text(json.dumps(cfg))
-    return dest
-
-
-def write_adapter(dest: Path, arch: ModelArchConfig, *, rank: int, seed: int) -> Path:
-    """A PEFT-format adapter with random A and B on the attention and MLP projections."""
-    from safetensors.torch import save_file
-
-    dest.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(arch.num_layers):
-        for module in DEFAULT_LORA_MODULES:
-            in_dim, out_dim = arch.module_dims(module)
-            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(torch.bfloat16)
-    save_file(tensors, str(dest / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(DEFAULT_LORA_MODULES)}
-    (dest / "adapter_config.json").write_text(json.dumps(config))
-    return dest
+def _runtime_bench() -> types.ModuleType:
+    """``bench/runtime.py`` as ``bench.runtime``: its model-config and adapter writers serve
+    here too (``bench/`` is no package and stays off ``sys.path``: ``bench/bootstrap.py``)."""
+    bootstrap = runpy.run_path(str(Path(__file__).resolve().with_name("bootstrap.py")))
+    return bootstrap["import_module"]("runtime")
 
 
 def make_config(model_dir: Path, args, tp: int, dtype: str, adapters: dict[str, Path]) -> RuntimeConfig:
@@ -259,12 +224,14 @@ def draft_placement(handle, args, draft_dir: Path) -> dict:
 
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    files = _runtime_bench()
+    presets = {**files.PRESETS, **SMOKE_PRESETS}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model, seconds")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--preset", default="8b", choices=sorted(PRESETS))
-    p.add_argument("--draft-preset", default="1b", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="8b", choices=sorted(presets))
+    p.add_argument("--draft-preset", default="1b", choices=sorted(presets))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--adapters", type=int, default=8, help="distinct adapters in the LoRA rows (0: base only)")
@@ -285,12 +252,15 @@ def main(argv=None) -> int:
         args.prompt_len, args.equality_steps, args.reps, args.graphs = 16, 4, 50, False
 
     root = Path(tempfile.mkdtemp(prefix="loraserve-bench-tp-"))
-    model_dir = write_config(root / "model", args.preset)
-    draft_dir = write_config(root / "draft", args.draft_preset)
+    model_dir = files.write_model_config(root / "model", args.preset, presets)
+    draft_dir = files.write_model_config(root / "draft", args.draft_preset, presets)
     from loraserve.runtime.model.arch import load_arch_config
 
     arch = load_arch_config(model_dir)
-    adapters = {f"a{i}": write_adapter(root / f"a{i}", arch, rank=args.rank, seed=i) for i in range(args.adapters)}
+    adapters = {
+        f"a{i}": files.write_random_adapter(root / f"a{i}", arch, rank=args.rank, seed=i)
+        for i in range(args.adapters)
+    }
     names_cycle = [*adapters] or [None]
 
     options = TPOptions(collective_timeout_s=120, control_timeout_s=60, heartbeat_s=5, startup_timeout_s=600)

@@ -4,16 +4,16 @@ draft adapters too, expanded as ``bench/speculative`` expands the head."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from loraserve.runtime.runner.model_runner import ModelRunner
-
-from ..speculative.eagle_checkpoint import eagle_config, save_eagle_head
-from ..speculative.expansion import expand_eagle_head, expand_into
-from ..speculative.log import log
 from ..speculative.models import TrainedModels
-from ..speculative.serving import Serving, runtime_config, serving_target_dir
+from ..speculative.serving import (
+    Serving,
+    build_target_runner,
+    eagle_dir,
+    runtime_config,
+    serving_target_dir,
+)
 from ..speculative.settings import Settings
 from .lora_expansion import expand_lora
 from .task_adapters import TaskAdapter
@@ -30,26 +30,11 @@ def build_serving(s: Settings, trained: TrainedModels, adapters: list[TaskAdapte
         else a.small_dir
         for a in adapters
     }
-    head_dir = None
-    if trained.head is not None:  # as bench/speculative serves it: expanded to the served target's shape
-        tensors = trained.head.checkpoint()
-        if expanded:
-            tensors = expand_eagle_head(tensors, s.small_shape, s.target_shape)
-        head_dir = save_eagle_head(
-            tensors, eagle_config(raw, raw["intermediate_size"]), trained.work / "eagle"
-        )
+    head_dir = eagle_dir(s, trained, raw)  # as bench/speculative serves it
     config = runtime_config(s, target_dir, served)
     config.lora.max_rank = max(config.lora.max_rank, rank)
     config.lora.max_loras_per_batch = config.lora.max_loaded_loras = max(len(served), 1)
-    t0 = time.monotonic()
-    runner = ModelRunner(config, random_weights=expanded)
-    if expanded:
-        expand_into(runner, trained.small_state, s.small_shape)
-    params = sum(p.numel() for p in runner.model.parameters())
-    log(
-        f"target runner ({s.target_shape}, {params / 1e9:.2f} B params, attention {runner.attention_backend},"
-        f" adapters {sorted(served)}) built in {time.monotonic() - t0:.1f} s"
-    )
+    runner, params = build_target_runner(s, trained, config, expanded, note=f", adapters {sorted(served)}")
     return Serving(config, runner, params, head_dir, None)
 
 

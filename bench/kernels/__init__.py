@@ -25,7 +25,7 @@ The folder runs by path (``python bench/kernels``, or ``python bench/kernels/__m
 with or without ``-P`` / ``PYTHONSAFEPATH=1``: ``python -m bench.kernels`` would need the
 repository root on ``sys.path``, where ``operator/`` shadows the standard library's ``operator``.
 ``__main__.py`` imports the folder as the package ``bench.kernels``
-(:func:`bench.kernels.__main__.import_package`); ``bench/kernel_profile.py`` does the same.
+(``bench/bootstrap.py``'s ``import_package``); ``bench/kernel_profile.py`` does the same.
 
 Modules: ``shapes`` (the modules and batches), ``timing`` (graph replays, bandwidth),
 ``reference``, ``checks``, ``graph_checks`` and ``correctness`` (phase 2), ``variants`` (the

@@ -1,27 +1,8 @@
 """``python bench/speculative ARGS``: the speculative decoding benchmark (the package docstring says what it does)."""
 
-from __future__ import annotations
-
-import importlib.util
-import os
-import sys
-import types
+import runpy
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-
-def import_package(folder: Path = HERE) -> types.ModuleType:
-    """``folder`` imported as ``bench.<folder name>`` (``bench/bootstrap.py`` says how and why)."""
-    spec = importlib.util.spec_from_file_location("bench_bootstrap", HERE.parent / "bootstrap.py")
-    bootstrap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bootstrap)
-    return bootstrap.import_package(folder)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    import_package()
-    from bench.speculative.benchmark import main
-
-    sys.exit(main())
+    bootstrap = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bootstrap.py"))
+    bootstrap["main"](__file__, "benchmark", env={"TOKENIZERS_PARALLELISM": "true"})

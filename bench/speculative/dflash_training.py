@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .dflash_draft import DFlashDraft
-from .eagle_training import FeatureCache
-from .log import log
+from .eagle_training import FeatureCache, cache_windows
 from .training import lr_scale, progress
 
 
@@ -197,34 +196,19 @@ def output_caches(
     gib = cache_budget(opts, device)
     if gib <= 0:
         return None
-    t0 = time.monotonic()
     width = opts.seq + 1
-    per_row = width * (len(opts.layer_ids) + 1) * target.config.hidden_size * 2  # bfloat16
-    budget = int(gib * 2**30) // per_row
-    n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget // 2)
-    n_corpus = min(data.numel() // width, budget - n_teacher)
-    if n_corpus < 1 or (teacher_data is not None and n_teacher < 1):
-        return None
+    row_bytes = width * (len(opts.layer_ids) + 1) * target.config.hidden_size * 2  # bfloat16
 
     def build(windows: torch.Tensor) -> FeatureCache:
         # filled in place: concatenating the chunks would hold the cache twice for a moment
         windows = windows.to(device)
-        dims = per_row // (width * 2)  # (K + 1) * H
+        dims = row_bytes // (width * 2)  # (K + 1) * H
         out = torch.empty(*windows.shape, dims, dtype=torch.bfloat16, device=device)
         for start in range(0, windows.shape[0], 256):
             out[start : start + 256] = cached_outputs(target, windows[start : start + 256], opts.layer_ids)
         return FeatureCache(windows, out)
 
-    corpus = build(data[: n_corpus * width].view(n_corpus, width))
-    teacher = build(teacher_data[:n_teacher, :width]) if teacher_data is not None and n_teacher else None
-    info = {
-        "cached_corpus_windows": n_corpus,
-        "cached_teacher_windows": n_teacher,
-        "cache_gib": round((n_corpus + n_teacher) * per_row / 2**30, 2),
-        "cache_seconds": round(time.monotonic() - t0, 1),
-    }
-    log(f"DFLASH output cache: {info}")
-    return corpus, teacher, info
+    return cache_windows(data, teacher_data, width, row_bytes, gib, build, "DFLASH output cache")
 
 
 def _cached_batch(caches, gen: torch.Generator, opts: DFlashTraining, n_teacher: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,33 +100,50 @@ class FeatureCache:
         return self.windows[rows], self.features[rows]
 
 
-def _feature_caches(
-    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: EagleTraining
+def cache_windows(
+    data: torch.Tensor,
+    teacher_data: torch.Tensor | None,
+    width: int,
+    row_bytes: int,
+    gib: float,
+    build: Callable[[torch.Tensor], FeatureCache],
+    label: str,
 ) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
-    """The corpus and teacher caches within ``opts.cache_gib`` (teacher rows first), or None."""
-    if opts.cache_gib <= 0:
-        return None
+    """The corpus and teacher caches of ``width``-token windows that ``build`` makes, within
+    ``gib`` GiB at ``row_bytes`` a window (teacher rows first, up to half; corpus windows
+    fixed non-overlapping slices), with their sizes and build time (logged under ``label``);
+    None when the corpus, or teacher data given, would get no window."""
     t0 = time.monotonic()
-    width = opts.seq + 1
-    per_row = width * target.config.hidden_size * 2  # bfloat16
-    budget = int(opts.cache_gib * 2**30) // per_row
+    budget = int(gib * 2**30) // row_bytes
     n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget // 2)
     n_corpus = min(data.numel() // width, budget - n_teacher)
     if n_corpus < 1 or (teacher_data is not None and n_teacher < 1):
         return None
-    corpus = FeatureCache.build(target, data[: n_corpus * width].view(n_corpus, width), device)
-    teacher = None
-    if n_teacher:
-        assert teacher_data is not None
-        teacher = FeatureCache.build(target, teacher_data[:n_teacher, :width], device)
+    corpus = build(data[: n_corpus * width].view(n_corpus, width))
+    teacher = build(teacher_data[:n_teacher, :width]) if teacher_data is not None and n_teacher else None
     info = {
         "cached_corpus_windows": n_corpus,
         "cached_teacher_windows": n_teacher,
-        "cache_gib": round((n_corpus + n_teacher) * per_row / 2**30, 2),
+        "cache_gib": round((n_corpus + n_teacher) * row_bytes / 2**30, 2),
         "cache_seconds": round(time.monotonic() - t0, 1),
     }
-    log(f"EAGLE feature cache: {info}")
+    log(f"{label}: {info}")
     return corpus, teacher, info
+
+
+def _feature_caches(
+    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: EagleTraining
+) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
+    """The corpus and teacher caches within ``opts.cache_gib`` (:func:`cache_windows`), or None."""
+    if opts.cache_gib <= 0:
+        return None
+    width = opts.seq + 1
+    row_bytes = width * target.config.hidden_size * 2  # bfloat16
+
+    def build(windows: torch.Tensor) -> FeatureCache:
+        return FeatureCache.build(target, windows, device)
+
+    return cache_windows(data, teacher_data, width, row_bytes, opts.cache_gib, build, "EAGLE feature cache")
 
 
 def train_eagle_head(

@@ -37,7 +37,7 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
     """Write the serving target (``--target-shape``), the EAGLE head for it and 4 adapters,
     then build the runner; an expanded target gets the trained weights placed in it."""
     target_dir, raw, expanded = serving_target_dir(s, trained)
-    head_dir = _eagle_dir(s, trained, raw)
+    head_dir = eagle_dir(s, trained, raw)
     dflash_dir = _dflash_dir(s, trained, raw)
     adapters = {
         f"ad{i}": write_adapter(
@@ -46,16 +46,26 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
         for i in range(4)
     }
     config = runtime_config(s, target_dir, adapters)
+    runner, target_params = build_target_runner(s, trained, config, expanded)
+    return Serving(config, runner, target_params, head_dir, dflash_dir)
+
+
+def build_target_runner(
+    s: Settings, trained: TrainedModels, config: RuntimeConfig, expanded: bool, note: str = ""
+) -> tuple[ModelRunner, int]:
+    """The serving target's runner built from ``config`` and its parameter count; an
+    ``expanded`` target (``serving_target_dir``) gets the trained weights placed in it. Logs
+    the build time, with ``note`` (``", adapters [...]"``) after the attention backend."""
     t0 = time.monotonic()
     runner = ModelRunner(config, random_weights=expanded)
     if expanded:
         expand_into(runner, trained.small_state, s.small_shape)
-    target_params = sum(p.numel() for p in runner.model.parameters())
+    params = sum(p.numel() for p in runner.model.parameters())
     log(
-        f"target runner ({s.target_shape}, {target_params / 1e9:.2f} B params, attention {runner.attention_backend}) "
-        f"built in {time.monotonic() - t0:.1f} s"
+        f"target runner ({s.target_shape}, {params / 1e9:.2f} B params, attention {runner.attention_backend}{note})"
+        f" built in {time.monotonic() - t0:.1f} s"
     )
-    return Serving(config, runner, target_params, head_dir, dflash_dir)
+    return runner, params
 
 
 def serving_target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict, bool]:
@@ -75,7 +85,7 @@ def serving_target_dir(s: Settings, trained: TrainedModels) -> tuple[Path, dict,
     return target_dir, raw, True
 
 
-def _eagle_dir(s: Settings, trained: TrainedModels, raw: dict) -> Path | None:
+def eagle_dir(s: Settings, trained: TrainedModels, raw: dict) -> Path | None:
     """The trained EAGLE head written for the serving target (expanded to its shape), or None."""
     if trained.head is None:
         return None

@@ -26,7 +26,8 @@ free count retracts a running request only when the cache has nothing left to gi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -353,6 +354,17 @@ class KVCache:
         pass
 
     # ------------------------------------------------------------------ changes
+    @contextmanager
+    def allocating(self, request_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> Iterator[Allocation]:
+        """:meth:`allocate` for the body of a ``with``, rolled back (:meth:`rollback`) if the
+        body raises: a forward that fails leaves the cache as it was."""
+        alloc = self.allocate(request_ids, num_tokens)
+        try:
+            yield alloc
+        except BaseException:
+            self.rollback(alloc)
+            raise
+
     def allocate(self, request_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> Allocation:
         """Append ``num_tokens[i]`` slots to request i (creating it if new); all or nothing."""
         if len(request_ids) != len(num_tokens):

@@ -21,14 +21,13 @@ greedy verify) replay from :class:`.DFlashGraphRunner`; prefill chunks stay eage
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..kv import Allocation, KVCache
+from ..kv import KVCache
 from ..model.arch import ModelArchConfig, ModelConfigError
 from ..model.layers import build_attention_metadata
 from ..runner.graph_runner import context_bucket
@@ -167,7 +166,7 @@ class DFlashDraftRunner:
         features = features.to(device=self.device, dtype=self.dtype)
         graphs = self.graphs
         uniform = len(set(counts)) == 1 and graphs is not None and counts[0] in (1, graphs.width)
-        with self._allocated(request_ids, counts) as alloc:
+        with self.kv.allocating(request_ids, counts) as alloc:
             if uniform and self.can_graph(len(counts)):
                 assert graphs is not None
                 graphs.run_append(alloc, features, counts[0])
@@ -245,7 +244,7 @@ class DFlashDraftRunner:
         cache entries are dropped before returning."""
         bs = len(request_ids)
         first = first_tokens.to(self.device, torch.int64)
-        with self._allocated(request_ids, [width] * bs) as alloc:
+        with self.kv.allocating(request_ids, [width] * bs) as alloc:
             if self.can_graph(bs):
                 assert self.graphs is not None
                 out = self.graphs.run_block(alloc, first)
@@ -299,7 +298,7 @@ class DFlashDraftRunner:
         ``accept_lens[i] + 1`` (:meth:`keep_context`). On failure the cache is left as it was."""
         assert self.graphs is not None
         bs = len(request_ids)
-        with self._allocated(request_ids, [2 * width] * bs) as alloc:
+        with self.kv.allocating(request_ids, [2 * width] * bs) as alloc:
             return self.graphs.run_feed_block(
                 alloc,
                 features.to(self.device, self.dtype),
@@ -312,16 +311,6 @@ class DFlashDraftRunner:
         for rid, n in zip(request_ids, keep, strict=True):
             if n < rows:
                 self.kv.truncate(rid, rows - n)
-
-    @contextmanager
-    def _allocated(self, request_ids: Sequence[Hashable], counts: Sequence[int]) -> Iterator[Allocation]:
-        """``counts[i]`` new cache entries for request ``i``, rolled back if the body fails."""
-        alloc = self.kv.allocate(request_ids, counts)
-        try:
-            yield alloc
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
 
     def release(self, request_id: Hashable) -> None:
         self.kv.free(request_id)

@@ -14,7 +14,7 @@ never reach this runner.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -161,8 +161,7 @@ class EagleDraftRunner:
             raise ValueError(
                 f"{input_ids.numel()} tokens and {features.shape[0]} features for new_lens summing to {sum(lens)}"
             )
-        alloc = self.kv.allocate(request_ids, lens)
-        try:
+        with self.kv.allocating(request_ids, lens) as alloc:
             uniform = len(set(lens)) == 1
             return self.head(
                 alloc.rows,
@@ -176,9 +175,6 @@ class EagleDraftRunner:
                 q_lens=None if uniform else torch.tensor(lens, dtype=torch.int64, device=self.device),
                 ragged_lens=None if uniform else lens,
             )
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
 
     def head(
         self,
@@ -454,15 +450,9 @@ class EagleDraftRunner:
         finally:
             self._adapters = None
 
-    @contextmanager
-    def _allocated(self, request_ids: Sequence[Hashable], rows: int) -> Iterator[Allocation]:
+    def _allocated(self, request_ids: Sequence[Hashable], rows: int) -> AbstractContextManager[Allocation]:
         """``rows`` new cache entries per request, rolled back if the body fails."""
-        alloc = self.kv.allocate(request_ids, [rows] * len(request_ids))
-        try:
-            yield alloc
-        except BaseException:
-            self.kv.rollback(alloc)
-            raise
+        return self.kv.allocating(request_ids, [rows] * len(request_ids))
 
 
 def _draft_pool(

@@ -1,25 +1,27 @@
-"""Shared set-up for the benchmarks' tests: ``bench.speculative`` importable by name.
+"""Shared set-up for the benchmarks' tests: ``bench.speculative`` importable by name, and the
+small frozen target the drafts' training tests train over.
 
 ``bench/`` is not an installed package and the repository root never goes on ``sys.path``
 (its ``operator/`` would shadow the standard library's), so the package is imported the
-way ``python bench/speculative`` imports it: by its ``__main__.py``'s ``import_package``.
+way ``python bench/speculative`` imports it: by ``bench/bootstrap.py``'s ``import_package``.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+runpy.run_path(str(BENCH / "bootstrap.py"))["import_package"](BENCH / "speculative")
 
 
-def _import_speculative() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "bench_speculative_entry", REPO / "bench" / "speculative" / "__main__.py"
-    )
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    entry.import_package()
+@pytest.fixture(scope="module")
+def target():
+    """The ``smoke-small`` Llama (vocabulary 64, seed 0) in eval mode, on the CPU."""
+    from bench.speculative.training import new_llama
 
-
-_import_speculative()
+    return new_llama("smoke-small", 64, seed=0, device=torch.device("cpu")).eval()

@@ -3,7 +3,6 @@ target's outputs computed once."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from bench.speculative.dflash_training import (
@@ -16,7 +15,6 @@ from bench.speculative.dflash_training import (
     target_outputs,
     train_dflash,
 )
-from bench.speculative.shapes import llama_config
 
 
 def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
@@ -46,18 +44,6 @@ def test_anchors_are_distinct_and_leave_room_for_the_labels():
     anchors = sample_anchors(64, 20, 4, 10, gen, first=3)
     assert anchors.min() >= 3 and anchors.max() <= 20 - 4 + 1  # the last label row is the window's last token
     assert all(len(set(row.tolist())) == 10 for row in anchors)
-
-
-@pytest.fixture(scope="module")
-def target():
-    import transformers
-
-    raw = llama_config("smoke-small", 64)
-    cfg = transformers.LlamaConfig(
-        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def test_cached_outputs_give_the_targets_layer_outputs_and_logits(target):

@@ -13,19 +13,6 @@ from bench.speculative.eagle_training import (
     target_features,
     train_eagle_head,
 )
-from bench.speculative.shapes import llama_config
-
-
-@pytest.fixture(scope="module")
-def target():
-    import transformers
-
-    raw = llama_config("smoke-small", 64)
-    cfg = transformers.LlamaConfig(
-        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def test_cached_features_are_the_targets_features_of_their_windows(target):

@@ -11,13 +11,9 @@ draft for a loaded name is a 409 ``adapter_conflict``; ``GET /v1/lora_catalog`` 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import aiohttp
-import kmock
-import kopf
 import pytest
 from aiohttp import web
 
@@ -26,7 +22,7 @@ from loraserve.operator.config import OperatorConfig
 from loraserve.operator.reconcile.adapter_state import PodState, PodTrack, RetryPolicy
 from loraserve.operator.reconcile.adapters import AdapterMemory, listed_draft, reconcile_adapter, with_draft
 from loraserve.operator.reconcile.context import OperatorContext
-from loraserve.operator.reconcile.kube import ADAPTERS, LORASERVES, KubeClient
+from loraserve.operator.reconcile.kube import ADAPTERS, LORASERVES
 from loraserve.operator.reconcile.pods import PodView
 from loraserve.operator.runtime_client import (
     CatalogState,
@@ -39,20 +35,12 @@ from loraserve.operator.specs import DraftPodState, StorageSpec, parse_adapter_s
 from loraserve.operator.status import pods_status
 from loraserve.runtime.contract.catalog import CatalogEntry
 
+from .api_standin import LORASERVE_API, api_client
+
 HERE = Path(__file__).parent
 NS, SERVE = "ml", "llama"
 SHA = "ab" * 32
 STORAGE = {"adapters": {"type": "PersistentVolumeClaim", "claimName": "lora", "mountPath": "/adapters"}}
-
-
-def _apiserver():
-    name = "_loraserve_e2e_apiserver"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE.parent / "e2e" / "apiserver.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 # --------------------------------------------------------------------------- a runtime stand-in
@@ -148,17 +136,8 @@ class FakeRuntime:
 
 @pytest.fixture
 async def api():
-    server = _apiserver().ApiServer()
-    server.declare(
-        {
-            "loraserve.io/v1alpha1/loraserves": ("LoRAServe", True),
-            "loraserve.io/v1alpha1/adapters": ("Adapter", True),
-        }
-    )
-    async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(
-            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
-        )
+    declared = {**LORASERVE_API, "loraserve.io/v1alpha1/adapters": ("Adapter", True)}
+    async with api_client(declared) as (_, client):
         http = aiohttp.ClientSession()
         ctx = OperatorContext(
             config=OperatorConfig(webhook_enabled=False),
@@ -171,7 +150,6 @@ async def api():
             yield ctx
         finally:
             await http.close()
-            await client.close()
 
 
 @pytest.fixture

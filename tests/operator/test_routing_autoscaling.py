@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import kmock
-import kopf
 import kubernetes_validate
 import pytest
 
@@ -33,12 +32,21 @@ from loraserve.operator.reconcile.kube import (
     KubeClient,
     KubeError,
 )
-from loraserve.operator.reconcile.serve import reconcile_serve
 from loraserve.operator.specs import parse_loraserve_spec
 
+from .api_standin import (
+    LORASERVE_API,
+    NAME,
+    NS,
+    SETTINGS,
+    api_client,
+    apiserver,
+    reconcile_pass,
+    serve_body,
+    writes,
+)
+
 HERE = Path(__file__).parent
-SETTINGS = ds.DesiredSettings(image="registry.example/loraserve:1")
-NS, NAME = "ml", "llama"
 IDENTITY = ds.ServeIdentity(name=NAME, namespace=NS, uid="0b8e6a1e-0000-4000-8000-000000000001")
 KEDA = {"serverAddress": "http://prometheus-operated.monitoring:9090"}
 ROUTING = {"endpointPicker": {"name": "llama-epp"}}
@@ -185,10 +193,6 @@ def test_a_query_of_the_users_own_replaces_the_default() -> None:
 # --------------------------------------------------------------------------- the reconcile step
 
 
-def _apiserver():
-    return _load("_loraserve_e2e_apiserver", HERE.parent / "e2e" / "apiserver.py")
-
-
 OPTIONAL_APIS = {
     "inference.networking.k8s.io/v1/inferencepools": ("InferencePool", True),
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True),
@@ -196,66 +200,19 @@ OPTIONAL_APIS = {
 }
 
 
-async def _api(declared: dict):
-    server = _apiserver().ApiServer()
-    server.declare({"loraserve.io/v1alpha1/loraserves": ("LoRAServe", True), **declared})
-    return server
-
-
 @pytest.fixture
 async def full():
     """An API that serves the InferencePool, HPA and KEDA APIs."""
-    server = await _api(OPTIONAL_APIS)
-    async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(
-            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
-        )
-        try:
-            yield server, client
-        finally:
-            await client.close()
+    async with api_client({**LORASERVE_API, **OPTIONAL_APIS}) as api:
+        yield api
 
 
 @pytest.fixture
 async def bare():
     """An API without the Inference Extension or KEDA CRDs (autoscaling/v2 is served)."""
-    server = await _api({"autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True)})
-    async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(
-            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
-        )
-        try:
-            yield server, client
-        finally:
-            await client.close()
-
-
-def _body(**spec) -> dict:
-    return {
-        "apiVersion": "loraserve.io/v1alpha1",
-        "kind": "LoRAServe",
-        "metadata": {"name": NAME, "namespace": NS},
-        "spec": {
-            "model": {"source": "pvc://models/llama"},
-            "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models"}},
-            "replicas": 2,
-            **spec,
-        },
-    }
-
-
-def _writes(server, since: int) -> list[str]:
-    out = []
-    for request in list(server)[since:]:
-        method = str(getattr(request.method, "value", request.method)).upper()
-        if method in ("POST", "PATCH", "PUT", "DELETE"):
-            out.append(f"{method} {request.url.path}")
-    return out
-
-
-async def _pass(client: KubeClient):
-    body = await client.get(LORASERVES, NS, NAME)
-    return await reconcile_serve(client, body, SETTINGS, adapters=0, now="2026-01-01T00:00:00Z")
+    hpa = {"autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True)}
+    async with api_client({**LORASERVE_API, **hpa}) as api:
+        yield api
 
 
 def _condition(status: dict, type_: str) -> dict | None:
@@ -268,8 +225,8 @@ async def _set_spec(client: KubeClient, **changes) -> None:
 
 async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(full) -> None:
     server, client = full
-    await client.create(LORASERVES, NS, _body(routing=ROUTING, autoscaling={"maxReplicas": 4}))
-    outcome = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(routing=ROUTING, autoscaling={"maxReplicas": 4}))
+    outcome = await reconcile_pass(client)
     made = {(a.verb, a.kind) for a in outcome.acts}
     assert {("Created", "InferencePool"), ("Created", "HorizontalPodAutoscaler")} <= made
     uid = (await client.get(LORASERVES, NS, NAME))["metadata"]["uid"]
@@ -289,9 +246,9 @@ async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(
     assert "vllm_num_requests_waiting" in scaling["message"]
 
     since = len(list(server))
-    again = await _pass(client)
+    again = await reconcile_pass(client)
     assert again.acts == [] and not again.status_written
-    assert _writes(server, since) == [], "a converged serve gets no write"
+    assert writes(server, since) == [], "a converged serve gets no write"
 
     # A spec change updates both, and rolls no pod (the config hash does not cover them).
     await _set_spec(
@@ -299,7 +256,7 @@ async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(
         routing={"endpointPicker": {"name": "llama-epp", "port": 9100, "failureMode": "FailOpen"}},
         autoscaling={"maxReplicas": 8, "targetPerReplica": 2},
     )
-    changed = await _pass(client)
+    changed = await reconcile_pass(client)
     assert {(a.verb, a.kind) for a in changed.acts} == {
         ("Updated", "InferencePool"),
         ("Updated", "HorizontalPodAutoscaler"),
@@ -314,12 +271,12 @@ async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(
 
     # A hand edit of an owned field is undone.
     await client.patch(HPAS, NS, NAME, {"spec": {"maxReplicas": 100}})
-    await _pass(client)
+    await reconcile_pass(client)
     assert (await client.get(HPAS, NS, NAME))["spec"]["maxReplicas"] == 8
 
     # Removing the fields deletes what the operator made, and the conditions go.
     await client.patch(LORASERVES, NS, NAME, {"spec": {"routing": None, "autoscaling": None}})
-    removed = await _pass(client)
+    removed = await reconcile_pass(client)
     assert {(a.verb, a.kind) for a in removed.acts} == {
         ("Deleted", "InferencePool"),
         ("Deleted", "HorizontalPodAutoscaler"),
@@ -329,16 +286,16 @@ async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(
     status = (await client.get(LORASERVES, NS, NAME))["status"]
     assert _condition(status, "Routing") is None and _condition(status, "Autoscaling") is None
     since = len(list(server))
-    assert (await _pass(client)).acts == [] and _writes(server, since) == []
+    assert (await reconcile_pass(client)).acts == [] and writes(server, since) == []
 
 
 async def test_switching_to_keda_replaces_the_hpa_with_a_scaled_object(full) -> None:
     _, client = full
-    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
+    await reconcile_pass(client)
     assert await client.get(HPAS, NS, NAME) is not None
     await _set_spec(client, autoscaling={"mode": "KEDA", "maxReplicas": 4, "keda": KEDA})
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert {(a.verb, a.kind) for a in outcome.acts} == {
         ("Deleted", "HorizontalPodAutoscaler"),
         ("Created", "ScaledObject"),
@@ -356,9 +313,9 @@ async def test_absent_apis_leave_the_serve_running_and_say_why(bare) -> None:
     await client.create(
         LORASERVES,
         NS,
-        _body(routing=ROUTING, autoscaling={"mode": "KEDA", "maxReplicas": 4, "keda": KEDA}),
+        serve_body(routing=ROUTING, autoscaling={"mode": "KEDA", "maxReplicas": 4, "keda": KEDA}),
     )
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
     assert not {"InferencePool", "ScaledObject"} & {a.kind for a in outcome.acts}
     assert (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["replicas"] == 2
@@ -372,18 +329,16 @@ async def test_absent_apis_leave_the_serve_running_and_say_why(bare) -> None:
 
     # Discovery's answer is remembered: the next pass asks nothing of it and writes nothing.
     since = len(list(server))
-    again = await _pass(client)
-    assert again.acts == [] and _writes(server, since) == []
+    again = await reconcile_pass(client)
+    assert again.acts == [] and writes(server, since) == []
     asked = [r.url.path for r in list(server)[since:]]
     assert "/apis/keda.sh/v1alpha1" not in asked and "/apis/inference.networking.k8s.io/v1" not in asked
 
     # Once the CRDs are installed (and the cache expires), the objects come.
     for path, (kind, namespaced) in OPTIONAL_APIS.items():
-        server.resources[path] = kmock.ResourceInfo(
-            kind=kind, namespaced=namespaced, verbs=_apiserver().VERBS
-        )
+        server.resources[path] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=apiserver().VERBS)
     optional.discovery(client).forget()
-    later = await _pass(client)
+    later = await reconcile_pass(client)
     assert {("Created", "InferencePool"), ("Created", "ScaledObject")} <= {
         (a.verb, a.kind) for a in later.acts
     }
@@ -418,8 +373,8 @@ async def test_an_object_of_the_same_name_not_ours_is_left_alone(full) -> None:
         },
     }
     await client.create(HPAS, NS, theirs)
-    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
-    outcome = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
+    outcome = await reconcile_pass(client)
     assert "HorizontalPodAutoscaler" not in {a.kind for a in outcome.acts}
     kept = await client.get(HPAS, NS, NAME)
     assert kept["spec"]["scaleTargetRef"]["name"] == "other" and "ownerReferences" not in kept["metadata"]
@@ -427,14 +382,14 @@ async def test_an_object_of_the_same_name_not_ours_is_left_alone(full) -> None:
     assert (scaling["status"], scaling["reason"]) == ("False", "NameTaken")
     # ...and removing spec.autoscaling does not delete it either.
     await client.patch(LORASERVES, NS, NAME, {"spec": {"autoscaling": None}})
-    await _pass(client)
+    await reconcile_pass(client)
     assert await client.get(HPAS, NS, NAME) is not None
 
 
 async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
     _, client = full
-    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
+    await reconcile_pass(client)
     failed = {
         "type": "ScalingActive",
         "status": "False",
@@ -442,7 +397,7 @@ async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
         "message": "unable to get metric vllm_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) registered",
     }
     await client.patch(HPAS, NS, NAME, {"status": {"conditions": [failed]}}, subresource="status")
-    await _pass(client)
+    await reconcile_pass(client)
     scaling = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Autoscaling")
     assert (scaling["status"], scaling["reason"]) == ("False", "MetricUnavailable")
     assert "custom.metrics.k8s.io" in scaling["message"] and "prometheus-adapter" in scaling["message"]
@@ -450,11 +405,11 @@ async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
 
 async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> None:
     _, client = full
-    await client.create(LORASERVES, NS, _body(routing=ROUTING))
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
+    await reconcile_pass(client)
     before = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
     await _set_spec(client, routing=None, lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8})
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert outcome.rejected and outcome.acts == []
     assert await client.get(INFERENCE_POOLS, NS, NAME) is not None, "a refused spec changes nothing that runs"
     status = (await client.get(LORASERVES, NS, NAME))["status"]
@@ -463,8 +418,8 @@ async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> Non
 
 async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full) -> None:
     _, client = full
-    await client.create(LORASERVES, NS, _body(routing=ROUTING))
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
+    await reconcile_pass(client)
     routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
     assert "no gateway routes to it yet" in routing["message"]
     parents = [
@@ -482,7 +437,7 @@ async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full)
         }
     ]
     await client.patch(INFERENCE_POOLS, NS, NAME, {"status": {"parents": parents}}, subresource="status")
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert outcome.acts == [], "the gateway's status is not drift"
     routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
     assert routing["status"] == "True" and routing["message"].endswith("; accepted by Gateway inference-gw")
@@ -490,14 +445,14 @@ async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full)
         status="False", reason="NotSupportedByGateway", message="no EPP support"
     )
     await client.patch(INFERENCE_POOLS, NS, NAME, {"status": {"parents": parents}}, subresource="status")
-    await _pass(client)
+    await reconcile_pass(client)
     routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
     assert routing["message"].endswith("; not accepted by Gateway inference-gw (no EPP support)")
 
 
 async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(full, monkeypatch) -> None:
     server, client = full
-    await client.create(LORASERVES, NS, _body(routing=ROUTING))
+    await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
     optional.discovery(client).forget()
     assert await optional.discovery(client).serves(client, INFERENCE_POOLS)  # cached: served
     # The CRD is deleted. (kmock accepts writes to undeclared resources, so the API server's
@@ -511,13 +466,13 @@ async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(ful
         return await create(res, namespace, body)
 
     monkeypatch.setattr(client, "create", create_or_404)
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert "InferencePool" not in {a.kind for a in outcome.acts}
     assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
     routing = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Routing")
     assert (routing["status"], routing["reason"]) == ("False", "InferencePoolCRDMissing")
     since = len(list(server))
-    await _pass(client)
+    await reconcile_pass(client)
     asked = [r.url.path for r in list(server)[since:]]
     assert "/apis/inference.networking.k8s.io/v1" in asked, "the stale answer was forgotten"
 
@@ -526,8 +481,8 @@ async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_
     # What the HPA controller (or KEDA's) does: read the LoRAServe's scale subresource (its
     # selector picks the pods whose metric is averaged) and write spec.replicas through it.
     server, client = full
-    await client.create(LORASERVES, NS, _body(routing=ROUTING, autoscaling={"maxReplicas": 6}))
-    first = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(routing=ROUTING, autoscaling={"maxReplicas": 6}))
+    first = await reconcile_pass(client)
     scale_path = LORASERVES.path(NS, NAME, "scale")
     scale = await client.request("GET", scale_path)
     selector = dict(term.split("=", 1) for term in scale["status"]["selector"].split(","))
@@ -536,19 +491,19 @@ async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_
 
     # (The HPA controller PUTs the Scale; the stand-in takes the write as a merge patch.)
     await client.patch(LORASERVES, NS, NAME, {"spec": {"replicas": 5}}, subresource="scale")
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert [(a.verb, a.kind) for a in outcome.acts] == [("Updated", "Deployment")]
     assert outcome.rolled_from is None and outcome.config_hash == first.config_hash, "scaling rolls no pod"
     assert (await client.get(DEPLOYMENTS, NS, NAME))["spec"]["replicas"] == 5
     assert (await client.get(LORASERVES, NS, NAME))["spec"]["replicas"] == 5, "the operator keeps it"
     since = len(list(server))
-    assert (await _pass(client)).acts == [] and _writes(server, since) == []
+    assert (await reconcile_pass(client)).acts == [] and writes(server, since) == []
 
 
 async def test_a_refused_write_is_a_condition_not_a_failed_pass(full, monkeypatch) -> None:
     # E.g. an operator installed with an older chart, without RBAC for HPAs: the API answers 403.
     _, client = full
-    await client.create(LORASERVES, NS, _body(autoscaling={"maxReplicas": 4}))
+    await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
     create = client.create
 
     async def forbidden(res, namespace, body):
@@ -557,7 +512,7 @@ async def test_a_refused_write_is_a_condition_not_a_failed_pass(full, monkeypatc
         return await create(res, namespace, body)
 
     monkeypatch.setattr(client, "create", forbidden)
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
     scaling = _condition((await client.get(LORASERVES, NS, NAME))["status"], "Autoscaling")
     assert (scaling["status"], scaling["reason"]) == ("False", "ApplyFailed")

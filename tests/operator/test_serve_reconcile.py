@@ -8,13 +8,8 @@ for it, with the uid / generation / resourceVersion / 409 bookkeeping of
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-import kmock
-import kopf
 import pytest
 
 from loraserve.operator import desired as ds
@@ -24,73 +19,24 @@ from loraserve.operator.reconcile.kube import (
     DEPLOYMENTS,
     LORASERVES,
     SECRETS,
-    KubeClient,
     KubeError,
     retry_on_conflict,
 )
 from loraserve.operator.reconcile.serve import reconcile_serve
 
-HERE = Path(__file__).parent
-SETTINGS = ds.DesiredSettings(image="registry.example/loraserve:1")
-NS, NAME = "ml", "llama"
-
-
-def _apiserver():
-    name = "_loraserve_e2e_apiserver"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE.parent / "e2e" / "apiserver.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from .api_standin import LORASERVE_API, NAME, NS, SETTINGS, api_client, reconcile_pass, serve_body, writes
 
 
 @pytest.fixture
 async def api():
-    server = _apiserver().ApiServer()
-    server.declare({"loraserve.io/v1alpha1/loraserves": ("LoRAServe", True)})
-    async with server, kmock.Server(server) as endpoint:
-        client = KubeClient.from_info(
-            kopf.ConnectionInfo(server=str(endpoint.url).rstrip("/"), insecure=True)
-        )
-        try:
-            yield server, client
-        finally:
-            await client.close()
-
-
-def _serve_body(**spec) -> dict:
-    return {
-        "apiVersion": "loraserve.io/v1alpha1",
-        "kind": "LoRAServe",
-        "metadata": {"name": NAME, "namespace": NS},
-        "spec": {
-            "model": {"source": "pvc://models/llama"},
-            "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models"}},
-            "replicas": 2,
-            **spec,
-        },
-    }
-
-
-def _writes(server, since: int) -> list[str]:
-    out = []
-    for request in list(server)[since:]:
-        method = str(getattr(request.method, "value", request.method)).upper()
-        if method in ("POST", "PATCH", "PUT", "DELETE"):
-            out.append(f"{method} {request.url.path}")
-    return out
-
-
-async def _pass(client: KubeClient):
-    body = await client.get(LORASERVES, NS, NAME)
-    return await reconcile_serve(client, body, SETTINGS, adapters=0, now="2026-01-01T00:00:00Z")
+    async with api_client(LORASERVE_API) as api:
+        yield api
 
 
 async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) -> None:
     server, client = api
-    await client.create(LORASERVES, NS, _serve_body())
-    outcome = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body())
+    outcome = await reconcile_pass(client)
     assert {(a.verb, a.kind) for a in outcome.acts} == {
         ("Created", "Secret"),
         ("Created", "Deployment"),
@@ -106,13 +52,13 @@ async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) 
     assert len(token) >= 32
 
     since = len(list(server))
-    again = await _pass(client)
+    again = await reconcile_pass(client)
     assert again.acts == [] and not again.status_written
-    assert _writes(server, since) == [], "a converged serve gets no write"
+    assert writes(server, since) == [], "a converged serve gets no write"
 
     # A spec change updates the Deployment, rolls by the config hash, keeps the token.
     await client.patch(LORASERVES, NS, NAME, {"spec": {"lora": {"maxRank": 32}}})
-    changed = await _pass(client)
+    changed = await reconcile_pass(client)
     assert [(a.verb, a.kind) for a in changed.acts] == [("Updated", "Deployment")]
     assert changed.rolled_from is not None and changed.rolled_from != changed.config_hash
     assert base64.b64decode((await client.get(SECRETS, NS, f"{NAME}-admin-token"))["data"]["token"]) == token
@@ -130,7 +76,7 @@ async def test_catalog_follows_the_adapters_without_rolling_the_pods(api) -> Non
     await client.create(
         LORASERVES,
         NS,
-        _serve_body(
+        serve_body(
             storage={
                 "models": {"type": "PersistentVolumeClaim", "claimName": "models"},
                 "adapters": {"type": "PersistentVolumeClaim", "claimName": "adapters"},
@@ -176,13 +122,13 @@ async def test_catalog_follows_the_adapters_without_rolling_the_pods(api) -> Non
 
 async def test_hand_edits_of_owned_fields_are_undone(api) -> None:
     _, client = api
-    await client.create(LORASERVES, NS, _serve_body())
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body())
+    await reconcile_pass(client)
     deployment = await client.get(DEPLOYMENTS, NS, NAME)
     image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
     hacked = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:1"}]
     await client.patch(DEPLOYMENTS, NS, NAME, hacked, content_type="application/json-patch+json")
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert [(a.verb, a.kind) for a in outcome.acts] == [("Updated", "Deployment")]
     restored = await client.get(DEPLOYMENTS, NS, NAME)
     assert restored["spec"]["template"]["spec"]["containers"][0]["image"] == image
@@ -190,8 +136,8 @@ async def test_hand_edits_of_owned_fields_are_undone(api) -> None:
 
 async def test_stale_writes_get_409_and_are_retried_after_observing_again(api) -> None:
     _, client = api
-    await client.create(LORASERVES, NS, _serve_body())
-    await _pass(client)
+    await client.create(LORASERVES, NS, serve_body())
+    await reconcile_pass(client)
     stale = await client.get(DEPLOYMENTS, NS, NAME)
     await client.patch(DEPLOYMENTS, NS, NAME, {"metadata": {"labels": {"touched": "yes"}}})  # another writer
 
@@ -214,8 +160,8 @@ async def test_stale_writes_get_409_and_are_retried_after_observing_again(api) -
 
 async def test_incompatible_spec_creates_nothing_and_says_why(api) -> None:
     _, client = api
-    await client.create(LORASERVES, NS, _serve_body(lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}))
-    outcome = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}))
+    outcome = await reconcile_pass(client)
     assert outcome.acts == [] and await client.get(DEPLOYMENTS, NS, NAME) is None
     status = (await client.get(LORASERVES, NS, NAME))["status"]
     assert status["phase"] == "Failed"
@@ -225,8 +171,8 @@ async def test_incompatible_spec_creates_nothing_and_says_why(api) -> None:
 
 async def test_missing_user_secret_blocks_with_a_fix(api) -> None:
     _, client = api
-    await client.create(LORASERVES, NS, _serve_body(adminTokenSecretName="mine"))
-    outcome = await _pass(client)
+    await client.create(LORASERVES, NS, serve_body(adminTokenSecretName="mine"))
+    outcome = await reconcile_pass(client)
     assert await client.get(DEPLOYMENTS, NS, NAME) is None
     assert any("Secret 'mine' not found" in r and "fix:" in r for r in outcome.rejected)
     await client.create(
@@ -234,7 +180,7 @@ async def test_missing_user_secret_blocks_with_a_fix(api) -> None:
         NS,
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mine"}, "stringData": {"token": "t"}},
     )
-    outcome = await _pass(client)
+    outcome = await reconcile_pass(client)
     assert ("Created", "Deployment") in {(a.verb, a.kind) for a in outcome.acts}
     assert await client.get(SECRETS, NS, f"{NAME}-admin-token") is None, (
         "no token is generated for a named Secret"

@@ -98,6 +98,19 @@ def test_rollback_restores_the_previous_state():
     assert "new" not in cache and cache.num_free_rows == 3
 
 
+def test_allocating_rolls_back_when_the_body_raises_and_keeps_the_entries_otherwise():
+    cache = _cache()
+    cache.allocate(["old"], [4])
+    before = (cache.num_free_tokens, cache.token_slots("old").tolist())
+    with pytest.raises(RuntimeError, match="forward failed"), cache.allocating(["old", "new"], [3, 5]):
+        raise RuntimeError("forward failed")
+    assert (cache.num_free_tokens, cache.token_slots("old").tolist()) == before
+    assert "new" not in cache
+    with cache.allocating(["old", "new"], [3, 5]) as alloc:
+        assert alloc.new_lens == [3, 5]
+    assert cache.seq_len("old") == 7 and cache.seq_len("new") == 5
+
+
 def test_growing_request_keeps_its_slots_in_order():
     cache = _cache(tokens=200, context=200)
     pieces = []

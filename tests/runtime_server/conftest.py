@@ -18,7 +18,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loraserve.runtime.contract.config import RuntimeConfig
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.dev.devmodels import DemoAssets, build_adapter, ensure_demo_assets
 from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
@@ -65,6 +65,19 @@ def make_config(assets: Assets, **overrides) -> RuntimeConfig:
     cfg.server.max_body_bytes = overrides.pop("max_body_bytes", 64 * 1024)
     if overrides:
         raise TypeError(f"unknown overrides {sorted(overrides)}")
+    return cfg
+
+
+def draft_pool_config(assets: Assets, algorithm: SpecAlgorithm, draft_path: Path | str) -> RuntimeConfig:
+    """A serve without adapters that speculates with ``algorithm`` (3 steps, 4 draft tokens)
+    over the draft at ``draft_path``, with a pool of 2 draft adapters of rank up to 16."""
+    cfg = make_config(assets, adapters={})
+    cfg.speculative.algorithm = algorithm
+    cfg.speculative.draft_model_path = str(draft_path)
+    cfg.speculative.num_steps = 3
+    cfg.speculative.num_draft_tokens = 4
+    cfg.speculative.draft_max_loras = 2
+    cfg.speculative.draft_max_lora_rank = 16
     return cfg
 
 
@@ -125,6 +138,16 @@ async def running_server(config: RuntimeConfig, tmp_path: Path, **app_kwargs) ->
     finally:
         await session.close()
         await server.close()
+
+
+async def greedy_completion(server: Server, model: str, prompt: str, max_tokens: int) -> dict:
+    """``model``'s greedy completion of ``prompt``, ``max_tokens`` long (EOS ignored); it must answer 200."""
+    status, body = await server.post(
+        "/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
+    assert status == 200, body
+    return body
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -4,14 +4,11 @@ real subprocesses."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -20,6 +17,8 @@ from loraserve.runtime.cli import build_parser, config_from_args
 from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.contract.policy import check_config
 from loraserve.runtime.dev.demo import free_port
+
+from .runtime_process import ready_turns_503, runtime_process, wait_ready
 
 
 def _parse(argv: list[str]) -> RuntimeConfig:
@@ -153,36 +152,12 @@ def test_warnings_are_printed_and_check_config_shows_the_effective_configuration
     assert bad.returncode == 2 and "--lora NAME=DIR" in bad.stderr
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "loraserve.runtime", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-
-
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "the server exited early"
-            try:
-                async with session.get(url + "/ready") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("not ready in time")
-
-
 @pytest.mark.slow
 async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(
+    log = tmp_path / "log"
+    with runtime_process(
         [
             "--model",
             str(assets.model_dir),
@@ -201,10 +176,9 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tm
             "--drain-timeout",
             "30",
         ],
-        tmp_path / "log",
-    )
-    try:
-        await _wait_ready(url, proc)
+        log,
+    ) as proc:
+        await wait_ready(url, proc, log)
         async with aiohttp.ClientSession() as session:
             body = {
                 "model": "sql",
@@ -222,13 +196,8 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tm
                 # Draining: the listener stays open (issue 20: it used to close at once, so
                 # probes met a refused connection) and /ready turns 503.
                 async with aiohttp.ClientSession() as other:
-                    for _ in range(300):
-                        async with other.get(url + "/ready") as r:
-                            if r.status == 503:
-                                break
-                        await asyncio.sleep(0.01)
-                    else:
-                        raise AssertionError("/ready never turned 503 after SIGTERM")
+                    ready = await ready_turns_503(other, url, tries=300)
+                    assert ready is not None, "/ready never turned 503 after SIGTERM"
                     async with other.get(url + "/health") as r:
                         assert r.status == 200
                 rest = await resp.content.read()
@@ -241,10 +210,6 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tm
             assert text_events[-1]["choices"][0]["finish_reason"] == "length"
             assert (first + rest).decode().rstrip().endswith("data: [DONE]")
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -254,7 +219,7 @@ def test_a_model_that_fails_to_load_stops_the_process(assets, tmp_path):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((assets.model_dir / name).read_bytes())
     port = free_port()
-    proc = _start(
+    with runtime_process(
         [
             "--model",
             str(broken),
@@ -268,11 +233,7 @@ def test_a_model_that_fails_to_load_stops_the_process(assets, tmp_path):
             "1024",
         ],
         tmp_path / "log",
-    )
-    try:
+    ) as proc:
         assert proc.wait(timeout=90) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     log = (tmp_path / "log").read_text()
     assert "the model failed to load" in log

@@ -12,35 +12,21 @@ from __future__ import annotations
 from loraserve.runtime.contract.config import SpecAlgorithm
 from loraserve.runtime.dev.devmodels import copy_model
 
-from .conftest import make_config, running_server
+from .conftest import draft_pool_config, greedy_completion, make_config, running_server
 
 PROMPT = "def total(items):\n    return sum(item.price for item in"
 
 
 def _spec_config(assets, tmp_path):
-    config = make_config(assets, adapters={})
-    config.speculative.algorithm = SpecAlgorithm.STANDALONE
-    config.speculative.draft_model_path = str(copy_model(assets.model_dir, tmp_path / "draft"))
-    config.speculative.num_steps = 3
-    config.speculative.num_draft_tokens = 4
-    config.speculative.draft_max_loras = 2
-    config.speculative.draft_max_lora_rank = 16
-    return config
-
-
-async def _complete(server, model: str) -> dict:
-    status, body = await server.post(
-        "/v1/completions",
-        {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
-    )
-    assert status == 200, body
-    return body
+    """A STANDALONE serve whose draft is a copy of the target."""
+    draft = copy_model(assets.model_dir, tmp_path / "draft")
+    return draft_pool_config(assets, SpecAlgorithm.STANDALONE, draft)
 
 
 async def test_an_adapter_with_its_draft_adapter_loads_serves_and_unloads(assets, tmp_path):
     name, path = next(iter(assets.demo.adapters.items()))
     async with running_server(make_config(assets, adapters={name: str(path)}), tmp_path / "plain") as plain:
-        expected = (await _complete(plain, name))["choices"][0]["text"]
+        expected = (await greedy_completion(plain, name, PROMPT, 24))["choices"][0]["text"]
     async with running_server(_spec_config(assets, tmp_path), tmp_path / "spec") as server:
         status, body = await server.post(
             "/v1/load_lora_adapter",
@@ -49,7 +35,7 @@ async def test_an_adapter_with_its_draft_adapter_loads_serves_and_unloads(assets
         )
         assert status == 200, body
         assert body["draft"] == {"lora_path": str(path), "sha256": None, "loaded": True}
-        answer = await _complete(server, name)
+        answer = await greedy_completion(server, name, PROMPT, 24)
         assert answer["choices"][0]["text"] == expected
         stats = answer["usage"]["speculative"]
         assert stats["accepted_tokens"] == stats["draft_tokens"] > 0  # the draft is the adapted target
@@ -100,7 +86,7 @@ async def test_a_catalogued_draft_adapter_loads_on_the_first_request(assets, tmp
             assert resp.status == 200, await resp.text()
         _, listing = await server.get("/v1/lora_catalog", headers=server.admin_headers())
         assert listing["adapters"][0]["draft_state"] == "absent"
-        stats = (await _complete(server, name))["usage"]["speculative"]
+        stats = (await greedy_completion(server, name, PROMPT, 24))["usage"]["speculative"]
         assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
         _, listing = await server.get("/v1/lora_catalog", headers=server.admin_headers())
         assert listing["adapters"][0]["state"] == "loaded" and listing["adapters"][0]["draft_state"] == "loaded"

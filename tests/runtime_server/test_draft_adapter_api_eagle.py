@@ -14,29 +14,9 @@ import json
 from loraserve.runtime.contract.config import SpecAlgorithm
 from loraserve.runtime.speculative.eagle_builder import build_eagle_draft, build_eagle_draft_adapter
 
-from .conftest import make_config, running_server
+from .conftest import draft_pool_config, greedy_completion, make_config, running_server
 
 PROMPT = "def total(items):\n    return sum(item.price for item in"
-
-
-def _spec_config(assets, head):
-    config = make_config(assets, adapters={})
-    config.speculative.algorithm = SpecAlgorithm.EAGLE
-    config.speculative.draft_model_path = str(head)
-    config.speculative.num_steps = 3
-    config.speculative.num_draft_tokens = 4
-    config.speculative.draft_max_loras = 2
-    config.speculative.draft_max_lora_rank = 16
-    return config
-
-
-async def _complete(server, model: str) -> dict:
-    status, body = await server.post(
-        "/v1/completions",
-        {"model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-    )
-    assert status == 200, body
-    return body
 
 
 async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp_path):
@@ -44,8 +24,9 @@ async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp
     head = build_eagle_draft(tmp_path / "head", assets.model_dir, version=1, seed=3, init_std=0.1)
     draft = build_eagle_draft_adapter(tmp_path / "head-adapter", head, rank=8, seed=4)
     async with running_server(make_config(assets, adapters={name: str(path)}), tmp_path / "plain") as plain:
-        expected = (await _complete(plain, name))["choices"][0]["text"]
-    async with running_server(_spec_config(assets, head), tmp_path / "spec") as server:
+        expected = (await greedy_completion(plain, name, PROMPT, 16))["choices"][0]["text"]
+    config = draft_pool_config(assets, SpecAlgorithm.EAGLE, head)
+    async with running_server(config, tmp_path / "spec") as server:
         assert server.engine.list_draft_adapters() == []  # the target's adapters never reach the head
         status, body = await server.post(
             "/v1/load_lora_adapter",
@@ -56,7 +37,7 @@ async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp
         assert body["draft"]["loaded"] is True
         (info,) = server.engine.list_draft_adapters()
         assert info.name == name and "fc" in info.target_modules
-        answer = await _complete(server, name)
+        answer = await greedy_completion(server, name, PROMPT, 16)
         assert answer["choices"][0]["text"] == expected
         assert answer["usage"]["speculative"]["draft_tokens"] > 0
         status, _ = await server.post(
@@ -72,7 +53,8 @@ async def test_a_head_adapter_on_the_shared_lm_head_refuses_the_whole_load(asset
     bad = build_eagle_draft_adapter(tmp_path / "bad", head, rank=4, target_modules=("q_proj",))
     raw = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**raw, "target_modules": ["q_proj", "lm_head"]}))
-    async with running_server(_spec_config(assets, head), tmp_path / "spec") as server:
+    config = draft_pool_config(assets, SpecAlgorithm.EAGLE, head)
+    async with running_server(config, tmp_path / "spec") as server:
         status, body = await server.post(
             "/v1/load_lora_adapter",
             {"lora_name": name, "lora_path": str(path), "draft": {"lora_path": str(bad)}},

@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
-import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -23,6 +21,7 @@ from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 
 from .conftest import make_config
+from .runtime_process import ready_turns_503, runtime_process, wait_ready
 
 
 async def test_ready_only_once_the_model_serves(assets, tmp_path):
@@ -123,6 +122,20 @@ async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(ass
         await server.close()
 
 
+def _runtime(
+    assets, port: int, *, drain_timeout: int, log: Path
+) -> contextlib.AbstractContextManager[subprocess.Popen]:
+    """The runtime on the tiny model at ``port``, draining up to ``drain_timeout`` s after SIGTERM."""
+    return runtime_process(
+        [
+            *("--model", str(assets.model_dir), "--device", "cpu", "--host", "127.0.0.1"),
+            *("--port", str(port), "--max-total-tokens", "16384", "--max-lora-rank", "16"),
+            *("--drain-timeout", str(drain_timeout)),
+        ],
+        log,
+    )
+
+
 @pytest.mark.slow
 async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tmp_path):
     """A real ``loraserve-runtime`` process: after SIGTERM the socket still answers (before:
@@ -131,29 +144,9 @@ async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loraserve.runtime",
-            *("--model", str(assets.model_dir), "--device", "cpu", "--host", "127.0.0.1"),
-            *("--port", str(port), "--max-total-tokens", "16384", "--max-lora-rank", "16"),
-            *("--drain-timeout", "60"),
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
-    )
-    try:
+    with _runtime(assets, port, drain_timeout=60, log=log) as proc:
+        await wait_ready(url, proc, log)
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url + "/ready") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.1)
             # Several choices of many tokens: seconds of work on a CPU.
             body = {
                 "prompt": "x = [",
@@ -170,14 +163,8 @@ async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tm
                 proc.send_signal(signal.SIGTERM)
                 # Every probe gets an answer: none is refused while the stream drains.
                 async with aiohttp.ClientSession() as other:
-                    for _ in range(200):
-                        async with other.get(url + "/ready") as r:
-                            if r.status == 503:
-                                ready = await r.json()
-                                break
-                        await asyncio.sleep(0.01)
-                    else:
-                        raise AssertionError("/ready never turned 503 after SIGTERM")
+                    ready = await ready_turns_503(other, url, tries=200)
+                    assert ready is not None, "/ready never turned 503 after SIGTERM"
                     assert ready["error"]["code"] == "shutting_down", ready
                     async with other.post(
                         url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}
@@ -201,10 +188,6 @@ async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tm
         ]
         assert finishes == ["length"] * 8, finishes
         assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -214,29 +197,9 @@ async def test_a_second_sigterm_ends_the_drain_at_once(assets, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loraserve.runtime",
-            *("--model", str(assets.model_dir), "--device", "cpu", "--host", "127.0.0.1"),
-            *("--port", str(port), "--max-total-tokens", "16384", "--max-lora-rank", "16"),
-            *("--drain-timeout", "300"),
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
-    )
-    try:
+    with _runtime(assets, port, drain_timeout=300, log=log) as proc:
+        await wait_ready(url, proc, log)
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url + "/ready") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.1)
             # 64 choices x 1000 tokens: far more than a CPU generates in the seconds this test
             # takes to send the second signal, on a loaded machine or an idle one.
             body = {
@@ -253,11 +216,7 @@ async def test_a_second_sigterm_ends_the_drain_at_once(assets, tmp_path):
                 text += await resp.content.readline()
                 proc.send_signal(signal.SIGTERM)
                 async with aiohttp.ClientSession() as other:
-                    for _ in range(300):
-                        async with other.get(url + "/ready") as r:
-                            if r.status == 503:
-                                break
-                        await asyncio.sleep(0.01)
+                    await ready_turns_503(other, url, tries=300)
                 proc.send_signal(signal.SIGTERM)
                 with contextlib.suppress(aiohttp.ClientError):
                     text += await resp.content.read()
@@ -265,7 +224,3 @@ async def test_a_second_sigterm_ends_the_drain_at_once(assets, tmp_path):
         lengths = text.decode(errors="replace").count('"finish_reason":"length"')
         assert lengths < 64, "the stream was cut short, not drained to its end"
         assert "again: ending the drain now" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from loraserve.runtime.model.arch import ModelArchConfig
+    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
 
 def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
@@ -108,6 +114,37 @@ def spec_assets(tmp_path_factory) -> SpecAssets:
             draft_vocab=sorted(order[: vocab // 2]),
         ),
         token_map=token_map,
+    )
+
+
+def tiny_target(assets: SpecAssets, device: str = "cpu") -> tuple[ModelArchConfig, torch.nn.Module]:
+    """The tiny target's architecture and its float32 model on ``device`` (256 positions),
+    for a draft runner built beside it: ``(arch, model)``."""
+    from loraserve.runtime.model import build_model, load_arch_config
+
+    arch = load_arch_config(assets.target)
+    model = build_model(
+        arch, dtype=torch.float32, device=torch.device(device), max_positions=256, model_dir=assets.target
+    )
+    return arch, model
+
+
+def eagle_runner(
+    path: Path, arch: ModelArchConfig, target: torch.nn.Module, device: str = "cpu", **kwargs
+) -> EagleDraftRunner:
+    """An EAGLE draft runner of ``path`` over ``target``'s embedding and LM head, float32 on
+    ``device``, holding 1024 tokens of up to 8 requests of 256; ``kwargs`` go to the runner."""
+    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+
+    sizes = {"max_total_tokens": 1024, "max_requests": 8, "max_context_len": 256}
+    return EagleDraftRunner(
+        str(path),
+        target_arch=arch,
+        embed_weight=target.embed_tokens.weight,
+        lm_head_weight=target.lm_head.weight,
+        dtype=torch.float32,
+        device=device,
+        **{**sizes, **kwargs},
     )
 
 

@@ -15,8 +15,9 @@ from loraserve.runtime.speculative.acceptance import Acceptance
 from loraserve.runtime.speculative.draft_config import SpeculativeConfigError
 from loraserve.runtime.speculative.eagle_drafter import EagleDrafter
 from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
-from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 from loraserve.runtime.speculative.metrics import SpecMetrics
+
+from .conftest import eagle_runner, tiny_target
 
 
 def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
@@ -42,25 +43,11 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, gr
     verified positions go in through the padded static path: with the next proposal in
     the same replay (``ahead``: the cache then also holds that proposal's entries past the
     committed ones), or as one uniform k-row forward, then truncated, and a chain."""
-    from loraserve.runtime.model import build_model, load_arch_config
-
-    arch = load_arch_config(spec_assets.target)
-    target = build_model(
-        arch, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, model_dir=spec_assets.target
-    )
+    arch, target = tiny_target(spec_assets)
 
     def make() -> EagleDrafter:
-        runner = EagleDraftRunner(
-            str(spec_assets.eagle if version == 1 else spec_assets.eagle3),
-            target_arch=arch,
-            embed_weight=target.embed_tokens.weight,
-            lm_head_weight=target.lm_head.weight,
-            dtype=torch.float32,
-            device="cpu",
-            max_total_tokens=1024,
-            max_requests=4,
-            max_context_len=256,
-        )
+        path = spec_assets.eagle if version == 1 else spec_assets.eagle3
+        runner = eagle_runner(path, arch, target, max_requests=4)
         return EagleDrafter(runner, Sampler(0), arch.vocab_size)
 
     drafter = make()

@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 
-from loraserve.runtime.model import build_model, load_arch_config
 from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.speculative.dflash_graphs import DFlashGraphRunner
 from loraserve.runtime.speculative.dflash_runner import DFlashDraftRunner
 
+from .conftest import tiny_target
 from .test_dflash import _config, _requests, baseline, drafts  # noqa: F401 (fixtures)
 
 WIDTH = 4
@@ -35,14 +35,7 @@ def dflash_pair(
 ) -> tuple[DFlashDraftRunner, DFlashDraftRunner]:
     """Two runners of one draft beside one target: the first runs its uniform forwards
     through the graph runner (on ``attention``), the second eagerly (on SDPA)."""
-    arch = load_arch_config(spec_assets.target)
-    target = build_model(
-        arch,
-        dtype=torch.float32,
-        device=torch.device(device),
-        max_positions=256,
-        model_dir=spec_assets.target,
-    )
+    arch, target = tiny_target(spec_assets, device)
 
     def make(attention: str = "sdpa") -> DFlashDraftRunner:
         return DFlashDraftRunner(

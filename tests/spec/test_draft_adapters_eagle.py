@@ -26,7 +26,6 @@ import torch
 
 from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.lora import AdapterError
-from loraserve.runtime.model import build_model, load_arch_config
 from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.speculative.draft_adapters import DraftAdapterLeases
 from loraserve.runtime.speculative.eagle_builder import build_eagle_draft, build_eagle_draft_adapter
@@ -35,6 +34,8 @@ from loraserve.runtime.speculative.eagle_lora import HEAD_LORA_MODULES
 from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 from loraserve.runtime.speculative.metrics import BASE_LABEL
 from loraserve.runtime.speculative.tree import TreeShape
+
+from .conftest import eagle_runner, tiny_target
 
 HEADS = {"eagle": ("EAGLE", 1), "eagle3": ("EAGLE3", 3)}
 TREE = {"top_k": 2, "num_steps": 3, "num_draft_tokens": 8}
@@ -157,31 +158,15 @@ def head_runners(
     """The same head three times: unadapted, with a pool (eager), with a pool through the
     graph runner (batches padded to 4; ``use_graphs=False``: its static path, run eagerly)."""
     path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
-    arch = load_arch_config(spec_assets.target)
-    target = build_model(
-        arch,
-        dtype=torch.float32,
-        device=torch.device(device),
-        max_positions=256,
-        model_dir=spec_assets.target,
-    )
+    arch, target = tiny_target(spec_assets, device)
     pool = RuntimeConfig().speculative
     pool.draft_max_loras, pool.draft_max_lora_rank = 2, 16
     lora = RuntimeConfig().lora
     lora.backend = backend
 
     def make(with_pool: bool) -> EagleDraftRunner:
-        runner = EagleDraftRunner(
-            str(path),
-            target_arch=arch,
-            embed_weight=target.embed_tokens.weight,
-            lm_head_weight=target.lm_head.weight,
-            dtype=torch.float32,
-            device=device,
-            max_total_tokens=1024,
-            max_requests=8,
-            max_context_len=256,
-            draft_lora=pool.draft_lora_pool(lora) if with_pool else None,
+        runner = eagle_runner(
+            path, arch, target, device, draft_lora=pool.draft_lora_pool(lora) if with_pool else None
         )
         if with_pool:
             runner.lora.load("x", adapter)

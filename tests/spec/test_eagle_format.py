@@ -14,6 +14,8 @@ from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
 from loraserve.runtime.speculative.eagle_format import load_eagle_config, load_eagle_tensors
 from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
+from .conftest import eagle_runner
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
@@ -30,15 +32,7 @@ def target(tmp_path_factory):
 def _runner(draft_dir, arch, model, **kw) -> EagleDraftRunner:
     """A CPU float32 draft runner over the module's target (``kw`` overrides the sizes)."""
     sizes = {"max_total_tokens": 128, "max_requests": 4, "max_context_len": 64, **kw}
-    return EagleDraftRunner(
-        str(draft_dir),
-        target_arch=arch,
-        embed_weight=model.embed_tokens.weight,
-        lm_head_weight=model.lm_head.weight,
-        dtype=torch.float32,
-        device="cpu",
-        **sizes,
-    )
+    return eagle_runner(draft_dir, arch, model, **sizes)
 
 
 def _rms(x, w, eps):

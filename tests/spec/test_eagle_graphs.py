@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from loraserve.runtime.model import build_model, load_arch_config
 from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
 from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
 
+from .conftest import eagle_runner, tiny_target
 from .test_greedy_oracle import CASES, _check_same, _requests
 
 DRAFTS = ("eagle", "eagle3", "eagle3-d2t")
@@ -27,28 +27,10 @@ def _pair(spec_assets, draft: str, device: str, max_bs: int, use_graphs: bool, a
     path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3, "eagle3-d2t": spec_assets.eagle3_d2t}[
         draft
     ]
-    arch = load_arch_config(spec_assets.target)
-    target = build_model(
-        arch,
-        dtype=torch.float32,
-        device=torch.device(device),
-        max_positions=256,
-        model_dir=spec_assets.target,
-    )
+    arch, target = tiny_target(spec_assets, device)
 
     def make(attention: str = "sdpa") -> EagleDraftRunner:
-        return EagleDraftRunner(
-            str(path),
-            target_arch=arch,
-            embed_weight=target.embed_tokens.weight,
-            lm_head_weight=target.lm_head.weight,
-            dtype=torch.float32,
-            device=device,
-            max_total_tokens=1024,
-            max_requests=8,
-            max_context_len=256,
-            attention_backend=attention,
-        )
+        return eagle_runner(path, arch, target, device, attention_backend=attention)
 
     graphed, eager = make(attention), make()
     graphed.graphs = EagleGraphRunner(graphed, max_bs=max_bs, use_graphs=use_graphs)
