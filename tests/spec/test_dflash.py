@@ -54,8 +54,10 @@ def accepting_draft(dest: Path, target_dir: Path, outputs: list[list[int]], *, b
     ``argmax lm_head(norm(embed(mask)))``; the mask token is picked so that this is the token
     the target emits most often in ``outputs`` (of those some mask token maps to). Random
     drafts are never accepted under greedy decoding, which leaves a greedy oracle testing
-    rejections alone; with this one, blocks are accepted wherever the target emits that
-    token, runs of it accepting several drafts a step."""
+    rejections alone; with this one, drafts are accepted wherever the target emits that
+    token. On the test target, which repeats that token in runs, the accepted blocks are
+    whole ones (every draft and the bonus token); partial accepts are the other drafts'
+    oracles' (``test_greedy_oracle.py``)."""
     from safetensors.torch import load_file, save_file
 
     weights = {}
@@ -367,9 +369,9 @@ def accepting(spec_assets, baseline, tmp_path_factory) -> Path:
 def test_greedy_output_is_identical_where_blocks_are_accepted(
     make_spec_config, engine_run, baseline, accepting, k, max_running
 ):
-    """The oracle with drafts the target accepts, one and several a step: the accepted
-    rows' KV, the draft's context appended from them and the bonus token all feed the
-    next step, and the output stays plain decoding's per adapter."""
+    """The oracle with drafts the target accepts (whole blocks, several drafts a step): the
+    accepted rows' KV, the draft's context appended from them and the bonus token all feed
+    the next step, and the output stays plain decoding's per adapter."""
     requests, expected = baseline
     run = engine_run(_config(make_spec_config, accepting, k=k, max_running_requests=max_running), requests)
     for rid, _, _, adapter in requests:
@@ -377,7 +379,7 @@ def test_greedy_output_is_identical_where_blocks_are_accepted(
         assert out.error is None, (rid, out.error)
         assert out.tokens == expected[rid], f"{rid} (adapter {adapter}) diverged"
     stats = run.engine.decoder.metrics.snapshot().overall
-    assert stats.accepted_tokens > 0 and sum(stats.histogram[2:]) > 0, stats  # single and multi-token accepts
+    assert stats.accepted_tokens > 0 and sum(stats.histogram[2:]) > 0, stats  # steps accepting several drafts
 
 
 def test_greedy_output_is_identical_with_chunked_prefill_and_undrafted_steps(
