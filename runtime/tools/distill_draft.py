@@ -22,13 +22,16 @@ like the adapter's traffic (its prompts and the adapted target's answers) for th
 adapts the head's own layers (``--target-modules`` from q_proj..down_proj and fc; default all
 of them), its base frozen, and the head reads the ADAPTED target's features, as it does
 serving that adapter's requests; its next-token distribution is pulled towards the adapted
-target's the same way (:mod:`.distill.eagle`). The adapter is written with the head's
-module names and read back through the head's draft adapter pool's loader.
+target's the same way (:mod:`.distill.eagle`). Serving chains the head, its later draft
+steps reading its own output instead of the target's feature: ``--unroll N`` (default 2)
+trains N such chained steps, each matched to the adapted target. The adapter is written with
+the head's module names and read back through the head's draft adapter pool's loader.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +64,7 @@ from .distill.models import (
 )
 from .distill.objective import score
 from .distill.report import DistillReport, format_report, write_report_file
-from .distill.train import TrainSettings, check_settings, train
+from .distill.train import DEFAULT_HEAD_UNROLL, TrainSettings, check_settings, train
 
 PROG = "loraserve-distill-draft"
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -106,6 +109,20 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         raise DistillError(f"--out {str(out)!r} is not empty: choose a new folder, or pass --overwrite")
 
 
+def resolve_unroll(training: TrainSettings, head: bool) -> TrainSettings:
+    """``training`` with its chained draft steps settled: ``--unroll`` or, for an EAGLE head,
+    :data:`DEFAULT_HEAD_UNROLL`; a STANDALONE draft trains its one step."""
+    check_settings(training)
+    if head:
+        return dataclasses.replace(training, unroll=training.unroll or DEFAULT_HEAD_UNROLL)
+    if training.unroll not in (None, 1):
+        raise DistillError(
+            f"--unroll {training.unroll} applies to EAGLE / EAGLE3 heads only (a head's later draft steps "
+            "read its own output); a STANDALONE draft reads tokens alone: leave --unroll out"
+        )
+    return dataclasses.replace(training, unroll=1)
+
+
 def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: None) -> DistillReport:
     """Check the inputs, train the draft LoRA, write and check it; returns the report."""
     require_peft()
@@ -114,7 +131,7 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
         check_head_settings(options.lora)
     else:
         options.lora.check()
-    check_settings(options.training)
+    training = resolve_unroll(options.training, head)
     if options.eval_sequences < 1:
         raise DistillError(f"--eval-sequences must be positive, got {options.eval_sequences}")
     target = check_model_dir(options.target, "--target", "target model")
@@ -129,19 +146,19 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
         )
     # A head predicts the target's own token ids (its embeddings are the target's).
     vocabulary = None if head else check_vocabulary(target, draft, tokenizer, load_tokenizer(draft))
-    corpus = load_corpus(options.corpus, tokenizer, options.seq_len, seed=options.training.seed)
+    corpus = load_corpus(options.corpus, tokenizer, options.seq_len, seed=training.seed)
     log(
         f"corpus: {corpus.files} file(s), {corpus.tokens:,} tokens -> {corpus.train.shape[0]} training and "
         f"{corpus.held_out.shape[0]} held-out sequences of {corpus.seq_len}"
     )
 
-    torch.manual_seed(options.training.seed)
+    torch.manual_seed(training.seed)
     start = time.perf_counter()
     teacher = load_teacher(target, adapter, dtype, device)
     if head:
         teacher, student, width = load_head_pair(
             target, draft, teacher, options.lora, seq_len=options.seq_len, dtype=dtype, device=device,
-            seed=options.training.seed,
+            seed=training.seed, unroll=training.unroll,
         )  # fmt: skip
         size = len(tokenizer)
         vocabulary = Vocabulary(width, target_size=size, draft_size=width, tokenizer_checked=True)
@@ -151,11 +168,11 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
     load_seconds = time.perf_counter() - start
 
     held_out = corpus.held_out[: options.eval_sequences]
-    batch = options.training.batch_size
-    before = score(teacher, student, held_out, vocabulary.width, batch_size=batch, device=device)
+    batch, steps = training.batch_size, training.unroll or 1
+    before = score(teacher, student, held_out, vocabulary.width, batch_size=batch, device=device, steps=steps)
     log(f"before: held-out KL {before.kl:.4f}, top-1 agreement {before.agreement:.2%}")
-    stats = train(teacher, student, corpus.train, vocabulary.width, options.training, device=device, log=log)
-    after = score(teacher, student, held_out, vocabulary.width, batch_size=batch, device=device)
+    stats = train(teacher, student, corpus.train, vocabulary.width, training, device=device, log=log)
+    after = score(teacher, student, held_out, vocabulary.width, batch_size=batch, device=device, steps=steps)
 
     if head:
         files = student.save(options.out)
@@ -175,7 +192,7 @@ def distill(options: DistillOptions, log: Callable[[str], None] = lambda _line: 
         before=before,
         after=after,
         load_seconds=load_seconds,
-        training=options.training,
+        training=training,
         inputs={
             "target": str(options.target),
             "adapter": str(options.adapter),
@@ -245,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="truncate the teacher to its top k tokens (saves memory on large vocabularies; default: the full distribution)",
     )
     ap.add_argument(
+        "--unroll",
+        type=int,
+        default=None,
+        help=f"EAGLE / EAGLE3 heads: chained draft steps trained, each later one reading the head's own "
+        f"output as serving does (default {DEFAULT_HEAD_UNROLL}; 1: the first step only)",
+    )
+    ap.add_argument(
         "--eval-sequences", type=int, default=128, help="held-out sequences scored before/after (default 128)"
     )
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -281,6 +305,7 @@ def options_from_args(args: argparse.Namespace) -> DistillOptions:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            unroll=args.unroll,
         ),
         seq_len=args.seq_len,
         eval_sequences=args.eval_sequences,

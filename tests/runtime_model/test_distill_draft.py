@@ -292,6 +292,16 @@ def test_bad_corpus_text_and_settings_are_refused(models, tmp_path, capsys):
     assert "--target-modules has ['qkv_proj']" in capsys.readouterr().err
 
 
+def test_unroll_is_checked_and_refused_for_a_standalone_draft(models, tmp_path, capsys):
+    assert main([*_minimal_args(models, tmp_path / "o1"), "--unroll", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--unroll must be a positive integer, got 0" in err and "give 1" in err
+    assert main([*_minimal_args(models, tmp_path / "o2"), "--unroll", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--unroll 2 applies to EAGLE / EAGLE3 heads only" in err and "leave --unroll out" in err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
 def test_kl_matches_its_definition_and_top_k_covers_the_full_case():
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 3, 10), torch.randn(2, 3, 12) * 3  # teacher wider: padded rows

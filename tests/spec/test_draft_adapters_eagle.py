@@ -504,7 +504,9 @@ def test_the_cli_distils_a_head_adapter_the_runtime_loads(
     report = json.loads((out / "distill_report.json").read_text())
     assert report["after"]["kl"] < report["before"]["kl"]
     assert report["lora"]["target_modules"] == list(HEAD_LORA_MODULES)  # a head's default: fc too
-    assert "draft LoRA r=8" in capsys.readouterr().out
+    assert report["training"]["unroll"] == 2 and len(report["after"]["step_agreement"]) == 2
+    printed = capsys.readouterr().out
+    assert "draft LoRA r=8" in printed and "per chained draft step (--unroll 2): step 1" in printed
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_modules"] == list(HEAD_LORA_MODULES)
     from safetensors.torch import load_file
@@ -515,3 +517,103 @@ def test_the_cli_distils_a_head_adapter_the_runtime_loads(
     # Refused by name: a head LoRA never adapts the lm_head it shares with the target.
     assert main([*args[:-1], "--quiet", "--overwrite", "--target-modules", "q_proj,lm_head"]) == 2
     assert "shares the target's" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- unrolled training
+
+
+def _head_student(spec_assets, head: str, unroll: int, *, seed: int = 0):
+    """The tiny target with adapter ``all-r16`` as teacher and the ``head`` student over it."""
+    from loraserve.runtime.tools.distill.eagle import load_head_pair
+    from loraserve.runtime.tools.distill.models import LoraSettings, load_teacher
+
+    draft = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
+    adapted = load_teacher(spec_assets.target, spec_assets.adapters["all-r16"], torch.float32, "cpu")
+    lora = LoraSettings(rank=8, alpha=16, target_modules=HEAD_LORA_MODULES)
+    return load_head_pair(
+        spec_assets.target, draft, adapted, lora, seq_len=64, dtype=torch.float32, device="cpu", seed=seed,
+        unroll=unroll,
+    )  # fmt: skip
+
+
+def _sequences(count: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 500, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_one_unrolled_step_trains_exactly_the_first_draft_step(spec_assets, head, one_thread):
+    """``unroll`` 1 is the head student of before: the same logits, the same loss and the same
+    trained LoRA, bit for bit, as the plain causal-LM path of the loop."""
+    from loraserve.runtime.tools.distill.objective import chain_distillation_loss, distillation_loss
+    from loraserve.runtime.tools.distill.train import TrainSettings, train
+
+    class FirstStepOnly(torch.nn.Module):
+        """The student seen as a plain draft: the loop scores its forward alone."""
+
+        def __init__(self, student):
+            super().__init__()
+            self.student = student
+
+        def forward(self, input_ids, use_cache=False):
+            return self.student(input_ids)
+
+    ids = _sequences(4, 24, seed=5)
+    teacher, student, width = _head_student(spec_assets, head, unroll=1)
+    [logits] = student.chain_logits(ids)
+    assert torch.equal(logits, student(ids).logits)
+    teacher_logits = teacher(input_ids=ids).logits
+    args = {"temperature": 2.0, "top_k": 50}
+    assert torch.equal(
+        chain_distillation_loss([logits], teacher_logits, width, **args),
+        distillation_loss(logits, teacher_logits, width, **args),
+    )
+    settings = TrainSettings(steps=4, batch_size=2, lr=1e-2, temperature=2.0)
+    teacher_b, reference, _ = _head_student(spec_assets, head, unroll=1)
+    stats = train(teacher, student, ids, width, settings, device="cpu")
+    reference_stats = train(teacher_b, FirstStepOnly(reference), ids, width, settings, device="cpu")
+    assert (stats.first_loss, stats.last_loss) == (reference_stats.first_loss, reference_stats.last_loss)
+    for name, param in student.named_parameters():
+        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_unrolled_steps_are_the_serving_chains_steps(spec_assets, head, tmp_path, one_thread):
+    """The oracle: each chained step of the student over whole sequences (its output feature
+    and logits) is what the serving runner computes for that step from the same prefix, with
+    the written adapter loaded in its draft adapter pool: the target-fed forward over the
+    prefix, then ``step`` calls fed the head's own output and the next token."""
+    from loraserve.runtime.tools.distill.eagle import head_chain
+
+    steps = 3
+    teacher, student, _ = _head_student(spec_assets, head, unroll=steps)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a LoRA that moves the head (peft's zero lora_B would not)
+        for param in student.lora_B.values():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    out = student.save(tmp_path / "adapter")
+    assert "adapter_model.safetensors" in out
+    ids = _sequences(1, 20, seed=6)
+    feats = teacher.features(ids)
+    with torch.no_grad():
+        hiddens = head_chain(student.head, ids[:, 1:], feats[:, :-1], steps)
+        chain = student.chain_logits(ids)
+
+    pool = RuntimeConfig().speculative
+    pool.draft_max_loras, pool.draft_max_lora_rank = 1, 16
+    arch, target = tiny_target(spec_assets)
+    path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
+    runner = eagle_runner(path, arch, target, draft_lora=pool.draft_lora_pool(RuntimeConfig().lora))
+    runner.lora.load("x", tmp_path / "adapter")
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    for p in (0, 4, 9, 15):  # the anchor: the chain runs from the target's pair at p
+        rid = f"p{p}"
+        hidden = runner.forward([rid], ids[0, 1 : p + 2], feats[0, : p + 1], [p + 1], lora_names=["x"])[-1:]
+        logits = runner.compute_logits(hidden)
+        for s in range(steps):  # step s + 1 of the chain sits at position p + s of the sequence
+            if s > 0:
+                token = ids[0, p + s + 1 : p + s + 2]  # the token after the previous step's
+                hidden, logits = runner.step([rid], token, hidden, lora_names=["x"])
+            torch.testing.assert_close(hiddens[s][0, p + s], hidden[0], **tol)
+            torch.testing.assert_close(chain[s][0, p], logits[0], **tol)
+            assert int(chain[s][0, p].argmax()) == int(logits[0].argmax())
+        runner.kv.free(rid)

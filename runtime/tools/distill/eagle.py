@@ -14,6 +14,15 @@ the student is the head on the pair (feature of ``t``, token ``t + 1``), predict
 ``t + 2``: the teacher's logits at ``t + 1``. So both sides give ``seq - 1`` positions,
 scored over the head's vocabulary (all of the target's, or the rows of its own LM head).
 
+Serving chains the head: from its second draft step on, it reads its OWN previous output
+(the layer's output, before EAGLE3's final norm; EAGLE3 then skips the fc that fuses the
+target's features) instead of the target's feature. With ``unroll`` N > 1 the student runs
+N such steps over whole sequences (:func:`head_chain`): step ``s`` at position ``t`` reads
+step ``s - 1``'s output at ``t - 1`` with token ``t + 1``, attends as the serving chain's
+``s``-th step does, and predicts the same token ``t + 2``; its first ``s - 1`` positions,
+which have no chain behind them, are dropped. Each step is scored against the teacher's
+logits, and the loss is the mean over steps.
+
 The written adapter is in peft's layout with the head's checkpoint names
 (``base_model.model.layers.0.self_attn.q_proj.lora_A.weight``, ``base_model.model.fc...``)
 and is read back through the serving pool's loader before the command reports success.
@@ -35,6 +44,7 @@ from ...model.arch import load_arch_config
 from ...speculative.eagle_format import EAGLE_ARCHITECTURES
 from ...speculative.eagle_lora import HEAD_LORA_MODULES, LAYER_MODULES
 from .models import DistillError, LoraSettings
+from .train import check_unroll
 
 HEAD_MODULES = HEAD_LORA_MODULES
 """What a head's draft LoRA may adapt (``fc`` and the layer's projections)."""
@@ -183,8 +193,10 @@ class HeadStudent(nn.Module):
     ``lora_B`` starts at zero (as peft's), so before training it is the shared, unadapted head.
     """
 
-    def __init__(self, runner, teacher: HeadTeacher, lora: LoraSettings, *, seed: int):
+    def __init__(self, runner, teacher: HeadTeacher, lora: LoraSettings, *, seed: int, unroll: int = 1):
         super().__init__()
+        check_unroll(unroll)
+        self.unroll = unroll
         self.head = runner.model  # the runtime's head, weights loaded by the runtime's loader
         self.head.requires_grad_(False)
         self.teacher = teacher
@@ -222,6 +234,19 @@ class HeadStudent(nn.Module):
         vocab = self.head.vocab
         return SimpleNamespace(logits=vocab.logits(self.head._final(hidden)))
 
+    def chain_logits(self, input_ids: torch.Tensor, steps: int | None = None) -> list[torch.Tensor]:
+        """Logits of each of ``steps`` (default ``unroll``) chained draft steps; step ``s``
+        (1-based) gives ``[B, T - s, V]``, aligned with the teacher's logits from ``s - 1`` on.
+
+        One step is exactly :meth:`forward` (the same operations, so the same bits)."""
+        steps = self.unroll if steps is None else steps
+        if steps == 1:
+            return [self(input_ids).logits]
+        feats = self.teacher.features(input_ids)
+        hiddens = head_chain(self.head, input_ids[:, 1:], feats[:, :-1], steps)
+        vocab = self.head.vocab
+        return [vocab.logits(self.head._final(h[:, s:])) for s, h in enumerate(hiddens)]
+
     def save(self, out_dir: Path) -> list[str]:
         """Write the LoRA in peft's layout, with the head's checkpoint names; returns the files."""
         from safetensors.torch import save_file
@@ -249,20 +274,66 @@ class HeadStudent(nn.Module):
 def head_sequence(head, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """The head over whole sequences ``[B, S]``: the equations of its serving forward
     (:meth:`EagleDraftModel.forward`), with causal attention at positions ``0..S-1``."""
+    residual, x = _layer_inputs(head, input_ids, features, from_target=True)
+    layer = head.layers[0]
+    return layer.mlp_block(residual + _causal_attention(layer.self_attn, x))
+
+
+def head_chain(head, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The output features ``[B, S, H]`` of ``steps`` chained draft steps over whole sequences.
+
+    Step 1 is :func:`head_sequence`. Step ``s`` at position ``t`` is the serving chain's
+    ``s``-th step from the target's pair at ``t - s + 1``: the pair (step ``s - 1``'s output
+    at ``t - 1``, token ``input_ids[t]``), read as the runtime reads the head's own output
+    (``from_target=False``), attending to the target-fed entries ``0..t - s + 1``, to the
+    step-``r`` entry at ``t - s + r`` for ``1 < r < s``, and to itself. Rows ``t < s - 1``
+    have no such chain: their values are computed but mean nothing.
+    """
+    layer = head.layers[0]
+    attn = layer.self_attn
+    residual, x = _layer_inputs(head, input_ids, features, from_target=True)
+    q, k, v = _rotated_qkv(attn, x)
+    outs = [layer.mlp_block(residual + _attention_out(attn, _sdpa(attn, q, k, v)))]
+    keys, values = [k], [v]
+    for _ in range(2, steps + 1):
+        own = _shift_right(outs[-1], 1)  # step s at t reads step s - 1's output at t - 1
+        residual, x = _layer_inputs(head, input_ids, own, from_target=False)
+        q, k, v = _rotated_qkv(attn, x)
+        keys.append(k)
+        values.append(v)
+        out = _chain_attention(attn, q, keys, values)
+        outs.append(layer.mlp_block(residual + _attention_out(attn, out)))
+    return outs
+
+
+def _layer_inputs(
+    head, input_ids: torch.Tensor, features: torch.Tensor, *, from_target: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's residual and attention input for pairs ``(input_ids, features)``, as
+    :meth:`EagleDraftModel.forward` builds them (EAGLE3 skips its fc on the head's own output)."""
     emb = head.embed(input_ids)
     layer = head.layers[0]
     if head.version == 3:
-        feature = head.fc(features.to(emb.dtype))
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feature)], dim=-1)
-        residual = feature
-    else:
-        residual = head.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
-        x = layer.input_layernorm(residual)
-    return layer.mlp_block(residual + _causal_attention(layer.self_attn, x))
+        feature = head.fc(features.to(emb.dtype)) if from_target else features.to(emb.dtype)
+        return feature, torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feature)], dim=-1)
+    residual = head.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
+    return residual, layer.input_layernorm(residual)
+
+
+def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x`` ``[..., S, D]`` moved ``shift`` positions later along ``S`` (the first row repeated
+    in front: the rows it fills are ones the caller drops)."""
+    return torch.cat([x[..., :1, :].expand(*x.shape[:-2], shift, x.shape[-1]), x[..., :-shift, :]], dim=-2)
 
 
 def _causal_attention(attn, x: torch.Tensor) -> torch.Tensor:
     """The layer's attention over ``[B, S, in]`` rows, causal, as its paged path computes it."""
+    return _attention_out(attn, _sdpa(attn, *_rotated_qkv(attn, x)))
+
+
+def _rotated_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[B, heads, S, D]`` of rows ``[B, S, in]`` at positions ``0..S-1`` (k and v
+    repeated to the query heads)."""
     b, s, _ = x.shape
     qkv = attn.qkv_proj(x.reshape(b * s, -1))
     q, k, v = qkv.split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
@@ -276,16 +347,49 @@ def _causal_attention(attn, x: torch.Tensor) -> torch.Tensor:
     q = q.view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2)
     k = k.view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2).repeat_interleave(groups, dim=1)
     v = v.reshape(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.head_dim**-0.5)
+    return q, k, v
+
+
+def _sdpa(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.head_dim**-0.5)
+
+
+def _attention_out(attn, out: torch.Tensor) -> torch.Tensor:
+    """o_proj over the heads' outputs ``[B, heads, S, D]``; returns ``[B, S, H]``."""
+    b, _, s, _ = out.shape
     return attn.o_proj(out.transpose(1, 2).reshape(b * s, -1)).view(b, s, -1)
+
+
+def _chain_attention(
+    attn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> torch.Tensor:
+    """Attention of chain step ``s = len(keys)`` at every position ``t``: over the target-fed
+    (step 1) entries ``0..t - s + 1``, the step-``r`` entry at ``t - s + r`` for ``1 < r < s``
+    (the serving chain's earlier steps), and its own entry."""
+    step, seq = len(keys), q.shape[-2]
+    scale = attn.head_dim**-0.5
+    visible = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(-(step - 1))
+    scores = [((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))]
+    chain_values = []
+    for r in range(2, step + 1):  # the chain's own entries: step r's output at t - (step - r)
+        k_r, v_r = keys[r - 1], values[r - 1]
+        if r < step:
+            k_r, v_r = _shift_right(k_r, step - r), _shift_right(v_r, step - r)
+        scores.append((q * k_r).sum(-1, keepdim=True) * scale)
+        chain_values.append(v_r)
+    p = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+    out = p[..., :seq] @ values[0]
+    for i, v_r in enumerate(chain_values):
+        out = out + p[..., seq + i : seq + i + 1] * v_r
+    return out
 
 
 def load_head_pair(
     target_dir: Path, draft_dir: Path, teacher_model, lora: LoraSettings, *, seq_len: int, dtype: torch.dtype,
-    device: str, seed: int,
+    device: str, seed: int, unroll: int = 1,
 ) -> tuple[HeadTeacher, HeadStudent, int]:  # fmt: skip
-    """The teacher over ``teacher_model`` (the adapted target), the head student, and the
-    logit width both give (the head's vocabulary)."""
+    """The teacher over ``teacher_model`` (the adapted target), the head student (training
+    ``unroll`` chained draft steps), and the logit width both give (the head's vocabulary)."""
     from ...model.arch import ModelConfigError
     from ...speculative.eagle_model import base_weight
     from ...speculative.eagle_runner import EagleDraftRunner
@@ -309,7 +413,7 @@ def load_head_pair(
     vocab = runner.model.vocab
     ids = None if vocab.to_target is None else vocab.to_target.to(device)
     teacher = HeadTeacher(teacher_model, runner.version, runner.aux_layer_ids, ids)
-    student = HeadStudent(runner, teacher, lora, seed=seed)
+    student = HeadStudent(runner, teacher, lora, seed=seed, unroll=unroll)
     return teacher, student, vocab.size
 
 
@@ -334,6 +438,7 @@ __all__ = [
     "HeadTeacher",
     "check_head_settings",
     "check_written_head_adapter",
+    "head_chain",
     "head_sequence",
     "is_eagle_head",
     "load_head_pair",

@@ -64,6 +64,12 @@ def format_report(report: DistillReport) -> str:
         "  (what a greedy draft's accept rate follows)",
         f"wrote {report.out}: {', '.join(report.files)} (read back by the runtime's adapter loader)",
     ]
+    if a.step_agreement:
+        steps = ", ".join(
+            f"step {i + 1} {x:.2%} -> {y:.2%}"
+            for i, (x, y) in enumerate(zip(b.step_agreement, a.step_agreement, strict=True))
+        )
+        lines.insert(4, f"  per chained draft step (--unroll {len(a.step_agreement)}): {steps}")
     pool_rank = SpeculativeConfig().draft_max_lora_rank
     if lora.rank > pool_rank:
         lines.append(

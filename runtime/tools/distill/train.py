@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .objective import distillation_loss, next_token_logits
+from .objective import chain_distillation_loss, draft_step_logits, next_token_logits
 
 WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1  # the cosine ends at this share of --lr rather than at zero
 CLIP_NORM = 1.0
+DEFAULT_HEAD_UNROLL = 2  # serving chains the head; its second step reads its own output
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class TrainSettings:
     top_k: int | None = None
     seed: int = 0
     log_every: int = 0  # 0: about ten progress lines per run
+    # Chained draft steps an EAGLE head student trains (None: DEFAULT_HEAD_UNROLL for a head;
+    # a STANDALONE draft trains its one step).
+    unroll: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,17 @@ def lr_factor(step: int, steps: int) -> float:
     return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def check_unroll(unroll: int) -> None:
+    """``--unroll``: how many chained draft steps a head student trains (1: the first only)."""
+    from .models import DistillError
+
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+        raise DistillError(
+            f"--unroll must be a positive integer, got {unroll!r}: give 1 to train the head's first "
+            "draft step only, or the number of chained draft steps to train (e.g. 2)"
+        )
+
+
 def check_settings(settings: TrainSettings) -> None:
     from .models import DistillError
 
@@ -61,6 +76,8 @@ def check_settings(settings: TrainSettings) -> None:
         raise DistillError(f"--lr must be positive, got {settings.lr}")
     if not settings.temperature > 0:
         raise DistillError(f"--temperature must be positive, got {settings.temperature}")
+    if settings.unroll is not None:
+        check_unroll(settings.unroll)
     if settings.top_k is not None and settings.top_k < 1:
         raise DistillError(
             f"--top-k must be positive (or left out for the full distribution), got {settings.top_k}"
@@ -99,8 +116,8 @@ def train(
         ids = sequences[rows].to(device, non_blocking=True)
         with torch.no_grad():
             teacher_logits = next_token_logits(teacher, ids)
-        loss = distillation_loss(
-            next_token_logits(student, ids),
+        loss = chain_distillation_loss(
+            draft_step_logits(student, ids),
             teacher_logits,
             width,
             temperature=settings.temperature,
