@@ -191,6 +191,7 @@ class HeadStudent(nn.Module):
     """The head with a fresh LoRA on ``lora.target_modules``; only the LoRA trains.
 
     ``lora_B`` starts at zero (as peft's), so before training it is the shared, unadapted head.
+    ``unroll``: the chained draft steps it trains (:meth:`chain_logits`; 1: the first only).
     """
 
     def __init__(self, runner, teacher: HeadTeacher, lora: LoraSettings, *, seed: int, unroll: int = 1):
