@@ -640,7 +640,8 @@ def test_unrolled_training_holds_the_second_draft_steps_agreement(layer_head, on
             layer_head["target"], layer_head["head"], adapted, lora, seq_len=32, dtype=torch.float32,
             device="cpu", seed=0, unroll=unroll,
         )  # fmt: skip
-        train(teacher, student, traffic[16:], width, TrainSettings(steps=150, batch_size=8, lr=1e-2), device="cpu")
+        settings = TrainSettings(steps=150, batch_size=8, lr=1e-2)
+        train(teacher, student, traffic[16:], width, settings, device="cpu")
         held_out = score(teacher, student, traffic[:16], width, batch_size=16, device="cpu", steps=2)
         agreement[unroll] = held_out.step_agreement
     # measured: unroll 1: 0.665 (step 1), 0.475 (step 2); unroll 2: 0.655, 0.654
