@@ -23,10 +23,17 @@ output), so the LoRA delta is fused into the base result rather than materialise
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 import torch
 
 from .metadata import LoRABatchInfo
+
+
+def output_slices(out: torch.Tensor, slice_offsets: Sequence[int] | None) -> tuple[int, ...]:
+    """The output slices of :meth:`LoRABackend.apply`: ``slice_offsets``, or by default one
+    slice over the whole of ``out``'s width (an unfused module)."""
+    return (0, out.shape[-1]) if slice_offsets is None else tuple(slice_offsets)
 
 
 class LoRABackend(abc.ABC):
@@ -63,8 +70,7 @@ class LoRABackend(abc.ABC):
         slice_offsets: tuple[int, ...] | None = None,
     ) -> None:
         """Shrink then expand into ``out``: the whole LoRA delta of one module."""
-        if slice_offsets is None:
-            slice_offsets = (0, out.shape[-1])
+        slice_offsets = output_slices(out, slice_offsets)
         if info.num_segments == 0 or x.shape[0] == 0:
             return
         xa = self.shrink(x, A, info, num_slices=len(slice_offsets) - 1)

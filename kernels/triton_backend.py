@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .backend import LoRABackend
+from .backend import LoRABackend, output_slices
 from .checks import check_expand_shapes, check_shapes, check_triton_device
 from .metadata import LoRABatchInfo, ensure_tiles
 from .triton_ops import (
@@ -248,9 +248,7 @@ class TritonLoRABackend(LoRABackend):
         slice_offsets: tuple[int, ...] | None = None,
     ) -> None:
         """Shrink then expand into ``out``: one launch (small batches) or two for the whole module."""
-        if slice_offsets is None:
-            slice_offsets = (0, out.shape[-1])
-        slice_offsets = tuple(slice_offsets)
+        slice_offsets = output_slices(out, slice_offsets)
         num_slices = len(slice_offsets) - 1
         max_rank, _ = check_shapes(x, A, info, num_slices)
         if B.dim() != 3 or B.shape[2] != max_rank:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import math
 import os
 import posixpath
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -445,53 +446,77 @@ def mutate_adapter(body: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None
         patch["metadata"] = {"labels": labels}
 
 
-def validate_loraserve(
-    body: Mapping[str, Any],
-    old: Mapping[str, Any] | None,
-    operation: str | None,
-    namespace: str | None,
-    name: str | None,
-    warnings: list[str],
-    adapters_by_serve: kopf.Index,
-    **_: Any,
-) -> None:
+@dataclass(frozen=True)
+class _Review:
+    """What a validating handler reads of one admission review (kopf passes each by name)."""
+
+    body: Mapping[str, Any]
+    old: Mapping[str, Any] | None
+    operation: str | None
+    namespace: str | None
+    name: str | None
+
+    @property
+    def old_spec(self) -> Mapping[str, Any] | None:
+        """The spec before an update; None on create."""
+        if self.operation != "UPDATE" or self.old is None:
+            return None
+        return self.old.get("spec") or {}
+
+
+def _validating(judge: Callable[..., Verdict]) -> Callable[..., None]:
+    """A kopf validating handler around ``judge(review, **indexes)``.
+
+    Both kinds are admitted the same way: an update that leaves the spec alone passes
+    unjudged (see :func:`_unchanged`), the rest is refused on ``judge``'s problems and
+    given its warnings. ``judge`` names the kopf indexes it reads as keyword arguments.
+    """
+
+    @functools.wraps(judge)
+    def handler(
+        body: Mapping[str, Any],
+        old: Mapping[str, Any] | None,
+        operation: str | None,
+        namespace: str | None,
+        name: str | None,
+        warnings: list[str],
+        **kwargs: Any,
+    ) -> None:
+        if _unchanged(operation, old, body):
+            return
+        _report(judge(_Review(body, old, operation, namespace, name), **kwargs), warnings)
+
+    return handler
+
+
+@_validating
+def validate_loraserve(review: _Review, *, adapters_by_serve: kopf.Index, **_: Any) -> Verdict:
     """Refuse a LoRAServe the runtime cannot serve, or an update that strands its Adapters."""
-    if _unchanged(operation, old, body):
-        return
-    verdict = judge_serve(
-        _spec(body),
-        name=name or "",
-        adapters=lookup_adapters(adapters_by_serve, namespace or "", name or ""),
-        old_spec=(old.get("spec") or {}) if operation == "UPDATE" and old is not None else None,
+    name = review.name or ""
+    return judge_serve(
+        _spec(review.body),
+        name=name,
+        adapters=lookup_adapters(adapters_by_serve, review.namespace or "", name),
+        old_spec=review.old_spec,
     )
-    _report(verdict, warnings)
 
 
+@_validating
 def validate_adapter(
-    body: Mapping[str, Any],
-    old: Mapping[str, Any] | None,
-    operation: str | None,
-    namespace: str | None,
-    name: str | None,
-    warnings: list[str],
-    serve_specs: kopf.Index,
-    adapters_by_serve: kopf.Index,
-    **_: Any,
-) -> None:
+    review: _Review, *, serve_specs: kopf.Index, adapters_by_serve: kopf.Index, **_: Any
+) -> Verdict:
     """Refuse an Adapter its LoRAServe cannot load."""
-    if _unchanged(operation, old, body):
-        return
-    spec = _spec(body)
+    spec = _spec(review.body)
     serve = spec.get("serve") if isinstance(spec.get("serve"), str) else ""
-    verdict = judge_adapter(
+    namespace = review.namespace or ""
+    return judge_adapter(
         spec,
-        name=name or "",
-        namespace=namespace,
-        serve_spec=lookup_serve(serve_specs, namespace or "", serve) if serve else None,
-        siblings=lookup_adapters(adapters_by_serve, namespace or "", serve) if serve else (),
-        metadata=body.get("metadata") or {},
+        name=review.name or "",
+        namespace=review.namespace,
+        serve_spec=lookup_serve(serve_specs, namespace, serve) if serve else None,
+        siblings=lookup_adapters(adapters_by_serve, namespace, serve) if serve else (),
+        metadata=review.body.get("metadata") or {},
     )
-    _report(verdict, warnings)
 
 
 _OPERATIONS = ["CREATE", "UPDATE"]

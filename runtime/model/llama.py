@@ -48,6 +48,26 @@ class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the tensor and the fix."""
 
 
+def _output_linear(
+    in_features: int,
+    hidden_size: int,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    device,
+    shard: ShardPlan | None,
+    group: Collectives | None,
+) -> Linear:
+    """The projection back to the residual stream (attention's o_proj, the MLP's down_proj).
+
+    Sharded, it reads this rank's heads / columns and sums the ranks' partial outputs
+    (:class:`RowParallelLinear`); unsharded, a plain :class:`Linear`.
+    """
+    if shard is None:
+        return Linear(in_features, (hidden_size,), bias=bias, dtype=dtype, device=device)
+    return RowParallelLinear(in_features, (hidden_size,), bias=bias, dtype=dtype, device=device, group=group)
+
+
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v, rotary positions and the paged KV cache.
 
@@ -78,12 +98,9 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
             device=device,
         )
-        if shard is None:
-            self.o_proj = Linear(q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device)
-        else:
-            self.o_proj = RowParallelLinear(
-                q_size, (arch.hidden_size,), bias=arch.o_bias, dtype=dtype, device=device, group=group
-            )
+        self.o_proj = _output_linear(
+            q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device, shard=shard, group=group
+        )
         self.attn = Attention(heads, kv_heads, arch.head_dim)
         self.rotary = rotary
         self.q_size, self.kv_size = q_size, kv_size
@@ -119,12 +136,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         i = arch.intermediate_size if shard is None else shard.local_intermediate
         self.gate_up_proj = Linear(arch.hidden_size, (i, i), bias=arch.mlp_bias, dtype=dtype, device=device)
-        if shard is None:
-            self.down_proj = Linear(i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device)
-        else:
-            self.down_proj = RowParallelLinear(
-                i, (arch.hidden_size,), bias=arch.mlp_bias, dtype=dtype, device=device, group=group
-            )
+        self.down_proj = _output_linear(
+            i, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype, device=device, shard=shard, group=group
+        )
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -285,20 +285,10 @@ class _SnapshotCollector:
             ("vllm:num_requests_running", "Requests in the running batch.", snap.num_running),
             ("vllm:num_requests_waiting", "Requests waiting for admission.", snap.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", snap.kv_usage),
+            ("loraserve:kv_cache_total_tokens", "KV cache capacity in tokens.", snap.kv_total_tokens),
+            ("loraserve:adapters_loaded", "LoRA adapters loaded and serving.", self.m.adapters_loaded()),
         ):
-            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric([name], value)
-            yield g
-        g = GaugeMetricFamily(
-            "loraserve:kv_cache_total_tokens", "KV cache capacity in tokens.", labels=["model_name"]
-        )
-        g.add_metric([name], snap.kv_total_tokens)
-        yield g
-        g = GaugeMetricFamily(
-            "loraserve:adapters_loaded", "LoRA adapters loaded and serving.", labels=["model_name"]
-        )
-        g.add_metric([name], self.m.adapters_loaded())
-        yield g
+            yield _per_model(GaugeMetricFamily, metric, doc, name, value)
         yield from _step_totals(snap, name)
         yield from _prefix_cache_gauges(snap, name)
         info = GaugeMetricFamily(
@@ -311,6 +301,15 @@ class _SnapshotCollector:
             snap.time if snap.time else time.time(),
         )
         yield info
+
+
+def _per_model(
+    family: type[GaugeMetricFamily | CounterMetricFamily], metric: str, doc: str, name: str, value: float
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """``metric`` with one sample, ``value``, labelled with the served model's ``name``."""
+    samples = family(metric, doc, labels=["model_name"])
+    samples.add_metric([name], value)
+    return samples
 
 
 def _step_totals(snap: EngineSnapshot, name: str):
@@ -352,21 +351,16 @@ def _step_totals(snap: EngineSnapshot, name: str):
             snap.cuda_graph_capture_failures,
         ),
     ):
-        c = CounterMetricFamily(metric, doc, labels=["model_name"])
-        c.add_metric([name], value)
-        yield c
-    g = GaugeMetricFamily(
-        "loraserve:decode_occupancy",
-        "Mean decode batch over max running requests (1 = always full).",
-        labels=["model_name"],
-    )
-    g.add_metric([name], snap.decode_occupancy)
-    yield g
-    g = GaugeMetricFamily(
-        "loraserve:cuda_graphs", "CUDA graphs the target's runner holds (captured steps).", labels=["model_name"]
-    )
-    g.add_metric([name], snap.cuda_graphs)
-    yield g
+        yield _per_model(CounterMetricFamily, metric, doc, name, value)
+    for metric, doc, value in (
+        (
+            "loraserve:decode_occupancy",
+            "Mean decode batch over max running requests (1 = always full).",
+            snap.decode_occupancy,
+        ),
+        ("loraserve:cuda_graphs", "CUDA graphs the target's runner holds (captured steps).", snap.cuda_graphs),
+    ):
+        yield _per_model(GaugeMetricFamily, metric, doc, name, value)
 
 
 def _prefix_cache_gauges(snap: EngineSnapshot, name: str):
@@ -382,11 +376,11 @@ def _prefix_cache_gauges(snap: EngineSnapshot, name: str):
         ),
         ("loraserve:prefix_cache_usage_perc", "The prefix cache's share of the KV pool (1 = all).", snap.prefix_cache_share),
     ):
-        g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-        g.add_metric([name], value)
-        yield g
-    c = CounterMetricFamily(
-        "loraserve:prefix_cache_evicted_tokens", "Cached KV tokens evicted to make room.", labels=["model_name"]
+        yield _per_model(GaugeMetricFamily, metric, doc, name, value)
+    yield _per_model(
+        CounterMetricFamily,
+        "loraserve:prefix_cache_evicted_tokens",
+        "Cached KV tokens evicted to make room.",
+        name,
+        snap.prefix_evicted_tokens,
     )
-    c.add_metric([name], snap.prefix_evicted_tokens)
-    yield c

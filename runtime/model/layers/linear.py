@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _frozen(rows: int, cols: int, *, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    """An uninitialised ``[rows, cols]`` weight for the checkpoint loader to fill (never trained)."""
+    return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
+
+
 class LoRAHook(Protocol):
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the batch's LoRA delta for ``x`` into ``out`` in place."""
@@ -40,9 +45,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_sizes = tuple(out_sizes)
         self.out_features = sum(out_sizes)
-        self.weight = nn.Parameter(
-            torch.empty(self.out_features, in_features, dtype=dtype, device=device), requires_grad=False
-        )
+        self.weight = _frozen(self.out_features, in_features, dtype=dtype, device=device)
         self.bias = (
             nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -67,13 +70,19 @@ class VocabEmbedding(nn.Module):
     """Token embedding table (base weights only; an adapter's delta is added by the model)."""
 
     def __init__(
-        self, vocab_size: int, dim: int, *, dtype: torch.dtype, device: torch.device | str | None = None
+        self,
+        vocab_size: int,
+        dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        rows: int | None = None,
     ):
+        """``rows``: the table rows this layer holds (default ``vocab_size``; a tensor-parallel
+        shard holds its part of the vocabulary)."""
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(
-            torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
-        )
+        self.weight = _frozen(vocab_size if rows is None else rows, dim, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -90,16 +99,16 @@ class LMHead(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None = None,
         tied_to: VocabEmbedding | None = None,
+        rows: int | None = None,
     ):
+        """``rows``: the vocabulary rows this head holds, as :class:`VocabEmbedding`'s."""
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(
-                torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False
-            )
+            self.weight = _frozen(vocab_size if rows is None else rows, dim, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)

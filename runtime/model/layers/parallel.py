@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .linear import Linear, LMHead, VocabEmbedding
 
@@ -73,13 +72,9 @@ class VocabParallelEmbedding(VocabEmbedding):
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ):
-        nn.Module.__init__(self)
-        self.vocab_size = vocab_size
+        super().__init__(vocab_size, dim, dtype=dtype, device=device, rows=shard_rows)
         self.vocab_start, self.vocab_end = vocab_range
         self.shard_rows = shard_rows
-        self.weight = nn.Parameter(
-            torch.empty(shard_rows, dim, dtype=dtype, device=device), requires_grad=False
-        )
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row in this shard, owned mask)``; rows of tokens other ranks own point at row 0."""
@@ -105,13 +100,5 @@ class ParallelLMHead(LMHead):
         device: torch.device | str | None = None,
         tied_to: VocabParallelEmbedding | None = None,
     ):
-        nn.Module.__init__(self)
-        self.vocab_size = vocab_size
+        super().__init__(dim, vocab_size, dtype=dtype, device=device, tied_to=tied_to, rows=shard_rows)
         self.shard_rows = shard_rows
-        self.tied = tied_to is not None
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = nn.Parameter(
-                torch.empty(shard_rows, dim, dtype=dtype, device=device), requires_grad=False
-            )
