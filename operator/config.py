@@ -48,9 +48,9 @@ class OperatorConfig:
     runtime_probe_timeout_s: float = 10.0
     """Upper bound of one ``GET /v1/models`` / unload call."""
     unload_max_tries: int = 5
+    """Tries per pod to unload a deleted adapter before giving the pod up as unreachable."""
     adapter_metrics_interval_s: float = 30.0
     """How often an Adapter's live accept length is read from its pods' /metrics (at most)."""
-    """Tries per pod to unload a deleted adapter before giving the pod up as unreachable."""
     conflict_retries: int = 5
     liveness_endpoint: str | None = None
     """kopf's health endpoint, e.g. ``http://0.0.0.0:8080/healthz``; None: off."""
