@@ -71,12 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--concurrency", default=None, help="comma list (1,8,32 [1,4])")
     add("--c1-requests", type=int, default=None, help="requests per kind at concurrency 1 (3 [1])")
     add("--waves", type=int, default=None, help="requests per kind at concurrency c = waves x c (2 [1])")
-    add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [4])")
+    add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [60, capped at 150 steps])")
     add(
         "--train-draft-s",
         type=float,
         default=None,
-        help="seconds of STANDALONE draft distillation (80 [2]) or EAGLE head training (70 [2])",
+        help="seconds of STANDALONE draft distillation (80) or EAGLE head training (70) ([30, capped at 100 / 20 steps])",
     )
     add(
         "--eagle-cache-gib",
@@ -86,14 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         " (bench/speculative's flag; 8 [0.002])",
     )
     add("--distill-count", type=int, default=None, help="target continuations for the draft (4096 [16])")
-    add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag)")
+    add("--max-steps", default=None, help="TARGET,STANDALONE,EAGLE step caps (bench/speculative's flag; none [150,100,20])")
     add(
         "--train-adapter-s",
         type=float,
         default=None,
-        help="seconds per task adapter (15 [10, capped at 6 steps])",
+        help="seconds per task adapter (15 [10, capped at 20 steps])",
     )
-    add("--adapter-max-steps", type=int, default=None, help="step cap per task adapter (none [6])")
+    add("--adapter-max-steps", type=int, default=None, help="step cap per task adapter (none [20])")
     add("--adapter-rank", type=int, default=16, help="rank of the task adapters")
     add("--adapter-lr", type=float, default=None, help="task adapters' peak learning rate (1e-3 [1e-2])")
     add("--draft-adapter-rank", type=int, default=16, help="rank of the draft adapters")
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+SMOKE_MAX_STEPS = "150,100,20"  # TARGET,STANDALONE,EAGLE: about 4, 2 and 2 s on an idle 2-core CPU
+
+
 def parse(argv: list[str] | None = None) -> Settings:
     """The command line ``argv`` (``sys.argv[1:]`` when None) with the defaults filled in."""
     args = build_parser().parse_args(argv)
@@ -156,10 +159,12 @@ def parse(argv: list[str] | None = None) -> Settings:
 
     # The EAGLE head trains 70 s (bench/speculative's H100 runs: 90-100 s): its feature cache
     # and its serving (an 8B-wide head, a check runner) take the rest of a ~8-minute run.
+    # --smoke trains to step caps inside generous time budgets: what it trains, and so whether
+    # each task adapter measurably moves the target, is the same on an idle and a busy machine.
     spec_argv = [
         "--draft", args.draft, "--attention-backend", args.attention_backend,
-        "--train-target-s", str(pick(args.train_target_s, 60, 4)),
-        "--train-draft-s", str(pick(args.train_draft_s, 70 if args.draft == "eagle" else 80, 2)),
+        "--train-target-s", str(pick(args.train_target_s, 60, 60)),
+        "--train-draft-s", str(pick(args.train_draft_s, 70 if args.draft == "eagle" else 80, 30)),
         "--distill-count", str(pick(args.distill_count, 4096, 16)),
         "--k", str(pick(args.k, 6, 4)),
         "--gen-tokens", str(pick(args.gen_tokens, 128, 12)),
@@ -172,11 +177,12 @@ def parse(argv: list[str] | None = None) -> Settings:
     if args.draft == "eagle":  # 8 GiB of features took 4 s on an H100; a smoke run's head trains ~20 steps
         spec_argv += ["--eagle-cache-gib", str(pick(args.eagle_cache_gib, 8.0, 0.002))]
     spec_argv += ["--target-shape", args.target_shape] if args.target_shape else []
-    spec_argv += ["--max-steps", args.max_steps] if args.max_steps else []
+    max_steps = pick(args.max_steps, None, SMOKE_MAX_STEPS)
+    spec_argv += ["--max-steps", max_steps] if max_steps else []
     spec = spec_cli.parse(spec_argv)
     adapter_training = AdapterTraining(
         seconds=pick(args.train_adapter_s, 15.0, 10.0), rank=args.adapter_rank, lr=pick(args.adapter_lr, 1e-3, 1e-2),
-        seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 6), eval_windows=8 if smoke else 32,
+        seq=spec.seq, batch=8 if smoke else 16, max_steps=pick(args.adapter_max_steps, None, 20), eval_windows=8 if smoke else 32,
         answers=AnswerSettings(pick(args.answers, 1024, 8), 16 if smoke else 64, pick(args.answer_tokens, 128, 16)),
     )  # fmt: skip
     draft_training = DraftAdapterTraining(
