@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .dflash_draft import DFlashDraft
-from .eagle_training import FeatureCache, cache_windows
+from .eagle_training import FeatureCache, cache_windows, sample_cached
 from .training import lr_scale, progress
 
 
@@ -211,17 +211,6 @@ def output_caches(
     return cache_windows(data, teacher_data, width, row_bytes, gib, build, "DFLASH output cache")
 
 
-def _cached_batch(caches, gen: torch.Generator, opts: DFlashTraining, n_teacher: int):
-    """``opts.batch`` cached windows, ``n_teacher`` of them the target's own continuations,
-    with their cached outputs."""
-    corpus, teacher, _ = caches
-    window, cached = corpus.sample(opts.batch - n_teacher, gen)
-    if teacher is not None and n_teacher:
-        t_window, t_cached = teacher.sample(n_teacher, gen)
-        window, cached = torch.cat([window, t_window]), torch.cat([cached, t_cached])
-    return window, cached
-
-
 def _batch(data, teacher_data, gen: torch.Generator, opts: DFlashTraining) -> torch.Tensor:
     """``opts.batch`` windows of ``opts.seq + 1`` tokens, ``teacher_fraction`` of them the
     target's own continuations."""
@@ -264,7 +253,7 @@ def train_dflash(
         for group in optim.param_groups:
             group["lr"] = opts.lr * lr_scale(step, frac)
         if caches is not None:
-            window, cached = _cached_batch(caches, gen, opts, n_teacher)
+            window, cached = sample_cached(caches, opts.batch, n_teacher, gen)
             loss, top1 = dflash_loss(draft, target, window, opts, gen, cached)
         else:
             loss, top1 = dflash_loss(draft, target, _batch(data, teacher_data, gen, opts), opts, gen)

@@ -131,6 +131,19 @@ def cache_windows(
     return corpus, teacher, info
 
 
+def sample_cached(
+    caches: tuple[FeatureCache, FeatureCache | None, dict], batch: int, n_teacher: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows from :func:`cache_windows`' caches, ``n_teacher`` of them the target's
+    own continuations (when cached), with their cached rows."""
+    corpus, teacher, _ = caches
+    window, rows = corpus.sample(batch - n_teacher, gen)
+    if teacher is not None and n_teacher:
+        t_window, t_rows = teacher.sample(n_teacher, gen)
+        window, rows = torch.cat([window, t_window]), torch.cat([rows, t_rows])
+    return window, rows
+
+
 def _feature_caches(
     target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: EagleTraining
 ) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
@@ -211,12 +224,7 @@ def _batch(data, teacher_data, caches, gen: torch.Generator, opts: EagleTraining
     """A training batch of ``opts.batch`` windows, ``n_teacher`` of them the target's own
     continuations, with their cached features (None without caches: computed by the loss)."""
     if caches is not None:
-        corpus, teacher, _ = caches
-        window, feats = corpus.sample(opts.batch - n_teacher, gen)
-        if teacher is not None and n_teacher:
-            t_window, t_feats = teacher.sample(n_teacher, gen)
-            window, feats = torch.cat([window, t_window]), torch.cat([feats, t_feats])
-        return window, feats
+        return sample_cached(caches, opts.batch, n_teacher, gen)
     device = data.device
     starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
     window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
