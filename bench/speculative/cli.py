@@ -186,6 +186,17 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         " them (default 5, smoke too; one layer cannot both read its block's token and query the context)",
     )
     ap.add_argument(
+        "--dflash-target-layers",
+        choices=("reference", "top"),
+        default="reference",
+        help="DFLASH: the target layers the draft reads, spread over 1..L-3 as the reference spreads them"
+        " (reference, the default) or over 1..L-1 (top: the small target's last layer included)",
+    )
+    ap.add_argument("--dflash-lr", type=float, default=None, help="DFLASH training: peak learning rate")
+    ap.add_argument(
+        "--dflash-weight-decay", type=float, default=0.0, help="DFLASH training: AdamW weight decay on its matrices"
+    )
+    ap.add_argument(
         "--dflash-block",
         type=int,
         default=None,

@@ -41,8 +41,8 @@ def train_models(s: Settings) -> TrainedModels:
     """Tokenize the corpus, train the small target, then the drafts ``s.drafts`` asks for."""
     work = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     tok_dir = write_tokenizer(work / "tokenizer", s.vocab)
-    data, held_ids = _corpus(s, tok_dir)
-    target, target_info = _train_target(s, data)
+    data, held_ids = load_corpus(s, tok_dir)
+    target, target_info = train_target(s, data)
     teacher = None
     if s.args.draft_training == "distill" or "eagle" in s.drafts or "dflash" in s.drafts:
         teacher = teacher_continuations(s.args, target, data, tok_dir, s.device, smoke=s.smoke, k=s.k,
@@ -74,7 +74,7 @@ def train_models(s: Settings) -> TrainedModels:
     )
 
 
-def _corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The training corpus's tokens and the held-out prompt files' tokens."""
     train_files, held = corpus_files(2_000_000 if s.smoke else 40_000_000)
     data = tokenize(tok_dir, train_files)
@@ -85,7 +85,7 @@ def _corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return data, held_ids
 
 
-def _train_target(s: Settings, data: torch.Tensor):
+def train_target(s: Settings, data: torch.Tensor):
     """The small target, trained on the corpus for ``--train-target-s``."""
     target, info = train_lm(
         s.small_shape, s.vocab, data, s.train_target_s, s.device, seq=s.seq, batch=s.batch,
@@ -113,23 +113,35 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
     return head, info
 
 
-def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The target layers the DFLASH draft reads: as many as it has layers, spread over
-    1..L-3 as the reference spreads them, distinct (layer ``0`` alone for a target too small)."""
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str = "reference") -> list[int]:
+    """The target layers the DFLASH draft reads: as many as it has layers, distinct (layer
+    ``0`` alone for a target too small). ``spread``: ``reference``, over ``1 .. L-3`` as the
+    reference spreads them over its 36-layer targets (3 of 36 unread); ``top``, over
+    ``1 .. L-1``: of the small target's 8 layers, ``L-3`` leaves 2 unread, a quarter of its
+    depth, and the last layer's output is what the EAGLE head reads."""
     from loraserve.runtime.speculative.dflash_format import default_target_layer_ids
 
     if num_target_layers < 4:
         return [0]
-    return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
+    if spread == "reference":
+        return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
+    if spread != "top":
+        raise ValueError(f"DFLASH target layer spread must be reference or top, got {spread!r}")
+    if num_draft_layers == 1:
+        return [num_target_layers - 1]
+    span = num_target_layers - 2
+    return sorted({round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
     """The DFLASH draft over ``target`` (``--dflash-layers`` layers reading as many of its
     layers' outputs), rounded to what is served, with its held-out agreement."""
+    args = s.args
+    layer_ids = dflash_layer_ids(target.config.num_hidden_layers, s.dflash_layers, args.dflash_target_layers)
     opts = DFlashTraining(
-        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=2e-3 if s.smoke else 1e-3,
-        block=s.dflash_block, layer_ids=dflash_layer_ids(target.config.num_hidden_layers, s.dflash_layers),
-        num_layers=s.dflash_layers, teacher_fraction=teacher.fraction, max_steps=s.max_steps[2],
+        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
+        block=s.dflash_block, layer_ids=layer_ids, num_layers=s.dflash_layers, teacher_fraction=teacher.fraction,
+        weight_decay=args.dflash_weight_decay, max_steps=s.max_steps[2],
     )  # fmt: skip
     draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts)
     draft.round_to_bf16()  # what is served

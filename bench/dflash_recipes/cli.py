@@ -1,0 +1,78 @@
+"""The command line: the recipes, their training time, and ``bench/speculative``'s settings
+(corpus, target, teacher continuations, block) built from it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..speculative import cli as spec_cli
+from ..speculative.settings import Settings as SpecSettings
+from .recipes import Recipe, parse_recipes
+
+DESCRIPTION = "DFLASH draft recipes: one draft per recipe over one trained target, judged by the held-out serving walk."
+
+# a GPU run of three recipes fits one 10-minute call on an H100 with these
+DEFAULT_RECIPES = "layers=3,ids=reference;layers=3,ids=top;layers=5,ids=top"
+SMOKE_RECIPES = "layers=2,ids=reference;layers=2,ids=top,lr=0.003"
+SMOKE_STEPS = 12  # per recipe: the smoke's training is step-capped, so its result does not depend on load
+SMOKE_TARGET_STEPS = 150  # the smoke target's cap (bench/draft_adapters' too): ~4 s on an idle 2-core CPU
+
+
+@dataclass
+class Settings:
+    """The study: ``bench/speculative``'s settings and the recipes."""
+
+    spec: SpecSettings
+    recipes: list[Recipe]
+    recipe_s: float
+    max_steps: int | None
+    heldout_count: int
+    out: str | None
+    json: str | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option, with the GPU default (``--smoke``'s in brackets)."""
+    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    add = ap.add_argument
+    add("--smoke", action="store_true", help="CPU, tiny shapes, step-capped training")
+    add("--out", default=None, help="markdown report (JSON beside it unless --json)")
+    add("--json", default=None, help="JSON record of the run")
+    add("--recipes", default=None, help=f"semicolon list of recipes ({DEFAULT_RECIPES} [{SMOKE_RECIPES}])")
+    add("--recipe-s", type=float, default=None, help="seconds of training per recipe (60 [30, capped])")
+    add("--max-steps", type=int, default=None, help=f"step cap per recipe (none [{SMOKE_STEPS}])")
+    add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [8])")
+    add("--distill-count", type=int, default=None, help="teacher continuations (the largest recipe's, else 12288 [32])")
+    add("--dflash-block", type=int, default=None, help="the block trained and walked (8 [4])")
+    add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
+    return ap
+
+
+def parse(argv: list[str] | None = None) -> Settings:
+    """The command line ``argv``, checked, with defaults filled in."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        recipes = parse_recipes(args.recipes or (SMOKE_RECIPES if args.smoke else DEFAULT_RECIPES))
+    except ValueError as err:
+        ap.error(str(err))
+    wanted = [r.teacher for r in recipes if r.teacher is not None]
+    count = args.distill_count or max(wanted, default=32 if args.smoke else 12288)
+    if wanted and max(wanted) > count:
+        ap.error(f"a recipe trains on {max(wanted)} teacher windows, but --distill-count makes {count}")
+    spec_argv = ["--draft", "dflash", "--distill-count", str(count)]
+    if args.smoke:
+        spec_argv += ["--smoke", "--max-steps", f"{SMOKE_TARGET_STEPS},0,0"]
+    for flag in ("train_target_s", "dflash_block"):
+        if getattr(args, flag) is not None:
+            spec_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return Settings(
+        spec=spec_cli.parse(spec_argv),
+        recipes=recipes,
+        recipe_s=args.recipe_s if args.recipe_s is not None else (30.0 if args.smoke else 60.0),
+        max_steps=args.max_steps if args.max_steps is not None else (SMOKE_STEPS if args.smoke else None),
+        heldout_count=args.heldout_count or (8 if args.smoke else 32),
+        out=args.out,
+        json=args.json,
+    )
