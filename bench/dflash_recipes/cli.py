@@ -15,6 +15,7 @@ DESCRIPTION = "DFLASH draft recipes: one draft per recipe over one trained targe
 # a GPU run of three recipes fits one 10-minute call on an H100 with these
 DEFAULT_RECIPES = "layers=3,ids=reference;layers=3,ids=top;layers=5,ids=top"
 SMOKE_RECIPES = "layers=2,ids=reference;layers=2,ids=top,lr=0.003"
+TEACHER, SMOKE_TEACHER = 12288, 32  # teacher continuations without --distill-count
 SMOKE_STEPS = 12  # per recipe: the smoke's training is step-capped, so its result does not depend on load
 SMOKE_TARGET_STEPS = 150  # the smoke target's cap (bench/draft_adapters' too): ~4 s on an idle 2-core CPU
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recipe-s", type=float, default=None, help="seconds of training per recipe (60 [30, capped])")
     add("--max-steps", type=int, default=None, help=f"step cap per recipe (none [{SMOKE_STEPS}])")
     add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [8])")
-    add("--distill-count", type=int, default=None, help="teacher continuations (the largest recipe's, else 12288 [32])")
+    add("--distill-count", type=int, default=None, help="teacher continuations (12288 [32], or a recipe's larger teacher)")
     add("--dflash-block", type=int, default=None, help="the block trained and walked (8 [4])")
     add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
     return ap
@@ -58,7 +59,11 @@ def parse(argv: list[str] | None = None) -> Settings:
     except ValueError as err:
         ap.error(str(err))
     wanted = [r.teacher for r in recipes if r.teacher is not None]
-    count = args.distill_count or max(wanted, default=32 if args.smoke else 12288)
+    for flag in ("distill_count", "heldout_count", "max_steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    # a recipe that names fewer teacher windows takes the first ones; the others take them all
+    count = args.distill_count if args.distill_count is not None else max([*wanted, SMOKE_TEACHER if args.smoke else TEACHER])
     if wanted and max(wanted) > count:
         ap.error(f"a recipe trains on {max(wanted)} teacher windows, but --distill-count makes {count}")
     spec_argv = ["--draft", "dflash", "--distill-count", str(count)]
@@ -72,7 +77,7 @@ def parse(argv: list[str] | None = None) -> Settings:
         recipes=recipes,
         recipe_s=args.recipe_s if args.recipe_s is not None else (30.0 if args.smoke else 60.0),
         max_steps=args.max_steps if args.max_steps is not None else (SMOKE_STEPS if args.smoke else None),
-        heldout_count=args.heldout_count or (8 if args.smoke else 32),
+        heldout_count=args.heldout_count if args.heldout_count is not None else (8 if args.smoke else 32),
         out=args.out,
         json=args.json,
     )

@@ -11,7 +11,7 @@ SPREADS = ("reference", "top")
 class Recipe:
     """What differs between the drafts of one study; the rest is ``bench/speculative``'s."""
 
-    layers: int = 3  # draft layers (as many target layers feed it)
+    layers: int = 3  # draft layers (as many target layers feed it, as far as the target has them)
     ids: str = "reference"  # the target layers it reads: models.dflash_layer_ids' spread
     teacher: int | None = None  # teacher windows trained on (the first ones; None: all generated)
     lr: float = 1e-3
@@ -26,6 +26,7 @@ class Recipe:
         return ",".join(parts) or "defaults"
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
 _TYPES = {"layers": int, "teacher": int, "blocks": int, "lr": float, "wd": float, "decay": float, "ids": str}
 
 
@@ -39,7 +40,7 @@ def parse_recipe(text: str) -> Recipe:
         try:
             parsed = _TYPES[key](value)
         except ValueError:
-            raise ValueError(f"recipe {text!r}: {key} must be a {_TYPES[key].__name__}, got {value!r}") from None
+            raise ValueError(f"recipe {text!r}: {key} must be {_TYPE_NAMES[_TYPES[key]]}, got {value!r}") from None
         recipe = replace(recipe, **{key: parsed})
     _check(text, recipe)
     return recipe

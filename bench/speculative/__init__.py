@@ -36,13 +36,15 @@ Method (everything is built inside the run; nothing is downloaded):
    features with the trained head's on held-out prompts.
    ``--draft dflash`` trains a DFLASH draft (``loraserve.runtime.speculative.dflash_format``):
    ``--dflash-layers`` layers (default 5, the reference's depth for 8B targets) of the small target's shape over as many of its
-   layer outputs (spread over 1..L-3 as the reference spreads them), drafting a block of
+   layer outputs (spread over 1..L-3 as the reference spreads them; ``--dflash-target-layers
+   top`` over 1..L-1, the small target's last layer included), drafting a block of
    ``--dflash-block`` tokens (default 8) in one forward. Masked block prediction on the same
    batches: random anchors per window, the block ``[x_a, mask...]`` learns the target's
    distribution at every masked position from the target's outputs before the anchor (KL,
    earlier positions weighted more), for ``--train-draft-s``; expanded the same
    function-preserving way, checked against the trained draft on held-out prompts, and
-   served with ``num_draft_tokens`` = the block.
+   served with ``num_draft_tokens`` = the block. ``bench/dflash_recipes`` compares training
+   recipes of this draft (layers, target layers, teacher windows, learning rate) offline.
 5. For concurrency 1, 8 and 32, the same greedy workload runs through the real engine
    without speculation and with each draft's speculation (EAGLE first, so that under
    ``--deadline-s`` a second draft's run is the one skipped). Tokens/s is

@@ -114,8 +114,8 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
 
 
 def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str = "reference") -> list[int]:
-    """The target layers the DFLASH draft reads: as many as it has layers, distinct (layer
-    ``0`` alone for a target too small). ``spread``: ``reference``, over ``1 .. L-3`` as the
+    """The target layers the DFLASH draft reads: as many as it has layers, distinct, so fewer
+    where the span holds fewer (layer ``0`` alone for a target of under 4 layers). ``spread``: ``reference``, over ``1 .. L-3`` as the
     reference spreads them over its 36-layer targets (3 of 36 unread); ``top``, over
     ``1 .. L-1``: of the small target's 8 layers, ``L-3`` leaves 2 unread, a quarter of its
     depth, and the last layer's output is what the EAGLE head reads."""
