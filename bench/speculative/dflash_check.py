@@ -18,8 +18,10 @@ def dflash_check(
     runner: ModelRunner, draft_dir: Path, draft: DFlashDraft, small_dir: Path, prompts: list[list[int]]
 ) -> dict:
     """After each prompt, the block drafted from the target's next token: the share of block
-    positions where the served draft's argmax equals the trained draft's, and the smallest
-    top-2 margin among those that differ (a bf16 flip of a near-tie has a tiny one)."""
+    positions where the served draft's argmax equals the trained draft's (overall and per
+    block position), the smallest and largest top-2 margin among those that differ (a bf16
+    flip of a near-tie has a tiny one; a wrong served draft, large ones) and the largest
+    logit difference relative to the trained logits' range."""
     from transformers import AutoModelForCausalLM
 
     from loraserve.kernels import ForwardMode
@@ -36,8 +38,9 @@ def dflash_check(
     )  # fmt: skip
     ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
     trained = draft.to(device=device, dtype=torch.float32)
-    same = total = 0
+    agree = torch.zeros(draft.block - 1)
     margins: list[float] = []
+    rel_diff = 0.0
     first_pair = None
     for prompt in prompts:
         ids = torch.tensor(prompt, device=device)
@@ -53,21 +56,24 @@ def dflash_check(
         got = logits.argmax(-1).tolist()
         window = torch.tensor([[*prompt, first]], device=device)
         feats, _ = target_outputs(ref, window, draft.layer_ids)
-        want = (
-            trained.block_logits(window, feats, torch.tensor([[len(prompt)]], device=device))[0, 0]
-            .argmax(-1)
-            .tolist()
-        )
+        want_logits = trained.block_logits(window, feats, torch.tensor([[len(prompt)]], device=device))[0, 0]
+        want = want_logits.argmax(-1).tolist()
         for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            agree[j] += a == b
             if a != b:
                 top2 = logits[j].topk(2).values
                 margins.append(float(top2[0] - top2[1]))
-        same += sum(a == b for a, b in zip(got, want, strict=True))
-        total += len(want)
+        span = (want_logits.amax(-1) - want_logits.amin(-1)).clamp_min(1e-6)
+        rel = ((logits.float() - want_logits).abs().amax(-1) / span).max()
+        rel_diff = max(rel_diff, float(rel))
         first_pair = first_pair or {"trained": want, "served": got}
     del ref, served
+    per_position = agree / len(prompts)
     return {
-        "proposal_agreement": round(same / total, 3),
+        "proposal_agreement": round(float(per_position.mean()), 3),
+        "agreement_per_position": [round(float(a), 3) for a in per_position],
         "disagreeing_margin": round(min(margins), 4) if margins else None,
+        "largest_disagreeing_margin": round(max(margins), 4) if margins else None,
+        "rel_logit_diff": round(rel_diff, 4),
         "first_prompt": first_pair,
     }
