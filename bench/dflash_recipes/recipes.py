@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 SPREADS = ("reference", "top")
+INITS = ("random", "target")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Recipe:
     wd: float = 0.0  # AdamW weight decay on the matrices
     blocks: int = 24  # anchors per training window
     decay: float = 4.0  # block position weights exp(-(j - 1) / decay)
+    init: str = "random"  # or "target": the draft's layers start as the target's top layers
 
     def label(self) -> str:
         """The recipe as given (only what differs from the defaults), e.g. ``layers=3,ids=top``."""
@@ -27,7 +29,7 @@ class Recipe:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
-_TYPES = {"layers": int, "teacher": int, "blocks": int, "lr": float, "wd": float, "decay": float, "ids": str}
+_TYPES = {"layers": int, "teacher": int, "blocks": int, "lr": float, "wd": float, "decay": float, "ids": str, "init": str}
 
 
 def parse_recipe(text: str) -> Recipe:
@@ -47,6 +49,8 @@ def parse_recipe(text: str) -> Recipe:
 
 
 def _check(text: str, r: Recipe) -> None:
+    if r.init not in INITS:
+        raise ValueError(f"recipe {text!r}: init must be one of {list(INITS)}, got {r.init!r}")
     if r.ids not in SPREADS:
         raise ValueError(f"recipe {text!r}: ids must be one of {list(SPREADS)}, got {r.ids!r}")
     for name in ("layers", "blocks"):

@@ -51,7 +51,7 @@ def train_recipe(
     opts = DFlashTraining(
         seconds=s.recipe_s, seq=teacher.seq, batch=spec.batch, lr=recipe.lr, block=spec.dflash_block,
         layer_ids=dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids),
-        num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
+        num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd, init=recipe.init,
         teacher_fraction=teacher.fraction, max_steps=s.max_steps,
     )  # fmt: skip
     teacher_data = teacher.data[: recipe.teacher] if recipe.teacher is not None else teacher.data

@@ -56,6 +56,9 @@ class DFlashTraining:
     labels: str = "greedy"
     seed: int = 5
     weight_decay: float = 0.0  # AdamW's, on the matrices (norm weights are not decayed)
+    # "random": as a Llama initialises; "target": each draft layer starts as one of the target's
+    # top layers and the final norm as the target's (the LM head reads what that norm makes)
+    init: str = "random"
     max_steps: int | None = None
     # > 0: the target's outputs of every training window computed once, up to this many GiB;
     # None: CACHE_GIB on a GPU (within its free memory less STEP_RESERVE_GIB), off on the CPU
@@ -231,6 +234,24 @@ def _batch(data, teacher_data, gen: torch.Generator, opts: DFlashTraining) -> to
     return window
 
 
+@torch.no_grad()
+def init_from_target(draft: DFlashDraft, target) -> None:
+    """Draft layer ``j`` of ``n`` takes target layer ``L - n + j``'s weights (the layers that
+    turn its hidden states into next-token predictions; the q/k norms, which the target lacks,
+    stay 1), and the draft's final norm the target's."""
+    layers = target.model.layers
+    if len(draft.layers) > len(layers):
+        raise ValueError(f"a {len(draft.layers)}-layer draft cannot start from a {len(layers)}-layer target")
+    for mine, theirs in zip(draft.layers, layers[len(layers) - len(draft.layers) :], strict=True):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(mine, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mine, name).weight.copy_(getattr(theirs.mlp, name).weight)
+        mine.input_layernorm.copy_(theirs.input_layernorm.weight)
+        mine.post_attention_layernorm.copy_(theirs.post_attention_layernorm.weight)
+    draft.norm.copy_(target.model.norm.weight)
+
+
 def train_dflash(
     target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
     opts: DFlashTraining,
@@ -246,6 +267,10 @@ def train_dflash(
     for p in draft.parameters():  # norms start at 1; the rest as a Llama initialises
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
+    if opts.init == "target":
+        init_from_target(draft, target)
+    elif opts.init != "random":
+        raise ValueError(f"DFLASH init must be random or target, got {opts.init!r}")
     params = list(draft.parameters())
     groups = [
         {"params": [p for p in params if p.dim() == 2], "weight_decay": opts.weight_decay},
@@ -285,6 +310,7 @@ def train_dflash(
         "labels": opts.labels,
         "lr": opts.lr,
         "weight_decay": opts.weight_decay,
+        "init": opts.init,
         "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
         "seq": opts.seq,
         **(caches[2] if caches is not None else {"output_cache": "off"}),

@@ -26,8 +26,8 @@ from bench.speculative.training import lr_scale  # noqa: E402
 
 def test_a_recipe_parses_every_field():
     """Each ``key=value`` lands in its field with its type; unnamed fields keep their defaults."""
-    r = parse_recipe(" layers=5, ids=top ,teacher=24576,lr=3e-4,wd=0.1,blocks=12,decay=2.5 ")
-    assert r == Recipe(layers=5, ids="top", teacher=24576, lr=3e-4, wd=0.1, blocks=12, decay=2.5)
+    r = parse_recipe(" layers=5, ids=top ,teacher=24576,lr=3e-4,wd=0.1,blocks=12,decay=2.5,init=target ")
+    assert r == Recipe(layers=5, ids="top", teacher=24576, lr=3e-4, wd=0.1, blocks=12, decay=2.5, init="target")
     assert isinstance(r.layers, int) and isinstance(r.teacher, int) and isinstance(r.lr, float)
     assert parse_recipe("layers=2") == Recipe(layers=2)
     assert parse_recipe("") == Recipe()
@@ -43,6 +43,7 @@ def test_a_recipe_parses_every_field():
         ("teacher=1.5", "teacher must be a"),
         ("lr=fast", "lr must be a number"),
         ("ids=middle", "ids must be one of"),
+        ("init=copied", "init must be one of"),
         ("layers=0", "layers must be at least 1"),
         ("blocks=0", "blocks must be at least 1"),
         ("teacher=0", "teacher must be at least 1"),

@@ -3,6 +3,7 @@ target's outputs computed once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.speculative.dflash_training import (
@@ -69,3 +70,34 @@ def test_training_on_cached_outputs_reports_the_cache(target):
     assert info["labels"] == "greedy"  # cross-entropy to the target's greedy token by default
     assert cache_budget(DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], num_layers=1),
                         torch.device("cpu")) == 0.0  # fmt: skip
+
+
+def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
+    """``init="target"``: draft layer ``j`` of ``n`` holds target layer ``L - n + j``'s
+    weights and the draft's final norm the target's; a draft deeper than the target, or an
+    unknown init, is refused by name."""
+    from bench.speculative.dflash_draft import DFlashDraft
+    from bench.speculative.dflash_training import init_from_target
+
+    def draft(layers: int) -> DFlashDraft:
+        return DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
+                           num_layers=layers, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+
+    one = draft(1)
+    init_from_target(one, target)
+    top = target.model.layers[-1]
+    assert torch.equal(one.layers[0].q_proj.weight, top.self_attn.q_proj.weight)
+    assert torch.equal(one.layers[0].down_proj.weight, top.mlp.down_proj.weight)
+    assert torch.equal(one.layers[0].input_layernorm, top.input_layernorm.weight)
+    assert torch.equal(one.norm, target.model.norm.weight)
+    assert torch.equal(one.layers[0].q_norm, torch.ones_like(one.layers[0].q_norm))  # the target has none
+    two = draft(2)
+    init_from_target(two, target)
+    assert torch.equal(two.layers[0].gate_proj.weight, target.model.layers[0].mlp.gate_proj.weight)
+    with pytest.raises(ValueError, match="a 3-layer draft cannot start from a 2-layer target"):
+        init_from_target(draft(3), target)
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=1,
+                          blocks=6, max_steps=1, init="copied")  # fmt: skip
+    with pytest.raises(ValueError, match="init must be random or target, got 'copied'"):
+        train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts)
