@@ -5,6 +5,7 @@ SHAPES = {
     "smoke-small": (64, 2, 4, 2, 16, 128),
     "smoke-draft": (32, 1, 2, 1, 16, 64),
     "smoke-big": (128, 4, 8, 4, 16, 256),
+    "cpu-deep": (128, 8, 4, 2, 32, 384),  # a CPU target as deep as "small", for DFLASH recipe studies
     "small": (1024, 8, 8, 2, 128, 2816),
     "draft": (384, 2, 6, 3, 64, 1024),
     "8b": (4096, 32, 32, 8, 128, 14336),

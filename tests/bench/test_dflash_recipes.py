@@ -137,7 +137,11 @@ def test_smoke_gives_the_smoke_recipes_and_step_caps():
     assert s.heldout_count == 8 and s.out is None
     full = cli.parse([])
     assert full.recipes == parse_recipes(cli.DEFAULT_RECIPES) and full.max_steps is None
-    assert full.spec.max_steps[0] is None and full.spec.args.distill_count == 12288
+    # the default recipes name 24,576 teacher windows at most: that many are made
+    assert full.spec.max_steps[0] is None and full.spec.args.distill_count == 24576
+    assert full.spec.small_shape == "small" and full.recipe_s == 55.0
+    deep = cli.parse(["--smoke", "--shape", "cpu-deep", "--target-steps", "40"])
+    assert deep.spec.small_shape == "cpu-deep" and deep.spec.max_steps[0] == 40
 
 
 def test_distill_count_covers_every_recipes_teacher_windows(capsys):
