@@ -14,11 +14,12 @@ from .recipes import Recipe, parse_recipes
 DESCRIPTION = "DFLASH draft recipes: one draft per recipe over one trained target, judged by the held-out serving walk."
 
 # Each question of the H100 runs 3-4 on one target: the target layers read, the teacher windows,
-# the depth, the anchors per window (on the CPU's deep toy target 48 walked 1.89 against 24's
-# 1.81). Five recipes of 55 s fit one 10-minute call on an H100 (about 8 minutes).
+# the depth, the learning rate (bench/results/2026-12-06-dflash-recipes-cpu.md answered the
+# anchors per window, the position decay and the init on the CPU's deep toy target: none
+# helped). Five recipes of 55 s fit one 10-minute call on an H100 (about 8 minutes).
 DEFAULT_RECIPES = (
     "layers=3,ids=reference,teacher=12288;layers=3,ids=top,teacher=12288;layers=3,ids=top,teacher=24576;"
-    "layers=5,ids=top,teacher=24576;layers=3,ids=top,teacher=24576,blocks=48"
+    "layers=5,ids=top,teacher=24576;layers=3,ids=top,teacher=24576,lr=0.002"
 )
 SMOKE_RECIPES = "layers=2,ids=reference;layers=2,ids=top,lr=0.003"
 TEACHER, SMOKE_TEACHER = 12288, 32  # teacher continuations without --distill-count

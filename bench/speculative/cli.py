@@ -31,6 +31,11 @@ def parse(argv: list[str] | None = None) -> Settings:
         )
     if args.dflash_layers is not None and args.dflash_layers < 1:
         ap.error(f"--dflash-layers must be at least 1, got {args.dflash_layers}")
+    if args.dflash_anchors < 1 or args.dflash_decay <= 0:
+        ap.error(
+            f"--dflash-anchors must be at least 1 and --dflash-decay positive, got {args.dflash_anchors} and"
+            f" {args.dflash_decay}"
+        )
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     return settings_from(args, argv)
@@ -193,6 +198,21 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         " (reference, the default) or over 1..L-1 (top: the small target's last layer included)",
     )
     ap.add_argument("--dflash-lr", type=float, default=None, help="DFLASH training: peak learning rate")
+    ap.add_argument(
+        "--dflash-anchors", type=int, default=24, help="DFLASH training: blocks (distinct anchors) per window"
+    )
+    ap.add_argument(
+        "--dflash-decay",
+        type=float,
+        default=4.0,
+        help="DFLASH training: block position j's loss weight is exp(-(j - 1) / decay)",
+    )
+    ap.add_argument(
+        "--dflash-init",
+        choices=("random", "target"),
+        default="random",
+        help="DFLASH training: the draft's layers start random, or as the target's top layers (target)",
+    )
     ap.add_argument(
         "--dflash-weight-decay", type=float, default=0.0, help="DFLASH training: AdamW weight decay on its matrices"
     )

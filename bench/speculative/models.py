@@ -141,7 +141,8 @@ def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tenso
     opts = DFlashTraining(
         seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
         block=s.dflash_block, layer_ids=layer_ids, num_layers=s.dflash_layers, teacher_fraction=teacher.fraction,
-        weight_decay=args.dflash_weight_decay, max_steps=s.max_steps[2],
+        weight_decay=args.dflash_weight_decay, blocks=args.dflash_anchors, decay=args.dflash_decay,
+        init=args.dflash_init, max_steps=s.max_steps[2],
     )  # fmt: skip
     draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts)
     draft.round_to_bf16()  # what is served

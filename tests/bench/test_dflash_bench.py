@@ -21,7 +21,10 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
     out = tmp_path / "spec.md"
     result = subprocess.run(
         [sys.executable, "-P", str(REPO / "bench" / "speculative"), "--smoke", "--draft", "dflash",
-         "--dflash-block", "5", "--concurrency", "1,2", "--c1-requests", "4", "--out", str(out)],
+         "--dflash-block", "5", "--concurrency", "1,2", "--c1-requests", "4", "--out", str(out),
+         # the training recipe's options reach the draft's training (its record says so)
+         "--dflash-layers", "2", "--dflash-anchors", "12", "--dflash-decay", "2", "--dflash-init", "target",
+         "--dflash-weight-decay", "0.01", "--dflash-lr", "0.003"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )  # fmt: skip
     # rc 0: every output identical to plain decoding and the served draft proposes what the trained one does
@@ -35,4 +38,7 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
         done, total = row[-2].strip().split("/")
         assert done == total and int(total) > 0, row
     details = json.loads(out.with_suffix(".json").read_text())
-    assert details["setup"]["drafts"]["dflash"]["block"] == 5
+    trained = details["setup"]["drafts"]["dflash"]
+    assert trained["block"] == 5 and trained["layers"] == 2
+    assert (trained["blocks_per_window"], trained["decay"], trained["init"]) == (12, 2.0, "target")
+    assert (trained["weight_decay"], trained["lr"]) == (0.01, 0.003)
