@@ -23,9 +23,16 @@ from .report import report
 def main(argv: list[str] | None = None) -> int:
     """Run the study on ``argv``: every recipe's draft trained and walked, the report printed."""
     s = cli.parse(argv)
+    with tempfile.TemporaryDirectory(prefix="dflash-recipes-") as work:
+        print(_study(s, Path(work)))
+    return 0
+
+
+def _study(s: cli.Settings, work: Path) -> str:
+    """Every recipe's draft over one target; returns the report (written as it grows)."""
     spec = s.spec
     started = time.monotonic()
-    tok_dir = write_tokenizer(Path(tempfile.mkdtemp(prefix="dflash-recipes-")) / "tokenizer", spec.vocab)
+    tok_dir = write_tokenizer(work / "tokenizer", spec.vocab)
     data, held_ids = load_corpus(spec, tok_dir)
     target, target_info = train_target(spec, data)
     teacher = teacher_continuations(spec.args, target, data, tok_dir, spec.device, smoke=spec.smoke, k=spec.k,
@@ -38,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         record["recipes"].append({"recipe": recipe.label(), **info})
         _write(s, record)  # each recipe's result survives a run cut short
     record["setup"]["seconds"] = round(time.monotonic() - started, 1)
-    print(_write(s, record))
-    return 0
+    return _write(s, record)
 
 
 def train_recipe(

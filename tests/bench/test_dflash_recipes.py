@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -259,10 +260,14 @@ def test_the_smoke_study_trains_and_walks_one_draft_per_recipe(smoke):
         assert row[-1] == f"**{r['heldout_walk_mean']}** of {r['max_leading']}"
 
 
-def test_a_recipes_teacher_takes_the_first_teacher_windows(tmp_path):
+def test_a_recipes_teacher_takes_the_first_teacher_windows(tmp_path, monkeypatch):
     """``teacher=8`` trains that draft on 8 of the continuations; a recipe without ``teacher``
-    trains on every one generated (``--distill-count``)."""
+    trains on every one generated (``--distill-count``). The run's scratch files go with it."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     record, text = _run(tmp_path, "--recipes", "layers=2;layers=2,teacher=8", "--distill-count", "16")
+    assert not list(scratch.glob("dflash-recipes-*"))
     assert record["setup"]["teacher"]["teacher_sequences"][0] == 16
     assert [(r["recipe"], r["teacher_windows"]) for r in record["recipes"]] == [
         ("layers=2", 16),
