@@ -67,8 +67,9 @@ class DFlashTraining:
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
 # cached steps made 2,837 with a third of the draft's work. A window of 193 tokens costs
-# 1.6 MB with three layer outputs of the 1024-wide small target (2.4 MB with five): 64 GiB
-# holds ~21k teacher and ~21k corpus windows with three. Run 3's five-layer draft, trained
+# 1.2 MB with three layer outputs of the 1024-wide small target and greedy labels (2.0 MB with
+# five; the final hidden state for KL labels adds 0.4 MB): 64 GiB holds ~28k teacher and ~28k
+# corpus windows with three (run 4 cached the final hidden state too: ~21k). Run 3's five-layer draft, trained
 # 6.6 epochs over the 8,717 teacher windows 40 GiB held, agreed with the target at block
 # position 7 on 0.70 of training blocks and 0.24 of held-out ones: the teacher windows the
 # cache holds bound what the draft learns.
@@ -115,83 +116,98 @@ def sample_anchors(
 
 
 def block_targets(
-    window: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's log-distributions at every masked block position ``[B, n, block - 1, V]``
-    and which of them count ``[B, n, block - 1]`` (bool): position ``j`` counts when tokens
-    ``a + 1 .. a + j - 1`` of the window are the target's greedy choices (see the module)."""
+    window: torch.Tensor, greedy: torch.Tensor, logits: torch.Tensor | None, anchors: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """At every masked block position: the target's greedy token ``[B, n, block - 1]``, its
+    log-distribution ``[B, n, block - 1, V]`` (None without ``logits``) and whether the
+    position counts ``[B, n, block - 1]`` (bool): position ``j`` counts when tokens ``a + 1
+    .. a + j - 1`` of the window are the target's greedy choices (see the module).
+    ``greedy`` ``[B, L]``: the target's choice after each of the window's prefixes."""
     b, n = anchors.shape
     rows = (anchors[:, :, None] + torch.arange(block - 1, device=window.device)).view(b, -1)
-    vocab = logits.shape[-1]
-    teacher = torch.log_softmax(logits.gather(1, rows[..., None].expand(-1, -1, vocab)), -1)
+    labels = greedy.gather(1, rows).view(b, n, block - 1)
+    teacher = None
+    if logits is not None:
+        vocab = logits.shape[-1]
+        gathered = logits.gather(1, rows[..., None].expand(-1, -1, vocab))
+        teacher = torch.log_softmax(gathered, -1).view(b, n, block - 1, vocab)
     # follows[i]: token i + 1 is the target's greedy choice after the window's tokens 0..i
-    follows = window[:, 1:] == logits[:, :-1].argmax(-1)
+    follows = window[:, 1:] == greedy[:, :-1]
     before = rows.view(b, n, block - 1)[:, :, :-1].reshape(b, -1)  # rows a .. a + block - 3
     chosen = follows.gather(1, before).view(b, n, block - 2)  # tokens a + 1 .. a + block - 2
     ones = torch.ones(b, n, 1, dtype=torch.bool, device=window.device)
     counts = torch.cat([ones, chosen.cumprod(-1).bool()], -1)
-    return teacher.view(b, n, block - 1, vocab), counts
+    return labels, teacher, counts
 
 
 def dflash_loss(
     draft: DFlashDraft, target, window: torch.Tensor, opts: DFlashTraining, gen: torch.Generator,
-    cached: torch.Tensor | None = None,
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):  # fmt: skip
     """Position-weighted loss at every masked block position that counts: cross-entropy to
     the target's greedy token (``opts.labels == "greedy"``) or KL from its next-token
     distribution (``"distribution"``); returns (loss, per-position top-1 agreement with the
-    target's greedy token there). ``cached``: the window's :func:`cached_outputs` (else the
-    target runs)."""
+    target's greedy token there). ``cached``: the window's :func:`cached_outputs` and greedy
+    tokens (else the target runs)."""
     b, length = window.shape
     blk = opts.block
     if cached is None:
         feats, logits = target_outputs(target, window, opts.layer_ids)
+        greedy = logits.argmax(-1)
     else:
-        feats, logits = split_cached(target, cached)
+        rows, greedy = cached
+        feats, logits = split_cached(target, rows, with_logits=opts.labels != "greedy")
     # anchor a: context 0..a-1, block a..a+blk-1, labels from the target's logits at a..a+blk-2
     anchors = sample_anchors(b, length, blk, opts.blocks, gen).to(window.device)
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
         draft_logits = draft.block_logits(window, feats, anchors)
-    teacher, counts = block_targets(window, logits, anchors, blk)
+    labels, teacher, counts = block_targets(window, greedy, logits if opts.labels != "greedy" else None, anchors, blk)
     logp = torch.log_softmax(draft_logits, -1)
-    greedy = teacher.argmax(-1, keepdim=True)
-    if opts.labels == "greedy":
-        per_position = -logp.gather(-1, greedy).squeeze(-1)  # [B, n, blk - 1]
+    if teacher is None:
+        per_position = -logp.gather(-1, labels[..., None]).squeeze(-1)  # [B, n, blk - 1]
     else:
         per_position = (teacher.exp() * (teacher - logp)).sum(-1)
     weight = torch.exp(-torch.arange(blk - 1, device=window.device) / opts.decay) * counts
     loss = (per_position * weight).sum() / weight.sum()
-    hits = (logp.argmax(-1) == greedy.squeeze(-1)) & counts
+    hits = (logp.argmax(-1) == labels) & counts
     top1 = hits.sum((0, 1)).float() / counts.sum((0, 1)).clamp_min(1)
     return loss, [round(float(a), 3) for a in top1]
 
 
-def cached_outputs(target, window: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """What the cache keeps of the target's forward over ``window``, bfloat16 ``[B, L, (K + 1) * H]``:
-    the outputs of ``layer_ids`` (the draft's context) and the final normed hidden state,
-    from which :func:`split_cached` recomputes the logits (the LM head is ~8% of the target's
-    work; logits over the vocabulary would be 2-8x the size of the rest)."""
+def cached_outputs(
+    target, window: torch.Tensor, layer_ids: list[int], *, with_final: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache keeps of the target's forward over ``window``: bfloat16 rows ``[B, L,
+    K * H]``, the outputs of ``layer_ids`` (the draft's context), followed by the final normed
+    hidden state when ``with_final`` (KL labels: :func:`split_cached` recomputes the logits
+    from it; the LM head is ~8% of the target's work, and logits over the vocabulary would be
+    2-8x the size of the rest); and the target's greedy token after each prefix ``[B, L]``
+    (all that greedy labels need: a three-layer draft's row is then a quarter smaller)."""
     autocast = window.device.type == "cuda"
     with (
         torch.no_grad(),
         torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast),
     ):
         out = target.model(input_ids=window, output_hidden_states=True)
-        parts = [out.hidden_states[i + 1] for i in layer_ids] + [out.last_hidden_state]
-        return torch.cat(parts, -1).to(torch.bfloat16)
+        parts = [out.hidden_states[i + 1] for i in layer_ids] + ([out.last_hidden_state] if with_final else [])
+        greedy = target.lm_head(out.last_hidden_state).argmax(-1)
+        return torch.cat(parts, -1).to(torch.bfloat16), greedy
 
 
-def split_cached(target, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`target_outputs` from :func:`cached_outputs`: the layer outputs (float32) and the logits."""
+def split_cached(target, rows: torch.Tensor, *, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer outputs (float32) of :func:`cached_outputs`' rows, and the logits when
+    ``with_logits`` (the rows then end with the final normed hidden state)."""
+    if not with_logits:
+        return rows.float(), None
     hidden = target.config.hidden_size
-    autocast = cached.device.type == "cuda"
+    autocast = rows.device.type == "cuda"
     with (
         torch.no_grad(),
-        torch.autocast(device_type=cached.device.type, dtype=torch.bfloat16, enabled=autocast),
+        torch.autocast(device_type=rows.device.type, dtype=torch.bfloat16, enabled=autocast),
     ):
-        logits = target.lm_head(cached[..., -hidden:].float()).float()
-    return cached[..., :-hidden].float(), logits
+        logits = target.lm_head(rows[..., -hidden:].float()).float()
+    return rows[..., :-hidden].float(), logits
 
 
 def output_caches(
@@ -206,16 +222,23 @@ def output_caches(
     if gib <= 0:
         return None
     width = opts.seq + 1
-    row_bytes = width * (len(opts.layer_ids) + 1) * target.config.hidden_size * 2  # bfloat16
+    with_final = opts.labels != "greedy"
+    dims = (len(opts.layer_ids) + with_final) * target.config.hidden_size
+    row_bytes = width * (dims * 2 + 8)  # bfloat16 rows, an int64 greedy token
 
     def build(windows: torch.Tensor) -> FeatureCache:
-        # filled in place: concatenating the chunks would hold the cache twice for a moment
+        # filled in place: concatenating the chunks would hold the cache twice for a moment;
+        # each window's greedy tokens ride with its tokens ([n, 2, L]: sample_cached keeps them paired)
         windows = windows.to(device)
-        dims = row_bytes // (width * 2)  # (K + 1) * H
         out = torch.empty(*windows.shape, dims, dtype=torch.bfloat16, device=device)
+        paired = torch.empty(windows.shape[0], 2, width, dtype=windows.dtype, device=device)
+        paired[:, 0] = windows
         for start in range(0, windows.shape[0], 256):
-            out[start : start + 256] = cached_outputs(target, windows[start : start + 256], opts.layer_ids)
-        return FeatureCache(windows, out)
+            part = windows[start : start + 256]
+            out[start : start + 256], paired[start : start + 256, 1] = cached_outputs(
+                target, part, opts.layer_ids, with_final=with_final
+            )
+        return FeatureCache(paired, out)
 
     return cache_windows(data, teacher_data, width, row_bytes, gib, build, "DFLASH output cache")
 
@@ -286,8 +309,8 @@ def train_dflash(
         for group in optim.param_groups:
             group["lr"] = opts.lr * lr_scale(step, frac)
         if caches is not None:
-            window, cached = sample_cached(caches, opts.batch, n_teacher, gen)
-            loss, top1 = dflash_loss(draft, target, window, opts, gen, cached)
+            paired, rows = sample_cached(caches, opts.batch, n_teacher, gen)
+            loss, top1 = dflash_loss(draft, target, paired[:, 0], opts, gen, (rows, paired[:, 1]))
         else:
             loss, top1 = dflash_loss(draft, target, _batch(data, teacher_data, gen, opts), opts, gen)
         optim.zero_grad(set_to_none=True)

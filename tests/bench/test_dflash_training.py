@@ -28,8 +28,13 @@ def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
     for i in range(length - 1):
         window[0, i + 1] = greedy[i]  # the target's own continuation ...
     window[0, 5] = (greedy[4] + 1) % vocab  # ... but token 5 is not its choice
-    teacher, counts = block_targets(window, logits, torch.tensor([[1, 3, 5, 8]]), block)
+    anchors = torch.tensor([[1, 3, 5, 8]])
+    labels, teacher, counts = block_targets(window, logits.argmax(-1), logits, anchors, block)
     assert teacher.shape == (1, 4, block - 1, vocab)
+    assert labels[0, 1].tolist() == greedy[3:7].tolist()  # anchor 3: the target's choices after tokens 3..6
+    greedy_only = block_targets(window, logits.argmax(-1), None, anchors, block)
+    assert greedy_only[1] is None
+    assert torch.equal(greedy_only[0], labels) and torch.equal(greedy_only[2], counts)
     # anchor 1, position 1: the target's distribution after token 1
     assert torch.allclose(teacher[0, 0, 0].exp(), torch.softmax(logits[0, 1], -1))
     assert counts[0].tolist() == [
@@ -47,17 +52,41 @@ def test_anchors_are_distinct_and_leave_room_for_the_labels():
     assert all(len(set(row.tolist())) == 10 for row in anchors)
 
 
-def test_cached_outputs_give_the_targets_layer_outputs_and_logits(target):
-    """The cache keeps the layer outputs and the final normed hidden state in bfloat16; the
-    logits come back through the LM head, as the uncached step computes them."""
+def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits(target):
+    """The cache keeps the layer outputs in bfloat16 and the target's greedy tokens; for KL
+    labels also the final normed hidden state, from which the logits come back through the LM
+    head as the uncached step computes them."""
     windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
     feats, logits = target_outputs(target, windows, [0, 1])
-    cached = cached_outputs(target, windows, [0, 1])
-    assert cached.dtype == torch.bfloat16 and cached.shape == (3, 17, 3 * 64)
-    got_feats, got_logits = split_cached(target, cached)
+    rows, greedy = cached_outputs(target, windows, [0, 1])
+    assert rows.dtype == torch.bfloat16 and rows.shape == (3, 17, 2 * 64)
+    assert torch.equal(greedy, logits.argmax(-1))
+    got_feats, no_logits = split_cached(target, rows, with_logits=False)
+    assert torch.equal(got_feats, feats.to(torch.bfloat16).float()) and no_logits is None
+    full, _ = cached_outputs(target, windows, [0, 1], with_final=True)
+    assert full.shape == (3, 17, 3 * 64)
+    got_feats, got_logits = split_cached(target, full, with_logits=True)
     assert torch.equal(got_feats, feats.to(torch.bfloat16).float())
     assert torch.allclose(got_logits, logits, atol=0.05)
     assert torch.equal(got_logits.argmax(-1), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("labels", ["greedy", "distribution"])
+def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
+    """The same windows and anchors give the same loss from the cache as from the target (to
+    the cache's bfloat16 rounding), with greedy and KL labels alike."""
+    from bench.speculative.dflash_draft import DFlashDraft
+    from bench.speculative.dflash_training import dflash_loss
+
+    torch.manual_seed(0)
+    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0, 1],
+                        num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+    opts = DFlashTraining(seconds=0, seq=16, batch=3, lr=0, block=4, layer_ids=[0, 1], blocks=5, labels=labels)
+    windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(2))
+    plain, _ = dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(3))
+    rows, greedy = cached_outputs(target, windows, [0, 1], with_final=labels != "greedy")
+    cached, _ = dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(3), (rows, greedy))
+    assert torch.allclose(plain, cached, rtol=0.02), (plain, cached)
 
 
 def test_training_on_cached_outputs_reports_the_cache(target):
