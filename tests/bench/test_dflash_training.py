@@ -81,6 +81,8 @@ def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
     torch.manual_seed(0)
     draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0, 1],
                         num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+    with torch.no_grad():
+        draft.norm.mul_(30.0)  # peaked logits: the loss then depends on which token is the label
     opts = DFlashTraining(seconds=0, seq=16, batch=3, lr=0, block=4, layer_ids=[0, 1], blocks=5, labels=labels)
     windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(2))
     plain, _ = dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(3))
