@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from ..speculative.dflash_training import DFlashTraining
+
 SPREADS = ("reference", "top")
 INITS = ("random", "target")
 
@@ -16,10 +18,11 @@ class Recipe:
     ids: str = "reference"  # the target layers it reads: models.dflash_layer_ids' spread
     teacher: int | None = None  # teacher windows trained on (the first ones; None: all generated)
     lr: float = 1e-3
-    wd: float = 0.0  # AdamW weight decay on the matrices
-    blocks: int = 24  # anchors per training window
-    decay: float = 4.0  # block position weights exp(-(j - 1) / decay)
-    init: str = "random"  # or "target": the draft's layers start as the target's top layers
+    # the trainer's defaults (DFlashTraining's, as bench/speculative's flags)
+    wd: float = DFlashTraining.weight_decay  # AdamW weight decay on the matrices
+    blocks: int = DFlashTraining.blocks  # anchors per training window
+    decay: float = DFlashTraining.decay  # block position weights exp(-(j - 1) / decay)
+    init: str = DFlashTraining.init  # or "target": the draft's layers start as the target's top layers
 
     def label(self) -> str:
         """The recipe as given (only what differs from the defaults), e.g. ``layers=3,ids=top``."""

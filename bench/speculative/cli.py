@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .dflash_training import DFlashTraining
 from .settings import Settings, settings_from
 
 DESCRIPTION = "Speculative decoding throughput: tokens/s with and without a draft, 4 adapters in the mix."
@@ -199,22 +200,22 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--dflash-lr", type=float, default=None, help="DFLASH training: peak learning rate")
     ap.add_argument(
-        "--dflash-anchors", type=int, default=24, help="DFLASH training: blocks (distinct anchors) per window"
+        "--dflash-anchors", type=int, default=DFlashTraining.blocks, help="DFLASH training: blocks (distinct anchors) per window"
     )
     ap.add_argument(
         "--dflash-decay",
         type=float,
-        default=4.0,
+        default=DFlashTraining.decay,
         help="DFLASH training: block position j's loss weight is exp(-(j - 1) / decay)",
     )
     ap.add_argument(
         "--dflash-init",
         choices=("random", "target"),
-        default="random",
+        default=DFlashTraining.init,
         help="DFLASH training: the draft's layers start random, or as the target's top layers (target)",
     )
     ap.add_argument(
-        "--dflash-weight-decay", type=float, default=0.0, help="DFLASH training: AdamW weight decay on its matrices"
+        "--dflash-weight-decay", type=float, default=DFlashTraining.weight_decay, help="DFLASH training: AdamW weight decay on its matrices"
     )
     ap.add_argument(
         "--dflash-block",
