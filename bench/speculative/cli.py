@@ -37,6 +37,11 @@ def parse(argv: list[str] | None = None) -> Settings:
             f"--dflash-anchors must be at least 1 and --dflash-decay positive, got {args.dflash_anchors} and"
             f" {args.dflash_decay}"
         )
+    if (args.dflash_train_s is not None and args.dflash_train_s <= 0) or args.dflash_probe_s < 0:
+        ap.error(
+            f"--dflash-train-s must be positive and --dflash-probe-s not negative, got {args.dflash_train_s} and"
+            f" {args.dflash_probe_s}"
+        )
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     return settings_from(args, argv)
@@ -216,6 +221,16 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--dflash-weight-decay", type=float, default=DFlashTraining.weight_decay, help="DFLASH training: AdamW weight decay on its matrices"
+    )
+    ap.add_argument(
+        "--dflash-train-s", type=float, default=None, help="DFLASH training: seconds (default --train-draft-s)"
+    )
+    ap.add_argument(
+        "--dflash-probe-s",
+        type=float,
+        default=0.0,
+        help="DFLASH training: every this many seconds, walk the held-out continuations with the draft so far"
+        " (the learning curve; not counted in the training time; default 0, none)",
     )
     ap.add_argument(
         "--dflash-block",

@@ -25,12 +25,14 @@ The target is frozen, so its outputs of a training window are computed once
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .dflash_draft import DFlashDraft
 from .eagle_training import FeatureCache, cache_windows, sample_cached
+from .log import log
 from .training import lr_scale, progress
 
 
@@ -63,6 +65,9 @@ class DFlashTraining:
     # > 0: the target's outputs of every training window computed once, up to this many GiB;
     # None: CACHE_GIB on a GPU (within its free memory less STEP_RESERVE_GIB), off on the CPU
     cache_gib: float | None = None
+    # > 0: every this many seconds of training, the probe given to train_dflash judges the draft
+    # so far (its time not counted): the learning curve of one run, over one target
+    probe_s: float = 0.0
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
@@ -72,8 +77,9 @@ class DFlashTraining:
 # corpus windows with three (run 4 cached the final hidden state too: ~21k). Run 3's five-layer draft, trained
 # 6.6 epochs over the 8,717 teacher windows 40 GiB held, agreed with the target at block
 # position 7 on 0.70 of training blocks and 0.24 of held-out ones: the teacher windows the
-# cache holds bound what the draft learns.
-CACHE_GIB = 64.0
+# cache holds bound what the draft learns. An H200's ~130 GiB free holds 48k teacher windows
+# and as many corpus windows with three layers; an H100's free memory bounds it first.
+CACHE_GIB = 120.0
 # what a training step itself allocates, beside the cache (batch 48, 24 blocks of 8: ~3 GiB)
 STEP_RESERVE_GIB = 10.0
 
@@ -277,9 +283,10 @@ def init_from_target(draft: DFlashDraft, target) -> None:
 
 def train_dflash(
     target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
-    opts: DFlashTraining,
+    opts: DFlashTraining, probe: Callable[[DFlashDraft], dict] | None = None,
 ) -> tuple[DFlashDraft, dict]:  # fmt: skip
-    """Train a DFLASH draft over the frozen ``target`` for ``opts.seconds``."""
+    """Train a DFLASH draft over the frozen ``target`` for ``opts.seconds``; ``probe`` (with
+    ``opts.probe_s``) judges it every ``probe_s`` seconds of training, listed under ``probes``."""
     cfg = target.config
     draft = DFlashDraft(
         shape, target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=opts.layer_ids,
@@ -305,7 +312,10 @@ def train_dflash(
     caches = output_caches(target, data, teacher_data, device, opts)
     n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
+    probes: list[dict] = []
     while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
+        if probe is not None and opts.probe_s > 0 and time.monotonic() - start >= opts.probe_s * (len(probes) + 1):
+            start += _probe(draft, probe, probes, time.monotonic() - start, step)
         for group in optim.param_groups:
             group["lr"] = opts.lr * lr_scale(step, frac)
         if caches is not None:
@@ -337,7 +347,19 @@ def train_dflash(
         "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
         "seq": opts.seq,
         **(caches[2] if caches is not None else {"output_cache": "off"}),
+        **({"probes": probes} if probes else {}),
     }
+
+
+def _probe(draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: list[dict], elapsed: float, step: int) -> float:
+    """Append ``probe``'s judgement of ``draft`` after ``elapsed`` training seconds (``step``
+    steps) to ``probes``; returns the seconds it took, which the training budget does not count."""
+    t0 = time.monotonic()
+    draft.eval()
+    probes.append({"seconds": round(elapsed, 1), "steps": step, **probe(draft)})
+    draft.train()
+    log(f"DFLASH probe: {probes[-1]}")
+    return time.monotonic() - t0
 
 
 @torch.no_grad()

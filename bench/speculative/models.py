@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
     """The EAGLE head over ``target``, rounded to what is served, with its held-out top-1."""
     args = s.args
     opts = EagleTraining(
-        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.eagle_lr or (2e-3 if s.smoke else 1e-3),
+        seconds=s.dflash_train_s, seq=teacher.seq, batch=s.batch, lr=args.eagle_lr or (2e-3 if s.smoke else 1e-3),
         teacher_fraction=teacher.fraction, noise=args.eagle_noise, unroll=args.eagle_unroll,
         feature_weight=args.eagle_feature_weight, max_steps=s.max_steps[2],
         cache_gib=args.eagle_cache_gib if args.eagle_cache_gib is not None else (0.02 if s.smoke else 32.0),
@@ -142,10 +143,19 @@ def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tenso
         seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
         block=s.dflash_block, layer_ids=layer_ids, num_layers=s.dflash_layers, teacher_fraction=teacher.fraction,
         weight_decay=args.dflash_weight_decay, blocks=args.dflash_anchors, decay=args.dflash_decay,
-        init=args.dflash_init, max_steps=s.max_steps[2],
+        init=args.dflash_init, max_steps=s.max_steps[2], probe_s=args.dflash_probe_s,
     )  # fmt: skip
-    draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts)
+    draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts,
+                               probe=lambda d: _walk_probe(d, target, held_ids, s.device, teacher.seq))  # fmt: skip
     draft.round_to_bf16()  # what is served
     info.update(dflash_heldout(draft, target, held_ids, s.device, seq=teacher.seq))
     log(f"DFLASH draft trained: {info}")
     return draft, info
+
+
+def _walk_probe(draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, seq: int) -> dict:
+    """The held-out serving walk of ``draft`` as it would be served (a bf16-rounded copy)."""
+    served = copy.deepcopy(draft)
+    served.round_to_bf16()
+    got = dflash_heldout(served, target, held_ids, device, seq=seq)
+    return {"heldout_walk_mean": got["heldout_walk_mean"], "heldout_top1": got["heldout_top1"]}

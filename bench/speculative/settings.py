@@ -84,6 +84,7 @@ class Settings:
     target_shape: str
     train_target_s: float
     train_draft_s: float
+    dflash_train_s: float  # the DFLASH draft's (--train-draft-s unless --dflash-train-s)
     vocab: int
     waves: int
     seq: int  # training sequence length of the target (and of a corpus-trained draft)
@@ -102,6 +103,7 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
     caps = parse_max_steps(args.max_steps)
     smoke = args.smoke
     seq, batch = (64, 16) if smoke else (512, 48)
+    draft_s = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 240)
     return Settings(
         args=args,
         argv=argv,
@@ -121,7 +123,8 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
         draft_shape="smoke-draft" if smoke else "draft",
         target_shape=args.target_shape or ("smoke-big" if smoke else "8b"),
         train_target_s=args.train_target_s if args.train_target_s is not None else (8 if smoke else 60),
-        train_draft_s=args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 240),
+        train_draft_s=draft_s,
+        dflash_train_s=args.dflash_train_s if args.dflash_train_s is not None else draft_s,
         vocab=512 if smoke else 8192,
         waves=args.waves or (1 if smoke else 3),
         seq=seq,

@@ -3,6 +3,9 @@ target's outputs computed once."""
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -101,6 +104,34 @@ def test_training_on_cached_outputs_reports_the_cache(target):
     assert info["labels"] == "greedy"  # cross-entropy to the target's greedy token by default
     assert cache_budget(DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], num_layers=1),
                         torch.device("cpu")) == 0.0  # fmt: skip
+
+
+def test_probes_judge_the_draft_during_training_outside_its_time(target):
+    """``probe_s``: the probe sees the draft every ``probe_s`` training seconds, in eval mode,
+    and its own time is not training time: a probe slower than the whole budget still leaves
+    room for the next."""
+    import time
+
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+    seen: list[tuple[bool, torch.Tensor]] = []
+
+    def probe(draft) -> dict:
+        seen.append((draft.training, draft.layers[0].q_proj.weight.detach().clone()))
+        time.sleep(0.7)
+        return {"walk": float(len(seen))}
+
+    opts = DFlashTraining(seconds=0.6, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0, 1], num_layers=2,
+                          blocks=6, probe_s=0.1, cache_gib=0.0)  # fmt: skip
+    draft, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts, probe=probe)
+    probes = info["probes"]
+    assert len(probes) >= 2 and [p["walk"] for p in probes] == [float(i + 1) for i in range(len(probes))]
+    assert all(p["seconds"] >= 0.1 * (i + 1) - 0.051 for i, p in enumerate(probes))  # rounded to 0.1 s
+    assert all(a["steps"] < b["steps"] for a, b in itertools.pairwise(probes)) and probes[-1]["steps"] < info["steps"]
+    assert not any(training for training, _ in seen) and not draft.training  # eval mode while probed
+    assert not torch.equal(seen[0][1], seen[-1][1])  # it saw the draft as it trained
+    _, plain = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, probe_s=0.0),
+                            probe=probe)  # fmt: skip
+    assert "probes" not in plain
 
 
 def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
