@@ -100,7 +100,7 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
     """The EAGLE head over ``target``, rounded to what is served, with its held-out top-1."""
     args = s.args
     opts = EagleTraining(
-        seconds=s.dflash_train_s, seq=teacher.seq, batch=s.batch, lr=args.eagle_lr or (2e-3 if s.smoke else 1e-3),
+        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.eagle_lr or (2e-3 if s.smoke else 1e-3),
         teacher_fraction=teacher.fraction, noise=args.eagle_noise, unroll=args.eagle_unroll,
         feature_weight=args.eagle_feature_weight, max_steps=s.max_steps[2],
         cache_gib=args.eagle_cache_gib if args.eagle_cache_gib is not None else (0.02 if s.smoke else 32.0),
@@ -140,7 +140,7 @@ def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tenso
     args = s.args
     layer_ids = dflash_layer_ids(target.config.num_hidden_layers, s.dflash_layers, args.dflash_target_layers)
     opts = DFlashTraining(
-        seconds=s.train_draft_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
+        seconds=s.dflash_train_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
         block=s.dflash_block, layer_ids=layer_ids, num_layers=s.dflash_layers, teacher_fraction=teacher.fraction,
         weight_decay=args.dflash_weight_decay, blocks=args.dflash_anchors, decay=args.dflash_decay,
         init=args.dflash_init, max_steps=s.max_steps[2], probe_s=args.dflash_probe_s,
