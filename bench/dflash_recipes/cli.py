@@ -7,11 +7,13 @@ import argparse
 from dataclasses import dataclass
 
 from ..speculative import cli as spec_cli
+from ..speculative.dflash_recipe import Recipe, parse_recipe
 from ..speculative.settings import Settings as SpecSettings
 from ..speculative.shapes import SHAPES
-from .recipes import Recipe, parse_recipes
 
-DESCRIPTION = "DFLASH draft recipes: one draft per recipe over one trained target, judged by the held-out serving walk."
+DESCRIPTION = (
+    "DFLASH draft recipes: one draft per recipe over one trained target, judged by the held-out serving walk."
+)
 
 # Each question of the H100 runs 3-4 on one target: the target layers read, the teacher windows,
 # the depth, the learning rate (bench/results/2026-12-06-dflash-recipes-cpu.md answered the
@@ -40,6 +42,17 @@ class Settings:
     json: str | None
 
 
+def parse_recipes(text: str) -> list[Recipe]:
+    """``--recipes``: recipes separated by semicolons, at least one, no two the same."""
+    recipes = [parse_recipe(part) for part in text.split(";") if part.strip()]
+    if not recipes:
+        raise ValueError("--recipes names no recipe: give e.g. 'layers=3,ids=reference;layers=3,ids=top'")
+    labels = [r.label() for r in recipes]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--recipes repeats a recipe: {labels}")
+    return recipes
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every option, with the GPU default (``--smoke``'s in brackets)."""
     ap = argparse.ArgumentParser(description=DESCRIPTION)
@@ -51,10 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recipe-s", type=float, default=None, help="seconds of training per recipe (55 [30, capped])")
     add("--max-steps", type=int, default=None, help=f"step cap per recipe (none [{SMOKE_STEPS}])")
     add("--train-target-s", type=float, default=None, help="seconds of small target training (60 [8])")
-    add("--distill-count", type=int, default=None, help="teacher continuations (12288 [32], or a recipe's larger teacher)")
+    add(
+        "--distill-count",
+        type=int,
+        default=None,
+        help="teacher continuations (12288 [32], or a recipe's larger teacher)",
+    )
     add("--dflash-block", type=int, default=None, help="the block trained and walked (8 [4])")
-    add("--shape", choices=sorted(SHAPES), default=None, help="the small target's shape (small [smoke-small])")
-    add("--target-steps", type=int, default=None, help=f"step cap of the target (none [{SMOKE_TARGET_STEPS}])")
+    add(
+        "--shape", choices=sorted(SHAPES), default=None, help="the small target's shape (small [smoke-small])"
+    )
+    add(
+        "--target-steps", type=int, default=None, help=f"step cap of the target (none [{SMOKE_TARGET_STEPS}])"
+    )
     add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
     return ap
 
@@ -72,11 +94,17 @@ def parse(argv: list[str] | None = None) -> Settings:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     # a recipe that names fewer teacher windows takes the first ones; the others take them all
-    count = args.distill_count if args.distill_count is not None else max([*wanted, SMOKE_TEACHER if args.smoke else TEACHER])
+    count = (
+        args.distill_count
+        if args.distill_count is not None
+        else max([*wanted, SMOKE_TEACHER if args.smoke else TEACHER])
+    )
     if wanted and max(wanted) > count:
         ap.error(f"a recipe trains on {max(wanted)} teacher windows, but --distill-count makes {count}")
     spec_argv = ["--draft", "dflash", "--distill-count", str(count)]
-    target_steps = args.target_steps if args.target_steps is not None else (SMOKE_TARGET_STEPS if args.smoke else 0)
+    target_steps = (
+        args.target_steps if args.target_steps is not None else (SMOKE_TARGET_STEPS if args.smoke else 0)
+    )
     spec_argv += ["--max-steps", f"{target_steps},0,0"] + (["--smoke"] if args.smoke else [])
     for flag in ("train_target_s", "dflash_block"):
         if getattr(args, flag) is not None:

@@ -11,12 +11,11 @@ import torch
 
 from loraserve.runtime.dev.devmodels import write_tokenizer
 
-from ..speculative.dflash_training import DFlashTraining, dflash_heldout, train_dflash
+from ..speculative.dflash_recipe import Recipe
 from ..speculative.distillation import TeacherData, teacher_continuations
 from ..speculative.log import log
-from ..speculative.models import dflash_layer_ids, load_corpus, train_target
+from ..speculative.models import load_corpus, train_dflash_draft, train_target
 from . import cli
-from .recipes import Recipe
 from .report import report
 
 
@@ -54,17 +53,11 @@ def train_recipe(
     """``recipe``'s draft trained over ``target`` for ``s.recipe_s`` (rounded to what is
     served), with its held-out agreement and walk."""
     spec = s.spec
-    opts = DFlashTraining(
-        seconds=s.recipe_s, seq=teacher.seq, batch=spec.batch, lr=recipe.lr, block=spec.dflash_block,
-        layer_ids=dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids),
-        num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd, init=recipe.init,
-        teacher_fraction=teacher.fraction, max_steps=s.max_steps,
+    draft, info = train_dflash_draft(
+        spec, recipe, target, data, held_ids, teacher,
+        seconds=s.recipe_s, max_steps=s.max_steps, heldout_count=s.heldout_count,
     )  # fmt: skip
-    teacher_data = teacher.data[: recipe.teacher] if recipe.teacher is not None else teacher.data
-    draft, info = train_dflash(target, spec.small_shape, data, teacher_data, spec.device, opts)
-    draft.round_to_bf16()
-    info["teacher_windows"] = teacher_data.shape[0]
-    info.update(dflash_heldout(draft, target, held_ids, spec.device, seq=teacher.seq, count=s.heldout_count))
+    info["teacher_windows"] = recipe.teacher_windows(teacher.data).shape[0]
     log(f"recipe {recipe.label()}: {info}")
     del draft
     if spec.device.type == "cuda":

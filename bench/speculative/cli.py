@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .dflash_training import DFlashTraining
+from . import dflash_recipe
 from .settings import Settings, settings_from
 
 DESCRIPTION = "Speculative decoding throughput: tokens/s with and without a draft, 4 adapters in the mix."
@@ -30,13 +30,6 @@ def parse(argv: list[str] | None = None) -> Settings:
         ap.error(
             f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}"
         )
-    if args.dflash_layers is not None and args.dflash_layers < 1:
-        ap.error(f"--dflash-layers must be at least 1, got {args.dflash_layers}")
-    if args.dflash_anchors < 1 or args.dflash_decay <= 0:
-        ap.error(
-            f"--dflash-anchors must be at least 1 and --dflash-decay positive, got {args.dflash_anchors} and"
-            f" {args.dflash_decay}"
-        )
     if (args.dflash_train_s is not None and args.dflash_train_s <= 0) or args.dflash_probe_s < 0:
         ap.error(
             f"--dflash-train-s must be positive and --dflash-probe-s not negative, got {args.dflash_train_s} and"
@@ -44,7 +37,11 @@ def parse(argv: list[str] | None = None) -> Settings:
         )
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
-    return settings_from(args, argv)
+    try:
+        recipe = dflash_recipe.recipe_from_args(args)
+    except ValueError as err:
+        ap.error(str(err))
+    return settings_from(args, argv, recipe)
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
@@ -185,43 +182,7 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
     )
     ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
-    ap.add_argument(
-        "--dflash-layers",
-        type=int,
-        # 5, as the reference's drafts of 8B targets: on a CPU toy target, five layers accepted
-        # 4.58 drafts a block in the held-out serving walk against three's 4.35 at equal steps
-        # (a step of five costs ~1.5x on a GPU; with the output cache it makes more steps than
-        # run 2's three layers did)
-        default=5,
-        help="DFLASH: draft layers, each reading one target layer's output spread as the reference spreads"
-        " them (default 5, smoke too; one layer cannot both read its block's token and query the context)",
-    )
-    ap.add_argument(
-        "--dflash-target-layers",
-        choices=("reference", "top"),
-        default="reference",
-        help="DFLASH: the target layers the draft reads, spread over 1..L-3 as the reference spreads them"
-        " (reference, the default) or over 1..L-1 (top: the small target's last layer included)",
-    )
-    ap.add_argument("--dflash-lr", type=float, default=None, help="DFLASH training: peak learning rate")
-    ap.add_argument(
-        "--dflash-anchors", type=int, default=DFlashTraining.blocks, help="DFLASH training: blocks (distinct anchors) per window"
-    )
-    ap.add_argument(
-        "--dflash-decay",
-        type=float,
-        default=DFlashTraining.decay,
-        help="DFLASH training: block position j's loss weight is exp(-(j - 1) / decay)",
-    )
-    ap.add_argument(
-        "--dflash-init",
-        choices=("random", "target"),
-        default=DFlashTraining.init,
-        help="DFLASH training: the draft's layers start random, or as the target's top layers (target)",
-    )
-    ap.add_argument(
-        "--dflash-weight-decay", type=float, default=DFlashTraining.weight_decay, help="DFLASH training: AdamW weight decay on its matrices"
-    )
+    dflash_recipe.add_flags(ap)
     ap.add_argument(
         "--dflash-train-s", type=float, default=None, help="DFLASH training: seconds (default --train-draft-s)"
     )

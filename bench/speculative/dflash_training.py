@@ -364,7 +364,7 @@ def _probe(draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: lis
 
 @torch.no_grad()
 def dflash_heldout(
-    draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int = 16
+    draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int
 ) -> dict:
     """What serving would accept, offline, on the target's greedy continuations of ``count``
     held-out prompts (``seq // 3`` tokens each).

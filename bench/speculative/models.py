@@ -13,6 +13,7 @@ from loraserve.runtime.dev.devmodels import write_tokenizer
 
 from .corpus import corpus_files, tokenize
 from .dflash_draft import DFlashDraft
+from .dflash_recipe import Recipe
 from .dflash_training import DFlashTraining, dflash_heldout, train_dflash
 from .distillation import TeacherData, teacher_continuations, train_standalone
 from .eagle_head import EagleHead
@@ -135,27 +136,51 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str 
 
 
 def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
-    """The DFLASH draft over ``target`` (``--dflash-layers`` layers reading as many of its
-    layers' outputs), rounded to what is served, with its held-out agreement."""
-    args = s.args
-    layer_ids = dflash_layer_ids(target.config.num_hidden_layers, s.dflash_layers, args.dflash_target_layers)
-    opts = DFlashTraining(
-        seconds=s.dflash_train_s, seq=teacher.seq, batch=s.batch, lr=args.dflash_lr or (2e-3 if s.smoke else 1e-3),
-        block=s.dflash_block, layer_ids=layer_ids, num_layers=s.dflash_layers, teacher_fraction=teacher.fraction,
-        weight_decay=args.dflash_weight_decay, blocks=args.dflash_anchors, decay=args.dflash_decay,
-        init=args.dflash_init, max_steps=s.max_steps[2], probe_s=args.dflash_probe_s,
-    )  # fmt: skip
-    draft, info = train_dflash(target, s.small_shape, data, teacher.data, s.device, opts,
-                               probe=lambda d: _walk_probe(d, target, held_ids, s.device, teacher.seq))  # fmt: skip
-    draft.round_to_bf16()  # what is served
-    info.update(dflash_heldout(draft, target, held_ids, s.device, seq=teacher.seq))
+    """The DFLASH draft of the ``--dflash-*`` flags over ``target``, trained for ``--dflash-train-s``."""
+    draft, info = train_dflash_draft(
+        s, s.dflash_recipe, target, data, held_ids, teacher, seconds=s.dflash_train_s, max_steps=s.max_steps[2],
+        probe_s=s.args.dflash_probe_s,
+    )
     log(f"DFLASH draft trained: {info}")
     return draft, info
 
 
-def _walk_probe(draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, seq: int) -> dict:
+def train_dflash_draft(
+    s: Settings,
+    recipe: Recipe,
+    target,
+    data: torch.Tensor,
+    held_ids: torch.Tensor,
+    teacher: TeacherData,
+    *,
+    seconds: float,
+    max_steps: int | None,
+    heldout_count: int = 16,  # bench/speculative's; the recipe study walks its --heldout-count
+    probe_s: float = 0.0,
+) -> tuple[DFlashDraft, dict]:
+    """``recipe``'s DFLASH draft over ``target`` (``recipe.layers`` layers reading as many of
+    its layers' outputs; ``s``'s block, batch, shape and device), trained for ``seconds`` or
+    ``max_steps`` steps, rounded to what is served, with its held-out agreement and walk over
+    ``heldout_count`` continuations; every ``probe_s`` training seconds (> 0), the served
+    draft so far walks them too (the learning curve)."""
+    opts = DFlashTraining(
+        seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block,
+        layer_ids=dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids),
+        num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
+        init=recipe.init, teacher_fraction=teacher.fraction, max_steps=max_steps, probe_s=probe_s,
+    )  # fmt: skip
+    draft, info = train_dflash(
+        target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,
+        probe=lambda d: _walk_probe(d, target, held_ids, s.device, teacher.seq, heldout_count),
+    )  # fmt: skip
+    draft.round_to_bf16()  # what is served
+    info.update(dflash_heldout(draft, target, held_ids, s.device, seq=teacher.seq, count=heldout_count))
+    return draft, info
+
+
+def _walk_probe(draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, seq: int, count: int) -> dict:
     """The held-out serving walk of ``draft`` as it would be served (a bf16-rounded copy)."""
     served = copy.deepcopy(draft)
     served.round_to_bf16()
-    got = dflash_heldout(served, target, held_ids, device, seq=seq)
+    got = dflash_heldout(served, target, held_ids, device, seq=seq, count=count)
     return {"heldout_walk_mean": got["heldout_walk_mean"], "heldout_top1": got["heldout_top1"]}

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .dflash_recipe import Recipe
+
 DRAFTS = ("standalone", "eagle", "dflash")
 
 
@@ -75,7 +77,7 @@ class Settings:
     max_steps: tuple[int | None, int | None, int | None]  # TARGET, STANDALONE, EAGLE
     k: int
     dflash_block: int  # the DFLASH draft's block: trained on and verified (num_draft_tokens)
-    dflash_layers: int  # the DFLASH draft's layers (as many target layers feed it)
+    dflash_recipe: Recipe  # how the DFLASH draft trains (the --dflash-* flags)
     gen_tokens: int
     prompt_len: int
     concurrency: list[int]
@@ -91,8 +93,9 @@ class Settings:
     batch: int
 
 
-def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
-    """Check the options that parse by hand (exiting with a message) and fill in the defaults."""
+def settings_from(args: argparse.Namespace, argv: list[str] | None, dflash_recipe: Recipe) -> Settings:
+    """Check the options that parse by hand (exiting with a message) and fill in the defaults;
+    ``dflash_recipe`` is the ``--dflash-*`` flags' (``cli.parse`` checks it)."""
     if args.c1_requests < 1:
         raise SystemExit(f"--c1-requests {args.c1_requests}: give at least 1")
     drafts = parse_drafts(args.draft)
@@ -115,7 +118,7 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None) -> Settings:
         max_steps=caps,
         k=args.k or (4 if smoke else 6),
         dflash_block=args.dflash_block or (4 if smoke else 8),
-        dflash_layers=args.dflash_layers,
+        dflash_recipe=dflash_recipe,
         gen_tokens=args.gen_tokens or (24 if smoke else 192),
         prompt_len=args.prompt_len or (32 if smoke else 128),
         concurrency=[int(c) for c in (args.concurrency or ("1,2,4" if smoke else "1,8,32")).split(",")],

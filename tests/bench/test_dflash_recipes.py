@@ -1,7 +1,8 @@
-"""``bench/dflash_recipes``: the recipes as the command line writes them, the target layers a
-recipe's ``ids`` picks, the study's command line, AdamW's weight decay on the draft's
-matrices only, and the ``--smoke`` study end to end (one draft per recipe, each judged by
-the held-out serving walk, over one trained target and one set of teacher continuations)."""
+"""``bench/dflash_recipes``: the ``--recipes`` list (one recipe's text is tested with the
+recipe, in ``test_spec_dflash_recipe``), the target layers a recipe's ``ids`` picks, the
+study's command line, AdamW's weight decay on the draft's matrices only, and the ``--smoke``
+study end to end (one draft per recipe, each judged by the held-out serving walk, over one
+trained target and one set of teacher continuations)."""
 
 from __future__ import annotations
 
@@ -17,48 +18,13 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 runpy.run_path(str(BENCH / "bootstrap.py"))["import_package"](BENCH / "dflash_recipes")
 
 from bench.dflash_recipes import cli, study  # noqa: E402
-from bench.dflash_recipes.recipes import Recipe, parse_recipe, parse_recipes  # noqa: E402
+from bench.dflash_recipes.cli import parse_recipes  # noqa: E402
+from bench.speculative.dflash_recipe import Recipe  # noqa: E402
 from bench.speculative.dflash_training import DFlashTraining, train_dflash  # noqa: E402
 from bench.speculative.models import dflash_layer_ids  # noqa: E402
 from bench.speculative.training import lr_scale  # noqa: E402
 
-# --- recipes -------------------------------------------------------------------------------
-
-
-def test_a_recipe_parses_every_field():
-    """Each ``key=value`` lands in its field with its type; unnamed fields keep their defaults."""
-    r = parse_recipe(" layers=5, ids=top ,teacher=24576,lr=3e-4,wd=0.1,blocks=12,decay=2.5,init=target ")
-    assert r == Recipe(layers=5, ids="top", teacher=24576, lr=3e-4, wd=0.1, blocks=12, decay=2.5, init="target")
-    assert isinstance(r.layers, int) and isinstance(r.teacher, int) and isinstance(r.lr, float)
-    assert parse_recipe("layers=2") == Recipe(layers=2)
-    assert parse_recipe("") == Recipe()
-
-
-@pytest.mark.parametrize(
-    ("text", "named"),
-    [
-        ("layers=3,depth=2", "'depth=2' is not KEY=VALUE"),  # an unknown key
-        ("layers=3,top", "'top' is not KEY=VALUE"),  # no '='
-        ("ids=top,layers", "'layers' is not KEY=VALUE"),  # a known key without '='
-        ("layers=three", "layers must be a"),
-        ("teacher=1.5", "teacher must be a"),
-        ("lr=fast", "lr must be a number"),
-        ("ids=middle", "ids must be one of"),
-        ("init=copied", "init must be one of"),
-        ("layers=0", "layers must be at least 1"),
-        ("blocks=0", "blocks must be at least 1"),
-        ("teacher=0", "teacher must be at least 1"),
-        ("lr=0", "lr and decay must be positive"),
-        ("wd=-0.1", "wd not negative"),
-        ("decay=0", "lr and decay must be positive"),
-    ],
-)
-def test_a_wrong_recipe_is_refused_naming_what_is_wrong(text, named):
-    """Every kind of bad recipe raises ValueError whose message quotes the recipe and names
-    the offending key or field (so the command line's error says what to fix)."""
-    with pytest.raises(ValueError) as err:
-        parse_recipe(text)
-    assert named in str(err.value) and repr(text) in str(err.value)
+# --- --recipes -----------------------------------------------------------------------------
 
 
 def test_recipes_are_a_semicolon_list_of_distinct_recipes():
@@ -76,17 +42,6 @@ def test_recipes_are_a_semicolon_list_of_distinct_recipes():
         parse_recipes("layers=3,ids=top;ids=top,layers=3")
     with pytest.raises(ValueError, match="repeats a recipe"):
         parse_recipes("layers=3;layers=3,ids=reference")  # ids=reference is the default
-
-
-def test_a_recipes_label_lists_only_what_differs_from_the_defaults():
-    """The label (the report's row name) names the non-default fields in field order, and
-    parses back to the same recipe; all defaults read ``defaults``."""
-    assert Recipe().label() == "defaults"
-    assert parse_recipe("ids=reference,lr=0.001,wd=0").label() == "defaults"
-    r = parse_recipe("wd=0.1,teacher=24576,ids=top,layers=3")
-    assert r.label() == "ids=top,teacher=24576,wd=0.1"
-    assert parse_recipe(r.label()) == r
-    assert Recipe(layers=2, lr=0.003).label() == "layers=2,lr=0.003"
 
 
 # --- the target layers a draft reads --------------------------------------------------------

@@ -1,0 +1,175 @@
+"""``bench/speculative``'s DFLASH training recipe: the one model of the draft's training knobs,
+as ``bench/dflash_recipes`` writes it (``layers=3,ids=top``) and as this benchmark's
+``--dflash-*`` flags write it, one check for both, and the one function that trains and
+walks a recipe's draft."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.speculative import cli, models
+from bench.speculative.dflash_recipe import (
+    FLAGS,
+    RULES,
+    SMOKE_LR,
+    Recipe,
+    check_recipe,
+    parse_recipe,
+)
+from bench.speculative.dflash_training import DFlashTraining
+
+# --- the recipe as text --------------------------------------------------------------------
+
+
+def test_a_recipe_parses_every_field():
+    """Each ``key=value`` lands in its field with its type; unnamed fields keep their defaults."""
+    r = parse_recipe(" layers=5, ids=top ,teacher=24576,lr=3e-4,wd=0.1,blocks=12,decay=2.5,init=target ")
+    assert r == Recipe(
+        layers=5, ids="top", teacher=24576, lr=3e-4, wd=0.1, blocks=12, decay=2.5, init="target"
+    )
+    assert isinstance(r.layers, int) and isinstance(r.teacher, int) and isinstance(r.lr, float)
+    assert parse_recipe("layers=2") == Recipe(layers=2)
+    assert parse_recipe("") == Recipe()
+
+
+def test_the_trainers_knobs_default_to_the_trainers_own_defaults():
+    """The knobs ``DFlashTraining`` has defaults for take them (one place for each)."""
+    r = Recipe()
+    assert (r.wd, r.blocks, r.decay, r.init) == (
+        DFlashTraining.weight_decay,
+        DFlashTraining.blocks,
+        DFlashTraining.decay,
+        DFlashTraining.init,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("layers=3,depth=2", "'depth=2' is not KEY=VALUE"),  # an unknown key
+        ("layers=3,top", "'top' is not KEY=VALUE"),  # no '='
+        ("ids=top,layers", "'layers' is not KEY=VALUE"),  # a known key without '='
+        ("layers=three", "layers must be an integer"),
+        ("teacher=1.5", "teacher must be an integer"),
+        ("lr=fast", "lr must be a number"),
+        ("ids=middle", "ids must be one of ['reference', 'top']"),
+        ("init=copied", "init must be one of ['random', 'target']"),
+        ("layers=0", "layers must be at least 1"),
+        ("blocks=0", "blocks must be at least 1"),
+        ("teacher=0", "teacher must be at least 1"),
+        ("lr=0", "lr must be positive"),
+        ("lr=-1e-3", "lr must be positive"),
+        ("wd=-0.1", "wd must be 0 or more"),
+        ("decay=0", "decay must be positive"),
+    ],
+)
+def test_a_wrong_recipe_is_refused_naming_what_is_wrong(text, named):
+    """Every kind of bad recipe raises ValueError whose message quotes the recipe and names
+    the offending key and what it takes (so the command line's error says what to fix)."""
+    with pytest.raises(ValueError) as err:
+        parse_recipe(text)
+    assert named in str(err.value) and repr(text) in str(err.value)
+
+
+def test_a_recipes_label_lists_only_what_differs_from_the_defaults():
+    """The label (the report's row name) names the non-default fields in field order, and
+    parses back to the same recipe; all defaults read ``defaults``."""
+    assert Recipe().label() == "defaults"
+    assert parse_recipe("ids=reference,lr=0.001,wd=0").label() == "defaults"
+    r = parse_recipe("wd=0.1,teacher=24576,ids=top,layers=3")
+    assert r.label() == "ids=top,teacher=24576,wd=0.1"
+    assert parse_recipe(r.label()) == r
+    assert Recipe(layers=2, lr=0.003).label() == "layers=2,lr=0.003"
+
+
+def test_a_recipes_teacher_takes_the_first_windows():
+    windows = torch.arange(20).view(10, 2)
+    assert torch.equal(Recipe(teacher=3).teacher_windows(windows), windows[:3])
+    assert Recipe().teacher_windows(windows) is windows
+
+
+# --- one check ----------------------------------------------------------------------------------
+
+
+def test_every_field_has_one_rule_and_every_field_but_teacher_a_flag():
+    """The check covers every field; the command line spells every field but ``teacher``
+    (``bench/speculative`` trains on every teacher window it makes)."""
+    names = [f.name for f in fields(Recipe)]
+    assert list(RULES) == names
+    assert set(FLAGS) == set(names) - {"teacher"}
+
+
+def test_the_check_names_the_field_as_the_caller_spells_it():
+    """``check_recipe`` passes a good recipe and names a bad field by the caller's spelling."""
+    check_recipe(Recipe(wd=0.0, teacher=1))
+    with pytest.raises(ValueError, match=r"^--dflash-lr must be positive .*got 0\.0$"):
+        check_recipe(Recipe(lr=0.0), FLAGS.get)
+    with pytest.raises(ValueError, match=r"^wd must be 0 or more .*got -1\.0$"):
+        check_recipe(Recipe(wd=-1.0))
+
+
+# --- bench/speculative's --dflash-* flags -------------------------------------------------------
+
+
+def test_the_flags_build_the_recipe_the_same_knobs_parse_to():
+    """Every ``--dflash-*`` training flag reaches its field: the recipe equals the one
+    ``bench/dflash_recipes`` parses from the same knobs."""
+    s = cli.parse(
+        ["--smoke", "--draft", "dflash", "--dflash-layers", "2", "--dflash-target-layers", "top",
+         "--dflash-lr", "0.003", "--dflash-weight-decay", "0.01", "--dflash-anchors", "12",
+         "--dflash-decay", "2", "--dflash-init", "target"]
+    )  # fmt: skip
+    assert s.dflash_recipe == parse_recipe("layers=2,ids=top,lr=0.003,wd=0.01,blocks=12,decay=2,init=target")
+
+
+def test_the_flags_defaults():
+    """Without flags: five layers (the reference's depth), the recipe's learning rate on a GPU
+    run and SMOKE_LR under ``--smoke``, the trainer's defaults otherwise."""
+    assert cli.parse([]).dflash_recipe == Recipe(layers=5)
+    assert cli.parse(["--smoke"]).dflash_recipe == Recipe(layers=5, lr=SMOKE_LR)
+    assert cli.parse(["--smoke", "--dflash-lr", "5e-4"]).dflash_recipe.lr == 5e-4
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--dflash-lr", "0"], "--dflash-lr must be positive"),
+        (["--dflash-lr", "-0.001"], "--dflash-lr must be positive"),
+        (["--dflash-weight-decay", "-1"], "--dflash-weight-decay must be 0 or more"),
+        (["--dflash-layers", "0"], "--dflash-layers must be at least 1"),
+        (["--dflash-anchors", "0"], "--dflash-anchors must be at least 1"),
+        (["--dflash-decay", "0"], "--dflash-decay must be positive"),
+    ],
+)
+def test_a_wrong_flag_is_an_argparse_error_naming_it(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(["--smoke", *argv])
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+# --- one function trains and walks a recipe's draft ----------------------------------------------
+
+
+def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
+    """``train_dflash_draft`` (the real trainer over the tiny target) hands every knob of the
+    recipe to the training, rounds the draft to what is served, walks the held-out
+    continuations, and with ``probe_s`` walks the draft while it trains."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(3, 64, (4000,), generator=gen)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25)
+    s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
+    recipe = Recipe(layers=2, ids="top", teacher=4, lr=3e-3, wd=0.01, blocks=5, decay=2.0, init="target")
+    draft, info = models.train_dflash_draft(
+        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=3, heldout_count=2, probe_s=1e-9
+    )
+    assert info["steps"] == 3 and (info["layers"], info["blocks_per_window"], info["decay"]) == (2, 5, 2.0)
+    assert (info["lr"], info["weight_decay"], info["init"]) == (3e-3, 0.01, "target")
+    assert info["target_layer_ids"] == models.dflash_layer_ids(2, 2, "top") and info["teacher_fraction"] == 0.25
+    assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in draft.parameters())  # rounded as served
+    assert len(info["heldout_walk_accept"]) == 3 and 0 <= info["heldout_walk_mean"] <= 3
+    assert [p["steps"] for p in info["probes"]] == [0, 1, 2]  # walked before each step
