@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.runtime.speculative.dflash_format import check_target_layer_ids
+
 from .dflash_draft import DFlashDraft
 from .eagle_training import FeatureCache, cache_windows, sample_cached
 from .log import log
@@ -98,7 +100,9 @@ def cache_budget(opts: DFlashTraining, device: torch.device) -> float:
 
 def target_outputs(target, window: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's outputs of ``layer_ids`` concatenated ``[B, L, K * H]`` (Hugging Face's
-    ``hidden_states[i + 1]``: what the runtime captures) and its logits ``[B, L, V]``."""
+    ``hidden_states[i + 1]``: what the runtime captures, for the layers it captures) and its
+    logits ``[B, L, V]``."""
+    check_target_layer_ids(layer_ids, target.config.num_hidden_layers)
     autocast = window.device.type == "cuda"
     with (
         torch.no_grad(),
@@ -190,6 +194,7 @@ def cached_outputs(
     from it; the LM head is ~8% of the target's work, and logits over the vocabulary would be
     2-8x the size of the rest); and the target's greedy token after each prefix ``[B, L]``
     (all that greedy labels need: a three-layer draft's row is then a quarter smaller)."""
+    check_target_layer_ids(layer_ids, target.config.num_hidden_layers)
     autocast = window.device.type == "cuda"
     with (
         torch.no_grad(),

@@ -117,10 +117,12 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
 
 def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str = "reference") -> list[int]:
     """The target layers the DFLASH draft reads: as many as it has layers, distinct, so fewer
-    where the span holds fewer (layer ``0`` alone for a target of under 4 layers). ``spread``: ``reference``, over ``1 .. L-3`` as the
-    reference spreads them over its 36-layer targets (3 of 36 unread); ``top``, over
-    ``1 .. L-1``: of the small target's 8 layers, ``L-3`` leaves 2 unread, a quarter of its
-    depth, and the last layer's output is what the EAGLE head reads."""
+    where the span holds fewer (layer ``0`` alone for a target of under 4 layers).
+    ``spread``: ``reference``, over ``1 .. L-3`` as the reference spreads them over its
+    36-layer targets (3 of 36 unread); ``top``, over ``1 .. L-2``, the deepest output a
+    target's forward captures (``dflash_format.check_target_layer_ids``: layer ``L-1``'s
+    output is the final norm's input, served un-normed where training would see it normed).
+    Of the small target's 8 layers, ``L-3`` leaves 2 unread, a quarter of its depth."""
     from loraserve.runtime.speculative.dflash_format import default_target_layer_ids
 
     if num_target_layers < 4:
@@ -129,9 +131,10 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str 
         return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
     if spread != "top":
         raise ValueError(f"DFLASH target layer spread must be reference or top, got {spread!r}")
+    deepest = num_target_layers - 2
     if num_draft_layers == 1:
-        return [num_target_layers - 1]
-    span = num_target_layers - 2
+        return [deepest]
+    span = deepest - 1
     return sorted({round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 

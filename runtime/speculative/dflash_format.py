@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,16 +170,7 @@ class DFlashDraftConfig:
                 f"DFLASH draft vocab_size {self.layer.vocab_size} must equal the target's {target.vocab_size}: "
                 "the draft was made for another model"
             )
-        last = target.num_layers - 1
-        for layer_id in self.target_layer_ids:
-            if not 0 <= layer_id < last:
-                # The last layer's output is the final norm's input; Hugging Face's
-                # hidden_states[L] (what training saw) is normed. Not captured here.
-                raise ModelConfigError(
-                    f"DFLASH draft target_layer_ids names layer {layer_id}, but the target has "
-                    f"{target.num_layers} layers: ids must be in 0..{last - 1} (the output of the last layer is not "
-                    "captured)"
-                )
+        check_target_layer_ids(self.target_layer_ids, target.num_layers)
 
     def check_block(self, width: int) -> None:
         """Raise :class:`ModelConfigError` unless a verify of ``width`` tokens (the block:
@@ -190,6 +182,21 @@ class DFlashDraftConfig:
                 f"speculative.num_draft_tokens {width} is above the DFLASH draft's block_size {self.block_size}: "
                 f"the draft never learned positions past its block; set speculative.num_draft_tokens to at most "
                 f"{self.block_size}"
+            )
+
+
+def check_target_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
+    """Raise :class:`ModelConfigError` unless every id names a layer of a ``num_layers``-layer
+    target whose output is captured: ``0 .. L-2``. The last layer's output is the final
+    norm's input, but Hugging Face's ``hidden_states[L]`` (what a draft is trained on) is
+    the normed state: a draft trained on it would be served other features. Training
+    calls this too, so a draft is never trained on a feature serving cannot give it."""
+    last = num_layers - 1
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < last:
+            raise ModelConfigError(
+                f"DFLASH draft target_layer_ids names layer {layer_id}, but the target has {num_layers} layers:"
+                f" ids must be in 0..{last - 1} (the output of the last layer is not captured)"
             )
 
 

@@ -6,6 +6,7 @@ trained target and one set of teacher continuations)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import runpy
 import tempfile
@@ -23,6 +24,7 @@ from bench.speculative.dflash_recipe import Recipe  # noqa: E402
 from bench.speculative.dflash_training import DFlashTraining, train_dflash  # noqa: E402
 from bench.speculative.models import dflash_layer_ids  # noqa: E402
 from bench.speculative.training import lr_scale  # noqa: E402
+from loraserve.runtime.speculative.dflash_format import check_target_layer_ids  # noqa: E402
 
 # --- --recipes -----------------------------------------------------------------------------
 
@@ -49,13 +51,13 @@ def test_recipes_are_a_semicolon_list_of_distinct_recipes():
 
 def test_layer_ids_of_an_eight_layer_target():
     """The small target's 8 layers: the reference spreads over ``1 .. L-3``, ``top`` over
-    ``1 .. L-1`` (one draft layer: the last target layer); a target under 4 layers gives
+    ``1 .. L-2`` (one draft layer: the deepest captured one); a target under 4 layers gives
     layer 0 alone; an unknown spread is refused by name."""
     assert dflash_layer_ids(8, 3, "reference") == [1, 3, 5]
     assert dflash_layer_ids(8, 3) == [1, 3, 5]  # reference by default
-    assert dflash_layer_ids(8, 3, "top") == [1, 4, 7]
-    assert dflash_layer_ids(8, 5, "top") == [1, 2, 4, 6, 7]
-    assert dflash_layer_ids(8, 1, "top") == [7]
+    assert dflash_layer_ids(8, 3, "top") == [1, 4, 6]  # 1 .. L-2: the deepest output a forward captures
+    assert dflash_layer_ids(8, 5, "top") == [1, 2, 4, 5, 6]
+    assert dflash_layer_ids(8, 1, "top") == [6]
     for spread in ("reference", "top"):
         assert dflash_layer_ids(3, 2, spread) == [0]
         assert dflash_layer_ids(2, 1, spread) == [0]
@@ -66,12 +68,16 @@ def test_layer_ids_of_an_eight_layer_target():
 @pytest.mark.parametrize("num_target", [4, 5, 8, 12, 36])
 def test_layer_ids_are_as_many_distinct_sorted_layers_as_the_draft_has(num_target):
     """Where the range holds enough layers, each draft layer reads its own target layer, in
-    order, inside the target; ``top`` always reads the last layer (and layer 1 with more than
-    one draft layer), the reference never reads past ``L-3``."""
-    for n in range(1, num_target):
+    order, inside the target; ``top`` always reads layer ``L-2`` (and layer 1 with more than
+    one draft layer), the reference never reads past ``L-3``; neither names a layer whose
+    output a forward does not capture."""
+    for n in range(1, num_target - 1):
         ids = dflash_layer_ids(num_target, n, "top")
         assert ids == sorted(set(ids)) and len(ids) == n, (num_target, n, ids)
-        assert ids[-1] == num_target - 1 and (n == 1 or ids[0] == 1)
+        assert ids[-1] == num_target - 2 and (n == 1 or ids[0] == 1)
+    for n, spread in itertools.product(range(1, num_target + 2), ("reference", "top")):
+        # every spread names only layers whose outputs a forward captures (the runtime's rule)
+        check_target_layer_ids(dflash_layer_ids(num_target, n, spread), num_target)
     for n in range(2, num_target - 2):
         ids = dflash_layer_ids(num_target, n, "reference")
         assert ids == sorted(set(ids)) and len(ids) == n, (num_target, n, ids)
@@ -132,7 +138,7 @@ def test_a_wrong_recipe_on_the_command_line_is_an_argparse_error(capsys):
 def _draft_params(target, seconds: float, weight_decay: float, lr: float) -> dict[str, torch.Tensor]:
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(5))
-    opts = DFlashTraining(seconds=seconds, seq=16, batch=4, lr=lr, block=4, layer_ids=[0, 1], num_layers=2,
+    opts = DFlashTraining(seconds=seconds, seq=16, batch=4, lr=lr, block=4, layer_ids=[0], num_layers=2,
                           blocks=6, weight_decay=weight_decay, max_steps=1, cache_gib=0.0)  # fmt: skip
     draft, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
     assert info["steps"] == (1 if seconds else 0) and info["weight_decay"] == weight_decay

@@ -55,19 +55,22 @@ def test_anchors_are_distinct_and_leave_room_for_the_labels():
     assert all(len(set(row.tolist())) == 10 for row in anchors)
 
 
-def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits(target):
+def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits():
     """The cache keeps the layer outputs in bfloat16 and the target's greedy tokens; for KL
     labels also the final normed hidden state, from which the logits come back through the LM
     head as the uncached step computes them."""
+    from bench.speculative.training import new_llama
+
+    target = new_llama("smoke-big", 64, seed=0, device=torch.device("cpu")).eval()  # 4 layers: two outputs
     windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
-    feats, logits = target_outputs(target, windows, [0, 1])
-    rows, greedy = cached_outputs(target, windows, [0, 1])
-    assert rows.dtype == torch.bfloat16 and rows.shape == (3, 17, 2 * 64)
+    feats, logits = target_outputs(target, windows, [0, 2])
+    rows, greedy = cached_outputs(target, windows, [0, 2])
+    assert rows.dtype == torch.bfloat16 and rows.shape == (3, 17, 2 * 128)
     assert torch.equal(greedy, logits.argmax(-1))
     got_feats, no_logits = split_cached(target, rows, with_logits=False)
     assert torch.equal(got_feats, feats.to(torch.bfloat16).float()) and no_logits is None
-    full, _ = cached_outputs(target, windows, [0, 1], with_final=True)
-    assert full.shape == (3, 17, 3 * 64)
+    full, _ = cached_outputs(target, windows, [0, 2], with_final=True)
+    assert full.shape == (3, 17, 3 * 128)
     got_feats, got_logits = split_cached(target, full, with_logits=True)
     assert torch.equal(got_feats, feats.to(torch.bfloat16).float())
     assert torch.allclose(got_logits, logits, atol=0.05)
@@ -82,14 +85,14 @@ def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
     from bench.speculative.dflash_training import dflash_loss
 
     torch.manual_seed(0)
-    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0, 1],
+    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
                         num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
     with torch.no_grad():
         draft.norm.mul_(30.0)  # peaked logits: the loss then depends on which token is the label
-    opts = DFlashTraining(seconds=0, seq=16, batch=3, lr=0, block=4, layer_ids=[0, 1], blocks=5, labels=labels)
+    opts = DFlashTraining(seconds=0, seq=16, batch=3, lr=0, block=4, layer_ids=[0], blocks=5, labels=labels)
     windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(2))
     plain, _ = dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(3))
-    rows, greedy = cached_outputs(target, windows, [0, 1], with_final=labels != "greedy")
+    rows, greedy = cached_outputs(target, windows, [0], with_final=labels != "greedy")
     cached, _ = dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(3), (rows, greedy))
     assert torch.allclose(plain, cached, rtol=0.02), (plain, cached)
 
@@ -97,7 +100,7 @@ def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
 def test_training_on_cached_outputs_reports_the_cache(target):
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(5))
-    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0, 1], num_layers=2,
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
                           blocks=6, max_steps=3, cache_gib=0.0005)  # fmt: skip
     _, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
     assert info["steps"] == 3 and info["cached_teacher_windows"] >= 1 and info["cached_corpus_windows"] >= 1
@@ -121,7 +124,7 @@ def test_probes_judge_the_draft_during_training_outside_its_time(target):
             time.sleep(2.5)  # longer than the whole budget: were it counted, no second probe would come
         return {"walk": float(len(seen))}
 
-    opts = DFlashTraining(seconds=2.0, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0, 1], num_layers=2,
+    opts = DFlashTraining(seconds=2.0, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
                           blocks=6, probe_s=0.2, cache_gib=0.0)  # fmt: skip
     draft, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts, probe=probe)
     probes = info["probes"]
@@ -164,3 +167,44 @@ def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
                           blocks=6, max_steps=1, init="copied")  # fmt: skip
     with pytest.raises(ValueError, match="init must be random or target, got 'copied'"):
         train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts)
+
+
+def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
+    """For every target layer either spread picks on an 8-layer target, ``target_outputs``
+    (what training reads) equals what the runtime's target forward captures for the draft
+    (what serving feeds it); layer ``L-1``, whose Hugging Face output is normed where the
+    served one is not, is refused by name. A draft trained over ``L-1`` (the top spread
+    once did) was served other features than it learnt on: it drafted other tokens."""
+    from bench.speculative.dflash_training import target_outputs
+    from bench.speculative.models import dflash_layer_ids
+    from bench.speculative.training import new_llama, save_hf
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.contract.config import RuntimeConfig
+    from loraserve.runtime.dev.devmodels import write_tokenizer
+    from loraserve.runtime.model.arch import ModelConfigError
+    from loraserve.runtime.runner.forward_batch import ForwardBatch
+    from loraserve.runtime.runner.model_runner import ModelRunner
+
+    small = new_llama("cpu-deep", 512, seed=2, device=torch.device("cpu")).eval()
+    save_hf(small, tmp_path / "target", write_tokenizer(tmp_path / "tok", 512))
+    small.float()  # the bfloat16 values the runtime loads, computed in float32 as it does
+    config = RuntimeConfig()
+    config.model.path = str(tmp_path / "target")
+    config.device, config.model.dtype = "cpu", "float32"
+    config.scheduler.max_total_tokens = 256
+    runner = ModelRunner(config)
+    window = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    ids = sorted({i for n in range(1, 8) for spread in ("reference", "top") for i in dflash_layer_ids(8, n, spread)})
+    assert ids == list(range(1, 7))  # every capturable layer but the embeddings' 0
+    out = runner.forward(ForwardBatch(ForwardMode.EXTEND, ["r"], window[0], extend_lens=[40],
+                                      hidden_layers=tuple(i + 1 for i in ids)))  # fmt: skip
+    runner.kv.free("r")
+    trained, _ = target_outputs(small, window, ids)
+    assert torch.allclose(trained[0], out.aux_hidden_states, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ModelConfigError, match="names layer 7, but the target has 8 layers"):
+        target_outputs(small, window, [1, 7])
+    # why: the stream a forward captures after the last layer is not Hugging Face's last state
+    last = runner.forward(ForwardBatch(ForwardMode.EXTEND, ["r"], window[0], extend_lens=[40], hidden_layers=(8,)))
+    with torch.no_grad():
+        normed = small.model(input_ids=window, output_hidden_states=True).hidden_states[8][0]
+    assert not torch.allclose(normed, last.aux_hidden_states, atol=1e-2)
