@@ -37,11 +37,12 @@ Method (everything is built inside the run; nothing is downloaded):
    ``--draft dflash`` trains a DFLASH draft (``loraserve.runtime.speculative.dflash_format``):
    ``--dflash-layers`` layers (default 5, the reference's depth for 8B targets) of the small target's shape over as many of its
    layer outputs (spread over 1..L-3 as the reference spreads them; ``--dflash-target-layers
-   top`` over 1..L-1, the small target's last layer included), drafting a block of
+   top`` over 1..L-2, the deepest output a forward captures), drafting a block of
    ``--dflash-block`` tokens (default 8) in one forward. Masked block prediction on the same
    batches: random anchors per window, the block ``[x_a, mask...]`` learns the target's
-   distribution at every masked position from the target's outputs before the anchor (KL,
-   earlier positions weighted more), for ``--train-draft-s``; expanded the same
+   greedy token at every masked position from the target's outputs before the anchor
+   (earlier positions weighted more), for ``--dflash-train-s`` (default ``--train-draft-s``;
+   ``--dflash-probe-steps`` walks the held-out continuations as it trains); expanded the same
    function-preserving way, checked against the trained draft on held-out prompts, and
    served with ``num_draft_tokens`` = the block. ``bench/dflash_recipes`` compares training
    recipes of this draft (layers, target layers, teacher windows, learning rate) offline.
@@ -68,9 +69,10 @@ repository root on ``sys.path``, where ``operator/`` shadows the standard librar
 :func:`bench.speculative.__main__.import_package`); tests import it the same way.
 
 Modules, in the order a run uses them: ``cli`` and ``settings`` (the command line),
-``corpus``, ``training``, ``distillation``, ``eagle_head`` and ``eagle_training`` (what is
-trained; ``models`` runs them), ``expansion``, ``eagle_checkpoint``, ``adapters`` and
-``serving`` (the 8B-shaped target and what it serves), ``checks``, ``decoders``,
+``corpus``, ``training``, ``distillation``, ``eagle_head`` and ``eagle_training``,
+``dflash_recipe``, ``dflash_draft`` and ``dflash_training`` (what is trained; ``models`` runs
+them), ``expansion``, ``eagle_checkpoint``, ``dflash_checkpoint``, ``adapters`` and
+``serving`` (the 8B-shaped target and what it serves), ``checks`` and ``dflash_check``, ``decoders``,
 ``workloads``, ``measure``, ``identity`` and ``concurrency`` (the timed runs), ``profiling``
 and ``phases`` (where a step's time goes), ``report``; ``benchmark.main`` ties them together.
 """

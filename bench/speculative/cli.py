@@ -30,10 +30,12 @@ def parse(argv: list[str] | None = None) -> Settings:
         ap.error(
             f"--eagle-unroll must be at least 1 (draft steps trained per position), got {args.eagle_unroll}"
         )
-    if (args.dflash_train_s is not None and args.dflash_train_s <= 0) or args.dflash_probe_s < 0:
+    if args.eagle_lr is not None and args.eagle_lr <= 0:
+        ap.error(f"--eagle-lr must be positive (a learning rate of 0 trains nothing), got {args.eagle_lr}")
+    if (args.dflash_train_s is not None and args.dflash_train_s <= 0) or args.dflash_probe_steps < 0:
         ap.error(
-            f"--dflash-train-s must be positive and --dflash-probe-s not negative, got {args.dflash_train_s} and"
-            f" {args.dflash_probe_s}"
+            f"--dflash-train-s must be positive and --dflash-probe-steps not negative, got {args.dflash_train_s} and"
+            f" {args.dflash_probe_steps}"
         )
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
@@ -187,10 +189,10 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         "--dflash-train-s", type=float, default=None, help="DFLASH training: seconds (default --train-draft-s)"
     )
     ap.add_argument(
-        "--dflash-probe-s",
-        type=float,
-        default=0.0,
-        help="DFLASH training: every this many seconds, walk the held-out continuations with the draft so far"
+        "--dflash-probe-steps",
+        type=int,
+        default=0,
+        help="DFLASH training: every this many steps, walk the held-out continuations with the served draft so far"
         " (the learning curve; not counted in the training time; default 0, none)",
     )
     ap.add_argument(

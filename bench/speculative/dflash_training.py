@@ -67,9 +67,10 @@ class DFlashTraining:
     # > 0: the target's outputs of every training window computed once, up to this many GiB;
     # None: CACHE_GIB on a GPU (within its free memory less STEP_RESERVE_GIB), off on the CPU
     cache_gib: float | None = None
-    # > 0: every this many seconds of training, the probe given to train_dflash judges the draft
-    # so far (its time not counted): the learning curve of one run, over one target
-    probe_s: float = 0.0
+    # > 0: every this many steps, the probe given to train_dflash judges the draft so far (its
+    # time not counted): the learning curve of one run, over one target. Steps, not seconds:
+    # the same probes on any machine, however loaded
+    probe_every: int = 0
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
@@ -291,7 +292,7 @@ def train_dflash(
     opts: DFlashTraining, probe: Callable[[DFlashDraft], dict] | None = None,
 ) -> tuple[DFlashDraft, dict]:  # fmt: skip
     """Train a DFLASH draft over the frozen ``target`` for ``opts.seconds``; ``probe`` (with
-    ``opts.probe_s``) judges it every ``probe_s`` seconds of training, listed under ``probes``."""
+    ``opts.probe_every``) judges it every ``probe_every`` steps, listed under ``probes``."""
     cfg = target.config
     draft = DFlashDraft(
         shape, target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=opts.layer_ids,
@@ -319,7 +320,7 @@ def train_dflash(
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
     probes: list[dict] = []
     while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
-        if probe is not None and opts.probe_s > 0 and time.monotonic() - start >= opts.probe_s * (len(probes) + 1):
+        if probe is not None and opts.probe_every > 0 and step > 0 and step % opts.probe_every == 0:
             start += _probe(draft, probe, probes, time.monotonic() - start, step)
         for group in optim.param_groups:
             group["lr"] = opts.lr * lr_scale(step, frac)
@@ -335,6 +336,7 @@ def train_dflash(
         step += 1
     draft.eval()
     return draft, {
+        "seconds": opts.seconds,
         "steps": step,
         "windows": step * opts.batch,
         "final_loss": round(loss.item(), 3),

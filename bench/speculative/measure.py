@@ -13,7 +13,7 @@ from .log import log
 from .phases.run import phases_run
 from .profiling import profile_run
 from .settings import Settings
-from .workloads import RunResult, Workload, make_workload, run_workload
+from .workloads import RunResult, Workload, make_workload, run_workload, warmup_workload
 
 
 @dataclass
@@ -95,9 +95,8 @@ def measure_plain(config, runner, plain, pool, c, opts: MeasureOptions) -> tuple
     runs ``--c1-requests`` requests, one after another, cycling through base and each adapter).
     """
     count = _request_count(c, opts.waves, opts.c1_requests)
-    warm = make_workload(pool, max(c, 2), opts.gen_tokens, offset=100)
     bench = make_workload(pool, count, opts.gen_tokens, offset=0)
-    run_workload(config, runner, plain, warm, c, f"warm-off-{c}")
+    run_workload(config, runner, plain, warmup_workload(pool, bench, c), c, f"warm-off-{c}")
     return bench, run_workload(config, runner, plain, bench, c, f"off-{c}")
 
 
@@ -118,16 +117,17 @@ def plain_floor(
 def measure_spec(spec_config, runner, decoder, name, pool, c, opts: MeasureOptions, off: RunResult, bench,
                   details: dict, *, plain: tuple | None = None) -> Row:  # fmt: skip
     """One draft at concurrency ``c``: a warm-up (captures the CUDA graphs for the batch and
-    context buckets the timed run meets), then the same workload as the baseline.
+    context buckets the timed run meets: :func:`warmup_workload`), then the same workload as
+    the baseline.
 
     Speculative requests finish at different steps, so their batch sizes and context
-    lengths mix in ways the plain run never meets: the warm-up is the timed workload's
-    shape (other prompts), and the graphs the timed run still had to capture are reported.
+    lengths mix in ways the plain run never meets; the graphs the timed run still had to
+    capture are reported.
     ``plain``: ``(config, decoder)`` of the no-spec baseline, timed beside the draft by
     ``--phases``.
     """
     k, count = getattr(decoder, "width", opts.k), len(bench.prompts)  # a DFLASH block may differ from k
-    warm_spec = make_workload(pool, count if c > 1 else 2, opts.gen_tokens, offset=100)
+    warm_spec = warmup_workload(pool, bench, c)
     run_workload(spec_config, runner, decoder, warm_spec, c, f"warm-{name}-{c}", defer_steps=opts.defer_steps)
     decoder.metrics = type(decoder.metrics)(decoder.metrics.algorithm, k)
     on = run_workload(spec_config, runner, decoder, bench, c, f"{name}-{c}", defer_steps=opts.defer_steps)

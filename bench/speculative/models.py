@@ -142,7 +142,7 @@ def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tenso
     """The DFLASH draft of the ``--dflash-*`` flags over ``target``, trained for ``--dflash-train-s``."""
     draft, info = train_dflash_draft(
         s, s.dflash_recipe, target, data, held_ids, teacher, seconds=s.dflash_train_s, max_steps=s.max_steps[2],
-        probe_s=s.args.dflash_probe_s,
+        probe_every=s.args.dflash_probe_steps,
     )
     log(f"DFLASH draft trained: {info}")
     return draft, info
@@ -159,18 +159,18 @@ def train_dflash_draft(
     seconds: float,
     max_steps: int | None,
     heldout_count: int = 16,  # bench/speculative's; the recipe study walks its --heldout-count
-    probe_s: float = 0.0,
+    probe_every: int = 0,
 ) -> tuple[DFlashDraft, dict]:
     """``recipe``'s DFLASH draft over ``target`` (``recipe.layers`` layers reading as many of
     its layers' outputs; ``s``'s block, batch, shape and device), trained for ``seconds`` or
     ``max_steps`` steps, rounded to what is served, with its held-out agreement and walk over
-    ``heldout_count`` continuations; every ``probe_s`` training seconds (> 0), the served
+    ``heldout_count`` continuations; every ``probe_every`` training steps (> 0), the served
     draft so far walks them too (the learning curve)."""
     opts = DFlashTraining(
         seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block,
         layer_ids=dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids),
         num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
-        init=recipe.init, teacher_fraction=teacher.fraction, max_steps=max_steps, probe_s=probe_s,
+        init=recipe.init, teacher_fraction=teacher.fraction, max_steps=max_steps, probe_every=probe_every,
     )  # fmt: skip
     draft, info = train_dflash(
         target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,

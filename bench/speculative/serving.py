@@ -128,6 +128,10 @@ def runtime_config(s: Settings, target_dir: Path, adapters: dict[str, Path]) -> 
     config.scheduler.max_running_requests = max_c
     widest = max([s.k, s.dflash_block] + [tokens for _, tokens in s.trees])
     config.scheduler.max_total_tokens = max_c * (s.prompt_len + s.gen_tokens + 2 * widest + 16) + 4096
+    # Every run prefills its prompts whole. The drafts' timed runs repeat the baseline's prompts
+    # (and above concurrency 1 their own warm-up's): a prefix cache would turn their prefills
+    # into hits that the baseline's first run never had.
+    config.scheduler.prefix_cache = False
     config.cuda_graph.enabled = s.device.type == "cuda"
     config.cuda_graph.max_bs = max_c
     config.attention_backend = s.args.attention_backend

@@ -3,7 +3,6 @@ target's outputs computed once."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
@@ -109,10 +108,10 @@ def test_training_on_cached_outputs_reports_the_cache(target):
                         torch.device("cpu")) == 0.0  # fmt: skip
 
 
-def test_probes_judge_the_draft_during_training_outside_its_time(target):
-    """``probe_s``: the probe sees the draft every ``probe_s`` training seconds, in eval mode,
-    and its own time is not training time: a probe slower than the whole budget still leaves
-    room for the next."""
+def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):
+    """``probe_every``: the probe sees the draft after every ``probe_every`` steps, in eval
+    mode, as it trains; its own time is not training time: a probe slower than the whole
+    budget still leaves the budget's steps to come."""
     import time
 
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
@@ -120,22 +119,27 @@ def test_probes_judge_the_draft_during_training_outside_its_time(target):
 
     def probe(draft) -> dict:
         seen.append((draft.training, draft.layers[0].q_proj.weight.detach().clone()))
-        if len(seen) == 1:
-            time.sleep(2.5)  # longer than the whole budget: were it counted, no second probe would come
         return {"walk": float(len(seen))}
 
-    opts = DFlashTraining(seconds=2.0, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
-                          blocks=6, probe_s=0.2, cache_gib=0.0)  # fmt: skip
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
+                          blocks=6, max_steps=7, probe_every=2, cache_gib=0.0)  # fmt: skip
     draft, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts, probe=probe)
-    probes = info["probes"]
-    assert len(probes) >= 2 and [p["walk"] for p in probes] == [float(i + 1) for i in range(len(probes))]
-    assert all(p["seconds"] >= 0.2 * (i + 1) - 0.051 for i, p in enumerate(probes))  # rounded to 0.1 s
-    assert all(a["steps"] < b["steps"] for a, b in itertools.pairwise(probes)) and probes[-1]["steps"] < info["steps"]
+    assert [(p["steps"], p["walk"]) for p in info["probes"]] == [(2, 1.0), (4, 2.0), (6, 3.0)]
     assert not any(training for training, _ in seen) and not draft.training  # eval mode while probed
     assert not torch.equal(seen[0][1], seen[-1][1])  # it saw the draft as it trained
-    _, plain = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, probe_s=0.0),
+    _, plain = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, probe_every=0),
                             probe=probe)  # fmt: skip
-    assert "probes" not in plain
+    assert "probes" not in plain and plain["steps"] == 7
+
+    def slow(draft) -> dict:
+        time.sleep(1.5 if not slow.calls else 0.0)  # longer than the whole budget, the first time
+        slow.calls += 1
+        return {}
+
+    slow.calls = 0
+    timed = replace(opts, seconds=1.0, max_steps=None, probe_every=3)
+    _, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), timed, probe=slow)
+    assert info["steps"] > 6  # were the probe's 1.5 s counted, training would stop one step after it (4)
 
 
 def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):

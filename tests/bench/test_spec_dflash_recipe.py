@@ -143,6 +143,9 @@ def test_the_flags_defaults():
         (["--dflash-layers", "0"], "--dflash-layers must be at least 1"),
         (["--dflash-anchors", "0"], "--dflash-anchors must be at least 1"),
         (["--dflash-decay", "0"], "--dflash-decay must be positive"),
+        (["--dflash-train-s", "0"], "--dflash-train-s must be positive"),
+        (["--dflash-probe-steps", "-1"], "--dflash-probe-steps not negative"),
+        (["--eagle-lr", "0"], "--eagle-lr must be positive"),
     ],
 )
 def test_a_wrong_flag_is_an_argparse_error_naming_it(argv, named, capsys):
@@ -158,18 +161,18 @@ def test_a_wrong_flag_is_an_argparse_error_naming_it(argv, named, capsys):
 def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
     """``train_dflash_draft`` (the real trainer over the tiny target) hands every knob of the
     recipe to the training, rounds the draft to what is served, walks the held-out
-    continuations, and with ``probe_s`` walks the draft while it trains."""
+    continuations, and with ``probe_every`` walks the draft while it trains."""
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(3, 64, (4000,), generator=gen)
     teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25)
     s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
     recipe = Recipe(layers=2, ids="top", teacher=4, lr=3e-3, wd=0.01, blocks=5, decay=2.0, init="target")
     draft, info = models.train_dflash_draft(
-        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=3, heldout_count=2, probe_s=1e-9
+        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=3, heldout_count=2, probe_every=1
     )
     assert info["steps"] == 3 and (info["layers"], info["blocks_per_window"], info["decay"]) == (2, 5, 2.0)
     assert (info["lr"], info["weight_decay"], info["init"]) == (3e-3, 0.01, "target")
     assert info["target_layer_ids"] == models.dflash_layer_ids(2, 2, "top") and info["teacher_fraction"] == 0.25
     assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in draft.parameters())  # rounded as served
     assert len(info["heldout_walk_accept"]) == 3 and 0 <= info["heldout_walk_mean"] <= 3
-    assert [p["steps"] for p in info["probes"]] == [0, 1, 2]  # walked before each step
+    assert [p["steps"] for p in info["probes"]] == [1, 2]  # walked after each step but the last
