@@ -139,7 +139,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         choices=SPREADS,
         default=Recipe.ids,
         help="DFLASH: the target layers the draft reads, spread over 1..L-3 as the reference spreads them"
-        " (reference, the default) or over 1..L-1 (top: the small target's last layer included)",
+        " (reference, the default) or over 1..L-2 (top: down to the deepest output a forward captures)",
     )
     ap.add_argument(
         FLAGS["lr"],
