@@ -103,6 +103,16 @@ def target_outputs(target, window: torch.Tensor, layer_ids: list[int]) -> tuple[
     """The target's outputs of ``layer_ids`` concatenated ``[B, L, K * H]`` (Hugging Face's
     ``hidden_states[i + 1]``: what the runtime captures, for the layers it captures) and its
     logits ``[B, L, V]``."""
+    parts, _, logits = _target_forward(target, window, layer_ids)
+    return torch.cat(parts, -1).float(), logits.float()
+
+
+def _target_forward(
+    target, window: torch.Tensor, layer_ids: list[int]
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The frozen target over ``window`` (bf16 autocast on a GPU): the outputs of
+    ``layer_ids`` (only layers whose outputs serving captures), the final normed hidden state
+    and the logits."""
     check_target_layer_ids(layer_ids, target.config.num_hidden_layers)
     autocast = window.device.type == "cuda"
     with (
@@ -110,8 +120,8 @@ def target_outputs(target, window: torch.Tensor, layer_ids: list[int]) -> tuple[
         torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast),
     ):
         out = target.model(input_ids=window, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1).float()
-        return feats, target.lm_head(out.last_hidden_state).float()
+        parts = [out.hidden_states[i + 1] for i in layer_ids]
+        return parts, out.last_hidden_state, target.lm_head(out.last_hidden_state)
 
 
 def sample_anchors(
@@ -195,16 +205,8 @@ def cached_outputs(
     from it; the LM head is ~8% of the target's work, and logits over the vocabulary would be
     2-8x the size of the rest); and the target's greedy token after each prefix ``[B, L]``
     (all that greedy labels need: a three-layer draft's row is then a quarter smaller)."""
-    check_target_layer_ids(layer_ids, target.config.num_hidden_layers)
-    autocast = window.device.type == "cuda"
-    with (
-        torch.no_grad(),
-        torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast),
-    ):
-        out = target.model(input_ids=window, output_hidden_states=True)
-        parts = [out.hidden_states[i + 1] for i in layer_ids] + ([out.last_hidden_state] if with_final else [])
-        greedy = target.lm_head(out.last_hidden_state).argmax(-1)
-        return torch.cat(parts, -1).to(torch.bfloat16), greedy
+    parts, final, logits = _target_forward(target, window, layer_ids)
+    return torch.cat([*parts, final] if with_final else parts, -1).to(torch.bfloat16), logits.argmax(-1)
 
 
 def split_cached(target, rows: torch.Tensor, *, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
