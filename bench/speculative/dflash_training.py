@@ -371,39 +371,69 @@ def _probe(draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: lis
     return time.monotonic() - t0
 
 
-@torch.no_grad()
-def dflash_heldout(
-    draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int
-) -> dict:
-    """What serving would accept, offline, on the target's greedy continuations of ``count``
-    held-out prompts (``seq // 3`` tokens each).
+@dataclass(frozen=True)
+class HeldOut:
+    """The target's greedy continuations of held-out prompts and what a draft is judged
+    against on them: built once (:func:`heldout_data`) and shared by every judgement of
+    drafts reading ``layer_ids`` (the training probes and the final walk)."""
 
-    Blocks anchored at random in the continued part: per block position, top-1 agreement
-    with the target's greedy token and the share of blocks whose drafts agree up to there;
-    the mean number of leading agreeing positions. Random anchors flatter a draft: serving
-    anchors each block right after the last one's first miss, a token the draft failed to
-    predict. So the continuations are also walked as greedy serving walks them (each block
-    anchored at the target's token after the previous block's accepted drafts): accepted
-    drafts per step and the share of steps that accept position ``j``, which is what the
-    served run's per-position acceptance measures on the base model."""
+    window: torch.Tensor  # [count, seq + 1] prompt then the target's greedy continuation
+    feats: torch.Tensor  # the target's outputs at ``layer_ids``, per window token
+    greedy: torch.Tensor  # [count, seq + 1] the target's greedy next token per position
+    anchors: torch.Tensor  # [count, blocks] random block anchors in the continued part
+    prompt: int
+    layer_ids: tuple[int, ...]
+    block: int
+
+
+@torch.no_grad()
+def heldout_data(
+    target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int, block: int,
+    layer_ids: list[int],
+) -> HeldOut:  # fmt: skip
+    """The target's greedy continuations of ``count`` held-out prompts (``seq // 3`` tokens
+    each), its outputs at ``layer_ids`` over them and 8 random anchors a window for blocks
+    of ``block`` tokens; deterministic (seed 11)."""
     from .training import teacher_sequences
 
     prompt = seq // 3
     window = teacher_sequences(
         target, held_ids, device, count=count, prompt_len=prompt, new_tokens=seq + 1 - prompt, seed=11
     )
-    blk, blocks = draft.block, 8
-    feats, logits = target_outputs(target, window, draft.layer_ids)
-    greedy = logits.argmax(-1)
-    offsets = torch.arange(blk - 1, device=device)
+    feats, logits = target_outputs(target, window, layer_ids)
     # the block's drafts follow the prompt: its first token is the prompt's last or later
     gen = torch.Generator().manual_seed(11)
-    anchors = sample_anchors(count, seq + 1, blk, blocks, gen, first=prompt - 1).to(device)
-    got = draft.block_logits(window, feats, anchors).argmax(-1)
-    want = greedy.gather(1, (anchors[:, :, None] + offsets).view(count, -1)).view(count, blocks, blk - 1)
+    anchors = sample_anchors(count, seq + 1, block, 8, gen, first=prompt - 1).to(device)
+    return HeldOut(window, feats, logits.argmax(-1), anchors, prompt, tuple(layer_ids), block)
+
+
+@torch.no_grad()
+def dflash_heldout(draft: DFlashDraft, held: HeldOut) -> dict:
+    """What serving would accept, offline, on ``held``'s greedy continuations.
+
+    Blocks at ``held``'s random anchors: per block position, top-1 agreement with the
+    target's greedy token and the share of blocks whose drafts agree up to there; the mean
+    number of leading agreeing positions. Random anchors flatter a draft: serving anchors
+    each block right after the last one's first miss, a token the draft failed to predict.
+    So the continuations are also walked as greedy serving walks them (each block anchored
+    at the target's token after the previous block's accepted drafts): accepted drafts per
+    step and the share of steps that accept position ``j``, which is what the served run's
+    per-position acceptance measures on the base model."""
+    if (tuple(draft.layer_ids), draft.block) != (held.layer_ids, held.block):
+        raise ValueError(
+            f"the draft reads target layers {list(draft.layer_ids)} in blocks of {draft.block}; the held-out"
+            f" data is for layers {list(held.layer_ids)} in blocks of {held.block}: build it with"
+            " heldout_data(..., block=draft.block, layer_ids=draft.layer_ids)"
+        )
+    count, blocks = held.anchors.shape
+    blk = draft.block
+    offsets = torch.arange(blk - 1, device=held.window.device)
+    got = draft.block_logits(held.window, held.feats, held.anchors).argmax(-1)
+    idx = (held.anchors[:, :, None] + offsets).view(count, -1)
+    want = held.greedy.gather(1, idx).view(count, blocks, blk - 1)
     match = (got == want).float()
     leading = match.cumprod(-1)
-    walk = _walk(draft, window, feats, greedy, prompt - 1)
+    walk = _walk(draft, held.window, held.feats, held.greedy, held.prompt - 1)
     return {
         "heldout_top1": [round(float(a), 3) for a in match.mean((0, 1))],
         "heldout_accept": [round(float(a), 3) for a in leading.mean((0, 1))],

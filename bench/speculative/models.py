@@ -14,7 +14,7 @@ from loraserve.runtime.dev.devmodels import write_tokenizer
 from .corpus import corpus_files, tokenize
 from .dflash_draft import DFlashDraft
 from .dflash_recipe import Recipe
-from .dflash_training import DFlashTraining, dflash_heldout, train_dflash
+from .dflash_training import DFlashTraining, HeldOut, dflash_heldout, heldout_data, train_dflash
 from .distillation import TeacherData, teacher_continuations, train_standalone
 from .eagle_head import EagleHead
 from .eagle_training import EagleTraining, eagle_heldout_top1, train_eagle_head
@@ -166,24 +166,27 @@ def train_dflash_draft(
     ``max_steps`` steps, rounded to what is served, with its held-out agreement and walk over
     ``heldout_count`` continuations; every ``probe_every`` training steps (> 0), the served
     draft so far walks them too (the learning curve)."""
+    layer_ids = dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids)
     opts = DFlashTraining(
-        seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block,
-        layer_ids=dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids),
+        seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
         num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
         init=recipe.init, teacher_fraction=teacher.fraction, max_steps=max_steps, probe_every=probe_every,
     )  # fmt: skip
+    held = heldout_data(
+        target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids
+    )  # built once: every probe and the final walk judge on the same continuations
     draft, info = train_dflash(
         target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,
-        probe=lambda d: _walk_probe(d, target, held_ids, s.device, teacher.seq, heldout_count),
+        probe=lambda d: _walk_probe(d, held),
     )  # fmt: skip
     draft.round_to_bf16()  # what is served
-    info.update(dflash_heldout(draft, target, held_ids, s.device, seq=teacher.seq, count=heldout_count))
+    info.update(dflash_heldout(draft, held))
     return draft, info
 
 
-def _walk_probe(draft: DFlashDraft, target, held_ids: torch.Tensor, device: torch.device, seq: int, count: int) -> dict:
+def _walk_probe(draft: DFlashDraft, held: HeldOut) -> dict:
     """The held-out serving walk of ``draft`` as it would be served (a bf16-rounded copy)."""
     served = copy.deepcopy(draft)
     served.round_to_bf16()
-    got = dflash_heldout(served, target, held_ids, device, seq=seq, count=count)
+    got = dflash_heldout(served, held)
     return {"heldout_walk_mean": got["heldout_walk_mean"], "heldout_top1": got["heldout_top1"]}

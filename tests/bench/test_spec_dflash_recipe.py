@@ -176,3 +176,45 @@ def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
     assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in draft.parameters())  # rounded as served
     assert len(info["heldout_walk_accept"]) == 3 and 0 <= info["heldout_walk_mean"] <= 3
     assert [p["steps"] for p in info["probes"]] == [1, 2]  # walked after each step but the last
+
+
+def test_probes_and_the_final_walk_judge_one_set_of_heldout_continuations(target, monkeypatch):
+    """The held-out continuations are generated once per draft, not once per probe: the
+    probes and the final walk share them (``HeldOut``), so a probe costs only the draft's
+    own walk."""
+    from bench.speculative import training
+
+    made = []
+    real = training.teacher_sequences
+    monkeypatch.setattr(training, "teacher_sequences", lambda *a, **k: made.append(k["count"]) or real(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(3, 64, (4000,), generator=gen)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25)
+    s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
+    _, info = models.train_dflash_draft(
+        s, Recipe(layers=1, blocks=5), target, data, data[:600], teacher, seconds=600.0, max_steps=4, heldout_count=2,
+        probe_every=1,
+    )  # fmt: skip
+    assert len(info["probes"]) == 3 and made == [2]
+
+
+def test_a_heldout_judgement_refuses_a_draft_of_other_layers_or_block(target):
+    """Held-out data is built for one draft's target layers and block; judging another draft
+    on it would compare it with features it does not read, so it is refused by name."""
+    from bench.speculative.dflash_draft import DFlashDraft
+    from bench.speculative.dflash_training import dflash_heldout, heldout_data
+
+    held_ids = torch.randint(3, 64, (600,), generator=torch.Generator().manual_seed(1))
+    held = heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0])
+    again = heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0])
+    assert torch.equal(held.window, again.window) and torch.equal(held.anchors, again.anchors)  # deterministic
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    def draft(ids: list[int], block: int) -> DFlashDraft:
+        return DFlashDraft("smoke-small", embed, head, layer_ids=ids, num_layers=1, block=block, mask_id=0,
+                           eps=1e-5, theta=1e4)  # fmt: skip
+
+    ok = draft([0], 4)
+    assert 0 <= dflash_heldout(ok, held)["heldout_walk_mean"] <= 3
+    for bad in (draft([1], 4), draft([0], 5)):
+        with pytest.raises(ValueError, match=r"heldout_data\(\.\.\., block=draft.block, layer_ids=draft.layer_ids\)"):
+            dflash_heldout(bad, held)
