@@ -3,6 +3,7 @@ serving configuration every run shares."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from bench.speculative import cli
@@ -52,3 +53,22 @@ def test_a_served_draft_that_is_not_the_trained_one_is_named():
     eagle = {"eagle": {"check": {"proposal_agreement": 1.0, "rel_feature_diff": 0.0087}}}
     assert check_notes(eagle, smoke=False) == [] and check_notes(eagle, smoke=True)
     assert check_notes({}, smoke=True) == []
+
+
+def test_the_exit_code_fails_a_gpu_run_whose_draft_failed_its_check():
+    """A served draft that is not the trained one (a check note), or a failed or skipped
+    run, makes any run exit 1, GPU runs included; differing outputs fail only a smoke, since
+    bf16 batching on a GPU may change an output legitimately."""
+    from types import SimpleNamespace
+
+    from bench.speculative.benchmark import verdict
+    from bench.speculative.concurrency import Results
+    from bench.speculative.measure import Row
+
+    differs = Row(1, "dflash", 10.0, 20.0, 2.0, {}, same=3, count=4)
+    gpu, smoke = SimpleNamespace(smoke=False), SimpleNamespace(smoke=True)
+    assert verdict(gpu, Results(rows=[differs])) == 0
+    assert verdict(smoke, Results(rows=[differs])) == 1
+    checked = Results(rows=[replace(differs, same=4)], notes=["the served DFLASH draft proposes other tokens"])
+    assert verdict(gpu, checked) == 1 and verdict(smoke, checked) == 1
+    assert verdict(gpu, Results(rows=[replace(differs, same=4)])) == 0
