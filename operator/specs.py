@@ -238,6 +238,7 @@ class CudaGraphSpec(_Spec):
     enabled: bool = sets("cuda_graph.enabled")
     max_batch_size: int = sets("cuda_graph.max_bs")
     max_prefill_tokens: int = sets("cuda_graph.max_prefill_tokens")
+    warmup_context: int = sets("cuda_graph.warmup_context")
 
 
 class EnvVar(_Spec):

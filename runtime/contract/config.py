@@ -448,6 +448,14 @@ class CudaGraphConfig:
         "(0: prefill runs eagerly)",
         gated=True,
     )
+    warmup_context: int = setting(
+        1024,
+        "--cuda-graph-warmup-context",
+        "at start-up, before the pod turns ready, run every captured batch size at every context "
+        "bucket up to this many tokens (capped at the model's context length), so those graphs are "
+        "captured before the first request instead of inside it (0: capture each on first use)",
+        gated=True,
+    )
 
 
 @dataclass

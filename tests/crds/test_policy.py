@@ -362,6 +362,7 @@ def test_ngram_window():
         ("port", {"server__port": 70000}, {"server__port": 8080}),
         ("cuda-graph-bs", {"cuda_graph__max_bs": 0}, {"cuda_graph__max_bs": 8}),
         ("cuda-graph-prefill", {"cuda_graph__max_prefill_tokens": -1}, {"cuda_graph__max_prefill_tokens": 0}),
+        ("cuda-graph-warmup", {"cuda_graph__warmup_context": -1}, {"cuda_graph__warmup_context": 0}),
         (
             "lora-pinned-unknown",
             {"lora__pinned": ("a",)},
@@ -407,6 +408,14 @@ def test_prefill_graph_bound_names_field_and_fix():
     assert violation.render() == (
         "cuda_graph.max_prefill_tokens: must be at least 0, got -8; fix: set cuda_graph.max_prefill_tokens "
         "to 0 (prefills run eagerly) or to the longest single prefill chunk to replay from CUDA graphs, such as 512"
+    )
+
+
+def test_warmup_context_bound_names_field_and_fix():
+    (violation,) = policy.check_config(config(cuda_graph__warmup_context=-1), EVERYTHING).violations
+    assert violation.render() == (
+        "cuda_graph.warmup_context: must be at least 0, got -1; fix: set cuda_graph.warmup_context "
+        "to 0 (graphs are captured on first use) or to the longest context to capture at start-up, such as 1024"
     )
 
 

@@ -103,6 +103,7 @@ PERTURBATIONS = [
     ("runtime.cudaGraph.enabled", True, "cuda_graph.enabled", True),
     ("runtime.cudaGraph.maxBatchSize", 16, "cuda_graph.max_bs", 16),
     ("runtime.cudaGraph.maxPrefillTokens", 128, "cuda_graph.max_prefill_tokens", 128),
+    ("runtime.cudaGraph.warmupContext", 256, "cuda_graph.warmup_context", 256),
     ("gpus", 4, "parallel.tensor_parallel_size", 4),
     (
         "runtime.remoteSourceHosts",

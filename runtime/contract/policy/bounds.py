@@ -34,6 +34,7 @@ MINIMUM: dict[str, int] = {
     "scheduler.max_admission_defer_steps": 0,
     "cuda_graph.max_bs": 1,
     "cuda_graph.max_prefill_tokens": 0,
+    "cuda_graph.warmup_context": 0,
     "lora.max_loras_per_batch": 1,
     "lora.max_loaded_loras": 1,
     "lora.max_rank": 1,

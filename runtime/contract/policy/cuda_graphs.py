@@ -1,4 +1,4 @@
-"""CUDA graph and GPU-only rules: the graphs' batch and prefill bounds, features that need a
+"""CUDA graph and GPU-only rules: the graphs' batch, prefill and warm-up bounds, features that need a
 GPU, and speculation that changes the verify width a graph was captured for."""
 
 from __future__ import annotations
@@ -22,6 +22,16 @@ def gpu_fields(config: RuntimeConfig) -> list[Violation]:
                 f"must be at least 0, got {graphs.max_prefill_tokens}",
                 "set {cuda_graph.max_prefill_tokens} to 0 (prefills run eagerly) or to the longest single "
                 "prefill chunk to replay from CUDA graphs, such as 512",
+            )
+        )
+    if graphs.warmup_context < MINIMUM["cuda_graph.warmup_context"]:
+        out.append(
+            Violation(
+                "cuda-graph-warmup",
+                "cuda_graph.warmup_context",
+                f"must be at least 0, got {graphs.warmup_context}",
+                "set {cuda_graph.warmup_context} to 0 (graphs are captured on first use) or to the longest "
+                "context to capture at start-up, such as 1024",
             )
         )
     if graphs.enabled and config.device == "cpu":
