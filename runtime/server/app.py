@@ -1,7 +1,8 @@
 """The aiohttp application: routes, middlewares and the engine's lifecycle.
 
 The app answers ``/health`` from the first moment; the model loads in a worker thread
-(``engine_factory``) and ``/ready`` turns 200 when it is serving. :func:`drain` (the CLI
+(``engine_factory``), the CUDA graphs are warmed up (:mod:`..engine.warmup`), and ``/ready``
+turns 200 when it is serving. :func:`drain` (the CLI
 calls it on SIGTERM, while the socket still listens) stops admitting: ``/ready`` answers
 503 ``shutting_down``, new generation requests 503 with ``Retry-After``, and in-flight
 requests run to their end or until the drain timeout. Shutdown then stops the engine,
@@ -21,6 +22,7 @@ from aiohttp import web
 from ..contract.catalog import CatalogError, read_catalog_file
 from ..contract.config import RuntimeConfig
 from ..engine import Engine
+from ..engine.warmup import warm_up
 from ..lora.sources import SourceSettings
 from ..tokenizer import Tokenizer
 from . import admin_api, health_api, openai_api
@@ -122,6 +124,22 @@ def build_app(
             return
         _register_decoder_metrics(state, engine)
         engine.start()
+        # Graphs captured now, not inside the first requests; /ready stays 503 meanwhile.
+        try:
+            report = await asyncio.to_thread(warm_up, engine)
+        except asyncio.CancelledError:
+            engine.shutdown(drain_timeout_s=0.0)
+            raise
+        except Exception as exc:
+            # A forward that fails at a graph's shape would fail requests too: the load fails.
+            log.exception("warming up the CUDA graphs failed")
+            state.load_error = f"warming up the CUDA graphs failed: {str(exc) or type(exc).__name__}"
+            await asyncio.to_thread(engine.shutdown, 0.0)
+            if exit_on_load_failure:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if report is not None:
+            state.metrics.warmup_seconds.labels(state.metrics.model_name).set(report.seconds)
         state.attach(engine, tokenizer)
         log.info("serving %s", state.served_name)
 

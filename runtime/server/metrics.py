@@ -16,7 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.request import Request
@@ -182,6 +189,12 @@ class Metrics(EngineObserver):
         self.adapter_evictions = Counter(
             "loraserve:adapter_evictions",
             "Idle on-demand adapters unloaded to make room in the host cache.",
+            registry=reg,
+        )
+        self.warmup_seconds = Gauge(
+            "loraserve:cuda_graph_warmup_seconds",
+            "Seconds the start-up CUDA graph warm-up took (absent: no warm-up ran).",
+            label,
             registry=reg,
         )
         # Prefix cache, in tokens: vLLM's names (all models), then per model (base or adapter).
