@@ -4,7 +4,9 @@ A decode or verify batch is padded to the smallest captured batch size that hold
 (padding requests use table row 0 and KV slot 0, the cache's padding row and slot) and
 its context to a power-of-two bucket, then written into static input buffers and
 replayed. Graphs are captured lazily, the first time a (mode, width, batch bucket,
-context bucket, LoRA, outputs) combination is seen, and share one memory pool.
+context bucket, LoRA, outputs) combination is seen, and share one memory pool; the
+server's start-up warm-up (:mod:`loraserve.runtime.engine.warmup`) sees the decode and
+verify ones first, before it turns ready.
 :meth:`CudaGraphRunner.can_run` alone decides which batches replay.
 
 Extend batches (prompts or chunks of them, wanting only each request's last logits)
