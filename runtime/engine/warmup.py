@@ -87,7 +87,7 @@ class WarmupItem:
 
     @property
     def kv_tokens(self) -> int:
-        """KV tokens the item holds at most (every request at its longest step)."""
+        """KV tokens the item's prompts and outputs take (a verify's rows come on top)."""
         return self.prompt_len + (self.batch_size - 1) * SHORT_PROMPT + self.batch_size * self.new_tokens
 
 
