@@ -52,6 +52,12 @@ class StepCosts:
         self._decode_seconds: float | None = None
         self._extend = _Weighted()
 
+    def reset(self) -> None:
+        """Forget every observation (steps that were not serving, e.g. a warm-up's graph
+        captures, would bias the estimates)."""
+        self._decode_seconds = None
+        self._extend = _Weighted()
+
     def observe_decode(self, seconds: float) -> None:
         """A decode step took ``seconds`` (model, drafting and sampling)."""
         if seconds < 0:

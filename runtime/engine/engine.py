@@ -294,6 +294,19 @@ class Engine:
         future holds the KV tokens freed at once."""
         return self.call(self.prefix.reset)
 
+    def forget_step_measurements(self) -> concurrent.futures.Future:
+        """Drop what the engine learnt from the steps so far, between steps: the
+        scheduler's step costs and the speculation switch's throughputs. Steps that were
+        not serving (a warm-up's, which capture graphs) would bias both."""
+
+        def forget() -> None:
+            self.scheduler.costs.reset()
+            switch = getattr(self.decoder, "switch", None)
+            if switch is not None:
+                switch.reset()
+
+        return self.call(forget)
+
     def unpin_adapter(self, name: str) -> None:
         """Release ``name``'s GPU slot to the LRU again (it stays loaded)."""
         if self.lora is None:

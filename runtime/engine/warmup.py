@@ -256,8 +256,9 @@ def warm_up(engine: Engine, *, timeout_s: float = ITEM_TIMEOUT_S) -> WarmupRepor
     (started); None where nothing is warmed (CUDA graphs off, no graph runner, or
     ``cuda_graph.warmup_context`` 0). Raises :class:`WarmupError` if an item fails.
 
-    The engine's observer sees none of it (serving metrics count clients' requests), and
-    the prefix cache is emptied afterwards (warm-up prompts are no one's prefix).
+    The engine's observer sees none of it (serving metrics count clients' requests); the
+    prefix cache is emptied afterwards (warm-up prompts are no one's prefix), and the step
+    costs and the speculation switch forget the warm-up's steps (they carried captures).
     """
     graphs_config = engine.config.cuda_graph
     graphs = getattr(engine.runner, "graphs", None)
@@ -277,6 +278,7 @@ def warm_up(engine: Engine, *, timeout_s: float = ITEM_TIMEOUT_S) -> WarmupRepor
         engine.observer = observer
     if engine.prefix.enabled:
         engine.reset_prefix_cache().result(timeout_s)
+    engine.forget_step_measurements().result(timeout_s)
     report = WarmupReport(
         items=len(plan),
         seconds=time.perf_counter() - began,

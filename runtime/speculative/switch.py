@@ -63,6 +63,11 @@ class SpeculationSwitch:
         self.alpha = alpha
         self._buckets: dict[int, _Bucket] = {}
 
+    def reset(self) -> None:
+        """Forget every measurement (steps that were not serving, e.g. a warm-up's graph
+        captures, would bias the verdicts)."""
+        self._buckets.clear()
+
     def should_draft(self, batch_size: int) -> bool:
         """Whether the next step of ``batch_size`` requests drafts."""
         b = self._buckets.setdefault(batch_bucket(batch_size), _Bucket())

@@ -133,7 +133,9 @@ def test_prompts_are_valid_distinct_and_longest_first():
 
 
 # ---------------------------------------------------------------------- the run
-def _engine(engine_assets, *, warmup_context=256, max_bs=8, prefix_cache=True, spec=False, **kw) -> Engine:
+def _engine(
+    engine_assets, *, warmup_context=256, max_bs=8, prefix_cache=True, spec=False, auto_disable=False, **kw
+) -> Engine:
     cfg = engine_config(engine_assets, max_running_requests=kw.pop("max_running_requests", 8), **kw)
     cfg.scheduler.prefix_cache = prefix_cache
     cfg.cuda_graph.enabled = True
@@ -143,6 +145,7 @@ def _engine(engine_assets, *, warmup_context=256, max_bs=8, prefix_cache=True, s
         cfg.speculative.algorithm = SpecAlgorithm.NGRAM
         cfg.speculative.num_steps = 3
         cfg.speculative.num_draft_tokens = 4
+        cfg.speculative.auto_disable = auto_disable
     runner = ModelRunner(cfg)
     # The static padded path on the CPU: each shape enters the table as a GPU would capture it.
     runner.graphs = CudaGraphRunner(runner, max_bs=max_bs, use_graphs=False)
@@ -211,6 +214,7 @@ def test_warmup_leaves_nothing_behind(engine_assets, engines):
     assert snap.kv_free_tokens == snap.kv_total_tokens == engine.kv.capacity
     assert engine.kv.num_free_tokens == engine.kv.capacity
     assert engine.prefix.enabled and engine.kv.num_cached_tokens == 0
+    assert engine.snapshot.steps > 0 and engine.scheduler.costs.decode_seconds is None  # captures' steps forgotten
 
 
 def test_warmup_is_off_without_graphs_or_with_a_zero_context(engine_assets, engines):
@@ -246,6 +250,17 @@ def test_warmup_with_speculation_holds_the_verify_keys(engine_assets, engines):
         collected.append(c)
     wait_all(collected)
     assert {k for k in _step_keys(engine) if k[0] is not ForwardMode.EXTEND} == before
+
+
+def test_the_warmups_steps_are_forgotten_by_the_switch_and_the_step_costs(engine_assets, engines):
+    """The warm-up's steps carry graph captures and batches no client sent: the speculation
+    switch's throughputs and the scheduler's step costs start from serving's first step."""
+    engine = _engine(engine_assets, spec=True, auto_disable=True, warmup_context=128, max_bs=4, prefix_cache=False)
+    engines.append(engine)
+    switch = engine.decoder.switch
+    assert switch is not None and warm_up(engine) is not None and engine.snapshot.steps > 0
+    assert switch._buckets == {} and switch.drafting(1) is None
+    assert engine.scheduler.costs.decode_seconds is None and engine.scheduler.costs.extend_fixed_seconds is None
 
 
 def test_a_failing_item_raises_naming_it(engine_assets, engines):
