@@ -158,6 +158,18 @@ def _step_keys(engine: Engine) -> set[tuple[ForwardMode, int, int, int, bool]]:
     return {(k.mode, k.width, k.batch_size, k.context, k.lora) for k in engine.runner.graphs._graphs}
 
 
+def _serve(engine: Engine, *, prompt_len: int, stride: int, adapter: str | None = None) -> list:
+    """Four requests of ``prompt_len`` tokens, 8 new tokens each, run to their end."""
+    collected = []
+    for j in range(4):
+        r, c = make_request([(stride * j + k) % 500 for k in range(prompt_len)], adapter, max_tokens=8)
+        engine.submit(r)
+        collected.append(c)
+    wait_all(collected)
+    assert all(len(c.token_ids) == 8 and c.error is None for c in collected)
+    return collected
+
+
 @pytest.fixture
 def engines():
     made: list[Engine] = []
@@ -182,13 +194,7 @@ def test_warmup_holds_every_planned_decode_key_and_serving_adds_none(engine_asse
     # Serving within the warmed range: no new decode shape (no capture on a GPU).
     before = {k for k in held if k[0] is ForwardMode.DECODE}
     for adapter in (None, "sql-r8"):
-        collected = []
-        for j in range(4):
-            r, c = make_request([(11 * j + k) % 500 for k in range(100)], adapter, max_tokens=8)
-            engine.submit(r)
-            collected.append(c)
-        wait_all(collected)
-        assert all(len(c.token_ids) == 8 and c.error is None for c in collected)
+        _serve(engine, prompt_len=100, stride=11, adapter=adapter)
     after = {k for k in _step_keys(engine) if k[0] is ForwardMode.DECODE}
     assert after == before
 
@@ -243,12 +249,7 @@ def test_warmup_with_speculation_holds_the_verify_keys(engine_assets, engines):
     assert want <= held
     assert {(s, c) for _, _, s, c, _ in want} == {(s, c) for s in (1, 2, 4) for c in (64, 128)}
     before = {k for k in held if k[0] is not ForwardMode.EXTEND}
-    collected = []
-    for j in range(4):
-        r, c = make_request([(13 * j + k) % 500 for k in range(90)], max_tokens=8)
-        engine.submit(r)
-        collected.append(c)
-    wait_all(collected)
+    _serve(engine, prompt_len=90, stride=13)
     assert {k for k in _step_keys(engine) if k[0] is not ForwardMode.EXTEND} == before
 
 
@@ -292,12 +293,6 @@ def test_on_a_gpu_serving_within_the_warmed_range_captures_nothing(engine_assets
     captured = engine.runner.graphs.num_captured
     assert captured > 0 and engine.runner.graphs.capture_failures == 0
     warmed = {k for k in engine.runner.graphs._graphs if k.mode is ForwardMode.DECODE}
-    collected = []
-    for j in range(4):
-        r, c = make_request([(11 * j + k) % 500 for k in range(100)], max_tokens=8)
-        engine.submit(r)
-        collected.append(c)
-    wait_all(collected)
-    assert all(len(c.token_ids) == 8 and c.error is None for c in collected)
+    _serve(engine, prompt_len=100, stride=11)
     assert engine.runner.graphs.num_captured == captured, "a decode step captured a graph after the warm-up"
     assert {k for k in engine.runner.graphs._graphs if k.mode is ForwardMode.DECODE} == warmed
