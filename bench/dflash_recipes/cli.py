@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..speculative import cli as spec_cli
 from ..speculative.dflash_recipe import Recipe, parse_recipe
+from ..speculative.settings import TARGET_STEPS
 from ..speculative.settings import Settings as SpecSettings
 from ..speculative.shapes import SHAPES
 
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape", choices=sorted(SHAPES), default=None, help="the small target's shape (small [smoke-small])"
     )
     add(
-        "--target-steps", type=int, default=None, help=f"step cap of the target (none [{SMOKE_TARGET_STEPS}])"
+        "--target-steps", type=int, default=None, help=f"step cap of the target ({TARGET_STEPS} [{SMOKE_TARGET_STEPS}])"
     )
     add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
     return ap
@@ -103,7 +104,7 @@ def parse(argv: list[str] | None = None) -> Settings:
         ap.error(f"a recipe trains on {max(wanted)} teacher windows, but --distill-count makes {count}")
     spec_argv = ["--draft", "dflash", "--distill-count", str(count)]
     target_steps = (
-        args.target_steps if args.target_steps is not None else (SMOKE_TARGET_STEPS if args.smoke else 0)
+        args.target_steps if args.target_steps is not None else (SMOKE_TARGET_STEPS if args.smoke else TARGET_STEPS)
     )
     spec_argv += ["--max-steps", f"{target_steps},0,0"] + (["--smoke"] if args.smoke else [])
     for flag in ("train_target_s", "dflash_block"):

@@ -34,6 +34,13 @@ def parse_k_sweep(value: str) -> list[int]:
     return ks
 
 
+TARGET_STEPS = 690
+"""The target's step cap when ``--max-steps`` is not given (not in a smoke): what an H100
+makes in the 60 s budget. Trained for time alone, a faster GPU memorises the corpus (an
+H200 made 820 steps to a loss of 0.80, `bench/results/2026-12-06-spec-dflash-h200-run7.md`),
+and every draft then accepts less on held-out prompts; a step cap trains one target on any GPU."""
+
+
 def parse_max_steps(value: str | None) -> tuple[int | None, int | None, int | None]:
     """``--max-steps TARGET,STANDALONE,EAGLE``: step caps (0 or empty: none)."""
     if not value:
@@ -103,8 +110,10 @@ def settings_from(args: argparse.Namespace, argv: list[str] | None, dflash_recip
     trees = parse_trees(args.tree)
     if trees and "eagle" not in drafts:
         raise SystemExit("--tree needs --draft eagle: trees are grown by the EAGLE head")
-    caps = parse_max_steps(args.max_steps)
     smoke = args.smoke
+    caps = parse_max_steps(args.max_steps)
+    if args.max_steps is None and not smoke:
+        caps = (TARGET_STEPS, *caps[1:])
     seq, batch = (64, 16) if smoke else (512, 48)
     draft_s = args.train_draft_s if args.train_draft_s is not None else (4 if smoke else 240)
     return Settings(

@@ -23,6 +23,7 @@ from bench.dflash_recipes.cli import parse_recipes  # noqa: E402
 from bench.speculative.dflash_recipe import Recipe  # noqa: E402
 from bench.speculative.dflash_training import DFlashTraining, train_dflash  # noqa: E402
 from bench.speculative.models import dflash_layer_ids  # noqa: E402
+from bench.speculative.settings import TARGET_STEPS  # noqa: E402
 from bench.speculative.training import lr_scale  # noqa: E402
 from loraserve.runtime.speculative.dflash_format import check_target_layer_ids  # noqa: E402
 
@@ -100,7 +101,8 @@ def test_smoke_gives_the_smoke_recipes_and_step_caps():
     full = cli.parse([])
     assert full.recipes == parse_recipes(cli.DEFAULT_RECIPES) and full.max_steps is None
     # the default recipes name 24,576 teacher windows at most: that many are made
-    assert full.spec.max_steps[0] is None and full.spec.args.distill_count == 24576
+    assert full.spec.max_steps[0] == TARGET_STEPS and full.spec.args.distill_count == 24576
+    assert cli.parse(["--target-steps", "1000"]).spec.max_steps[0] == 1000
     assert full.spec.small_shape == "small" and full.recipe_s == 55.0
     deep = cli.parse(["--smoke", "--shape", "cpu-deep", "--target-steps", "40"])
     assert deep.spec.small_shape == "cpu-deep" and deep.spec.max_steps[0] == 40

@@ -72,3 +72,15 @@ def test_the_exit_code_fails_a_gpu_run_whose_draft_failed_its_check():
     checked = Results(rows=[replace(differs, same=4)], notes=["the served DFLASH draft proposes other tokens"])
     assert verdict(gpu, checked) == 1 and verdict(smoke, checked) == 1
     assert verdict(gpu, Results(rows=[replace(differs, same=4)])) == 0
+
+
+def test_the_target_is_capped_at_a_step_count_unless_max_steps_says_otherwise():
+    """On a GPU the target trains ``TARGET_STEPS`` steps at most, so a faster GPU trains the
+    same target rather than one that memorised its corpus; ``--max-steps`` overrides it (0:
+    no cap), and a smoke keeps its own budget."""
+    from bench.speculative.settings import TARGET_STEPS
+
+    assert cli.parse([]).max_steps == (TARGET_STEPS, None, None)
+    assert cli.parse(["--max-steps", "0,0,0"]).max_steps == (None, None, None)
+    assert cli.parse(["--max-steps", "500,0,900"]).max_steps == (500, None, 900)
+    assert cli.parse(["--smoke"]).max_steps == (None, None, None)
