@@ -188,7 +188,7 @@ def warmup_adapter(engine: Engine) -> str | None:
     names = engine.adapter_names
     if not names or not getattr(graphs, "lora_in_graphs", False):
         return None
-    pinned = [i.name for i in engine.list_adapters() if getattr(i, "pinned", False) and i.name in names]
+    pinned = [i.name for i in engine.list_adapters() if i.pinned and i.name in names]
     return min(pinned or names)
 
 
@@ -267,12 +267,14 @@ def warm_up(engine: Engine, *, timeout_s: float = ITEM_TIMEOUT_S) -> WarmupRepor
     plan = plan_warmup(graphs_config, warmup_limits(engine), warmup_adapter(engine))
     began = time.perf_counter()
     observer, engine.observer = engine.observer, EngineObserver()
+    ran = 0
     try:
-        for index, item in enumerate(plan):
-            run_item(engine, item, index=index, timeout_s=timeout_s)
-            if getattr(graphs, "capture_failures", 0):
+        for item in plan:
+            run_item(engine, item, index=ran, timeout_s=timeout_s)
+            ran += 1
+            if graphs.capture_failures:
                 # The runner stopped capturing (logged): later items would only run eagerly.
-                log.warning("a CUDA graph capture failed; the warm-up stops after %d of %d items", index + 1, len(plan))
+                log.warning("a CUDA graph capture failed; the warm-up stops after %d of %d items", ran, len(plan))
                 break
     finally:
         engine.observer = observer
@@ -280,7 +282,7 @@ def warm_up(engine: Engine, *, timeout_s: float = ITEM_TIMEOUT_S) -> WarmupRepor
         engine.reset_prefix_cache().result(timeout_s)
     engine.forget_step_measurements().result(timeout_s)
     report = WarmupReport(
-        items=len(plan),
+        items=ran,
         seconds=time.perf_counter() - began,
         graphs=int(graphs.num_graphs),
         draft_graphs=_draft_graphs(engine),
