@@ -19,6 +19,8 @@ from .dflash_training import DFlashTraining
 
 SPREADS = ("reference", "top")  # models.dflash_layer_ids' spreads of the target layers read
 INITS = ("random", "target")
+ANCHOR_FROM = ("window", "continuation")
+TEACHER_OUTPUTS = ("cache", "stream")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class Recipe:
     blocks: int = DFlashTraining.blocks  # anchors per training window
     decay: float = DFlashTraining.decay  # block position weights exp(-(j - 1) / decay)
     init: str = DFlashTraining.init  # or "target": the draft's layers start as the target's top layers
+    share: float | None = None  # teacher windows' share of each batch (None: the run's teacher fraction)
+    anchor_from: str = DFlashTraining.anchor_from  # or "continuation": teacher blocks after the prompt only
+    outputs: str = DFlashTraining.teacher_outputs  # or "stream": teacher windows' target outputs per step
 
     def label(self) -> str:
         """The recipe as given (only what differs from the defaults), e.g. ``layers=3,ids=top``."""
@@ -69,6 +74,9 @@ RULES: dict[str, _Rule] = {
     "blocks": _Rule(int, lambda v: v >= 1, "at least 1 anchor per window"),
     "decay": _Rule(float, lambda v: v > 0, "positive (block position j weighs exp(-(j - 1) / decay))"),
     "init": _Rule(str, lambda v: v in INITS, f"one of {list(INITS)}"),
+    "share": _Rule(float, lambda v: v is None or 0 < v <= 1, "above 0 and at most 1 (a share of each batch)"),
+    "anchor_from": _Rule(str, lambda v: v in ANCHOR_FROM, f"one of {list(ANCHOR_FROM)}"),
+    "outputs": _Rule(str, lambda v: v in TEACHER_OUTPUTS, f"one of {list(TEACHER_OUTPUTS)}"),
 }
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
 
@@ -115,6 +123,9 @@ FLAGS = {
     "blocks": "--dflash-anchors",
     "decay": "--dflash-decay",
     "init": "--dflash-init",
+    "share": "--dflash-teacher-share",
+    "anchor_from": "--dflash-anchor-from",
+    "outputs": "--dflash-teacher-outputs",
 }
 # 5, as the reference's drafts of 8B targets: on a CPU toy target, five layers accepted 4.58
 # drafts a block in the held-out serving walk against three's 4.35 at equal steps (a step of
@@ -170,6 +181,26 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         type=float,
         default=Recipe.wd,
         help="DFLASH training: AdamW weight decay on its matrices",
+    )
+    ap.add_argument(
+        FLAGS["share"],
+        type=float,
+        default=Recipe.share,
+        help="DFLASH training: the teacher windows' share of each batch (default: --teacher-fraction's)",
+    )
+    ap.add_argument(
+        FLAGS["anchor_from"],
+        choices=ANCHOR_FROM,
+        default=Recipe.anchor_from,
+        help="DFLASH training: a teacher window's blocks anywhere in it (window), or only where the block's"
+        " first draft follows its prompt (continuation: positions 2.. are labelled only there)",
+    )
+    ap.add_argument(
+        FLAGS["outputs"],
+        choices=TEACHER_OUTPUTS,
+        default=Recipe.outputs,
+        help="DFLASH training: the teacher windows' target outputs in the output cache (cache, up to half of"
+        " it), or computed at each step (stream: every teacher window --distill-count makes is trained on)",
     )
 
 

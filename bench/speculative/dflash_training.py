@@ -71,6 +71,19 @@ class DFlashTraining:
     # time not counted): the learning curve of one run, over one target. Steps, not seconds:
     # the same probes on any machine, however loaded
     probe_every: int = 0
+    # tokens of each teacher window before the target's own continuation (its prompt)
+    teacher_prompt: int = 0
+    # where a teacher window's blocks go: "window", anywhere; "continuation", only where the
+    # block's first draft follows the prompt. Block positions 2.. are labelled only after the
+    # target's own tokens, so a block in the prompt trains position 1 and little else, which
+    # the corpus windows already teach
+    anchor_from: str = "window"
+    # "cache": teacher windows share the output cache with the corpus (teacher rows up to half
+    # of it); "stream": only corpus windows are cached, and the target runs over each step's
+    # teacher windows, so every teacher window generated is trained on, however many the
+    # device's memory would hold (H200 run 8's draft agreed with the target at block position
+    # 7 on 0.57 of training blocks and 0.16 of held-out ones: it memorised its 24,576)
+    teacher_outputs: str = "cache"
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
@@ -125,15 +138,37 @@ def _target_forward(
 
 
 def sample_anchors(
-    b: int, length: int, block: int, n: int, gen: torch.Generator, *, first: int = 1
+    b: int, length: int, block: int, n: int, gen: torch.Generator, *, first: int | torch.Tensor = 1
 ) -> torch.Tensor:
     """``n`` distinct anchors ``[b, n]`` per window of ``length`` tokens, each in ``first ..
     length - block + 1``: the block ``a .. a + block - 1`` takes its labels from the target's
-    rows ``a .. a + block - 2``, the last of which is the window's last token."""
-    span = length - block + 2 - first
-    if span < n:
-        raise ValueError(f"windows of {length} tokens hold fewer than {n} blocks of {block} from {first}")
-    return torch.rand(b, span, generator=gen).argsort(-1)[:, :n] + first
+    rows ``a .. a + block - 2``, the last of which is the window's last token. ``first``: one
+    for every window, or each window's ``[b]``."""
+    if isinstance(first, int):
+        span = length - block + 2 - first
+        if span < n:
+            raise ValueError(f"windows of {length} tokens hold fewer than {n} blocks of {block} from {first}")
+        return torch.rand(b, span, generator=gen).argsort(-1)[:, :n] + first
+    spans = length - block + 2 - first
+    if int(spans.min()) < n:
+        raise ValueError(
+            f"windows of {length} tokens hold fewer than {n} blocks of {block} from {int(first.max())}"
+        )
+    scores = torch.rand(b, int(spans.max()), generator=gen)
+    scores[torch.arange(scores.shape[1]) >= spans[:, None]] = 2.0  # past a window's span: sorted last
+    return scores.argsort(-1)[:, :n] + first[:, None]
+
+
+def first_anchors(b: int, teacher_rows: int, opts: DFlashTraining) -> int | torch.Tensor:
+    """Each window's first anchor (:func:`sample_anchors`' ``first``) when a batch's last
+    ``teacher_rows`` of ``b`` windows are teacher windows (``opts.anchor_from``)."""
+    if opts.anchor_from == "window" or teacher_rows == 0:
+        return 1
+    if opts.anchor_from != "continuation":
+        raise ValueError(f"DFLASH anchor_from must be window or continuation, got {opts.anchor_from!r}")
+    first = torch.ones(b, dtype=torch.long)
+    first[b - teacher_rows :] = max(1, opts.teacher_prompt - 1)  # the block starts at the prompt's last token
+    return first
 
 
 def block_targets(
@@ -163,13 +198,14 @@ def block_targets(
 
 def dflash_loss(
     draft: DFlashDraft, target, window: torch.Tensor, opts: DFlashTraining, gen: torch.Generator,
-    cached: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None, teacher_rows: int = 0,
 ):  # fmt: skip
     """Position-weighted loss at every masked block position that counts: cross-entropy to
     the target's greedy token (``opts.labels == "greedy"``) or KL from its next-token
     distribution (``"distribution"``); returns (loss, per-position top-1 agreement with the
     target's greedy token there). ``cached``: the window's :func:`cached_outputs` and greedy
-    tokens (else the target runs)."""
+    tokens (else the target runs); ``teacher_rows``: the batch's last windows that are teacher
+    windows (where ``opts.anchor_from`` places their blocks)."""
     b, length = window.shape
     blk = opts.block
     if cached is None:
@@ -179,7 +215,8 @@ def dflash_loss(
         rows, greedy = cached
         feats, logits = split_cached(target, rows, with_logits=opts.labels != "greedy")
     # anchor a: context 0..a-1, block a..a+blk-1, labels from the target's logits at a..a+blk-2
-    anchors = sample_anchors(b, length, blk, opts.blocks, gen).to(window.device)
+    first = first_anchors(b, teacher_rows, opts)
+    anchors = sample_anchors(b, length, blk, opts.blocks, gen, first=first).to(window.device)
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
         draft_logits = draft.block_logits(window, feats, anchors)
@@ -271,6 +308,19 @@ def _batch(data, teacher_data, gen: torch.Generator, opts: DFlashTraining) -> to
     return window
 
 
+def _with_streamed(
+    target, paired: torch.Tensor, rows: torch.Tensor, teacher_data: torch.Tensor, n: int, gen: torch.Generator,
+    opts: DFlashTraining,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The cached corpus windows ``paired`` / ``rows`` of a batch followed by ``n`` random
+    teacher windows whose :func:`cached_outputs` the target computes now (``teacher_outputs
+    == "stream"``)."""
+    pick = torch.randint(0, teacher_data.shape[0], (n,), generator=gen).to(teacher_data.device)
+    windows = teacher_data[pick]
+    t_rows, greedy = cached_outputs(target, windows, opts.layer_ids, with_final=opts.labels != "greedy")
+    return torch.cat([paired, torch.stack([windows, greedy], 1)]), torch.cat([rows, t_rows])
+
+
 @torch.no_grad()
 def init_from_target(draft: DFlashDraft, target) -> None:
     """Draft layer ``j`` of ``n`` takes target layer ``L - n + j``'s weights (the layers that
@@ -317,7 +367,12 @@ def train_dflash(
     optim = torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(opts.seed)
     data = data.to(device)
-    caches = output_caches(target, data, teacher_data, device, opts)
+    if opts.teacher_outputs not in ("cache", "stream"):
+        raise ValueError(f"DFLASH teacher_outputs must be cache or stream, got {opts.teacher_outputs!r}")
+    stream = opts.teacher_outputs == "stream" and teacher_data is not None
+    caches = output_caches(target, data, None if stream else teacher_data, device, opts)
+    if stream and caches is not None:
+        teacher_data = teacher_data[:, : opts.seq + 1].to(device)
     n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
     probes: list[dict] = []
@@ -328,9 +383,12 @@ def train_dflash(
             group["lr"] = opts.lr * lr_scale(step, frac)
         if caches is not None:
             paired, rows = sample_cached(caches, opts.batch, n_teacher, gen)
-            loss, top1 = dflash_loss(draft, target, paired[:, 0], opts, gen, (rows, paired[:, 1]))
+            if stream:
+                paired, rows = _with_streamed(target, paired, rows, teacher_data, n_teacher, gen, opts)
+            loss, top1 = dflash_loss(draft, target, paired[:, 0], opts, gen, (rows, paired[:, 1]), n_teacher)
         else:
-            loss, top1 = dflash_loss(draft, target, _batch(data, teacher_data, gen, opts), opts, gen)
+            batch = _batch(data, teacher_data, gen, opts)
+            loss, top1 = dflash_loss(draft, target, batch, opts, gen, teacher_rows=n_teacher)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -354,6 +412,8 @@ def train_dflash(
         "weight_decay": opts.weight_decay,
         "init": opts.init,
         "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
+        "anchor_from": opts.anchor_from,
+        "teacher_outputs": "stream" if stream else "cache",
         "seq": opts.seq,
         **(caches[2] if caches is not None else {"output_cache": "off"}),
         **({"probes": probes} if probes else {}),

@@ -21,6 +21,7 @@ class TeacherData:
     seq: int
     fraction: float  # share of each draft batch taken from ``data``
     info: dict
+    prompt: int = 0  # tokens of each row before the target's continuation
 
 
 def teacher_continuations(
@@ -56,7 +57,7 @@ def teacher_continuations(
     )  # fmt: skip
     info = {"teacher_prompts": source, "teacher_sequences": list(out.shape), "teacher_seconds": round(seconds, 1),
             "teacher_fraction": fraction, "seq": gen_len}  # fmt: skip
-    return TeacherData(out, gen_len, fraction, info)
+    return TeacherData(out, gen_len, fraction, info, prompt=teacher_prompt)
 
 
 def train_standalone(

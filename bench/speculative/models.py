@@ -170,7 +170,9 @@ def train_dflash_draft(
     opts = DFlashTraining(
         seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
         num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
-        init=recipe.init, teacher_fraction=teacher.fraction, max_steps=max_steps, probe_every=probe_every,
+        init=recipe.init, teacher_fraction=teacher.fraction if recipe.share is None else recipe.share,
+        teacher_prompt=teacher.prompt, anchor_from=recipe.anchor_from, teacher_outputs=recipe.outputs,
+        max_steps=max_steps, probe_every=probe_every,
     )  # fmt: skip
     held = heldout_data(
         target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids

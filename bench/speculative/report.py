@@ -126,10 +126,22 @@ def _dflash_line(s: Settings, f_info: dict) -> str:
         f" masked block prediction, {_LABELS.get(f_info.get('labels'), 'KL to the target')} weighted"
         f" exp(-j/{f_info['decay']:g}) by block position"
         " (a position's label counts only after the target's own greedy tokens, what serving verifies),"
-        f" teacher continuations {f_info['teacher_fraction']:.0%} of each batch; held-out top-1 agreement per"
+        f" teacher continuations {f_info['teacher_fraction']:.0%} of each batch{_teacher_use(f_info)};"
+        " held-out top-1 agreement per"
         f" block position {f_info['heldout_top1']}, mean leading agreeing positions {f_info['heldout_leading']}"
         f" of {f_info['max_leading']}{_walk(f_info)}; served draft vs trained draft: {f_info.get('check')}"
     )
+
+
+def _teacher_use(f_info: dict) -> str:
+    """Where the teacher windows' blocks went and where their target outputs came from, where
+    the run chose other than the defaults (older records lack both)."""
+    parts = []
+    if f_info.get("anchor_from", "window") != "window":
+        parts.append("their blocks only after the prompt")
+    if f_info.get("teacher_outputs", "cache") == "stream":
+        parts.append("their target outputs computed each step (every teacher window trained on)")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 _LABELS = {"greedy": "cross-entropy to the target's greedy token", "distribution": "KL to the target"}

@@ -13,6 +13,8 @@ from bench.speculative.dflash_training import (
     block_targets,
     cache_budget,
     cached_outputs,
+    dflash_loss,
+    first_anchors,
     sample_anchors,
     split_cached,
     target_outputs,
@@ -52,6 +54,53 @@ def test_anchors_are_distinct_and_leave_room_for_the_labels():
     anchors = sample_anchors(64, 20, 4, 10, gen, first=3)
     assert anchors.min() >= 3 and anchors.max() <= 20 - 4 + 1  # the last label row is the window's last token
     assert all(len(set(row.tolist())) == 10 for row in anchors)
+
+
+def test_anchors_start_where_each_window_says():
+    """A ``first`` per window: each window's anchors are distinct and start at its own first;
+    the shortest span still holds ``n``, else the error names the windows."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.tensor([1, 1, 9, 9, 13])
+    anchors = sample_anchors(5, 20, 4, 5, gen, first=first)
+    assert all(len(set(row.tolist())) == 5 for row in anchors)
+    assert (anchors >= first[:, None]).all() and anchors.max() <= 20 - 4 + 1
+    assert sorted(anchors[4].tolist()) == [13, 14, 15, 16, 17]  # its span holds exactly five
+    assert anchors[:2].min() < 9  # the others may start anywhere
+    with pytest.raises(ValueError, match="fewer than 6 blocks of 4 from 13"):
+        sample_anchors(5, 20, 4, 6, gen, first=first)
+
+
+def test_teacher_blocks_go_after_the_prompt_only_when_asked():
+    """``anchor_from="continuation"``: the batch's teacher windows (its last rows) start their
+    blocks at the prompt's last token, where the first draft follows the prompt; corpus windows
+    and ``"window"`` keep every anchor."""
+    opts = DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], teacher_prompt=6)
+    assert first_anchors(4, 2, opts) == 1
+    cont = replace(opts, anchor_from="continuation")
+    assert first_anchors(4, 2, cont).tolist() == [1, 1, 5, 5]
+    assert first_anchors(4, 0, cont) == 1
+    with pytest.raises(ValueError, match="anchor_from must be window or continuation, got 'middle'"):
+        first_anchors(4, 2, replace(opts, anchor_from="middle"))
+
+
+def test_the_loss_places_the_teacher_windows_blocks_after_their_prompt(target):
+    """``dflash_loss`` with ``teacher_rows``: the draft is asked for blocks of the teacher
+    windows only at or after the prompt's last token (seen at the draft's own input)."""
+    from bench.speculative.dflash_draft import DFlashDraft
+
+    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
+                        num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+    seen = []
+    real = draft.block_logits
+    draft.block_logits = lambda w, f, a: seen.append(a.clone()) or real(w, f, a)
+    opts = DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], blocks=5, teacher_prompt=10,
+                          anchor_from="continuation")  # fmt: skip
+    windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(2))
+    for _ in range(5):
+        dflash_loss(draft, target, windows, opts, torch.Generator().manual_seed(len(seen)), teacher_rows=3)
+    anchors = torch.stack(seen)  # [5, 4, 5]
+    assert (anchors[:, 1:] >= 9).all()  # teacher rows: the prompt's last token or later
+    assert (anchors[:, 0] < 9).any()  # the corpus row: anywhere
 
 
 def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits():
@@ -106,6 +155,42 @@ def test_training_on_cached_outputs_reports_the_cache(target):
     assert info["labels"] == "greedy"  # cross-entropy to the target's greedy token by default
     assert cache_budget(DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], num_layers=1),
                         torch.device("cpu")) == 0.0  # fmt: skip
+
+
+def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_windows(target, monkeypatch):
+    """``teacher_outputs="stream"``: the cache holds corpus windows only, and each step's
+    teacher windows (its last rows) come from every teacher window with the target's outputs
+    computed then, equal to what the cache would hold; with ``"cache"``, the teacher windows
+    are the few the cache's half holds."""
+    from bench.speculative import dflash_training
+
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+    teacher = torch.randint(0, 64, (200, 17), generator=torch.Generator().manual_seed(5))
+    steps = []
+    real = dflash_training.dflash_loss
+
+    def spy(draft, target_, window, opts, gen, cached=None, teacher_rows=0):
+        steps.append((window.clone(), cached[0].clone(), teacher_rows))
+        return real(draft, target_, window, opts, gen, cached, teacher_rows)
+
+    monkeypatch.setattr(dflash_training, "dflash_loss", spy)
+    opts = DFlashTraining(seconds=600, seq=16, batch=8, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=12,
+                          cache_gib=0.00005, teacher_fraction=0.5, teacher_outputs="stream")  # fmt: skip
+    _, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    assert info["teacher_outputs"] == "stream" and info["cached_teacher_windows"] == 0
+    rows_of = {tuple(w.tolist()): i for i, w in enumerate(teacher)}
+    streamed = set()
+    for window, rows, n in steps:
+        assert n == 4 and window.shape[0] == 8
+        for w, r in zip(window[4:], rows[4:], strict=True):
+            streamed.add(rows_of[tuple(w.tolist())])  # a teacher window ...
+            assert torch.equal(r, cached_outputs(target, w[None], [0])[0][0])  # ... with its outputs
+        assert all(tuple(w.tolist()) not in rows_of for w in window[:4])  # corpus rows first
+    cached = replace(opts, teacher_outputs="cache")
+    _, kept = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), cached)
+    assert kept["teacher_outputs"] == "cache" and 1 <= kept["cached_teacher_windows"] < len(streamed)
+    with pytest.raises(ValueError, match="teacher_outputs must be cache or stream, got 'disk'"):
+        train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), replace(opts, teacher_outputs="disk"))
 
 
 def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):

@@ -121,9 +121,13 @@ def test_the_flags_build_the_recipe_the_same_knobs_parse_to():
     s = cli.parse(
         ["--smoke", "--draft", "dflash", "--dflash-layers", "2", "--dflash-target-layers", "top",
          "--dflash-lr", "0.003", "--dflash-weight-decay", "0.01", "--dflash-anchors", "12",
-         "--dflash-decay", "2", "--dflash-init", "target"]
+         "--dflash-decay", "2", "--dflash-init", "target", "--dflash-teacher-share", "0.75",
+         "--dflash-anchor-from", "continuation", "--dflash-teacher-outputs", "stream"]
     )  # fmt: skip
-    assert s.dflash_recipe == parse_recipe("layers=2,ids=top,lr=0.003,wd=0.01,blocks=12,decay=2,init=target")
+    assert s.dflash_recipe == parse_recipe(
+        "layers=2,ids=top,lr=0.003,wd=0.01,blocks=12,decay=2,init=target,share=0.75,anchor_from=continuation,"
+        "outputs=stream"
+    )
 
 
 def test_the_flags_defaults():
@@ -143,6 +147,8 @@ def test_the_flags_defaults():
         (["--dflash-layers", "0"], "--dflash-layers must be at least 1"),
         (["--dflash-anchors", "0"], "--dflash-anchors must be at least 1"),
         (["--dflash-decay", "0"], "--dflash-decay must be positive"),
+        (["--dflash-teacher-share", "0"], "--dflash-teacher-share must be above 0 and at most 1"),
+        (["--dflash-teacher-share", "1.5"], "--dflash-teacher-share must be above 0 and at most 1"),
         (["--dflash-train-s", "0"], "--dflash-train-s must be positive"),
         (["--dflash-probe-steps", "-1"], "--dflash-probe-steps not negative"),
         (["--eagle-lr", "0"], "--eagle-lr must be positive"),
@@ -164,7 +170,7 @@ def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
     continuations, and with ``probe_every`` walks the draft while it trains."""
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(3, 64, (4000,), generator=gen)
-    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25, prompt=5)
     s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
     recipe = Recipe(layers=2, ids="top", teacher=4, lr=3e-3, wd=0.01, blocks=5, decay=2.0, init="target")
     draft, info = models.train_dflash_draft(
@@ -178,6 +184,21 @@ def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
     assert [p["steps"] for p in info["probes"]] == [1, 2]  # walked after each step but the last
 
 
+def test_a_recipes_teacher_knobs_reach_the_training(target):
+    """``share`` overrides the run's teacher fraction; ``anchor_from`` and ``outputs`` reach
+    the trainer, which places the teacher blocks after the teacher's prompt (``prompt``)."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(3, 64, (4000,), generator=gen)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25, prompt=5)
+    s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
+    recipe = Recipe(layers=1, blocks=3, share=0.5, anchor_from="continuation", outputs="stream")
+    _, info = models.train_dflash_draft(
+        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=2, heldout_count=2
+    )
+    assert (info["teacher_fraction"], info["anchor_from"], info["teacher_outputs"]) == (0.5, "continuation", "stream")
+    assert recipe.label() == "layers=1,blocks=3,share=0.5,anchor_from=continuation,outputs=stream"
+
+
 def test_probes_and_the_final_walk_judge_one_set_of_heldout_continuations(target, monkeypatch):
     """The held-out continuations are generated once per draft, not once per probe: the
     probes and the final walk share them (``HeldOut``), so a probe costs only the draft's
@@ -189,7 +210,7 @@ def test_probes_and_the_final_walk_judge_one_set_of_heldout_continuations(target
     monkeypatch.setattr(training, "teacher_sequences", lambda *a, **k: made.append(k["count"]) or real(*a, **k))
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(3, 64, (4000,), generator=gen)
-    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25, prompt=5)
     s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
     _, info = models.train_dflash_draft(
         s, Recipe(layers=1, blocks=5), target, data, data[:600], teacher, seconds=600.0, max_steps=4, heldout_count=2,
