@@ -140,7 +140,7 @@ def _teacher_use(f_info: dict) -> str:
     if f_info.get("anchor_from", "window") != "window":
         parts.append("their blocks only after the prompt")
     if f_info.get("teacher_outputs", "cache") == "stream":
-        parts.append("their target outputs computed each step (every teacher window trained on)")
+        parts.append("their target outputs computed each step, so every one is trained on")
     return f" ({'; '.join(parts)})" if parts else ""
 
 

@@ -239,3 +239,18 @@ def test_a_heldout_judgement_refuses_a_draft_of_other_layers_or_block(target):
     for bad in (draft([1], 4), draft([0], 5)):
         with pytest.raises(ValueError, match=r"heldout_data\(\.\.\., block=draft.block, layer_ids=draft.layer_ids\)"):
             dflash_heldout(bad, held)
+
+
+# --- the report says how the teacher continuations were used --------------------------------------
+
+
+def test_the_report_names_teacher_use_only_where_it_left_the_defaults():
+    """The DFLASH line names blocks after the prompt and streamed outputs when chosen, and
+    nothing for the defaults or for records written before either knob existed."""
+    from bench.speculative.report import _teacher_use
+
+    assert _teacher_use({}) == ""
+    assert _teacher_use({"anchor_from": "window", "teacher_outputs": "cache"}) == ""
+    both = _teacher_use({"anchor_from": "continuation", "teacher_outputs": "stream"})
+    assert both == " (their blocks only after the prompt; their target outputs computed each step, so every one is trained on)"
+    assert "prompt" not in _teacher_use({"teacher_outputs": "stream"})
