@@ -199,8 +199,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         FLAGS["outputs"],
         choices=TEACHER_OUTPUTS,
         default=Recipe.outputs,
-        help="DFLASH training: the teacher windows' target outputs in the output cache (cache, up to half of"
-        " it), or computed at each step (stream: every teacher window --distill-count makes is trained on)",
+        help="DFLASH training: the teacher windows' target outputs in the output cache (cache: what the corpus"
+        " leaves of it), or computed at each step (stream: every teacher window --distill-count makes is trained on)",
     )
 
 

@@ -78,8 +78,8 @@ class DFlashTraining:
     # target's own tokens, so a block in the prompt trains position 1 and little else, which
     # the corpus windows already teach
     anchor_from: str = "window"
-    # "cache": teacher windows share the output cache with the corpus (teacher rows up to half
-    # of it); "stream": only corpus windows are cached, and the target runs over each step's
+    # "cache": teacher windows share the output cache with the corpus (the corpus keeps up to
+    # half of it); "stream": only corpus windows are cached, and the target runs over each step's
     # teacher windows, so every teacher window generated is trained on, however many the
     # device's memory would hold (H200 run 8's draft agreed with the target at block position
     # 7 on 0.57 of training blocks and 0.16 of held-out ones: it memorised its 24,576)
@@ -265,7 +265,7 @@ def output_caches(
     target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device, opts: DFlashTraining
 ) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
     """The corpus and teacher windows with :func:`cached_outputs` within :func:`cache_budget`
-    (teacher rows first, up to half; corpus windows fixed non-overlapping slices), or None.
+    (:func:`cache_windows`' split; corpus windows fixed non-overlapping slices), or None.
 
     The target is frozen, so its outputs of a window never change: computing them once
     leaves each training step the draft's own work (as the EAGLE head's feature cache)."""

@@ -110,13 +110,16 @@ def cache_windows(
     label: str,
 ) -> tuple[FeatureCache, FeatureCache | None, dict] | None:
     """The corpus and teacher caches of ``width``-token windows that ``build`` makes, within
-    ``gib`` GiB at ``row_bytes`` a window (teacher rows first, up to half; corpus windows
-    fixed non-overlapping slices), with their sizes and build time (logged under ``label``);
-    None when the corpus, or teacher data given, would get no window."""
+    ``gib`` GiB at ``row_bytes`` a window (the corpus keeps up to half, the teacher rows take
+    the rest: a corpus smaller than half leaves them more; corpus windows fixed non-overlapping
+    slices), with their sizes and build time (logged under ``label``); None when the corpus,
+    or teacher data given, would get no window."""
     t0 = time.monotonic()
     budget = int(gib * 2**30) // row_bytes
-    n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget // 2)
-    n_corpus = min(data.numel() // width, budget - n_teacher)
+    corpus_windows = data.numel() // width
+    kept = min(corpus_windows, budget // 2)  # what the corpus keeps whatever the teacher data
+    n_teacher = 0 if teacher_data is None else min(teacher_data.shape[0], budget - kept)
+    n_corpus = min(corpus_windows, budget - n_teacher)
     if n_corpus < 1 or (teacher_data is not None and n_teacher < 1):
         return None
     corpus = build(data[: n_corpus * width].view(n_corpus, width))

@@ -39,6 +39,25 @@ def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
     assert torch.equal(fresh, cached) and top_fresh == top_cached
 
 
+def test_the_cache_gives_the_teacher_rows_what_the_corpus_leaves():
+    """The corpus keeps up to half of the cache; the teacher rows take the rest, so a small
+    corpus leaves them more than half, and a large one leaves each half."""
+    from bench.speculative.eagle_training import cache_windows
+
+    def sizes(corpus_tokens: int, teacher_rows: int, budget_rows: int) -> tuple[int, int]:
+        data = torch.zeros(corpus_tokens, dtype=torch.long)
+        teacher = torch.zeros(teacher_rows, 5, dtype=torch.long)
+        got = cache_windows(data, teacher, 5, 2**20, budget_rows / 2**10, lambda w: w, "test")
+        return got[2]["cached_corpus_windows"], got[2]["cached_teacher_windows"]
+
+    assert sizes(corpus_tokens=5 * 10, teacher_rows=500, budget_rows=100) == (10, 90)  # small corpus
+    assert sizes(corpus_tokens=5 * 400, teacher_rows=500, budget_rows=100) == (50, 50)  # both over half
+    assert sizes(corpus_tokens=5 * 400, teacher_rows=20, budget_rows=100) == (80, 20)  # few teacher rows
+    assert cache_windows(torch.zeros(50, dtype=torch.long), None, 5, 2**20, 100 / 2**10, lambda w: w, "t")[2][
+        "cached_corpus_windows"
+    ] == 10
+
+
 def test_training_with_a_cache_reports_it_and_learns(target):
     data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(5))
