@@ -12,6 +12,7 @@ import torch
 from loraserve.runtime.dev.devmodels import write_tokenizer
 
 from ..speculative.dflash_recipe import Recipe
+from ..speculative.dflash_training import heldout_windows
 from ..speculative.distillation import TeacherData, teacher_continuations
 from ..speculative.log import log
 from ..speculative.models import load_corpus, train_dflash_draft, train_target
@@ -39,8 +40,10 @@ def _study(s: cli.Settings, work: Path) -> str:
     record = {"setup": {"target": target_info, "teacher": teacher.info, "recipe_s": s.recipe_s,
                         "max_steps": s.max_steps, "heldout_count": s.heldout_count, "block": spec.dflash_block},
               "recipes": []}  # fmt: skip
+    # one set of held-out continuations for every recipe: they depend on the target alone
+    held = heldout_windows(target, held_ids, spec.device, seq=teacher.seq, count=s.heldout_count)
     for recipe in s.recipes:
-        info = train_recipe(s, recipe, target, data, held_ids, teacher)
+        info = train_recipe(s, recipe, target, data, held_ids, teacher, held)
         record["recipes"].append({"recipe": recipe.label(), **info})
         _write(s, record)  # each recipe's result survives a run cut short
     record["setup"]["seconds"] = round(time.monotonic() - started, 1)
@@ -48,14 +51,16 @@ def _study(s: cli.Settings, work: Path) -> str:
 
 
 def train_recipe(
-    s: cli.Settings, recipe: Recipe, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData
+    s: cli.Settings, recipe: Recipe, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData,
+    held: torch.Tensor | None = None,
 ) -> dict:
     """``recipe``'s draft trained over ``target`` for ``s.recipe_s`` (rounded to what is
-    served), with its held-out agreement and walk."""
+    served), with its held-out agreement and walk (over ``held``, the study's shared
+    continuations, when given)."""
     spec = s.spec
     draft, info = train_dflash_draft(
         spec, recipe, target, data, held_ids, teacher,
-        seconds=s.recipe_s, max_steps=s.max_steps, heldout_count=s.heldout_count,
+        seconds=s.recipe_s, max_steps=s.max_steps, heldout_count=s.heldout_count, held_windows=held,
     )  # fmt: skip
     info["teacher_windows"] = recipe.teacher_windows(teacher.data).shape[0]
     log(f"recipe {recipe.label()}: {info}")

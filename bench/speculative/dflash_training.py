@@ -447,24 +447,36 @@ class HeldOut:
 
 
 @torch.no_grad()
-def heldout_data(
-    target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int, block: int,
-    layer_ids: list[int],
-) -> HeldOut:  # fmt: skip
+def heldout_windows(target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int) -> torch.Tensor:
     """The target's greedy continuations of ``count`` held-out prompts (``seq // 3`` tokens
-    each), its outputs at ``layer_ids`` over them and 8 random anchors a window for blocks
-    of ``block`` tokens; deterministic (seed 11)."""
+    each), ``[count, seq + 1]``; deterministic (seed 11). They depend on the target alone, so
+    drafts of other layers or blocks over one target can share them (the recipe study)."""
     from .training import teacher_sequences
 
     prompt = seq // 3
-    window = teacher_sequences(
+    return teacher_sequences(
         target, held_ids, device, count=count, prompt_len=prompt, new_tokens=seq + 1 - prompt, seed=11
     )
-    feats, logits = target_outputs(target, window, layer_ids)
+
+
+@torch.no_grad()
+def heldout_data(
+    target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int, block: int,
+    layer_ids: list[int], windows: torch.Tensor | None = None,
+) -> HeldOut:  # fmt: skip
+    """:func:`heldout_windows` (or the given ``windows`` of them), the target's outputs at
+    ``layer_ids`` over them and 8 random anchors a window for blocks of ``block`` tokens;
+    deterministic (seed 11)."""
+    prompt = seq // 3
+    if windows is None:
+        windows = heldout_windows(target, held_ids, device, seq=seq, count=count)
+    elif tuple(windows.shape) != (count, seq + 1):
+        raise ValueError(f"held-out windows must be [{count}, {seq + 1}] (heldout_windows' shape), got {list(windows.shape)}")
+    feats, logits = target_outputs(target, windows, layer_ids)
     # the block's drafts follow the prompt: its first token is the prompt's last or later
     gen = torch.Generator().manual_seed(11)
     anchors = sample_anchors(count, seq + 1, block, 8, gen, first=prompt - 1).to(device)
-    return HeldOut(window, feats, logits.argmax(-1), anchors, prompt, tuple(layer_ids), block)
+    return HeldOut(windows, feats, logits.argmax(-1), anchors, prompt, tuple(layer_ids), block)
 
 
 @torch.no_grad()

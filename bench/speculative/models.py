@@ -160,12 +160,14 @@ def train_dflash_draft(
     max_steps: int | None,
     heldout_count: int = 16,  # bench/speculative's; the recipe study walks its --heldout-count
     probe_every: int = 0,
+    held_windows: torch.Tensor | None = None,
 ) -> tuple[DFlashDraft, dict]:
     """``recipe``'s DFLASH draft over ``target`` (``recipe.layers`` layers reading as many of
     its layers' outputs; ``s``'s block, batch, shape and device), trained for ``seconds`` or
     ``max_steps`` steps, rounded to what is served, with its held-out agreement and walk over
     ``heldout_count`` continuations; every ``probe_every`` training steps (> 0), the served
-    draft so far walks them too (the learning curve)."""
+    draft so far walks them too (the learning curve). ``held_windows``: those continuations
+    (:func:`heldout_windows`) when the caller shares them between drafts; else generated here."""
     layer_ids = dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids)
     opts = DFlashTraining(
         seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
@@ -175,7 +177,8 @@ def train_dflash_draft(
         max_steps=max_steps, probe_every=probe_every,
     )  # fmt: skip
     held = heldout_data(
-        target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids
+        target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids,
+        windows=held_windows,
     )  # built once: every probe and the final walk judge on the same continuations
     draft, info = train_dflash(
         target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,

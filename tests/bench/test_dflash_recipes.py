@@ -225,11 +225,20 @@ def test_the_smoke_study_trains_and_walks_one_draft_per_recipe(smoke):
 
 def test_a_recipes_teacher_takes_the_first_teacher_windows(tmp_path, monkeypatch):
     """``teacher=8`` trains that draft on 8 of the continuations; a recipe without ``teacher``
-    trains on every one generated (``--distill-count``). The run's scratch files go with it."""
+    trains on every one generated (``--distill-count``). The run's scratch files go with it.
+    The held-out continuations are generated once for the whole study, not once per recipe."""
+    from bench.speculative import training
+
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    record, text = _run(tmp_path, "--recipes", "layers=2;layers=2,teacher=8", "--distill-count", "16")
+    made = []
+    real = training.teacher_sequences
+    monkeypatch.setattr(training, "teacher_sequences", lambda *a, **k: made.append(k["count"]) or real(*a, **k))
+    record, text = _run(
+        tmp_path, "--recipes", "layers=2;layers=2,teacher=8", "--distill-count", "16", "--heldout-count", "5"
+    )
+    assert made.count(5) == 1 and all(r["heldout_walk_mean"] >= 0 for r in record["recipes"])
     assert not list(scratch.glob("dflash-recipes-*"))
     assert record["setup"]["teacher"]["teacher_sequences"][0] == 16
     assert [(r["recipe"], r["teacher_windows"]) for r in record["recipes"]] == [

@@ -229,6 +229,12 @@ def test_a_heldout_judgement_refuses_a_draft_of_other_layers_or_block(target):
     held = heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0])
     again = heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0])
     assert torch.equal(held.window, again.window) and torch.equal(held.anchors, again.anchors)  # deterministic
+    shared = heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0],
+                          windows=held.window)  # fmt: skip
+    assert torch.equal(shared.feats, held.feats) and torch.equal(shared.anchors, held.anchors)
+    with pytest.raises(ValueError, match=r"held-out windows must be \[2, 17\]"):
+        heldout_data(target, held_ids, torch.device("cpu"), seq=16, count=2, block=4, layer_ids=[0],
+                     windows=held.window[:, :10])  # fmt: skip
     embed, head = target.model.embed_tokens.weight, target.lm_head.weight
     def draft(ids: list[int], block: int) -> DFlashDraft:
         return DFlashDraft("smoke-small", embed, head, layer_ids=ids, num_layers=1, block=block, mask_id=0,
