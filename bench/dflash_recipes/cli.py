@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-steps", type=int, default=None, help=f"step cap of the target ({TARGET_STEPS} [{SMOKE_TARGET_STEPS}])"
     )
     add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
+    add("--compile", action="store_true", help="each draft's training forward under torch.compile")
     return ap
 
 
@@ -107,6 +108,7 @@ def parse(argv: list[str] | None = None) -> Settings:
         args.target_steps if args.target_steps is not None else (SMOKE_TARGET_STEPS if args.smoke else TARGET_STEPS)
     )
     spec_argv += ["--max-steps", f"{target_steps},0,0"] + (["--smoke"] if args.smoke else [])
+    spec_argv += ["--dflash-compile"] if args.compile else []
     for flag in ("train_target_s", "dflash_block"):
         if getattr(args, flag) is not None:
             spec_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

@@ -61,6 +61,7 @@ def train_recipe(
     draft, info = train_dflash_draft(
         spec, recipe, target, data, held_ids, teacher,
         seconds=s.recipe_s, max_steps=s.max_steps, heldout_count=s.heldout_count, held_windows=held,
+        compile=spec.args.dflash_compile,
     )  # fmt: skip
     info["teacher_windows"] = recipe.teacher_windows(teacher.data).shape[0]
     log(f"recipe {recipe.label()}: {info}")

@@ -84,6 +84,10 @@ class DFlashTraining:
     # device's memory would hold (H200 run 8's draft agreed with the target at block position
     # 7 on 0.57 of training blocks and 0.16 of held-out ones: it memorised its 24,576)
     teacher_outputs: str = "cache"
+    # torch.compile the draft's training forward (its shapes are fixed: one graph), compiled by a
+    # step outside the training clock whose gradients are dropped. Eager, a step is a few hundred
+    # small kernels (norms, RoPE, masks) around its matmuls; the served draft is the same either way
+    compile: bool = False
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
@@ -199,13 +203,15 @@ def block_targets(
 def dflash_loss(
     draft: DFlashDraft, target, window: torch.Tensor, opts: DFlashTraining, gen: torch.Generator,
     cached: tuple[torch.Tensor, torch.Tensor] | None = None, teacher_rows: int = 0,
+    forward: Callable[..., torch.Tensor] | None = None,
 ):  # fmt: skip
     """Position-weighted loss at every masked block position that counts: cross-entropy to
     the target's greedy token (``opts.labels == "greedy"``) or KL from its next-token
     distribution (``"distribution"``); returns (loss, per-position top-1 agreement with the
     target's greedy token there). ``cached``: the window's :func:`cached_outputs` and greedy
     tokens (else the target runs); ``teacher_rows``: the batch's last windows that are teacher
-    windows (where ``opts.anchor_from`` places their blocks)."""
+    windows (where ``opts.anchor_from`` places their blocks); ``forward``: the draft's
+    ``block_logits`` as the step runs it (compiled), by default the draft's own."""
     b, length = window.shape
     blk = opts.block
     if cached is None:
@@ -219,7 +225,7 @@ def dflash_loss(
     anchors = sample_anchors(b, length, blk, opts.blocks, gen, first=first).to(window.device)
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
-        draft_logits = draft.block_logits(window, feats, anchors)
+        draft_logits = (forward or draft.block_logits)(window, feats, anchors)
     labels, teacher, counts = block_targets(window, greedy, logits if opts.labels != "greedy" else None, anchors, blk)
     logp = torch.log_softmax(draft_logits, -1)
     if teacher is None:
@@ -374,6 +380,17 @@ def train_dflash(
     if stream and caches is not None:
         teacher_data = teacher_data[:, : opts.seq + 1].to(device)
     n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
+
+    def step_loss(gen: torch.Generator, forward) -> tuple[torch.Tensor, list[float]]:
+        if caches is None:
+            batch = _batch(data, teacher_data, gen, opts)
+            return dflash_loss(draft, target, batch, opts, gen, teacher_rows=n_teacher, forward=forward)
+        paired, rows = sample_cached(caches, opts.batch, n_teacher, gen)
+        if stream:
+            paired, rows = _with_streamed(target, paired, rows, teacher_data, n_teacher, gen, opts)
+        return dflash_loss(draft, target, paired[:, 0], opts, gen, (rows, paired[:, 1]), n_teacher, forward)
+
+    forward, compiled = _compiled(draft, step_loss, opts.seed) if opts.compile else (draft.block_logits, {})
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
     probes: list[dict] = []
     while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
@@ -381,14 +398,7 @@ def train_dflash(
             start += _probe(draft, probe, probes, time.monotonic() - start, step)
         for group in optim.param_groups:
             group["lr"] = opts.lr * lr_scale(step, frac)
-        if caches is not None:
-            paired, rows = sample_cached(caches, opts.batch, n_teacher, gen)
-            if stream:
-                paired, rows = _with_streamed(target, paired, rows, teacher_data, n_teacher, gen, opts)
-            loss, top1 = dflash_loss(draft, target, paired[:, 0], opts, gen, (rows, paired[:, 1]), n_teacher)
-        else:
-            batch = _batch(data, teacher_data, gen, opts)
-            loss, top1 = dflash_loss(draft, target, batch, opts, gen, teacher_rows=n_teacher)
+        loss, top1 = step_loss(gen, forward)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -414,10 +424,31 @@ def train_dflash(
         "teacher_fraction": opts.teacher_fraction if teacher_data is not None else 0.0,
         "anchor_from": opts.anchor_from,
         "teacher_outputs": "stream" if stream else "cache",
+        **compiled,
         "seq": opts.seq,
         **(caches[2] if caches is not None else {"output_cache": "off"}),
         **({"probes": probes} if probes else {}),
     }
+
+
+def _compiled(draft: DFlashDraft, step_loss: Callable, seed: int) -> tuple[Callable[..., torch.Tensor], dict]:
+    """``draft.block_logits`` compiled (fixed shapes), and what compiling took: one forward and
+    backward of a step on its own generator (the training's batches stay as they would be),
+    gradients dropped, so no clock counts the compilation. Where the compiler fails, the
+    eager forward and the error: a compiler's bug costs a run its speed-up, not the run."""
+    t0 = time.monotonic()
+    forward = torch.compile(draft.block_logits, dynamic=False)
+    try:
+        loss, _ = step_loss(torch.Generator().manual_seed(seed + 1), forward)
+        loss.backward()
+    except Exception as err:  # any compiler failure: train eagerly, say why
+        log(f"DFLASH training forward did not compile, training eagerly: {err!r}")
+        return draft.block_logits, {"compile_error": repr(err)[:500]}
+    finally:
+        draft.zero_grad(set_to_none=True)
+    seconds = round(time.monotonic() - t0, 1)
+    log(f"DFLASH training forward compiled in {seconds} s")
+    return forward, {"compile_seconds": seconds}
 
 
 def _probe(draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: list[dict], elapsed: float, step: int) -> float:

@@ -142,7 +142,7 @@ def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tenso
     """The DFLASH draft of the ``--dflash-*`` flags over ``target``, trained for ``--dflash-train-s``."""
     draft, info = train_dflash_draft(
         s, s.dflash_recipe, target, data, held_ids, teacher, seconds=s.dflash_train_s, max_steps=s.max_steps[2],
-        probe_every=s.args.dflash_probe_steps,
+        probe_every=s.args.dflash_probe_steps, compile=s.args.dflash_compile,
     )
     log(f"DFLASH draft trained: {info}")
     return draft, info
@@ -161,20 +161,22 @@ def train_dflash_draft(
     heldout_count: int = 16,  # bench/speculative's; the recipe study walks its --heldout-count
     probe_every: int = 0,
     held_windows: torch.Tensor | None = None,
+    compile: bool = False,
 ) -> tuple[DFlashDraft, dict]:
     """``recipe``'s DFLASH draft over ``target`` (``recipe.layers`` layers reading as many of
     its layers' outputs; ``s``'s block, batch, shape and device), trained for ``seconds`` or
     ``max_steps`` steps, rounded to what is served, with its held-out agreement and walk over
     ``heldout_count`` continuations; every ``probe_every`` training steps (> 0), the served
     draft so far walks them too (the learning curve). ``held_windows``: those continuations
-    (:func:`heldout_windows`) when the caller shares them between drafts; else generated here."""
+    (:func:`heldout_windows`) when the caller shares them between drafts; else generated here.
+    ``compile``: the training step's draft forward under torch.compile (the same draft, sooner)."""
     layer_ids = dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids)
     opts = DFlashTraining(
         seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
         num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
         init=recipe.init, teacher_fraction=teacher.fraction if recipe.share is None else recipe.share,
         teacher_prompt=teacher.prompt, anchor_from=recipe.anchor_from, teacher_outputs=recipe.outputs,
-        max_steps=max_steps, probe_every=probe_every,
+        max_steps=max_steps, probe_every=probe_every, compile=compile,
     )  # fmt: skip
     held = heldout_data(
         target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids,

@@ -106,6 +106,8 @@ def test_smoke_gives_the_smoke_recipes_and_step_caps():
     assert full.spec.small_shape == "small" and full.recipe_s == 55.0
     deep = cli.parse(["--smoke", "--shape", "cpu-deep", "--target-steps", "40"])
     assert deep.spec.small_shape == "cpu-deep" and deep.spec.max_steps[0] == 40
+    # --compile is bench/speculative's --dflash-compile, which the study hands each draft's training
+    assert cli.parse(["--smoke", "--compile"]).spec.args.dflash_compile and not s.spec.args.dflash_compile
 
 
 def test_distill_count_covers_every_recipes_teacher_windows(capsys):

@@ -169,9 +169,9 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
     steps = []
     real = dflash_training.dflash_loss
 
-    def spy(draft, target_, window, opts, gen, cached=None, teacher_rows=0):
+    def spy(draft, target_, window, opts, gen, cached=None, teacher_rows=0, forward=None):
         steps.append((window.clone(), cached[0].clone(), teacher_rows))
-        return real(draft, target_, window, opts, gen, cached, teacher_rows)
+        return real(draft, target_, window, opts, gen, cached, teacher_rows, forward)
 
     monkeypatch.setattr(dflash_training, "dflash_loss", spy)
     opts = DFlashTraining(seconds=600, seq=16, batch=8, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=12,
@@ -191,6 +191,50 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
     assert kept["teacher_outputs"] == "cache" and 1 <= kept["cached_teacher_windows"] < len(streamed)
     with pytest.raises(ValueError, match="teacher_outputs must be cache or stream, got 'disk'"):
         train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), replace(opts, teacher_outputs="disk"))
+
+
+def test_a_compiled_training_forward_trains_the_eager_draft(target, monkeypatch):
+    """``compile``: every step runs the draft's forward compiled, after one compiling step
+    outside the clock that leaves the draft and the batches as they were, so the trained
+    draft is the eager one's up to the compiler's rounding (streamed teacher windows: the
+    target runs in each step too)."""
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+    teacher = torch.randint(0, 64, (40, 17), generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = torch.compile
+
+    def counted(fn, **kw):
+        compiled = real(fn, **kw)
+        return lambda *a: calls.append(len(calls)) or compiled(*a)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2, blocks=3,
+                          max_steps=3, cache_gib=0.0005, teacher_outputs="stream")  # fmt: skip
+    eager, plain = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    compiled, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), replace(opts, compile=True))
+    assert len(calls) == 1 + 3 and info["compile_seconds"] > 0 and "compile_seconds" not in plain
+    assert info["steps"] == plain["steps"] == 3
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_forward_that_does_not_compile_trains_eagerly_and_says_why(target, monkeypatch):
+    """A compiler failure costs the run its speed-up, not the run: the draft trains eagerly,
+    as without ``compile``, and the record names the error."""
+    data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
+
+    def broken(fn, **kw):
+        def fail(*a):
+            raise RuntimeError("inductor: no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=2)
+    eager, _ = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts)
+    fell_back, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, compile=True))
+    assert info["steps"] == 2 and "no C++ compiler" in info["compile_error"] and "compile_seconds" not in info
+    for a, b in zip(eager.parameters(), fell_back.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):

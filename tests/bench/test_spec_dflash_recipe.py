@@ -185,17 +185,18 @@ def test_a_recipes_draft_trains_with_its_knobs_and_is_walked_as_served(target):
 
 
 def test_a_recipes_teacher_knobs_reach_the_training(target):
-    """``share`` overrides the run's teacher fraction; ``anchor_from`` and ``outputs`` reach
-    the trainer, which places the teacher blocks after the teacher's prompt (``prompt``)."""
+    """``share`` overrides the run's teacher fraction; ``anchor_from``, ``outputs`` and
+    ``compile`` reach the trainer, which places the teacher blocks after the teacher's prompt (``prompt``)."""
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(3, 64, (4000,), generator=gen)
     teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 17), generator=gen), seq=16, fraction=0.25, prompt=5)
     s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
     recipe = Recipe(layers=1, blocks=3, share=0.5, anchor_from="continuation", outputs="stream")
     _, info = models.train_dflash_draft(
-        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=2, heldout_count=2
+        s, recipe, target, data, data[:600], teacher, seconds=600.0, max_steps=2, heldout_count=2, compile=True
     )
     assert (info["teacher_fraction"], info["anchor_from"], info["teacher_outputs"]) == (0.5, "continuation", "stream")
+    assert info["compile_seconds"] > 0  # compile reaches the training too
     assert recipe.label() == "layers=1,blocks=3,share=0.5,anchor_from=continuation,outputs=stream"
 
 
