@@ -152,9 +152,10 @@ def _walk(f_info: dict) -> str:
     places them (what a served step should accept), where the run measured it."""
     if "heldout_walk_mean" not in f_info:
         return ""
+    count = f" {f_info['heldout_count']} of" if "heldout_count" in f_info else ""  # older records: unsaid
     return (
-        f"; walking the target's continuations as greedy serving does, {f_info['heldout_walk_mean']} drafts"
-        f" accepted a block (per position {f_info['heldout_walk_accept']})"
+        f"; walking{count} the target's held-out continuations as greedy serving does,"
+        f" {f_info['heldout_walk_mean']} drafts accepted a block (per position {f_info['heldout_walk_accept']})"
     )
 
 

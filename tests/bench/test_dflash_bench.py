@@ -43,6 +43,7 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
     assert (trained["blocks_per_window"], trained["decay"], trained["init"]) == (12, 2.0, "target")
     assert (trained["weight_decay"], trained["lr"]) == (0.01, 0.003)
     assert trained["seconds"] == 3.0  # --dflash-train-s, not --train-draft-s (the EAGLE head's)
+    assert trained["heldout_count"] == 16 and "walking 16 of the target's held-out continuations" in text
     # the learning curve: the served (rounded) draft walked every 5 steps of training
     probes = trained["probes"]
     assert probes and all(0 < p["heldout_walk_mean"] <= 4 and len(p["heldout_top1"]) == 4 for p in probes), probes

@@ -261,3 +261,14 @@ def test_the_report_names_teacher_use_only_where_it_left_the_defaults():
     both = _teacher_use({"anchor_from": "continuation", "teacher_outputs": "stream"})
     assert both == " (their blocks only after the prompt; their target outputs computed each step, so every one is trained on)"
     assert "prompt" not in _teacher_use({"teacher_outputs": "stream"})
+
+
+def test_the_report_says_how_many_continuations_the_walk_took():
+    """The walk's clause names its held-out count where the record has one (older records:
+    the clause as it was, without a count)."""
+    from bench.speculative.report import _walk
+
+    walked = {"heldout_walk_mean": 1.9, "heldout_walk_accept": [0.7, 0.5]}
+    assert _walk({}) == ""
+    assert _walk(walked).startswith("; walking the target's held-out continuations as greedy serving does, 1.9")
+    assert _walk({**walked, "heldout_count": 64}).startswith("; walking 64 of the target's held-out continuations")
