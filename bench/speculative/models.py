@@ -165,7 +165,7 @@ def train_dflash_draft(
     *,
     seconds: float,
     max_steps: int | None,
-    heldout_count: int = 16,  # the recipe study walks its --heldout-count
+    heldout_count: int,  # the served run's HELDOUT, the recipe study's --heldout-count
     probe_every: int = 0,
     held_windows: torch.Tensor | None = None,
     compile: bool = False,
