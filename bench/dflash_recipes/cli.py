@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-steps", type=int, default=None, help=f"step cap of the target ({TARGET_STEPS} [{SMOKE_TARGET_STEPS}])"
     )
     add("--heldout-count", type=int, default=None, help="held-out continuations walked (32 [8])")
+    add(
+        "--distill-seq",
+        type=int,
+        default=None,
+        help="teacher and held-out windows (a served request's reach rounded up to 64: 384 [64]); a recipe's"
+        " seq= trains on shorter ones, walked this long",
+    )
+    add("--target-seq", type=int, default=None, help="the small target's training sequence length (512 [64])")
     add("--compile", action="store_true", help="each draft's training forward under torch.compile")
     return ap
 
@@ -92,7 +100,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     except ValueError as err:
         ap.error(str(err))
     wanted = [r.teacher for r in recipes if r.teacher is not None]
-    for flag in ("distill_count", "heldout_count", "max_steps", "target_steps"):
+    for flag in ("distill_count", "heldout_count", "max_steps", "target_steps", "distill_seq", "target_seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     # a recipe that names fewer teacher windows takes the first ones; the others take them all
@@ -109,12 +117,14 @@ def parse(argv: list[str] | None = None) -> Settings:
     )
     spec_argv += ["--max-steps", f"{target_steps},0,0"] + (["--smoke"] if args.smoke else [])
     spec_argv += ["--dflash-compile"] if args.compile else []
-    for flag in ("train_target_s", "dflash_block"):
+    for flag in ("train_target_s", "dflash_block", "distill_seq"):
         if getattr(args, flag) is not None:
             spec_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     spec = spec_cli.parse(spec_argv)
     if args.shape:
         spec.small_shape = args.shape
+    if args.target_seq:
+        spec.seq = args.target_seq
     return Settings(
         spec=spec,
         recipes=recipes,

@@ -35,8 +35,8 @@ def _study(s: cli.Settings, work: Path) -> str:
     tok_dir = write_tokenizer(work / "tokenizer", spec.vocab)
     data, held_ids = load_corpus(spec, tok_dir)
     target, target_info = train_target(spec, data)
-    teacher = teacher_continuations(spec.args, target, data, tok_dir, spec.device, smoke=spec.smoke, k=spec.k,
-                                    prompt_len=spec.prompt_len, gen_tokens=spec.gen_tokens)  # fmt: skip
+    teacher = teacher_continuations(spec.args, target, data, tok_dir, spec.device, smoke=spec.smoke,
+                                    reach=spec.serving_reach, prompt_len=spec.prompt_len)  # fmt: skip
     record = {"setup": {"target": target_info, "teacher": teacher.info, "recipe_s": s.recipe_s,
                         "max_steps": s.max_steps, "heldout_count": s.heldout_count, "block": spec.dflash_block},
               "recipes": []}  # fmt: skip

@@ -72,10 +72,15 @@ def _add_distillation_args(ap: argparse.ArgumentParser) -> None:
         "--distill-prompts",
         choices=("unseen", "corpus"),
         default="corpus",
-        help="teacher prompts: corpus: training-corpus windows, 192-token sequences; unseen: code no model"
-        " trains on (torch's modules) at the benchmark's prompt length, continued past the longest request",
+        help="teacher prompts: corpus: training-corpus windows (a third of each sequence); unseen: code no model"
+        " trains on (torch's modules) at the benchmark's prompt length; either continued past the longest request",
     )
-    ap.add_argument("--distill-seq", type=int, default=None, help="draft distillation sequence length")
+    ap.add_argument(
+        "--distill-seq",
+        type=int,
+        default=None,
+        help="the drafts' training window (default: the longest served request plus a verify, rounded up to 64)",
+    )
     ap.add_argument(
         "--distill-count", type=int, default=None, help="teacher continuations (default 24576; smoke 32)"
     )

@@ -39,6 +39,7 @@ class Recipe:
     share: float | None = None  # teacher windows' share of each batch (None: the run's teacher fraction)
     anchor_from: str = DFlashTraining.anchor_from  # or "continuation": teacher blocks after the prompt only
     outputs: str = DFlashTraining.teacher_outputs  # or "stream": teacher windows' target outputs per step
+    seq: int | None = None  # training windows of this many tokens, at most the teacher's (None: the teacher's)
 
     def label(self) -> str:
         """The recipe as given (only what differs from the defaults), e.g. ``layers=3,ids=top``."""
@@ -77,6 +78,7 @@ RULES: dict[str, _Rule] = {
     "share": _Rule(float, lambda v: v is None or 0 < v <= 1, "above 0 and at most 1 (a share of each batch)"),
     "anchor_from": _Rule(str, lambda v: v in ANCHOR_FROM, f"one of {list(ANCHOR_FROM)}"),
     "outputs": _Rule(str, lambda v: v in TEACHER_OUTPUTS, f"one of {list(TEACHER_OUTPUTS)}"),
+    "seq": _Rule(int, lambda v: v is None or v >= 8, "at least 8 tokens (a training window)"),
 }
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
 
@@ -126,6 +128,7 @@ FLAGS = {
     "share": "--dflash-teacher-share",
     "anchor_from": "--dflash-anchor-from",
     "outputs": "--dflash-teacher-outputs",
+    "seq": "--dflash-seq",
 }
 # 5, as the reference's drafts of 8B targets: on a CPU toy target, five layers accepted 4.58
 # drafts a block in the held-out serving walk against three's 4.35 at equal steps (a step of
@@ -201,6 +204,13 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         default=Recipe.outputs,
         help="DFLASH training: the teacher windows' target outputs in the output cache (cache: what the corpus"
         " leaves of it), or computed at each step (stream: every teacher window --distill-count makes is trained on)",
+    )
+    ap.add_argument(
+        FLAGS["seq"],
+        type=int,
+        default=Recipe.seq,
+        help="DFLASH training: windows of this many tokens, at most --distill-seq's (default: all of them, as"
+        " long as a served request reads; the held-out walk reads that long whatever this is)",
     )
 
 

@@ -536,7 +536,7 @@ def dflash_heldout(draft: DFlashDraft, held: HeldOut) -> dict:
     want = held.greedy.gather(1, idx).view(count, blocks, blk - 1)
     match = (got == want).float()
     leading = match.cumprod(-1)
-    walk = _walk(draft, held.window, held.feats, held.greedy, held.prompt - 1)
+    walk, contexts = _walk(draft, held.window, held.feats, held.greedy, held.prompt - 1)
     return {
         "heldout_top1": [round(float(a), 3) for a in match.mean((0, 1))],
         "heldout_accept": [round(float(a), 3) for a in leading.mean((0, 1))],
@@ -544,7 +544,22 @@ def dflash_heldout(draft: DFlashDraft, held: HeldOut) -> dict:
         "max_leading": blk - 1,
         "heldout_walk_accept": [round(float(a), 3) for a in walk.mean(0)],
         "heldout_walk_mean": round(float(walk.sum(-1).mean()), 3),
+        "heldout_walk_by_context": walk_by_context(walk, contexts),
     }
+
+
+def walk_by_context(walk: torch.Tensor, contexts: torch.Tensor) -> dict[str, list]:
+    """The walk's accepted drafts a step by the tokens before the block, in the runtime's
+    context buckets (what ``/metrics`` and the served run count them in): ``{bucket: [mean,
+    steps]}``, shortest first. A draft trained on shorter windows than it serves falls off
+    in the longer buckets."""
+    from loraserve.runtime.speculative.metrics import context_bucket
+
+    accepted = walk.sum(-1)
+    buckets: dict[str, list[float]] = {}
+    for n, ctx in zip(accepted.tolist(), contexts.tolist(), strict=True):
+        buckets.setdefault(context_bucket(int(ctx)), []).append(n)
+    return {b: [round(sum(v) / len(v), 3), len(v)] for b, v in buckets.items()}
 
 
 def _walk(
@@ -553,18 +568,19 @@ def _walk(
     """Greedy speculation over windows that are the target's greedy continuations: each
     block at the window's token after the previous block's accepted drafts, from ``start``
     while a whole block fits. Returns every step's accepted positions ``[steps, block - 1]``
-    (0/1, leading ones)."""
+    (0/1, leading ones) and the tokens before its block ``[steps]`` (its anchor + 1)."""
     count, length = window.shape
     blk = draft.block
     last = length - blk + 1  # the last anchor whose labels are all in the window
     offsets = torch.arange(blk - 1, device=window.device)
     pos = torch.full((count,), start, dtype=torch.long, device=window.device)
-    steps = []
+    steps, contexts = [], []
     while bool((pos <= last).any()):
         live = pos <= last
         anchor = pos.clamp(max=last)
         got = draft.block_logits(window, feats, anchor[:, None])[:, 0].argmax(-1)
         lead = (got == greedy.gather(1, anchor[:, None] + offsets)).long().cumprod(-1)
         steps.append(lead[live])
+        contexts.append(anchor[live] + 1)
         pos = torch.where(live, pos + lead.sum(-1) + 1, pos)
-    return torch.cat(steps).float()
+    return torch.cat(steps).float(), torch.cat(contexts)

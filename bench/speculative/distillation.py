@@ -24,22 +24,33 @@ class TeacherData:
     prompt: int = 0  # tokens of each row before the target's continuation
 
 
+def serving_window(reach: int) -> int:
+    """The drafts' training window for served requests that read ``reach`` tokens: ``reach``
+    rounded up to 64. A draft never trained on contexts as long as it serves accepts less past
+    them: on the CPU's deep toy target a DFLASH draft trained on 96-token windows accepted
+    1.50 / 2.13 / 1.41 / 1.10 drafts a block at contexts 63-95 / 95-127 / 127-159 / 159-191,
+    one trained on 192-token windows 1.53 / 2.29 / 2.52 / 2.51
+    (bench/results/2026-12-07-dflash-context-length-cpu.md). H100 run 11's draft, trained on
+    192 and serving contexts up to 328, walked 2.30 and served 1.81."""
+    return 64 * math.ceil(reach / 64)
+
+
 def teacher_continuations(
-    args, target, data, tok_dir, device, *, smoke, k, prompt_len, gen_tokens
+    args, target, data, tok_dir, device, *, smoke, reach, prompt_len
 ) -> TeacherData:
-    """Greedy continuations of the target for the drafts' distillation (``--distill-prompts``)."""
+    """Greedy continuations of the target for the drafts' distillation (``--distill-prompts``),
+    ``--distill-seq`` tokens long or as long as a served request reads (``reach``:
+    ``Settings.serving_reach``)."""
     t0 = time.monotonic()
+    gen_len = args.distill_seq or serving_window(reach)
     if args.distill_prompts == "unseen":
-        # The serving regime: prompts of the benchmark's length from code the target never
-        # saw, continued past the longest sequence a request reaches.
+        # The serving regime: prompts of the benchmark's length from code the target never saw.
         unseen_files = unseen_code_files(1_000_000 if smoke else 8_000_000)
         prompt_data = tokenize(tok_dir, unseen_files)
-        gen_len = args.distill_seq or 64 * math.ceil((prompt_len + gen_tokens + k) / 64)
         teacher_prompt = prompt_len
         source = f"{len(unseen_files)} unseen torch modules ({prompt_data.numel():,} tokens)"
-    else:  # run 2's recipe
+    else:  # run 2's recipe: prompts from the training corpus, a third of each window
         prompt_data = data
-        gen_len = args.distill_seq or (64 if smoke else 192)
         teacher_prompt = gen_len // 3
         source = "the training corpus"
     out = teacher_sequences(

@@ -74,6 +74,9 @@ def spec_summary(decoder) -> dict:
         "per_position": [round(sum(hist[j:]) / steps, 3) for j in range(1, len(hist))],
         "accept_rate": round(snap.overall.accept_rate, 3),
         "per_adapter_mean_accept": per,
+        # [mean accepted, verify steps] by the request's context length: does the draft hold up
+        # past the sequences it was trained on?
+        "per_context": {b: [round(c.mean_accept_len, 2), c.verify_steps] for b, c in snap.per_context.items()},
         "histogram": snap.overall.histogram,
         "verify_ms": round(1e3 * snap.verify_seconds.total / max(snap.verify_seconds.count, 1), 2),
         "step_ms": round(1e3 * snap.step_seconds.total / max(snap.step_seconds.count, 1), 2),

@@ -47,8 +47,8 @@ def train_models(s: Settings) -> TrainedModels:
     target, target_info = train_target(s, data)
     teacher = None
     if s.args.draft_training == "distill" or "eagle" in s.drafts or "dflash" in s.drafts:
-        teacher = teacher_continuations(s.args, target, data, tok_dir, s.device, smoke=s.smoke, k=s.k,
-                                        prompt_len=s.prompt_len, gen_tokens=s.gen_tokens)  # fmt: skip
+        teacher = teacher_continuations(s.args, target, data, tok_dir, s.device, smoke=s.smoke,
+                                        reach=s.serving_reach, prompt_len=s.prompt_len)  # fmt: skip
     infos: dict[str, dict] = {}
     draft_dir = head = None
     if "standalone" in s.drafts:
@@ -178,8 +178,13 @@ def train_dflash_draft(
     (:func:`heldout_windows`) when the caller shares them between drafts; else generated here.
     ``compile``: the training step's draft forward under torch.compile (the same draft, sooner)."""
     layer_ids = dflash_layer_ids(target.config.num_hidden_layers, recipe.layers, recipe.ids)
+    if recipe.seq is not None and not teacher.prompt < recipe.seq <= teacher.seq:
+        raise ValueError(
+            f"a DFLASH recipe's seq ({recipe.seq}) must be above the teacher's prompt ({teacher.prompt}) and at most"
+            f" its windows ({teacher.seq}, --distill-seq): lower seq or raise --distill-seq"
+        )
     opts = DFlashTraining(
-        seconds=seconds, seq=teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
+        seconds=seconds, seq=recipe.seq or teacher.seq, batch=s.batch, lr=recipe.lr, block=s.dflash_block, layer_ids=layer_ids,
         num_layers=recipe.layers, blocks=recipe.blocks, decay=recipe.decay, weight_decay=recipe.wd,
         init=recipe.init, teacher_fraction=teacher.fraction if recipe.share is None else recipe.share,
         teacher_prompt=teacher.prompt, anchor_from=recipe.anchor_from, teacher_outputs=recipe.outputs,
@@ -188,7 +193,7 @@ def train_dflash_draft(
     held = heldout_data(
         target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids,
         windows=held_windows,
-    )  # built once: every probe and the final walk judge on the same continuations
+    )  # built once: every probe and the final walk judge on the same continuations, as long as serving reads
     draft, info = train_dflash(
         target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,
         probe=lambda d: _walk_probe(d, held),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from loraserve.runtime.speculative.metrics import context_bucket_start
+
 from .concurrency import Results
 from .measure import Row
 from .models import TrainedModels
@@ -47,6 +49,7 @@ def report_lines(
     if infos.get("dflash"):
         lines.append(_dflash_line(s, infos["dflash"]))
     lines += _results_table(s, results.rows)
+    lines += _context_table(results.rows)
     lines += identity_table(results.rows, results.details)
     lines += _time_table(results.details)
     lines += [""] + [f"- {n}" for n in results.notes]
@@ -107,7 +110,7 @@ def _eagle_line(s: Settings, e_info: dict) -> str:
         f" {e_info['steps']} steps, {e_info['tokens'] / 1e6:.1f} M tokens, final loss {e_info['final_loss']:.2f};"
         f" KL to the target + {e_info['feature_weight']} x smooth-L1 on the feature, unrolled steps"
         f" {e_info['unroll']}, feature noise {e_info['noise']}, teacher continuations"
-        f" {e_info['teacher_fraction']:.0%} of each batch, sequences of {e_info['seq']};"
+        f" {e_info['teacher_fraction']:.0%} of each batch, sequences of {e_info['seq']}{_short_windows(s, e_info['seq'])};"
         f" held-out top-1 agreement with the target per draft step {e_info['heldout_top1']};"
         f" served head vs trained head: {e_info.get('check')}"
     )
@@ -122,7 +125,8 @@ def _dflash_line(s: Settings, f_info: dict) -> str:
         f"- draft DFLASH: {f_info['layers']} layer(s) of the small target's shape over its layer outputs"
         f" {f_info['target_layer_ids']} (shares its embeddings and lm_head), block {f_info['block']}, {served};"
         f" {_count(f_info['params'])} trained params, {f_info['steps']} steps, {f_info['windows']} windows of"
-        f" {f_info['seq']} with {f_info['blocks_per_window']} blocks each, final loss {f_info['final_loss']:.2f};"
+        f" {f_info['seq']}{_short_windows(s, f_info['seq'])} with {f_info['blocks_per_window']} blocks each,"
+        f" final loss {f_info['final_loss']:.2f};"
         f" masked block prediction, {_LABELS.get(f_info.get('labels'), 'KL to the target')} weighted"
         f" exp(-j/{f_info['decay']:g}) by block position"
         " (a position's label counts only after the target's own greedy tokens, what serving verifies),"
@@ -131,6 +135,14 @@ def _dflash_line(s: Settings, f_info: dict) -> str:
         f" block position {f_info['heldout_top1']}, mean leading agreeing positions {f_info['heldout_leading']}"
         f" of {f_info['max_leading']}{_walk(f_info)}; served draft vs trained draft: {f_info.get('check')}"
     )
+
+
+def _short_windows(s: Settings, seq: int) -> str:
+    """A warning where a draft trained on windows shorter than a served request reads: it
+    accepts less past its training length (``distillation.serving_window``)."""
+    if seq >= s.serving_reach:
+        return ""
+    return f" (SHORTER than the {s.serving_reach} tokens a served request reads: it accepts less past {seq})"
 
 
 def _teacher_use(f_info: dict) -> str:
@@ -155,8 +167,17 @@ def _walk(f_info: dict) -> str:
     count = f" {f_info['heldout_count']} of" if "heldout_count" in f_info else ""  # older records: unsaid
     return (
         f"; walking{count} the target's held-out continuations as greedy serving does,"
-        f" {f_info['heldout_walk_mean']} drafts accepted a block (per position {f_info['heldout_walk_accept']})"
+        f" {f_info['heldout_walk_mean']} drafts accepted a block (per position {f_info['heldout_walk_accept']}"
+        + _by_context(f_info.get("heldout_walk_by_context"))
+        + ")"
     )
+
+
+def _by_context(buckets: dict | None) -> str:
+    """``; by context 128-255 2.31 (540), ...``: the walk by the tokens before the block (older records: unsaid)."""
+    if not buckets:
+        return ""
+    return "; by context " + ", ".join(f"{b} {mean} ({n})" for b, (mean, n) in buckets.items())
 
 
 def _results_table(s: Settings, rows: list[Row]) -> list[str]:
@@ -182,6 +203,26 @@ def _results_table(s: Settings, rows: list[Row]) -> list[str]:
             f" {summary['mean_accept']} of {len(summary['per_position'])} | {pos} | {summary['accept_rate']} | {per} |"
             f" {summary['verify_ms']} | {summary['step_ms']} | {summary.get('undrafted_steps', 0)} | {r.same}/{r.count} |"
         )
+    return lines
+
+
+def _context_table(rows: list[Row]) -> list[str]:
+    """Mean accepted drafts per step by the request's context length (tokens before the step;
+    verify steps in brackets): a draft trained on shorter windows than it serves falls off."""
+    buckets = sorted({b for r in rows for b in r.summary.get("per_context", {})}, key=context_bucket_start)
+    if not buckets:
+        return []
+    lines = [
+        "",
+        "Mean accepted drafts per step by the request's context length (tokens before the step; verify steps):",
+        "",
+        "| concurrency | draft | " + " | ".join(buckets) + " |",
+        "|---|---|" + "---|" * len(buckets),
+    ]
+    for r in rows:
+        got = r.summary.get("per_context", {})
+        cells = [f"{got[b][0]} ({got[b][1]})" if b in got else "–" for b in buckets]
+        lines.append(f"| {r.concurrency} | {r.draft} | " + " | ".join(cells) + " |")
     return lines
 
 

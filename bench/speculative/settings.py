@@ -99,6 +99,12 @@ class Settings:
     seq: int  # training sequence length of the target (and of a corpus-trained draft)
     batch: int
 
+    @property
+    def serving_reach(self) -> int:
+        """The most tokens a served draft reads: a request's prompt, its generated tokens and
+        the widest verify (k, the k sweep's, the DFLASH block). Drafts train on windows this long."""
+        return self.prompt_len + self.gen_tokens + max(self.k, *self.k_sweep, self.dflash_block)
+
 
 def settings_from(args: argparse.Namespace, argv: list[str] | None, dflash_recipe: Recipe) -> Settings:
     """Check the options that parse by hand (exiting with a message) and fill in the defaults;

@@ -243,8 +243,9 @@ class SpeculativeDecoder:
             for i, (row, accepted) in enumerate(zip(token_rows, accept_lens, strict=True))
         ]
         self.metrics.record_step(
-            [r.adapter for r in requests], accept_lens, max_accept, verify_seconds=verify_seconds, step_seconds=step_seconds
-        )
+            [r.adapter for r in requests], accept_lens, max_accept, contexts=[r.num_tokens for r in requests],
+            verify_seconds=verify_seconds, step_seconds=step_seconds,
+        )  # fmt: skip
         return outs
 
     def _tree_fits(self, requests: Sequence[Request]) -> bool:

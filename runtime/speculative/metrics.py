@@ -1,4 +1,5 @@
-"""Speculative-decoding counters: accept lengths overall and per adapter, verify timing.
+"""Speculative-decoding counters: accept lengths overall, per adapter and per context length,
+verify timing.
 
 Written on the engine thread after every verify step, read by any thread (the server's
 ``/metrics``): a lock guards the few integers. :meth:`SpecMetrics.collector` returns a
@@ -15,6 +16,18 @@ from dataclasses import dataclass, field
 TIME_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BASE_LABEL = ""
 """The ``adapter`` label of requests on the base model (an empty label is "no adapter")."""
+CONTEXT_BUCKETS: tuple[int, ...] = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+"""Lower bounds of the context lengths acceptance is also counted by (label ``context``): a
+draft trained on shorter sequences than it serves accepts less as its requests grow, and only
+acceptance by context length shows it."""
+
+
+def context_bucket(tokens: int) -> str:
+    """The ``context`` label of a verify step whose request held ``tokens`` tokens before it:
+    ``"256-511"``, or ``"32768+"`` past the last bound."""
+    lower = [b for b in CONTEXT_BUCKETS if b <= tokens][-1] if tokens >= 0 else 0
+    i = CONTEXT_BUCKETS.index(lower)
+    return f"{lower}+" if i + 1 == len(CONTEXT_BUCKETS) else f"{lower}-{CONTEXT_BUCKETS[i + 1] - 1}"
 
 
 @dataclass
@@ -75,6 +88,7 @@ class SpecSnapshot:
     num_draft_tokens: int
     overall: AcceptStats
     per_adapter: dict[str, AcceptStats]
+    per_context: dict[str, AcceptStats]  # by context_bucket, shortest first
     verify_seconds: TimeHistogram
     step_seconds: TimeHistogram
     undrafted_steps: int = 0  # decode steps that skipped drafting (speculative.disable_batch_size)
@@ -83,6 +97,11 @@ class SpecSnapshot:
 
 def _copy_stats(stats: AcceptStats) -> AcceptStats:
     return AcceptStats(stats.verify_steps, stats.draft_tokens, stats.accepted_tokens, list(stats.histogram))
+
+
+def context_bucket_start(label: str) -> int:
+    """The first context length of a :func:`context_bucket` label (its sort key)."""
+    return int(label.split("-")[0].rstrip("+"))
 
 
 def _copy_hist(hist: TimeHistogram) -> TimeHistogram:
@@ -98,6 +117,7 @@ class SpecMetrics:
         self._lock = threading.Lock()
         self._overall = AcceptStats(histogram=[0] * num_draft_tokens)
         self._per_adapter: dict[str, AcceptStats] = {}
+        self._per_context: dict[str, AcceptStats] = {}
         self._verify = TimeHistogram()
         self._step = TimeHistogram()
         self._undrafted_steps = 0
@@ -115,17 +135,25 @@ class SpecMetrics:
         accept_lens: Sequence[int],
         num_drafts: int,
         *,
+        contexts: Sequence[int],
         verify_seconds: float,
         step_seconds: float,
     ) -> None:
-        """One verify step: request ``i`` used ``adapters[i]`` and accepted ``accept_lens[i]``."""
+        """One verify step: request ``i`` used ``adapters[i]``, held ``contexts[i]`` tokens
+        before the step and accepted ``accept_lens[i]``."""
+        if not len(adapters) == len(contexts) == len(accept_lens):
+            raise ValueError(
+                f"record_step takes one adapter, context and accept length per request; got {len(adapters)},"
+                f" {len(contexts)} and {len(accept_lens)}"
+            )
         with self._lock:
-            for adapter, accepted in zip(adapters, accept_lens, strict=True):
+            for adapter, context, accepted in zip(adapters, contexts, accept_lens, strict=True):
                 label = BASE_LABEL if adapter is None else adapter
-                stats = self._per_adapter.get(label)
-                if stats is None:
-                    stats = self._per_adapter[label] = AcceptStats(histogram=[0] * self.num_draft_tokens)
-                stats.add(int(accepted), num_drafts)
+                for table, key in ((self._per_adapter, label), (self._per_context, context_bucket(int(context)))):
+                    stats = table.get(key)
+                    if stats is None:
+                        stats = table[key] = AcceptStats(histogram=[0] * self.num_draft_tokens)
+                    stats.add(int(accepted), num_drafts)
                 self._overall.add(int(accepted), num_drafts)
             self._verify.observe(verify_seconds)
             self._step.observe(step_seconds)
@@ -137,6 +165,7 @@ class SpecMetrics:
                 num_draft_tokens=self.num_draft_tokens,
                 overall=_copy_stats(self._overall),
                 per_adapter={k: _copy_stats(v) for k, v in self._per_adapter.items()},
+                per_context={k: _copy_stats(self._per_context[k]) for k in sorted(self._per_context, key=context_bucket_start)},
                 verify_seconds=_copy_hist(self._verify),
                 step_seconds=_copy_hist(self._step),
                 undrafted_steps=self._undrafted_steps,
@@ -201,6 +230,7 @@ class _Collector:
         yield drafted
         yield accepted
         yield lengths
+        yield from _context_families(snap, p)
         undrafted = CounterMetricFamily(
             f"{p}_undrafted_steps", "Decode steps run without drafting (batch at or above disable_batch_size)"
         )
@@ -223,3 +253,20 @@ class _Collector:
                 sum_value=hist.total,
             )
             yield family
+
+
+def _context_families(snap: SpecSnapshot, p: str):
+    """Verify steps and accepted drafts by the request's context length (``context``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    steps = CounterMetricFamily(
+        f"{p}_context_verifies", "Request verify steps by the request's context length", labels=["context"]
+    )
+    accepted = CounterMetricFamily(
+        f"{p}_context_accepted_tokens", "Drafts accepted by the request's context length", labels=["context"]
+    )
+    for bucket, stats in snap.per_context.items():
+        steps.add_metric([bucket], stats.verify_steps)
+        accepted.add_metric([bucket], stats.accepted_tokens)
+    yield steps
+    yield accepted

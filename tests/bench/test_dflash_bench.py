@@ -32,12 +32,18 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
     text = out.read_text()
     assert "- draft DFLASH:" in text and "'proposal_agreement': 1.0" in text
     rows = [line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| dflash \|", line)]
+    rows = [r for r in rows if len(r) == 15]  # the results table's (the context table's rows are shorter)
     assert [r[1].strip() for r in rows] == ["1", "2"]
     for row in rows:
         assert row[6].strip().endswith("of 4"), row  # a block of 5: four drafts a step
         done, total = row[-2].strip().split("/")
         assert done == total and int(total) > 0, row
     details = json.loads(out.with_suffix(".json").read_text())
+    # acceptance by context length: every verify step in one bucket (prompts of 32 tokens, 24 new)
+    assert "by the request's context length" in text
+    for c in ("1", "2"):
+        summary = details[c]["spec"]["dflash"]
+        assert {b: n for b, (_, n) in summary["per_context"].items()} == {"0-127": sum(summary["histogram"])}
     trained = details["setup"]["drafts"]["dflash"]
     assert trained["block"] == 5 and trained["layers"] == 2
     assert (trained["blocks_per_window"], trained["decay"], trained["init"]) == (12, 2.0, "target")

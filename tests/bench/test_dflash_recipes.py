@@ -104,6 +104,8 @@ def test_smoke_gives_the_smoke_recipes_and_step_caps():
     assert full.spec.max_steps[0] == TARGET_STEPS and full.spec.args.distill_count == 24576
     assert cli.parse(["--target-steps", "1000"]).spec.max_steps[0] == 1000
     assert full.spec.small_shape == "small" and full.recipe_s == 55.0
+    long = cli.parse(["--smoke", "--distill-seq", "192", "--target-seq", "192"])
+    assert (long.spec.args.distill_seq, long.spec.seq, s.spec.args.distill_seq, s.spec.seq) == (192, 192, None, 64)
     deep = cli.parse(["--smoke", "--shape", "cpu-deep", "--target-steps", "40"])
     assert deep.spec.small_shape == "cpu-deep" and deep.spec.max_steps[0] == 40
     # --compile is bench/speculative's --dflash-compile, which the study hands each draft's training
@@ -223,6 +225,8 @@ def test_the_smoke_study_trains_and_walks_one_draft_per_recipe(smoke):
     for row, r in zip(rows, record["recipes"], strict=True):
         assert row[4] == str(cli.SMOKE_STEPS)
         assert row[-1] == f"**{r['heldout_walk_mean']}** of {r['max_leading']}"
+        by_context = r["heldout_walk_by_context"]
+        assert row[-2] == ", ".join(f"{b}: {m} ({n})" for b, (m, n) in by_context.items()) and by_context
 
 
 def test_a_recipes_teacher_takes_the_first_teacher_windows(tmp_path, monkeypatch):

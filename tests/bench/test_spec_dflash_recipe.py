@@ -65,6 +65,7 @@ def test_the_trainers_knobs_default_to_the_trainers_own_defaults():
         ("lr=-1e-3", "lr must be positive"),
         ("wd=-0.1", "wd must be 0 or more"),
         ("decay=0", "decay must be positive"),
+        ("seq=4", "seq must be at least 8"),
     ],
 )
 def test_a_wrong_recipe_is_refused_naming_what_is_wrong(text, named):
@@ -272,3 +273,68 @@ def test_the_report_says_how_many_continuations_the_walk_took():
     assert _walk({}) == ""
     assert _walk(walked).startswith("; walking the target's held-out continuations as greedy serving does, 1.9")
     assert _walk({**walked, "heldout_count": 64}).startswith("; walking 64 of the target's held-out continuations")
+
+
+# --- training windows as long as serving reads ----------------------------------------------------
+
+
+def test_drafts_train_on_windows_as_long_as_a_served_request_reads(target):
+    """Without ``--distill-seq`` the teacher windows cover a served request: prompt, new tokens
+    and the widest verify, rounded up to 64 (the GPU defaults: 128 + 192 + 8 -> 384, not the
+    192 that runs 1-11 trained on); the corpus recipe's prompt is a third of the window."""
+    from bench.speculative.distillation import serving_window, teacher_continuations
+
+    assert cli.parse([]).serving_reach == 128 + 192 + 8 and serving_window(328) == 384
+    assert cli.parse(["--k-sweep", "4,12"]).serving_reach == 128 + 192 + 12
+    assert serving_window(64) == 64 and serving_window(65) == 128
+    args = SimpleNamespace(distill_prompts="corpus", distill_seq=None, distill_count=3, teacher_fraction=None)
+    data = torch.randint(3, 64, (2000,), generator=torch.Generator().manual_seed(2))
+    got = teacher_continuations(args, target, data, None, torch.device("cpu"), smoke=True, reach=70, prompt_len=10)
+    assert (got.seq, got.prompt, tuple(got.data.shape)) == (128, 42, (3, 129))
+    args.distill_seq = 48  # given: as given
+    assert teacher_continuations(args, target, data, None, torch.device("cpu"), smoke=True, reach=70,
+                                 prompt_len=10).seq == 48  # fmt: skip
+
+
+def test_a_recipes_seq_trains_on_shorter_windows_and_is_walked_as_long_as_serving(target):
+    """``seq=`` cuts the training windows (the record's ``seq``); the held-out walk still reads
+    the teacher's full windows, and says how it went by context length in the runtime's
+    buckets. A ``seq`` longer than the teacher's windows, or not past its prompt, is refused
+    naming ``--distill-seq``."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(3, 64, (4000,), generator=gen)
+    teacher = SimpleNamespace(data=torch.randint(3, 64, (10, 161), generator=gen), seq=160, fraction=0.25, prompt=50)
+    s = SimpleNamespace(batch=4, dflash_block=4, small_shape="smoke-small", device=torch.device("cpu"))
+    _, info = models.train_dflash_draft(
+        s, Recipe(layers=1, seq=64), target, data, data[:1200], teacher, seconds=600.0, max_steps=2, heldout_count=2
+    )
+    assert info["seq"] == 64
+    by_context = info["heldout_walk_by_context"]
+    assert list(by_context) == ["0-127", "128-255"]  # walked from a third of the window (53) to its end (160)
+    assert sum(n for _, n in by_context.values()) > 2
+    for bad in (200, 40):
+        with pytest.raises(ValueError, match=r"must be above the teacher's prompt \(50\) and at most its windows"
+                                             r" \(160, --distill-seq\)"):  # fmt: skip
+            models.train_dflash_draft(
+                s, Recipe(layers=1, seq=bad), target, data, data[:1200], teacher, seconds=1.0, max_steps=1,
+                heldout_count=2,
+            )  # fmt: skip
+
+
+def test_the_walk_by_context_counts_each_step_in_its_bucket():
+    """Each walk step's accepted drafts land in the runtime bucket of the tokens before its block."""
+    from bench.speculative.dflash_training import walk_by_context
+
+    walk = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float)
+    contexts = torch.tensor([100, 127, 128, 300])
+    assert walk_by_context(walk, contexts) == {"0-127": [1.5, 2], "128-255": [0.0, 1], "256-511": [3.0, 1]}
+
+
+def test_the_report_warns_of_windows_shorter_than_serving_and_gives_the_walk_by_context():
+    from bench.speculative.report import _by_context, _short_windows
+
+    s = cli.parse([])
+    assert _short_windows(s, 384) == ""
+    assert "SHORTER than the 328 tokens a served request reads: it accepts less past 192" in _short_windows(s, 192)
+    assert _by_context(None) == ""
+    assert _by_context({"128-255": [2.3, 540], "256-511": [1.8, 300]}) == "; by context 128-255 2.3 (540), 256-511 1.8 (300)"

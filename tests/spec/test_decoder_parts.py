@@ -248,6 +248,10 @@ def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_ru
             run.outputs[r].spec.accepted_tokens for r in mine
         )
     assert snap.step_seconds.count == snap.verify_seconds.count > 0
+    # by context length: every verify step in one bucket; prompts of 3-19 tokens and 16 new
+    # tokens never reach 128
+    assert list(snap.per_context) == ["0-127"]
+    assert snap.per_context["0-127"].accepted_tokens == snap.overall.accepted_tokens
 
     registry = CollectorRegistry()
     registry.register(run.engine.decoder.metrics.collector())
@@ -270,12 +274,53 @@ def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_ru
 
 def test_metrics_histogram_buckets_are_cumulative():
     metrics = SpecMetrics("NGRAM", 4)
-    metrics.record_step(["a", None, "a"], [0, 3, 2], 3, verify_seconds=0.002, step_seconds=0.004)
+    metrics.record_step(
+        ["a", None, "a"], [0, 3, 2], 3, contexts=[10, 20, 30], verify_seconds=0.002, step_seconds=0.004
+    )
     snap = metrics.snapshot()
     assert snap.per_adapter["a"].histogram == [1, 0, 1, 0]
     assert snap.per_adapter[""].histogram == [0, 0, 0, 1]
     assert snap.overall.mean_accept_len == pytest.approx(5 / 3)
     assert snap.verify_seconds.counts[0] == 0 and snap.verify_seconds.counts[1] == 1
+
+
+def test_acceptance_is_counted_by_context_length():
+    """Each request-step lands in the bucket of the tokens its request held before the step;
+    the snapshot lists buckets shortest first, and the collector renders them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from loraserve.runtime.speculative.metrics import context_bucket
+
+    assert [context_bucket(n) for n in (0, 127, 128, 255, 256, 40_000)] == [
+        "0-127", "0-127", "128-255", "128-255", "256-511", "32768+",
+    ]  # fmt: skip
+    metrics = SpecMetrics("DFLASH", 7)
+    metrics.record_step([None, "a"], [5, 1], 7, contexts=[300, 100], verify_seconds=0.002, step_seconds=0.003)
+    metrics.record_step([None, "a"], [2, 0], 7, contexts=[306, 128], verify_seconds=0.002, step_seconds=0.003)
+    snap = metrics.snapshot()
+    assert list(snap.per_context) == ["0-127", "128-255", "256-511"]
+    assert [(c.verify_steps, c.accepted_tokens) for c in snap.per_context.values()] == [(1, 1), (1, 0), (2, 7)]
+    assert snap.per_context["256-511"].histogram == [0, 0, 1, 0, 0, 1, 0]
+    registry = CollectorRegistry()
+    registry.register(metrics.collector())
+    text = generate_latest(registry).decode()
+    assert 'loraserve:spec_context_verifies_total{context="256-511"} 2.0' in text
+    assert 'loraserve:spec_context_accepted_tokens_total{context="0-127"} 1.0' in text
+    with pytest.raises(ValueError, match="one adapter, context and accept length per request"):
+        metrics.record_step([None, "a"], [1, 1], 7, contexts=[10], verify_seconds=0.0, step_seconds=0.0)
+    assert metrics.snapshot().overall.verify_steps == 4  # the refused step counted nothing
+
+
+def test_a_request_growing_past_a_bucket_bound_is_counted_in_both(make_spec_config, engine_run):
+    """The decoder passes each request's length before the step: a 120-token prompt decoding
+    24 tokens verifies in the 0-127 bucket first, then in 128-255, and every step is in one."""
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(3, 500, (120,), generator=gen).tolist()
+    requests = [("long", prompt, SamplingParams(max_tokens=24, temperature=0.0), None)]
+    run = engine_run(make_spec_config("STANDALONE", "same"), requests)
+    snap = run.engine.decoder.metrics.snapshot()
+    assert list(snap.per_context) == ["0-127", "128-255"]
+    assert sum(c.verify_steps for c in snap.per_context.values()) == snap.overall.verify_steps
 
 
 def test_target_configuration_is_unchanged_by_building_the_draft(make_spec_config):
