@@ -7,7 +7,10 @@ Method (everything is built inside the run; nothing is downloaded):
 2. Train a small Llama target on that corpus for a fixed number of seconds (AdamW, bf16
    autocast), then distill a much smaller Llama draft from it: KL to the target's
    next-token distribution, half of every batch being the target's own greedy
-   continuations of training-corpus prompts, half corpus windows.
+   continuations of training-corpus prompts, half corpus windows. Every draft trains on
+   windows as long as a served request reads (``distillation.serving_window``: prompt, new
+   tokens and a verify, rounded up to 64; ``--distill-seq`` to choose): a draft accepts
+   less past the context lengths it trained on.
    ``--distill-prompts unseen`` takes the teacher prompts from code neither model trains
    on (the installed torch package's modules) at the benchmark's prompt length instead;
    on the CPU it did not beat the default, while more distillation time did.

@@ -27,11 +27,10 @@ class TeacherData:
 def serving_window(reach: int) -> int:
     """The drafts' training window for served requests that read ``reach`` tokens: ``reach``
     rounded up to 64. A draft never trained on contexts as long as it serves accepts less past
-    them: on the CPU's deep toy target a DFLASH draft trained on 96-token windows accepted
-    1.50 / 2.13 / 1.41 / 1.10 drafts a block at contexts 63-95 / 95-127 / 127-159 / 159-191,
-    one trained on 192-token windows 1.53 / 2.29 / 2.52 / 2.51
-    (bench/results/2026-12-07-dflash-context-length-cpu.md). H100 run 11's draft, trained on
-    192 and serving contexts up to 328, walked 2.30 and served 1.81."""
+    them: on the CPU's deep toy target a DFLASH draft trained on 96-token windows walked 1.93
+    drafts a block at contexts below 128 and 1.31 past them, one trained on 192-token windows
+    1.97 and 3.37 (bench/results/2026-12-07-dflash-context-length-cpu.md). H100 run 11's draft,
+    trained on 192 and serving contexts up to 328, walked 2.30 and served 1.81."""
     return 64 * math.ceil(reach / 64)
 
 
