@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.runtime.speculative.dflash_format import check_target_layer_ids
+from loraserve.runtime.speculative.metrics import context_bucket
 
 from .dflash_draft import DFlashDraft
 from .eagle_training import FeatureCache, cache_windows, sample_cached
@@ -553,8 +554,6 @@ def walk_by_context(walk: torch.Tensor, contexts: torch.Tensor) -> dict[str, lis
     context buckets (what ``/metrics`` and the served run count them in): ``{bucket: [mean,
     steps]}``, shortest first. A draft trained on shorter windows than it serves falls off
     in the longer buckets."""
-    from loraserve.runtime.speculative.metrics import context_bucket
-
     accepted = walk.sum(-1)
     buckets: dict[str, list[float]] = {}
     for n, ctx in zip(accepted.tolist(), contexts.tolist(), strict=True):
@@ -564,7 +563,7 @@ def walk_by_context(walk: torch.Tensor, contexts: torch.Tensor) -> dict[str, lis
 
 def _walk(
     draft: DFlashDraft, window: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor, start: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy speculation over windows that are the target's greedy continuations: each
     block at the window's token after the previous block's accepted drafts, from ``start``
     while a whole block fits. Returns every step's accepted positions ``[steps, block - 1]``

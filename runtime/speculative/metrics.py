@@ -9,6 +9,7 @@ the same numbers as plain data for tests, logs and benchmarks.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ acceptance by context length shows it."""
 def context_bucket(tokens: int) -> str:
     """The ``context`` label of a verify step whose request held ``tokens`` tokens before it:
     ``"256-511"``, or ``"32768+"`` past the last bound."""
-    lower = [b for b in CONTEXT_BUCKETS if b <= tokens][-1] if tokens >= 0 else 0
-    i = CONTEXT_BUCKETS.index(lower)
+    i = max(bisect.bisect_right(CONTEXT_BUCKETS, tokens) - 1, 0)
+    lower = CONTEXT_BUCKETS[i]
     return f"{lower}+" if i + 1 == len(CONTEXT_BUCKETS) else f"{lower}-{CONTEXT_BUCKETS[i + 1] - 1}"
 
 
