@@ -123,11 +123,11 @@ def test_the_flags_build_the_recipe_the_same_knobs_parse_to():
         ["--smoke", "--draft", "dflash", "--dflash-layers", "2", "--dflash-target-layers", "top",
          "--dflash-lr", "0.003", "--dflash-weight-decay", "0.01", "--dflash-anchors", "12",
          "--dflash-decay", "2", "--dflash-init", "target", "--dflash-teacher-share", "0.75",
-         "--dflash-anchor-from", "continuation", "--dflash-teacher-outputs", "stream"]
+         "--dflash-anchor-from", "continuation", "--dflash-teacher-outputs", "stream", "--dflash-seq", "48"]
     )  # fmt: skip
     assert s.dflash_recipe == parse_recipe(
         "layers=2,ids=top,lr=0.003,wd=0.01,blocks=12,decay=2,init=target,share=0.75,anchor_from=continuation,"
-        "outputs=stream"
+        "outputs=stream,seq=48"
     )
 
 
@@ -150,6 +150,7 @@ def test_the_flags_defaults():
         (["--dflash-decay", "0"], "--dflash-decay must be positive"),
         (["--dflash-teacher-share", "0"], "--dflash-teacher-share must be above 0 and at most 1"),
         (["--dflash-teacher-share", "1.5"], "--dflash-teacher-share must be above 0 and at most 1"),
+        (["--dflash-seq", "4"], "--dflash-seq must be at least 8"),
         (["--dflash-train-s", "0"], "--dflash-train-s must be positive"),
         (["--dflash-probe-steps", "-1"], "--dflash-probe-steps not negative"),
         (["--eagle-lr", "0"], "--eagle-lr must be positive"),
