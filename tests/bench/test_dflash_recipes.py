@@ -106,6 +106,9 @@ def test_smoke_gives_the_smoke_recipes_and_step_caps():
     assert full.spec.small_shape == "small" and full.recipe_s == 55.0
     long = cli.parse(["--smoke", "--distill-seq", "192", "--target-seq", "192"])
     assert (long.spec.args.distill_seq, long.spec.seq, s.spec.args.distill_seq, s.spec.seq) == (192, 192, None, 64)
+    for bad in (["--target-seq", "0"], ["--distill-seq", "0"], ["--distill-seq", "4"]):
+        with pytest.raises(SystemExit):
+            cli.parse(["--smoke", *bad])
     deep = cli.parse(["--smoke", "--shape", "cpu-deep", "--target-steps", "40"])
     assert deep.spec.small_shape == "cpu-deep" and deep.spec.max_steps[0] == 40
     # --compile is bench/speculative's --dflash-compile, which the study hands each draft's training

@@ -151,6 +151,8 @@ def test_the_flags_defaults():
         (["--dflash-teacher-share", "0"], "--dflash-teacher-share must be above 0 and at most 1"),
         (["--dflash-teacher-share", "1.5"], "--dflash-teacher-share must be above 0 and at most 1"),
         (["--dflash-seq", "4"], "--dflash-seq must be at least 8"),
+        (["--distill-seq", "0"], "--distill-seq must be at least 8"),
+        (["--distill-seq", "-64"], "--distill-seq must be at least 8"),
         (["--dflash-train-s", "0"], "--dflash-train-s must be positive"),
         (["--dflash-probe-steps", "-1"], "--dflash-probe-steps not negative"),
         (["--eagle-lr", "0"], "--eagle-lr must be positive"),
