@@ -6,6 +6,7 @@ import platform
 
 import torch
 
+from ..speculative.dflash_training import format_walk_by_context
 from ..speculative.settings import Settings as SpecSettings
 
 
@@ -15,8 +16,7 @@ def _per_position(values: list[float]) -> str:
 
 def _by_context(r: dict) -> str:
     """The walk by the tokens before each block (runtime buckets); records before it: "–"."""
-    buckets = r.get("heldout_walk_by_context")
-    return ", ".join(f"{b}: {mean} ({n})" for b, (mean, n) in buckets.items()) if buckets else "–"
+    return format_walk_by_context(r.get("heldout_walk_by_context")) or "–"
 
 
 def report(record: dict, spec: SpecSettings) -> str:

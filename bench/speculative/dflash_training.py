@@ -561,6 +561,12 @@ def walk_by_context(walk: torch.Tensor, contexts: torch.Tensor) -> dict[str, lis
     return {b: [round(sum(v) / len(v), 3), len(v)] for b, v in buckets.items()}
 
 
+def format_walk_by_context(buckets: dict[str, list] | None) -> str:
+    """``128-255 2.31 (540), 256-511 3.68 (300)``: :func:`walk_by_context`'s dict as the reports
+    write it (mean accepted, steps); "" for records made before the walk was split by context."""
+    return ", ".join(f"{b} {mean} ({n})" for b, (mean, n) in (buckets or {}).items())
+
+
 def _walk(
     draft: DFlashDraft, window: torch.Tensor, feats: torch.Tensor, greedy: torch.Tensor, start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 from loraserve.runtime.speculative.metrics import context_bucket_start
 
 from .concurrency import Results
+from .dflash_training import format_walk_by_context
 from .measure import Row
 from .models import TrainedModels
 from .settings import Settings
@@ -175,9 +176,7 @@ def _walk(f_info: dict) -> str:
 
 def _by_context(buckets: dict | None) -> str:
     """``; by context 128-255 2.31 (540), ...``: the walk by the tokens before the block (older records: unsaid)."""
-    if not buckets:
-        return ""
-    return "; by context " + ", ".join(f"{b} {mean} ({n})" for b, (mean, n) in buckets.items())
+    return f"; by context {format_walk_by_context(buckets)}" if buckets else ""
 
 
 def _results_table(s: Settings, rows: list[Row]) -> list[str]:

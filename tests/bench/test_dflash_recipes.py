@@ -229,7 +229,7 @@ def test_the_smoke_study_trains_and_walks_one_draft_per_recipe(smoke):
         assert row[4] == str(cli.SMOKE_STEPS)
         assert row[-1] == f"**{r['heldout_walk_mean']}** of {r['max_leading']}"
         by_context = r["heldout_walk_by_context"]
-        assert row[-2] == ", ".join(f"{b}: {m} ({n})" for b, (m, n) in by_context.items()) and by_context
+        assert row[-2] == ", ".join(f"{b} {m} ({n})" for b, (m, n) in by_context.items()) and by_context
 
 
 def test_a_recipes_teacher_takes_the_first_teacher_windows(tmp_path, monkeypatch):
