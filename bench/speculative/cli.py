@@ -228,7 +228,8 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="TARGET,STANDALONE,EAGLE: optimizer-step caps next to the time budgets (0: no cap), so a"
         " comparison on a shared CPU trains each model as far as an idle machine would (default: the"
-        " target capped at 690 steps, as far as an H100 trains it in 60 s, the drafts uncapped; smoke: none)",
+        " target capped at 690 steps, as far as an H100 trains it in 60 s, the drafts uncapped; smoke: none);"
+        " the third caps the DFLASH draft as well as the EAGLE head",
     )
     ap.add_argument(
         "--attention-backend",

@@ -42,7 +42,8 @@ and every draft then accepts less on held-out prompts; a step cap trains one tar
 
 
 def parse_max_steps(value: str | None) -> tuple[int | None, int | None, int | None]:
-    """``--max-steps TARGET,STANDALONE,EAGLE``: step caps (0 or empty: none)."""
+    """``--max-steps TARGET,STANDALONE,EAGLE``: step caps (0 or empty: none); the third caps
+    the DFLASH draft too."""
     if not value:
         return None, None, None
     parts = [p.strip() for p in value.split(",")]

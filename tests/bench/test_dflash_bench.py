@@ -24,7 +24,9 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
          "--dflash-block", "5", "--concurrency", "1,2", "--c1-requests", "4", "--out", str(out),
          # the training recipe's options reach the draft's training (its record says so)
          "--dflash-layers", "2", "--dflash-anchors", "12", "--dflash-decay", "2", "--dflash-init", "target",
-         "--dflash-weight-decay", "0.01", "--dflash-lr", "0.003", "--dflash-train-s", "3", "--dflash-probe-steps", "5"],
+         "--dflash-weight-decay", "0.01", "--dflash-lr", "0.003", "--dflash-probe-steps", "5",
+         # steps, not seconds, end its training: a busy machine still makes them (the budget is a bound)
+         "--dflash-train-s", "120", "--max-steps", "0,0,12"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )  # fmt: skip
     # rc 0: every output identical to plain decoding and the served draft proposes what the trained one does
@@ -48,9 +50,10 @@ def test_speculative_bench_smoke_with_dflash(tmp_path):
     assert trained["block"] == 5 and trained["layers"] == 2
     assert (trained["blocks_per_window"], trained["decay"], trained["init"]) == (12, 2.0, "target")
     assert (trained["weight_decay"], trained["lr"]) == (0.01, 0.003)
-    assert trained["seconds"] == 3.0  # --dflash-train-s, not --train-draft-s (the EAGLE head's)
+    assert trained["seconds"] == 120.0  # --dflash-train-s, not --train-draft-s (the EAGLE head's)
+    assert trained["steps"] == 12  # --max-steps' third cap
     assert trained["heldout_count"] == 16 and "walking 16 of the target's held-out continuations" in text
     # the learning curve: the served (rounded) draft walked every 5 steps of training
     probes = trained["probes"]
     assert probes and all(0 < p["heldout_walk_mean"] <= 4 and len(p["heldout_top1"]) == 4 for p in probes), probes
-    assert [p["steps"] for p in probes] == list(range(5, trained["steps"], 5))  # after every 5th step
+    assert [p["steps"] for p in probes] == [5, 10]  # after every 5th step
