@@ -3,9 +3,10 @@
 Importing this module registers these kopf handlers, and the indexes of ``.index`` they
 read, in kopf's default registry (:func:`register` adds them to another registry):
 
-- ``/mutate-loraserve``: fills defaults a CRD default cannot express (``numDraftTokens``
-  from ``numSteps``, ``model.servedName`` from the source); never rewrites a value the
-  user wrote.
+- ``/mutate-loraserve``: fills defaults a CRD default cannot express (a chain's
+  ``numDraftTokens`` from ``numSteps``, ``model.servedName`` from the source); never rewrites
+  a value the user wrote. A DFLASH ``numDraftTokens`` left out stays out: the runtime's
+  start-up takes the draft checkpoint's block size.
 - ``/validate-loraserve``: translates the spec to the runtime's configuration and judges
   it with :func:`loraserve.runtime.contract.policy.check_config`; an update that would leave
   existing Adapters unable to load is refused, naming them.
@@ -41,7 +42,7 @@ from urllib.parse import urlsplit
 import kopf
 
 from loraserve.runtime.contract.capabilities import CAPABILITIES, Capabilities
-from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm, chain_draft_tokens
+from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm, default_draft_tokens
 from loraserve.runtime.contract.policy import (
     Namer,
     check_adapter,
@@ -147,9 +148,11 @@ def derived_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
         patch["model"] = {"servedName": served_name(parsed)}
     speculative = spec.get("speculative") or {}
     chain = parsed.speculative.top_k == 1 and parsed.speculative.algorithm is not SpecAlgorithm.NONE
-    if chain and "numDraftTokens" not in speculative:
-        # A chain verifies its drafted tokens plus one (the one statement of that default).
-        patch["speculative"] = {"numDraftTokens": chain_draft_tokens(parsed.speculative.num_steps)}
+    # A chain verifies its drafted tokens plus one; a DFLASH block stays unset for the
+    # runtime's start-up to take from the checkpoint (the one statement of that default).
+    width = default_draft_tokens(parsed.speculative)
+    if chain and "numDraftTokens" not in speculative and width is not None:
+        patch["speculative"] = {"numDraftTokens": width}
     return patch
 
 

@@ -112,12 +112,23 @@ MAX_LOAD_TIMEOUT_S = 3600
 
 
 def chain_draft_tokens(num_steps: int) -> int:
-    """The verify width of a chain draft: the last committed token plus one per draft step.
-
-    The default of ``speculative.num_draft_tokens`` whenever it is not given (the flag, the
-    webhook's defaulting, the operator's translation) and the policy's chain rule.
-    """
+    """The verify width of a chain draft: the last committed token plus one per draft step
+    (the policy's chain rule; :func:`default_draft_tokens` for chains)."""
     return num_steps + 1
+
+
+def default_draft_tokens(spec: Any) -> int | None:
+    """``speculative.num_draft_tokens`` when it is not given (the flag, the webhook's
+    defaulting, the operator's translation), from ``spec``'s ``algorithm`` and ``num_steps``.
+
+    A chain verifies its drafts plus one: :func:`chain_draft_tokens`. A DFLASH block is the
+    draft checkpoint's ``block_size``, as the reference engine defaults it; only the
+    runtime's start-up can read the checkpoint, so until then the width is None (no flag on
+    the pod's command line) and start-up fills it in.
+    """
+    if spec.algorithm == SpecAlgorithm.DFLASH:
+        return None
+    return chain_draft_tokens(spec.num_steps)
 
 
 # --------------------------------------------------------------------------- declaring fields
@@ -271,12 +282,13 @@ class SpeculativeConfig:
     )
     num_steps: int = setting(_NUM_STEPS, "--num-steps", "draft forward passes per step", gated=True)
     top_k: int = setting(1, "--top-k", "draft tree width (1: chain)", gated=True)
-    num_draft_tokens: int = setting(
+    # None only before start-up has read a DFLASH draft's block (default_draft_tokens).
+    num_draft_tokens: int | None = setting(
         chain_draft_tokens(_NUM_STEPS),
         "--num-draft-tokens",
-        "tokens per request in target-verify (default: num-steps + 1)",
+        "tokens per request in target-verify (default: num-steps + 1; DFLASH: the draft's block_size)",
         gated=True,
-        derive=lambda spec: chain_draft_tokens(spec.num_steps),
+        derive=default_draft_tokens,
     )
     adaptive: bool = setting(False, "--adaptive-speculation", "vary num-steps at run time", gated=True)
     ragged_verify: RaggedVerify = setting(

@@ -227,6 +227,19 @@ def _positive_int(value, name: str) -> int | None:
     return value
 
 
+def block_size_of(raw: dict) -> int | None:
+    """The block a draft's config.json says it was trained on (``dflash_config.block_size``
+    wins over a top-level ``block_size``); None when it states none."""
+    nested = raw.get("dflash_config")
+    nested = nested if isinstance(nested, dict) else {}
+    nested_block = _positive_int(nested.get("block_size"), "dflash_config.block_size")
+    top_block = _positive_int(raw.get("block_size"), "block_size")
+    if nested_block is not None and top_block is not None and nested_block != top_block:
+        log.warning("DFLASH draft config.json sets block_size %s and dflash_config.block_size %s: using the latter",
+                    top_block, nested_block)  # fmt: skip
+    return nested_block if nested_block is not None else top_block
+
+
 def dflash_config_from_dict(
     raw: dict, *, target_num_layers: int, architecture_override: str | None = None
 ) -> DFlashDraftConfig:
@@ -253,12 +266,7 @@ def dflash_config_from_dict(
     # a Qwen3 config's sliding_window is inert unless use_sliding_window, and is refused above.
     layer_raw = dict(raw, architectures=["LlamaForCausalLM"], sliding_window=None)
     layer = arch_from_dict(layer_raw)
-    nested_block = _positive_int(nested.get("block_size"), "dflash_config.block_size")
-    top_block = _positive_int(raw.get("block_size"), "block_size")
-    if nested_block is not None and top_block is not None and nested_block != top_block:
-        log.warning("DFLASH draft config.json sets block_size %s and dflash_config.block_size %s: using the latter",
-                    top_block, nested_block)  # fmt: skip
-    block = nested_block if nested_block is not None else top_block
+    block = block_size_of(raw)
     ids = nested.get("target_layer_ids", raw.get("target_layer_ids"))
     if ids is None:
         num_target = _positive_int(raw.get("num_target_layers"), "num_target_layers") or target_num_layers

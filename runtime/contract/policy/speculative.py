@@ -128,7 +128,8 @@ def _chain_or_tree(spec: SpeculativeConfig, algorithm: SpecAlgorithm, note: str 
         )
     if spec.top_k > 1 and spec.num_steps >= 1:
         most = tree_draft_tokens_limit(spec.top_k, spec.num_steps)
-        if not MINIMUM["speculative.num_draft_tokens"] <= spec.num_draft_tokens <= most:
+        width = spec.num_draft_tokens  # None: a DFLASH block the start-up reads (refused below as a tree)
+        if width is not None and not MINIMUM["speculative.num_draft_tokens"] <= width <= most:
             out.append(
                 Violation(
                     "tree-draft-tokens",

@@ -1,0 +1,109 @@
+"""A DFLASH serve that leaves ``numDraftTokens`` out verifies the draft checkpoint's block
+(``dflash_config.block_size``), as the reference engine defaults it; chains keep
+``numSteps + 1``. The default is stated once (``contract.config.default_draft_tokens``) and
+reaches every layer: the mutating webhook leaves the field unset, the operator writes no
+``--num-draft-tokens`` on the pod's command line, and the runtime's start-up reads the
+block from the checkpoint (a real ``loraserve-runtime --check-config`` process here)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loraserve.operator.desired import runtime_args
+from loraserve.operator.specs import parse_loraserve_spec
+from loraserve.operator.translate import effective_status, to_runtime_config
+from loraserve.operator.webhooks import derived_defaults
+from loraserve.runtime.cli import build_parser, config_from_args
+from loraserve.runtime.contract import policy
+from loraserve.runtime.contract.config import RuntimeConfig
+from loraserve.runtime.dev.dflash_builder import build_dflash_draft
+
+
+@pytest.fixture(scope="module")
+def blocks(spec_assets, tmp_path_factory) -> dict[str, Path]:
+    """DFLASH drafts for the tiny target trained on a block of 6, and one that states no block."""
+    root = tmp_path_factory.mktemp("dflash-blocks")
+    return {
+        "six": build_dflash_draft(root / "six", spec_assets.target, target_layer_ids=[1], block_size=6),
+        "unstated": build_dflash_draft(root / "unstated", spec_assets.target, target_layer_ids=[1], block_size=None),
+    }  # fmt: skip
+
+
+def _runtime(argv: list[str]) -> RuntimeConfig:
+    return config_from_args(build_parser().parse_args(argv), env={})
+
+
+def _dflash_argv(spec_assets, draft: Path, *extra: str) -> list[str]:
+    return ["--model", str(spec_assets.target), "--device", "cpu", "--speculative-algorithm", "DFLASH",
+            "--draft-model", str(draft), *extra]  # fmt: skip
+
+
+def _serve(**speculative) -> dict:
+    return {
+        "model": {"source": "pvc://models/llama"},
+        "speculative": {"algorithm": "DFLASH", "draftModel": {"source": "pvc://models/dflash"}, **speculative},
+        "storage": {"models": {"type": "PersistentVolumeClaim", "claimName": "models", "mountPath": "/models"}},
+    }
+
+
+def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets, blocks):
+    assert _runtime(_dflash_argv(spec_assets, blocks["six"])).speculative.num_draft_tokens == 6
+    given = _runtime(_dflash_argv(spec_assets, blocks["six"], "--num-draft-tokens", "3"))
+    assert given.speculative.num_draft_tokens == 3  # a smaller block than trained, as the user asked
+    eagle = _runtime(["--model", str(spec_assets.target), "--speculative-algorithm", "EAGLE",
+                      "--draft-model", str(spec_assets.eagle), "--num-steps", "2"])  # fmt: skip
+    assert eagle.speculative.num_draft_tokens == 3  # a chain: num_steps + 1
+
+
+def test_a_draft_stating_no_block_verifies_a_chains_width_and_says_so(spec_assets, blocks, caplog):
+    with caplog.at_level(logging.WARNING, logger="loraserve.runtime"):
+        config = _runtime(_dflash_argv(spec_assets, blocks["unstated"], "--num-steps", "4"))
+    assert config.speculative.num_draft_tokens == 5
+    assert "states no block_size" in caplog.text and "--num-draft-tokens" in caplog.text
+    # A directory without config.json is the start-up checks' to name; parsing does not fail on it.
+    missing = _runtime(_dflash_argv(spec_assets, blocks["six"].parent / "nothing-here"))
+    assert missing.speculative.num_draft_tokens == 4
+
+
+def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_assets, blocks):
+    spec = parse_loraserve_spec(_serve())
+    assert derived_defaults(_serve()) == {"model": {"servedName": "llama"}}  # no numDraftTokens filled in
+    config = to_runtime_config(spec)
+    assert config.speculative.num_draft_tokens is None
+    report = policy.check_config(config)
+    assert not report.violations, [v.render() for v in report.violations]
+    assert effective_status(report).num_draft_tokens is None  # the pod's start-up decides it
+    argv = runtime_args(config)
+    assert "--num-draft-tokens" not in argv
+    # The pod: the same command line, its claim mounted where the checkpoint is.
+    pod = [str(blocks["six"]) if word == "/models/dflash" else word for word in argv]
+    pod = [str(spec_assets.target) if word == "/models/llama" else word for word in pod]
+    assert _runtime(pod).speculative.num_draft_tokens == 6
+    # A block the serve states is written, and kept.
+    stated = to_runtime_config(parse_loraserve_spec(_serve(numDraftTokens=5)))
+    assert runtime_args(stated)[runtime_args(stated).index("--num-draft-tokens") + 1] == "5"
+    assert derived_defaults(_serve(numDraftTokens=5)) == {"model": {"servedName": "llama"}}
+
+
+def test_a_dflash_tree_without_a_block_is_refused_as_a_tree(spec_assets):
+    config = to_runtime_config(parse_loraserve_spec(_serve(topK=2, numSteps=2)))
+    assert config.speculative.num_draft_tokens is None
+    rules = {v.rule for v in policy.check_config(config).violations}
+    assert "tree-algorithm" in rules and "tree-draft-tokens" not in rules
+
+
+@pytest.mark.slow
+def test_check_config_of_a_real_process_shows_the_checkpoints_block(spec_assets, blocks):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loraserve.runtime", *_dflash_argv(spec_assets, blocks["six"]), "--check-config"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["speculative"]["num_draft_tokens"] == 6
