@@ -333,6 +333,10 @@ class Engine:
         """The adapter manager's infos (name, path, rank, state, pinned...)."""
         return [] if self.lora is None else list(self.lora.list())
 
+    def adapter_info(self, name: str):
+        """The adapter manager's info on ``name`` (unloading ones too), or None."""
+        return next((info for info in self.list_adapters() if info.name == name), None)
+
     # Draft adapters: the draft's own pool (speculative.draft_max_loras), keyed by the name of
     # the Adapter they serve. Output never depends on them (the target verifies), so they
     # need no admission bookkeeping: a request drafts with one if it is loaded when it starts.

@@ -119,7 +119,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
                 engine.unpin_adapter(name)  # demoted: it may leave its slot and the cache again
                 rec.pinned = False
             supply.set_warm(name, body.warm)
-            return web.json_response(_info_body("already_loaded", rec, info or _find(engine, name), supply))
+            return web.json_response(_info_body("already_loaded", rec, info or engine.adapter_info(name), supply))
         try:
             info = await supply.load(
                 name,
@@ -230,10 +230,3 @@ def _load_conflict(exc: ApiError, engine, name: str) -> ApiError:
         exc.code = "adapter_draining"
         exc.headers = {**exc.headers, "Retry-After": str(RETRY_AFTER_S)}
     return exc
-
-
-def _find(engine, name: str):
-    for info in engine.list_adapters():
-        if info.name == name:
-            return info
-    return None

@@ -34,10 +34,8 @@ def served_model_name(config: RuntimeConfig) -> str:
 
 def draining_adapter(engine: Engine, name: str):
     """The engine's entry for ``name`` while it is unloaded but still serves requests."""
-    for info in engine.list_adapters():
-        if info.name == name and str(getattr(info, "state", "")) == "unloading":
-            return info
-    return None
+    info = engine.adapter_info(name)
+    return info if info is not None and str(getattr(info, "state", "")) == "unloading" else None
 
 
 class ServerState:
