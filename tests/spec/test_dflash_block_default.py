@@ -53,10 +53,17 @@ def _serve(**speculative) -> dict:
     }
 
 
-def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets, blocks):
+def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets, blocks, tmp_path):
     assert _runtime(_dflash_argv(spec_assets, blocks["six"])).speculative.num_draft_tokens == 6
     given = _runtime(_dflash_argv(spec_assets, blocks["six"], "--num-draft-tokens", "3"))
     assert given.speculative.num_draft_tokens == 3  # a smaller block than trained, as the user asked
+    # z-lab's Qwen3 checkpoints state the block at the top level only (``"block_size": 16``).
+    top_level = tmp_path / "top-level"
+    top_level.mkdir()
+    raw = json.loads((blocks["six"] / "config.json").read_text())
+    del raw["dflash_config"]["block_size"]
+    (top_level / "config.json").write_text(json.dumps({**raw, "block_size": 16}))
+    assert _runtime(_dflash_argv(spec_assets, top_level)).speculative.num_draft_tokens == 16
     eagle = _runtime(["--model", str(spec_assets.target), "--speculative-algorithm", "EAGLE",
                       "--draft-model", str(spec_assets.eagle), "--num-steps", "2"])  # fmt: skip
     assert eagle.speculative.num_draft_tokens == 3  # a chain: num_steps + 1
