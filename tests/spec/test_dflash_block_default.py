@@ -102,8 +102,11 @@ def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_asse
 def test_a_dflash_tree_without_a_block_is_refused_as_a_tree(spec_assets):
     config = to_runtime_config(parse_loraserve_spec(_serve(topK=2, numSteps=2)))
     assert config.speculative.num_draft_tokens is None
-    rules = {v.rule for v in policy.check_config(config).violations}
+    report = policy.check_config(config)
+    rules = {v.rule for v in report.violations}
     assert "tree-algorithm" in rules and "tree-draft-tokens" not in rules
+    # nor warned of as a costly tree: it is no tree (the warning would print the unset width)
+    assert "tree-large-batches" not in report.warning_rules()
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ settings that are ignored where they stand."""
 from __future__ import annotations
 
 from ..config import RuntimeConfig, SpecAlgorithm
+from .algorithms import TREE_ALGORITHMS, resolve_algorithm
 from .bounds import LARGE_RANK, TREE_COSTLY_BATCH
 from .draft_adapters import NO_DRAFT_MODEL_ALGORITHMS, no_draft_model
 from .findings import PolicyWarning
@@ -107,7 +108,8 @@ def _batch_switches(config: RuntimeConfig) -> list[PolicyWarning]:
             )
         )
     tree_batches = spec.tree_max_batch_size or config.scheduler.max_running_requests
-    if requested is not SpecAlgorithm.NONE and spec.top_k > 1 and tree_batches >= TREE_COSTLY_BATCH:
+    grows_trees = resolve_algorithm(config)[0] in TREE_ALGORITHMS  # a tree of another is refused instead
+    if grows_trees and spec.top_k > 1 and tree_batches >= TREE_COSTLY_BATCH:
         out.append(
             PolicyWarning(
                 "tree-large-batches",
