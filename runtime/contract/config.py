@@ -70,6 +70,12 @@ class SpecAlgorithm(enum.StrEnum):
         return self in (SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3, SpecAlgorithm.NEXTN)
 
     @property
+    def shares_target_embeddings(self) -> bool:
+        """Drafts that read the target's BASE embeddings and lm_head (never an adapter's):
+        the EAGLE family and DFLASH. An adapter on those modules lowers its accept rate."""
+        return self.is_eagle_family or self is SpecAlgorithm.DFLASH
+
+    @property
     def needs_draft_model(self) -> bool:
         return self in (
             SpecAlgorithm.STANDALONE,

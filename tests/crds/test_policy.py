@@ -433,9 +433,9 @@ def test_unknown_enum_strings_are_violations_not_crashes():
 # --------------------------------------------------------------------------- warnings
 
 
-def test_embedding_modules_under_eagle_family_warn():
+def test_embedding_modules_under_eagle_family_and_dflash_warn():
     modules = {"lora__target_modules": (*LORA_MODULES[:7], "lm_head")}
-    for algorithm in (A.EAGLE, A.EAGLE3, A.NEXTN):
+    for algorithm in (A.EAGLE, A.EAGLE3, A.NEXTN, A.DFLASH):  # DFLASH too takes the base embeddings and head
         report = policy.check_config(config(algorithm, **modules), EVERYTHING)
         assert report.ok and "eagle-embeddings" in report.warning_rules()
         assert "accept rate" in next(w.render() for w in report.warnings if w.rule == "eagle-embeddings")
@@ -557,10 +557,11 @@ def test_adapter_modules_within_serve_modules():
     assert "adapter-modules" in adapter_rules(c, adapter(target_modules=("q_proj", "bogus")))
 
 
-def test_adapter_embeddings_under_eagle_family_warn():
-    c = config(A.EAGLE3, lora__target_modules=LORA_MODULES)
-    report = policy.check_adapter(c, adapter(target_modules=("q_proj", "embed_tokens")))
-    assert report.ok and report.warning_rules() == {"adapter-eagle-embeddings"}
+def test_adapter_embeddings_under_eagle_family_and_dflash_warn():
+    for algorithm in (A.EAGLE3, A.DFLASH):
+        c = config(algorithm, lora__target_modules=LORA_MODULES)
+        report = policy.check_adapter(c, adapter(target_modules=("q_proj", "embed_tokens")))
+        assert report.ok and report.warning_rules() == {"adapter-eagle-embeddings"}, algorithm
     assert (
         policy.check_adapter(
             config(A.NGRAM, lora__target_modules=LORA_MODULES), adapter(target_modules=("embed_tokens",))

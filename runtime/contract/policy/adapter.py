@@ -116,7 +116,7 @@ def _modules(config: RuntimeConfig, adapter: AdapterDeclaration, algorithm: Spec
             )
         )
     touched = [m for m in EMBEDDING_MODULES if m in modules]
-    if touched and algorithm.is_eagle_family:
+    if touched and algorithm.shares_target_embeddings:
         warnings.append(
             PolicyWarning(
                 "adapter-eagle-embeddings",

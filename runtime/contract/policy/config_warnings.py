@@ -22,10 +22,11 @@ def config_warnings(config: RuntimeConfig, effective: RuntimeConfig) -> list[Pol
 
 
 def _lora_costs(config: RuntimeConfig, effective: RuntimeConfig) -> list[PolicyWarning]:
-    """Adapters on the embeddings beside an EAGLE-family draft, and a large rank in every slot."""
+    """Adapters on the embeddings beside a draft that shares the base ones (EAGLE family, DFLASH),
+    and a large rank in every slot."""
     algorithm = SpecAlgorithm(effective.speculative.algorithm)
     out: list[PolicyWarning] = []
-    if config.lora.enabled and algorithm.is_eagle_family:
+    if config.lora.enabled and algorithm.shares_target_embeddings:
         touched = [m for m in EMBEDDING_MODULES if m in config.lora.target_modules]
         if touched:
             out.append(
