@@ -66,7 +66,8 @@ class SpecAlgorithm(enum.StrEnum):
 
     @property
     def is_eagle_family(self) -> bool:
-        """Drafts that reuse the target's embeddings / lm_head."""
+        """EAGLE-family heads (one layer over the target's hidden states; token maps, head
+        draft adapters)."""
         return self in (SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3, SpecAlgorithm.NEXTN)
 
     @property
