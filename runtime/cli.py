@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .contract.capabilities import check_triton
-from .contract.config import FlagError, RuntimeConfig, chain_draft_tokens
+from .contract.config import FlagError, RuntimeConfig
 from .contract.flags import add_arguments, config_from_namespace
 
 log = logging.getLogger("loraserve.runtime")
@@ -81,24 +81,24 @@ def _read_architecture(model_dir: str | None) -> str | None:
     return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
-def _draft_block(draft_dir: str | None, num_steps: int) -> int:
+def _draft_block(draft_dir: str | None) -> int:
     """A DFLASH verify width when ``--num-draft-tokens`` is not given: the ``block_size`` the
     draft's config.json states, as the reference engine defaults it. A draft that states none
-    verifies a chain's ``num_steps + 1``, with a warning; one whose config.json cannot be read
-    gets that too, and the start-up checks then name what is wrong with it."""
-    from .speculative.dflash_format import block_size_of
+    verifies the reference's default block (``UNSTATED_BLOCK``), with a warning; one whose
+    config.json cannot be read gets that too, and the start-up checks then name what is wrong."""
+    from .speculative.dflash_format import UNSTATED_BLOCK, block_size_of
 
-    fallback = chain_draft_tokens(num_steps)
     try:
         raw = json.loads((Path(draft_dir) / "config.json").read_text()) if draft_dir else None
         block = block_size_of(raw) if isinstance(raw, dict) else None
     except (OSError, ValueError):
-        return fallback
+        return UNSTATED_BLOCK
     if block is None:
         if isinstance(raw, dict):
-            log.warning("DFLASH draft %s states no block_size: verifying blocks of num_steps + 1 = %d; set "
-                        "--num-draft-tokens to the block it was trained on", draft_dir, fallback)  # fmt: skip
-        return fallback
+            log.warning("DFLASH draft %s states no block_size: verifying blocks of %d, the reference engine's "
+                        "default; set --num-draft-tokens to the block it was trained on", draft_dir,
+                        UNSTATED_BLOCK)  # fmt: skip
+        return UNSTATED_BLOCK
     return block
 
 
@@ -125,7 +125,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     spec = cfg.speculative
     spec.draft_model_architecture = spec.draft_model_architecture or _read_architecture(spec.draft_model_path)
     if spec.num_draft_tokens is None:  # a DFLASH block not given (contract.config.default_draft_tokens)
-        spec.num_draft_tokens = _draft_block(spec.draft_model_path, spec.num_steps)
+        spec.num_draft_tokens = _draft_block(spec.draft_model_path)
     unknown_pins = sorted(set(cfg.lora.pinned) - set(cfg.lora.adapters))
     if unknown_pins:
         raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")

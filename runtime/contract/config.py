@@ -131,7 +131,8 @@ def default_draft_tokens(spec: Any) -> int | None:
     A chain verifies its drafts plus one: :func:`chain_draft_tokens`. A DFLASH block is the
     draft checkpoint's ``block_size``, as the reference engine defaults it; only the
     runtime's start-up can read the checkpoint, so until then the width is None (no flag on
-    the pod's command line) and start-up fills it in.
+    the pod's command line) and start-up fills it in (``runtime.cli``; a checkpoint that
+    states no block gets the reference's default, ``dflash_format.UNSTATED_BLOCK``).
     """
     if spec.algorithm == SpecAlgorithm.DFLASH:
         return None

@@ -75,6 +75,9 @@ log = logging.getLogger("loraserve.spec")
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 DEFAULT_MASK_TOKEN = "<|MASK|>"
+UNSTATED_BLOCK = 16
+"""The block a draft that states no ``block_size`` is served with when none is asked for: the
+reference engine's default, the block of z-lab's checkpoints."""
 """The reference engine's mask token string when a checkpoint names none."""
 
 _REFUSED_ARCHITECTURES = {

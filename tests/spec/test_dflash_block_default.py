@@ -24,6 +24,7 @@ from loraserve.runtime.cli import build_parser, config_from_args
 from loraserve.runtime.contract import policy
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.dev.dflash_builder import build_dflash_draft
+from loraserve.runtime.speculative.dflash_format import UNSTATED_BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +70,14 @@ def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets,
     assert eagle.speculative.num_draft_tokens == 3  # a chain: num_steps + 1
 
 
-def test_a_draft_stating_no_block_verifies_a_chains_width_and_says_so(spec_assets, blocks, caplog):
+def test_a_draft_stating_no_block_verifies_the_references_default_and_says_so(spec_assets, blocks, caplog):
     with caplog.at_level(logging.WARNING, logger="loraserve.runtime"):
         config = _runtime(_dflash_argv(spec_assets, blocks["unstated"], "--num-steps", "4"))
-    assert config.speculative.num_draft_tokens == 5
+    assert config.speculative.num_draft_tokens == UNSTATED_BLOCK == 16  # the reference engine's, not num_steps + 1
     assert "states no block_size" in caplog.text and "--num-draft-tokens" in caplog.text
     # A directory without config.json is the start-up checks' to name; parsing does not fail on it.
     missing = _runtime(_dflash_argv(spec_assets, blocks["six"].parent / "nothing-here"))
-    assert missing.speculative.num_draft_tokens == 4
+    assert missing.speculative.num_draft_tokens == UNSTATED_BLOCK
 
 
 def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_assets, blocks):
