@@ -69,35 +69,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_architecture(model_dir: str | None) -> str | None:
-    """``architectures[0]`` from a model's config.json, when readable."""
+def _config_json(model_dir: str | None) -> dict | None:
+    """A model's config.json as an object, when readable (the start-up checks name what is not)."""
     if not model_dir:
         return None
     try:
         data = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    archs = data.get("architectures") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _architecture(raw: dict | None) -> str | None:
+    """``architectures[0]`` of a config.json."""
+    archs = raw.get("architectures") if raw is not None else None
     return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
-def _draft_block(draft_dir: str | None) -> int:
+def _draft_block(raw: dict | None, draft_dir: str | None) -> int:
     """A DFLASH verify width when ``--num-draft-tokens`` is not given: the ``block_size`` the
-    draft's config.json states, as the reference engine defaults it. A draft that states none
-    verifies the reference's default block (``UNSTATED_BLOCK``), with a warning; one whose
-    config.json cannot be read gets that too, and the start-up checks then name what is wrong."""
+    draft's config.json (``raw``) states, as the reference engine defaults it. A draft that
+    states none verifies the reference's default block (``UNSTATED_BLOCK``), with a warning;
+    one whose config.json cannot be read gets that too, and the start-up checks then name what
+    is wrong."""
     from .speculative.dflash_format import UNSTATED_BLOCK, block_size_of
 
+    if raw is None:
+        return UNSTATED_BLOCK
     try:
-        raw = json.loads((Path(draft_dir) / "config.json").read_text()) if draft_dir else None
-        block = block_size_of(raw) if isinstance(raw, dict) else None
-    except (OSError, ValueError):
+        block = block_size_of(raw)
+    except ValueError:  # a malformed block_size: the draft's loader refuses it by name
         return UNSTATED_BLOCK
     if block is None:
-        if isinstance(raw, dict):
-            log.warning("DFLASH draft %s states no block_size: verifying blocks of %d, the reference engine's "
-                        "default; set --num-draft-tokens to the block it was trained on", draft_dir,
-                        UNSTATED_BLOCK)  # fmt: skip
+        log.warning("DFLASH draft %s states no block_size: verifying blocks of %d, the reference engine's "
+                    "default; set --num-draft-tokens to the block it was trained on", draft_dir,
+                    UNSTATED_BLOCK)  # fmt: skip
         return UNSTATED_BLOCK
     return block
 
@@ -121,11 +127,12 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     only this machine knows: architectures from the models' config.json, the admin token."""
     env = dict(os.environ) if env is None else env
     cfg = config_from_namespace(args)
-    cfg.model.architecture = cfg.model.architecture or _read_architecture(cfg.model.path)
+    cfg.model.architecture = cfg.model.architecture or _architecture(_config_json(cfg.model.path))
     spec = cfg.speculative
-    spec.draft_model_architecture = spec.draft_model_architecture or _read_architecture(spec.draft_model_path)
+    draft_raw = _config_json(spec.draft_model_path)  # read once for its architecture and block
+    spec.draft_model_architecture = spec.draft_model_architecture or _architecture(draft_raw)
     if spec.num_draft_tokens is None:  # a DFLASH block not given (contract.config.default_draft_tokens)
-        spec.num_draft_tokens = _draft_block(spec.draft_model_path)
+        spec.num_draft_tokens = _draft_block(draft_raw, spec.draft_model_path)
     unknown_pins = sorted(set(cfg.lora.pinned) - set(cfg.lora.adapters))
     if unknown_pins:
         raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")
