@@ -37,8 +37,10 @@ def parse(argv: list[str] | None = None) -> Settings:
             f"--dflash-train-s must be positive and --dflash-probe-steps not negative, got {args.dflash_train_s} and"
             f" {args.dflash_probe_steps}"
         )
-    if args.distill_seq is not None and args.distill_seq < 8:
-        ap.error(f"--distill-seq must be at least 8 tokens (a training window), got {args.distill_seq}")
+    if args.distill_seq is not None and args.distill_seq < dflash_recipe.MIN_WINDOW:
+        ap.error(
+            f"--distill-seq must be at least {dflash_recipe.MIN_WINDOW} tokens (a training window), got {args.distill_seq}"
+        )
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     try:

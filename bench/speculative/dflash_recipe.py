@@ -23,6 +23,9 @@ ANCHOR_FROM = ("window", "continuation")
 TEACHER_OUTPUTS = ("cache", "stream")
 
 
+MIN_WINDOW = 8  # the shortest training window a draft is given (--distill-seq, a recipe's seq=)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How one DFLASH draft trains; the block, batch and time are the run's."""
@@ -78,7 +81,7 @@ RULES: dict[str, _Rule] = {
     "share": _Rule(float, lambda v: v is None or 0 < v <= 1, "above 0 and at most 1 (a share of each batch)"),
     "anchor_from": _Rule(str, lambda v: v in ANCHOR_FROM, f"one of {list(ANCHOR_FROM)}"),
     "outputs": _Rule(str, lambda v: v in TEACHER_OUTPUTS, f"one of {list(TEACHER_OUTPUTS)}"),
-    "seq": _Rule(int, lambda v: v is None or v >= 8, "at least 8 tokens (a training window)"),
+    "seq": _Rule(int, lambda v: v is None or v >= MIN_WINDOW, f"at least {MIN_WINDOW} tokens (a training window)"),
 }
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
 

@@ -31,6 +31,11 @@ def context_bucket(tokens: int) -> str:
     return f"{lower}+" if i + 1 == len(CONTEXT_BUCKETS) else f"{lower}-{CONTEXT_BUCKETS[i + 1] - 1}"
 
 
+def context_bucket_start(label: str) -> int:
+    """The first context length of a :func:`context_bucket` label (its sort key)."""
+    return int(label.split("-")[0].rstrip("+"))
+
+
 @dataclass
 class AcceptStats:
     """Accept-length accounting for one adapter (or overall)."""
@@ -98,11 +103,6 @@ class SpecSnapshot:
 
 def _copy_stats(stats: AcceptStats) -> AcceptStats:
     return AcceptStats(stats.verify_steps, stats.draft_tokens, stats.accepted_tokens, list(stats.histogram))
-
-
-def context_bucket_start(label: str) -> int:
-    """The first context length of a :func:`context_bucket` label (its sort key)."""
-    return int(label.split("-")[0].rstrip("+"))
 
 
 def _copy_hist(hist: TimeHistogram) -> TimeHistogram:
