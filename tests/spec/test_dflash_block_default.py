@@ -24,7 +24,8 @@ from loraserve.runtime.cli import build_parser, config_from_args
 from loraserve.runtime.contract import policy
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.dev.dflash_builder import build_dflash_draft
-from loraserve.runtime.speculative.dflash_format import UNSTATED_BLOCK
+from loraserve.runtime.model.arch import ModelConfigError
+from loraserve.runtime.speculative.dflash_format import UNSTATED_BLOCK, load_dflash_config
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,19 @@ def test_a_draft_stating_no_block_verifies_the_references_default_and_says_so(sp
     # A directory without config.json is the start-up checks' to name; parsing does not fail on it.
     missing = _runtime(_dflash_argv(spec_assets, blocks["six"].parent / "nothing-here"))
     assert missing.speculative.num_draft_tokens == UNSTATED_BLOCK
+
+
+
+@pytest.mark.parametrize("bad", ["16", 0, -4, True, 2.5])
+def test_a_malformed_block_size_parses_and_the_draft_loader_names_it(spec_assets, blocks, tmp_path, bad):
+    draft = tmp_path / "bad"
+    draft.mkdir()
+    raw = json.loads((blocks["six"] / "config.json").read_text())
+    raw["dflash_config"]["block_size"] = bad
+    (draft / "config.json").write_text(json.dumps(raw))
+    assert _runtime(_dflash_argv(spec_assets, draft)).speculative.num_draft_tokens == UNSTATED_BLOCK
+    with pytest.raises(ModelConfigError, match=r"dflash_config\.block_size must be a positive integer"):
+        load_dflash_config(draft, target_num_layers=3)
 
 
 def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_assets, blocks):
