@@ -228,6 +228,28 @@ def _load_timeout(value: float) -> float:
     return value
 
 
+def _positive_seconds(flag: str) -> Callable[[float], float]:
+    """A parser for a time bound in seconds: positive and at most an hour."""
+
+    def parse(value: float) -> float:
+        if not value > 0 or value > MAX_LOAD_TIMEOUT_S:
+            raise FlagError(f"{flag} {value:g}: give seconds in (0, {MAX_LOAD_TIMEOUT_S}]")
+        return value
+
+    return parse
+
+
+def _non_negative(flag: str) -> Callable[[int], int]:
+    """A parser for a count where 0 means "derived" (see the field's help)."""
+
+    def parse(value: int) -> int:
+        if value < 0:
+            raise FlagError(f"{flag} {value}: give 0 (derived) or a positive number")
+        return value
+
+    return parse
+
+
 def _seconds(value: float) -> str:
     return f"{value:g}"
 
@@ -422,6 +444,13 @@ class LoRAConfig:
         parse=_load_timeout,
         render=_seconds,
     )
+    catalog_confirm: bool = setting(
+        False,
+        "--catalog-confirm",
+        "not ready until the operator has pushed the catalog once (a ConfigMap volume lags "
+        "behind Adapters created while the pod started)",
+        gated=True,
+    )
 
 
 @dataclass
@@ -507,6 +536,65 @@ class ServerConfig:
         "*.example.com allows its subdomains; commas separate too (default: any host)",
         metavar="HOST",
         parse=_hosts,
+    )
+    allow_private_sources: bool = setting(
+        False,
+        "--allow-private-source-hosts",
+        "remote adapter sources may reach loopback, link-local and private addresses (default: "
+        "refused, whatever the host name resolves to)",
+    )
+    source_stall_timeout_s: float = setting(
+        30.0,
+        "--source-stall-timeout",
+        "a remote adapter source that connects or sends no byte for this long fails as unavailable",
+        metavar="SECONDS",
+        parse=_positive_seconds("--source-stall-timeout"),
+        render=_seconds,
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "--header-timeout",
+        "time a client has to send a request's headers",
+        metavar="SECONDS",
+        parse=_positive_seconds("--header-timeout"),
+        render=_seconds,
+    )
+    body_timeout_s: float = setting(
+        30.0,
+        "--body-timeout",
+        "time a client has to send a request's body",
+        metavar="SECONDS",
+        parse=_positive_seconds("--body-timeout"),
+        render=_seconds,
+    )
+    write_timeout_s: float = setting(
+        60.0,
+        "--write-timeout",
+        "time a client may leave the server's writes unread before the connection is closed",
+        metavar="SECONDS",
+        parse=_positive_seconds("--write-timeout"),
+        render=_seconds,
+    )
+    max_connections: int = setting(
+        0,
+        "--max-connections",
+        "open client connections at most; 0: derived from the process's file limit",
+        metavar="N",
+        parse=_non_negative("--max-connections"),
+    )
+    structured_max_bytes: int = setting(
+        32 * 1024,
+        "--structured-max-bytes",
+        "largest response_format schema, regex, grammar or choice list (bytes of its JSON)",
+        metavar="BYTES",
+    )
+    structured_compile_timeout_s: float = setting(
+        5.0,
+        "--structured-compile-timeout",
+        "time one response_format may take to compile before a 400",
+        metavar="SECONDS",
+        parse=_positive_seconds("--structured-compile-timeout"),
+        render=_seconds,
     )
 
 
