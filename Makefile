@@ -23,7 +23,7 @@ all: test
 $(STAMP): pyproject.toml requirements-dev.txt setup.py
 	$(PYTHON) -P -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned to the CPU build on disk, so nothing below pulls a CUDA build.
+	# torch first (the CUDA build from the package index; it runs on the CPU), then the rest.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps -e .
