@@ -40,6 +40,9 @@ class Capabilities:
     """Algorithms whose drafts may be trees (``top_k > 1``) in this image; others draft chains."""
     dynamic_ragged_verify: bool = False
     """Per-request verify widths (``ragged_verify: dynamic``)."""
+    adaptive_speculation: bool = False
+    """The decoder varies the verify width at run time (``speculative.adaptive``); until
+    then every adaptive serve is refused, by the webhook and at start-up alike."""
 
     def implements(self, algorithm: SpecAlgorithm) -> bool:
         return algorithm in self.algorithms

@@ -17,7 +17,7 @@ from ..contract.config import (
     SpeculativeConfig,
     chain_draft_tokens,
 )
-from ..contract.policy import MINIMUM, resolve_speculative, tree_draft_tokens_limit
+from ..contract.policy import MINIMUM, adaptive_unavailable, resolve_speculative, tree_draft_tokens_limit
 
 
 class SpeculativeConfigError(ValueError):
@@ -100,12 +100,8 @@ def validate_speculative(spec: SpeculativeConfig, capabilities: Capabilities = C
             f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {chain_draft_tokens(spec.num_steps)} for "
             f"chain drafts (the last committed token plus one draft per step), got {spec.num_draft_tokens}",
         )
-    if spec.adaptive:
-        raise SpeculativeConfigError(
-            "speculative.adaptive",
-            "speculative.adaptive is not supported: the verify width stays num_draft_tokens, which keeps "
-            "the batch's LoRA segment layout fixed; set speculative.adaptive to false",
-        )
+    if (adaptive := adaptive_unavailable(spec, algorithm, capabilities)) is not None:
+        raise SpeculativeConfigError(adaptive.field, adaptive.render())
     if RaggedVerify(spec.ragged_verify) is not RaggedVerify.STATIC:
         raise SpeculativeConfigError(
             "speculative.ragged_verify",

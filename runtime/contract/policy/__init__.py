@@ -39,6 +39,7 @@ from .algorithms import (
     resolve_algorithm,
     resolve_speculative,
 )
+from .availability import adaptive_unavailable
 from .bounds import (
     LARGE_RANK,
     MAX_DRAFT_LORAS,
@@ -92,6 +93,7 @@ __all__ = [
     "PolicyWarning",
     "Report",
     "Violation",
+    "adaptive_unavailable",
     "check_adapter",
     "check_config",
     "check_source_revision",

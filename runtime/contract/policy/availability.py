@@ -1,11 +1,12 @@
 """What this runtime image does not implement yet (``unavailable`` findings): an algorithm,
-a tree for it, trees under tensor parallelism, dynamic ragged verify; judged against the
-image's :class:`Capabilities`."""
+a tree for it, trees under tensor parallelism, dynamic ragged verify, adaptive speculation;
+judged against the image's :class:`Capabilities`. :func:`adaptive_unavailable` is also what
+the decoder's own check (``runtime.speculative.draft_config``) calls: one rule, two callers."""
 
 from __future__ import annotations
 
 from ..capabilities import Capabilities
-from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm
+from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
 from .algorithms import TREE_ALGORITHMS, named, order
 from .findings import Kind, Violation
 
@@ -51,6 +52,8 @@ def availability(
                 kind=Kind.UNAVAILABLE,
             )
         )
+    if (adaptive := adaptive_unavailable(spec, algorithm, caps)) is not None:
+        out.append(adaptive)
     if (
         algorithm is not SpecAlgorithm.NONE
         and spec.ragged_verify is RaggedVerify.DYNAMIC
@@ -66,3 +69,20 @@ def availability(
             )
         )
     return out
+
+
+def adaptive_unavailable(
+    spec: SpeculativeConfig, algorithm: SpecAlgorithm, caps: Capabilities
+) -> Violation | None:
+    """Adaptive speculation (``algorithm`` is the effective one) where this image keeps the
+    verify width fixed; None when it is off, speculation is off, or the image varies it."""
+    if not spec.adaptive or algorithm is SpecAlgorithm.NONE or caps.adaptive_speculation:
+        return None
+    return Violation(
+        "adaptive-unavailable",
+        "speculative.adaptive",
+        "adaptive speculation: the verify width stays {speculative.num_draft_tokens}, which keeps the "
+        "batch's LoRA segment layout and captured CUDA graphs fixed",
+        "set {speculative.adaptive} to false",
+        kind=Kind.UNAVAILABLE,
+    )

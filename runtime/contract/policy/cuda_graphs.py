@@ -3,6 +3,7 @@ GPU, and speculation that changes the verify width a graph was captured for."""
 
 from __future__ import annotations
 
+from ..capabilities import Capabilities
 from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm
 from .bounds import MINIMUM
 from .fields import at_least
@@ -57,8 +58,9 @@ def gpu_fields(config: RuntimeConfig) -> list[Violation]:
     return out
 
 
-def graph_verify_width(config: RuntimeConfig) -> list[Violation]:
-    """CUDA graphs beside speculation whose verify width varies (dynamic ragged, adaptive)."""
+def graph_verify_width(config: RuntimeConfig, caps: Capabilities) -> list[Violation]:
+    """CUDA graphs beside speculation whose verify width varies (dynamic ragged, adaptive).
+    Each fix offers turning graphs off only where the image runs the varying width at all."""
     spec = config.speculative
     if not config.cuda_graph.enabled or SpecAlgorithm(spec.algorithm) is SpecAlgorithm.NONE:
         return []
@@ -69,7 +71,7 @@ def graph_verify_width(config: RuntimeConfig) -> list[Violation]:
                 "cuda-graph-ragged",
                 "cuda_graph.enabled",
                 "CUDA graphs are captured for one verify width, and dynamic ragged verify gives each request its own",
-                "set {cuda_graph.enabled} to false or {speculative.ragged_verify} to static",
+                _either("{speculative.ragged_verify} to static", caps.dynamic_ragged_verify),
                 related=("speculative.ragged_verify",),
             )
         )
@@ -79,8 +81,15 @@ def graph_verify_width(config: RuntimeConfig) -> list[Violation]:
                 "cuda-graph-adaptive",
                 "cuda_graph.enabled",
                 "CUDA graphs are captured for one verify width, and adaptive speculation changes it at run time",
-                "set {cuda_graph.enabled} to false or {speculative.adaptive} to false",
+                _either("{speculative.adaptive} to false", caps.adaptive_speculation),
                 related=("speculative.adaptive",),
             )
         )
     return out
+
+
+def _either(keep_graphs: str, runs_without_graphs: bool) -> str:
+    """The fix: ``keep_graphs``, or turning graphs off where that alone makes it run."""
+    if runs_without_graphs:
+        return f"set {{cuda_graph.enabled}} to false or {keep_graphs}"
+    return f"set {keep_graphs}"

@@ -138,7 +138,9 @@ def _lora_speculation(
                 "speculative.adaptive",
                 "adaptive speculation changes the verify width at run time, and the runtime cannot rebuild its "
                 "LoRA graph metadata on a width change",
-                "set {speculative.adaptive} to false, or {lora.enabled} to false",
+                # Without LoRA adaptive runs only where the image varies the width at all.
+                "set {speculative.adaptive} to false"
+                + (", or {lora.enabled} to false" if caps.adaptive_speculation else ""),
                 related=("lora.enabled",),
             )
         )
