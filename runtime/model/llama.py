@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from loraserve.kernels import model_ops
 
 from .arch import ModelArchConfig
 from .layers import (
@@ -142,8 +143,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(model_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -178,11 +178,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        return self.mlp_block(x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache))
+        return self.mlp_block(x, self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache))
 
-    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
-        """The layer's second half: ``h`` (the residual after attention) plus its normed MLP."""
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def mlp_block(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's second half: the residual ``h`` (plus ``delta``, the attention's
+        output, added in the same pass as the norm when given) plus its normed MLP."""
+        norm = self.post_attention_layernorm
+        if delta is None:
+            return h + self.mlp(norm(h))
+        if isinstance(norm, RMSNorm):
+            h, normed = norm.add_forward(h, delta)
+        else:
+            h = h + delta
+            normed = norm(h)
+        return h + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

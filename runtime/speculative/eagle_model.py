@@ -76,7 +76,7 @@ class EagleDecoderLayer(LlamaDecoderLayer):
     ) -> torch.Tensor:
         """EAGLE3's layer: attention over the normed embedding and feature side by side."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
-        return self.mlp_block(feature + self.self_attn(x, meta, k_cache, v_cache))
+        return self.mlp_block(feature, self.self_attn(x, meta, k_cache, v_cache))
 
 
 class EagleDraftModel(nn.Module):

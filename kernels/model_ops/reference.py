@@ -1,0 +1,27 @@
+"""The torch definitions of the fused ops: the CPU path and the kernels' oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face Llama's RMSNorm: float32 statistics, cast back, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum (in the model dtype) and its norm."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated SiLU of a fused gate/up projection's output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,123 @@
+"""Triton kernels of the fused ops: one program per token row, the row held in registers.
+
+Each kernel reads its inputs once and writes its outputs once (the torch path makes five
+passes for an RMSNorm and three for an add + norm). Rounding follows the reference: values
+are rounded to the output dtype exactly where torch's ops round them, so on the same inputs
+the kernels match ``reference`` to the last bit except where the device's ``exp`` differs
+(SiLU) by an ulp before the rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROW = 65536
+"""The widest row one program holds (hidden sizes and MLP widths are far below it)."""
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    width = x.shape[-1]
+    if width > MAX_ROW:
+        raise ValueError(f"a row of {width} elements is wider than the fused kernels hold ({MAX_ROW})")
+    flat = x.reshape(-1, width)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat, width
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def _norm_row(s, w, mask, width, eps, OUT: tl.constexpr):
+    """``w * (s / rms(s)).to(OUT)`` in float32, ``s`` already rounded to the model dtype."""
+    var = tl.sum(tl.where(mask, s * s, 0.0), axis=0) / width
+    h = (s * tl.rsqrt(var + eps)).to(OUT).to(tl.float32)
+    return (w * h).to(OUT)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, width, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _norm_row(x, w, mask, width, eps, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * y_stride + cols, y, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, x_stride, d_stride, out_stride, width, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * d_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + d).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * out_stride + cols, s, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _norm_row(s.to(tl.float32), w, mask, width, eps, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * out_stride + cols, y, mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, out_stride, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < width
+    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See :func:`loraserve.kernels.model_ops.rms_norm`."""
+    flat, width = _rows(x)
+    out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if flat.shape[0]:
+        block = triton.next_power_of_2(width)
+        _rms_norm_kernel[(flat.shape[0],)](
+            flat, weight, out, flat.stride(0), out.stride(0), width, eps, BLOCK=block, num_warps=_warps(block)
+        )
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`loraserve.kernels.model_ops.add_rms_norm`."""
+    if x.shape != delta.shape:
+        raise ValueError(f"add_rms_norm: shapes differ ({tuple(x.shape)} vs {tuple(delta.shape)})")
+    fx, width = _rows(x)
+    fd, _ = _rows(delta)
+    s = torch.empty(fx.shape, dtype=torch.promote_types(x.dtype, delta.dtype), device=x.device)
+    y = torch.empty(fx.shape, dtype=torch.promote_types(weight.dtype, s.dtype), device=x.device)
+    if fx.shape[0]:
+        block = triton.next_power_of_2(width)
+        _add_rms_norm_kernel[(fx.shape[0],)](
+            fx, fd, weight, s, y, fx.stride(0), fd.stride(0), s.stride(0), width, eps,
+            BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return s.view(x.shape), y.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See :func:`loraserve.kernels.model_ops.silu_mul`."""
+    flat, both = _rows(gate_up)
+    if both % 2:
+        raise ValueError(f"silu_mul: the last dimension ({both}) must hold gate and up halves")
+    width = both // 2
+    out = torch.empty((flat.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    if flat.shape[0]:
+        block = min(triton.next_power_of_2(width), 2048)
+        grid = (flat.shape[0], triton.cdiv(width, block))
+        _silu_mul_kernel[grid](flat, out, flat.stride(0), out.stride(0), width, BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], width)

@@ -1,0 +1,98 @@
+"""The fused decoder ops (``kernels.model_ops``): each Triton kernel against the torch
+definition (bit for bit where the rounding is the same) and against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.kernels import model_ops
+from loraserve.kernels.model_ops import reference, triton_ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Row widths: a power of two, an odd width (masked tail), a width past one silu block.
+WIDTHS = [64, 45, 2304]
+
+
+def _close(dtype: torch.dtype) -> dict:
+    """Against the torch path: float32 up to summation order; the half types within two units
+    in the last place (the normalised row and the product are each rounded once)."""
+    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.double()
+    return w.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rms_norm(device, dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(7, width, generator=gen) * 3).to(device, dtype)
+    w = (torch.rand(width, generator=gen) + 0.5).to(device, dtype)
+    out = triton_ops.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6), **_close(dtype))
+    assert _rel(out, _rms64(x, w, 1e-6)) < {torch.float32: 1e-6}.get(dtype, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm(device, dtype, width):
+    gen = torch.Generator().manual_seed(width + 1)
+    x = torch.randn(5, 3, width, generator=gen).to(device, dtype)
+    d = torch.randn(5, 3, width, generator=gen).to(device, dtype)
+    w = (torch.rand(width, generator=gen) + 0.5).to(device, dtype)
+    s, y = triton_ops.add_rms_norm(x, d, w, 1e-5)
+    s_ref, y_ref = reference.add_rms_norm(x, d, w, 1e-5)
+    assert s.shape == y.shape == x.shape
+    # One rounding, as torch; Triton's CPU interpreter truncates to bfloat16 instead of rounding.
+    exact = dtype != torch.bfloat16 or torch.cuda.is_available()
+    torch.testing.assert_close(s, s_ref, **({"rtol": 0, "atol": 0} if exact else {}))
+    torch.testing.assert_close(y, reference.rms_norm(s, w, 1e-5), **_close(dtype))
+    if exact:
+        torch.testing.assert_close(y, y_ref, **_close(dtype))
+    assert _rel(y, _rms64(x.double() + d.double(), w, 1e-5)) < {torch.float32: 1e-6}.get(dtype, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_silu_mul(device, dtype, width):
+    gen = torch.Generator().manual_seed(width + 2)
+    gate_up = (torch.randn(6, 2 * width, generator=gen) * 4).to(device, dtype)
+    out = triton_ops.silu_mul(gate_up)
+    ref = reference.silu_mul(gate_up)
+    assert out.shape == (6, width)
+    torch.testing.assert_close(out, ref, **_close(dtype))
+    g, u = gate_up.double().chunk(2, dim=-1)
+    assert _rel(out, g * torch.sigmoid(g) * u) < {torch.float32: 1e-6}.get(dtype, 1e-2)
+
+
+def test_empty_and_strided_rows(device):
+    w = torch.ones(32, device=device)
+    assert triton_ops.rms_norm(torch.empty(0, 32, device=device), w, 1e-6).shape == (0, 32)
+    wide = torch.randn(4, 64, device=device)
+    view = wide[:, :32]  # rows 64 apart: not contiguous
+    torch.testing.assert_close(triton_ops.rms_norm(view, w, 1e-6), reference.rms_norm(view, w, 1e-6))
+    with pytest.raises(ValueError, match="gate and up halves"):
+        triton_ops.silu_mul(torch.randn(2, 5, device=device))
+
+
+def test_dispatch_keeps_cpu_and_autograd_on_torch(monkeypatch):
+    """CPU tensors, and tensors that need a gradient, never reach a kernel (none has a backward)."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the Triton path was taken")
+
+    monkeypatch.setattr(triton_ops, "rms_norm", boom)
+    x, w = torch.randn(3, 8), torch.ones(8)
+    torch.testing.assert_close(model_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    model_ops.set_fused(False)
+    try:
+        assert not model_ops.fused_enabled()
+    finally:
+        model_ops.set_fused(True)
