@@ -376,7 +376,7 @@ def test_ngram_window():
                 "lora__adapters": {"a": "/a", "b": "/b"},
             },
             {
-                "lora__max_loras_per_batch": 2,
+                "lora__max_loras_per_batch": 3,
                 "lora__pinned": ("a", "b"),
                 "lora__adapters": {"a": "/a", "b": "/b"},
             },
@@ -570,12 +570,14 @@ def test_adapter_embeddings_under_eagle_family_and_dflash_warn():
     )
 
 
-def test_pinned_adapters_fit_the_gpu_slots():
+def test_pinned_adapters_leave_one_gpu_slot():
+    """As the runtime's pool does: a pin that would take the last slot is refused."""
     c = config(lora__max_loras_per_batch=4)
-    assert "adapter-pinned-slots" in adapter_rules(c, adapter(pinned=True), other_pinned=4)
-    report = policy.check_adapter(c, adapter(pinned=True), other_pinned=3)
+    assert "adapter-pinned-slots" in adapter_rules(c, adapter(pinned=True), other_pinned=3)
+    report = policy.check_adapter(c, adapter(pinned=True), other_pinned=2)
     assert report.ok and report.warning_rules() == {"adapter-pinned-all-slots"}
-    assert policy.check_adapter(c, adapter(pinned=True), other_pinned=2).warnings == ()
+    assert policy.check_adapter(c, adapter(pinned=True), other_pinned=1).warnings == ()
+    assert "adapter-pinned-slots" in adapter_rules(config(lora__max_loras_per_batch=1), adapter(pinned=True))
     assert adapter_rules(c, adapter(pinned=False), other_pinned=9) == set()
 
 

@@ -50,6 +50,7 @@ from .bounds import (
     MAXIMUM,
     MINIMUM,
     TREE_COSTLY_BATCH,
+    pinned_slot_limit,
     tree_draft_tokens_limit,
 )
 from .config_check import check_config
@@ -100,6 +101,7 @@ __all__ = [
     "draft_lora_modules",
     "effective_config",
     "host_allowed",
+    "pinned_slot_limit",
     "resolve_algorithm",
     "resolve_speculative",
     "source_path_problem",

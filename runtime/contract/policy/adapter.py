@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from .algorithms import effective_config
+from .bounds import pinned_slot_limit
 from .declarations import AdapterDeclaration
 from .draft_adapters import draft_adapter
 from .fields import module_list
@@ -129,29 +130,29 @@ def _modules(config: RuntimeConfig, adapter: AdapterDeclaration, algorithm: Spec
 
 
 def _pinned(config: RuntimeConfig, adapter: AdapterDeclaration, other_pinned: int) -> Findings:
-    """A pinned adapter, with the serve's ``other_pinned``, against its GPU slots."""
+    """A pinned adapter, with the serve's ``other_pinned``, against the slots pins may hold."""
     lora = config.lora
     if not adapter.pinned:
         return [], []
-    pinned = other_pinned + 1
-    if pinned > lora.max_loras_per_batch:
+    pinned, limit = other_pinned + 1, pinned_slot_limit(lora.max_loras_per_batch)
+    if pinned > limit:
         return [
             Violation(
                 "adapter-pinned-slots",
                 "adapter.pinned",
-                f"{pinned} pinned adapters would need more GPU slots than {{lora.max_loras_per_batch}} "
-                f"({lora.max_loras_per_batch})",
+                f"{pinned} pinned adapters would leave no GPU slot of {{lora.max_loras_per_batch}} "
+                f"({lora.max_loras_per_batch}) for unpinned adapters; at most {limit} can be pinned",
                 "unpin an adapter, or raise {lora.max_loras_per_batch}",
                 related=("lora.max_loras_per_batch",),
             )
         ], []
-    if pinned == lora.max_loras_per_batch:
+    if pinned == limit:
         return [], [
             PolicyWarning(
                 "adapter-pinned-all-slots",
                 "adapter.pinned",
-                f"pinned adapters now hold all {lora.max_loras_per_batch} GPU slots ({{lora.max_loras_per_batch}}); "
-                "requests for unpinned adapters will wait",
+                f"pinned adapters now hold {limit} of the {lora.max_loras_per_batch} GPU slots "
+                "({lora.max_loras_per_batch}); requests for unpinned adapters share the last one",
             )
         ]
     return [], []

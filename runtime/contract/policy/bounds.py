@@ -64,3 +64,10 @@ def tree_draft_tokens_limit(top_k: int, num_steps: int) -> int:
     """The most tokens a tree of ``top_k`` over ``num_steps`` can verify per request: its
     root plus ``top_k`` first-level nodes plus ``top_k²`` candidates per further step."""
     return 1 + top_k + (num_steps - 1) * top_k**2
+
+
+def pinned_slot_limit(max_loras_per_batch: int) -> int:
+    """The most adapters a pool of ``max_loras_per_batch`` GPU slots can pin: all slots but
+    one, which stays free for unpinned adapters (the runtime's pool refuses the pin that
+    would take the last slot with 503 ``adapter_capacity``)."""
+    return max(max_loras_per_batch - 1, 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..capabilities import Capabilities
 from ..config import LORA_BACKENDS, RaggedVerify, RuntimeConfig, SpecAlgorithm
 from .algorithms import named, order
+from .bounds import pinned_slot_limit
 from .fields import at_least, at_most, module_list, one_of
 from .findings import Violation
 
@@ -64,13 +65,13 @@ def _start_up_adapters(config: RuntimeConfig) -> list[Violation]:
                 related=("lora.adapters",),
             )
         )
-    if len(set(lora.pinned)) > lora.max_loras_per_batch:
+    if len(set(lora.pinned)) > (limit := pinned_slot_limit(lora.max_loras_per_batch)):
         out.append(
             Violation(
                 "lora-pinned-slots",
                 "lora.pinned",
-                f"{len(set(lora.pinned))} pinned adapters need more GPU slots than {{lora.max_loras_per_batch}} "
-                f"({lora.max_loras_per_batch})",
+                f"{len(set(lora.pinned))} pinned adapters would leave no GPU slot of {{lora.max_loras_per_batch}} "
+                f"({lora.max_loras_per_batch}) for unpinned adapters; at most {limit} can be pinned",
                 "pin fewer adapters or raise {lora.max_loras_per_batch}",
                 related=("lora.max_loras_per_batch",),
             )
