@@ -18,6 +18,10 @@ The signal is the runtime's queue, exported with vLLM's names (``runtime/server/
   ``loraserve_io_serve`` label is the pod label ``loraserve.io/serve`` that the chart's
   PodMonitor copies onto every series (``podTargetLabels``); ``namespace`` is set by the
   Prometheus Operator on every target.
+
+  Those series exist only while a pod of the serve runs, so at zero replicas nothing would
+  wake the serve: ``minReplicas: 0`` needs ``keda.wakeQuery`` (the spec model and the CRD
+  refuse it otherwise), a second trigger on a signal outside the serve's pods.
 """
 
 from __future__ import annotations
@@ -148,20 +152,33 @@ def scaled_object(serve: ServeIdentity, spec: AutoscalingSpec, settings: Desired
             "pollingInterval": keda.polling_interval_seconds,
             "cooldownPeriod": keda.cooldown_seconds,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "metricType": "AverageValue",
-                    "metadata": {
-                        "serverAddress": keda.server_address,
-                        "query": query,
-                        "threshold": str(spec.target_per_replica),
-                    },
-                }
-            ],
+            "triggers": [_trigger(keda.server_address, query, spec.target_per_replica)]
+            + (
+                [_trigger(keda.server_address, keda.wake_query, spec.target_per_replica, WAKE_TRIGGER)]
+                if keda.wake_query
+                else []
+            ),
         },
     }
     return with_desired_hash(obj)
+
+
+WAKE_TRIGGER = "wake"
+"""The name of the trigger on ``keda.wakeQuery``: the one signal that exists at zero pods."""
+
+
+def _trigger(server: str, query: str, target: int, name: str | None = None) -> dict:
+    """A prometheus trigger averaging ``query`` over the replicas against ``target``; KEDA
+    activates a serve at zero replicas when a trigger's query is above 0."""
+    trigger = {
+        "type": "prometheus",
+        "metricType": "AverageValue",
+        "metadata": {"serverAddress": server, "query": query, "threshold": str(target)},
+    }
+    if name is not None:
+        trigger["name"] = name
+        trigger["metadata"]["activationThreshold"] = "0"
+    return trigger
 
 
 def describe(obj: dict) -> str:

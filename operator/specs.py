@@ -371,6 +371,10 @@ class KedaSpec(_Spec):
     """The runtime series the default query sums over the serve's pods."""
     query: str | None = Field(default=None, min_length=1, max_length=4096)
     """A PromQL query that replaces the default one (it must return the serve's total)."""
+    wake_query: str | None = Field(default=None, min_length=1, max_length=4096)
+    """A PromQL query above 0 while requests for the serve wait, answered with no pod of the
+    serve running (a gateway's or proxy's series): the ScaledObject's wake-up trigger, which
+    minReplicas 0 needs (the serve's own series vanish with its last pod)."""
     polling_interval_seconds: int = Field(default=15, ge=1, le=3600)
     cooldown_seconds: int = Field(default=300, ge=0, le=86400)
 
@@ -409,6 +413,14 @@ class AutoscalingSpec(_Spec):
                 "autoscaling",
                 "mode KEDA needs the Prometheus KEDA queries; fix: set "
                 "spec.autoscaling.keda.serverAddress (e.g. http://prometheus-operated.monitoring:9090)",
+            )
+        if self.min_replicas == 0 and self.keda is not None and self.keda.wake_query is None:
+            raise PydanticCustomError(
+                "autoscaling",
+                "minReplicas 0 can never scale up again: at zero pods the serve's own metrics do not exist; "
+                "fix: set spec.autoscaling.keda.wakeQuery to a query that counts waiting requests without the "
+                "serve's pods (the inference gateway's pending or refused requests on its route, or the KEDA "
+                "HTTP add-on's queue), or set spec.autoscaling.minReplicas >= 1",
             )
         if self.mode != "KEDA" and self.keda is not None:
             raise PydanticCustomError(

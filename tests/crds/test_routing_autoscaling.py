@@ -27,7 +27,9 @@ KEDA = {"serverAddress": "http://prometheus.monitoring:9090"}
         ({"minReplicas": 4, "maxReplicas": 4}, True),
         ({"minReplicas": 5, "maxReplicas": 4}, False),
         ({"minReplicas": 0, "maxReplicas": 4}, False),  # scale to zero needs KEDA
-        ({"mode": "KEDA", "minReplicas": 0, "maxReplicas": 4, "keda": KEDA}, True),
+        ({"mode": "KEDA", "minReplicas": 0, "maxReplicas": 4, "keda": KEDA}, False),  # nothing would wake it
+        ({"mode": "KEDA", "minReplicas": 0, "maxReplicas": 4, "keda": {**KEDA, "wakeQuery": "sum(gw_pending)"}}, True),
+        ({"mode": "KEDA", "minReplicas": 1, "maxReplicas": 4, "keda": {**KEDA, "wakeQuery": "sum(gw_pending)"}}, True),
         ({"mode": "KEDA", "maxReplicas": 4}, False),
         ({"mode": "HPA", "maxReplicas": 4, "keda": KEDA}, False),
         ({"minReplicas": 1}, False),  # maxReplicas is required
@@ -98,6 +100,10 @@ def test_defaults_agree_between_crd_and_model(kit):
         ),
         ({"minReplicas": 0, "maxReplicas": 2}, ["spec.autoscaling", "mode KEDA", "fix:"]),
         ({"mode": "KEDA", "maxReplicas": 2}, ["spec.autoscaling.keda.serverAddress", "fix:"]),
+        (
+            {"mode": "KEDA", "minReplicas": 0, "maxReplicas": 2, "keda": KEDA},
+            ["spec.autoscaling", "minReplicas 0", "fix:", "spec.autoscaling.keda.wakeQuery"],
+        ),
         ({"maxReplicas": 2, "keda": KEDA}, ["spec.autoscaling.keda", "fix:"]),
         ({"maxReplicas": 2, "metricName": "vllm:x"}, ["spec.autoscaling.metricName"]),
     ],

@@ -32,7 +32,7 @@ from loraserve.operator.reconcile.kube import (
     KubeClient,
     KubeError,
 )
-from loraserve.operator.specs import parse_loraserve_spec
+from loraserve.operator.specs import SpecError, parse_loraserve_spec
 
 from .api_standin import (
     LORASERVE_API,
@@ -154,12 +154,12 @@ def test_hpa_target_is_written_as_the_api_server_stores_it(target, stored) -> No
 
 
 def test_scaled_object_matches_the_keda_crd_and_queries_only_this_serve() -> None:
-    auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": KEDA}).autoscaling
+    auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 1, "maxReplicas": 5, "keda": KEDA}).autoscaling
     obj = asc.scaled_object(IDENTITY, auto, SETTINGS)
     assert upstream().validate(obj) == []
     spec = obj["spec"]
     assert spec["scaleTargetRef"]["kind"] == "LoRAServe" and spec["scaleTargetRef"]["name"] == NAME
-    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 5)
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 5)
     (trigger,) = spec["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     assert trigger["metadata"] == {
@@ -170,6 +170,27 @@ def test_scaled_object_matches_the_keda_crd_and_queries_only_this_serve() -> Non
     broken = copy.deepcopy(obj)
     broken["spec"]["triggers"][0]["metadata"]["threshold"] = 4  # KEDA's metadata values are strings
     assert upstream().validate(broken)
+
+
+def test_scale_to_zero_wakes_on_the_wake_query() -> None:
+    """At zero pods the serve's own series are gone: the wake trigger is what activates it."""
+    wake = 'sum(envoy_cluster_upstream_rq_pending_active{envoy_cluster_name="llama"})'
+    keda = {**KEDA, "wakeQuery": wake}
+    auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": keda}).autoscaling
+    obj = asc.scaled_object(IDENTITY, auto, SETTINGS)
+    assert upstream().validate(obj) == []
+    assert obj["spec"]["minReplicaCount"] == 0
+    own, woken = obj["spec"]["triggers"]
+    assert "loraserve_io_serve" in own["metadata"]["query"] and "name" not in own
+    assert woken["name"] == asc.WAKE_TRIGGER
+    assert woken["metadata"] == {
+        "serverAddress": KEDA["serverAddress"],
+        "query": wake,
+        "threshold": "4",
+        "activationThreshold": "0",
+    }
+    with pytest.raises(SpecError, match="wakeQuery"):
+        _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": KEDA})
 
 
 def test_the_query_label_is_the_pod_label_as_prometheus_names_it() -> None:
