@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..engine.warmup import warm_up
 from ..lora.sources import SourceSettings
 from ..tokenizer import Tokenizer
-from . import admin_api, health_api, openai_api
+from . import admin_api, health_api, limits, openai_api
 from .errors import MAX_BODY_KEY, error_middleware, quiet_client_faults
 from .metrics import Metrics
 from .state import STATE, ServerState
@@ -99,19 +99,21 @@ def build_app(
     app[STATE] = state
     app[MAX_BODY_KEY] = config.server.max_body_bytes
     app[_DRAIN_S] = drain_timeout_s
+    limits.install(app)
+    body = {"expect_handler": limits.expect_handler}  # routes that take a body
     app.router.add_get("/health", health_api.health)
     app.router.add_get("/ready", health_api.ready)
     app.router.add_get("/metrics", health_api.metrics)
     app.router.add_get("/v1/models", openai_api.list_models)
     # Adapter names may hold "/" (org/name), so the id is the rest of the path.
     app.router.add_get("/v1/models/{model_id:.+}", openai_api.retrieve_model)
-    app.router.add_post("/v1/completions", openai_api.completions)
-    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
-    app.router.add_post("/v1/load_lora_adapter", admin_api.load_lora_adapter)
-    app.router.add_post("/v1/unload_lora_adapter", admin_api.unload_lora_adapter)
+    app.router.add_post("/v1/completions", openai_api.completions, **body)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions, **body)
+    app.router.add_post("/v1/load_lora_adapter", admin_api.load_lora_adapter, **body)
+    app.router.add_post("/v1/unload_lora_adapter", admin_api.unload_lora_adapter, **body)
     app.router.add_get("/v1/lora_catalog", admin_api.get_lora_catalog)
-    app.router.add_put("/v1/lora_catalog", admin_api.put_lora_catalog)
-    app.router.add_post("/reset_prefix_cache", admin_api.reset_prefix_cache)
+    app.router.add_put("/v1/lora_catalog", admin_api.put_lora_catalog, **body)
+    app.router.add_post("/reset_prefix_cache", admin_api.reset_prefix_cache, **body)
 
     async def load_model() -> None:
         try:

@@ -32,20 +32,17 @@ SSE_HEADERS = {
 }
 
 
-BODY_READ_TIMEOUT_S = 30.0
-"""How long a request body may take to arrive once the headers are in: a client that
-announces a body and trickles or withholds it would otherwise hold a handler (and a drain)."""
-
-
 async def read_body(request: web.Request) -> dict:
-    timeout = BODY_READ_TIMEOUT_S
+    """The request's JSON body, whole within ``--body-timeout`` of the headers (a client that
+    announces a body and trickles or withholds it would otherwise hold a handler and a drain)."""
+    timeout = request.app[STATE].config.server.body_timeout_s
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
         raise ApiError(
             408,
             f"the request body did not arrive within {timeout:g} s of the headers "
-            f"(Content-Length {request.content_length}): send the whole body at once",
+            f"(Content-Length {request.content_length}, --body-timeout): send the whole body at once",
             code="body_timeout",
         ) from None
     return parse_json_body(raw)
