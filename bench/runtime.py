@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from loraserve.kernels import ForwardMode, TorchLoRABackend
+from loraserve.kernels import ForwardMode, TorchLoRABackend, model_ops
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
 from loraserve.runtime.model import ModelArchConfig
 from loraserve.runtime.runner.forward_batch import ForwardBatch
@@ -241,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of decode attention backends, each timed in turn: sdpa, triton (paged kernel), auto"
         " (the runtime's default: triton on CUDA); rows name the backend that ran",
     )
+    parser.add_argument(
+        "--fused-ops",
+        default="on",
+        help="comma list of on / off: the decoder's fused norm and SiLU kernels (kernels.model_ops), each"
+        " setting timed in turn on a model built (and graphs captured) under it",
+    )
     parser.add_argument("--deadline", type=float, default=0, help="seconds; skip sizes that start after it")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     parser.add_argument(
@@ -260,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.max_lora_rank = args.max_lora_rank or args.rank
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
+    fused_settings = [f.strip() == "on" for f in args.fused_ops.split(",") if f.strip()]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     args.device = str(device)
@@ -279,13 +286,14 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{size}: skipped (past the --deadline of {args.deadline:.0f} s)")
             continue
         # Fall back step by step if a path fails on this machine; each failure is reported.
-        for attention in attentions:
+        for attention, fused in [(a, f) for f in fused_settings for a in attentions]:
+            model_ops.set_fused(fused)
             attempts = [(backend, args.graphs)]
             if args.graphs:
                 attempts.append((backend, False))
             if backend != "torch":
                 attempts.append(("torch", args.graphs))
-            sized = argparse.Namespace(**{**vars(args), "attention_backend": attention})
+            sized = argparse.Namespace(**{**vars(args), "attention_backend": attention, "fused": fused})
             for attempt_backend, graphs in attempts:
                 try:
                     rows += run_size(size, sized, attempt_backend, graphs, notes)
@@ -333,7 +341,8 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
             names = [f"a{i % args.adapters}" for i in range(bs)]
             lora = measure(runner, bs, names, args, f"lora{bs}")
             rows.append(
-                f"| {size} | {args.attention_backend} | {backend} | {'on' if graphs else 'off'} | {bs} | {base:,.0f} | "
+                f"| {size} | {args.attention_backend} | {'on' if args.fused else 'off'} | {backend} | "
+                f"{'on' if graphs else 'off'} | {bs} | {base:,.0f} | "
                 f"{lora:,.0f} ({len(set(names))} adapters) | {100 * lora / base:.1f}% |"
             )
             print(rows[-1], flush=True)
@@ -363,8 +372,9 @@ def _header(args, device: torch.device, backend: str, triton_note: str, argv) ->
         "request i uses adapter i % "
         f"{args.adapters}; requested LoRA backend: {backend} (triton: {triton_note})  ",
         f"Command: `{command}`\n",
-        "| model | attention | LoRA backend | CUDA graphs | batch | base tok/s | multi-LoRA tok/s | LoRA / base |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | attention | fused ops | LoRA backend | CUDA graphs | batch | base tok/s | multi-LoRA tok/s "
+        "| LoRA / base |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
 

@@ -37,8 +37,8 @@ def test_runtime_bench_smoke(tmp_path):
     _bench("runtime.py", "--out", str(out), "--attention", "sdpa,triton")
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| smoke |")]
-    assert [(row.split("|")[2].strip(), row.split("|")[5].strip()) for row in rows] == [
-        ("sdpa", "1"), ("sdpa", "4"), ("triton", "1"), ("triton", "4")
+    assert [(row.split("|")[2].strip(), row.split("|")[3].strip(), row.split("|")[6].strip()) for row in rows] == [
+        ("sdpa", "on", "1"), ("sdpa", "on", "4"), ("triton", "on", "1"), ("triton", "on", "4")
     ]
     checks = re.findall(r"(\w+_vs_\w+) ([0-9.e+-]+)", text)
     assert len(checks) == 6, text
