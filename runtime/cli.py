@@ -137,6 +137,12 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     if unknown_pins:
         raise ConfigError(f"--pinned-loras {', '.join(unknown_pins)}: not given with --lora NAME=DIR")
     cfg.server.admin_token = _admin_token(args, env)
+    if not cfg.server.allowed_local_roots:  # started by hand: confined to what the flags name
+        from .lora.sources import default_local_roots
+
+        cfg.server.allowed_local_roots = default_local_roots(cfg)
+        log.info("--allowed-local-roots not given: local adapter paths must lie in %s",
+                 ", ".join(cfg.server.allowed_local_roots))  # fmt: skip
     return cfg
 
 

@@ -1,6 +1,9 @@
 """Remote transfers shared by adapter sources (``lora.sources``) and the model fetcher
-(``fetch``): S3 requests signed with AWS Signature V4, streaming downloads with a size
-limit, safe tar extraction and ``sha256sum``-style directory digests.
+(``fetch``): one HTTP session factory (:func:`open_session`: connect and per-read stall
+timeouts, a private CA, and the guard that refuses loopback, link-local and private
+addresses), S3 requests signed with AWS Signature V4, streaming downloads with a size
+limit, safe tar extraction, ``sha256sum``-style directory digests and the durable,
+atomic publication of a downloaded directory.
 
 Nothing here imports torch, so the model fetcher's init container starts quickly. Every
 error is a :class:`SourceError` whose message starts with the caller's ``subject`` (for
@@ -9,16 +12,25 @@ example ``lora_path 'https://...'``), so each caller keeps its own wording.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as _dt
 import hashlib
 import hmac
+import ipaddress
+import logging
+import os
 import re
+import shutil
 import ssl
 import tarfile
+import time
 import urllib.parse
+import urllib.request
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import aiohttp
 import yarl
@@ -26,6 +38,8 @@ import yarl
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 CHUNK = 1 << 20
+
+log = logging.getLogger("loraserve.remote")
 
 
 class SourceError(Exception):
@@ -163,11 +177,134 @@ def sigv4_sign(
 # --- HTTP transfers ---------------------------------------------------------------------------
 
 
-def tls_connector(ca_file: str | None) -> aiohttp.TCPConnector | None:
-    """A connector trusting ``ca_file`` (a private CA), or None for the default trust store."""
-    if not ca_file:
-        return None
-    return aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=ca_file))
+class Progress(Protocol):
+    """What a transfer reports as it goes (``lora.progress.LoadProgress`` fits)."""
+
+    def enter(self, phase: str, target: str | None = None) -> None: ...
+
+    def received(self, count: int) -> None: ...
+
+
+def public_url(url: str | yarl.URL) -> str:
+    """``url`` as anyone may see it: no user name or password, no query string (presigned
+    credentials, tokens) and no fragment."""
+    text = str(url)
+    try:
+        parsed = yarl.URL(text, encoded=isinstance(url, yarl.URL))
+    except (ValueError, TypeError):
+        parsed = None
+    if parsed is None or not parsed.absolute:
+        return text.split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
+    return str(parsed.with_user(None).with_query(None).with_fragment(None))
+
+
+def address_kind(address: str) -> str | None:
+    """Why a remote source may not reach ``address`` (``loopback``, ``private``, ...), or
+    None for a public unicast address. IPv4-mapped and 6to4 IPv6 forms are judged by the
+    IPv4 address they carry."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # a zone id (fe80::1%eth0) dropped
+    except ValueError:
+        return "unparseable"
+    if isinstance(ip, ipaddress.IPv6Address):
+        ip = ip.ipv4_mapped or ip.sixtofour or ip
+    for kind, hit in (
+        ("loopback", ip.is_loopback),
+        ("unspecified", ip.is_unspecified),
+        ("link-local", ip.is_link_local),
+        ("multicast", ip.is_multicast),
+        ("private", ip.is_private),
+        ("reserved", ip.is_reserved),
+    ):
+        if hit:
+            return kind
+    return None if ip.is_global else "non-public"
+
+
+PRIVATE_FIX = (
+    "fix: pass --allow-private-source-hosts to let remote sources reach internal hosts, or name the "
+    "hosts remote sources may reach with --remote-source-hosts (spec.runtime.remoteSourceHosts)"
+)
+
+
+class GuardedConnector(aiohttp.TCPConnector):
+    """A connector that connects only to the addresses it has checked.
+
+    Every connection (the first request, each redirect, an IP literal or a resolved name,
+    cached or not) goes through ``_resolve_host``; the addresses it returns are checked
+    here and are the ones the socket connects to, so a DNS answer that changes between a
+    check and the connection (rebinding) cannot swap in an internal address. Proxies named
+    by the environment (the operator's own) are exempt: the proxy resolves the target.
+    """
+
+    def __init__(self, *, subject: str, exempt_hosts: frozenset[str] = frozenset(), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._subject = subject
+        self._exempt = exempt_hosts
+
+    async def _resolve_host(self, host: str, port: int, traces: Any = None) -> list[Any]:
+        results = await super()._resolve_host(host, port, traces=traces)
+        name = host.rstrip(".").lower()
+        if name in self._exempt:
+            return results
+        for result in results:
+            if kind := address_kind(str(result["host"])):
+                literal = name.strip("[]") == str(result["host"]).lower()
+                where = "is" if literal else "resolves to"
+                raise SourceError(
+                    f"{self._subject}: host {name!r} {where} a {kind} address, which remote sources may not "
+                    f"reach unless allowed; {PRIVATE_FIX}"
+                )
+        return results
+
+
+def _proxy_hosts() -> frozenset[str]:
+    """Host names of the proxies the environment names (HTTPS_PROXY and the like)."""
+    hosts = set()
+    for url in urllib.request.getproxies().values():
+        with contextlib.suppress(ValueError):
+            if host := urllib.parse.urlsplit(url).hostname:
+                hosts.add(host.rstrip(".").lower())
+    return frozenset(hosts)
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How remote sources are reached; one definition for adapter sources and the fetcher."""
+
+    ca_file: str | None = None
+    """A CA bundle to trust for https (a private CA); None: the system's store."""
+    connect_timeout_s: float = 30.0
+    """Connecting (TCP and TLS) fails after this long."""
+    stall_timeout_s: float = 30.0
+    """A read fails after this long without a byte (the answer's headers included)."""
+    total_timeout_s: float | None = None
+    """One request's whole transfer; None: unbounded (the stall timeout still holds)."""
+    refuse_private: bool = False
+    """Refuse loopback, link-local, private, unspecified, multicast and reserved addresses."""
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
+    """An SSL context trusting ``ca_file`` (a private CA), or True for the default trust store."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
+
+
+def open_session(transport: Transport, *, subject: str, trace_configs: list | None = None) -> aiohttp.ClientSession:
+    """An HTTP session with ``transport``'s timeouts, CA and address guard; proxies from
+    the environment (HTTPS_PROXY, NO_PROXY)."""
+    timeout = aiohttp.ClientTimeout(
+        total=transport.total_timeout_s,
+        sock_connect=transport.connect_timeout_s,
+        sock_read=transport.stall_timeout_s,
+    )
+    ssl_arg = tls_context(transport.ca_file)
+    if transport.refuse_private:
+        connector: aiohttp.TCPConnector = GuardedConnector(subject=subject, exempt_hosts=_proxy_hosts(), ssl=ssl_arg)
+    else:
+        connector = aiohttp.TCPConnector(ssl=ssl_arg)
+    return aiohttp.ClientSession(
+        timeout=timeout, trust_env=True, connector=connector, trace_configs=trace_configs or None
+    )
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, shown: str, subject: str) -> None:
@@ -189,25 +326,56 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, shown: str, subject: s
     )
 
 
+def _timeout_message(exc: BaseException, session: aiohttp.ClientSession, url: str | yarl.URL, shown: str) -> str:
+    """What a timeout waited on, in words: the connection, a byte, or the whole transfer."""
+    timeout = session.timeout
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        host = yarl.URL(str(url)).host or shown
+        return f"connecting to {host} took over {timeout.sock_connect:g} s (no answer; --source-stall-timeout)"
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return f"{shown} sent no byte for {timeout.sock_read:g} s (stalled; --source-stall-timeout)"
+    return f"fetching {shown} took over {timeout.total:g} s" if timeout.total else f"fetching {shown} timed out"
+
+
 @contextlib.asynccontextmanager
 async def _checked_get(
-    session: aiohttp.ClientSession, url: str | yarl.URL, headers: Mapping[str, str], *, subject: str
+    session: aiohttp.ClientSession,
+    url: str | yarl.URL,
+    headers: Mapping[str, str],
+    *,
+    subject: str,
+    progress: Progress | None = None,
 ) -> AsyncIterator[tuple[aiohttp.ClientResponse, str]]:
     """One GET whose status is already checked; yields the response and the URL as shown
-    in messages (without its query string, which may carry presigned credentials).
+    in messages (:func:`public_url`: no credentials, no query string).
 
-    Network errors, and I/O errors while the body is consumed, become transient
-    :class:`SourceError` s.
+    Network errors, timeouts (connect, a stalled read, the total) and I/O errors while the
+    body is consumed become transient :class:`SourceError` s.
     """
-    shown = str(url).split("?", 1)[0]
+    shown = public_url(url)
+    if progress is not None:
+        progress.enter("connecting", shown)
     try:
         async with session.get(url, headers=dict(headers), allow_redirects=True) as resp:
             await _raise_for_status(resp, shown, subject)
+            if progress is not None:
+                progress.enter("downloading", shown)
             yield resp, shown
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
+        raise SourceError(f"{subject}: {_timeout_message(exc, session, url, shown)}", transient=True) from exc
+    except (aiohttp.ClientError, OSError) as exc:
         raise SourceError(
-            f"{subject}: fetching {shown} failed: {exc or type(exc).__name__}", transient=True
+            f"{subject}: fetching {shown} failed: {_scrub(str(exc) or type(exc).__name__, url)}", transient=True
         ) from exc
+
+
+def _scrub(text: str, url: str | yarl.URL) -> str:
+    """``text`` without ``url``'s credentials or query string (a library's message may quote it)."""
+    parsed = yarl.URL(str(url), encoded=isinstance(url, yarl.URL))
+    for secret in (parsed.raw_query_string, parsed.raw_password, parsed.password, parsed.query_string):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 async def fetch_to(
@@ -218,14 +386,16 @@ async def fetch_to(
     *,
     subject: str,
     max_bytes: int,
+    progress: Progress | None = None,
 ) -> int:
-    """Stream one GET into ``dest``; return the bytes written.
+    """Stream one GET into ``dest``; return the bytes written. ``progress`` hears of the
+    connection, the download and every chunk.
 
     Raises :class:`SourceError`: not transient for 4xx answers and size-limit breaches,
-    transient for 5xx / 408 / 429 and network errors. Query strings (which may carry
-    presigned credentials) never appear in messages.
+    transient for 5xx / 408 / 429, network errors and timeouts. Credentials and query
+    strings (which may carry presigned credentials) never appear in messages.
     """
-    async with _checked_get(session, url, headers, subject=subject) as (resp, shown):
+    async with _checked_get(session, url, headers, subject=subject, progress=progress) as (resp, shown):
         if resp.content_length is not None and resp.content_length > max_bytes:
             raise SourceError(f"{subject}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit")
         written = 0
@@ -235,6 +405,8 @@ async def fetch_to(
                 if written > max_bytes:
                     raise SourceError(f"{subject}: {shown} exceeds the {max_bytes}-byte limit")
                 f.write(chunk)
+                if progress is not None:
+                    progress.received(len(chunk))
         return written
 
 
@@ -308,3 +480,130 @@ def listing_digest(directory: Path, names: Iterable[str]) -> str:
     under ``directory``: what ``cd DIR && sha256sum NAMES... | sha256sum`` prints."""
     listing = "".join(f"{file_sha256(directory / name)}  {name}\n" for name in names)
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+# --- publication into a shared directory ----------------------------------------------------------
+
+
+def fsync_path(path: Path) -> None:
+    """Flush one file (or directory) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it); a no-op where unsupported."""
+    with contextlib.suppress(OSError):  # not every filesystem syncs directories
+        fsync_path(path)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file under ``directory``, so a node crash after a rename that publishes it
+    can never leave a published directory with missing bytes."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fsync_path(path)
+
+
+def remove_stale(parent: Path, pattern: str, max_age_s: float) -> None:
+    """Delete the directories ``parent/pattern`` whose newest entry is older than ``max_age_s``:
+    leftovers of writers killed outright (SIGKILL, a node lost). A writer at work writes
+    continuously, so a live one's directory is never this old and is left alone."""
+    now = time.time()
+    for candidate in parent.glob(pattern):
+        if not candidate.is_dir():
+            continue
+        try:
+            newest = max([candidate.stat().st_mtime, *(p.stat().st_mtime for p in candidate.rglob("*"))])
+        except OSError:
+            continue  # vanished meanwhile: its owner cleaned up
+        if now - newest > max_age_s:
+            log.info("removing %s, left by an interrupted download", candidate)
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+class Heartbeat:
+    """Progress of the process that holds a :func:`download_lock`: forwards to ``inner`` and
+    touches the lock file (at most twice a second), which is how waiting processes see that
+    the download is alive."""
+
+    def __init__(self, lock_path: Path, inner: Progress | None) -> None:
+        self.lock_path = lock_path
+        self.inner = inner
+        self._last = 0.0
+
+    def beat(self) -> None:
+        """Show a sign of life to the waiters."""
+        now = time.monotonic()
+        if now - self._last >= 0.5:
+            self._last = now
+            with contextlib.suppress(OSError):
+                os.utime(self.lock_path)
+
+    def enter(self, phase: str, target: str | None = None) -> None:
+        self._last = 0.0
+        self.beat()
+        if self.inner is not None:
+            self.inner.enter(phase, target)
+
+    def received(self, count: int) -> None:
+        self.beat()
+        if self.inner is not None:
+            self.inner.received(count)
+
+
+LOCK_POLL_S = 0.05
+
+
+@contextlib.asynccontextmanager
+async def download_lock(
+    path: Path, *, silent_after_s: float, subject: str, what: str, progress: Progress | None = None
+) -> AsyncIterator[Heartbeat]:
+    """Hold an exclusive lock on ``path`` (``flock``) between processes and pods sharing a
+    volume, so one downloads while the others wait; yields the holder's :class:`Heartbeat`.
+
+    A waiter waits as long as the holder shows signs of life (the lock file's time changes)
+    and gives up with a transient :class:`SourceError` after ``silent_after_s`` without one.
+    A holder that dies releases the lock with its file descriptor. Where the filesystem has
+    no locks, nothing is held: the atomic publication alone keeps the result whole.
+    """
+    import fcntl  # POSIX only; the runtime and the fetcher run on Linux
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        waiting_since = None
+        seen, quiet_since = os.fstat(fd).st_mtime_ns, time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+                log.warning("%s: no lock on %s (%s): downloading without waiting for others", subject, path, exc)
+                break
+            now = time.monotonic()
+            if waiting_since is None:
+                waiting_since = now
+                if progress is not None:
+                    progress.enter("waiting", what)
+            mtime = os.fstat(fd).st_mtime_ns
+            if mtime != seen:
+                seen, quiet_since = mtime, now
+                if progress is not None:
+                    progress.received(0)
+            elif now - quiet_since > silent_after_s:
+                raise SourceError(
+                    f"{subject}: waited {now - waiting_since:.0f} s for {what}, which showed no progress for "
+                    f"{silent_after_s:g} s; retry later",
+                    transient=True,
+                )
+            await asyncio.sleep(LOCK_POLL_S)
+        heartbeat = Heartbeat(path, progress)
+        heartbeat.beat()
+        yield heartbeat
+    finally:
+        os.close(fd)  # releases the lock

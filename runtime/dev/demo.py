@@ -81,6 +81,8 @@ class Demo:
             "--max-lora-rank", str(self.max_rank),
             "--admin-token-file", str(token_file),
             "--adapter-cache-dir", str(self.workdir / "adapter-cache"),
+            # the adapters the demo loads lie beside the model (the default roots are the flags' own)
+            "--allowed-local-roots", str(model_dir.parent),
             "--log-level", "WARNING",
             *(extra or []),
         ]  # fmt: skip

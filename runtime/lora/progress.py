@@ -12,7 +12,8 @@ class LoadProgress:
     """Updated by the source resolver and the loader while one load runs (one event loop)."""
 
     phase: str = "queued"
-    """``queued`` | ``connecting`` | ``downloading`` | ``verifying`` | ``reading`` | ``loading``."""
+    """``queued`` | ``connecting`` | ``downloading`` | ``waiting`` (on another process's download
+    of the same source into a shared cache) | ``verifying`` | ``reading`` | ``loading``."""
     target: str = ""
     """What the phase waits on, safe to show a caller without the token (no credentials,
     no server path): a public URL, or the adapter's name."""

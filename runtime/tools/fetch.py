@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as _dt
 import json
 import logging
@@ -51,7 +50,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Mapping
@@ -65,13 +63,18 @@ import yarl
 from ..remote import (
     S3_BUCKET_RE,
     SourceError,
+    Transport,
     fetch_bytes,
     fetch_to,
+    fsync_dir,
+    fsync_path,
     is_archive_name,
     listing_digest,
+    open_session,
+    public_url,
+    remove_stale,
     s3_request,
     safe_extract,
-    tls_connector,
 )
 from ..remote import check_sha256 as remote_check_sha256
 
@@ -119,6 +122,7 @@ class FetchOptions:
     parallel: int = 4  # files downloaded at once (shards, S3 objects)
     retries: int = 3  # further attempts of one request after a transient failure
     retry_delay_s: float = 2.0  # doubled after every failed attempt
+    connect_timeout_s: float = 30.0  # connecting (TCP and TLS) fails after this long
     read_timeout_s: float = 300.0  # a stalled connection fails after this long without data
     stale_partial_s: float = 3600.0  # leftovers of killed fetches older than this are removed
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -158,8 +162,14 @@ class ModelSource:
 
     @property
     def shown(self) -> str:
-        """The source without its query string (which may hold presigned credentials)."""
-        return self.raw.split("?", 1)[0]
+        """The source as anyone may see it: no credentials, no query string (which may hold
+        presigned credentials)."""
+        return public_url(self.raw)
+
+    @property
+    def base(self) -> str:
+        """A directory URL's base for its files (credentials kept, query string dropped)."""
+        return self.raw.split("?", 1)[0].rstrip("/")
 
     @property
     def subject(self) -> str:
@@ -258,7 +268,7 @@ def fetch_model(source: str, dest: str | Path, options: FetchOptions | None = No
     if existing is not None:
         return existing
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(dest, options.stale_partial_s)
+    remove_stale(dest.parent, f"{dest.name}.partial-*", options.stale_partial_s)
     partial = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=dest.parent))
     try:
         model_dir = _run_download(parsed, partial, options)
@@ -283,9 +293,9 @@ def fetch_model(source: str, dest: str | Path, options: FetchOptions | None = No
         # Data reaches the disk before the marker, and the marker before the rename: a node
         # crash can never leave a marked DEST with missing bytes.
         for path in files:
-            _fsync(path)
+            fsync_path(path)
         (model_dir / MARKER).write_text(json.dumps(asdict(marker), indent=2) + "\n")
-        _fsync(model_dir / MARKER)
+        fsync_path(model_dir / MARKER)
         try:
             os.rename(model_dir, dest)
         except OSError:
@@ -294,7 +304,7 @@ def fetch_model(source: str, dest: str | Path, options: FetchOptions | None = No
             if won is None:
                 raise
             return won
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         return FetchResult(dest, parsed.shown, digest, marker.files, marker.bytes, downloaded=True)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -327,40 +337,6 @@ def _existing(dest: Path, parsed: ModelSource, expected: str | None) -> FetchRes
             field="sha256",
         )
     return FetchResult(dest, marker.source, marker.sha256, marker.files, marker.bytes, downloaded=False)
-
-
-def _remove_stale_partials(dest: Path, max_age_s: float) -> None:
-    """Delete ``DEST.partial-*`` left by fetches killed outright (SIGKILL, a node lost).
-
-    A fetch in progress writes continuously, so only partials whose newest file is older
-    than ``max_age_s`` go; a concurrent fetch of another pod is left alone.
-    """
-    now = time.time()
-    for candidate in dest.parent.glob(f"{dest.name}.partial-*"):
-        if not candidate.is_dir():
-            continue
-        try:
-            newest = max(
-                [candidate.stat().st_mtime, *(p.stat().st_mtime for p in candidate.rglob("*"))],
-            )
-        except OSError:
-            continue  # vanished meanwhile: its owner cleaned up
-        if now - newest > max_age_s:
-            log.info("removing %s, left by an interrupted fetch", candidate)
-            shutil.rmtree(candidate, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem syncs directories
-        _fsync(path)
 
 
 def _drop_pickles(model_dir: Path) -> None:
@@ -569,9 +545,12 @@ def _run_download(parsed: ModelSource, partial: Path, options: FetchOptions) -> 
 
 async def _download(parsed: ModelSource, partial: Path, options: FetchOptions) -> Path:
     """Fetch ``parsed`` under ``partial``; return the directory holding the model."""
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=options.read_timeout_s)
-    connector = tls_connector(options.ca_file)
-    async with aiohttp.ClientSession(timeout=timeout, trust_env=True, connector=connector) as session:
+    transport = Transport(
+        ca_file=options.ca_file,
+        connect_timeout_s=options.connect_timeout_s,
+        stall_timeout_s=options.read_timeout_s,
+    )
+    async with open_session(transport, subject=parsed.subject) as session:
         transfer = _Transfer(session, parsed, options)
         if parsed.is_archive:
             return await _download_archive(transfer, partial)
@@ -635,7 +614,7 @@ async def _download_s3_prefix(transfer: _Transfer, model_dir: Path) -> None:
 
 async def _download_https_dir(transfer: _Transfer, model_dir: Path) -> None:
     parsed = transfer.parsed
-    base = parsed.shown.rstrip("/")
+    base = parsed.base
 
     def url(name: str) -> Request:
         return transfer.https(f"{base}/{urllib.parse.quote(name)}")

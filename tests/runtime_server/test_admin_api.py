@@ -351,7 +351,9 @@ async def test_an_hf_load_without_a_pinned_commit_answers_with_a_warning(assets,
     await hub.start_server()
     try:
         env = {"HF_ENDPOINT": f"http://127.0.0.1:{hub.port}"}
-        async with running_server(make_config(assets), tmp_path, env=env) as srv:
+        config = make_config(assets)
+        config.server.allow_private_sources = True  # the stand-in hub is on loopback
+        async with running_server(config, tmp_path, env=env) as srv:
             status, floating = await _load(srv, {"lora_name": "hub-main", "lora_path": "hf://org/adapters"})
             assert status == 200, floating
             assert [w for w in floating["warnings"] if w.startswith("lora_path:")] == [

@@ -253,6 +253,7 @@ async def test_a_load_past_the_bound_answers_503_then_serves(assets, tmp_path, r
     source = f"http://127.0.0.1:{files.port}/a/"
     config.lora.catalog = str(write_catalog(tmp_path / "catalog.json", [CatalogEntry("slow", source)]))
     config.lora.load_timeout_s = 0.5
+    config.server.allow_private_sources = True  # the source is on loopback
     try:
         async with running_server(config, tmp_path / "srv", env={"LORASERVE_ALLOW_HTTP_SOURCES": "1"}) as srv:
             status, body, headers = await complete(srv, "slow")

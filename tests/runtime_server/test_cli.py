@@ -86,6 +86,7 @@ def test_the_operators_command_line_round_trips(assets):
     cfg.speculative.draft_model_architecture = "LlamaForCausalLM"
     cfg.speculative.num_steps, cfg.speculative.num_draft_tokens = 2, 3
     cfg.lora.adapters = {"x": "/adapters/x", "y": "/adapters/y"}
+    cfg.server.allowed_local_roots = ("/adapters", "/models")  # the operator always passes its roots
     cfg.lora.pinned = ("y",)
     cfg.lora.target_modules = ("q_proj", "o_proj", "lm_head")
     cfg.scheduler.max_total_tokens = 1234
