@@ -12,6 +12,11 @@ The file and the push carry the same JSON::
                    "rank": 16, "pinned": false}, …]}
 
 Registered is not loaded: an entry costs nothing until a request names it.
+
+An entry's identity (source, sha256, draft_source, draft_sha256) gives its *version*
+(:func:`adapter_version`); a pod holds each loaded version under an engine key
+``name@version`` (:func:`engine_key`) that clients never see: ``@`` is not allowed in
+adapter names, so :func:`public_name` recovers the name from any key.
 """
 
 from __future__ import annotations
@@ -28,6 +33,29 @@ ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,252}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_ENTRIES = 4096
 MAX_SOURCE = 4096
+VERSION_HEX = 12
+"""Hex digits of an entry's version id (a prefix of the sha256 of its identity)."""
+KEY_SEPARATOR = "@"
+"""Between an adapter's name and its version in an engine key (never in a name)."""
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def adapter_version(
+    source: str, sha256: str | None = None, draft_source: str | None = None, draft_sha256: str | None = None
+) -> str:
+    """The short id of what an adapter loads: equal identities, equal ids."""
+    canonical = json.dumps([source, sha256, draft_source, draft_sha256], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:VERSION_HEX]
+
+
+def engine_key(name: str, version: str) -> str:
+    """The engine's internal key for ``version`` of adapter ``name``."""
+    return f"{name}{KEY_SEPARATOR}{version}"
+
+
+def public_name(key: str) -> str:
+    """The adapter name clients use for an engine key (a plain name is its own key)."""
+    return key.partition(KEY_SEPARATOR)[0]
 
 
 class CatalogError(ValueError):
@@ -54,24 +82,50 @@ class CatalogEntry:
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
+    @property
+    def version(self) -> str:
+        """The short id of this entry's identity (see :func:`adapter_version`)."""
+        return adapter_version(self.source, self.sha256, self.draft_source, self.draft_sha256)
 
-def _entry(raw: object, index: int) -> CatalogEntry:
+    @property
+    def key(self) -> str:
+        """The engine key this entry's weights are loaded under."""
+        return engine_key(self.name, self.version)
+
+
+def _no_control(value: str, field: str) -> None:
+    """Refuse a control character (NUL, newline...) where a string becomes a path or URL."""
+    found = _CONTROL_RE.search(value)
+    if found is not None:
+        raise CatalogError(
+            f"{field} contains the control character {found.group()!r} at position {found.start()}: remove it",
+            field=field,
+        )
+
+
+def _entry(raw: object, index: int, reserved: frozenset[str]) -> CatalogEntry:
     where = f"adapters[{index}]"
     if not isinstance(raw, Mapping):
         raise CatalogError(f"{where} must be an object with name and source", field=where)
     name, source = raw.get("name"), raw.get("source")
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+        shown = repr(name)[:100] if isinstance(name, str) else type(name).__name__
         raise CatalogError(
-            f"{where}.name {name!r} is not an adapter name: 1-253 letters, digits and . _ - / :",
+            f"{where}.name {shown} is not an adapter name: 1-253 letters, digits and . _ - / :",
             field=f"{where}.name",
+        )
+    if name in reserved:
+        raise CatalogError(
+            f"{where}.name {name!r} is the base model's name: choose another", field=f"{where}.name"
         )
     if not isinstance(source, str) or not source.strip() or len(source) > MAX_SOURCE:
         raise CatalogError(
             f"{where}.source must be a non-empty string of at most {MAX_SOURCE} characters",
             field=f"{where}.source",
         )
+    _no_control(source.strip(), f"{where}.source")
     sha = raw.get("sha256")
-    if sha is not None and (not isinstance(sha, str) or not SHA256_RE.match(sha.lower())):
+    if sha is not None and (not isinstance(sha, str) or not SHA256_RE.fullmatch(sha.lower())):
         raise CatalogError(f"{where}.sha256 must be 64 hexadecimal characters", field=f"{where}.sha256")
     rank = raw.get("rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
@@ -85,8 +139,10 @@ def _entry(raw: object, index: int) -> CatalogEntry:
             f"{where}.draft_source must be a non-empty string of at most {MAX_SOURCE} characters",
             field=f"{where}.draft_source",
         )
+    if draft is not None:
+        _no_control(draft.strip(), f"{where}.draft_source")
     if draft_sha is not None and (
-        draft is None or not isinstance(draft_sha, str) or not SHA256_RE.match(draft_sha.lower())
+        draft is None or not isinstance(draft_sha, str) or not SHA256_RE.fullmatch(draft_sha.lower())
     ):
         raise CatalogError(
             f"{where}.draft_sha256 must be 64 hexadecimal characters, beside a draft_source",
@@ -103,14 +159,16 @@ def _entry(raw: object, index: int) -> CatalogEntry:
     )
 
 
-def parse_catalog(data: object) -> tuple[CatalogEntry, ...]:
-    """Validate a decoded catalog; entries come back sorted by name."""
+def parse_catalog(data: object, *, reserved: Iterable[str] = ()) -> tuple[CatalogEntry, ...]:
+    """Validate a decoded catalog; entries come back sorted by name. ``reserved``: names an
+    adapter may not take (the base model's)."""
     if not isinstance(data, Mapping) or not isinstance(data.get("adapters"), list):
         raise CatalogError('the catalog must be a JSON object with an "adapters" list')
     raw = data["adapters"]
     if len(raw) > MAX_ENTRIES:
         raise CatalogError(f"the catalog has {len(raw)} adapters; at most {MAX_ENTRIES} are accepted")
-    entries = [_entry(item, i) for i, item in enumerate(raw)]
+    taken = frozenset(reserved)
+    entries = [_entry(item, i, taken) for i, item in enumerate(raw)]
     seen: set[str] = set()
     for entry in entries:
         if entry.name in seen:
@@ -130,7 +188,7 @@ def catalog_digest(entries: Iterable[CatalogEntry]) -> str:
     return hashlib.sha256(encode_catalog(entries).encode()).hexdigest()[:16]
 
 
-def read_catalog_file(path: str | Path) -> tuple[CatalogEntry, ...]:
+def read_catalog_file(path: str | Path, *, reserved: Iterable[str] = ()) -> tuple[CatalogEntry, ...]:
     """Read and validate a catalog file; :class:`CatalogError` names the file and the fault."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -143,6 +201,6 @@ def read_catalog_file(path: str | Path) -> tuple[CatalogEntry, ...]:
     except json.JSONDecodeError as exc:
         raise CatalogError(f"--adapter-catalog {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     try:
-        return parse_catalog(data)
+        return parse_catalog(data, reserved=reserved)
     except CatalogError as exc:
         raise CatalogError(f"--adapter-catalog {path}: {exc}", field=exc.field) from None

@@ -91,8 +91,8 @@ class _Entry:
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > 256:
-        raise AdapterError(f"adapter name must be a non-empty string of at most 256 characters, got {name!r}", field="name")
+    if not isinstance(name, str) or not name or len(name) > 320:
+        raise AdapterError(f"adapter name must be a non-empty string of at most 320 characters, got {name!r}", field="name")
     if any(c.isspace() or not c.isprintable() for c in name):
         raise AdapterError(f"adapter name {name!r} contains whitespace or control characters", field="name")
     return name

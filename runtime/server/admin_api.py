@@ -7,9 +7,11 @@ loaded; false: an idle adapter the pod may evict when it needs room for an on-de
 load). ``GET``/``PUT /v1/lora_catalog`` read and replace the serve's catalog on this pod
 (``loraserve.runtime.contract.catalog``; the operator pushes it). Loading is idempotent: the
 same name from the same source answers 200 without loading again; the same name from a
-different source is a 409 until the old one is unloaded (and, while the unloaded one still
-finishes its in-flight requests, a 503 ``adapter_draining`` with ``Retry-After``).
-Unloading is idempotent too. ``POST /reset_prefix_cache`` drops the prefix cache.
+different source is a 409 until the old one is unloaded (its in-flight requests finish on
+it while the new weights load under their own engine key). A catalogued name belongs to
+the catalog: an admin load of it must name its entry's source (and sha256 and draft, when
+given), else 409 ``adapter_conflict`` naming the catalog as the authority. Unloading is
+idempotent too. ``POST /reset_prefix_cache`` drops the prefix cache.
 The adapter's bytes are fetched and verified here (``loraserve.runtime.lora.sources``);
 errors that are the adapter's fault answer 4xx, transient ones (a source unreachable,
 the pool momentarily full) 5xx, so a caller knows whether retrying can help.
@@ -25,7 +27,7 @@ from aiohttp import web
 from ..contract.catalog import CatalogError, parse_catalog
 from ..contract.policy import AdapterDeclaration, check_adapter, check_source_revision
 from ..lora import AdapterError
-from .adapter_supply import RETRY_AFTER_S, AdapterRecord, AdapterSupply, adapter_error
+from .adapter_supply import RETRY_AFTER_S, AdapterRecord, AdapterSupply, LoadSuperseded, adapter_error
 from .auth import check_bearer
 from .errors import ApiError, invalid
 from .openai_api import read_body
@@ -85,10 +87,23 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if name in state.base_names:
         raise invalid(f"lora_name {name!r} is the base model's name: choose another", param="lora_name")
     supply = state.supply
+    draft = None if body.draft is None else (body.draft.lora_path, body.draft.sha256)
     async with state.adapter_lock(name):
+        conflict = supply.catalog_conflict(name, body.lora_path, body.sha256, draft)
+        if conflict is not None:
+            raise conflict
+        if name in supply.catalog:
+            # The catalog's own weights: load its current version (idempotent), as asked.
+            info, already = await supply.load_entry(
+                name, body.lora_path, body.sha256, draft, pinned=body.pinned, warm=body.warm
+            )
+            rec = state.adapters[name]
+            if already:
+                _demote(engine, rec, body)
+                return web.json_response(_info_body("already_loaded", rec, info, supply))
+            return web.json_response(_loaded_body(state, engine, rec, info, body))
         rec = state.adapters.get(name)
-        if rec is not None and name in engine.adapter_names:
-            draft = None if body.draft is None else (body.draft.lora_path, body.draft.sha256)
+        if rec is not None and supply.is_loaded(name):
             same = (
                 rec.source == body.lora_path
                 and (body.sha256 is None or body.sha256 == rec.sha256)
@@ -111,57 +126,62 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             info = None
             if body.pinned and not rec.pinned:
                 try:
-                    info = await asyncio.to_thread(engine.load_adapter, name, rec.local_path, pinned=True)
+                    info = await asyncio.to_thread(engine.load_adapter, rec.key, rec.local_path, pinned=True)
                 except AdapterError as exc:
-                    raise adapter_error(exc) from None
+                    raise adapter_error(exc, name) from None
                 rec.pinned = True
-            elif not body.warm and rec.pinned and not body.pinned:
-                engine.unpin_adapter(name)  # demoted: it may leave its slot and the cache again
-                rec.pinned = False
+            _demote(engine, rec, body)
             supply.set_warm(name, body.warm)
-            return web.json_response(_info_body("already_loaded", rec, info or engine.adapter_info(name), supply))
+            return web.json_response(
+                _info_body("already_loaded", rec, info or engine.adapter_info(rec.key), supply)
+            )
         try:
             info = await supply.load(
-                name,
-                body.lora_path,
-                sha256=body.sha256,
-                pinned=body.pinned,
-                warm=body.warm,
-                draft=None if body.draft is None else (body.draft.lora_path, body.draft.sha256),
+                name, body.lora_path, sha256=body.sha256, pinned=body.pinned, warm=body.warm, draft=draft
             )
+        except LoadSuperseded:
+            raise supply.catalog_conflict(name, body.lora_path, body.sha256, draft) or ApiError(
+                409,
+                f"adapter {name!r} changed during the load: retry",
+                param="lora_name",
+                code="adapter_conflict",
+            ) from None
         except ApiError as exc:
             raise _load_conflict(exc, engine, name) from None
         state.metrics.adapter_loads.labels("admin", "loaded").inc()
-        rec = state.adapters[name]
-        other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != name)
-        warnings = _policy_warnings(state.config, rec, info, other_pinned)
-        floating = check_source_revision("lora_path", body.lora_path, sha256=body.sha256)
-        if floating is not None:
-            warnings.append(floating.render())
-        for w in warnings:
-            log.warning("adapter %s: %s", name, w)
-        return web.json_response(_info_body("loaded", rec, info, supply, warnings))
+        return web.json_response(_loaded_body(state, engine, state.adapters[name], info, body))
+
+
+def _demote(engine, rec: AdapterRecord, body) -> None:
+    """``warm: false`` without ``pinned`` on a pinned adapter: it may leave its slot and the
+    cache again."""
+    if not body.warm and rec.pinned and not body.pinned:
+        engine.unpin_adapter(rec.key)
+        rec.pinned = False
+
+
+def _loaded_body(state, engine, rec: AdapterRecord, info, body) -> dict:
+    """The answer to a load that loaded: the adapter and the policy's warnings."""
+    other_pinned = sum(1 for i in engine.list_adapters() if i.pinned and i.name != rec.key)
+    warnings = _policy_warnings(state.config, rec, info, other_pinned)
+    floating = check_source_revision("lora_path", body.lora_path, sha256=body.sha256)
+    if floating is not None:
+        warnings.append(floating.render())
+    for w in warnings:
+        log.warning("adapter %s: %s", rec.name, w)
+    return _info_body("loaded", rec, info, state.supply, warnings)
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     state = request.app[STATE]
     check_bearer(request, state.admin_token)
-    engine = state.require_engine()
+    state.require_engine()
     name = parse_unload_adapter(await read_body(request))
     async with state.adapter_lock(name):
-        if name not in engine.adapter_names:
-            engine.unload_draft_adapter(name)
-            state.supply.forget(name)
-            return web.json_response({"status": "not_loaded", "lora_name": name})
-        try:
-            await asyncio.to_thread(engine.unload_adapter, name)
-            engine.unload_draft_adapter(name)
-        except AdapterError as exc:
-            raise adapter_error(exc) from None
-        state.supply.forget(name)
         # In-flight requests finish with the adapter; it is freed when the last one ends.
         # A catalogued adapter stays registered: the next request for it loads it again.
-        return web.json_response({"status": "unloaded", "lora_name": name})
+        loaded = state.supply.unload(name)
+        return web.json_response({"status": "unloaded" if loaded else "not_loaded", "lora_name": name})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -183,6 +203,7 @@ async def get_lora_catalog(request: web.Request) -> web.Response:
         {
             "digest": supply.digest,
             "ready": supply.catalog_ready,
+            "confirmed": supply.confirmed,
             "error": supply.catalog_error,
             "adapters": supply.listing(),
         }
@@ -195,10 +216,10 @@ async def put_lora_catalog(request: web.Request) -> web.Response:
     check_bearer(request, state.admin_token)
     state.require_engine()
     try:
-        entries = parse_catalog(await read_body(request))
+        entries = parse_catalog(await read_body(request), reserved=state.base_names)
     except CatalogError as exc:
         raise invalid(str(exc), param=exc.field) from None
-    change = state.supply.replace_catalog(entries)
+    change = state.supply.replace_catalog(entries, pushed=True)
     if change.added or change.removed or change.changed:
         log.info(
             "adapter catalog %s: added %s, removed %s, changed %s, unloaded %s",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from ..contract.catalog import CatalogError, read_catalog_file
+from ..contract.catalog import CatalogError
 from ..contract.config import RuntimeConfig
 from ..engine import Engine
 from ..engine.warmup import warm_up
@@ -190,10 +190,11 @@ async def drain(
 
 async def _read_catalog(state: ServerState, path: str) -> None:
     """Read the catalog file before the pod turns ready; retry until it can be read (a
-    ConfigMap not yet projected) or the operator pushes one."""
+    ConfigMap not yet projected) or the operator pushes one. Later, a request for a name
+    in no catalog rereads the file if it changed (``AdapterSupply.refresh_from_file``)."""
     while not state.supply.catalog_ready:
         try:
-            entries = read_catalog_file(path)
+            entries = state.supply.read_file(path)
         except CatalogError as exc:
             if state.supply.catalog_error != str(exc):
                 log.warning("%s; not ready until it can be read (retrying every %g s)", exc, CATALOG_RETRY_S)

@@ -16,7 +16,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once the model is loaded and requests are admitted; 503 before and while draining."""
+    """200 once the model is loaded, the catalog read (and, with ``lora.catalog_confirm``,
+    pushed by the operator since start-up) and requests are admitted; 503 before and while
+    draining."""
     state = request.app[STATE]
     if state.ready:
         return web.json_response({"status": "ready", "model": state.served_name})
@@ -30,6 +32,13 @@ async def ready(request: web.Request) -> web.Response:
     if state.engine is not None and not state.supply.catalog_ready:
         reason = state.supply.catalog_error or "not read yet"
         raise ApiError(503, f"the adapter catalog is not loaded: {reason}", code="catalog_not_ready")
+    if state.engine is not None and state.config.lora.catalog_confirm and not state.supply.confirmed:
+        raise ApiError(
+            503,
+            "the adapter catalog has not been confirmed by the operator since start-up (lora.catalog_confirm): "
+            "waiting for its push (PUT /v1/lora_catalog)",
+            code="catalog_not_confirmed",
+        )
     raise ApiError(503, "the model is still loading", code="model_loading")
 
 

@@ -26,6 +26,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..contract.catalog import public_name
 from ..engine.request import Request
 from ..engine.stats import EngineObserver, EngineSnapshot
 
@@ -242,7 +243,7 @@ class Metrics(EngineObserver):
     def on_request_finished(self, request: Request) -> None:
         name = self.model_name
         reason = request.finish_reason.value if request.finish_reason is not None else "unknown"
-        model = request.adapter or name
+        model = public_name(request.adapter) if request.adapter else name
         self.request_success.labels(name, reason).inc()
         self.requests.labels(model, reason).inc()
         if request.num_cached or request.output_ids:
@@ -269,7 +270,7 @@ class Metrics(EngineObserver):
         self.preemptions.labels(self.model_name).inc()
 
     def on_prefix_lookup(self, request: Request, hit_tokens: int, query_tokens: int) -> None:
-        model = request.adapter or self.model_name
+        model = public_name(request.adapter) if request.adapter else self.model_name
         self.prefix_queries.labels(self.model_name).inc(query_tokens)
         self.prefix_hits.labels(self.model_name).inc(hit_tokens)
         self.prefix_query_tokens.labels(model).inc(query_tokens)
@@ -310,10 +311,19 @@ class _SnapshotCollector:
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         info.add_metric(
-            [str(snap.max_loras_per_batch), ",".join(snap.running_adapters), ",".join(snap.waiting_adapters)],
+            [
+                str(snap.max_loras_per_batch),
+                _public_names(snap.running_adapters),
+                _public_names(snap.waiting_adapters),
+            ],
             snap.time if snap.time else time.time(),
         )
         yield info
+
+
+def _public_names(keys: tuple[str, ...]) -> str:
+    """The adapters of engine keys as clients name them (versions of one name count once)."""
+    return ",".join(sorted({public_name(k) for k in keys}))
 
 
 def _per_model(
@@ -336,7 +346,11 @@ def _step_totals(snap: EngineSnapshot, name: str):
         ("loraserve:engine_steps", "Engine steps, by kind.", "steps"),
         ("loraserve:engine_step_requests", "Requests summed over steps (batch sizes), by kind.", "requests"),
         ("loraserve:engine_step_tokens", "Tokens prefilled (extend) or generated (decode).", "tokens"),
-        ("loraserve:engine_decoder_seconds", "Seconds inside the decoder (model, drafting, sampling).", "seconds"),
+        (
+            "loraserve:engine_decoder_seconds",
+            "Seconds inside the decoder (model, drafting, sampling).",
+            "seconds",
+        ),
     ):
         c = CounterMetricFamily(metric, doc, labels=["model_name", "kind"])
         for kind, totals in kinds:
@@ -371,7 +385,11 @@ def _step_totals(snap: EngineSnapshot, name: str):
             "Mean decode batch over max running requests (1 = always full).",
             snap.decode_occupancy,
         ),
-        ("loraserve:cuda_graphs", "CUDA graphs the target's runner holds (captured steps).", snap.cuda_graphs),
+        (
+            "loraserve:cuda_graphs",
+            "CUDA graphs the target's runner holds (captured steps).",
+            snap.cuda_graphs,
+        ),
     ):
         yield _per_model(GaugeMetricFamily, metric, doc, name, value)
 
@@ -387,7 +405,11 @@ def _prefix_cache_gauges(snap: EngineSnapshot, name: str):
             "Cached KV tokens no request holds (counted free; evicted least recently used first).",
             snap.prefix_evictable_tokens,
         ),
-        ("loraserve:prefix_cache_usage_perc", "The prefix cache's share of the KV pool (1 = all).", snap.prefix_cache_share),
+        (
+            "loraserve:prefix_cache_usage_perc",
+            "The prefix cache's share of the KV pool (1 = all).",
+            snap.prefix_cache_share,
+        ),
     ):
         yield _per_model(GaugeMetricFamily, metric, doc, name, value)
     yield _per_model(

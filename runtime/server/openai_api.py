@@ -11,7 +11,7 @@ from aiohttp import web
 
 from ..engine import RequestOutput
 from ..engine.request import PromptLogprobs, TopLogprobs
-from .adapter_supply import public_root
+from .adapter_supply import public_root, shown_name
 from .auth import check_bearer
 from .errors import ApiError
 from .generation import ChoiceState, Generation
@@ -517,24 +517,27 @@ def _model_entries(request: web.Request) -> list[dict]:
         }
     ]
     listed = set()
-    for info in engine.list_adapters():
-        if info.name not in engine.adapter_names:
-            continue  # being unloaded
-        rec = state.adapters.get(info.name)
-        listed.add(info.name)
+    # Each adapter once, under its public name: the version new requests get (versions
+    # still finishing older requests are not listed).
+    for name, rec in sorted(state.adapters.items()):
+        info = engine.adapter_info(rec.key)
+        if info is None or rec.key not in engine.adapter_names:
+            continue
+        listed.add(name)
         data.append(
             _adapter_model(
                 state,
-                info.name,
-                created=rec.loaded_at if rec else state.started,
-                source=rec.source if rec else info.name,
+                name,
+                created=rec.loaded_at,
+                source=rec.source,
                 lora={
                     "state": "loaded",
                     "rank": info.rank,
                     "target_modules": list(info.target_modules),
                     "pinned": info.pinned,
-                    "warm": info.name in state.supply.warm,
-                    "sha256": rec.sha256 if rec else None,
+                    "warm": name in state.supply.warm,
+                    "sha256": rec.sha256,
+                    "version": rec.version,
                 },
                 context_len=engine.context_len,
                 admin=admin,
@@ -545,7 +548,13 @@ def _model_entries(request: web.Request) -> list[dict]:
         if entry.name in listed:
             continue
         lifecycle, message = state.supply.state_of(entry.name)
-        lora = {"state": lifecycle, "rank": entry.rank, "pinned": entry.pinned, "sha256": entry.sha256}
+        lora = {
+            "state": lifecycle,
+            "rank": entry.rank,
+            "pinned": entry.pinned,
+            "sha256": entry.sha256,
+            "version": entry.version,
+        }
         if message:
             lora["message"] = message
         data.append(
@@ -576,10 +585,13 @@ async def retrieve_model(request: web.Request) -> web.Response:
     for entry in entries:
         if entry["id"] == wanted:
             return web.json_response(entry)
-    known = ", ".join(sorted(e["id"] for e in entries))
+    if state.supply.refresh_from_file():  # a catalog file newer than the pod's copy may name it
+        for entry in _model_entries(request):
+            if entry["id"] == wanted:
+                return web.json_response(entry)
     raise ApiError(
         404,
-        f"the model {model_id!r} does not exist: use one of {known} (GET /v1/models)",
+        f"the model {shown_name(model_id)} does not exist on this serve (GET /v1/models lists the models)",
         param="model",
         code="model_not_found",
     )

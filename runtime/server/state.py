@@ -14,7 +14,7 @@ from ..engine import Engine
 from ..lora.sources import SourceSettings
 from ..parallel.health import failure_reason as tp_failure_reason
 from ..tokenizer import Tokenizer
-from .adapter_supply import AdapterRecord, AdapterSupply
+from .adapter_supply import AdapterRecord, AdapterSupply, public_message
 from .errors import ApiError
 from .metrics import Metrics
 
@@ -52,9 +52,7 @@ class ServerState:
         self.sources = sources
         self.metrics = metrics or Metrics(self.served_name)
         self.metrics.snapshot = lambda: self.engine.snapshot if self.engine is not None else None
-        self.metrics.adapters_loaded = lambda: (
-            len(self.engine.adapter_names) if self.engine is not None else 0
-        )
+        self.metrics.adapters_loaded = lambda: len(self.supply.loaded_names())
         self.engine: Engine | None = None
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
@@ -62,7 +60,7 @@ class ServerState:
         self.in_flight = 0
         """Requests being handled (probes aside); a drain waits for them."""
         self.started = int(time.time())
-        self.supply = AdapterSupply(config, sources, self.metrics)
+        self.supply = AdapterSupply(config, sources, self.metrics, reserved=frozenset(self.base_names))
 
     @property
     def adapters(self) -> dict[str, AdapterRecord]:
@@ -80,6 +78,7 @@ class ServerState:
             and self.engine.running
             and not self.draining
             and self.supply.catalog_ready
+            and (self.supply.confirmed or not self.config.lora.catalog_confirm)
             and tp_failure_reason() is None
         )
 
@@ -121,39 +120,23 @@ class ServerState:
 
     @contextlib.asynccontextmanager
     async def use_model(self, model: str | None) -> AsyncIterator[str | None]:
-        """The adapter a ``model`` field names (None for the base model), held for the block.
+        """The engine key of the adapter a ``model`` field names (None for the base model),
+        held for the block: the version current when the request arrived, for its whole life.
 
         A catalogued adapter this pod does not hold is loaded first (the request waits up
-        to ``lora.load_timeout_s``); a name in no catalog and not loaded is a 404 at once.
+        to ``lora.load_timeout_s``); a name in no catalog and not loaded is a 404 (after the
+        catalog file is checked for it). Errors name the adapter, never its engine key.
         """
         if model is None or model in self.base_names:
             yield None
             return
-        engine = self.require_engine()
-        if model not in engine.adapter_names and model not in self.supply.catalog:
-            known = sorted({self.served_name, *engine.adapter_names, *self.supply.catalog})
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist: use one of {', '.join(known)} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
-        async with self.supply.lease(model):
+        self.require_engine()
+        async with self.supply.serve(model) as key:
             try:
-                await self.supply.ensure(model)
+                yield key
             except ApiError as exc:
-                old = draining_adapter(engine, model)
-                if old is None or exc.status != 503 or exc.param != "name":
-                    raise
-                raise ApiError(
-                    503,
-                    f"adapter {model!r} is being replaced on this pod: its previous version still finishes "
-                    f"{old.refcount} request(s), then the new one loads; retry shortly",
-                    param="model",
-                    code="adapter_draining",
-                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
-                ) from None
-            yield model
+                exc.message = public_message(exc.message, model)
+                raise
 
     def adapter_lock(self, name: str):
         """Serialises admin calls and on-demand loads for one adapter name."""

@@ -88,10 +88,10 @@ async def test_catalogued_adapters_load_on_their_first_request(assets, tmp_path,
         listed = await models(srv)
         assert listed["sql-r8"]["lora"]["state"] == "loaded" and listed["sql-r8"]["lora"]["warm"] is False
         assert listed["sql-r8"]["root"] == "sql-r8", "a path in the pod is shown as the adapter's name"
-        # A name in no catalog is a 404 at once, listing what exists.
+        # A name in no catalog is a 404 at once, pointing at the listing (not copying it).
         status, body, _ = await complete(srv, "nope")
         assert status == 404 and body["error"]["code"] == "model_not_found"
-        assert "sql-r8" in body["error"]["message"]
+        assert "GET /v1/models" in body["error"]["message"] and "sql-r8" not in body["error"]["message"]
         # The catalog, its digest and each adapter's state, behind the admin token.
         status, _ = await srv.get("/v1/lora_catalog")
         assert status == 401
@@ -109,7 +109,7 @@ async def test_idle_on_demand_adapters_are_evicted_warm_ones_never(assets, tmp_p
         for name in ("extra-0", "extra-1", "extra-2", "extra-0"):
             status, body, _ = await complete(srv, name)
             assert status == 200, body
-            held = set(srv.engine.adapter_names)
+            held = srv.state.supply.loaded_names()
             assert held == {"sql-r8", name}, "the start-up adapter is warm; one on-demand slot turns over"
         assert srv.state.metrics.adapter_evictions._value.get() == 3
         listed = await models(srv)
@@ -121,7 +121,7 @@ async def test_idle_on_demand_adapters_are_evicted_warm_ones_never(assets, tmp_p
             headers=srv.admin_headers(),
         )
         assert status == 200 and resp["warm"] is True
-        assert set(srv.engine.adapter_names) == {"sql-r8", "warm-2"}, "the idle on-demand adapter made room"
+        assert srv.state.supply.loaded_names() == {"sql-r8", "warm-2"}, "the idle on-demand adapter made room"
         status, body, headers = await complete(srv, "extra-2")
         assert status == 503 and body["error"]["param"] == "lora.max_loaded_loras"
         assert "maxLoadedLoras" in body["error"]["message"] and headers["Retry-After"]
@@ -169,7 +169,7 @@ async def test_bad_catalogued_adapter_fails_like_the_admin_api_and_is_remembered
         status, body, _ = await complete(srv, "misdeclared")
         assert status == 400 and "declares rank 5" in body["error"]["message"]
         assert str(assets.extra_adapters["extra-1"]) not in body["error"]["message"]
-        assert "misdeclared" not in srv.engine.adapter_names
+        assert "misdeclared" not in srv.state.supply.loaded_names() and len(srv.engine.adapter_names) == 0
         listed = await models(srv)
         assert listed["broken"]["lora"]["state"] == "failed" and "rank" in listed["broken"]["lora"]["message"]
         assert not any(str(tmp_path) in (m.get("lora") or {}).get("message", "") for m in listed.values())
@@ -262,7 +262,7 @@ async def test_a_load_past_the_bound_answers_503_then_serves(assets, tmp_path, r
             assert (await models(srv))["slow"]["lora"]["state"] == "loading"
             slow.release.set()
             for _ in range(100):  # the load went on in the background
-                if "slow" in srv.engine.adapter_names:
+                if srv.state.supply.is_loaded("slow"):
                     break
                 await asyncio.sleep(0.05)
             status, body, _ = await complete(srv, "slow")
