@@ -370,7 +370,7 @@ async def _resolve_remote(
     subject = parsed.subject
     for _, fetch in _fetches(parsed, settings.env):
         check_remote_host(fetch.url, settings.remote_hosts, subject=subject)
-    key = hashlib.sha256(f"{parsed.raw}\0{sha256 or ''}".encode()).hexdigest()[:24]
+    key = cache_key(parsed.raw, sha256)
     cache = Path(settings.cache_dir)
     final = cache / key
     for _ in range(RACE_RETRIES):
@@ -400,6 +400,12 @@ async def _resolve_remote(
         "entry); retry",
         transient=True,
     )
+
+
+def cache_key(source: str, sha256: str | None) -> str:
+    """The name of a remote source's entry in the adapter cache (and of its lock file in
+    ``.locks``): one per source and expected digest."""
+    return hashlib.sha256(f"{source.strip()}\0{sha256 or ''}".encode()).hexdigest()[:24]
 
 
 async def _cached(final: Path, sha256: str | None, subject: str, progress: Progress | None) -> bool:
