@@ -88,8 +88,9 @@ class DFlashDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        h, normed = self.post_attention_layernorm.add_forward(x, attn)
+        return h + self.mlp(normed)
 
 
 class DFlashDraftModel(nn.Module):
