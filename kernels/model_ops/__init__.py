@@ -1,4 +1,5 @@
-"""Fused elementwise ops of the decoder: RMSNorm, residual-add + RMSNorm, SiLU-and-multiply.
+"""Fused elementwise ops of the decoder: RMSNorm, residual-add + RMSNorm, SiLU-and-multiply,
+rotary embedding.
 
 One interface, two implementations: ``reference`` (torch, any device: the CPU path and the
 oracle) and ``triton_ops`` (one kernel each, used for CUDA tensors). Both compute exactly what
@@ -15,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["add_rms_norm", "fused_enabled", "rms_norm", "set_fused", "silu_mul"]
+__all__ = ["add_rms_norm", "fused_enabled", "rms_norm", "rotary", "set_fused", "silu_mul"]
 
 _ENABLED = True
 
@@ -65,3 +66,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_ops.silu_mul(gate_up)
     return reference.silu_mul(gate_up)
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``q [T, H, D]`` and ``k [T, KH, D]`` (views of a fused projection are fine)
+    with the rows ``positions`` of the ``cos`` / ``sin`` tables ``[P, D]``."""
+    if _use_triton(q, k, cos, sin):
+        from . import triton_ops
+
+        return triton_ops.rotary(positions, q, k, cos, sin)
+    return reference.rotary(positions, q, k, cos, sin)

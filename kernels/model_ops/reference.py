@@ -25,3 +25,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The gated SiLU of a fused gate/up projection's output."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (the half-split layout) on ``[T, heads, D]`` queries and keys from a ``[P, D]`` table."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -121,3 +121,54 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (flat.shape[0], triton.cdiv(width, block))
         _silu_mul_kernel[grid](flat, out, flat.stride(0), out.stride(0), width, BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], width)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, src_ptr, dst_ptr, cos_ptr, sin_ptr, src_t, src_h, dst_t, dst_h, table_stride,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    src = src_ptr + token * src_t + head * src_h
+    lo = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    row = pos * table_stride
+    cos_lo = tl.load(cos_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    ty = dst_ptr.dtype.element_ty
+    # Each product and the sum rounded to the dtype, as torch's ``x * cos + rotated * sin``.
+    out_lo = ((lo * cos_lo).to(ty).to(tl.float32) + (-hi * sin_lo).to(ty).to(tl.float32)).to(ty)
+    out_hi = ((hi * cos_hi).to(ty).to(tl.float32) + (lo * sin_hi).to(ty).to(tl.float32)).to(ty)
+    dst = dst_ptr + token * dst_t + head * dst_h
+    tl.store(dst + cols, out_lo, mask=mask)
+    tl.store(dst + HALF + cols, out_hi, mask=mask)
+
+
+def _rotate(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    if tokens and heads:
+        half = dim // 2
+        _rotary_kernel[(tokens, heads)](
+            positions, x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`loraserve.kernels.model_ops.rotary`."""
+    if q.shape[-1] % 2 or cos.shape[-1] != q.shape[-1] or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rotary: head_dim {q.shape[-1]} must be even and match the tables' {cos.shape[-1]}")
+    positions = positions.contiguous()
+    return _rotate(positions, q, cos, sin), _rotate(positions, k, cos, sin)

@@ -96,3 +96,30 @@ def test_dispatch_keeps_cpu_and_autograd_on_torch(monkeypatch):
         assert not model_ops.fused_enabled()
     finally:
         model_ops.set_fused(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_rotary(device, dtype, head_dim):
+    """Queries and keys as views of one fused projection (strided rows), positions in any order."""
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads, table = 9, 4, 2, 50
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    angles = torch.rand(table, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device, dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device, dtype)
+    positions = torch.randint(0, table, (tokens,), generator=gen).to(device)
+    q_out, k_out = triton_ops.rotary(positions, q, k, cos, sin)
+    q_ref, k_ref = reference.rotary(positions, q, k, cos, sin)
+    exact = dtype != torch.bfloat16 or torch.cuda.is_available()  # the interpreter truncates bf16
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2, "atol": 4e-2}
+    torch.testing.assert_close(q_out, q_ref, **tol)
+    torch.testing.assert_close(k_out, k_ref, **tol)
+    c64 = torch.cat([angles.cos()] * 2, dim=-1).double().to(device)[positions].unsqueeze(1)
+    s64 = torch.cat([angles.sin()] * 2, dim=-1).double().to(device)[positions].unsqueeze(1)
+    half = head_dim // 2
+    k64 = k.double()
+    ref64 = k64 * c64 + torch.cat((-k64[..., half:], k64[..., :half]), dim=-1) * s64
+    assert _rel(k_out, ref64) < {torch.float32: 1e-6}.get(dtype, 2e-2)
