@@ -287,21 +287,19 @@ def _bind_listeners(host: str, port: int) -> list:
     return bound
 
 
-async def _serve_until_signalled(app, sockets: list, drain_timeout_s: float) -> None:
-    """Serve on already bound ``sockets`` until SIGTERM/SIGINT, then drain with the listener
-    still open, then stop.
+async def _serve_until_signalled(app, sockets: list, drain_timeout_s: float, limits) -> None:
+    """Serve on already bound ``sockets`` within ``limits`` until SIGTERM/SIGINT, then drain
+    with the listener still open, answer what is left 503 ``shutting_down``, then stop.
 
     aiohttp's ``run_app`` closes the listening socket first, so probes and new requests
     would meet a refused connection while in-flight requests drain.
     """
     import signal
 
-    from aiohttp import web
-
     from .server import drain
+    from .server.limits import FrontDoor, cut_off
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
+    door = await FrontDoor.open(app, sockets, limits)
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal(signum: int) -> None:
@@ -316,12 +314,11 @@ async def _serve_until_signalled(app, sockets: list, drain_timeout_s: float) -> 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
         await stop.wait()
-        await drain(app, drain_timeout_s, hurry=hurry)
+        if not await drain(app, drain_timeout_s, hurry=hurry):
+            cut_off(app)
     finally:
-        await runner.cleanup()
+        await door.close()
 
 
 def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
@@ -334,6 +331,7 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from .engine.factory import build_engine
     from .lora.sources import SourceSettings
     from .server import STATE, build_app
+    from .server.limits import Limits
 
     try:
         sockets = _bind_listeners(cfg.server.host, cfg.server.port)
@@ -354,8 +352,17 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         exit_on_load_failure=True,
     )
+    limits = Limits.from_config(cfg.server)
     log.info("listening on %s:%d (model %s)", cfg.server.host, cfg.server.port, cfg.model.path)
-    asyncio.run(_serve_until_signalled(app, sockets, args.drain_timeout))
+    log.info(
+        "client limits: %d connections, header %g s, body %g s, write %g s, body %d bytes",
+        limits.max_connections,
+        limits.header_timeout_s,
+        limits.body_timeout_s,
+        limits.write_timeout_s,
+        cfg.server.max_body_bytes,
+    )
+    asyncio.run(_serve_until_signalled(app, sockets, args.drain_timeout, limits))
     state = app[STATE]
     if state.load_error:
         print(f"loraserve-runtime: the model failed to load: {state.load_error}", file=sys.stderr)

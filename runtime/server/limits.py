@@ -26,8 +26,12 @@ Each limit and its default (the flags are the configuration's, ``ServerConfig``)
 from __future__ import annotations
 
 import asyncio
+import asyncio.base_events
+import errno
+import json
 import logging
 import resource
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -53,6 +57,9 @@ ACCEPT_LOG_INTERVAL_S = 10.0
 
 BUSY_RETRY_AFTER_S = 1
 """``Retry-After`` on a connection refused past the cap."""
+
+LISTEN_BACKLOG = 128
+"""The listeners' accept backlog (as the bound sockets' ``listen``)."""
 
 _REQUEST_LINE_MAX = 8190  # aiohttp's own max_line_size: a longer first line is no probe
 
@@ -115,7 +122,8 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     expect = request.headers.get("Expect", "")
     if expect.lower() != "100-continue":
         resp = ApiError(
-            417, f"unsupported Expect: {expect[:64]!r}: send Expect: 100-continue or none",
+            417,
+            f"unsupported Expect: {expect[:64]!r}: send Expect: 100-continue or none",
             code="expectation_failed",
         ).response()
         resp.force_close()
@@ -135,11 +143,11 @@ class _Cutoff:
 
     tasks: set[asyncio.Task] = field(default_factory=set)
     cancelled: set[asyncio.Task] = field(default_factory=set)
+    started: set[asyncio.Task] = field(default_factory=set)  # those whose response has begun
     fired: bool = False
 
 
 _CUTOFF = web.AppKey("loraserve_cutoff", _Cutoff)
-_STARTED = "loraserve_response_started"
 
 
 @web.middleware
@@ -154,13 +162,14 @@ async def cutoff_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except asyncio.CancelledError:
-        if me not in cutoff.cancelled or request.get(_STARTED):
+        if me not in cutoff.cancelled or me in cutoff.started:
             raise
         me.uncancel()
         return _shutting_down(request)
     finally:
         cutoff.tasks.discard(me)
         cutoff.cancelled.discard(me)
+        cutoff.started.discard(me)
 
 
 def _shutting_down(request: web.Request) -> web.Response:
@@ -175,7 +184,11 @@ def _shutting_down(request: web.Request) -> web.Response:
 
 
 async def _mark_started(request: web.Request, response: web.StreamResponse) -> None:
-    request[_STARTED] = True
+    """``on_response_prepare``: runs in the handler's task, whose response has now begun."""
+    cutoff = request.app[_CUTOFF]
+    task = asyncio.current_task()
+    if task in cutoff.tasks:
+        cutoff.started.add(task)
 
 
 def install(app: web.Application) -> None:
@@ -196,3 +209,297 @@ def cut_off(app: web.Application) -> int:
             cutoff.cancelled.add(task)
             task.cancel()
     return len(cutoff.cancelled)
+
+
+# --- connection level: the listeners (the CLI opens them with FrontDoor) --------------------
+
+
+class ThrottledLog:
+    """Counts events and logs them at most once per ``interval_s`` with their count: the
+    first at once, the rest when the interval ends. ``emit(count)`` writes the line."""
+
+    def __init__(self, emit: Callable[[int], None], interval_s: float = ACCEPT_LOG_INTERVAL_S) -> None:
+        self._emit = emit
+        self._interval_s = interval_s
+        self._count = 0
+        self._next_at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def hit(self) -> None:
+        """One more event; call on the event loop."""
+        self._count += 1
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_at:
+            self.flush()
+        elif self._timer is None:
+            self._timer = loop.call_at(self._next_at, self.flush)
+
+    def flush(self) -> None:
+        """Log the events counted so far (if any); the next line waits an interval."""
+        self._timer = None
+        if self._count:
+            count, self._count = self._count, 0
+            self._emit(count)
+            self._next_at = asyncio.get_running_loop().time() + self._interval_s
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+_ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class AcceptErrorLog:
+    """The event loop's exception handler while serving: an ``accept()`` that fails for want
+    of resources (asyncio reports each one, then retries a second later) is counted and
+    logged by a :class:`ThrottledLog`; anything else goes to the previous handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = ACCEPT_LOG_INTERVAL_S) -> None:
+        self._loop = loop
+        self._previous = loop.get_exception_handler()
+        self._last: OSError | None = None
+        self.log = ThrottledLog(self._emit, interval_s)
+        loop.set_exception_handler(self)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if (
+            isinstance(exc, OSError)
+            and exc.errno in _ACCEPT_ERRNOS
+            and "accept" in context.get("message", "")
+        ):
+            self._last = exc
+            self.log.hit()
+        elif self._previous is not None:
+            self._previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    def _emit(self, count: int) -> None:
+        log.error(
+            "accept() failed %d time(s) in the last %g s (%s): new connections wait in the "
+            "backlog; lower --max-connections or raise the open-file limit",
+            count,
+            self.log._interval_s,
+            self._last.strerror if self._last is not None else "out of resources",
+        )
+
+    def close(self) -> None:
+        """Put the previous handler back."""
+        self.log.close()
+        self._loop.set_exception_handler(self._previous)
+
+
+_BUSY_BODY = json.dumps(
+    ApiError(
+        503,
+        "the server has too many open connections (--max-connections): retry shortly",
+        code="server_busy",
+    ).body()
+).encode()
+BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    + f"Content-Length: {len(_BUSY_BODY)}\r\nRetry-After: {BUSY_RETRY_AFTER_S}\r\n".encode()
+    + b"Connection: close\r\n\r\n"
+    + _BUSY_BODY
+)
+"""The answer to a connection past the cap (written whole, before the request is read)."""
+
+
+def is_probe(request_line: bytes) -> bool:
+    """``GET`` or ``HEAD`` of ``/health`` or ``/ready`` (a query allowed)."""
+    parts = request_line.split()
+    if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
+        return False
+    return parts[1].split(b"?", 1)[0] in PROBE_PATHS
+
+
+class ConnectionGate:
+    """The listeners' protocol factory: a connection within ``max_connections`` is served by
+    aiohttp's handler (``server()``); past it, up to :data:`PROBE_RESERVE` are read for a
+    probe and the rest answered :data:`BUSY_RESPONSE` and closed. Served connections whose
+    output stalls for ``write_timeout_s`` are aborted."""
+
+    def __init__(self, server: Callable[[], asyncio.Protocol], limits: Limits) -> None:
+        self.server = server
+        self.limits = limits
+        self.served = 0
+        self.probing = 0
+        self.refused = ThrottledLog(self._emit_refused)
+        self.stalled = ThrottledLog(self._emit_stalled)
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Connection(self)
+
+    def admit(self) -> str:
+        """``"served"``, ``"probe"`` or ``"refused"``: what a new connection gets."""
+        if self.served < self.limits.max_connections:
+            self.served += 1
+            return "served"
+        if self.probing < PROBE_RESERVE:
+            self.probing += 1
+            return "probe"
+        self.refused.hit()
+        return "refused"
+
+    def release(self, kind: str) -> None:
+        if kind == "served":
+            self.served -= 1
+        elif kind == "probe":
+            self.probing -= 1
+
+    def _emit_refused(self, count: int) -> None:
+        log.warning(
+            "%d connection(s) refused (503 server_busy) in the last %g s: the cap of %d open "
+            "connections (--max-connections) was reached",
+            count,
+            ACCEPT_LOG_INTERVAL_S,
+            self.limits.max_connections,
+        )
+
+    def _emit_stalled(self, count: int) -> None:
+        log.info(
+            "%d connection(s) aborted: their client read nothing for %g s (--write-timeout)",
+            count,
+            self.limits.write_timeout_s,
+        )
+
+    def close(self) -> None:
+        self.refused.close()
+        self.stalled.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection, in front of aiohttp's protocol (``inner``) once served."""
+
+    def __init__(self, gate: ConnectionGate) -> None:
+        self.gate = gate
+        self.kind = ""
+        self.inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self._head = b""  # a probe candidate's first bytes
+        self._timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # the output buffered when the current stall check began
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.kind = self.gate.admit()
+        if self.kind == "served":
+            self._serve(b"")
+        elif self.kind == "probe":
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self.gate.limits.header_timeout_s, transport.close)
+        else:
+            self._refuse()
+
+    def _serve(self, data: bytes) -> None:
+        self.inner = self.gate.server()
+        self.inner.connection_made(self.transport)
+        if data:
+            self.inner.data_received(data)
+
+    def _refuse(self) -> None:
+        assert self.transport is not None
+        self.transport.write(BUSY_RESPONSE)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+        elif self.kind == "probe" and self.transport is not None and not self.transport.is_closing():
+            self._head += data
+            line, found, _ = self._head.partition(b"\n")
+            if not found and len(self._head) <= _REQUEST_LINE_MAX:
+                return
+            self._cancel_timer()
+            if found and is_probe(line.rstrip(b"\r")):
+                self._serve(self._head)
+            else:
+                self._refuse()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self.gate.release(self.kind)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The transport's buffer is over its high-water mark: the client is not keeping up.
+        assert self.inner is not None and self.transport is not None
+        self._unsent = self.transport.get_write_buffer_size()
+        self._arm(self._check_stall)
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._cancel_timer()
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def _arm(self, callback: Callable[[], None]) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(self.gate.limits.write_timeout_s, callback)
+
+    def _check_stall(self) -> None:
+        """A write-timeout after a pause: abort unless some output went out meanwhile."""
+        self._timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:
+            self._unsent = unsent
+            self._arm(self._check_stall)
+            return
+        self.gate.stalled.hit()
+        self.transport.abort()  # connection_lost cancels the handler, which aborts its requests
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+@dataclass
+class FrontDoor:
+    """The app served on already bound, listening sockets through a :class:`ConnectionGate`,
+    with aiohttp's keep-alive timer as the header timeout and accept errors throttled."""
+
+    runner: web.AppRunner
+    gate: ConnectionGate
+    servers: list[asyncio.base_events.Server]
+    accept_errors: AcceptErrorLog
+
+    @classmethod
+    async def open(
+        cls, app: web.Application, sockets: Sequence, limits: Limits, *, shutdown_timeout_s: float = 2.0
+    ) -> FrontDoor:
+        """Start ``app`` (its on_startup runs) and serve it on ``sockets``."""
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout_s,
+            # Closes a connection that has no complete request head this long after it opened
+            # or after its last response (aiohttp's idle timer; trickled bytes do not reset it).
+            keepalive_timeout=limits.header_timeout_s,
+        )
+        await runner.setup()
+        loop = asyncio.get_running_loop()
+        gate = ConnectionGate(runner.server, limits)
+        accept_errors = AcceptErrorLog(loop)
+        servers = [await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG) for sock in sockets]
+        return cls(runner=runner, gate=gate, servers=servers, accept_errors=accept_errors)
+
+    async def close(self) -> None:
+        """Stop listening, then stop the app (in-flight handlers get ``shutdown_timeout_s``)."""
+        for server in self.servers:
+            server.close()
+        try:
+            await self.runner.cleanup()
+        finally:
+            self.gate.close()
+            self.accept_errors.close()

@@ -1,0 +1,246 @@
+"""The front door against slow and hostile clients, in-process: the production app behind
+``FrontDoor`` (as the CLI serves it) on a real 127.0.0.1 socket, with small limits, and raw
+sockets for the clients that do not play fair.
+
+- a request head that is not complete within ``--header-timeout`` closes the connection,
+  bytes trickled in or not, on the first request and on a keep-alive one;
+- past ``--max-connections`` a connection gets 503 ``server_busy`` at once, while probes
+  (``GET /health``) are still served from a small reserve;
+- a client that stops reading a stream is cut off after ``--write-timeout`` and its engine
+  requests are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from loraserve.runtime.engine.factory import build_engine
+from loraserve.runtime.lora.sources import SourceSettings
+from loraserve.runtime.server import STATE, build_app, wait_until_ready
+from loraserve.runtime.server.limits import PROBE_RESERVE, FrontDoor, Limits
+
+from .conftest import make_config
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LIMITS = Limits(header_timeout_s=2.0, body_timeout_s=2.0, write_timeout_s=2.0, max_connections=6)
+SLACK_S = 4.0  # scheduling slack on a loaded machine, on top of a bound
+
+
+@dataclass
+class Door:
+    app: web.Application
+    door: FrontDoor
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+    async def quiet(self) -> None:
+        """Wait until no client connection is open (earlier tests' are closed by the timeouts)."""
+        for _ in range(200):
+            if self.door.gate.served == 0 and self.door.gate.probing == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"connections still open: {self.door.gate.served} + {self.door.gate.probing}")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def door(assets, tmp_path_factory) -> AsyncIterator[Door]:
+    cfg = make_config(assets)
+    tmp = tmp_path_factory.mktemp("slow-clients")
+    app = build_app(
+        cfg,
+        lambda metrics: build_engine(cfg, observer=metrics),
+        sources=SourceSettings(cache_dir=tmp / "cache", pvc_root=tmp / "pvc"),
+        drain_timeout_s=2.0,
+    )
+    sock = socket.socket()
+    # Accepted sockets inherit a small send buffer: a client that stops reading fills it
+    # after kilobytes, not the megabytes loopback would otherwise buffer.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    front = await FrontDoor.open(app, [sock], LIMITS)
+    try:
+        await wait_until_ready(app)
+        yield Door(app=app, door=front, port=sock.getsockname()[1])
+    finally:
+        await front.close()
+
+
+async def _closed_after(reader: asyncio.StreamReader, bound_s: float) -> float:
+    """Seconds until the server closes the connection (everything it sent is read and
+    dropped); fails if it is still open ``bound_s`` + slack from now."""
+    start = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        while await asyncio.wait_for(reader.read(65536), bound_s + SLACK_S):
+            pass
+    return time.monotonic() - start
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
+    """One response: status line, headers (lower-case names), body (by Content-Length)."""
+    raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+    status, *lines = raw.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines if x)}
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))), 10.0)
+    return status.encode(), headers, body
+
+
+async def test_idle_connection_closed(door):
+    reader, writer = await door.connect()
+    try:
+        took = await _closed_after(reader, LIMITS.header_timeout_s)
+    finally:
+        writer.close()
+    assert took >= LIMITS.header_timeout_s - 0.5, took
+
+
+async def test_trickled_head_closed(door):
+    """A byte every 0.2 s never completes the head: the connection closes at the bound."""
+    reader, writer = await door.connect()
+
+    async def trickle() -> None:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await asyncio.sleep(0.2)
+                writer.write(b"X")
+                await writer.drain()
+
+    task = asyncio.create_task(trickle())
+    try:
+        took = await _closed_after(reader, LIMITS.header_timeout_s)
+    finally:
+        task.cancel()
+        writer.close()
+    assert took < LIMITS.header_timeout_s + SLACK_S, took
+
+
+async def test_keepalive_head_closed(door):
+    """After a full request and its answer, a second head left half-sent is closed too."""
+    reader, writer = await door.connect()
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        writer.write(b"GET /health HTTP/1.1\r\nHo")
+        took = await _closed_after(reader, LIMITS.header_timeout_s)
+    finally:
+        writer.close()
+    assert took < LIMITS.header_timeout_s + SLACK_S, took
+
+
+async def test_past_the_cap_503_and_probes_served(door):
+    await door.quiet()
+    held = [await door.connect() for _ in range(LIMITS.max_connections)]
+    extra: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(100):
+            if door.door.gate.served == LIMITS.max_connections:
+                break
+            await asyncio.sleep(0.02)
+        # A request past the cap: 503 server_busy with Retry-After, then closed.
+        reader, writer = await door.connect()
+        extra.append(writer)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        status, headers, body = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 503"), status
+        assert json.loads(body)["error"]["code"] == "server_busy", body
+        assert int(headers["retry-after"]) >= 1 and headers["connection"].lower() == "close", headers
+        # A kubelet probe past the cap is still answered, from the reserve.
+        reader, writer = await door.connect()
+        extra.append(writer)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, _, _ = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        # The reserve is bounded too: once it is held, everything past the cap is refused.
+        for _ in range(PROBE_RESERVE):
+            extra.append((await door.connect())[1])
+        for _ in range(100):
+            if door.door.gate.probing == PROBE_RESERVE:
+                break
+            await asyncio.sleep(0.02)
+        reader, writer = await door.connect()
+        extra.append(writer)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 503"), status
+    finally:
+        for _, writer in held:
+            writer.close()
+        for writer in extra:
+            writer.close()
+    await door.quiet()
+    async with aiohttp.ClientSession() as session, session.get(door.url + "/health") as resp:
+        assert resp.status == 200
+
+
+async def _aborted(door: Door) -> float:
+    """``vllm:request_success_total`` of finish reason ``abort``, from ``/metrics``."""
+    async with aiohttp.ClientSession() as session, session.get(door.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line
+    )
+
+
+async def test_unread_stream_cut_and_aborted(door, caplog):
+    """A client that sends a streaming request and never reads: once the socket buffers are
+    full, the server waits ``--write-timeout`` for progress, then aborts the connection and
+    the engine aborts its requests (before: the handler waited forever, holding the slots)."""
+    await door.quiet()
+    aborted_before = await _aborted(door)
+    body = {"prompt": "x = [", "max_tokens": 900, "n": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    payload = json.dumps(body).encode()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", door.port))
+    await loop.sock_sendall(
+        sock,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload,
+    )
+    state = door.app[STATE]
+    caplog.set_level(logging.INFO, logger="loraserve.server")
+    try:
+        first = await asyncio.wait_for(loop.sock_recv(sock, 64), 30)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        # From here on the client reads nothing.
+        deadline = time.monotonic() + 120
+        while not state.engine.snapshot.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert door.door.gate.served == 1 and state.engine.snapshot.num_running == body["n"]
+        while door.door.gate.served and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert door.door.gate.served == 0, "the connection was never cut"
+        while state.engine.snapshot.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert state.engine.snapshot.num_running == 0
+    finally:
+        sock.close()
+    aborted = await _aborted(door) - aborted_before
+    assert aborted == body["n"], aborted
+    assert "read nothing for 2 s (--write-timeout)" in caplog.text
