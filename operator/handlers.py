@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 ERROR_BACKOFF_S = (1.0, 60.0)
 CATALOG_RETRY_S = 2.0
-"""A pod that did not take the catalog push is tried again this soon."""
+"""A pod that did not take the catalog push (a starting pod still loading its model among
+them) is tried again this soon: a new pod turns Ready within about this long of its load."""
 CATALOG_WAIT_S, CATALOG_POLL_S = 10.0, 0.2
 """A deleted Adapter's finalizer first waits this long (polling) for its pods' catalogs to
 drop it, so the usual deletion needs no retry (kopf logs each retry as an error)."""
@@ -199,7 +200,7 @@ async def serve_daemon(
         wake_in = None
         if outcome.catalog is not None:
             sync = await _push_catalog(ctx, body, _serve_pods(runtime_pods, namespace, name), outcome.catalog)
-            if sync.failed:
+            if sync.again_soon:
                 wake_in = CATALOG_RETRY_S
         changed_spec = ctx.synced_generation.get(key) != generation
         ctx.synced_generation[key] = generation

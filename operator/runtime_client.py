@@ -99,7 +99,7 @@ class PodModels:
 @dataclass(frozen=True)
 class CatalogState:
     """One entry of a pod's ``GET /v1/lora_catalog`` listing: what the pod's catalog says of
-    an adapter and its state there."""
+    an adapter and its state there. Keys an older runtime does not send read as None / ()."""
 
     name: str
     state: str
@@ -108,6 +108,20 @@ class CatalogState:
     draft_sha256: str | None = None
     draft_state: str | None = None
     """loaded | absent, for an entry with a draft adapter (None otherwise)."""
+    source: str | None = None
+    sha256: str | None = None
+    version: str | None = None
+    """The short id of this entry's identity (source, sha256, draft source and sha256)."""
+    serving_versions: tuple[str, ...] = ()
+    """Versions the pod serves: the one new requests get first, then old ones still draining."""
+    loading_for_s: float | None = None
+    waiting_on: str | None = None
+    """While state is loading: how long the load has run and what it waits on."""
+    message: str | None = None
+
+    def identity(self) -> tuple[str | None, str | None, str | None, str | None]:
+        """What the entry's version is computed from."""
+        return (self.source, self.sha256, self.draft_source, self.draft_sha256)
 
 
 @dataclass(frozen=True)
@@ -117,14 +131,28 @@ class PodCatalog:
     digest: str | None
     ready: bool
     adapters: Mapping[str, CatalogState] = field(default_factory=dict)
+    confirmed: bool | None = None
+    """The operator's push has reached the pod since it started (or it does not need one);
+    None from a runtime that does not say."""
 
 
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _seconds(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _texts(value: object) -> tuple[str, ...]:
+    return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
+
+
 def parse_catalog_listing(answer: Mapping) -> PodCatalog:
-    """``GET /v1/lora_catalog``'s answer: the digest, readiness and each entry's state."""
+    """``GET /v1/lora_catalog``'s answer: the digest, readiness, confirmation and each entry's
+    state and versions (keys of the wrong type read as absent)."""
     entries: dict[str, CatalogState] = {}
     for item in answer.get("adapters") or []:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -132,13 +160,23 @@ def parse_catalog_listing(answer: Mapping) -> PodCatalog:
         entries[item["name"]] = CatalogState(
             name=item["name"],
             state=_text(item.get("state")) or "registered",
+            source=_text(item.get("source")),
+            sha256=_text(item.get("sha256")),
             draft_source=_text(item.get("draft_source")),
             draft_sha256=_text(item.get("draft_sha256")),
             draft_state=_text(item.get("draft_state")),
+            version=_text(item.get("version")),
+            serving_versions=_texts(item.get("serving_versions")),
+            loading_for_s=_seconds(item.get("loading_for_s")),
+            waiting_on=_text(item.get("waiting_on")),
+            message=_text(item.get("message")),
         )
-    digest = answer.get("digest")
+    digest, confirmed = answer.get("digest"), answer.get("confirmed")
     return PodCatalog(
-        digest=digest if isinstance(digest, str) else None, ready=bool(answer.get("ready")), adapters=entries
+        digest=digest if isinstance(digest, str) else None,
+        ready=bool(answer.get("ready")),
+        adapters=entries,
+        confirmed=confirmed if isinstance(confirmed, bool) else None,
     )
 
 

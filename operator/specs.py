@@ -585,6 +585,10 @@ class AdapterPodStatus(_Spec):
     pod_ip: str | None = Field(default=None, alias="podIP")
     state: AdapterPodState
     draft: DraftPodState | None = None
+    version: str | None = Field(default=None, max_length=64)
+    """The version this pod serves new requests with."""
+    draining_versions: list[str] | None = Field(default=None, max_length=16)
+    """Older versions it still serves to requests begun before the change."""
     message: str | None = None
     time: str | None = None
 
@@ -603,6 +607,8 @@ class AdapterStatus(_Spec):
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
     rank: int | None = None
     target_modules: list[str] | None = Field(default=None, max_length=len(LORA_MODULES))
+    version: str | None = Field(default=None, max_length=64)
+    """The current spec's version; Ready once every targeted pod serves it."""
     pods: list[AdapterPodStatus] = Field(default_factory=list, max_length=1024)
     loaded_replicas: int | None = None
     registered_replicas: int | None = None

@@ -7,11 +7,12 @@ to the stored one and writes nothing.
 
 from __future__ import annotations
 
+import collections
 import datetime
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .reconcile.adapter_state import PodState, PodTrack, summarise
+from .reconcile.adapter_state import PodState, PodTrack, PodVersion, lagging, summarise
 from .reconcile.diff import replace_patch
 from .specs import AdapterPhase, ConditionType, EffectiveSpeculative, LoRAServePhase
 
@@ -230,23 +231,56 @@ class AdapterFindings:
     others: Sequence[PodTrack] = ()
     """Pods that do not keep the adapter warm (placement): they load it on demand."""
     accept_length: float | None = None
+    version: str | None = None
+    """The version of the spec, as the pods that list it compute it (None: none lists it yet)."""
+    versions: Mapping[str, PodVersion] = field(default_factory=dict)
+    """Which versions each pod serves (pods whose runtime lists versions)."""
+    progress: Mapping[str, str] = field(default_factory=dict)
+    """Pods loading the adapter now: what the load waits on, in words."""
 
 
-def pods_status(tracks: Iterable[PodTrack]) -> list[dict]:
-    """The per-pod list of an Adapter's status, sorted by pod name."""
+def pods_status(
+    tracks: Iterable[PodTrack],
+    versions: Mapping[str, PodVersion] | None = None,
+    progress: Mapping[str, str] | None = None,
+) -> list[dict]:
+    """The per-pod list of an Adapter's status, sorted by pod name: state, the version it
+    serves and the ones still draining, and what a load in progress waits on."""
     out = []
     for track in sorted(tracks, key=lambda t: t.pod):
+        known = (versions or {}).get(track.pod)
         entry = {
             "pod": track.pod,
             "podIP": track.pod_ip or None,
             "state": track.state.value,
             "draft": track.draft.value if track.draft is not None else None,
+            "version": known.serving if known is not None else None,
+            "drainingVersions": list(known.draining) if known is not None and known.draining else None,
             "time": iso(track.since),
         }
-        if track.message:
-            entry["message"] = clip(track.message)
+        message = (progress or {}).get(track.pod) or track.message
+        if message:
+            entry["message"] = clip(message)
         out.append({k: v for k, v in entry.items() if v is not None})
     return out
+
+
+def _versions_message(findings: AdapterFindings, behind: Mapping[str, str]) -> str:
+    """``2 of 3 pods serve version abc, 1 still serves def``."""
+    total = len(findings.tracks)
+    olds = collections.Counter(behind.values())
+    still = ", ".join(
+        f"{n} still serve{'s' if n == 1 else ''} {version}" for version, n in sorted(olds.items())
+    )
+    current = f"version {findings.version}" if findings.version else "the spec's version (no pod lists it yet)"
+    return f"{total - len(behind)} of {total} pods serve {current}, {still}"
+
+
+def _progress_message(findings: AdapterFindings) -> str:
+    """``; pod-b: loading ... waiting on ...`` for the pods loading now (empty: none)."""
+    targeted = {t.pod for t in findings.tracks}
+    lines = [f"{pod}: {text}" for pod, text in sorted(findings.progress.items()) if pod in targeted]
+    return "".join(f"; {line}" for line in lines)
 
 
 def adapter_phase(findings: AdapterFindings) -> tuple[AdapterPhase, str, str]:
@@ -264,6 +298,10 @@ def adapter_phase(findings: AdapterFindings) -> tuple[AdapterPhase, str, str]:
     failed = [t for t in findings.tracks if t.state is PodState.FAILED]
     total = len(findings.tracks)
     on_demand = len(findings.others)
+    behind = lagging(findings.tracks, findings.versions)
+    if phase is AdapterPhase.READY and behind:
+        # Ready only once every targeted pod serves the spec's version (old ones may drain).
+        return AdapterPhase.LOADING, "VersionRolling", _versions_message(findings, behind)
     if phase is AdapterPhase.READY:
         if on_demand:
             return phase, "Loaded", f"kept loaded on {loaded}/{total} placed pods; {on_demand} more load it on demand"
@@ -272,7 +310,9 @@ def adapter_phase(findings: AdapterFindings) -> tuple[AdapterPhase, str, str]:
         first = failed[0]
         message = f"failed on {len(failed)}/{total} pods ({first.pod}: {first.message})"
         return phase, "LoadFailed", message
-    return phase, "Loading", f"loaded on {loaded}/{total} pods"
+    rolling = f"; {_versions_message(findings, behind)}" if behind else ""
+    reason = "VersionRolling" if behind else "Loading"
+    return phase, reason, f"loaded on {loaded}/{total} pods{_progress_message(findings)}{rolling}"
 
 
 def adapter_status(findings: AdapterFindings, previous: Mapping | None, *, now: str) -> dict:
@@ -305,7 +345,8 @@ def adapter_status(findings: AdapterFindings, previous: Mapping | None, *, now: 
         "observedGeneration": gen,
         "phase": phase.value,
         "conditions": conds,
-        "pods": pods_status([*findings.tracks, *findings.others]),
+        "version": findings.version,
+        "pods": pods_status([*findings.tracks, *findings.others], findings.versions, findings.progress),
         "loadedReplicas": sum(t.state is PodState.LOADED for t in [*findings.tracks, *findings.others]),
         "registeredReplicas": sum(t.state is PodState.REGISTERED for t in findings.others),
         "acceptLength": findings.accept_length,

@@ -68,9 +68,7 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _spec_settings(
-    model: type[BaseModel], attrs: tuple[str, ...], crd: str
-) -> typing.Iterator[SpecSetting]:
+def _spec_settings(model: type[BaseModel], attrs: tuple[str, ...], crd: str) -> typing.Iterator[SpecSetting]:
     for name, info in model.model_fields.items():
         here, crd_here = (*attrs, name), f"{crd}.{info.alias or name}"
         marker = next((m for m in info.metadata if isinstance(m, Sets)), None)
@@ -183,6 +181,16 @@ def pod_path(source: str, storage: StorageSpec, *, revision: str | None = None) 
     return posixpath.join(root, parts.scheme, parts.netloc, parts.path.lstrip("/"))
 
 
+def public_source(source: str) -> str:
+    """``source`` as anyone may read it (a status, an Event): a URI without its user,
+    password, query or fragment (where presigned URLs and tokens live); a path as it is."""
+    if "://" not in source:
+        return source
+    parts = urlsplit(source)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
 def source_problem(field: str, source: str) -> str | None:
     """Why ``source`` (of ``field``) has no safe path in a pod: it leaves its volume."""
     problem = source_path_problem(source)
@@ -288,6 +296,9 @@ def _place_in_pod(spec: LoRAServeSpec, config: RuntimeConfig) -> None:
     config.model.served_name = served_name(spec)
     config.speculative.draft_model_path = draft_path
     config.lora.catalog = CATALOG_FILE
+    # Not Ready until the operator's push: the ConfigMap volume lags behind Adapters created
+    # while the pod started (the flag is written only with LoRA on, like every lora field).
+    config.lora.catalog_confirm = True
     server = config.server
     server.port = RUNTIME_PORT
     if not spec.storage.adapters.read_only:
@@ -302,7 +313,13 @@ def allowed_local_roots(
     and adapters volumes, the adapter cache, and a model or draft given as an absolute path
     outside them (a directory of the image)."""
     roots: list[str] = []
-    for path in (spec.storage.models.mount_path, spec.storage.adapters.mount_path, cache_dir, model_path, draft_path):
+    for path in (
+        spec.storage.models.mount_path,
+        spec.storage.adapters.mount_path,
+        cache_dir,
+        model_path,
+        draft_path,
+    ):
         if not path or not path.startswith("/"):
             continue  # an unmounted pvc:// URI, reported elsewhere
         path = posixpath.normpath(path)
@@ -322,7 +339,9 @@ def adapter_declaration(name: str, spec: AdapterSpec) -> AdapterDeclaration:
         if spec.draft is None
         else DraftAdapterDeclaration(
             rank=spec.draft.rank,
-            target_modules=tuple(spec.draft.target_modules) if spec.draft.target_modules is not None else None,
+            target_modules=tuple(spec.draft.target_modules)
+            if spec.draft.target_modules is not None
+            else None,
         ),
     )
 

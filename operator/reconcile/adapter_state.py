@@ -66,6 +66,31 @@ class LoadOutcome:
     ok: bool
     message: str = ""
     transient: bool = True
+    retry_in: float | None = None
+    """A transient refusal that is no failure (the pod is busy with the adapter): try again
+    this soon, without spending one of the retry policy's tries."""
+
+
+@dataclass(frozen=True)
+class PodVersion:
+    """Which versions of an adapter one pod serves, from its catalog listing."""
+
+    listed: str
+    """The version of the pod's catalog entry for the adapter."""
+    current: bool
+    """That entry is the Adapter's spec (else the pod's catalog is older than the spec)."""
+    serving: str | None = None
+    """The version new requests get on this pod (None: none loaded; it loads on demand)."""
+    draining: tuple[str, ...] = ()
+    """Older versions still finishing their requests."""
+
+    @property
+    def old(self) -> str | None:
+        """The version this pod still serves in place of the spec's, or None when it has
+        caught up (or holds no version at all)."""
+        if not self.current:
+            return self.serving or self.listed
+        return self.serving if self.serving not in (None, self.listed) else None
 
 
 def new_track(pod: str, pod_ip: str, pod_uid: str, *, generation: int | None, wall: float) -> PodTrack:
@@ -100,6 +125,9 @@ def after_load(
     """Apply a load result; ``now`` is monotonic time (for the retry clock), ``wall`` is for status."""
     if outcome.ok:
         return _moved(track, PodState.LOADED, "", wall, failed_tries=0, next_try_at=None)
+    if outcome.retry_in is not None:
+        message = f"retrying in {outcome.retry_in:g} s: {outcome.message}"
+        return _moved(track, PodState.PENDING, message, wall, next_try_at=now + outcome.retry_in)
     if not outcome.transient:
         return _moved(track, PodState.FAILED, outcome.message, wall, next_try_at=None)
     tries = track.failed_tries + 1
@@ -180,3 +208,13 @@ def summarise(tracks: Iterable[PodTrack]) -> AdapterPhase:
     if PodState.FAILED in states and PodState.LOADING not in states and PodState.PENDING not in states:
         return AdapterPhase.DEGRADED
     return AdapterPhase.LOADING
+
+
+def lagging(tracks: Iterable[PodTrack], versions: Mapping[str, PodVersion]) -> dict[str, str]:
+    """Targeted pods that still serve an older version than the spec's: pod -> that version."""
+    out = {}
+    for track in tracks:
+        known = versions.get(track.pod)
+        if known is not None and known.old is not None:
+            out[track.pod] = known.old
+    return out

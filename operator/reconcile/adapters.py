@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import desired as ds
-from ..runtime_client import LoadedAdapter, PodCatalog, PodModels, RuntimeCallError
+from ..runtime_client import CatalogState, LoadedAdapter, PodCatalog, PodModels, RuntimeCallError
 from ..specs import (
     AdapterSpec,
     DraftPodState,
@@ -37,7 +38,7 @@ from ..specs import (
     parse_loraserve_spec,
 )
 from ..status import AdapterFindings, adapter_status, iso, status_patch
-from ..translate import source_problem
+from ..translate import public_source, source_problem
 from . import adapter_state as st
 from .context import OperatorContext
 from .kube import ADAPTERS, LORASERVES, SECRETS, KubeError
@@ -274,6 +275,8 @@ class _Pass:
     now: float
     wall: float
     outcome: AdapterOutcome = field(default_factory=AdapterOutcome)
+    versions: Versions = field(default_factory=lambda: Versions())
+    """What the pods' listings said of the adapter's versions and loads, last read."""
 
     async def report(self, findings: AdapterFindings) -> None:
         """Write the status ``findings`` make, when it changed; an Adapter gone meanwhile is noted."""
@@ -318,6 +321,52 @@ class _Observed:
         return {p.name: p for p in self.usable}
 
 
+@dataclass(frozen=True)
+class Versions:
+    """The spec's version and what each pod serves and is loading, from the pods' listings."""
+
+    version: str | None = None
+    pods: Mapping[str, st.PodVersion] = field(default_factory=dict)
+    progress: Mapping[str, str] = field(default_factory=dict)
+
+
+def identity(wanted_path: str, spec: AdapterSpec, draft: Draft | None) -> tuple:
+    """The catalog identity of the Adapter's spec, as a pod's listing states its entry's
+    (source and draft in the pod, as the serve's catalog writes them)."""
+    return (wanted_path, spec.sha256, draft[0] if draft else None, draft[1] if draft else None)
+
+
+def read_versions(listings: Mapping[str, PodCatalog], name: str, wanted: tuple, source: str) -> Versions:
+    """Each listing pod's versions of ``name`` against the spec's identity ``wanted``, and
+    what loads in progress wait on (``source`` as the public may see it)."""
+    version, pods, progress = None, {}, {}
+    for pod, listing in listings.items():
+        entry = listing.adapters.get(name)
+        if entry is None:
+            continue
+        if entry.state == "loading" and (entry.waiting_on or entry.loading_for_s is not None):
+            progress[pod] = loading_words(source, entry)
+        if entry.version is None:
+            continue  # a runtime that does not list versions: judged by its tracks alone
+        current = entry.identity() == wanted
+        version = entry.version if current else version
+        serving = entry.serving_versions
+        pods[pod] = st.PodVersion(
+            listed=entry.version,
+            current=current,
+            serving=serving[0] if serving else None,
+            draining=serving[1:],
+        )
+    return Versions(version, pods, progress)
+
+
+def loading_words(source: str, entry: CatalogState) -> str:
+    """``loading <source> for 12.3 s, waiting on <what>``."""
+    took = f" for {entry.loading_for_s:g} s" if entry.loading_for_s is not None else ""
+    waits = f", waiting on {entry.waiting_on}" if entry.waiting_on else ""
+    return f"loading {source}{took}{waits}"
+
+
 @dataclass
 class _Diff:
     """Each targeted pod's track after observing it, and what the pass must do about it."""
@@ -330,6 +379,8 @@ class _Diff:
     """What a pod says about the file (rank, modules)."""
     drafts: dict[str, DraftPodState] = field(default_factory=dict)
     """What this pass learned of each pod's draft adapter."""
+    loaded_now: list[str] = field(default_factory=list)
+    """Pods this pass's loads succeeded on: their listings are read again for the status."""
 
 
 async def _read_wanted(
@@ -390,12 +441,16 @@ async def _observe(
         memory.restored = True
     token = await read_token(run.ctx, run.namespace, spec.serve, wanted.serve_spec)
     held, unreachable = await observe_pods(run.ctx, usable, token)
-    # Only an Adapter with a draft adapter needs the listings (the draft's state is there).
+    # The listings say which versions each pod serves, what a load waits on, and the draft
+    # adapter's state: read every pass.
     answering = [p for p in usable if p.name in held]
-    listings = await observe_catalogs(run.ctx, answering, token) if wanted.draft else {}
+    listings = await observe_catalogs(run.ctx, answering, token)
     if memory.warnings_generation != run.generation:
         memory.warnings = _restored_warnings(body.get("status"), run.generation, memory.warnings_generation)
         memory.warnings_generation = run.generation
+    run.versions = read_versions(
+        listings, run.name, identity(wanted.lora_path, spec, wanted.draft), public_source(spec.source)
+    )
     return _Observed(usable, token, held, unreachable, listings, _targets(run.name, spec, usable, held))
 
 
@@ -440,8 +495,7 @@ def _observed_track(
         if track.state is not st.PodState.FAILED:
             track = dataclasses.replace(track, message=f"pod not answering: {observed.unreachable[pod]}")
     elif loaded is not None and source_differs(loaded, (wanted.lora_path, spec.source), spec.sha256):
-        diff.reload.add(pod)
-        track = _load_again(track)
+        track = _new_version(run, diff, pod, track)
     elif (
         loaded is not None
         and draft
@@ -464,6 +518,28 @@ def _observed_track(
     else:
         track = st.observed_missing(track, run.wall)
     return track
+
+
+def _new_version(run: _Pass, diff: _Diff, pod: str, track: st.PodTrack) -> st.PodTrack:
+    """``track`` of a pod that holds another version than the spec's.
+
+    A pod that lists versions rolls in place: once its catalog has the spec's entry, a load
+    brings the new version in beside the old (requests in flight finish on the old one), so
+    nothing is unloaded first; until the catalog push reaches it, it is left alone. A pod
+    that lists no versions (an older runtime) unloads the old version, then loads the new.
+    """
+    known = run.versions.pods.get(pod)
+    if known is None:
+        diff.reload.add(pod)
+        return _load_again(track)
+    if not known.current:
+        if track.state is st.PodState.FAILED:
+            return track
+        message = f"serves version {known.old}; waiting for the serve's catalog push of the new one"
+        return dataclasses.replace(
+            track, state=st.PodState.PENDING, message=message, next_try_at=run.now + DRAINING_RETRY_S
+        )
+    return _load_again(track)
 
 
 def _load_again(track: st.PodTrack) -> st.PodTrack:
@@ -493,9 +569,12 @@ async def _load_due(
     # The Loading report and the loads go out together: a load often takes less time
     # than a status write.
     reporting = asyncio.ensure_future(
-        run.report(_findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory))
+        run.report(
+            _findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory, run.versions)
+        )
     )
-    results = await asyncio.gather(
+    watching = asyncio.ensure_future(_watch_loads(run, memory, observed, wanted, diff, due))
+    loads = asyncio.gather(
         *(
             _load(
                 run.ctx,
@@ -510,12 +589,44 @@ async def _load_due(
             for pod in due
         )
     )
+    try:
+        results = await loads
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
     await reporting
     if run.outcome.gone:
         return
     run.now, run.wall = time.monotonic(), time.time()
     for pod, result in zip(due, results, strict=True):
         _record_load(run, memory, wanted, diff, pod, *result)
+
+
+LOADING_POLL_S = 2.0
+"""While loads are in flight or a pod reports one in progress, the pods' listings are read
+this often, so the status names what a slow load waits on within seconds."""
+
+
+async def _watch_loads(
+    run: _Pass, memory: AdapterMemory, observed: _Observed, wanted: _Wanted, diff: _Diff, pods: Sequence[str]
+) -> None:
+    """While the loads to ``pods`` are in flight: every :data:`LOADING_POLL_S`, read those
+    pods' listings and report what each load waits on (a load can take up to its timeout)."""
+    by_name = observed.by_name
+    loading = [by_name[pod] for pod in pods]
+    source = public_source(wanted.spec.source)
+    wanted_identity = identity(wanted.lora_path, wanted.spec, wanted.draft)
+    while True:
+        await asyncio.sleep(LOADING_POLL_S)
+        listings = await observe_catalogs(run.ctx, loading, observed.token)
+        fresh = read_versions(listings, run.name, wanted_identity, source)
+        run.versions = dataclasses.replace(run.versions, progress=fresh.progress)
+        await run.report(
+            _findings(
+                run.generation, diff.tracks, observed.usable, wanted.spec, diff.seen, memory, run.versions
+            )
+        )
 
 
 def _record_load(
@@ -538,6 +649,8 @@ def _record_load(
     if result.ok and info is not None and (why := declaration_mismatch(wanted.spec, info)):
         diff.refuse[pod] = why
         return
+    if result.ok:
+        diff.loaded_now.append(pod)
     if result.ok and info is not None:
         diff.seen = diff.seen or info
         memory.warnings[pod] = info.warnings
@@ -586,10 +699,45 @@ async def _report_pass(
     for counter in (run.ctx.counters.loads, run.ctx.counters.unloads):
         for key in [k for k in counter if k[0] == run.namespace and k[2] == run.name and k[1] not in live]:
             del counter[key]  # pods that are gone: keep the counters bounded
-    await run.report(
-        _findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory, others)
-    )
+    status = await _report_versions(run, memory, observed, wanted, diff, tracks, others)
     run.outcome.wake_in = st.next_wakeup(tracks.values(), time.monotonic())
+    if status.get("phase") == st.AdapterPhase.LOADING.value:
+        # Loading (or rolling to a new version): look again within seconds, not at the resync.
+        wake_in = run.outcome.wake_in
+        run.outcome.wake_in = LOADING_POLL_S if wake_in is None else min(wake_in, LOADING_POLL_S)
+
+
+async def _report_versions(
+    run: _Pass,
+    memory: AdapterMemory,
+    observed: _Observed,
+    wanted: _Wanted,
+    diff: _Diff,
+    tracks: Mapping[str, st.PodTrack],
+    others: Sequence[st.PodTrack],
+) -> Mapping:
+    """Report the pass's status, with the versions read after this pass's loads."""
+    if diff.loaded_now:
+        listings = await observe_catalogs(
+            run.ctx, [observed.by_name[p] for p in diff.loaded_now], observed.token
+        )
+        fresh = read_versions(
+            listings,
+            run.name,
+            identity(wanted.lora_path, wanted.spec, wanted.draft),
+            public_source(wanted.spec.source),
+        )
+        run.versions = Versions(
+            fresh.version or run.versions.version,
+            {**run.versions.pods, **fresh.pods},
+            {**{p: w for p, w in run.versions.progress.items() if p not in listings}, **fresh.progress},
+        )
+    await run.report(
+        _findings(
+            run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory, run.versions, others
+        )
+    )
+    return run.outcome.status
 
 
 def with_draft(track: st.PodTrack, draft: Draft | None, learned: DraftPodState | None) -> st.PodTrack:
@@ -718,6 +866,7 @@ def _findings(
     spec: AdapterSpec,
     seen: LoadedAdapter | None,
     memory: AdapterMemory,
+    versions: Versions,
     others: Sequence[st.PodTrack] = (),
 ) -> AdapterFindings:
     """Status inputs; rank and target modules are the file's (as a pod read it) when known."""
@@ -735,6 +884,9 @@ def _findings(
         others=tuple(others),
         warnings=tuple(dict.fromkeys(w for ws in memory.warnings.values() for w in ws)),
         accept_length=memory.accept_length,
+        version=versions.version,
+        versions=versions.pods,
+        progress=versions.progress,
     )
 
 
@@ -769,8 +921,27 @@ async def _load(
                 name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True, draft=draft
             )
     except RuntimeCallError as exc:
-        return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient), None, exc.draft_fault
+        return load_failure(exc, pinned=spec.pinned), None, exc.draft_fault
     return st.LoadOutcome(ok=True), info, False
+
+
+DRAINING_RETRY_S = 1.0
+"""A pod still finishing requests on the adapter's previous version is asked again this soon
+(its tries are not spent: draining lasts as long as the longest stream)."""
+
+
+def load_failure(exc: RuntimeCallError, *, pinned: bool) -> st.LoadOutcome:
+    """How a refused load is retried: soon while the pod drains the previous version; never
+    when a pinned load finds no GPU slot (retrying cannot make one); else by its status."""
+    if exc.code == "adapter_draining":
+        return st.LoadOutcome(ok=False, message=exc.message, transient=True, retry_in=DRAINING_RETRY_S)
+    if exc.code == "adapter_capacity" and pinned:
+        message = (
+            f"{exc.message} (spec.pinned: a pinned adapter keeps a GPU slot, and the pods have none left; "
+            "fix: unpin an Adapter of the serve, or raise its spec.lora.maxLorasPerBatch)"
+        )
+        return st.LoadOutcome(ok=False, message=message, transient=False)
+    return st.LoadOutcome(ok=False, message=exc.message, transient=exc.transient)
 
 
 async def serve_token(ctx: OperatorContext, namespace: str, serve_name: str) -> str | None:

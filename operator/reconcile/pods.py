@@ -21,11 +21,24 @@ class PodView:
     port: int
     ready: bool
     terminating: bool
+    running: bool = True
+    """The pod's phase is Running (its containers started; the runtime may be loading its model)."""
 
     @property
     def usable(self) -> bool:
         """Ready, addressed, and not on its way out: it can load adapters."""
         return self.ready and bool(self.ip) and not self.terminating
+
+    @property
+    def pushable(self) -> bool:
+        """Running, addressed and not on its way out, Ready or not: it may take the catalog.
+        A runtime started with ``--catalog-confirm`` turns Ready only after that push."""
+        return self.running and bool(self.ip) and not self.terminating
+
+    @property
+    def starting(self) -> bool:
+        """Pushable but not Ready yet: the serve's pass looks at it again within seconds."""
+        return self.pushable and not self.ready
 
     @property
     def url(self) -> str:
@@ -41,9 +54,9 @@ def pod_view(body: Mapping) -> PodView | None:
     if not serve:
         return None
     status = body.get("status") or {}
-    ready = (
-        any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        and status.get("phase", "Running") == "Running"
+    running = status.get("phase", "Running") == "Running"
+    ready = running and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
     return PodView(
         name=str(meta.get("name")),
@@ -54,4 +67,5 @@ def pod_view(body: Mapping) -> PodView | None:
         port=runtime_port(body),
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
+        running=running,
     )

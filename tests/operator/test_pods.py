@@ -53,3 +53,17 @@ def test_long_serve_names_are_read_from_the_annotation() -> None:
     pod["metadata"]["labels"] = {ds.SERVE_LABEL: ds.label_value(name)}
     pod["metadata"]["annotations"] = {ds.SERVE_NAME_ANNOTATION: name}
     assert pod_view(pod).serve == name
+
+
+def test_a_running_pod_that_is_not_ready_yet_takes_the_catalog() -> None:
+    """--catalog-confirm: the pod turns Ready only after the operator's push, so the push
+    must reach pods that are running and addressed but not Ready."""
+    loading = pod_view(_pod(conditions=[{"type": "Ready", "status": "False"}]))
+    assert loading.pushable and loading.starting and not loading.usable
+    ready = pod_view(_pod())
+    assert ready.pushable and not ready.starting
+    assert not pod_view(_pod(phase="Pending", conditions=[])).pushable
+    assert not pod_view(_pod(podIP=None, conditions=[])).pushable
+    terminating = _pod(conditions=[])
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not pod_view(terminating).pushable

@@ -1,4 +1,4 @@
-"""The runtime admin client: what counts as the adapter's fault, and reading /v1/models."""
+"""The runtime admin client: what counts as the adapter's fault, reading /v1/models and the catalog."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from loraserve.operator.runtime_client import (
     RuntimeClient,
     classify_status,
     error_message,
+    parse_catalog_listing,
     parse_models,
 )
 
@@ -84,3 +85,35 @@ async def test_a_pod_that_does_not_listen_is_a_transient_failure() -> None:
                 await client.models()
     assert info.value.transient and info.value.status is None
     assert f"127.0.0.1:{port}" in str(info.value)
+
+
+def test_catalog_listing_reads_versions_and_progress() -> None:
+    listing = parse_catalog_listing(
+        {
+            "digest": "d1",
+            "ready": True,
+            "confirmed": False,
+            "adapters": [
+                {
+                    "name": "sql",
+                    "source": "/adapters/sql-v2",
+                    "sha256": "ab" * 32,
+                    "state": "loading",
+                    "version": "v2",
+                    "serving_versions": ["v1", 7, "v0"],
+                    "loading_for_s": 12.5,
+                    "waiting_on": "the source's first byte",
+                },
+                {"name": "old", "state": "loaded", "loading_for_s": True, "version": 3},
+            ],
+        }
+    )
+    assert listing.confirmed is False and listing.digest == "d1"
+    sql = listing.adapters["sql"]
+    assert sql.identity() == ("/adapters/sql-v2", "ab" * 32, None, None)
+    assert (sql.version, sql.serving_versions) == ("v2", ("v1", "v0"))
+    assert (sql.loading_for_s, sql.waiting_on) == (12.5, "the source's first byte")
+    # An older runtime's listing (or a wrong type): the new keys read as absent.
+    old = listing.adapters["old"]
+    assert (old.version, old.serving_versions, old.loading_for_s, old.waiting_on) == (None, (), None, None)
+    assert parse_catalog_listing({"digest": "d", "ready": True}).confirmed is None
