@@ -485,16 +485,29 @@ class Engine:
         self._live[req.rid] = req
         self._enqueue(req)
 
-    def _constraint(self, params: SamplingParams) -> Constraint | None:
-        """A fresh matcher for a structured-output request (compiled grammars are cached)."""
-        if params.structured is None:
-            return None
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """The structured-output compiler (built on first use, bounded by the server's
+        structured_* settings); :class:`SamplingParamsError` when the model has no tokenizer."""
         if self._constraints is None:
             hf = getattr(self.tokenizer, "hf", None)
             if hf is None or self.vocab_size is None:
                 raise SamplingParamsError("response_format", "structured output needs the model's tokenizer")
-            self._constraints = ConstraintCompiler(hf, self.vocab_size, sorted(self.eos_token_ids))
-        return self._constraints.constraint(params.structured)
+            with self._cv:  # one compiler (and one worker pool) per engine
+                if self._constraints is None:
+                    self._constraints = ConstraintCompiler(
+                        hf,
+                        self.vocab_size,
+                        sorted(self.eos_token_ids),
+                        max_bytes=self.config.server.structured_max_bytes,
+                        timeout_s=self.config.server.structured_compile_timeout_s,
+                    )
+        return self._constraints
+
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh matcher for a structured-output request (compiled grammars are cached)."""
+        if params.structured is None:
+            return None
+        return self.constraint_compiler().constraint(params.structured)
 
     def _slots_pinned_against(self, adapter: str) -> bool:
         """Pinned adapters hold every GPU slot, so ``adapter`` can never get one."""
