@@ -135,6 +135,23 @@ def test_adaptive_with_lora_follows_the_one_capability_flag():
     assert ("lora-adaptive" in policy.check_config(c).rules()) == expected
 
 
+def test_adaptive_runs_only_where_the_image_varies_the_width():
+    """One rule for the webhook and the decoder: adaptive is refused with any algorithm, LoRA
+    or not, until the image's flag says it runs; the fixes never lead to another refusal."""
+    for lora in (True, False):
+        c = config(A.EAGLE, lora=lora, speculative__adaptive=True)
+        assert "adaptive-unavailable" in rules(c, EVERYTHING)
+        assert "adaptive-unavailable" not in rules(c, dataclasses.replace(EVERYTHING, adaptive_speculation=True))
+    assert "adaptive-unavailable" not in rules(config(A.NONE, speculative__adaptive=True), EVERYTHING)
+    assert "adaptive-unavailable" not in rules(config(A.EAGLE, speculative__adaptive=False), EVERYTHING)
+    both = config(A.NGRAM, speculative__adaptive=True, cuda_graph__enabled=True)
+    fixes = {v.rule: v.fix for v in policy.check_config(both, EVERYTHING).violations}
+    assert "lora.enabled" not in fixes["lora-adaptive"] and "cuda_graph.enabled" not in fixes["cuda-graph-adaptive"]
+    varies = dataclasses.replace(EVERYTHING, adaptive_speculation=True)
+    fixes = {v.rule: v.fix for v in policy.check_config(both, varies).violations}
+    assert "lora.enabled" in fixes["lora-adaptive"] and "cuda_graph.enabled" in fixes["cuda-graph-adaptive"]
+
+
 @pytest.mark.parametrize(
     ("rule", "field", "value"),
     [
