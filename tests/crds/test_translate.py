@@ -354,3 +354,16 @@ def test_cel_rules_and_policy_agree_on_their_shared_rules(kit):
         assert by_cel == by_policy, raw
         seen |= by_cel
     assert seen == set(TWINS.values()), "the sample never exercised some rules"
+
+
+def test_lora_serves_wait_for_the_operators_catalog_push():
+    """--catalog-confirm with LoRA on: a pod is not Ready until the operator pushed its
+    catalog (the ConfigMap volume lags behind Adapters created while it started)."""
+    from loraserve.operator.desired import runtime_args
+
+    def args(enabled: bool) -> list[str]:
+        spec = specs.parse_loraserve_spec({"model": {"source": "/m"}, "lora": {"enabled": enabled}})
+        return runtime_args(translate.to_runtime_config(spec))
+
+    assert "--catalog-confirm" in args(True)
+    assert not any("catalog" in a for a in args(False))
