@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import desired as ds
@@ -573,7 +573,6 @@ async def _load_due(
             _findings(run.generation, tracks, observed.usable, wanted.spec, diff.seen, memory, run.versions)
         )
     )
-    watching = asyncio.ensure_future(_watch_loads(run, memory, observed, wanted, diff, due))
     loads = asyncio.gather(
         *(
             _load(
@@ -589,12 +588,7 @@ async def _load_due(
             for pod in due
         )
     )
-    try:
-        results = await loads
-    finally:
-        watching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watching
+    results = await _watched(run, memory, observed, wanted, diff, due, loads)
     await reporting
     if run.outcome.gone:
         return
@@ -606,6 +600,28 @@ async def _load_due(
 LOADING_POLL_S = 2.0
 """While loads are in flight or a pod reports one in progress, the pods' listings are read
 this often, so the status names what a slow load waits on within seconds."""
+
+
+async def _watched(
+    run: _Pass,
+    memory: AdapterMemory,
+    observed: _Observed,
+    wanted: _Wanted,
+    diff: _Diff,
+    pods: Sequence[str],
+    loads: Awaitable[list],
+) -> list:
+    """``loads``' results, reporting what they wait on meanwhile (:func:`_watch_loads`)."""
+    watching = asyncio.ensure_future(_watch_loads(run, memory, observed, wanted, diff, pods))
+    try:
+        return await loads
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            try:
+                await watching
+            except KubeError as exc:  # a progress report is best effort: the pass reports again
+                logger.info("progress report of %s/%s failed: %s", run.namespace, run.name, exc)
 
 
 async def _watch_loads(
