@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..engine import Engine, EngineError, Request, RequestOutput, SpecStats
 from ..engine.request import PromptLogprobs, TopLogprobs
 from ..sampling import SamplingParams, SamplingParamsError
+from ..sampling.structured import ConstraintBusyError
 from .errors import ApiError
 from .schemas import MAX_REQUEST_TOKENS
 
@@ -67,7 +68,10 @@ class Generation:
         adapter: str | None,
         id_prefix: str,
         prompt_param: str,
+        max_tokens_param: str = "max_tokens",
     ) -> None:
+        """``prompt_param`` / ``max_tokens_param``: the fields errors about the prompt and
+        the token limit name (as the client sent them)."""
         self.engine = engine
         self.id = new_request_id(id_prefix)
         self.created = int(time.time())
@@ -77,6 +81,7 @@ class Generation:
         self._open: set[int] = set()
         self.choices: list[ChoiceState] = []
         self.prompt_param = prompt_param
+        self.max_tokens_param = max_tokens_param
         self.n = n
         index = 0
         for prompt in prompts:
@@ -107,15 +112,15 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         try:
+            await self._compile_constraint()
             for req in self._requests:
                 if req.params.structured is not None:
-                    # Compiling a new grammar (and, once, the vocabulary's tables) takes tens to
-                    # hundreds of ms: off the event loop, which serves every other stream.
+                    # Compiled above (a cache hit now), but a matcher is still built: off the loop.
                     await asyncio.to_thread(self.engine.prepare, req, prompt_param=self.prompt_param)
                 else:
                     self.engine.prepare(req, prompt_param=self.prompt_param)
         except EngineError as exc:
-            raise ApiError.from_request_error(exc.error) from None
+            raise self._named(ApiError.from_request_error(exc.error)) from None
         except SamplingParamsError as exc:
             raise _params_error(exc) from None
         self._check_total_tokens()
@@ -128,11 +133,26 @@ class Generation:
             # running: __aexit__ does not run when __aenter__ raises.
             self._abort_open()
             if isinstance(exc, EngineError):
-                raise ApiError.from_request_error(exc.error) from None
+                raise self._named(ApiError.from_request_error(exc.error)) from None
             if isinstance(exc, SamplingParamsError):
                 raise _params_error(exc) from None
             raise
         return self
+
+    async def _compile_constraint(self) -> None:
+        """Compile the call's constraint (one for all its choices) in a worker process,
+        bounded in size and time; a client that leaves cancels this wait, and with it the
+        compile unless another request waits for the same one."""
+        spec = self._requests[0].params.structured if self._requests else None
+        compiler = getattr(self.engine, "constraint_compiler", None)
+        if spec is None or compiler is None:
+            return
+        try:
+            await compiler().compile_async(spec)
+        except ConstraintBusyError as exc:
+            raise ApiError(
+                503, str(exc), param=exc.field, code="server_busy", headers={"Retry-After": "1"}
+            ) from None
 
     def _check_total_tokens(self) -> None:
         """Prompts × n × max_tokens (as resolved: a chat without max_tokens may run to the
@@ -142,13 +162,22 @@ class Generation:
         if total > bound:
             choices = len(self._requests)
             per = max(r.max_new_tokens for r in self._requests)
-            raise ApiError(
-                400,
-                f"prompts × n × max_tokens asks for {total} tokens ({choices} choices × up to {per} tokens): at "
-                f"most {bound} per request; lower max_tokens or n, or split the prompts across requests",
-                param="max_tokens",
-                code="too_many_tokens",
+            raise self._named(
+                ApiError(
+                    400,
+                    f"prompts × n × max_tokens asks for {total} tokens ({choices} choices × up to {per} tokens): at "
+                    f"most {bound} per request; lower max_tokens or n, or split the prompts across requests",
+                    param="max_tokens",
+                    code="too_many_tokens",
+                )
             )
+
+    def _named(self, err: ApiError) -> ApiError:
+        """``err`` naming the token-limit field the client sent (``max_completion_tokens``)."""
+        if err.param == "max_tokens" and self.max_tokens_param != "max_tokens":
+            err.param = self.max_tokens_param
+            err.message = err.message.replace("max_tokens", self.max_tokens_param)
+        return err
 
     async def __aexit__(self, *exc_info) -> None:
         self._abort_open()

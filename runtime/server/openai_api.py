@@ -292,6 +292,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             adapter=adapter,
             id_prefix="chatcmpl",
             prompt_param="messages",
+            max_tokens_param=req.max_tokens_field,
         ) as gen,
     ):
         if req.stream:

@@ -27,6 +27,7 @@ from ..sampling.params import (
     PENALTY_RANGE,
     StructuredOutput,
 )
+from ..sampling.structured_limits import MAX_ENUM_VALUES
 from ..tokenizer import ChatMessage
 from .errors import ApiError, invalid
 
@@ -488,6 +489,12 @@ def _choice_regex(value: object, param: str) -> str:
         raise invalid(
             f"{param} must be a non-empty array of non-empty strings", param=param, code="invalid_type"
         )
+    if len(value) > MAX_ENUM_VALUES:
+        raise invalid(
+            f"{param} has {len(value)} choices; at most {MAX_ENUM_VALUES}: send fewer, or a guided_regex",
+            param=param,
+            code="invalid_value",
+        )
     return "(" + "|".join(regex_literal(c) for c in value) + ")"
 
 
@@ -580,7 +587,7 @@ def get_structured(body: dict) -> tuple[str, StructuredOutput] | None:
     if body.get("response_format") is not None:
         fmt = _from_response_format(body["response_format"])
         if fmt is not None:
-            found.append(("response_format", fmt))
+            found.append(("response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format", fmt))
     for name, reader in _GUIDED.items():
         if body.get(name) is not None:
             found.append((name, reader(body[name], name)))
@@ -610,6 +617,9 @@ class GenerationRequest:
     constraint_field: str | None = None
     """The field that carried ``params.structured``: the engine names every constraint it
     cannot compile ``response_format``; the API names the field the client sent."""
+    max_tokens_field: str = "max_tokens"
+    """The field that carried ``params.max_tokens`` (chat's ``max_completion_tokens`` or its
+    older ``max_tokens``): errors about the limit name it."""
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -771,6 +781,8 @@ def parse_chat(body: dict) -> ChatRequest:
         # OpenAI's rule: top_logprobs is only read with logprobs: true.
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     common = _common(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top or 0)
+    if body.get("max_completion_tokens") is not None:
+        common.max_tokens_field = "max_completion_tokens"
     common.ignored = tuple(ignored_fields(body, CHAT_FIELDS, REFUSED_COMMON | REFUSED_CHAT))
     _log_ignored(list(common.ignored), "/v1/chat/completions")
     return ChatRequest(**common.__dict__, messages=messages)
@@ -888,10 +900,16 @@ def _draft_source(body: dict) -> DraftSource | None:
     return DraftSource(*_adapter_source(draft, "draft."))
 
 
+def _nested_str(body: dict, key: str, prefix: str, *, required: bool = False) -> str | None:
+    """:func:`get_str` of ``body[key]`` where ``body`` sits at ``prefix`` in the request:
+    its errors name ``prefix + key`` (``draft.lora_path``)."""
+    return get_str({prefix + key: body.get(key)}, prefix + key, required=required)
+
+
 def _adapter_source(body: dict, prefix: str) -> tuple[str, str | None]:
     """``lora_path`` and ``sha256`` of a load body (or its ``draft``), checked."""
     param = f"{prefix}lora_path"
-    path = get_str(body, "lora_path", required=True) or ""
+    path = _nested_str(body, "lora_path", prefix, required=True) or ""
     if not path.strip():
         raise invalid(f"{param} must not be empty", param=param, code="invalid_value")
     if len(path) > MAX_LORA_PATH_CHARS:
@@ -908,7 +926,7 @@ def _adapter_source(body: dict, prefix: str) -> tuple[str, str | None]:
             param=param,
             code="invalid_value",
         )
-    sha = get_str(body, "sha256")
+    sha = _nested_str(body, "sha256", prefix)
     if sha is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
         raise invalid(
             f"{prefix}sha256 must be 64 hexadecimal characters", param=f"{prefix}sha256", code="invalid_value"

@@ -528,7 +528,7 @@ async def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(se
         },
     )
     assert status == 400, out
-    assert out["error"]["param"] == "response_format"
+    assert out["error"]["param"] == "response_format.json_schema.schema"
     status, out = await server.post(
         "/v1/completions", {"prompt": "x", "max_tokens": 5, "guided_regex": "([unclosed"}
     )
