@@ -584,6 +584,7 @@ async def _load_due(
                 wanted.spec,
                 wanted.draft,
                 unload_first=pod in diff.reload,
+                in_place=pod in run.versions.pods,
             )
             for pod in due
         )
@@ -916,9 +917,11 @@ async def _load(
     draft: Draft | None,
     *,
     unload_first: bool,
+    in_place: bool = False,
 ) -> tuple[st.LoadOutcome, LoadedAdapter | None, bool]:
     """Load ``name`` on ``pod`` (with its draft adapter): the outcome, what the pod read, and
-    whether a failure was the draft adapter's."""
+    whether a failure was the draft adapter's. ``in_place``: the pod lists versions, so its
+    catalog decides what the name means and a conflict waits for the serve's push."""
     client = ctx.runtime(pod, token)
     try:
         if unload_first:
@@ -928,6 +931,10 @@ async def _load(
                 name, path, sha256=spec.sha256, pinned=spec.pinned, warm=True, draft=draft
             )
         except RuntimeCallError as exc:
+            if exc.code == "adapter_conflict" and in_place:
+                # Never unload under traffic: the push of the new entry rolls the version.
+                why = f"the pod's catalog names other weights; waiting for the serve's catalog push ({exc.message})"
+                return st.LoadOutcome(ok=False, message=why, retry_in=DRAINING_RETRY_S), None, False
             if exc.code != "adapter_conflict" or unload_first:
                 raise
             # The pod holds the name from another source or with another draft adapter (its

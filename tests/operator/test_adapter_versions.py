@@ -275,6 +275,17 @@ async def test_a_version_draining_is_retried_soon_not_backed_off(ctx, pods):
     assert memory.tracks["pod-0"].failed_tries == 0  # draining spends no try
 
 
+async def test_a_conflict_on_a_versioned_pod_waits_for_the_push_and_never_unloads(ctx, pods):
+    await _objects(ctx)
+    fakes, views = await pods(1)
+    fakes[0].catalog = {"sql": dict(V2)}
+    fakes[0].refuse = (409, "adapter_conflict")
+    outcome = await _pass(ctx, AdapterMemory(), views)
+    (pod,) = outcome.status["pods"]
+    assert pod["state"] == "Pending" and "waiting for the serve's catalog push" in pod["message"]
+    assert "unload" not in fakes[0].calls
+
+
 async def test_a_pinned_load_without_a_slot_fails_at_once_with_the_fix(ctx, pods):
     await _objects(ctx, pinned=True)
     fakes, views = await pods(1)
