@@ -358,7 +358,7 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         "client limits: %d connections, header %g s, body %g s, write %g s, body %d bytes",
         limits.max_connections,
         limits.header_timeout_s,
-        limits.body_timeout_s,
+        cfg.server.body_timeout_s,
         limits.write_timeout_s,
         cfg.server.max_body_bytes,
     )

@@ -12,9 +12,11 @@ Each limit and its default (the flags are the configuration's, ``ServerConfig``)
   long (a client that stops reading) is aborted; its handler is cancelled, which aborts its
   engine requests and frees their batch slots.
 - ``--max-connections`` (0: derived, :func:`derived_max_connections`): open client
-  connections at most. Past it a connection is answered 503 ``server_busy`` with
-  ``Retry-After`` and closed at once, except that up to :data:`PROBE_RESERVE` more are read
-  for a ``GET /health`` or ``/ready`` (kubelet probes), which are served.
+  connections at most. At the cap a new connection takes the place of the one idle longest
+  (no request in flight for :data:`EVICT_IDLE_S`: a slow-loris head, a parked keep-alive),
+  which is closed; when every connection is busy, up to :data:`PROBE_RESERVE` more are read
+  for a ``GET /health`` or ``/ready`` (kubelet probes), which are served, and the rest are
+  answered 503 ``server_busy`` with ``Retry-After`` and closed at once.
 - ``--max-body-bytes`` (4 MiB): ``Expect: 100-continue`` with a larger ``Content-Length``
   gets 413 without ``100 Continue`` (:func:`expect_handler`).
 - Accept errors (``EMFILE`` ...) are logged at most once per :data:`ACCEPT_LOG_INTERVAL_S`
@@ -31,6 +33,7 @@ import errno
 import json
 import logging
 import resource
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +57,10 @@ PROBE_PATHS = (b"/health", b"/ready")
 
 ACCEPT_LOG_INTERVAL_S = 10.0
 """Accept errors are logged at most once per this many seconds, with their count."""
+
+EVICT_IDLE_S = 1.0
+"""At the connection cap, a connection with no request in flight for this long may be closed
+to admit a new one (a client sends its request head at once; a slow-loris does not)."""
 
 BUSY_RETRY_AFTER_S = 1
 """``Retry-After`` on a connection refused past the cap."""
@@ -99,7 +106,6 @@ class Limits:
     """The front door's limits, resolved (``max_connections`` is never 0)."""
 
     header_timeout_s: float
-    body_timeout_s: float
     write_timeout_s: float
     max_connections: int
 
@@ -107,7 +113,6 @@ class Limits:
     def from_config(cls, server: ServerConfig, soft_limit: int | None = None) -> Limits:
         return cls(
             header_timeout_s=server.header_timeout_s,
-            body_timeout_s=server.body_timeout_s,
             write_timeout_s=server.write_timeout_s,
             max_connections=connection_cap(server.max_connections, soft_limit),
         )
@@ -139,11 +144,13 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
 
 @dataclass
 class _Cutoff:
-    """The handlers in flight, and whether the drain's end has cancelled them."""
+    """The handlers in flight, whether the drain's end has cancelled them, and the gate
+    that learns which connections are busy (set by :class:`FrontDoor`)."""
 
     tasks: set[asyncio.Task] = field(default_factory=set)
     cancelled: set[asyncio.Task] = field(default_factory=set)
     started: set[asyncio.Task] = field(default_factory=set)  # those whose response has begun
+    gate: ConnectionGate | None = None
     fired: bool = False
 
 
@@ -153,12 +160,14 @@ _CUTOFF = web.AppKey("loraserve_cutoff", _Cutoff)
 @web.middleware
 async def cutoff_middleware(request: web.Request, handler):
     """A handler cancelled by :func:`cut_off` before its response started answers 503
-    ``shutting_down`` (the drain's own answer) instead of leaving the client without one."""
+    ``shutting_down`` (the drain's own answer) instead of leaving the client without one.
+    Its connection counts as busy meanwhile (never closed to admit another)."""
     cutoff = request.app[_CUTOFF]
     me = asyncio.current_task()
     if me is None:
         return await handler(request)
     cutoff.tasks.add(me)
+    conn = cutoff.gate.busy(request.transport) if cutoff.gate is not None else None
     try:
         return await handler(request)
     except asyncio.CancelledError:
@@ -170,6 +179,8 @@ async def cutoff_middleware(request: web.Request, handler):
         cutoff.tasks.discard(me)
         cutoff.cancelled.discard(me)
         cutoff.started.discard(me)
+        if conn is not None:
+            conn.done()
 
 
 def _shutting_down(request: web.Request) -> web.Response:
@@ -317,17 +328,24 @@ def is_probe(request_line: bytes) -> bool:
 
 
 class ConnectionGate:
-    """The listeners' protocol factory: a connection within ``max_connections`` is served by
-    aiohttp's handler (``server()``); past it, up to :data:`PROBE_RESERVE` are read for a
-    probe and the rest answered :data:`BUSY_RESPONSE` and closed. Served connections whose
-    output stalls for ``write_timeout_s`` are aborted."""
+    """The listeners' protocol factory. A connection within ``max_connections`` is served by
+    aiohttp's handler (``server()``). At the cap, the connection idle longest (no request in
+    flight for :data:`EVICT_IDLE_S` at least: a half-sent head, a parked keep-alive) is
+    closed to admit the new one, so idle connections cannot crowd out requests; failing
+    that, up to :data:`PROBE_RESERVE` more are read for a probe and the rest answered
+    :data:`BUSY_RESPONSE` and closed. Served connections whose output stalls for
+    ``write_timeout_s`` are aborted."""
 
     def __init__(self, server: Callable[[], asyncio.Protocol], limits: Limits) -> None:
         self.server = server
         self.limits = limits
         self.served = 0
         self.probing = 0
+        # Served connections with no request in flight, oldest first, and since when.
+        self._idle: OrderedDict[_Connection, float] = OrderedDict()
+        self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
         self.refused = ThrottledLog(self._emit_refused)
+        self.evicted = ThrottledLog(self._emit_evicted)
         self.stalled = ThrottledLog(self._emit_stalled)
 
     def __call__(self) -> asyncio.Protocol:
@@ -335,6 +353,8 @@ class ConnectionGate:
 
     def admit(self) -> str:
         """``"served"``, ``"probe"`` or ``"refused"``: what a new connection gets."""
+        if self.served >= self.limits.max_connections:
+            self._evict_idle()
         if self.served < self.limits.max_connections:
             self.served += 1
             return "served"
@@ -344,15 +364,62 @@ class ConnectionGate:
         self.refused.hit()
         return "refused"
 
-    def release(self, kind: str) -> None:
-        if kind == "served":
+    def _evict_idle(self) -> None:
+        if not self._idle:
+            return
+        conn, since = next(iter(self._idle.items()))
+        if asyncio.get_running_loop().time() - since < EVICT_IDLE_S:
+            return
+        self._forget(conn)
+        conn.kind = "evicted"  # no longer counted: the new connection takes its place
+        self.served -= 1
+        self.evicted.hit()
+        if conn.transport is not None:
+            conn.transport.close()
+
+    def serving(self, conn: _Connection) -> None:
+        """``conn`` is served and waits for its first request."""
+        self._by_transport[conn.transport] = conn  # type: ignore[index]
+        self._idle[conn] = asyncio.get_running_loop().time()
+
+    def busy(self, transport: asyncio.BaseTransport | None) -> _Connection | None:
+        """A request's handler runs on ``transport``'s connection: not idle until ``done``."""
+        conn = self._by_transport.get(transport) if transport is not None else None
+        if conn is not None:
+            conn.requests += 1
+            self._idle.pop(conn, None)
+        return conn
+
+    def done(self, conn: _Connection) -> None:
+        conn.requests -= 1
+        if conn.requests == 0 and conn.transport in self._by_transport:
+            self._idle[conn] = asyncio.get_running_loop().time()
+
+    def lost(self, conn: _Connection) -> None:
+        """``conn`` has closed: its place is free."""
+        if conn.kind == "served":
             self.served -= 1
-        elif kind == "probe":
+        elif conn.kind == "probe":
             self.probing -= 1
+        self._forget(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self._idle.pop(conn, None)
+        if self._by_transport.get(conn.transport) is conn:  # type: ignore[arg-type]
+            del self._by_transport[conn.transport]  # type: ignore[arg-type]
 
     def _emit_refused(self, count: int) -> None:
         log.warning(
             "%d connection(s) refused (503 server_busy) in the last %g s: the cap of %d open "
+            "connections (--max-connections) was reached",
+            count,
+            ACCEPT_LOG_INTERVAL_S,
+            self.limits.max_connections,
+        )
+
+    def _emit_evicted(self, count: int) -> None:
+        log.warning(
+            "%d idle connection(s) closed in the last %g s to admit new ones: the cap of %d open "
             "connections (--max-connections) was reached",
             count,
             ACCEPT_LOG_INTERVAL_S,
@@ -367,8 +434,8 @@ class ConnectionGate:
         )
 
     def close(self) -> None:
-        self.refused.close()
-        self.stalled.close()
+        for throttled in (self.refused, self.evicted, self.stalled):
+            throttled.close()
 
 
 class _Connection(asyncio.Protocol):
@@ -377,6 +444,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, gate: ConnectionGate) -> None:
         self.gate = gate
         self.kind = ""
+        self.requests = 0  # handlers running on this connection
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self._head = b""  # a probe candidate's first bytes
@@ -387,12 +455,17 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.kind = self.gate.admit()
         if self.kind == "served":
+            self.gate.serving(self)
             self._serve(b"")
         elif self.kind == "probe":
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(self.gate.limits.header_timeout_s, transport.close)
         else:
             self._refuse()
+
+    def done(self) -> None:
+        """A request's handler on this connection has ended."""
+        self.gate.done(self)
 
     def _serve(self, data: bytes) -> None:
         self.inner = self.gate.server()
@@ -424,7 +497,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
-        self.gate.release(self.kind)
+        self.gate.lost(self)
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
@@ -490,6 +563,7 @@ class FrontDoor:
         await runner.setup()
         loop = asyncio.get_running_loop()
         gate = ConnectionGate(runner.server, limits)
+        app[_CUTOFF].gate = gate  # handlers mark their connection busy
         accept_errors = AcceptErrorLog(loop)
         servers = [await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG) for sock in sockets]
         return cls(runner=runner, gate=gate, servers=servers, accept_errors=accept_errors)

@@ -4,8 +4,9 @@ sockets for the clients that do not play fair.
 
 - a request head that is not complete within ``--header-timeout`` closes the connection,
   bytes trickled in or not, on the first request and on a keep-alive one;
-- past ``--max-connections`` a connection gets 503 ``server_busy`` at once, while probes
-  (``GET /health``) are still served from a small reserve;
+- at ``--max-connections`` a new connection takes the place of the one idle longest; when
+  all are busy it gets 503 ``server_busy`` at once, while probes (``GET /health``) are still
+  served from a small reserve;
 - a client that stops reading a stream is cut off after ``--write-timeout`` and its engine
   requests are aborted.
 """
@@ -29,13 +30,13 @@ from aiohttp import web
 from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
-from loraserve.runtime.server.limits import PROBE_RESERVE, FrontDoor, Limits
+from loraserve.runtime.server.limits import EVICT_IDLE_S, PROBE_RESERVE, FrontDoor, Limits
 
 from .conftest import make_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-LIMITS = Limits(header_timeout_s=2.0, body_timeout_s=2.0, write_timeout_s=2.0, max_connections=6)
+LIMITS = Limits(header_timeout_s=2.0, write_timeout_s=2.0, max_connections=6)
 SLACK_S = 4.0  # scheduling slack on a loaded machine, on top of a bound
 
 
@@ -148,16 +149,49 @@ async def test_keepalive_head_closed(door):
     assert took < LIMITS.header_timeout_s + SLACK_S, took
 
 
-async def test_past_the_cap_503_and_probes_served(door):
+async def _until(check, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_idle_make_way_at_the_cap(door):
+    """At the cap, a new connection takes the place of the one idle longest (a slow-loris
+    cannot crowd out a request)."""
     await door.quiet()
-    held = [await door.connect() for _ in range(LIMITS.max_connections)]
-    extra: list[asyncio.StreamWriter] = []
+    held = []
     try:
-        for _ in range(100):
-            if door.door.gate.served == LIMITS.max_connections:
-                break
-            await asyncio.sleep(0.02)
-        # A request past the cap: 503 server_busy with Retry-After, then closed.
+        for _ in range(LIMITS.max_connections):
+            held.append(await door.connect())
+            await asyncio.sleep(0.05)  # the first is the oldest
+        await _until(lambda: door.door.gate.served == LIMITS.max_connections, "not all accepted")
+        await asyncio.sleep(EVICT_IDLE_S + 0.2)
+        reader, writer = await door.connect()
+        held.append((reader, writer))
+        writer.write(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        assert await _closed_after(held[0][0], 1.0) < 1.0 + SLACK_S
+        assert door.door.gate.served == LIMITS.max_connections
+    finally:
+        for _, writer in held:
+            writer.close()
+
+
+async def test_busy_cap_503_and_probes_served(door):
+    """Every connection busy (bodies withheld): a request past the cap gets 503 server_busy
+    at once; a kubelet probe is still served, from a bounded reserve."""
+    await door.quiet()
+    state = door.app[STATE]
+    held, extra = [], []
+    try:
+        for _ in range(LIMITS.max_connections):
+            reader, writer = await door.connect()
+            held.append(writer)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        await _until(lambda: state.in_flight == LIMITS.max_connections, "not all busy")
+        await asyncio.sleep(EVICT_IDLE_S + 0.2)  # busy ones are never closed for a new one
         reader, writer = await door.connect()
         extra.append(writer)
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
@@ -165,7 +199,6 @@ async def test_past_the_cap_503_and_probes_served(door):
         assert status.startswith(b"HTTP/1.1 503"), status
         assert json.loads(body)["error"]["code"] == "server_busy", body
         assert int(headers["retry-after"]) >= 1 and headers["connection"].lower() == "close", headers
-        # A kubelet probe past the cap is still answered, from the reserve.
         reader, writer = await door.connect()
         extra.append(writer)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -174,19 +207,15 @@ async def test_past_the_cap_503_and_probes_served(door):
         # The reserve is bounded too: once it is held, everything past the cap is refused.
         for _ in range(PROBE_RESERVE):
             extra.append((await door.connect())[1])
-        for _ in range(100):
-            if door.door.gate.probing == PROBE_RESERVE:
-                break
-            await asyncio.sleep(0.02)
+        await _until(lambda: door.door.gate.probing == PROBE_RESERVE, "reserve not held")
         reader, writer = await door.connect()
         extra.append(writer)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         status, _, _ = await _head(reader)
         assert status.startswith(b"HTTP/1.1 503"), status
+        assert state.in_flight == LIMITS.max_connections
     finally:
-        for _, writer in held:
-            writer.close()
-        for writer in extra:
+        for writer in held + extra:
             writer.close()
     await door.quiet()
     async with aiohttp.ClientSession() as session, session.get(door.url + "/health") as resp:
