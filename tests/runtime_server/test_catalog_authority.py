@@ -39,7 +39,9 @@ def _slow_config(assets, tmp_path, entries: list[CatalogEntry], timeout_s: float
 
 
 def _load_tasks(name: str) -> list[asyncio.Task]:
-    return [t for t in asyncio.all_tasks() if t.get_name().startswith(f"load-adapter-{name}@") and not t.done()]
+    return [
+        t for t in asyncio.all_tasks() if t.get_name().startswith(f"load-adapter-{name}@") and not t.done()
+    ]
 
 
 async def test_an_entry_changed_mid_load_never_serves_the_old_weights(assets, tmp_path):
@@ -116,7 +118,9 @@ async def test_admin_loads_of_a_catalogued_name_must_match_the_catalog(server, a
         ):
             status, err = await _admin_load(server, body)
             assert status == 409 and err["error"]["code"] == "adapter_conflict", err
-            assert err["error"]["param"] == "lora_name" and "catalog is the authority" in err["error"]["message"]
+            assert (
+                err["error"]["param"] == "lora_name" and "catalog is the authority" in err["error"]["message"]
+            )
         assert not engine_keys(server, "cat"), "a refused load loads nothing"
         status, loaded = await _admin_load(server, {"lora_name": "cat", "lora_path": str(a)})
         assert status == 200 and loaded["status"] == "loaded" and loaded["warm"] is True, loaded
@@ -153,13 +157,17 @@ async def test_a_miss_rereads_the_catalog_file_until_a_push(assets, tmp_path):
 async def _unready_server(config, tmp_path):
     """The app on a real port, waiting for the engine only (not for ``/ready``)."""
     app = build_app(
-        config, lambda metrics: build_engine(config, observer=metrics), sources=SourceSettings(cache_dir=tmp_path)
+        config,
+        lambda metrics: build_engine(config, observer=metrics),
+        sources=SourceSettings(cache_dir=tmp_path),
     )
     server = TestServer(app)
     await server.start_server()
     session = aiohttp.ClientSession()
     try:
-        await wait_for(lambda: app[STATE].engine is not None and app[STATE].supply.catalog_ready, "the engine")
+        await wait_for(
+            lambda: app[STATE].engine is not None and app[STATE].supply.catalog_ready, "the engine"
+        )
         yield Server(app=app, server=server, session=session, config=config)
     finally:
         await session.close()
@@ -199,7 +207,10 @@ async def test_the_catalog_refuses_control_characters_newlines_and_the_base_name
         ({"name": "n\n", "source": a}, "adapters[0].name"),
         ({"name": "n", "source": a, "sha256": "a" * 64 + "\n"}, "adapters[0].sha256"),
         ({"name": "tiny-base", "source": a}, "adapters[0].name"),
-        ({"name": "n", "source": a, "draft_source": a, "draft_sha256": "b" * 64 + "\n"}, "adapters[0].draft_sha256"),
+        (
+            {"name": "n", "source": a, "draft_source": a, "draft_sha256": "b" * 64 + "\n"},
+            "adapters[0].draft_sha256",
+        ),
     ):
         status, err = await put_catalog(server, [entry])
         assert status == 400 and err["error"]["param"] == field, (entry, err)

@@ -48,7 +48,9 @@ async def test_version_change_under_streaming_load(assets, tmp_path):
                     return
 
         clients = [asyncio.create_task(client()) for _ in range(6)]
-        await wait_for(lambda: srv.engine.snapshot.num_running >= 4 and len(results) >= 6, "streams in flight")
+        await wait_for(
+            lambda: srv.engine.snapshot.num_running >= 4 and len(results) >= 6, "streams in flight"
+        )
         status, change = await put_catalog(srv, [new.to_dict(), {"name": "ref-a", "source": a}])
         assert status == 200 and change["changed"] == ["x"], change
         pushed.set()
