@@ -30,7 +30,12 @@ BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -59,7 +64,7 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -182,6 +187,8 @@ def _model_config(
     if architecture == "qwen2":
         kwargs.pop("head_dim", None)  # Qwen2 derives head_dim from hidden/heads
         return transformers.Qwen2Config(use_sliding_window=False, **kwargs), transformers.Qwen2ForCausalLM
+    if architecture == "qwen3":
+        return transformers.Qwen3Config(use_sliding_window=False, **kwargs), transformers.Qwen3ForCausalLM
     raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
 
 
@@ -209,7 +216,7 @@ def build_tiny_model(
 
     ``dest`` receives config.json, model.safetensors, generation_config.json and tokenizer
     files. ``architecture`` picks the layout: ``llama`` (Llama 2/3), ``mistral`` or
-    ``qwen2`` (q/k/v biases). ``rope_scaling`` takes a transformers rope dict, e.g.
+    ``qwen2`` (q/k/v biases) or ``qwen3`` (per-head q/k norms). ``rope_scaling`` takes a transformers rope dict, e.g.
     ``{"rope_type": "llama3", "factor": 8.0, ...}``. ``tokenizer_from`` copies another
     model directory's tokenizer instead of training one (a draft shares its target's).
     ``initializer_range`` is larger than usual so a random model's logits are spread
@@ -240,11 +247,12 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
-        if architecture == "qwen2":
-            # Zero-initialised biases would leave the bias path untested.
-            for name, param in model.named_parameters():
-                if name.endswith("bias"):
-                    torch.nn.init.normal_(param, std=initializer_range)
+        for name, param in model.named_parameters():
+            # Zero-initialised biases and unit norm weights would leave those paths untested.
+            if architecture == "qwen2" and name.endswith("bias"):
+                torch.nn.init.normal_(param, std=initializer_range)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                torch.nn.init.normal_(param, mean=1.0, std=4 * initializer_range)
     model = model.to(torch_dtype)
     model.save_pretrained(str(dest))
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(str(dest))
@@ -266,6 +274,7 @@ def build_draft_model(
     num_kv_heads: int = 1,
     intermediate_size: int = 64,
     dtype: str = "float32",
+    architecture: str = "llama",
 ) -> Path:
     """A smaller model for speculative decoding with the target's vocabulary and tokenizer."""
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
@@ -281,6 +290,7 @@ def build_draft_model(
         seed=seed,
         dtype=dtype,
         tokenizer_from=target_dir,
+        architecture=architecture,
     )
 
 

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 _DTYPES = {
@@ -57,7 +58,7 @@ class ModelArchConfig:
     """Everything the layers need to know about a model, independent of the tokenizer."""
 
     architecture: str  # e.g. LlamaForCausalLM
-    family: str  # llama | mistral | qwen2
+    family: str  # llama | mistral | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -74,6 +75,7 @@ class ModelArchConfig:
     rope: RopeSpec = field(default_factory=RopeSpec)
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3)
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -178,7 +180,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     if act not in ("silu", "swish"):
         raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
     sliding = raw.get("sliding_window")
-    if family == "qwen2" and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         sliding = None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -204,6 +206,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         rope=rope,
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,
+        qk_norm=family == "qwen3",
         torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype"), torch.float32),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flat batched token rows.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over flat batched token rows.
 
 Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
 Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
@@ -103,6 +103,10 @@ class LlamaAttention(nn.Module):
             q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device, shard=shard, group=group
         )
         self.attn = Attention(heads, kv_heads, arch.head_dim)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+        self.qk_norm = arch.qk_norm
         self.rotary = rotary
         self.q_size, self.kv_size = q_size, kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, arch.head_dim
@@ -113,11 +117,11 @@ class LlamaAttention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q, k = self.rotary(
-            meta.positions,
-            q.reshape(tokens, self.num_heads, self.head_dim),
-            k.reshape(tokens, self.num_kv_heads, self.head_dim),
-        )
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, k_cache, v_cache, meta)
         return self.o_proj(out)
 

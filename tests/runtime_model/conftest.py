@@ -33,6 +33,7 @@ MODEL_KINDS = {
     "qwen2-bias": {"architecture": "qwen2", "seed": 2},
     "llama3-rope": {"rope_scaling": LLAMA3_ROPE, "seed": 3, "num_kv_heads": 1},
     "mistral-window": {"architecture": "mistral", "seed": 4},
+    "qwen3-qknorm": {"architecture": "qwen3", "seed": 5, "head_dim": 32},
 }
 
 ADAPTERS = {
