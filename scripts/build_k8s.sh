@@ -2,7 +2,7 @@
 # Builds the test control plane (etcd, kube-apiserver, kube-controller-manager, kubectl) from
 # the Go module proxy with the ordinary `go` client, at the versions pinned in tools/k8s/go.mod,
 # into .cache/k8s/bin/. Idempotent: does nothing when every binary exists and the stamp (a hash
-# of tools/k8s/go.mod, go.sum and the Go version) matches. Used by `make k8s` (and `make test`).
+# of tools/k8s/go.mod, go.sum, this script and the Go version) matches. Used by `make k8s` (and `make test`).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +16,7 @@ if ! command -v go >/dev/null; then
   exit 1
 fi
 
-want="$(cat "$MOD/go.mod" "$MOD/go.sum" <(go version) | sha256sum | cut -d' ' -f1)"
+want="$(cat "$MOD/go.mod" "$MOD/go.sum" "${BASH_SOURCE[0]}" <(go version) | sha256sum | cut -d' ' -f1)"
 have_all=1
 for b in "${BINARIES[@]}"; do [ -x "$BIN/$b" ] || have_all=0; done
 if [ "$have_all" = 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
@@ -27,7 +27,15 @@ fi
 mkdir -p "$BIN"
 rm -f "$STAMP"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
-flags=(-trimpath -ldflags=-s\ -w)
+# The version the binaries report (helm checks a chart's kubeVersion against it): the pinned one.
+version="$(awk '$1 == "k8s.io/kubernetes" {print $2}' "$MOD/go.mod")"
+[[ "$version" =~ ^v([0-9]+)\.([0-9]+)\. ]] || { echo "build_k8s.sh: no k8s.io/kubernetes version in $MOD/go.mod" >&2; exit 1; }
+ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  ldflags+=" -X $pkg.gitVersion=$version -X $pkg.gitMajor=${BASH_REMATCH[1]} -X $pkg.gitMinor=${BASH_REMATCH[2]}"
+  ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+flags=(-trimpath "-ldflags=$ldflags")
 start=$(date +%s)
 cd "$MOD"
 echo "build_k8s.sh: building ${BINARIES[*]} into $BIN (takes a while on a fresh machine)"
