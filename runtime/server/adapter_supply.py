@@ -1,16 +1,27 @@
 """Adapters on demand: the pod's catalog, loads on first request, warmth and eviction.
 
 Every pod of a serve knows the serve's catalog (``loraserve.runtime.contract.catalog``), read from
-a file at start-up and replaced by the operator's pushes. A request naming a catalogued
-adapter the pod does not hold waits while the pod fetches, verifies and loads it (one load
-per name however many requests wait), then runs; a load that does not finish within
-``lora.load_timeout_s`` answers 503 with ``Retry-After`` and goes on in the background.
+a file at start-up, reread when a request names an adapter the pod does not know (until
+the operator's first push), and replaced by the operator's pushes. A request naming a
+catalogued adapter the pod does not hold waits while the pod fetches, verifies and loads
+it (one load per version however many requests wait), then runs; a load that does not
+finish within ``lora.load_timeout_s`` answers 503 ``adapter_loading`` with ``Retry-After``,
+saying what it waits on, and goes on in the background.
+
+Versions side by side: each loaded version of an adapter lives in the engine under its own
+key (``name@version``, see the catalog module); clients only ever see the name. A request
+resolves the name, when it arrives, to the version current then and holds (leases) that
+version for its whole life. When the catalog gives a name another version, new requests
+get the new one (loaded at once in the background if the old one was loaded here), the old
+one finishes its requests and is freed after the last. One authority per name: a
+catalogued name serves only its entry's weights; a load whose entry changed or left while
+it ran is discarded, and an admin load from other weights is refused (409).
 
 Adapters loaded through the admin API or at start-up are *warm*: never evicted. Adapters
 loaded on demand are not: when the host cache (``lora.max_loaded_loras``) is full, the
 least recently used one that is neither warm nor pinned nor in use is unloaded to make
-room. A request holds a lease on its adapter from the moment it names it until it ends,
-so an adapter is never evicted between its load and its request's admission.
+room. A request's lease keeps its version from eviction from the moment it names it until
+it ends.
 
 A bad adapter (the runtime refuses the files, the source does not exist, the digest does
 not match) fails with the same error the admin API gives, and the failure is remembered
@@ -23,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import inspect
 import logging
 import os
 import re
@@ -53,7 +63,6 @@ from .metrics import Metrics
 log = logging.getLogger("loraserve.server")
 
 RETRY_AFTER_S = 5
-_RESOLVER_TAKES_PROGRESS = "progress" in inspect.signature(resolve_source).parameters
 
 
 @dataclass
@@ -129,6 +138,32 @@ def source_error(exc: SourceError) -> ApiError:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     return ApiError(400, str(exc), param=exc.field, code="invalid_source")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What one load fetches, and the engine key it goes under."""
+
+    name: str
+    source: str
+    sha256: str | None = None
+    draft: tuple[str, str | None] | None = None  # the draft adapter's (source, sha256)
+    rank: int | None = None
+    """The rank the catalog declares; a file of another rank is refused."""
+    from_catalog: bool = False
+    """Made for a catalog entry: discarded if the entry leaves while it runs."""
+
+    @classmethod
+    def of(cls, entry: CatalogEntry) -> LoadSpec:
+        """The load of a catalog entry."""
+        draft = None if entry.draft_source is None else (entry.draft_source, entry.draft_sha256)
+        return cls(entry.name, entry.source, entry.sha256, draft, entry.rank, from_catalog=True)
+
+    @property
+    def key(self) -> str:
+        """The engine key: the name and the version of what it loads (a catalog entry's
+        ``key`` for the same identity)."""
+        return engine_key(self.name, adapter_version(self.source, self.sha256, *(self.draft or (None, None))))
 
 
 class LoadSuperseded(Exception):
@@ -404,19 +439,6 @@ class AdapterSupply:
         finally:
             self._release(key)
 
-    @contextlib.asynccontextmanager
-    async def lease(self, name: str | None) -> AsyncIterator[None]:
-        """Hold ``name``'s current version against eviction for the block."""
-        key = None if name is None else self.wanted_key(name)
-        if key is None:
-            yield
-            return
-        self._acquire(key)
-        try:
-            yield
-        finally:
-            self._release(key)
-
     def _acquire(self, key: str) -> None:
         self._leases[key] += 1
         self._used[key] = time.monotonic()
@@ -461,12 +483,6 @@ class AdapterSupply:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         return key
-
-    async def ensure(self, name: str) -> None:
-        """Return once ``name``'s current version is loaded (loading it if needed), or raise
-        the :class:`ApiError` a client should get."""
-        async with self.serve(name):
-            pass
 
     async def _ready(self, name: str, key: str, deadline: float) -> None:
         """Wait until ``key`` (``name``'s version) is loaded; :class:`LoadSuperseded` when the
@@ -543,18 +559,7 @@ class AdapterSupply:
                 self.records.pop(name, None)
                 raise LoadSuperseded
             try:
-                draft = None if entry.draft_source is None else (entry.draft_source, entry.draft_sha256)
-                await self.load(
-                    name,
-                    entry.source,
-                    sha256=entry.sha256,
-                    pinned=False,
-                    warm=name in self.warm,
-                    draft=draft,
-                    key=key,
-                    rank=entry.rank,
-                    from_catalog=True,
-                )
+                await self._load(LoadSpec.of(entry), pinned=False, warm=name in self.warm)
             except LoadSuperseded:
                 log.info(
                     "discarded the load of adapter %s (version %s): its catalog entry changed", name, key
@@ -595,50 +600,57 @@ class AdapterSupply:
         pinned: bool,
         warm: bool,
         draft: tuple[str, str | None] | None = None,
-        key: str | None = None,
-        rank: int | None = None,
-        from_catalog: bool = False,
     ):
-        """Fetch, verify and load ``name`` from ``source`` under engine key ``key`` (default:
-        the key of that identity), evicting an idle on-demand adapter if the host cache is
-        full, then its draft adapter (``draft``: source, sha256), all or nothing, and make it
-        ``name``'s current version. A load whose name the catalog has meanwhile given
-        another version (or removed) is discarded: :class:`LoadSuperseded`. Returns the
-        engine's info."""
-        self._engine()
-        version = adapter_version(source, sha256, *(draft or (None, None)))
-        key = key or engine_key(name, version)
+        """Fetch, verify and load ``name`` from ``source`` (an admin load), then its draft
+        adapter (``draft``: source, sha256), all or nothing, as ``name``'s current version.
+        Returns the engine's info; :class:`LoadSuperseded` if the catalog meanwhile took
+        the name for other weights."""
+        return await self._load(LoadSpec(name, source, sha256, draft), pinned=pinned, warm=warm)
+
+    async def _load(self, spec: LoadSpec, *, pinned: bool, warm: bool):
+        """Load ``spec`` under its engine key, evicting an idle on-demand adapter if the host
+        cache is full, and publish it as its name's current version unless the catalog has
+        meanwhile given the name another version (or removed it): then it is discarded."""
+        engine = self._engine()
+        key, name = spec.key, spec.name
         owned = key not in self._progress  # an admin load's own progress, dropped after
         progress = self._progress.setdefault(key, LoadProgress(target=name))
         try:
-            return await self._load_key(
-                name, key, source, sha256, progress, pinned, warm, draft, rank, from_catalog
-            )
+            local = await self._resolve_source(spec.source, spec.sha256, progress)
+            progress.enter("loading", name)
         finally:
             if owned:
                 self._progress.pop(key, None)
-
-    async def _load_key(
-        self,
-        name: str,
-        key: str,
-        source: str,
-        sha256: str | None,
-        progress: LoadProgress,
-        pinned: bool,
-        warm: bool,
-        draft: tuple[str, str | None] | None,
-        rank: int | None,
-        from_catalog: bool,
-    ):
-        engine = self._engine()
-        local = await self._resolve_source(source, sha256, progress, name)
-        progress.enter("loading", name)
         fresh = engine.adapter_info(key) is None
-        while True:  # each pass either loads or evicts one idle adapter: it ends
+        info = await self._engine_load(name, key, local, pinned)
+        if spec.draft is not None:
+            await self._load_draft(name, key, *spec.draft, fresh=fresh)
+        if spec.rank is not None and getattr(info, "rank", None) not in (None, spec.rank):
+            if fresh:
+                self._engine_unload(key)
+            raise _rank_error(name, spec.rank, spec.source, info.rank)
+        if not self._still_wanted(spec):
+            if fresh and key not in self._retiring:
+                self._engine_unload(key)
+            raise LoadSuperseded
+        if name in self.records and self.records[name].key != key:
+            self._retire(name)
+        self._retiring.pop(key, None)
+        self.records[name] = AdapterRecord(
+            name, spec.source, spec.sha256, str(local), pinned, int(time.time()), spec.draft, key
+        )
+        self._failed.pop(key, None)
+        self._used[key] = time.monotonic()
+        self.set_warm(name, warm)
+        return info
+
+    async def _engine_load(self, name: str, key: str, local, pinned: bool):
+        """``engine.load_adapter`` under ``key``; each pass either loads or evicts one idle
+        adapter, so it ends. Errors name ``name``, never the key."""
+        engine = self._engine()
+        while True:
             try:
-                info = await asyncio.to_thread(engine.load_adapter, key, local, pinned=pinned)
-                break
+                return await asyncio.to_thread(engine.load_adapter, key, local, pinned=pinned)
             except AdapterCapacityError as exc:
                 if exc.field != "lora.max_loaded_loras":
                     raise adapter_error(exc, name) from None
@@ -648,42 +660,19 @@ class AdapterSupply:
                 raise adapter_error(exc, name) from None
             except EngineError as exc:
                 raise ApiError.from_request_error(exc.error) from None
-        if draft is not None:
-            await self._load_draft(name, key, *draft, fresh=fresh)
-        if rank is not None and getattr(info, "rank", None) not in (None, rank):
-            if fresh:
-                self._engine_unload(key)
-            raise _rank_error(name, rank, source, info.rank)
-        if not self._still_wanted(name, key, from_catalog):
-            if fresh and key not in self._retiring:
-                self._engine_unload(key)
-            raise LoadSuperseded
-        record = AdapterRecord(name, source, sha256, str(local), pinned, int(time.time()), draft, key)
-        current = self.records.get(name)
-        if current is not None and current.key != key:
-            self._retire(name)
-        self._retiring.pop(key, None)
-        self.records[name] = record
-        self._failed.pop(key, None)
-        self._used[key] = time.monotonic()
-        self.set_warm(name, warm)
-        return info
 
-    def _still_wanted(self, name: str, key: str, from_catalog: bool) -> bool:
+    def _still_wanted(self, spec: LoadSpec) -> bool:
         """Whether a load just finished may be published: a catalogued name only as its
         current entry's version (the catalog is the authority); a load made for a catalog
         entry only while the entry is there."""
-        entry = self.catalog.get(name)
-        return entry.key == key if entry is not None else not from_catalog
+        entry = self.catalog.get(spec.name)
+        return entry.key == spec.key if entry is not None else not spec.from_catalog
 
-    async def _resolve_source(self, source: str, sha256: str | None, progress: LoadProgress, name: str):
-        """The local directory of ``source``, reporting to ``progress`` (the resolver does
-        itself when it takes a ``progress`` argument)."""
-        progress.enter("fetching", public_root(name, source))
+    async def _resolve_source(self, source: str, sha256: str | None, progress: LoadProgress):
+        """The local directory of ``source``, fetched and verified; the resolver reports
+        each phase to ``progress``."""
         try:
-            if _RESOLVER_TAKES_PROGRESS:
-                return await resolve_source(source, self.sources, sha256=sha256, progress=progress)
-            return await resolve_source(source, self.sources, sha256=sha256)
+            return await resolve_source(source, self.sources, sha256=sha256, progress=progress)
         except SourceError as exc:
             raise source_error(exc) from None
 
@@ -828,20 +817,13 @@ class AdapterSupply:
 
     def unload(self, name: str) -> bool:
         """An admin unload: ``name``'s current version takes no new requests (its running
-        ones finish); the record and its warmth go; a catalog entry stays. True if loaded."""
+        ones finish on it); its warmth and remembered failures go; a catalog entry stays
+        (the next request loads it again). True if a version was loaded."""
         loaded = self.is_loaded(name)
         self._retire(name)
-        self.forget(name)
-        return loaded
-
-    def forget(self, name: str) -> None:
-        """The record and its warmth go; the catalog entry stays."""
-        record = self.records.pop(name, None)
-        if record is not None:
-            self._retiring[record.key] = record
-            self._free_if_idle(record.key)
         self.warm.discard(name)
         self._failed = {k: v for k, v in self._failed.items() if public_name(k) != name}
+        return loaded
 
     def _engine(self) -> Engine:
         if self.engine is None:
