@@ -317,3 +317,76 @@ async def test_hf_source_uses_endpoint_revision_and_token(adapter_dir, tmp_path)
 
 def test_environment_is_read_from_the_process_by_default():
     assert SourceSettings().env.get("PATH") == os.environ.get("PATH")
+
+
+@pytest.mark.parametrize(
+    ("source", "char"),
+    [
+        ("/adapters/sql\x00.evil", "U+0000"),
+        ("https://host.example/a.tar.gz\n", "U+000A"),
+        ("hf://org/repo\r@main", "U+000D"),
+        ("pvc://claim/sql\x1b[2J", "U+001B"),
+        ("s3://bucket/key\x7f", "U+007F"),
+        ("/adapters/sql\x85", "U+0085"),
+    ],
+)
+def test_control_characters_are_refused_by_name(source, char):
+    with pytest.raises(SourceError) as info:
+        parse_source(source)
+    err = info.value
+    assert err.field == "lora_path" and not err.transient
+    assert "lora_path holds a control character" in str(err) and char in str(err), str(err)
+
+
+async def test_a_percent_encoded_nul_is_refused_too(tmp_path):
+    with pytest.raises(SourceError, match="control character"):
+        await resolve_source("file:///adapters/sql%00x", _settings(tmp_path))
+
+
+SECRET, TOKEN = "hunter2", "X-Amz-Signature=topsecret"
+
+
+async def test_errors_show_no_secret_or_server_path(adapter_dir, tmp_path, tls):
+    server_ctx, ca_file = tls
+    files = {f"/noweights/{ADAPTER_FILES[0]}": (adapter_dir / ADAPTER_FILES[0]).read_bytes()}
+    _fs, server = await _serve(files, ssl_ctx=server_ctx)
+    port = server.port
+    base = f"https://user:{SECRET}@127.0.0.1:{port}"
+    settings = _settings(tmp_path, ca_file=ca_file)
+    (tmp_path / "pvc" / "claim").mkdir(parents=True)
+    messages = []
+    try:
+        for source in (
+            f"{base}/missing/a.tar.gz?{TOKEN}",  # 404
+            f"{base}/noweights?{TOKEN}",  # 404 on the second file
+            f"https://user:{SECRET}@/nohost?{TOKEN}",  # a parse error
+            f"http://user:{SECRET}@host.example/a?{TOKEN}",  # plain http
+            f"https://user:{SECRET}@127.0.0.1:1/a.tar.gz?{TOKEN}",  # connection refused
+            "pvc://elsewhere/sql",  # not mounted
+            "pvc://claim/absent",  # absent in the claim
+        ):
+            with pytest.raises(SourceError) as info:
+                await resolve_source(source, settings)
+            messages.append(str(info.value))
+    finally:
+        await server.close()
+    for message in messages:
+        assert SECRET not in message and "topsecret" not in message, message
+        assert str(tmp_path) not in message, message  # neither the cache nor the pvc root
+    assert f"GET https://127.0.0.1:{port}/missing/a.tar.gz answered 404" in messages[0]
+    assert "lora_path 'pvc://claim/absent': 'absent' does not exist in volume 'claim'" in messages[-1]
+    assert "volume 'elsewhere' is not mounted" in messages[-2] and "--pvc-root" in messages[-2]
+
+
+async def test_hung_source_settings_come_from_the_server_config():
+    from loraserve.runtime.contract.config import ServerConfig
+
+    server = ServerConfig(allow_private_sources=True, source_stall_timeout_s=7.5)
+    settings = SourceSettings().with_config(server)
+    assert settings.allow_private and settings.stall_timeout_s == 7.5
+    transport = settings.transport()
+    assert (transport.connect_timeout_s, transport.stall_timeout_s, transport.refuse_private) == (7.5, 7.5, False)
+    defaults = SourceSettings().with_config(ServerConfig()).transport()
+    assert defaults.refuse_private and defaults.stall_timeout_s == 30.0
+    listed = SourceSettings().with_config(ServerConfig(remote_source_hosts=("a.example",))).transport()
+    assert not listed.refuse_private, "a host list is its own guard"
