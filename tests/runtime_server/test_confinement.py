@@ -89,12 +89,54 @@ async def test_local_sources_resolve_inside_the_allowed_roots_only(layout, tmp_p
     await _refused("sql", settings, "relative path", str(allowed))
 
 
-async def test_without_roots_local_paths_are_not_confined(layout, tmp_path):
-    """The default of a process run by hand (the operator always passes roots)."""
+async def test_without_roots_local_paths_are_not_confined(layout, tmp_path, monkeypatch):
+    """Settings without roots (a library caller; the command line always sets them), but a
+    relative path is refused all the same."""
     allowed, outside = layout
     settings = _settings(tmp_path)
     assert await resolve_source(str(outside / "sql"), settings) == outside / "sql"
     assert await resolve_source(str(allowed / "file-link"), settings) == allowed / "file-link"
+    monkeypatch.chdir(allowed)
+    for source in ("sql", "./sql", "~/sql"):
+        err = await _refused(source, settings, "a relative path resolves from the server's working directory")
+        assert "absolute path" in str(err)
+
+
+def _hub_snapshot(adapter_dir: Path, root: Path) -> Path:
+    """An adapter laid out as a Hugging Face cache snapshot: its files link into ``blobs/``."""
+    snapshot, blobs = root / "snapshots" / "0123abc", root / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ADAPTER_FILES:
+        shutil.copy(adapter_dir / name, blobs / name)
+        (snapshot / name).symlink_to(Path("../..") / "blobs" / name)
+    return snapshot
+
+
+async def test_by_hand_local_paths_default_to_the_flags_directories(assets, layout, adapter_dir, tmp_path):
+    """Without --allowed-local-roots, local paths are confined to the model's directory, the
+    --lora adapters' directories and the adapter cache; the flag still overrides."""
+    allowed, outside = layout
+    hub = _hub_snapshot(adapter_dir, tmp_path / "hf" / "models--org--sql")
+    cache = tmp_path / "adapter-cache"
+    shutil.copytree(adapter_dir, cache / "copied")
+    argv = _argv(
+        assets.model_dir, "--lora", f"mine={allowed / 'sql'}", "--lora", f"hub={hub}", "--adapter-cache-dir", str(cache)
+    )
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv), env={})
+    roots = cfg.server.allowed_local_roots
+    for directory in (assets.model_dir, allowed / "sql", hub, cache, hub.parent.parent / "blobs"):
+        assert str(directory) in roots, (directory, roots)
+    assert not [r for r in cli.check(cfg)[1] if "allowed local roots" in r], "the flags' own paths start"
+    settings = SourceSettings(cache_dir=cache, env={}).with_config(cfg.server)
+    for inside in (allowed / "sql", hub, cache / "copied"):
+        assert await resolve_source(str(inside), settings) == Path(os.path.realpath(inside))
+    for source in (str(outside / "sql"), str(allowed / "dir-link"), str(allowed / "inner-link"), "/etc"):
+        await _refused(source, settings, "outside the allowed local roots", "--allowed-local-roots")
+    await _refused("sql", settings, "relative path")
+    # Given, the flag is the whole list.
+    given = cli.config_from_args(cli.build_parser().parse_args([*argv, "--allowed-local-roots", str(allowed)]), env={})
+    assert given.server.allowed_local_roots == (str(allowed),)
 
 
 async def test_pvc_sources_stay_in_their_claim_links_included(adapter_dir, tmp_path):
