@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..contract.config import RuntimeConfig
+from ..contract.policy.draft_adapters import draft_pool_refusal
+from ..lora.errors import AdapterError
 from ..sampling import Sampler, SamplingParams, SamplingParamsError, make_generator
 from ..sampling.structured import Constraint, ConstraintCompiler
 from .decoder import Decoder, StepOutput, build_decoder
@@ -355,7 +357,13 @@ class Engine:
                 "speculative.draft_max_loras > 0 (--draft-max-loras)",
                 param="draft",
             )
-        return pool.load(name, path)
+        try:
+            return pool.load(name, path)
+        except AdapterError as exc:
+            outside = getattr(exc, "outside", None)
+            if not outside:
+                raise
+            raise AdapterError(draft_pool_refusal(outside, pool.modules), field=exc.field, adapter=exc.adapter) from None
 
     def unload_draft_adapter(self, name: str) -> None:
         """Drop Adapter ``name``'s draft adapter, if any (requests drafting with it finish first)."""

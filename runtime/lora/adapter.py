@@ -103,6 +103,14 @@ def _fail(message: str, field: str) -> AdapterError:
     return AdapterError(message, field=field)
 
 
+def _outside(message: str, field: str, modules: list[str]) -> AdapterError:
+    """An adapter over ``modules``, which the pool does not wrap; ``outside`` lets a draft
+    pool's caller replace the fix (a draft pool's modules are not ``lora.target_modules``)."""
+    err = AdapterError(message, field=field)
+    err.outside = tuple(modules)  # type: ignore[attr-defined]
+    return err
+
+
 def read_adapter_config(path: Path) -> dict:
     """Parse and sanity-check ``adapter_config.json``; returns the raw dict."""
     config_path = path / CONFIG_FILE
@@ -210,10 +218,11 @@ def load_adapter(
             )
         outside = sorted(set(names) - set(pool))
         if outside:
-            raise _fail(
+            raise _outside(
                 f"target_modules {outside} are not in lora.target_modules {list(pool)}: add them to "
                 "lora.target_modules or use an adapter without them",
                 "target_modules",
+                outside,
             )
     elif declared is not None and not isinstance(declared, str):
         raise _fail(
@@ -237,10 +246,11 @@ def load_adapter(
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
         if module not in pool:
-            raise _fail(
+            raise _outside(
                 f"tensor {full_name!r} adapts {module}, which is not in lora.target_modules {list(pool)}: "
                 f"add {module} to lora.target_modules or use an adapter without it",
                 full_name,
+                [module],
             )
         parts.setdefault(key, {})[which] = tensor
     if not parts:

@@ -189,3 +189,34 @@ async def test_fields_named_as_sent(server, path, body, param, words):
     assert out["error"]["param"] == param, out
     for word in words:
         assert word in out["error"]["message"], out
+
+
+async def test_an_embedding_draft_adapter_is_refused_with_a_fix_that_works(assets, tmp_path):
+    """An adapter of the target's embed_tokens / lm_head offered as its own draft adapter:
+    the draft pool never wraps those modules, so the fix is another draft adapter, never a
+    change to lora.target_modules."""
+    from loraserve.runtime.contract.config import SpecAlgorithm
+    from loraserve.runtime.dev.devmodels import build_adapter, copy_model
+
+    from .conftest import draft_pool_config
+
+    path = build_adapter(tmp_path / "emb", assets.model_dir, rank=4, target_modules=("q_proj", "lm_head"), seed=7)
+    config = draft_pool_config(assets, SpecAlgorithm.STANDALONE, copy_model(assets.model_dir, tmp_path / "draft"))
+    config.lora.target_modules = (*config.lora.target_modules, "lm_head")
+    async with running_server(config, tmp_path / "spec") as srv:
+        status, body = await srv.post(
+            "/v1/load_lora_adapter",
+            {"lora_name": "emb", "lora_path": str(path), "draft": {"lora_path": str(path)}},
+            headers=srv.admin_headers(),
+        )
+        assert status == 400, body
+        error = body["error"]
+        assert error["param"] == "draft.target_modules", error
+        assert "never wraps" in error["message"] and "use a draft adapter without lm_head" in error["message"]
+        assert "add them to" not in error["message"] and "add lm_head to" not in error["message"]
+        assert "emb" not in srv.engine.adapter_names  # all or nothing
+        # The same adapter as the served one (not a draft) loads: its pool has lm_head.
+        status, body = await srv.post(
+            "/v1/load_lora_adapter", {"lora_name": "emb", "lora_path": str(path)}, headers=srv.admin_headers()
+        )
+        assert status == 200, body

@@ -4,6 +4,8 @@ draft adapter against the serve's draft."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..config import DEFAULT_LORA_MODULES, LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from .algorithms import named
 from .declarations import DraftAdapterDeclaration
@@ -35,6 +37,19 @@ _NO_DRAFT_ADAPTERS = (
     "have no draft adapter pool)"
 )
 _SERVE_IT_ELSEWHERE = "remove {adapter.draft}, or serve the adapter from a STANDALONE, EAGLE or EAGLE3 serve"
+
+
+def draft_pool_refusal(modules: Sequence[str], served: Sequence[str]) -> str:
+    """Why a draft adapter over ``modules``, outside its pool's ``served`` modules, is refused,
+    and its fix. A draft pool never wraps embed_tokens / lm_head (a STANDALONE draft's own,
+    or those an EAGLE head shares with the target) whatever ``lora.target_modules`` holds:
+    that is the target's pool, so only another draft adapter fixes this."""
+    names = ", ".join(modules)
+    return (
+        f"the draft adapter targets {names}, which the draft adapter pool never wraps (it wraps "
+        f"{', '.join(served)}; the draft's embed_tokens and lm_head stay unadapted, and lora.target_modules, "
+        f"the target's pool, does not change that): use a draft adapter without {names}"
+    )
 
 
 def draft_lora_modules(algorithm: SpecAlgorithm) -> tuple[str, ...]:
