@@ -36,7 +36,7 @@ async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp
         assert status == 200, body
         assert body["draft"]["loaded"] is True
         (info,) = server.engine.list_draft_adapters()
-        assert info.name == name and "fc" in info.target_modules
+        assert info.name.partition("@")[0] == name and "fc" in info.target_modules  # under its version's key
         answer = await greedy_completion(server, name, PROMPT, 16)
         assert answer["choices"][0]["text"] == expected
         assert answer["usage"]["speculative"]["draft_tokens"] > 0
