@@ -326,14 +326,18 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, shown: str, subject: s
     )
 
 
-def _timeout_message(exc: BaseException, session: aiohttp.ClientSession, url: str | yarl.URL, shown: str) -> str:
-    """What a timeout waited on, in words: the connection, a byte, or the whole transfer."""
+def _timeout_message(
+    exc: BaseException, session: aiohttp.ClientSession, url: str | yarl.URL, shown: str, hint: str
+) -> str:
+    """What a timeout waited on, in words: the connection, a byte, or the whole transfer;
+    ``hint`` names the setting that bounds the first two."""
     timeout = session.timeout
+    hint = f"; {hint}" if hint else ""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         host = yarl.URL(str(url)).host or shown
-        return f"connecting to {host} took over {timeout.sock_connect:g} s (no answer; --source-stall-timeout)"
+        return f"connecting to {host} took over {timeout.sock_connect:g} s (no answer{hint})"
     if isinstance(exc, aiohttp.SocketTimeoutError):
-        return f"{shown} sent no byte for {timeout.sock_read:g} s (stalled; --source-stall-timeout)"
+        return f"{shown} sent no byte for {timeout.sock_read:g} s (stalled{hint})"
     return f"fetching {shown} took over {timeout.total:g} s" if timeout.total else f"fetching {shown} timed out"
 
 
@@ -345,6 +349,7 @@ async def _checked_get(
     *,
     subject: str,
     progress: Progress | None = None,
+    stall_hint: str = "",
 ) -> AsyncIterator[tuple[aiohttp.ClientResponse, str]]:
     """One GET whose status is already checked; yields the response and the URL as shown
     in messages (:func:`public_url`: no credentials, no query string).
@@ -362,7 +367,8 @@ async def _checked_get(
                 progress.enter("downloading", shown)
             yield resp, shown
     except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
-        raise SourceError(f"{subject}: {_timeout_message(exc, session, url, shown)}", transient=True) from exc
+        message = _timeout_message(exc, session, url, shown, stall_hint)
+        raise SourceError(f"{subject}: {message}", transient=True) from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise SourceError(
             f"{subject}: fetching {shown} failed: {_scrub(str(exc) or type(exc).__name__, url)}", transient=True
@@ -387,15 +393,18 @@ async def fetch_to(
     subject: str,
     max_bytes: int,
     progress: Progress | None = None,
+    stall_hint: str = "",
 ) -> int:
     """Stream one GET into ``dest``; return the bytes written. ``progress`` hears of the
-    connection, the download and every chunk.
+    connection, the download and every chunk; ``stall_hint`` (the setting that bounds a
+    stall) is named when the source stalls.
 
     Raises :class:`SourceError`: not transient for 4xx answers and size-limit breaches,
     transient for 5xx / 408 / 429, network errors and timeouts. Credentials and query
     strings (which may carry presigned credentials) never appear in messages.
     """
-    async with _checked_get(session, url, headers, subject=subject, progress=progress) as (resp, shown):
+    checked = _checked_get(session, url, headers, subject=subject, progress=progress, stall_hint=stall_hint)
+    async with checked as (resp, shown):
         if resp.content_length is not None and resp.content_length > max_bytes:
             raise SourceError(f"{subject}: {shown} is {resp.content_length} bytes, over the {max_bytes}-byte limit")
         written = 0

@@ -105,6 +105,9 @@ RACE_RETRIES = 5
 LOCKS = ".locks"
 """The cache's folder of lock files, one per entry (kept: removing a lock file races)."""
 
+STALL_HINT = "--source-stall-timeout"
+"""The setting that bounds a stalled source, as a stall error names it."""
+
 log = logging.getLogger("loraserve.sources")
 
 
@@ -627,6 +630,7 @@ async def _download(parsed: ParsedSource, tmp: Path, settings: SourceSettings, p
                 subject=subject,
                 max_bytes=settings.max_bytes,
                 progress=progress,
+                stall_hint=STALL_HINT,
             )
     if (files_dir / "archive").is_file():
         extracted = tmp / "extracted"

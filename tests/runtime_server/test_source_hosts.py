@@ -269,3 +269,20 @@ async def test_a_body_that_stalls_midway_fails_within_the_bound(adapter_dir, tmp
     assert progress.phase == "downloading" and progress.received_bytes >= 1000
     assert progress.target.endswith(f"/dir/{ADAPTER_FILES[1]}")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".download-")]
+
+
+async def test_the_model_fetcher_shares_the_stall_bound(tmp_path):
+    """``loraserve-fetch`` downloads with the same session: a silent host fails it in time."""
+    from loraserve.runtime.tools.fetch import FetchOptions, fetch_model
+
+    options = FetchOptions(read_timeout_s=0.3, retries=0, env={"LORASERVE_ALLOW_HTTP_SOURCES": "1"})
+    async with silent_server() as port:
+        start = time.monotonic()
+        with pytest.raises(SourceError) as info:
+            source = f"http://user:{SECRET}@127.0.0.1:{port}/model.tar.gz?{TOKEN}"
+            await asyncio.wait_for(asyncio.to_thread(fetch_model, source, tmp_path / "model", options), 10)
+        assert time.monotonic() - start < 5
+    err = str(info.value)
+    assert info.value.transient and f"127.0.0.1:{port}/model.tar.gz sent no byte for 0.3 s (stalled)" in err, err
+    assert SECRET not in err and "topsecret" not in err, err
+    assert not (tmp_path / "model").exists() and not list(tmp_path.glob("model.partial-*"))
