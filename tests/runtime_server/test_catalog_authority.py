@@ -227,3 +227,16 @@ async def test_the_catalog_refuses_control_characters_newlines_and_the_base_name
         assert status == 404 and len(err["error"]["message"]) < 300, err
     finally:
         assert (await put_catalog(server, []))[0] == 200
+
+
+async def test_the_longest_catalogued_name_loads_under_its_version_key(server, assets):
+    """A 253-character name (the catalog's limit) plus ``@version`` is still an engine key."""
+    name = "n" * 253
+    status, _ = await put_catalog(server, [{"name": name, "source": str(assets.demo.adapters["sql-r8"])}])
+    assert status == 200
+    try:
+        got = await stream(server, name, TOKENS)
+        assert got.status == 200, got
+        assert len(next(iter(engine_keys(server, name)))) > 256
+    finally:
+        assert (await put_catalog(server, []))[0] == 200
