@@ -58,6 +58,9 @@ async def test_version_change_under_streaming_load(assets, tmp_path):
         listing = await catalog_listing(srv)
         assert listing["by_name"]["x"]["version"] == new.version
         assert old.version in listing["by_name"]["x"]["serving_versions"], listing["by_name"]["x"]
+        # Metrics name the adapter as clients do, however many versions run.
+        _, metrics = await srv.get("/metrics")
+        assert 'running_lora_adapters="x"' in metrics and "x@" not in metrics
         await asyncio.wait_for(asyncio.gather(*clients), 300)
 
         failed = [r for _, r in results if r.status != 200 or r.error or r.tokens != TOKENS]
@@ -72,3 +75,7 @@ async def test_version_change_under_streaming_load(assets, tmp_path):
         assert listing["by_name"]["x"]["serving_versions"] == [new.version]
         status, models = await srv.get("/v1/models")
         assert [m["id"] for m in models["data"]].count("x") == 1
+        _, metrics = await srv.get("/metrics")
+        assert (
+            f'loraserve:requests_total{{finished_reason="length",model="x"}} {len(results) + 1}.0' in metrics
+        )
