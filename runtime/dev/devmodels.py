@@ -64,7 +64,7 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -155,6 +155,7 @@ def _model_config(
     max_position_embeddings: int,
     initializer_range: float,
     head_dim: int | None,
+    moe: dict | None = None,
 ):
     import transformers
 
@@ -189,7 +190,22 @@ def _model_config(
         return transformers.Qwen2Config(use_sliding_window=False, **kwargs), transformers.Qwen2ForCausalLM
     if architecture == "qwen3":
         return transformers.Qwen3Config(use_sliding_window=False, **kwargs), transformers.Qwen3ForCausalLM
+    moe = {**MOE_DEFAULTS, **(moe or {})}
+    if architecture == "qwen3_moe":
+        moe.setdefault("moe_intermediate_size", intermediate_size // 2)
+        return (
+            transformers.Qwen3MoeConfig(use_sliding_window=False, **kwargs, **moe),
+            transformers.Qwen3MoeForCausalLM,
+        )
+    if architecture == "mixtral":
+        moe["num_local_experts"] = moe.pop("num_experts")
+        return transformers.MixtralConfig(sliding_window=None, **kwargs, **moe), transformers.MixtralForCausalLM
     raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+
+
+MOE_DEFAULTS = {"num_experts": 4, "num_experts_per_tok": 2}
+"""The tiny MoE models' experts; ``build_tiny_model(moe=...)`` adds or overrides config
+fields (``norm_topk_prob``, ``mlp_only_layers``, ``moe_intermediate_size``, ...)."""
 
 
 def build_tiny_model(
@@ -211,12 +227,15 @@ def build_tiny_model(
     initializer_range: float = 0.05,
     head_dim: int | None = None,
     tokenizer_from: str | Path | None = None,
+    moe: dict | None = None,
 ) -> Path:
     """Write a Hugging Face model directory with random weights and a local tokenizer.
 
     ``dest`` receives config.json, model.safetensors, generation_config.json and tokenizer
     files. ``architecture`` picks the layout: ``llama`` (Llama 2/3), ``mistral`` or
-    ``qwen2`` (q/k/v biases) or ``qwen3`` (per-head q/k norms). ``rope_scaling`` takes a transformers rope dict, e.g.
+    ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms), or the mixture-of-experts
+    ``qwen3_moe`` / ``mixtral`` (``moe``: expert config fields over :data:`MOE_DEFAULTS`;
+    transformers saves experts per expert, as published checkpoints hold them). ``rope_scaling`` takes a transformers rope dict, e.g.
     ``{"rope_type": "llama3", "factor": 8.0, ...}``. ``tokenizer_from`` copies another
     model directory's tokenizer instead of training one (a draft shares its target's).
     ``initializer_range`` is larger than usual so a random model's logits are spread
@@ -243,6 +262,7 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range,
         head_dim=head_dim,
+        moe=moe,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

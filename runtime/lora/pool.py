@@ -14,6 +14,12 @@ column-parallel modules, A by input columns for row-parallel ones, and the vocab
 side of the embedding / lm_head adapters by this rank's vocabulary rows. The embedding's
 A then has one extra, always-zero row that tokens of other ranks gather, so their
 partial delta is zero and the embedding's all-reduce adds each token's delta once.
+
+On a mixture-of-experts layer, ``gate_up_proj`` / ``down_proj`` are the experts': their
+buffers gain an expert dimension (``A [slots, experts, slices * max_rank, in]``, ``B
+[slots, experts, out, max_rank]``, rank-major) and an :class:`ExpertLoRAHook` adds each
+routed row's delta for that expert only. The router (``gate``) of every MoE layer always
+has a small buffer of its own: peft's ``all-linear`` adapts it on MoE models.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lo
 
 from ..model.layers.parallel import VocabParallelEmbedding
 from ..model.llama import LlamaForCausalLM
+from ..model.moe import SparseMoE
 from .adapter import AdapterWeights
 
 # module -> (fused group, part index); the group names the model's attribute
@@ -41,6 +48,8 @@ GROUP_OF = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+ROUTER = "gate"
+"""An MoE layer's router, adapted like a linear module (pool key ``("gate", layer)``)."""
 
 
 def rank_major_b(num_slots: int, out_dim: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -111,6 +120,41 @@ class LinearLoRAHook:
 
 
 @dataclass
+class ExpertLoRAHook:
+    """LoRA delta of one part (``gate_up`` or ``down``) of every expert of one MoE layer.
+
+    ``A [slots, experts, slices * max_rank, in]``, ``B [slots, experts, out, max_rank]``.
+    The torch path: for the rows an expert runs on, each adapter's rows in one matmul pair
+    (a host loop over the adapters present, as the torch LoRA backend loops segments)."""
+
+    ctx: LoRAContext
+    A: torch.Tensor
+    B: torch.Tensor
+    slice_offsets: tuple[int, ...]
+
+    def add(self, expert: int, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        info = self.ctx.info
+        if info is None:
+            return
+        slots = info.token_slots.index_select(0, rows).long()
+        num_slices = len(self.slice_offsets) - 1
+        max_rank = self.A.shape[2] // num_slices
+        for slot in torch.unique(slots).tolist():
+            rank = info.lora_ranks_cpu[slot] if slot >= 0 else 0
+            if rank == 0:
+                continue
+            sel = (slots == slot).nonzero().squeeze(1)
+            xs = x.index_select(0, sel).float()
+            scale = info.scalings[slot].float()
+            for s in range(num_slices):
+                lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+                a = self.A[slot, expert, s * max_rank : s * max_rank + rank].float()
+                b = self.B[slot, expert, lo:hi, :rank].float()
+                delta = (xs @ a.T) @ b.T * scale
+                out[sel, lo:hi] = (out[sel, lo:hi].float() + delta).to(out.dtype)
+
+
+@dataclass
 class EmbeddingLoRAHook:
     """LoRA delta of the token embedding (a gather, not a GEMM).
 
@@ -152,12 +196,16 @@ class SlotPool:
         self.modules = modules
         self.ctx = ctx
         # (group, layer or None) -> hook; the hook's A/B are the buffers
-        self.hooks: dict[tuple[str, int | None], LinearLoRAHook | EmbeddingLoRAHook] = {}
+        self.hooks: dict[tuple[str, int | None], LinearLoRAHook | EmbeddingLoRAHook | ExpertLoRAHook] = {}
         arch = model.arch
         groups = sorted({GROUP_OF[m][0] for m in modules if m in GROUP_OF})
         R = max_rank
         for layer_id, layer in enumerate(model.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                self._attach_moe(layer.mlp, layer_id, groups, dtype, device)
             for group in groups:
+                if group in ("gate_up_proj", "down_proj") and isinstance(layer.mlp, SparseMoE):
+                    continue
                 linear = layer.self_attn.get_submodule(group) if group in ("qkv_proj", "o_proj") else layer.mlp.get_submodule(group)
                 slices = len(linear.out_sizes)
                 hook = LinearLoRAHook(
@@ -192,6 +240,38 @@ class SlotPool:
             model.lm_head_lora = hook
             self.hooks[("lm_head", None)] = hook
 
+    def _attach_moe(
+        self, mlp: SparseMoE, layer_id: int, groups: list[str], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Buffers and hooks of one MoE layer: its router, and its experts' parts in ``groups``."""
+        R, slots = self.max_rank, self.num_slots
+        gate = mlp.gate
+        hook = LinearLoRAHook(
+            self.ctx,
+            torch.zeros(slots, R, gate.in_features, dtype=dtype, device=device),
+            rank_major_b(slots, gate.out_features, R, dtype, device),
+            gate.slice_offsets,
+        )
+        gate.lora = hook
+        self.hooks[(ROUTER, layer_id)] = hook
+        experts = mlp.experts
+        num, hidden, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        for group, attr, in_dim, offsets in (
+            ("gate_up_proj", "lora_gate_up", hidden, (0, inter, 2 * inter)),
+            ("down_proj", "lora_down", inter, (0, hidden)),
+        ):
+            if group not in groups:
+                continue
+            out_dim, num_slices = offsets[-1], len(offsets) - 1
+            expert_hook = ExpertLoRAHook(
+                self.ctx,
+                torch.zeros(slots, num, num_slices * R, in_dim, dtype=dtype, device=device),
+                torch.zeros(slots, num, R, out_dim, dtype=dtype, device=device).transpose(2, 3),
+                offsets,
+            )
+            setattr(experts, attr, expert_hook)
+            self.hooks[(group, layer_id)] = expert_hook
+
     @property
     def num_bytes(self) -> int:
         return sum(h.A.numel() * h.A.element_size() + h.B.numel() * h.B.element_size() for h in self.hooks.values())
@@ -208,8 +288,16 @@ class SlotPool:
                 group, part = GROUP_OF[module]
                 hook = self.hooks[(group, layer)]
                 lo, hi = hook.slice_offsets[part], hook.slice_offsets[part + 1]
+                if isinstance(hook, ExpertLoRAHook):  # a: [experts, r, in], b: [experts, out, r]
+                    hook.A[slot, :, part * R : part * R + r].copy_(a, non_blocking=True)
+                    hook.B[slot, :, lo:hi, :r].copy_(b, non_blocking=True)
+                    continue
                 hook.A[slot, part * R : part * R + r].copy_(a, non_blocking=True)
                 hook.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
+            elif module == ROUTER:
+                hook = self.hooks[(ROUTER, layer)]
+                hook.A[slot, :r].copy_(a, non_blocking=True)
+                hook.B[slot, :, :r].copy_(b, non_blocking=True)
             else:
                 hook = self.hooks[(module, None)]
                 # Vocabulary-side tensors may be one rank's rows: copy as many as given.

@@ -19,7 +19,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+"""Families whose MLP is (in some layers) a sparse mixture of experts."""
 
 _DTYPES = {
     "float32": torch.float32,
@@ -54,11 +59,25 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A sparse mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` gated
+    SiLU experts per token (softmax over all experts, then the top k, renormalised to sum
+    to one when ``norm_topk_prob``). ``sparse_layers``: the layers whose MLP is the MoE
+    block; the others keep a dense MLP of the model's ``intermediate_size``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """Everything the layers need to know about a model, independent of the tokenizer."""
 
     architecture: str  # e.g. LlamaForCausalLM
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -76,6 +95,7 @@ class ModelArchConfig:
     sliding_window: int | None = None
     hidden_act: str = "silu"
     qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3)
+    moe: MoESpec | None = None  # the sparse MLP of MoE families; None: every MLP is dense
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -87,6 +107,18 @@ class ModelArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int | None) -> bool:
+        """Whether ``layer``'s MLP is the sparse MoE block (its gate/up/down are experts)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    def expert_dims(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of one expert's ``gate_proj``/``up_proj``/``down_proj``."""
+        if self.moe is None:
+            raise KeyError(module)
+        h, i = self.hidden_size, self.moe.intermediate_size
+        dims = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return dims[module]
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of a LoRA-targetable module."""
@@ -180,7 +212,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     if act not in ("silu", "swish"):
         raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
     sliding = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         sliding = None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -206,10 +238,50 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         rope=rope,
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=moe_spec(raw, family),
         torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype"), torch.float32),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+    )
+
+
+def _positive(raw: dict, *keys: str) -> int:
+    """The first of ``keys`` that config.json holds, as a positive integer (hub and
+    transformers spellings of one field); :class:`ModelConfigError` naming them otherwise."""
+    for key in keys:
+        if key in raw and raw[key] is not None:
+            value = raw[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+            return value
+    spelled = " or ".join(repr(k) for k in keys)
+    raise ModelConfigError(f"config.json needs {spelled} (a positive integer) for a mixture-of-experts model")
+
+
+def moe_spec(raw: dict, family: str) -> MoESpec | None:
+    """The MoE block of a ``qwen3_moe`` / ``mixtral`` config.json (None for dense families).
+
+    Expert counts are read under both spellings: ``num_experts`` (Qwen3-MoE as published
+    on the hub) and ``num_local_experts`` (what transformers 5 writes, and Mixtral's).
+    Qwen3-MoE's sparse layers follow transformers: not in ``mlp_only_layers`` and
+    ``(layer + 1) % decoder_sparse_step == 0``; Mixtral's are all layers, renormalised."""
+    if family not in MOE_FAMILIES:
+        return None
+    layers = raw["num_hidden_layers"]
+    experts = _positive(raw, "num_experts", "num_local_experts")
+    top_k = _positive(raw, "num_experts_per_tok")
+    if top_k > experts:
+        raise ModelConfigError(
+            f"config.json num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})"
+        )
+    if family == "mixtral":
+        return MoESpec(experts, top_k, raw["intermediate_size"], True, tuple(range(layers)))
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return MoESpec(
+        experts, top_k, _positive(raw, "moe_intermediate_size"), bool(raw.get("norm_topk_prob", False)), sparse
     )
 
 

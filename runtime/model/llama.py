@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over flat batched token rows.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over flat
+batched token rows. An MoE layer's MLP is :class:`~.moe.SparseMoE`.
 
 Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
 Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
@@ -31,6 +32,7 @@ from .layers import (
     VocabEmbedding,
 )
 from .layers.parallel import Collectives, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from .moe import SparseMoE, moe_checkpoint_names, moe_destination
 
 if TYPE_CHECKING:
     from ..parallel.sharding import ShardPlan
@@ -154,7 +156,8 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each added to the residual stream.
 
     ``attn_in_features``: the width the attention's q/k/v read (see :class:`LlamaAttention`;
-    a draft head's layer may read more than ``hidden_size``).
+    a draft head's layer may read more than ``hidden_size``). ``layer_id``: the layer's
+    index, which decides whether an MoE model's layer has the sparse MLP.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         shard: ShardPlan | None = None,
         group: Collectives | None = None,
         attn_in_features: int | None = None,
+        layer_id: int = 0,
     ):
         super().__init__()
         # Typed as any module: a draft head's layer may replace it (EAGLE without an input norm).
@@ -177,7 +181,13 @@ class LlamaDecoderLayer(nn.Module):
             arch, rotary, dtype=dtype, device=device, shard=shard, group=group, in_features=attn_in_features
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
+        self.mlp: LlamaMLP | SparseMoE
+        if arch.is_moe_layer(layer_id):
+            if shard is not None:
+                raise ValueError("mixture-of-experts layers are not sharded over tensor-parallel ranks")
+            self.mlp = SparseMoE(arch, dtype=dtype, device=device)
+        else:
+            self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -232,8 +242,10 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(arch, self.rotary, dtype=dtype, device=device, shard=shard, group=group)
-                for _ in range(arch.num_layers)
+                LlamaDecoderLayer(
+                    arch, self.rotary, dtype=dtype, device=device, shard=shard, group=group, layer_id=i
+                )
+                for i in range(arch.num_layers)
             ]
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -285,6 +297,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def embed_tokens(self) -> VocabEmbedding:
         return self.model.embed_tokens
+
+    @property
+    def _num_experts(self) -> int:
+        return 0 if self.arch.moe is None else self.arch.moe.num_experts
 
     def forward(
         self,
@@ -344,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
             if self.shard is not None:
                 tensor = self.shard.shard_checkpoint_tensor(name, tensor)
             copy_checkpoint_tensor(dest, name, tensor)
-            loaded.add(name)
+            loaded.update(moe_checkpoint_names(name, self._num_experts) or (name,))
         expected = set(expected_checkpoint_names(self))
         missing = sorted(expected - loaded)
         if missing:
@@ -357,7 +373,11 @@ def checkpoint_destination(
 ) -> torch.Tensor | None:
     """Where the Hugging Face-named tensor ``name`` goes in ``model``: its parameter, or its
     part of a fused one (``q_proj`` -> a slice of ``qkv_proj``); None where it has no place.
-    ``params``: ``model``'s named parameters."""
+    ``params``: ``model``'s named parameters. Expert weights arrive fused or per expert
+    (:func:`~.moe.moe_destination`)."""
+    moe = moe_destination(params, name)
+    if moe is not None:
+        return moe
     target, part = _route(name)
     if target not in params:
         return None
@@ -397,6 +417,10 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> list[str]:
         if name == "lm_head.weight" and model.arch.tie_word_embeddings:
             continue
         del param
+        experts = moe_checkpoint_names(name, model._num_experts)
+        if experts is not None:
+            names.extend(experts)  # complete in either layout: counted per expert
+            continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in inverse:
             for index in sorted(inverse[parts[-2]]):

@@ -1,0 +1,172 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): the torch path.
+
+Per token the router's float32 softmax over all experts picks the ``top_k`` largest
+(renormalised to sum to one where the config says); each picked expert is a gated SiLU
+MLP, and the token's output is the routing-weighted sum of its experts' outputs. The
+forward gathers each expert's tokens, runs the expert on them and scatters the weighted
+result back with ``index_add_``: clear and CPU-friendly, with data-dependent shapes (so
+not capturable by CUDA graphs; the policy refuses graphs on MoE models).
+
+Weights live fused, as transformers 5 holds them: ``experts.gate_up_proj [E, 2I, H]``
+(gate rows first) and ``experts.down_proj [E, H, I]``; the router is ``gate [E, H]``.
+Checkpoints in the per-expert layout (``mlp.experts.N.gate_proj.weight``, Mixtral's
+``block_sparse_moe.experts.N.w1/w3/w2.weight``) are routed into slices of them by
+:func:`moe_destination`.
+
+LoRA: the router is a :class:`Linear` and takes the ordinary hook; each expert part
+(``gate_up``, ``down``) takes an :class:`ExpertLoRAHook` that adds, for the rows an
+expert runs on, the delta of each row's own adapter for that expert only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.kernels import model_ops
+
+from .arch import ModelArchConfig
+from .layers import Linear
+
+EXPERT_PARTS = ("gate_up", "down")
+"""The LoRA-targetable parts of every expert, in the order of the forward."""
+
+# A per-expert checkpoint tensor: (layer prefix, expert, projection). Mixtral's published
+# names (block_sparse_moe, w1 = gate, w3 = up, w2 = down) read as the Qwen names.
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_FUSED = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""Mixtral's published expert projection names -> the Qwen (and transformers) names."""
+
+
+class ExpertLoRAHook(Protocol):
+    def add(self, expert: int, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Add, in place into ``out``, the LoRA delta of ``expert`` for its input rows ``x``;
+        ``rows``: those rows' indices in the batch (which adapter each row uses)."""
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] float32, expert ids [T, k])`` from router logits: softmax in float32
+    over every expert, the ``top_k`` largest, renormalised to sum to one when asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoEExperts(nn.Module):
+    """``num_experts`` gated SiLU MLPs in two stacked weights, plus optional LoRA hooks
+    (``lora_gate_up``, ``lora_down``) attached by the adapter pool."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype, device):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden, intermediate
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False
+        )
+        self.lora_gate_up: ExpertLoRAHook | None = None
+        self.lora_down: ExpertLoRAHook | None = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` for every row ``t``."""
+        out = torch.zeros_like(x)
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, k) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat_weights = weights.reshape(-1)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            rows = pairs // top_k
+            y = self._expert(expert, x.index_select(0, rows), rows)
+            y = (y.float() * flat_weights.index_select(0, pairs)[:, None]).to(out.dtype)
+            out.index_add_(0, rows, y)
+        return out
+
+    def _expert(self, expert: int, xe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One expert on its rows, each row's adapter delta included."""
+        gate_up = F.linear(xe, self.gate_up_proj[expert])
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.add(expert, xe, rows, gate_up)
+        h = model_ops.silu_mul(gate_up)
+        y = F.linear(h, self.down_proj[expert])
+        if self.lora_down is not None:
+            self.lora_down.add(expert, h, rows, y)
+        return y
+
+
+class SparseMoE(nn.Module):
+    """Router (``gate``) plus experts: the MLP of an MoE layer."""
+
+    def __init__(self, arch: ModelArchConfig, *, dtype: torch.dtype, device):
+        super().__init__()
+        spec = arch.moe
+        if spec is None:
+            raise ValueError(f"{arch.architecture} has no mixture-of-experts block")
+        self.top_k, self.renormalize = spec.top_k, spec.norm_topk_prob
+        self.gate = Linear(arch.hidden_size, (spec.num_experts,), bias=False, dtype=dtype, device=device)
+        self.experts = MoEExperts(
+            spec.num_experts, arch.hidden_size, spec.intermediate_size, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
+
+
+def moe_destination(params: dict[str, nn.Parameter], name: str) -> torch.Tensor | None:
+    """Where a checkpoint's MoE tensor goes: a fused expert weight, one expert's slice of
+    it (per-expert layouts), or the router; None for a name that is no MoE tensor here."""
+    m = _ROUTER.match(name)
+    if m:
+        param = params.get(f"{m.group(1)}.mlp.gate.weight")
+        return None if param is None else param.data
+    m = _FUSED.match(name)
+    if m:
+        param = params.get(f"{m.group(1)}.mlp.experts.{m.group(2)}")
+        return None if param is None else param.data
+    m = _PER_EXPERT.match(name)
+    if not m:
+        return None
+    prefix, expert, proj = m.group(1), int(m.group(2)), MIXTRAL_NAMES.get(m.group(3), m.group(3))
+    fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    param = params.get(f"{prefix}.mlp.experts.{fused}")
+    if param is None or expert >= param.shape[0]:
+        return None
+    if fused == "down_proj":
+        return param.data[expert]
+    half = param.shape[1] // 2
+    return param.data[expert, :half] if proj == "gate_proj" else param.data[expert, half:]
+
+
+def moe_checkpoint_names(name: str, num_experts: int) -> list[str] | None:
+    """The per-expert checkpoint names (Qwen spelling) a tensor ``name`` provides, so a
+    checkpoint is complete in either layout; None for a name that is no expert weight."""
+    m = _FUSED.match(name)
+    if m:
+        prefix, fused = m.group(1), m.group(2)
+        projs = ("down_proj",) if fused == "down_proj" else ("gate_proj", "up_proj")
+        return [f"{prefix}.mlp.experts.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+    m = _PER_EXPERT.match(name)
+    if m:
+        proj = MIXTRAL_NAMES.get(m.group(3), m.group(3))
+        return [f"{m.group(1)}.mlp.experts.{m.group(2)}.{proj}.weight"]
+    m = _ROUTER.match(name)
+    if m:
+        return [f"{m.group(1)}.mlp.gate.weight"]
+    return None
