@@ -356,8 +356,8 @@ class SpeculativeConfig:
     auto_disable: bool = setting(
         False,
         "--speculative-auto-disable",
-        "per batch-size bucket, draft only while drafting yields more tokens/s than plain decoding "
-        "(measured on this serve's own steps)",
+        "per batch-size bucket, run the step shape (a tree where top_k > 1, a chain, or no drafting) "
+        "that yields the most tokens/s (measured on this serve's own steps)",
         gated=True,
     )
 
@@ -524,8 +524,8 @@ class ServerConfig:
         (),
         "--allowed-local-roots",
         "plain-path and file:// adapter sources, --lora adapters and the model must resolve (symlinks "
-        "followed) inside these directories (default: not confined; the operator always passes "
-        "the pod's volumes and cache)",
+        "followed) inside these directories (default: the model's, the draft model's and each --lora "
+        "adapter's directory and the adapter cache; the operator always passes the pod's volumes and cache)",
         metavar="DIR",
         parse=_absolute_dirs,
     )
@@ -533,7 +533,8 @@ class ServerConfig:
         (),
         "--remote-source-hosts",
         "hosts https://, s3:// and hf:// adapter sources may reach, redirects included; "
-        "*.example.com allows its subdomains; commas separate too (default: any host)",
+        "*.example.com allows its subdomains; commas separate too (default: any host whose addresses are "
+        "public; see --allow-private-source-hosts)",
         metavar="HOST",
         parse=_hosts,
     )

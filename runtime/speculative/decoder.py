@@ -19,8 +19,8 @@ without speculation in the same step. A step of at least
 ordinary decode forward, whose results the drafter still sees (``on_decode``), so
 speculation resumes where it left off once the batch is smaller again. Large batches are
 where a verify of ``bs × width`` rows stops being nearly free. With
-``speculative.auto_disable`` the choice is made per batch-size bucket from the measured
-throughput of both kinds of step (:mod:`.switch`).
+``speculative.auto_disable`` each batch-size bucket takes the step shape (a tree where one
+is configured, a chain, or no drafting) with the best measured throughput (:mod:`.switch`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..sampling import Sampler, processed_probs
 from .acceptance import Acceptance, greedy_accept, rejection_accept
 from .drafter import Drafter
 from .metrics import SpecMetrics
-from .switch import SpeculationSwitch
+from .switch import SpeculationSwitch, StepShape
 from .tree import TreeShape, greedy_tree_accept
 
 log = logging.getLogger("loraserve.spec")
@@ -130,15 +130,15 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         bs = len(requests)
         pure = not (spec_rows and plain_rows)  # one kind of step: its timing says something
-        if spec_rows and (
-            0 < self.disable_batch_size <= bs or (self.switch is not None and not self.switch.should_draft(bs))
-        ):
+        shape = self._shape(bs, [requests[i] for i in spec_rows]) if spec_rows else StepShape.PLAIN
+        if spec_rows and shape is StepShape.PLAIN:
             plain_rows = list(range(bs))
             spec_rows = []
             self.metrics.record_undrafted(bs)
         try:
             if spec_rows:
-                for i, out in zip(spec_rows, self._speculate([requests[i] for i in spec_rows]), strict=True):
+                drafted = self._speculate([requests[i] for i in spec_rows], tree=shape is StepShape.TREE)
+                for i, out in zip(spec_rows, drafted, strict=True):
                     outputs[i] = out
             if plain_rows:
                 plain = [requests[i] for i in plain_rows]
@@ -154,11 +154,28 @@ class SpeculativeDecoder:
         if self.switch is not None and pure:
             self.switch.record(
                 bs,
-                drafted=bool(spec_rows),
+                shape,
                 tokens=sum(len(out.token_ids) for out in outputs if out is not None),
                 seconds=time.perf_counter() - start,
             )
         return outputs  # type: ignore[return-value]
+
+    def _shape(self, bs: int, requests: Sequence[Request]) -> StepShape:
+        """What this step of ``bs`` requests verifies (``requests``: those that may draft)."""
+        if 0 < self.disable_batch_size <= bs:
+            return StepShape.PLAIN
+        shapes = self.shapes(requests)
+        return shapes[0] if self.switch is None else self.switch.choose(bs, shapes)
+
+    def shapes(self, requests: Sequence[Request]) -> list[StepShape]:
+        """The shapes a step of ``requests`` may take, the configured one first: a tree where
+        one is configured and the batch allows it, a chain always, no drafting where
+        ``speculative.auto_disable`` lets the switch measure it."""
+        shapes = [StepShape.TREE] if self.tree is not None and self._tree_fits(requests) else []
+        shapes.append(StepShape.CHAIN)
+        if self.switch is not None:
+            shapes.append(StepShape.PLAIN)
+        return shapes
 
     def _plain(self, requests: Sequence[Request], keep_drafting: Sequence[bool]) -> list[StepOutput]:
         """One ordinary decode step. Requests within ``width`` tokens of the context limit
@@ -186,8 +203,9 @@ class SpeculativeDecoder:
                     self.drafter.release(req)
         return outs
 
-    def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
-        if self.tree is not None and self._tree_fits(requests):
+    def _speculate(self, requests: Sequence[Request], *, tree: bool) -> list[StepOutput]:
+        if tree:
+            assert self.tree is not None
             return self._speculate_tree(requests, self.tree)
         start = time.perf_counter()
         width = self.width
@@ -215,7 +233,8 @@ class SpeculativeDecoder:
             self.runner.kv.truncate(req.rid, width - 1 - accepted)
         logprobs = token_logprobs(output.logits, acceptance.tokens, requests)
         return self._outputs(
-            requests, acceptance, logprobs, width, width - 1, verify_seconds, time.perf_counter() - start
+            requests, acceptance, logprobs, width, width - 1, verify_seconds, time.perf_counter() - start,
+            StepShape.CHAIN,
         )
 
     def _outputs(
@@ -227,6 +246,7 @@ class SpeculativeDecoder:
         max_accept: int,
         verify_seconds: float,
         step_seconds: float,
+        shape: StepShape,
     ) -> list[StepOutput]:
         """A verify step's outputs (``width`` rows verified per request: ``width - 1`` drafts),
         recorded in the metrics as accept lengths out of ``max_accept`` positions."""
@@ -245,6 +265,7 @@ class SpeculativeDecoder:
         self.metrics.record_step(
             [r.adapter for r in requests], accept_lens, max_accept, contexts=[r.num_tokens for r in requests],
             verify_seconds=verify_seconds, step_seconds=step_seconds,
+            shape=shape, bucket_of=len(requests),
         )  # fmt: skip
         return outs
 
@@ -289,7 +310,8 @@ class SpeculativeDecoder:
             acceptance.along_path(logits).reshape(-1, logits.shape[-1]), acceptance.tokens, requests
         )
         return self._outputs(
-            requests, acceptance, logprobs, width, shape.num_steps, verify_seconds, time.perf_counter() - start
+            requests, acceptance, logprobs, width, shape.num_steps, verify_seconds, time.perf_counter() - start,
+            StepShape.TREE,
         )
 
     def _accept(

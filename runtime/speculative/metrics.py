@@ -14,6 +14,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .switch import batch_bucket
+
 TIME_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BASE_LABEL = ""
 """The ``adapter`` label of requests on the base model (an empty label is "no adapter")."""
@@ -99,6 +101,7 @@ class SpecSnapshot:
     step_seconds: TimeHistogram
     undrafted_steps: int = 0  # decode steps that skipped drafting (speculative.disable_batch_size)
     undrafted_requests: int = 0  # request-steps in them
+    shape_steps: dict[tuple[str, int], int] = field(default_factory=dict)  # (shape, batch bucket) -> steps
 
 
 def _copy_stats(stats: AcceptStats) -> AcceptStats:
@@ -123,12 +126,18 @@ class SpecMetrics:
         self._step = TimeHistogram()
         self._undrafted_steps = 0
         self._undrafted_requests = 0
+        self._shape_steps: dict[tuple[str, int], int] = {}
+
+    def _count_shape(self, shape: str, requests: int) -> None:
+        key = (str(shape), batch_bucket(max(1, int(requests))))
+        self._shape_steps[key] = self._shape_steps.get(key, 0) + 1
 
     def record_undrafted(self, requests: int) -> None:
         """One decode step of ``requests`` requests that ran without drafting."""
         with self._lock:
             self._undrafted_steps += 1
             self._undrafted_requests += int(requests)
+            self._count_shape("plain", requests)
 
     def record_step(
         self,
@@ -139,9 +148,12 @@ class SpecMetrics:
         contexts: Sequence[int],
         verify_seconds: float,
         step_seconds: float,
+        shape: str = "chain",
+        bucket_of: int | None = None,
     ) -> None:
-        """One verify step: request ``i`` used ``adapters[i]``, held ``contexts[i]`` tokens
-        before the step and accepted ``accept_lens[i]``."""
+        """One verify step of ``shape`` (tree or chain): request ``i`` used ``adapters[i]``,
+        held ``contexts[i]`` tokens before the step and accepted ``accept_lens[i]``;
+        ``bucket_of``: the step's batch size (default: the requests verified)."""
         if not len(adapters) == len(contexts) == len(accept_lens):
             raise ValueError(
                 f"record_step takes one adapter, context and accept length per request; got {len(adapters)},"
@@ -158,6 +170,7 @@ class SpecMetrics:
                 self._overall.add(int(accepted), num_drafts)
             self._verify.observe(verify_seconds)
             self._step.observe(step_seconds)
+            self._count_shape(shape, bucket_of if bucket_of is not None else len(adapters))
 
     def snapshot(self) -> SpecSnapshot:
         with self._lock:
@@ -171,6 +184,7 @@ class SpecMetrics:
                 step_seconds=_copy_hist(self._step),
                 undrafted_steps=self._undrafted_steps,
                 undrafted_requests=self._undrafted_requests,
+                shape_steps=dict(sorted(self._shape_steps.items())),
             )
 
     def collector(self, prefix: str = "loraserve:spec"):
@@ -242,6 +256,14 @@ class _Collector:
         )
         undrafted_requests.add_metric([], snap.undrafted_requests)
         yield undrafted_requests
+        shapes = CounterMetricFamily(
+            f"{p}_shape_steps",
+            "Decode steps by what they verified (tree, chain, plain) and batch-size bucket",
+            labels=["shape", "batch_bucket"],
+        )
+        for (shape, bucket), count in snap.shape_steps.items():
+            shapes.add_metric([shape, str(bucket)], count)
+        yield shapes
         for name, hist, text in (
             ("verify_seconds", snap.verify_seconds, "Target verify forward plus acceptance, per step"),
             ("step_seconds", snap.step_seconds, "Whole speculative step (draft, verify, accept), per step"),

@@ -260,7 +260,7 @@ def test_the_warmups_steps_are_forgotten_by_the_switch_and_the_step_costs(engine
     engines.append(engine)
     switch = engine.decoder.switch
     assert switch is not None and warm_up(engine) is not None and engine.snapshot.steps > 0
-    assert switch._buckets == {} and switch.drafting(1) is None
+    assert switch._buckets == {} and switch.rates(1) == {}
     assert engine.scheduler.costs.decode_seconds is None and engine.scheduler.costs.extend_fixed_seconds is None
 
 

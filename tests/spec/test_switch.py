@@ -1,22 +1,24 @@
-"""``speculative.auto_disable``: drafting per batch-size bucket, from measured throughput."""
+"""``speculative.auto_disable``: the step shape (tree, chain, plain) per batch-size bucket,
+from measured throughput."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraserve.runtime.speculative.switch import SpeculationSwitch, batch_bucket
+from loraserve.runtime.speculative.switch import SpeculationSwitch, StepShape, batch_bucket
 
 from .test_greedy_oracle import CASES, _check_same, _requests
 
+TREE, CHAIN, PLAIN = StepShape.TREE, StepShape.CHAIN, StepShape.PLAIN
 
-def _drive(switch: SpeculationSwitch, bs: int, steps: int, draft_tps: float, plain_tps: float) -> list[bool]:
-    """Run ``steps`` decisions, feeding each step the throughput of the kind chosen."""
+
+def _drive(switch: SpeculationSwitch, bs: int, steps: int, tps: dict, shapes=(CHAIN, PLAIN)) -> list[StepShape]:
+    """Run ``steps`` decisions, feeding each step the throughput ``tps[shape]`` of the shape chosen."""
     chosen = []
     for _ in range(steps):
-        draft = switch.should_draft(bs)
-        chosen.append(draft)
-        tps = draft_tps if draft else plain_tps
-        switch.record(bs, drafted=draft, tokens=bs * 2, seconds=bs * 2 / tps)
+        shape = switch.choose(bs, list(shapes))
+        chosen.append(shape)
+        switch.record(bs, shape, tokens=bs * 2, seconds=bs * 2 / tps[shape])
     return chosen
 
 
@@ -29,28 +31,51 @@ def test_buckets_are_powers_of_two():
 def test_measures_both_kinds_then_keeps_the_faster_and_keeps_exploring():
     switch = SpeculationSwitch(explore_every=10)
     # drafting first (2 steps: the first after a change is not measured), then plain
-    chosen = _drive(switch, 4, 4, draft_tps=100.0, plain_tps=300.0)
-    assert chosen == [True, True, False, False]
-    assert switch.drafting(4) is False
-    chosen = _drive(switch, 4, 40, draft_tps=100.0, plain_tps=300.0)
-    assert chosen.count(True) == 8  # 2 exploring steps per 10
-    assert switch.drafting(4) is False
+    chosen = _drive(switch, 4, 4, {CHAIN: 100.0, PLAIN: 300.0})
+    assert chosen == [CHAIN, CHAIN, PLAIN, PLAIN]
+    assert switch.verdict(4, [CHAIN, PLAIN]) is PLAIN
+    chosen = _drive(switch, 4, 40, {CHAIN: 100.0, PLAIN: 300.0})
+    assert chosen.count(CHAIN) == 8  # 2 exploring steps per 10
+    assert switch.verdict(4, [CHAIN, PLAIN]) is PLAIN
 
 
 def test_follows_a_change_in_which_kind_is_faster():
     switch = SpeculationSwitch(explore_every=5, alpha=0.5)
-    _drive(switch, 1, 20, draft_tps=50.0, plain_tps=100.0)
-    assert switch.drafting(1) is False
-    _drive(switch, 1, 40, draft_tps=400.0, plain_tps=100.0)  # e.g. an adapter mix that accepts more
-    assert switch.drafting(1) is True
+    _drive(switch, 1, 20, {CHAIN: 50.0, PLAIN: 100.0})
+    assert switch.verdict(1, [CHAIN, PLAIN]) is PLAIN
+    _drive(switch, 1, 40, {CHAIN: 400.0, PLAIN: 100.0})  # e.g. an adapter mix that accepts more
+    assert switch.verdict(1, [CHAIN, PLAIN]) is CHAIN
 
 
 def test_buckets_decide_independently():
     switch = SpeculationSwitch(explore_every=10)
-    _drive(switch, 1, 12, draft_tps=300.0, plain_tps=100.0)
-    _drive(switch, 32, 12, draft_tps=100.0, plain_tps=300.0)
-    assert (switch.drafting(1), switch.drafting(32), switch.drafting(30)) == (True, False, False)
-    assert switch.drafting(8) is None  # never measured
+    _drive(switch, 1, 12, {CHAIN: 300.0, PLAIN: 100.0})
+    _drive(switch, 32, 12, {CHAIN: 100.0, PLAIN: 300.0})
+    verdicts = [switch.verdict(bs, [CHAIN, PLAIN]) for bs in (1, 32, 30)]
+    assert verdicts == [CHAIN, PLAIN, PLAIN]
+    assert switch.verdict(8, [CHAIN, PLAIN]) is None  # never measured
+
+
+def test_three_shapes_each_bucket_takes_its_fastest():
+    """Tree at small batches, chain at middle ones, plain at large ones, as measured."""
+    switch = SpeculationSwitch(explore_every=10)
+    shapes = (TREE, CHAIN, PLAIN)
+    _drive(switch, 1, 30, {TREE: 300.0, CHAIN: 250.0, PLAIN: 100.0}, shapes)
+    _drive(switch, 8, 30, {TREE: 900.0, CHAIN: 1100.0, PLAIN: 800.0}, shapes)
+    chosen = _drive(switch, 32, 60, {TREE: 1500.0, CHAIN: 2000.0, PLAIN: 2600.0}, shapes)
+    assert [switch.verdict(bs, list(shapes)) for bs in (1, 8, 32)] == [TREE, CHAIN, PLAIN]
+    # measuring each once (2 steps each), then mostly plain, exploring both others in turn
+    assert chosen[:6] == [TREE, TREE, CHAIN, CHAIN, PLAIN, PLAIN]
+    later = chosen[6:]
+    assert later.count(PLAIN) >= 0.75 * len(later) and TREE in later and CHAIN in later
+
+
+def test_a_batch_that_cannot_take_a_tree_chooses_among_the_rest():
+    switch = SpeculationSwitch(explore_every=10)
+    _drive(switch, 2, 30, {TREE: 900.0, CHAIN: 300.0, PLAIN: 100.0}, (TREE, CHAIN, PLAIN))
+    assert switch.verdict(2, [TREE, CHAIN, PLAIN]) is TREE
+    assert switch.choose(2, [CHAIN, PLAIN]) in (CHAIN, PLAIN)
+    assert switch.verdict(2, [CHAIN, PLAIN]) is CHAIN
 
 
 def test_bad_settings_are_named():
@@ -58,6 +83,8 @@ def test_bad_settings_are_named():
         SpeculationSwitch(explore_every=2)
     with pytest.raises(ValueError, match="alpha"):
         SpeculationSwitch(alpha=0.0)
+    with pytest.raises(ValueError, match="at least one shape"):
+        SpeculationSwitch().choose(1, [])
 
 
 @pytest.mark.parametrize("case", ["standalone-small", "eagle"])
@@ -76,3 +103,20 @@ def test_auto_disable_through_the_engine_is_lossless(make_spec_config, engine_ru
     snap = decoder.metrics.snapshot()
     assert decoder.switch is not None
     assert snap.undrafted_steps > 0 and snap.overall.verify_steps > 0
+
+
+def test_each_bucket_chooses_among_tree_chain_and_plain_losslessly(make_spec_config, engine_run):
+    """An EAGLE tree with the switch on: every bucket measures all three shapes, each of them
+    runs, and the output is the plain decoder's, token for token; the metrics say which shape
+    served at which batch size."""
+    requests = _requests(count=12, seed=11, max_tokens=24)
+    plain = engine_run(make_spec_config(), requests)
+    expected = {rid: plain.outputs[rid].tokens for rid, *_ in requests}
+    config = make_spec_config("EAGLE", "eagle", max_running_requests=5)
+    spec = config.speculative
+    spec.top_k, spec.num_steps, spec.num_draft_tokens, spec.auto_disable = 2, 3, 8, True
+    run = engine_run(config, requests)
+    _check_same(run, requests, expected)
+    snap = run.engine.decoder.metrics.snapshot()
+    assert {shape for shape, _ in snap.shape_steps} == {"tree", "chain", "plain"}
+    assert sum(v for (shape, _), v in snap.shape_steps.items() if shape == "plain") == snap.undrafted_steps
