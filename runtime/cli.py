@@ -343,8 +343,6 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         pvc_root=Path(args.pvc_root),
         ca_file=args.adapter_ca_file,
     )
-    if not cfg.server.allowed_local_roots:
-        log.warning("--allowed-local-roots not given: adapter paths are not confined to any directory")
     app = build_app(
         cfg,
         lambda metrics: build_engine(cfg, observer=metrics),

@@ -234,7 +234,9 @@ class GuardedConnector(aiohttp.TCPConnector):
     cached or not) goes through ``_resolve_host``; the addresses it returns are checked
     here and are the ones the socket connects to, so a DNS answer that changes between a
     check and the connection (rebinding) cannot swap in an internal address. Proxies named
-    by the environment (the operator's own) are exempt: the proxy resolves the target.
+    by the environment (HTTPS_PROXY: the operator's own) are exempt; a request sent through
+    one is resolved and connected by the proxy, whose own policy then applies (hosts in
+    NO_PROXY, the usual place for internal ones, are connected directly and checked here).
     """
 
     def __init__(self, *, subject: str, exempt_hosts: frozenset[str] = frozenset(), **kwargs: Any) -> None:

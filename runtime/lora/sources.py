@@ -392,7 +392,8 @@ async def _resolve_remote(
                 if await _cached(final, sha256, subject, heartbeat):
                     return final
                 await asyncio.to_thread(_set_aside, final, cache, key)
-                await asyncio.to_thread(remove_stale, cache, ".download-*", STALE_DOWNLOAD_S)
+                for leftovers in (".download-*", ".trash-*"):
+                    await asyncio.to_thread(remove_stale, cache, leftovers, STALE_DOWNLOAD_S)
                 return await _download_and_publish(parsed, settings, sha256, final, key, heartbeat)
         except _Raced:
             continue
