@@ -45,9 +45,9 @@ class WorkersBusy(Exception):
 
 
 def default_workers() -> int:
-    """Worker processes at most: two (a slow compile never blocks a second one), four on a
-    host with 16 or more cores."""
-    return 4 if (os.cpu_count() or 1) >= 16 else 2
+    """Worker processes at most: half the cores, between 2 (a slow compile never blocks a
+    second one) and 8 (compiles never take most of a large host)."""
+    return max(2, min(8, (os.cpu_count() or 1) // 2))
 
 
 def _die_with_parent() -> None:

@@ -20,6 +20,9 @@ enum values in a structured-output schema)."""
 MAX_REPEAT = 10_000
 """The largest count in a regex or grammar repetition ``{m}`` / ``{m,n}``, and in a schema's
 minLength / maxLength / minItems / maxItems / minProperties / maxProperties."""
+MAX_SCHEMA_DEPTH = 64
+"""Nesting of objects and arrays in a JSON schema's text (OpenAI allows 10 levels of
+nested schemas; each takes two or three here)."""
 NUMBER_DIGITS = 15
 """Digits before the point of a JSON schema integer or number that has no bound of its own
 (15: every such value is exact in a double and in JavaScript)."""
@@ -64,7 +67,14 @@ def _check_repeats(text: str, what: str) -> None:
 
 
 def check_schema(schema: Any) -> None:
-    """A JSON schema's enum values (all together) and counts (each) within their bounds."""
+    """A JSON schema's nesting, enum values (all together) and counts (each) within their
+    bounds."""
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise SamplingParamsError(
+            FIELD,
+            f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep: flatten it, "
+            "or use $defs for repeated parts",
+        )
     enums = 0
     for node in _schemas(schema):
         values = node.get("enum")
@@ -85,6 +95,17 @@ def check_schema(schema: Any) -> None:
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             _check_repeats(pattern, "the JSON schema's pattern")
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (iteratively: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _schemas(schema: Any):

@@ -52,16 +52,17 @@ async def _until(predicate, timeout: float = 30.0) -> None:
 @pytest.mark.parametrize(
     "spec, words",
     [
-        (StructuredOutput("regex", "a" * 200), ["200 bytes", "limit of 100 bytes", "--structured-max-bytes"]),
+        (StructuredOutput("regex", "a" * 5000), ["5000 bytes", "limit of 4096 bytes", "--structured-max-bytes"]),
         (StructuredOutput("regex", "a{1000000}"), ["{1000000}", str(MAX_REPEAT)]),
         (StructuredOutput("grammar", 'root ::= "a"{0,99999}'), ["{0,99999}"]),
         (StructuredOutput("json_schema", '{"type": "string"'), ["not valid JSON"]),
         (StructuredOutput("json_schema", '{"type": "string", "maxLength": 1e9}'), ["maxLength", "1e+09"]),
         (StructuredOutput("json_schema", '{"type": "string", "pattern": "x{50000}"}'), ["pattern", "{50000}"]),
+        (StructuredOutput("json_schema", '{"items": ' * 90 + "{}" + "}" * 90), ["more than 64 deep"]),
     ],
 )
 def test_refused_before_compiling(tokenizer, spec, words):
-    compiler = _compiler(tokenizer, max_bytes=100)
+    compiler = _compiler(tokenizer, max_bytes=4096)
     with pytest.raises(SamplingParamsError) as err:
         compiler.constraint(spec)
     assert err.value.field == "response_format"

@@ -53,6 +53,8 @@ def _gone(pid: int) -> bool:
 
 
 BIG = "a" * 33_000
+
+
 CASES = [
     (
         _schema({"type": "string", "description": BIG}),
