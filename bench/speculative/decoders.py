@@ -30,14 +30,18 @@ class Decoders:
 
 def spec_runs(s: Settings) -> list[tuple[str, str, bool, tuple[int, int] | None]]:
     """(run name, draft, auto_disable, tree shape) of every speculative run: each draft, each
-    draft again with the auto-disable switch (``--auto-disable-ab``), each ``--tree`` shape."""
+    draft again with the auto-disable switch (``--auto-disable-ab``), each ``--tree`` shape (and,
+    with ``--auto-disable-ab``, the switch choosing per batch bucket among that tree, a chain and
+    no drafting)."""
     args = s.args
     runs = [(name, name, args.auto_disable, None) for name in s.drafts]
     if args.auto_disable_ab:
         runs += [(f"{name}+auto", name, True, None) for name in s.drafts if not args.auto_disable]
-    runs += [
-        (f"eagle-t{top}-n{tokens}", "eagle", args.auto_disable, (top, tokens)) for top, tokens in s.trees
-    ]
+    for top, tokens in s.trees:
+        runs.append((f"eagle-t{top}-n{tokens}", "eagle", args.auto_disable, (top, tokens)))
+        if args.auto_disable_ab and not args.auto_disable:
+            # The switch over this tree: each batch bucket picks tree, chain or no drafting.
+            runs.append((f"eagle-t{top}-n{tokens}+auto", "eagle", True, (top, tokens)))
     return runs
 
 
