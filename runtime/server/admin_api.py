@@ -195,7 +195,10 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def get_lora_catalog(request: web.Request) -> web.Response:
-    """``GET /v1/lora_catalog``: the pod's catalog, its digest and each adapter's state here."""
+    """``GET /v1/lora_catalog``: the pod's catalog, its digest, whether the operator has
+    pushed it since start (``confirmed``) and each adapter's state here: its ``version``,
+    the ``serving_versions`` still loaded (the current one first) and, while it loads, for
+    how long (``loading_for_s``) and on what (``waiting_on``)."""
     state = request.app[STATE]
     check_bearer(request, state.admin_token)
     supply = state.supply
