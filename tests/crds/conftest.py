@@ -100,19 +100,19 @@ def _k8s_message(error: jsonschema.ValidationError) -> str:
         allowed = ", ".join(json.dumps(v) for v in error.validator_value)
         return f"{path}: Unsupported value: {value}: supported values: {allowed}"
     if kind == "minimum":
-        return f"{path}: Invalid value: {value}: should be greater than or equal to {error.validator_value}"
+        return f"{path}: Invalid value: {value}: {path} in body should be greater than or equal to {error.validator_value}"
     if kind == "maximum":
-        return f"{path}: Invalid value: {value}: should be less than or equal to {error.validator_value}"
+        return f"{path}: Invalid value: {value}: {path} in body should be less than or equal to {error.validator_value}"
     if kind == "exclusiveMinimum":
-        return f"{path}: Invalid value: {value}: should be greater than {error.schema.get('minimum')}"
+        return f"{path}: Invalid value: {value}: {path} in body should be greater than {error.schema.get('minimum')}"
     if kind == "type":
         return f"{path}: Invalid value: {value}: must be of type {error.validator_value}"
     if kind == "pattern":
-        return f"{path}: Invalid value: {value}: should match '{error.validator_value}'"
+        return f"{path}: Invalid value: {value}: {path} in body should match '{error.validator_value}'"
     if kind == "maxLength":
         return f"{path}: Too long: may not be more than {error.validator_value} bytes"
     if kind == "minLength":
-        return f"{path}: Invalid value: {value}: should be at least {error.validator_value} chars long"
+        return f"{path}: Invalid value: {value}: {path} in body should be at least {error.validator_value} chars long"
     if kind == "maxItems":
         return f"{path}: Too many: must have at most {error.validator_value} items"
     if kind == "minItems":
