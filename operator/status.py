@@ -258,7 +258,9 @@ def pods_status(
             "drainingVersions": list(known.draining) if known is not None and known.draining else None,
             "time": iso(track.since),
         }
-        message = (progress or {}).get(track.pod) or track.message
+        # A failure's reason stays; any other state shows what a load in progress waits on.
+        live = None if track.state is PodState.FAILED else (progress or {}).get(track.pod)
+        message = live or track.message
         if message:
             entry["message"] = clip(message)
         out.append({k: v for k, v in entry.items() if v is not None})

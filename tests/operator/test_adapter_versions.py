@@ -28,7 +28,7 @@ from loraserve.operator.reconcile.context import OperatorContext
 from loraserve.operator.reconcile.kube import ADAPTERS, LORASERVES
 from loraserve.operator.reconcile.pods import PodView
 from loraserve.operator.specs import AdapterPhase
-from loraserve.operator.status import AdapterFindings, adapter_phase
+from loraserve.operator.status import AdapterFindings, adapter_phase, pods_status
 from loraserve.operator.translate import public_source
 from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest
 
@@ -352,6 +352,14 @@ def test_ready_waits_until_every_targeted_pod_serves_the_spec_version():
     assert message == "2 of 3 pods serve version v2, 1 still serves v1"
     caught_up = AdapterFindings(generation=1, tracks=tracks, ready_pods=3, version="v2", versions={"pod-2": new})
     assert adapter_phase(caught_up)[0] is AdapterPhase.READY
+
+
+def test_a_failed_pod_keeps_its_reason_while_the_runtime_loads_again():
+    failed = PodTrack("pod-0", "10.0.0.1", "u0", state=PodState.FAILED, message="gave up after 5 tries: 502")
+    loading = PodTrack("pod-1", "10.0.0.2", "u1", state=PodState.LOADING)
+    progress = {"pod-0": "loading https://h/a for 3 s", "pod-1": "loading https://h/a for 3 s"}
+    by_pod = {p["pod"]: p["message"] for p in pods_status([failed, loading], {}, progress)}
+    assert by_pod == {"pod-0": "gave up after 5 tries: 502", "pod-1": "loading https://h/a for 3 s"}
 
 
 def test_public_source_drops_credentials_and_queries():
