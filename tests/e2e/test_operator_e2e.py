@@ -268,8 +268,9 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
         "missing": (assets.adapter_manifest("missing", SERVE, "pvc://adapters/nope"), "does not exist"),
         "unmounted": (assets.adapter_manifest("unmounted", SERVE, "pvc://elsewhere/x"), "not mounted"),
     }
-    # Transient: the source's server refuses connections; tried TRIES times, then Failed.
-    offline = assets.adapter_manifest("offline", SERVE, "https://127.0.0.1:9/adapter.tar.gz")
+    # Transient: the source's host does not resolve (.invalid never does; an internal address
+    # would be refused at once, not retried); tried TRIES times, then Failed.
+    offline = assets.adapter_manifest("offline", SERVE, "https://offline.invalid/adapter.tar.gz")
     for manifest, _ in bad.values():
         await cluster.create(ADAPTERS, manifest)
     await cluster.create(ADAPTERS, offline)
