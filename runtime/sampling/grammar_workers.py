@@ -44,6 +44,10 @@ class WorkersBusy(Exception):
     """No worker became free within the wait bound (other compiles hold them all)."""
 
 
+class WorkerStartFailed(Exception):
+    """A worker process did not start (the server's fault, not the grammar's)."""
+
+
 def default_workers() -> int:
     """Worker processes at most: half the cores, between 2 (a slow compile never blocks a
     second one) and 8 (compiles never take most of a large host)."""
@@ -112,10 +116,13 @@ class _Worker:
 
     def wait_ready(self, cancel: threading.Event) -> None:
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        status, _ = self._answer(deadline, cancel, on_timeout=CompileFailed("the grammar compiler did not start"))
+        try:
+            status, _ = self._answer(deadline, cancel, on_timeout=WorkerStartFailed())
+        except CompileFailed:  # it died while starting
+            raise WorkerStartFailed() from None
         if status != "ready":
             self.kill()
-            raise CompileFailed("the grammar compiler did not start")
+            raise WorkerStartFailed()
 
     def run(self, kind: str, text: str, timeout_s: float, cancel: threading.Event) -> str:
         """The serialized compiled grammar; raises CompileTimeout / CompileCancelled
@@ -161,8 +168,9 @@ class GrammarWorkers:
         self._ctx = multiprocessing.get_context("forkserver")
         # The forkserver (started by the first worker) imports these once; every worker is
         # then a fork with xgrammar loaded. The main module is among them so that a fork
-        # finds it imported and does not import it again. Nothing else in the runtime uses
-        # the forkserver.
+        # finds it imported and does not import it again (so it must guard its entry point,
+        # as loraserve-runtime and python -m do). Nothing else in the runtime uses the
+        # forkserver.
         self._ctx.set_forkserver_preload(["__main__", __name__, "xgrammar"])
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()  # idle and busy
@@ -174,7 +182,9 @@ class GrammarWorkers:
         self.killed = 0
         """Workers killed so far (timeouts and cancellations)."""
 
-    def compile(self, kind: str, text: str, *, timeout_s: float, wait_until: float, cancel: threading.Event) -> str:
+    def compile(
+        self, kind: str, text: str, *, timeout_s: float, wait_until: float, cancel: threading.Event
+    ) -> str:
         """Compile on a free worker; wait for one until ``wait_until`` (monotonic), then
         :class:`WorkersBusy`. The compile itself is bounded by ``timeout_s``."""
         worker = self._acquire(wait_until, cancel)

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..contract.config import ServerConfig
-from .grammar_workers import CompileCancelled, CompileFailed, CompileTimeout, GrammarWorkers, WorkersBusy
+from .grammar_workers import (
+    CompileCancelled,
+    CompileFailed,
+    CompileTimeout,
+    GrammarWorkers,
+    WorkersBusy,
+    WorkerStartFailed,
+)
 from .params import SamplingParamsError, StructuredOutput
 from .structured_limits import FIELD, bound_numbers, check_schema, check_spec, kind_name
 
@@ -88,7 +95,8 @@ def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class ConstraintBusyError(SamplingParamsError):
-    """No compile worker became free in time: the server's fault (a 503), not the request's."""
+    """No compile worker became free (or started) in time: the server's fault (a 503), not
+    the request's."""
 
 
 class ConstraintCancelled(SamplingParamsError):
@@ -138,7 +146,9 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         # One thread per compile in flight (each waits on its worker); queued ones count
         # against their wait bound from submission.
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="loraserve-grammar")
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=32, thread_name_prefix="loraserve-grammar"
+        )
         self.compiles = 0
         """Compiles started (a cache hit starts none)."""
 
@@ -147,7 +157,9 @@ class ConstraintCompiler:
         """The compile worker pool (started on first use)."""
         with self._lock:
             if self._workers is None:
-                self._workers = GrammarWorkers(self._tokenizer_info().serialize_json(), max_workers=self._max_workers)
+                self._workers = GrammarWorkers(
+                    self._tokenizer_info().serialize_json(), max_workers=self._max_workers
+                )
                 weakref.finalize(self, GrammarWorkers.close, self._workers)
             return self._workers
 
@@ -232,12 +244,16 @@ class ConstraintCompiler:
                     del self._cache[spec]
             entry.future.set_exception(exc)
 
-    def _compile(self, spec: StructuredOutput, job: tuple[str, str], cancel: threading.Event, wait_until: float):
+    def _compile(
+        self, spec: StructuredOutput, job: tuple[str, str], cancel: threading.Event, wait_until: float
+    ):
         xgr = _xgrammar()
         kind, text = job
         what = kind_name(spec)
         try:
-            payload = self.workers.compile(kind, text, timeout_s=self.timeout_s, wait_until=wait_until, cancel=cancel)
+            payload = self.workers.compile(
+                kind, text, timeout_s=self.timeout_s, wait_until=wait_until, cancel=cancel
+            )
         except CompileTimeout:
             raise SamplingParamsError(
                 FIELD,
@@ -248,6 +264,10 @@ class ConstraintCompiler:
             raise ConstraintBusyError(
                 FIELD,
                 f"every structured-output compiler stayed busy for {self.timeout_s:g} s: retry later",
+            ) from None
+        except WorkerStartFailed:
+            raise ConstraintBusyError(
+                FIELD, "structured output is unavailable: the grammar compiler did not start; retry later"
             ) from None
         except CompileCancelled:
             raise ConstraintCancelled(FIELD, "the request ended before its constraint compiled") from None

@@ -27,7 +27,12 @@ NUMBER_DIGITS = 15
 """Digits before the point of a JSON schema integer or number that has no bound of its own
 (15: every such value is exact in a double and in JavaScript)."""
 
-_KIND_NAMES = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}
+_KIND_NAMES = {
+    "json_object": "JSON object",
+    "json_schema": "JSON schema",
+    "regex": "regex",
+    "grammar": "grammar",
+}
 _REPEAT_RE = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})

@@ -8,8 +8,10 @@ engine test runs the real engine thread and model.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -26,7 +28,9 @@ SLOW = StructuredOutput(
 )
 """1,000 optional properties: about 14 KB, and over 10 s to compile here (xgrammar's
 expansion of optional properties grows faster than their square)."""
-SIMPLE = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+SIMPLE = StructuredOutput(
+    "json_schema", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}})
+)
 NINES = 10**NUMBER_DIGITS - 1
 
 
@@ -52,12 +56,18 @@ async def _until(predicate, timeout: float = 30.0) -> None:
 @pytest.mark.parametrize(
     "spec, words",
     [
-        (StructuredOutput("regex", "a" * 5000), ["5000 bytes", "limit of 4096 bytes", "--structured-max-bytes"]),
+        (
+            StructuredOutput("regex", "a" * 5000),
+            ["5000 bytes", "limit of 4096 bytes", "--structured-max-bytes"],
+        ),
         (StructuredOutput("regex", "a{1000000}"), ["{1000000}", str(MAX_REPEAT)]),
         (StructuredOutput("grammar", 'root ::= "a"{0,99999}'), ["{0,99999}"]),
         (StructuredOutput("json_schema", '{"type": "string"'), ["not valid JSON"]),
         (StructuredOutput("json_schema", '{"type": "string", "maxLength": 1e9}'), ["maxLength", "1e+09"]),
-        (StructuredOutput("json_schema", '{"type": "string", "pattern": "x{50000}"}'), ["pattern", "{50000}"]),
+        (
+            StructuredOutput("json_schema", '{"type": "string", "pattern": "x{50000}"}'),
+            ["pattern", "{50000}"],
+        ),
         (StructuredOutput("json_schema", '{"items": ' * 90 + "{}" + "}" * 90), ["more than 64 deep"]),
     ],
 )
@@ -73,7 +83,10 @@ def test_refused_before_compiling(tokenizer, spec, words):
 
 def test_enum_values_are_bounded(tokenizer):
     compiler = _compiler(tokenizer)
-    schema = {"type": "object", "properties": {"a": {"enum": list(range(600))}, "b": {"enum": list(range(401))}}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": list(range(600))}, "b": {"enum": list(range(401))}},
+    }
     with pytest.raises(SamplingParamsError, match="more than 1000 enum values"):
         compiler.constraint(StructuredOutput("json_schema", json.dumps(schema)))
     schema["properties"]["b"]["enum"] = list(range(400))
@@ -98,7 +111,9 @@ def test_identical_constraints_share_one_compile(tokenizer):
     )
     bitmask = xgr.allocate_token_bitmask(1, tokenizer.vocab_size)
     xgr.GrammarMatcher(local).fill_next_token_bitmask(bitmask)
-    expected = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[: tokenizer.vocab_size]
+    expected = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[
+        : tokenizer.vocab_size
+    ]
     assert first.allowed().tolist() == expected.bool().tolist() == again.allowed().tolist()
     assert 0 < int(expected.sum()) < tokenizer.vocab_size
 
@@ -111,7 +126,9 @@ def test_a_slow_compile_times_out_and_its_worker_dies(tokenizer):
     with pytest.raises(SamplingParamsError) as err:
         compiler.constraint(SLOW)
     took = time.monotonic() - start
-    assert "took longer than 1 s to compile" in str(err.value) and "--structured-compile-timeout" in str(err.value)
+    assert "took longer than 1 s to compile" in str(err.value) and "--structured-compile-timeout" in str(
+        err.value
+    )
     assert took < 6.0, took  # bounded by the timeout, far below the compile's own time
     assert compiler.workers.killed == 1 and _gone(pid)
     assert compiler.constraint(SIMPLE) is not None  # a new worker serves the next one
@@ -121,7 +138,9 @@ async def test_slow_compile_blocks_nothing_and_stops_when_its_clients_leave(toke
     compiler = _compiler(tokenizer, timeout_s=120.0)
     await compiler.compile_async(SIMPLE)
     slow = [asyncio.create_task(compiler.compile_async(SLOW)) for _ in range(2)]
-    await _until(lambda: compiler.compiles == 2 and len(compiler.workers.pids()) == 1 and not compiler.workers._idle)
+    await _until(
+        lambda: compiler.compiles == 2 and len(compiler.workers.pids()) == 1 and not compiler.workers._idle
+    )
     (pid,) = compiler.workers.pids()
     # A different constraint compiles while the slow one holds its worker.
     other = StructuredOutput("regex", "(yes|no)")
@@ -162,7 +181,11 @@ def test_numbers_without_bounds_get_them():
     assert props["high"] == {"type": ["number", "null"], "exclusiveMaximum": 5, "minimum": -NINES}
     assert props["huge"]["maximum"] == 10**21 - 1  # never below the schema's own bound
     assert props["type"] == {"type": "string"}
-    assert out["properties"]["list"]["items"]["anyOf"][0] == {"type": "number", "minimum": -NINES, "maximum": NINES}
+    assert out["properties"]["list"]["items"]["anyOf"][0] == {
+        "type": "number",
+        "minimum": -NINES,
+        "maximum": NINES,
+    }
     assert out["$defs"]["n"] == schema["$defs"]["n"] and out["enum"] == schema["enum"]  # data stays data
     assert schema["properties"]["age"] == {"type": "integer"}  # the caller's schema is untouched
 
@@ -190,3 +213,20 @@ def test_an_integer_field_ends_in_bounded_json(engine_assets, tokenizer, start_e
     value = json.loads(col.text)
     assert len(str(abs(value["age"]))) == NUMBER_DIGITS, col.text
     assert abs(value["score"]) <= NINES, col.text
+
+
+def test_a_worker_that_dies_fails_only_its_compile(tokenizer):
+    compiler = _compiler(tokenizer, timeout_s=120.0)
+    compiler.constraint(SIMPLE)
+    (pid,) = compiler.workers.pids()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(compiler.constraint, SLOW)
+        deadline = time.monotonic() + 30
+        while compiler.workers._idle:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)  # as a crash inside xgrammar would end it
+        with pytest.raises(SamplingParamsError, match="crashed"):
+            slow.result(timeout=30)
+    assert compiler.constraint(StructuredOutput("regex", "(ok)")) is not None  # a new worker
+    assert compiler.workers.started == 2

@@ -110,7 +110,9 @@ async def test_a_client_that_leaves_stops_its_compile(server):
     compiler.timeout_s = 120.0  # only the client's leaving can stop this one
     try:
         compiles, killed = compiler.compiles, workers.killed
-        task = asyncio.create_task(server.post("/v1/completions", _body(**_schema({**SLOW_SCHEMA, "title": "gone"}))))
+        task = asyncio.create_task(
+            server.post("/v1/completions", _body(**_schema({**SLOW_SCHEMA, "title": "gone"})))
+        )
         deadline = time.monotonic() + 30
         while compiler.compiles == compiles or not (busy := set(workers.pids()) - _idle(workers)):
             assert time.monotonic() < deadline and not task.done()
@@ -135,7 +137,9 @@ async def test_identical_schemas_compile_once(server):
     compiler = server.engine.constraint_compiler()
     compiles = compiler.compiles
     schema = _schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
-    answers = await asyncio.gather(*(server.post("/v1/completions", _body(max_tokens=20, **schema)) for _ in range(3)))
+    answers = await asyncio.gather(
+        *(server.post("/v1/completions", _body(max_tokens=20, **schema)) for _ in range(3))
+    )
     assert [status for status, _ in answers] == [200, 200, 200], answers
     assert compiler.compiles == compiles + 1
 
@@ -158,7 +162,12 @@ async def test_an_integer_field_has_bounded_digits(server, assets):
 @pytest.mark.parametrize(
     "path, body, param, words",
     [
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/a", "draft": {}}, "draft.lora_path", ["required"]),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "x", "lora_path": "/a", "draft": {}},
+            "draft.lora_path",
+            ["required"],
+        ),
         (
             "/v1/load_lora_adapter",
             {"lora_name": "x", "lora_path": "/a", "draft": {"lora_path": 5}},
@@ -202,8 +211,12 @@ async def test_an_embedding_draft_adapter_is_refused_with_a_fix_that_works(asset
 
     from .conftest import draft_pool_config
 
-    path = build_adapter(tmp_path / "emb", assets.model_dir, rank=4, target_modules=("q_proj", "lm_head"), seed=7)
-    config = draft_pool_config(assets, SpecAlgorithm.STANDALONE, copy_model(assets.model_dir, tmp_path / "draft"))
+    path = build_adapter(
+        tmp_path / "emb", assets.model_dir, rank=4, target_modules=("q_proj", "lm_head"), seed=7
+    )
+    config = draft_pool_config(
+        assets, SpecAlgorithm.STANDALONE, copy_model(assets.model_dir, tmp_path / "draft")
+    )
     config.lora.target_modules = (*config.lora.target_modules, "lm_head")
     async with running_server(config, tmp_path / "spec") as srv:
         status, body = await srv.post(
