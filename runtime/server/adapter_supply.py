@@ -63,6 +63,8 @@ from .metrics import Metrics
 log = logging.getLogger("loraserve.server")
 
 RETRY_AFTER_S = 5
+ROOM_POLL_S = 0.1
+"""How often a load waiting for room in a full host cache looks again."""
 
 
 @dataclass
@@ -204,6 +206,7 @@ class AdapterSupply:
     _used: dict[str, float] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _changed: asyncio.Event | None = None
+    _freed: asyncio.Event | None = None
     _file_stamp: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -325,6 +328,24 @@ class AdapterSupply:
             return
         self._retiring.pop(key)
         self._engine_unload(key)
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    async def _room_freed(self) -> bool:
+        """The host cache is full: wait until a replaced version (or an unloaded adapter
+        still finishing requests) leaves it, so a version change waits instead of failing.
+        False at once when nothing is leaving."""
+        leaving = bool(self._retiring) or any(
+            str(getattr(i, "state", "")) == "unloading" for i in self._engine().list_adapters()
+        )
+        if not leaving:
+            return False
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):  # an engine-side drain ends without a signal: poll
+            await asyncio.wait_for(self._freed.wait(), ROOM_POLL_S)
+        return True
 
     def _engine_unload(self, key: str) -> None:
         if self.engine is None:
@@ -654,7 +675,7 @@ class AdapterSupply:
             except AdapterCapacityError as exc:
                 if exc.field != "lora.max_loaded_loras":
                     raise adapter_error(exc, name) from None
-                if not self._evict_one():
+                if not self._evict_one() and not await self._room_freed():
                     raise adapter_error(_full(exc, self.config), name) from None
             except AdapterError as exc:
                 raise adapter_error(exc, name) from None

@@ -79,3 +79,22 @@ async def test_version_change_under_streaming_load(assets, tmp_path):
         assert (
             f'loraserve:requests_total{{finished_reason="length",model="x"}} {len(results) + 1}.0' in metrics
         )
+
+
+async def test_a_version_change_in_a_full_cache_waits_for_room(assets, tmp_path):
+    """With room for one adapter, the new version waits for the old one's last request
+    (before: 503 ``adapter_capacity``), then serves; the old requests run to their end."""
+    a, b = str(assets.demo.adapters["sql-r8"]), str(assets.demo.adapters["chat-r16"])
+    config = make_config(assets, adapters={}, max_loaded_loras=1)
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(encode_catalog([CatalogEntry("x", a), CatalogEntry("ref-b", b)]))
+    config.lora.catalog = str(catalog)
+    async with running_server(config, tmp_path / "srv") as srv:
+        ref_b = (await stream(srv, "ref-b", TOKENS)).text
+        old = [asyncio.create_task(stream(srv, "x", 150)) for _ in range(2)]
+        await wait_for(lambda: srv.engine.snapshot.num_running >= 2, "the old streams running")
+        status, _ = await put_catalog(srv, [{"name": "x", "source": b}, {"name": "ref-b", "source": b}])
+        assert status == 200
+        got = await stream(srv, "x", TOKENS)
+        assert got.status == 200 and got.text == ref_b, got
+        assert all(r.status == 200 and r.tokens == 150 for r in await asyncio.gather(*old))
