@@ -55,10 +55,10 @@ demo-admission: $(STAMP)
 
 test: $(STAMP) $(HELM) k8s
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
