@@ -360,6 +360,11 @@ class AdapterSupply:
     def _loaded(self, key: str) -> bool:
         return self.engine is not None and key in self.engine.adapter_names
 
+    @property
+    def settled(self) -> bool:
+        """No load runs and no replaced version still finishes requests."""
+        return not self._loading and not self._retiring
+
     def is_loaded(self, name: str) -> bool:
         """Whether ``name`` has a current version loaded (what new requests would use)."""
         record = self.records.get(name)
@@ -564,6 +569,9 @@ class AdapterSupply:
             if running is task:
                 del self._loading[key]
                 self._progress.pop(key, None)
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]  # one lock per version ever loaded would only grow
         if not task.cancelled():
             task.exception()  # retrieved: waiters that timed out have already been answered
 

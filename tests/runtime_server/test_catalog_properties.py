@@ -197,7 +197,7 @@ async def _example(live: Live, steps: list[tuple]) -> None:
                 _check_request(live, name, task.result(), window)
         finally:
             slow.release.set()
-            await wait_for(lambda: not srv.state.supply._loading, "loads to settle")
+            await wait_for(lambda: srv.state.supply.settled, "loads and old versions to settle")
         await _check_settled(live, model)
         await _reset(srv)
 
@@ -253,7 +253,7 @@ def _check_request(live: Live, name: str, got, window: list[dict]) -> None:
 
 async def _check_settled(live: Live, model: Model) -> None:
     srv = live.srv
-    await wait_for(lambda: not srv.state.supply._retiring, "old versions freed")
+    await wait_for(lambda: srv.state.supply.settled, "old versions freed")
     listing = await catalog_listing(srv)
     assert set(listing["by_name"]) == set(model.catalog)
     _, models = await srv.get("/v1/models")
@@ -276,4 +276,4 @@ async def _reset(srv) -> None:
     assert (await put_catalog(srv, []))[0] == 200
     for name in NAMES:
         await srv.post("/v1/unload_lora_adapter", {"lora_name": name}, headers=srv.admin_headers())
-    await wait_for(lambda: not srv.state.supply._retiring, "the reset to free every version")
+    await wait_for(lambda: srv.state.supply.settled, "the reset to free every version")
