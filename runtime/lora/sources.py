@@ -503,7 +503,7 @@ def confine(
     if not os.path.isabs(str(directory)):
         raise SourceError(
             f"{subject}: a relative path resolves from the working directory; give an absolute path "
-            f"inside the allowed local roots ({shown})"
+            f"inside the allowed local roots ({shown}; {flag})"
         )
     real_roots = [os.path.realpath(r) for r in roots]
     real = os.path.realpath(directory)

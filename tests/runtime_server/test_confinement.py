@@ -13,12 +13,14 @@ import os
 import shutil
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from loraserve.runtime import cli
 from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
+from loraserve.runtime.dev.demo import free_port
 from loraserve.runtime.lora.sources import (
     ADAPTER_FILES,
     SourceError,
@@ -29,6 +31,7 @@ from loraserve.runtime.lora.sources import (
 )
 
 from .conftest import make_config, running_server
+from .runtime_process import runtime_process, wait_ready
 
 
 @pytest.fixture
@@ -189,6 +192,38 @@ def test_start_up_refuses_a_model_or_adapter_outside_the_roots(assets, layout, a
     # Hosts: repeated or comma-separated.
     args = parser.parse_args(_argv(assets.model_dir, "--remote-source-hosts", "a.example", "b.example,*.c.example"))
     assert cli.config_from_args(args, env={}).server.remote_source_hosts == ("a.example", "b.example", "*.c.example")
+
+
+@pytest.mark.slow
+async def test_a_runtime_started_by_hand_loads_only_from_its_flags_directories(assets, layout, tmp_path):
+    """The real process, no --allowed-local-roots: an admin load from the --lora adapter's
+    directory works, one from elsewhere is a 400 naming the flag, a relative one too."""
+    allowed, outside = layout
+    port, token, log = free_port(), "by-hand-token-0123456789", tmp_path / "log"
+    (tmp_path / "token").write_text(token)
+    argv = _argv(
+        assets.model_dir,
+        *("--host", "127.0.0.1", "--port", str(port), "--max-lora-rank", "16", "--max-total-tokens", "4096"),
+        *("--lora", f"mine={allowed / 'sql'}", "--admin-token-file", str(tmp_path / "token")),
+        *("--adapter-cache-dir", str(tmp_path / "cache")),
+    )
+    url = f"http://127.0.0.1:{port}"
+    with runtime_process(argv, log) as proc:
+        await wait_ready(url, proc, log)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session:
+            for path, want, words in (
+                (str(outside / "sql"), 400, "outside the allowed local roots"),
+                ("sql", 400, "relative path"),
+                (str(allowed / "sql"), 200, ""),
+            ):
+                body = {"lora_name": "again", "lora_path": path}
+                async with session.post(url + "/v1/load_lora_adapter", json=body) as resp:
+                    answer = await resp.json()
+                assert resp.status == want, answer
+                if want == 400:
+                    assert answer["error"]["param"] == "lora_path" and words in answer["error"]["message"], answer
+                    assert "--allowed-local-roots" in answer["error"]["message"], answer
+    assert "--allowed-local-roots not given: local adapter paths must lie in" in log.read_text()
 
 
 async def test_admin_api_and_catalog_refuse_paths_outside_the_roots(assets, layout, tmp_path):
