@@ -119,8 +119,8 @@ class ConstraintCompiler:
     ones compile at once, one per worker. A compile is bounded by ``timeout_s`` (its worker
     is killed past it) and stopped when its last waiter leaves (:meth:`compile_async`
     cancelled). ``max_bytes`` bounds a constraint's text. Both are the server's settings
-    (``structured_max_bytes``, ``structured_compile_timeout_s``; None: their defaults). Thread-safe: the lock guards the
-    cache and the waiter counts only, never a compile.
+    (``structured_max_bytes``, ``structured_compile_timeout_s``; None: their defaults).
+    Thread-safe: the lock guards the cache and the waiter counts only, never a compile.
     """
 
     def __init__(
@@ -144,6 +144,7 @@ class ConstraintCompiler:
         self._workers: GrammarWorkers | None = None
         self._cache: OrderedDict[StructuredOutput, _Compile] = OrderedDict()
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # builds the tokenizer tables and the pool, once
         # One thread per compile in flight (each waits on its worker); queued ones count
         # against their wait bound from submission.
         self._threads = concurrent.futures.ThreadPoolExecutor(
@@ -155,7 +156,7 @@ class ConstraintCompiler:
     @property
     def workers(self) -> GrammarWorkers:
         """The compile worker pool (started on first use)."""
-        with self._lock:
+        with self._start_lock:
             if self._workers is None:
                 self._workers = GrammarWorkers(
                     self._tokenizer_info().serialize_json(), max_workers=self._max_workers
@@ -188,7 +189,7 @@ class ConstraintCompiler:
 
     def close(self) -> None:
         """Stop the compile workers."""
-        with self._lock:
+        with self._start_lock:
             workers = self._workers
         if workers is not None:
             workers.close()
