@@ -214,10 +214,12 @@ async def get_lora_catalog(request: web.Request) -> web.Response:
 
 
 async def put_lora_catalog(request: web.Request) -> web.Response:
-    """``PUT /v1/lora_catalog``: replace the catalog (the operator's push); idempotent."""
+    """``PUT /v1/lora_catalog``: replace the catalog (the operator's push); idempotent.
+    Taken while the model still loads too, so a new pod is confirmed by the time it serves."""
     state = request.app[STATE]
     check_bearer(request, state.admin_token)
-    state.require_engine()
+    if state.engine is not None or state.load_error or state.draining:
+        state.require_engine()  # a pod that failed or shuts down takes no catalog
     try:
         entries = parse_catalog(await read_body(request), reserved=state.base_names)
     except CatalogError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import aiohttp
 import pytest
@@ -18,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
 from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings, adapter_digest
-from loraserve.runtime.server import STATE, build_app
+from loraserve.runtime.server import STATE, build_app, wait_until_ready
 
 from .catalog_helpers import SlowFiles, catalog_listing, engine_keys, put_catalog, stream, wait_for
 from .conftest import Server, make_config, running_server
@@ -196,6 +197,37 @@ async def test_catalog_confirm_holds_readiness_until_the_first_push(assets, tmp_
         got = await stream(srv, "unknown", TOKENS)
         assert got.status == 404 and got.error["code"] == "model_not_found", got
         assert (await catalog_listing(srv))["confirmed"] is True
+
+
+async def test_a_push_while_the_model_loads_confirms_the_pod(assets, tmp_path):
+    """The operator pushes to a pod still loading its model: taken at once (before: 503
+    ``model_loading``), so the pod turns Ready as soon as the model serves."""
+    a = str(assets.demo.adapters["sql-r8"])
+    config = make_config(assets, adapters={})
+    config.lora.catalog_confirm = True
+    gate = threading.Event()
+
+    def factory(metrics):
+        gate.wait(60)
+        return build_engine(config, observer=metrics)
+
+    app = build_app(config, factory, sources=SourceSettings(cache_dir=tmp_path))
+    server = TestServer(app)
+    await server.start_server()
+    session = aiohttp.ClientSession()
+    srv = Server(app=app, server=server, session=session, config=config)
+    try:
+        status, body = await srv.get("/ready")
+        assert status == 503 and body["error"]["code"] == "model_loading", body
+        assert (await put_catalog(srv, [{"name": "a", "source": a}]))[0] == 200
+        gate.set()
+        await wait_until_ready(app)
+        assert (await srv.get("/ready"))[0] == 200
+        assert (await stream(srv, "a", TOKENS)).status == 200
+    finally:
+        gate.set()
+        await session.close()
+        await server.close()
 
 
 async def test_the_catalog_refuses_control_characters_newlines_and_the_base_name(server, assets):
