@@ -30,9 +30,13 @@ async def server(assets, tmp_path_factory) -> AsyncIterator[Server]:
     config = make_config(assets)
     config.server.structured_compile_timeout_s = TIMEOUT_S
     async with running_server(config, tmp_path_factory.mktemp("structured")) as srv:
-        # The worker pool's first start (the forkserver imports xgrammar) is not a compile.
-        status, body = await srv.post("/v1/completions", _body(guided_regex="warm"))
-        assert status == 200, body
+        # The worker pool's first start (the forkserver imports xgrammar) is not a compile:
+        # two constraints at once leave two workers started and idle.
+        answers = await asyncio.gather(
+            *(srv.post("/v1/completions", _body(guided_regex=w)) for w in ("a", "b"))
+        )
+        assert [status for status, _ in answers] == [200, 200], answers
+        assert len(srv.engine.constraint_compiler().workers.pids()) == 2
         yield srv
 
 
