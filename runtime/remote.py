@@ -227,6 +227,20 @@ PRIVATE_FIX = (
 )
 
 
+def internal_address(subject: str, host: str, address: str) -> SourceError | None:
+    """The refusal of ``host`` for resolving to ``address`` when that address is internal
+    (loopback, private, ...), else None. The address itself is not shown: a caller must not
+    learn the internal network's layout from the message."""
+    kind = address_kind(address)
+    if kind is None:
+        return None
+    where = "is" if host.strip("[]").lower() == address.lower() else "resolves to"
+    return SourceError(
+        f"{subject}: host {host!r} {where} a {kind} address, which remote sources may not reach unless "
+        f"allowed; {PRIVATE_FIX}"
+    )
+
+
 class GuardedConnector(aiohttp.TCPConnector):
     """A connector that connects only to the addresses it has checked.
 
@@ -250,13 +264,8 @@ class GuardedConnector(aiohttp.TCPConnector):
         if name in self._exempt:
             return results
         for result in results:
-            if kind := address_kind(str(result["host"])):
-                literal = name.strip("[]") == str(result["host"]).lower()
-                where = "is" if literal else "resolves to"
-                raise SourceError(
-                    f"{self._subject}: host {name!r} {where} a {kind} address, which remote sources may not "
-                    f"reach unless allowed; {PRIVATE_FIX}"
-                )
+            if problem := internal_address(self._subject, name, str(result["host"])):
+                raise problem
         return results
 
 

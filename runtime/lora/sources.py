@@ -85,6 +85,7 @@ from ..remote import (
     fetch_to,
     fsync_dir,
     fsync_tree,
+    internal_address,
     listing_digest,
     open_session,
     public_url,
@@ -314,6 +315,63 @@ async def resolve_source(
         return await _resolve_remote(parsed, settings, sha256, progress)
     except SourceError as exc:
         raise _redacted(exc, parsed, settings) from exc.__cause__
+
+
+async def check_source(source: str, settings: SourceSettings) -> None:
+    """Refuse, as :func:`resolve_source` would, what can be judged without fetching (a catalog
+    PUT's check): the syntax and control characters, a relative path or one outside the
+    allowed roots (symlinks followed; absent paths are left to the load), a pvc:// path out
+    of its claim, a host outside ``remote_hosts``, a host that resolves to an internal
+    address now. Raises :class:`SourceError` with the same message the load would give.
+
+    The load checks again at connect time: a host whose DNS answer changes later is refused
+    then. A name that does not resolve now is left to the load (it may be transient).
+    """
+    parsed = parse_source(source, allow_http=settings.env.get("LORASERVE_ALLOW_HTTP_SOURCES", "") == "1")
+    try:
+        if parsed.scheme == "file":
+            if not os.path.isabs(parsed.path) or settings.allowed_roots:
+                await _resolve_local_checks(parsed, settings)
+        elif parsed.scheme == "pvc":
+            root = _claim_root(parsed, settings)
+            if os.path.lexists(root / parsed.path):
+                confine(root / parsed.path, [root], subject=parsed.subject, flag="--pvc-root")
+        else:
+            await _check_remote_hosts(parsed, settings)
+    except SourceError as exc:
+        raise _redacted(exc, parsed, settings) from None
+
+
+async def _resolve_local_checks(parsed: ParsedSource, settings: SourceSettings) -> None:
+    """The confinement of a plain path, on what exists of it."""
+    if not os.path.isabs(parsed.path):
+        if settings.allowed_roots:
+            confine(parsed.path, settings.allowed_roots, subject=parsed.subject, files=())
+        raise SourceError(
+            f"{parsed.subject}: a relative path resolves from the server's working directory; give an absolute path"
+        )
+    files = ADAPTER_FILES if os.path.isdir(parsed.path) else ()
+    confine(parsed.path, settings.allowed_roots, subject=parsed.subject, files=files)
+
+
+async def _check_remote_hosts(parsed: ParsedSource, settings: SourceSettings) -> None:
+    """Host list, then (with the address guard on) the addresses each host resolves to now."""
+    hosts = []
+    for _, fetch in _fetches(parsed, settings.env):
+        check_remote_host(fetch.url, settings.remote_hosts, subject=parsed.subject)
+        url = yarl.URL(fetch.url)
+        hosts.append((url.host or "", url.port or 443))
+    if not settings.transport().refuse_private:
+        return
+    loop = asyncio.get_running_loop()
+    for host, port in dict.fromkeys(hosts):
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, port), settings.stall_timeout_s)
+        except (OSError, TimeoutError):
+            continue  # left to the load, which names the failure
+        for info in infos:
+            if problem := internal_address(parsed.subject, host, str(info[4][0])):
+                raise problem
 
 
 def _redacted(exc: SourceError, parsed: ParsedSource, settings: SourceSettings) -> SourceError:

@@ -379,3 +379,39 @@ def test_models_root_never_shows_the_pods_file_layout():
     # Credentials in the URL, a presigned query, a fragment: left out.
     shown = public_root("x", "https://user:secret@h.example:8443/a/b.tar.gz?X-Amz-Signature=abc#frag")
     assert shown == "https://h.example:8443/a/b.tar.gz"
+
+
+async def test_check_source_judges_what_it_can_without_fetching(layout, tmp_path):
+    """What a catalog PUT can refuse at once: the same messages a load would give."""
+    from loraserve.runtime.lora.sources import check_source
+
+    allowed, outside = layout
+    claim = tmp_path / "pvc" / "adapters"
+    claim.mkdir(parents=True)
+    (claim / "out").symlink_to(outside / "sql", target_is_directory=True)
+    settings = _settings(tmp_path, allowed_roots=(str(allowed),))
+    for fine in (
+        str(allowed / "sql"),
+        str(allowed / "not-yet-there"),  # left to the load
+        "pvc://adapters/not-yet-there",
+        "https://offline.invalid/a.tar.gz",  # does not resolve now: left to the load
+        "hf://org/adapters@0123abc",  # a public host (not resolvable here either)
+    ):
+        await check_source(fine, settings)
+    for source, words in (
+        (str(outside / "sql"), "outside the allowed local roots"),
+        (str(allowed / "dir-link"), "outside the allowed local roots"),
+        (str(allowed / "file-link"), "adapter_model.safetensors is a link"),
+        ("sql", "relative path"),
+        ("pvc://adapters/out", "outside the allowed local roots (<pvc root>/adapters; --pvc-root)"),
+        ("/adapters/x\x00y", "control character"),
+        ("https://169.254.169.254/latest/a.tar.gz", "is a link-local address"),
+        ("https://localhost/a.tar.gz", "'localhost' resolves to a loopback address"),
+    ):
+        with pytest.raises(SourceError) as info:
+            await check_source(source, settings)
+        assert info.value.field == "lora_path" and words in str(info.value), (source, str(info.value))
+        assert str(tmp_path / "pvc") not in str(info.value)
+    await check_source("https://localhost/a.tar.gz", _settings(tmp_path, allow_private=True))
+    with pytest.raises(SourceError, match="not an allowed remote source host"):
+        await check_source("https://localhost/a.tar.gz", _settings(tmp_path, remote_hosts=("a.example",)))
