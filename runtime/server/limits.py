@@ -344,6 +344,8 @@ class ConnectionGate:
         # Served connections with no request in flight, oldest first, and since when.
         self._idle: OrderedDict[_Connection, float] = OrderedDict()
         self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
+        self._open: set[_Connection] = set()  # served or read for a probe
+        self._sweep: asyncio.Task | None = None
         self.refused = ThrottledLog(self._emit_refused)
         self.evicted = ThrottledLog(self._emit_evicted)
         self.stalled = ThrottledLog(self._emit_stalled)
@@ -351,31 +353,50 @@ class ConnectionGate:
     def __call__(self) -> asyncio.Protocol:
         return _Connection(self)
 
-    def admit(self) -> str:
+    def admit(self, conn: _Connection) -> str:
         """``"served"``, ``"probe"`` or ``"refused"``: what a new connection gets."""
         if self.served >= self.limits.max_connections:
             self._evict_idle()
         if self.served < self.limits.max_connections:
             self.served += 1
+            self._open.add(conn)
             return "served"
         if self.probing < PROBE_RESERVE:
             self.probing += 1
+            self._open.add(conn)
             return "probe"
         self.refused.hit()
         return "refused"
 
     def _evict_idle(self) -> None:
-        if not self._idle:
-            return
-        conn, since = next(iter(self._idle.items()))
-        if asyncio.get_running_loop().time() - since < EVICT_IDLE_S:
+        """Abort the connection idle longest, if idle long enough, with nothing left to send
+        (a slow reader still receiving its last response is left to the write timeout)."""
+        horizon = asyncio.get_running_loop().time() - EVICT_IDLE_S
+        for conn, since in self._idle.items():
+            if since > horizon:
+                return  # the rest are younger
+            if conn.transport is not None and conn.transport.get_write_buffer_size() == 0:
+                break
+        else:
             return
         self._forget(conn)
         conn.kind = "evicted"  # no longer counted: the new connection takes its place
         self.served -= 1
         self.evicted.hit()
-        if conn.transport is not None:
-            conn.transport.close()
+        conn.transport.abort()  # at once: its file descriptor is the new connection's
+
+    def start(self) -> None:
+        """Check every open connection's output once per tick (the write timeout)."""
+        self._sweep = asyncio.get_running_loop().create_task(self._check_outputs())
+
+    async def _check_outputs(self) -> None:
+        loop = asyncio.get_running_loop()
+        tick = min(1.0, self.limits.write_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for conn in list(self._open):
+                conn.check_output(now)
 
     def serving(self, conn: _Connection) -> None:
         """``conn`` is served and waits for its first request."""
@@ -402,6 +423,7 @@ class ConnectionGate:
         elif conn.kind == "probe":
             self.probing -= 1
         self._forget(conn)
+        self._open.discard(conn)
 
     def _forget(self, conn: _Connection) -> None:
         self._idle.pop(conn, None)
@@ -434,6 +456,8 @@ class ConnectionGate:
         )
 
     def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
         for throttled in (self.refused, self.evicted, self.stalled):
             throttled.close()
 
@@ -449,11 +473,12 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._head = b""  # a probe candidate's first bytes
         self._timer: asyncio.TimerHandle | None = None
-        self._unsent = 0  # the output buffered when the current stall check began
+        self._unsent = 0  # output waiting in the transport at the last check
+        self._stalled_since = 0.0  # since when it has not shrunk
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.kind = self.gate.admit()
+        self.kind = self.gate.admit(self)
         if self.kind == "served":
             self.gate.serving(self)
             self._serve(b"")
@@ -502,33 +527,27 @@ class _Connection(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        # The transport's buffer is over its high-water mark: the client is not keeping up.
-        assert self.inner is not None and self.transport is not None
-        self._unsent = self.transport.get_write_buffer_size()
-        self._arm(self._check_stall)
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._cancel_timer()
         if self.inner is not None:
             self.inner.resume_writing()
 
-    def _arm(self, callback: Callable[[], None]) -> None:
-        self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(self.gate.limits.write_timeout_s, callback)
-
-    def _check_stall(self) -> None:
-        """A write-timeout after a pause: abort unless some output went out meanwhile."""
-        self._timer = None
-        if self.transport is None or self.transport.is_closing():
+    def check_output(self, now: float) -> None:
+        """Abort the connection when output has waited ``write_timeout_s`` in its buffer
+        without any of it going out (the client reads nothing): whether its handler is
+        blocked on the full buffer or has ended and the close waits for the flush."""
+        if self.transport is None:
             return
         unsent = self.transport.get_write_buffer_size()
-        if unsent < self._unsent:
-            self._unsent = unsent
-            self._arm(self._check_stall)
+        if unsent == 0 or self._unsent == 0 or unsent < self._unsent:
+            self._unsent, self._stalled_since = unsent, now  # idle, a new stall, or progress
             return
-        self.gate.stalled.hit()
-        self.transport.abort()  # connection_lost cancels the handler, which aborts its requests
+        self._unsent = unsent
+        if now - self._stalled_since >= self.gate.limits.write_timeout_s:
+            self.gate.stalled.hit()
+            self.transport.abort()  # connection_lost cancels the handler, which aborts its requests
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -564,6 +583,7 @@ class FrontDoor:
         loop = asyncio.get_running_loop()
         gate = ConnectionGate(runner.server, limits)
         app[_CUTOFF].gate = gate  # handlers mark their connection busy
+        gate.start()
         accept_errors = AcceptErrorLog(loop)
         servers = [await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG) for sock in sockets]
         return cls(runner=runner, gate=gate, servers=servers, accept_errors=accept_errors)
