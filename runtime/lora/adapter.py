@@ -7,7 +7,8 @@ them can run arbitrary code. Whole copies of the base ``embed_tokens`` / ``lm_he
 model's weight and dropped when equal, refused when not; options that make the adapter
 compute something other than ``W + s·B·A`` on the shared base (``modules_to_save``,
 DoRA, layer replication, ...) are refused, naming the option. Every check runs before anything is handed to the
-manager, so a rejected adapter leaves the pool untouched.
+manager, so a rejected adapter leaves the pool untouched. On a mixture-of-experts base, LoRA on
+the experts and the router is read in every layout peft writes (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 
 from ..contract.config import LORA_MODULES
 from ..model.arch import ModelArchConfig
+from ..model.moe import MIXTRAL_NAMES
 from .errors import AdapterError
+from .experts import ROUTER, check_patterns, declared_modules, is_moe_tensor, take_moe_weights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -61,7 +64,10 @@ _UNSERVED_OPTIONS = (
         "does not implement: retrain as a plain LoRA",
     ),
     ("use_qalora", f"QA-LoRA pools lora_A's input by groups, {_PLAIN}"),
-    ("target_parameters", "LoRA on parameters (e.g. MoE experts) is not supported: target modules instead"),
+    (
+        "target_parameters",
+        "LoRA on parameters is served only for the experts of a mixture-of-experts base model: target modules instead",
+    ),
     ("use_bdlora", _PLAIN),
     ("monteclora_config", _PLAIN),
     ("velora_config", _PLAIN),
@@ -82,15 +88,17 @@ class AdapterWeights:
     """
 
     path: Path
-    rank: int
+    rank: int  # the slot rank: the largest module's (peft's fused MoE gate_up_proj may double r)
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]
     weights: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    declared_rank: int | None = None  # adapter_config.json's r where it differs from ``rank``
 
     @property
     def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+        rank = self.declared_rank or self.rank
+        return self.alpha / math.sqrt(rank) if self.use_rslora else self.alpha / rank
 
     @property
     def num_bytes(self) -> int:
@@ -111,8 +119,10 @@ def _outside(message: str, field: str, modules: list[str]) -> AdapterError:
     return err
 
 
-def read_adapter_config(path: Path) -> dict:
-    """Parse and sanity-check ``adapter_config.json``; returns the raw dict."""
+def read_adapter_config(path: Path, *, moe: ModelArchConfig | None = None) -> dict:
+    """Parse and sanity-check ``adapter_config.json``; returns the raw dict. ``moe``: the
+    base model, when it is a mixture of experts (its expert options are judged by
+    :mod:`.experts` instead)."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         # peft saves an adapter not named "default" in a folder of its name
@@ -144,7 +154,11 @@ def read_adapter_config(path: Path) -> dict:
     ):
         if raw.get(key):
             raise _fail(f"{key} is set: {what} are not supported; retrain without {key}", key)
-    for key in ("rank_pattern", "alpha_pattern"):
+    if moe is not None:
+        check_patterns(raw, moe)
+    elif raw.get("target_parameters"):  # named before the rank_pattern peft writes beside it
+        raise _fail(f"target_parameters={raw['target_parameters']!r}: {dict(_UNSERVED_OPTIONS)['target_parameters']}", "target_parameters")
+    for key in ("rank_pattern", "alpha_pattern") if moe is None else ():
         if raw.get(key):
             raise _fail(
                 f"{key} is set: per-module ranks/alphas are not supported; retrain with one r and lora_alpha",
@@ -162,7 +176,7 @@ def read_adapter_config(path: Path) -> dict:
             "modules_to_save",
         )
     for key, reason in _UNSERVED_OPTIONS:
-        if raw.get(key):
+        if raw.get(key) and not (moe is not None and key == "target_parameters"):
             raise _fail(f"{key}={raw[key]!r}: {reason}", key)
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
@@ -202,13 +216,16 @@ def load_adapter(
     equal, refused when not.
     """
     path = Path(path)
-    raw = read_adapter_config(adapter_dir(path, "adapter"))
+    raw = read_adapter_config(adapter_dir(path, "adapter"), moe=arch if arch.moe is not None else None)
     pool = tuple(pool_modules)
     rank, alpha, use_rslora = read_scaling(raw, max_rank=max_rank, limit="lora.max_rank", what="adapter")
+    moe_declared = declared_modules(raw, arch)
 
     declared = raw.get("target_modules")
     if isinstance(declared, list):
         names = [str(m).rsplit(".", 1)[-1] for m in declared]
+        if arch.moe is not None:  # Mixtral's w1/w3/w2 and the router: read by declared_modules
+            names = [n for n in names if n not in (*MIXTRAL_NAMES, ROUTER)]
         unknown = sorted(set(names) - set(LORA_MODULES))
         if unknown:
             raise _fail(
@@ -216,7 +233,7 @@ def load_adapter(
                 f"adapters may target {list(LORA_MODULES)}",
                 "target_modules",
             )
-        outside = sorted(set(names) - set(pool))
+        outside = sorted((set(names) | moe_declared) - set(pool) - {ROUTER})
         if outside:
             raise _outside(
                 f"target_modules {outside} are not in lora.target_modules {list(pool)}: add them to "
@@ -240,9 +257,18 @@ def load_adapter(
         if module is not None:
             _check_full_copy(full_name, tensors.pop(full_name), module, base_tensor)
 
+    moe_tensors = {
+        full.removeprefix("base_model.model."): (full, t)
+        for full, t in tensors.items()
+        if arch.moe is not None and is_moe_tensor(full.removeprefix("base_model.model."))
+    }
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    moe_weights = take_moe_weights(moe_tensors, raw, arch, scaling=scaling, use_rslora=use_rslora, dtype=dtype)
     parts: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     for full_name, tensor in tensors.items():
         name = full_name.removeprefix("base_model.model.")
+        if name in moe_tensors:
+            continue
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
         if module not in pool:
@@ -253,7 +279,14 @@ def load_adapter(
                 [module],
             )
         parts.setdefault(key, {})[which] = tensor
-    if not parts:
+    for module, _ in moe_weights:
+        if module != ROUTER and module not in pool:
+            raise _fail(
+                f"the adapter adapts the experts' {module}, which is not in lora.target_modules {list(pool)}: "
+                f"add {module} to lora.target_modules or use an adapter without it",
+                "target_modules",
+            )
+    if not parts and not moe_weights:
         raise _fail(f"{weights_path} holds no LoRA tensors (lora_A / lora_B)", WEIGHTS_FILE)
 
     weights: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -283,9 +316,19 @@ def load_adapter(
         if module == "embed_tokens":
             a = a.t()
         weights[key] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
-    modules = tuple(sorted({m for m, _ in weights}, key=LORA_MODULES.index))
-    if isinstance(declared, list):
-        names = {str(m).rsplit(".", 1)[-1] for m in declared}
+    weights.update(moe_weights)
+    order = (*LORA_MODULES, ROUTER)
+    modules = tuple(sorted({m for m, _ in weights}, key=order.index))
+    slot_rank = max(b.shape[-1] for _, b in weights.values())
+    if slot_rank > max_rank:
+        raise _fail(
+            f"the adapter's fused expert gate_up_proj has rank {slot_rank} (peft fuses gate_proj and up_proj at "
+            f"twice r={rank}), which exceeds lora.max_rank={max_rank}: raise lora.max_rank to at least {slot_rank}",
+            "r",
+        )
+    if isinstance(declared, list) or moe_declared:
+        names = {str(m).rsplit(".", 1)[-1] for m in declared} if isinstance(declared, list) else set()
+        names |= moe_declared
         if raw.get("ensure_weight_tying") and names & _TIED_PAIR:
             # peft ties the lm_head adapter to the embed_tokens one (or the reverse) on a model
             # with tied embeddings and saves both, declaring only one: each is served as saved.
@@ -298,11 +341,12 @@ def load_adapter(
             )
     return AdapterWeights(
         path=path.resolve(),
-        rank=rank,
+        rank=max(rank, slot_rank),
         alpha=float(alpha),
         use_rslora=use_rslora,
         target_modules=modules,
         weights=weights,
+        declared_rank=rank if slot_rank > rank else None,
     )
 
 
@@ -364,6 +408,14 @@ def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple
             raise _fail(
                 f"tensor {full_name!r} names layer {layer}, but the base model has {arch.num_layers} layers: "
                 "the adapter was trained for a different base model",
+                full_name,
+            )
+        if arch.is_moe_layer(layer) and m.group(2) in ("gate_proj", "up_proj", "down_proj"):
+            raise _fail(
+                f"tensor {full_name!r} adapts a dense MLP module, but layer {layer} of this {arch.architecture} is "
+                "a mixture of experts: expert LoRA is read per expert (mlp.experts.N.gate_proj) or fused "
+                "(peft target_parameters mlp.experts.gate_up_proj / down_proj); the adapter was trained for a "
+                "different base model",
                 full_name,
             )
         return (m.group(2), layer), m.group(3)

@@ -282,8 +282,8 @@ class SlotPool:
             hook.A[slot].zero_()
             hook.B[slot].zero_()
         R = self.max_rank
-        r = adapter.rank
         for (module, layer), (a, b) in adapter.weights.items():
+            r = b.shape[-1]  # this module's rank (at most the slot's, adapter.rank)
             if module in GROUP_OF:
                 group, part = GROUP_OF[module]
                 hook = self.hooks[(group, layer)]

@@ -115,3 +115,182 @@ def test_incomplete_expert_checkpoint_is_named(moe_models, make_runner, tmp_path
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
         make_runner(tmp_path / "m")
+
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_ADAPTERS = {
+    # name: (model, build_adapter kwargs); peft (transformers 5) turns expert targets into
+    # target_parameters on the fused experts, gate_up_proj at double rank
+    "qwen-attn": ("qwen3-moe", {"target_modules": ATTN, "seed": 51}),
+    "qwen-all": ("qwen3-moe", {"target_modules": (*ATTN, "gate_proj", "up_proj", "down_proj", "gate"), "seed": 52}),
+    "qwen-norm-experts": ("qwen3-moe-norm", {"target_modules": ("gate_proj", "up_proj", "down_proj"), "seed": 53}),
+    "mixtral-all": ("mixtral", {"target_modules": ("q_proj", "v_proj", "w1", "w2", "w3", "gate"), "seed": 54}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_adapters(moe_models, tmp_path_factory):
+    from loraserve.runtime.dev.devmodels import build_adapter
+
+    root = tmp_path_factory.mktemp("moe_adapters")
+    return {
+        name: build_adapter(root / name, moe_models[model], rank=4, alpha=8, **kw)
+        for name, (model, kw) in MOE_ADAPTERS.items()
+    }
+
+
+def test_peft_writes_fused_expert_lora_at_double_rank(moe_adapters):
+    """What the installed peft saves, which the runtime reads."""
+    from safetensors import safe_open
+
+    raw = json.loads((moe_adapters["qwen-all"] / "adapter_config.json").read_text())
+    assert sorted(raw["target_parameters"]) == ["down_proj", "gate.weight", "gate_up_proj"]
+    assert raw["rank_pattern"] == {r".*\.gate_up_proj": 8} and raw["alpha_pattern"] == {r".*\.gate_up_proj": 16}
+    with safe_open(str(moe_adapters["qwen-all"] / "adapter_model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert shapes["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (8 * 4, 64)
+    assert shapes["base_model.model.model.layers.0.mlp.gate.lora_B.weight"] == (4, 4)
+
+
+@pytest.mark.parametrize("adapter", sorted(MOE_ADAPTERS))
+def test_moe_adapter_matches_peft(adapter, moe_models, moe_adapters, make_runner, hf_model, ops):
+    model_dir = moe_models[MOE_ADAPTERS[adapter][0]]
+    runner = make_runner(model_dir, adapters={adapter: moe_adapters[adapter]})
+    reference = hf_model(model_dir, moe_adapters[adapter])
+    with torch.no_grad():
+        _check_modes(runner, reference, ops, names=[adapter, adapter], seed=5)
+        # one batch, rows of the adapter and of the base model: each row its own experts' deltas
+        prompts = [torch.arange(3, 14), torch.arange(20, 27)]
+        out = ops.extend(runner, ["a", "b"], prompts, names=[adapter, None], all_logits=True)
+        with_adapter, base = reference(prompts[0][None]).logits[0], hf_model(model_dir)(prompts[1][None]).logits[0]
+        torch.testing.assert_close(out.logits[:11], with_adapter, atol=2e-4, rtol=0)
+        torch.testing.assert_close(out.logits[11:], base, atol=2e-4, rtol=0)
+        assert (with_adapter - hf_model(model_dir)(prompts[0][None]).logits[0]).abs().max() > 1e-2
+
+
+def _per_expert_adapter(fused_dir, dest, arch_name: str):
+    """The layout adapters saved before transformers 5 hold: one LoRA per expert module
+    (``mlp.experts.N.gate_proj``, Mixtral's ``block_sparse_moe.experts.N.w1``), written from
+    a fused peft adapter whose gate_up B is first made block-diagonal (gate rows read the
+    first r ranks, up rows the last r: what two separate LoRAs compute). Returns the
+    block-diagonal fused adapter (the oracle's) and the per-expert one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    oracle = dest / "fused-blockdiag"
+    shutil.copytree(fused_dir, oracle)
+    raw = json.loads((fused_dir / "adapter_config.json").read_text())
+    tensors = load_file(str(fused_dir / "adapter_model.safetensors"))
+    r, experts = raw["r"], 4
+    mixtral = arch_name == "mixtral"
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+    block = "block_sparse_moe" if mixtral else "mlp"
+    fused_out, per_expert = {}, {}
+    for name, t in tensors.items():
+        if ".experts." not in name and not name.endswith(
+            (".experts.lora_A.weight", ".experts.lora_B.weight")
+        ) and ".experts.base_layer." not in name:
+            fused_out[name] = per_expert[name.replace(".mlp.gate.", f".{block}.gate.")] = t
+    layers = {n.split(".layers.")[1].split(".")[0] for n in tensors if ".experts" in n}
+    for layer in sorted(layers, key=int):
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+        for depth in ("", ".base_layer"):
+            a, b = tensors[f"{prefix}{depth}.lora_A.weight"], tensors[f"{prefix}{depth}.lora_B.weight"]
+            rank = a.shape[0] // experts
+            a3 = a.reshape(experts, rank, -1)
+            b3 = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1).clone()
+            if rank == 2 * r:  # gate_up: keep the diagonal blocks only
+                half = b3.shape[1] // 2
+                b3[:, :half, r:] = 0
+                b3[:, half:, :r] = 0
+                parts = {"gate_proj": (a3[:, :r], b3[:, :half, :r]), "up_proj": (a3[:, r:], b3[:, half:, r:])}
+            else:
+                parts = {"down_proj": (a3, b3)}
+            fused_out[f"{prefix}{depth}.lora_A.weight"] = a
+            fused_out[f"{prefix}{depth}.lora_B.weight"] = b3.permute(1, 2, 0).reshape(b.shape[0], -1).contiguous()
+            for module, (pa, pb) in parts.items():
+                for e in range(experts):
+                    stem = f"base_model.model.model.layers.{layer}.{block}.experts.{e}.{names.get(module, module)}"
+                    per_expert[f"{stem}.lora_A.weight"] = pa[e].contiguous()
+                    per_expert[f"{stem}.lora_B.weight"] = pb[e].contiguous()
+    save_file(fused_out, str(oracle / "adapter_model.safetensors"))
+    old = dest / "per-expert"
+    old.mkdir()
+    modules = [m for m in raw["target_modules"]] + [names.get(m, m) for m in ("gate_proj", "up_proj", "down_proj")]
+    if "gate.weight" in raw["target_parameters"]:
+        modules.append("gate")
+    old_raw = {**raw, "target_modules": modules, "target_parameters": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (old / "adapter_config.json").write_text(json.dumps(old_raw))
+    save_file(per_expert, str(old / "adapter_model.safetensors"))
+    return oracle, old
+
+
+@pytest.mark.parametrize("adapter", ["qwen-all", "mixtral-all"])
+def test_per_expert_layout_matches_peft(adapter, moe_models, moe_adapters, make_runner, hf_model, ops, tmp_path):
+    model = MOE_ADAPTERS[adapter][0]
+    oracle, old = _per_expert_adapter(moe_adapters[adapter], tmp_path, load_arch_config(moe_models[model]).family)
+    runner = make_runner(moe_models[model], adapters={"old": old})
+    with torch.no_grad():
+        _check_modes(runner, hf_model(moe_models[model], oracle), ops, names=["old", "old"], seed=6)
+
+
+def _edit_adapter(src, dest, *, config=None, tensors=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    raw = json.loads((src / "adapter_config.json").read_text())
+    (dest / "adapter_config.json").write_text(json.dumps({**raw, **(config or {})}))
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(dest / "adapter_model.safetensors"))
+    return dest
+
+
+def _load(model_dir, adapter, max_rank=16):
+    from loraserve.runtime.contract.config import LORA_MODULES
+    from loraserve.runtime.lora.adapter import load_adapter
+
+    return load_adapter(
+        adapter, arch=load_arch_config(model_dir), max_rank=max_rank, pool_modules=LORA_MODULES, dtype=torch.float32
+    )
+
+
+def test_unserved_moe_layouts_are_refused_by_name(moe_models, moe_adapters, tmp_path):
+    from loraserve.runtime.lora.errors import AdapterError
+
+    model, src = moe_models["qwen3-moe"], moe_adapters["qwen-all"]
+    params = ["mlp.experts.gate_up_proj", "mlp.shared_expert_gate.weight"]
+    bad_param = _edit_adapter(src, tmp_path / "p", config={"target_parameters": params})
+    with pytest.raises(AdapterError, match=r"shared_expert_gate\.weight.*not served") as err:
+        _load(model, bad_param)
+    assert err.value.field == "target_parameters"
+    key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
+    bad_shape = _edit_adapter(src, tmp_path / "s", tensors=lambda w: {**w, key: w[key][:, :40].contiguous()})
+    with pytest.raises(AdapterError, match="fits neither fused expert parameter") as err:
+        _load(model, bad_shape)
+    assert err.value.field == key
+    dense = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
+    on_moe_layer = _edit_adapter(src, tmp_path / "d", tensors=lambda w: {**w, dense: torch.zeros(4, 64)})
+    with pytest.raises(AdapterError, match="layer 0 of this Qwen3MoeForCausalLM is a mixture of experts"):
+        _load(model, on_moe_layer)
+    with pytest.raises(AdapterError, match=r"gate_up_proj has rank 8.*lora\.max_rank=4"):
+        _load(model, src, max_rank=4)
+    with pytest.raises(AdapterError, match="target_parameters") as err:
+        _load_dense_with_params(tmp_path, src)
+    assert err.value.field == "target_parameters"
+
+
+def _load_dense_with_params(tmp_path, src):
+    """An expert adapter on a dense model is refused before its tensors are read."""
+    dense = build_tiny_model(tmp_path / "dense", architecture="qwen3", num_layers=1, head_dim=16)
+    return _load(dense, src)
+
+
+def test_moe_adapter_slot_rank_and_scaling(moe_models, moe_adapters):
+    weights = _load(moe_models["qwen3-moe"], moe_adapters["qwen-all"])
+    assert (weights.rank, weights.declared_rank, weights.scaling) == (8, 4, 2.0)
+    a, b = weights.weights[("gate_proj", 0)]
+    assert a.shape == (4, 8, 64) and b.shape == (4, 48, 8)
+    assert ("gate", 2) in weights.weights and ("gate_proj", 1) not in weights.weights  # layer 1 is dense
