@@ -578,6 +578,17 @@ class Heartbeat:
 LOCK_POLL_S = 0.05
 
 
+def _fresh_mtime(path: Path) -> int:
+    """The lock file's modification time as the server has it now: opened afresh, because
+    NFS revalidates a file's attributes on open (close-to-open consistency) and may serve
+    cached ones, up to a minute old, to a descriptor held open."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.fstat(fd).st_mtime_ns
+    finally:
+        os.close(fd)
+
+
 @contextlib.asynccontextmanager
 async def download_lock(
     path: Path, *, silent_after_s: float, subject: str, what: str, progress: Progress | None = None
@@ -595,7 +606,7 @@ async def download_lock(
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         waiting_since = None
-        seen, quiet_since = os.fstat(fd).st_mtime_ns, time.monotonic()
+        seen, quiet_since = _fresh_mtime(path), time.monotonic()
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -610,7 +621,7 @@ async def download_lock(
                 waiting_since = now
                 if progress is not None:
                     progress.enter("waiting", what)
-            mtime = os.fstat(fd).st_mtime_ns
+            mtime = _fresh_mtime(path)
             if mtime != seen:
                 seen, quiet_since = mtime, now
                 if progress is not None:
