@@ -5,8 +5,10 @@ Start-up refuses to run a configuration the compatibility policy
 prints its warnings. The model then loads in the background while ``/health`` already
 answers; ``/ready`` turns 200 once it serves. SIGTERM (and SIGINT) drain: the socket keeps
 listening, ``/ready`` answers 503 and new requests 503 with ``Retry-After``, in-flight ones
-get ``--drain-timeout`` seconds to finish (a second signal cuts the wait short), the rest
-are aborted, and the process exits 0.
+get ``--drain-timeout`` seconds to finish (a second signal cuts the wait short); then those
+that have not begun their answer get 503 ``shutting_down``, the rest are aborted, and the
+process exits 0. Clients are held to the limits of :mod:`.server.limits` (header, body and
+write timeouts, a connection cap below the file limit).
 """
 
 from __future__ import annotations

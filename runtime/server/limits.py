@@ -151,7 +151,6 @@ class _Cutoff:
     cancelled: set[asyncio.Task] = field(default_factory=set)
     started: set[asyncio.Task] = field(default_factory=set)  # those whose response has begun
     gate: ConnectionGate | None = None
-    fired: bool = False
 
 
 _CUTOFF = web.AppKey("loraserve_cutoff", _Cutoff)
@@ -214,7 +213,6 @@ def cut_off(app: web.Application) -> int:
     """The drain timeout has ended: cancel every handler still in flight (those that have not
     started their response answer 503 ``shutting_down``); returns how many."""
     cutoff = app[_CUTOFF]
-    cutoff.fired = True
     for task in list(cutoff.tasks):
         if not task.done():
             cutoff.cancelled.add(task)
@@ -584,9 +582,14 @@ class FrontDoor:
         gate = ConnectionGate(runner.server, limits)
         app[_CUTOFF].gate = gate  # handlers mark their connection busy
         gate.start()
-        accept_errors = AcceptErrorLog(loop)
-        servers = [await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG) for sock in sockets]
-        return cls(runner=runner, gate=gate, servers=servers, accept_errors=accept_errors)
+        door = cls(runner=runner, gate=gate, servers=[], accept_errors=AcceptErrorLog(loop))
+        try:
+            for sock in sockets:
+                door.servers.append(await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG))
+        except BaseException:
+            await door.close()
+            raise
+        return door
 
     async def close(self) -> None:
         """Stop listening, then stop the app (in-flight handlers get ``shutdown_timeout_s``)."""
