@@ -387,11 +387,26 @@ async def _checked_get(
 
 
 def _scrub(text: str, url: str | yarl.URL) -> str:
-    """``text`` without ``url``'s credentials or query string (a library's message may quote it)."""
-    parsed = yarl.URL(str(url), encoded=isinstance(url, yarl.URL))
-    for secret in (parsed.raw_query_string, parsed.raw_password, parsed.password, parsed.query_string):
-        if secret:
+    """``text`` without ``url``'s credentials or query string (a library's message may quote
+    it): the URL becomes its public form, then any password or query string left goes."""
+    return redact(text.replace(str(url), public_url(url)), str(url))
+
+
+MIN_SECRET = 4
+"""Shorter credentials are not looked for inside a message (they would match ordinary words)."""
+
+
+def redact(text: str, url: str) -> str:
+    """``text`` with the password and the query string of ``url`` replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        secrets = [parts.password, parts.query]
+    except ValueError:
+        return text
+    for secret in secrets:
+        if secret and len(secret) >= MIN_SECRET:
             text = text.replace(secret, "***")
+            text = text.replace(urllib.parse.unquote(secret), "***")
     return text
 
 

@@ -89,6 +89,7 @@ from ..remote import (
     listing_digest,
     open_session,
     public_url,
+    redact,
     remove_stale,
     safe_extract,
 )
@@ -378,12 +379,8 @@ def _redacted(exc: SourceError, parsed: ParsedSource, settings: SourceSettings) 
     """``exc`` with the source's secrets and this server's cache and pvc paths taken out,
     whatever part of the code (or a library's message) put them there."""
     message = str(exc)
-    secrets = [parsed.raw] if parsed.is_remote and parsed.raw != parsed.shown else []
-    url = urllib.parse.urlsplit(parsed.raw) if parsed.is_remote else None
-    if url is not None:
-        secrets += [s for s in (url.password, url.query, url.username) if s]
-    for secret in secrets:
-        message = message.replace(secret, parsed.shown if secret == parsed.raw else "***")
+    if parsed.is_remote:
+        message = redact(message.replace(parsed.raw, parsed.shown), parsed.raw)
     for path, label in ((settings.cache_dir, "<adapter cache>"), (settings.pvc_root, "<pvc root>")):
         for form in {str(path).rstrip("/"), os.path.realpath(path)}:
             if form and form != "/":

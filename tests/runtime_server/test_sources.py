@@ -390,3 +390,14 @@ async def test_hung_source_settings_come_from_the_server_config():
     assert defaults.refuse_private and defaults.stall_timeout_s == 30.0
     listed = SourceSettings().with_config(ServerConfig(remote_source_hosts=("a.example",))).transport()
     assert not listed.refuse_private, "a host list is its own guard"
+
+
+def test_a_library_message_quoting_the_url_is_redacted():
+    from loraserve.runtime.remote import public_url, redact
+
+    url = "https://svc:hunter2%21@h.example:8443/a/b.tar.gz?X-Amz-Signature=topsecret#frag"
+    assert public_url(url) == "https://h.example:8443/a/b.tar.gz"
+    text = redact(f"Cannot connect to {url} (auth hunter2!, sig X-Amz-Signature=topsecret)", url)
+    assert "hunter2" not in text and "topsecret" not in text, text
+    # A credential too short to look for does not garble the rest of the message.
+    assert redact("password pp rejected", "https://u:pp@h/x") == "password pp rejected"
