@@ -200,8 +200,6 @@ async def serve_daemon(
         wake_in = None
         if outcome.catalog is not None:
             sync = await _push_catalog(ctx, body, _serve_pods(runtime_pods, namespace, name), outcome.catalog)
-            if sync.again_soon:
-                wake_in = CATALOG_RETRY_S
         changed_spec = ctx.synced_generation.get(key) != generation
         ctx.synced_generation[key] = generation
         for act in outcome.acts:
@@ -223,6 +221,10 @@ async def serve_daemon(
         if changed_spec or outcome.acts or (outcome.catalog is not None and sync.pushed):
             for adapter in adapters:
                 ctx.wakers.wake(adapter_key(namespace, adapter.name))
+        if outcome.catalog is not None and sync.again_soon:
+            wake_in = await _push_until_taken(
+                ctx, key, stopped, body, lambda: _serve_pods(runtime_pods, namespace, name), outcome.catalog
+            )
         return wake_in
 
     try:
@@ -246,6 +248,30 @@ async def _push_catalog(
     spec = parse_loraserve_spec(dict(body.get("spec") or {}))  # parsed already by the pass
     token = await adapter_pass.read_token(ctx, meta["namespace"], meta["name"], spec)
     return await catalog_pass.sync_catalog(ctx, pods, token, entries)
+
+
+async def _push_until_taken(
+    ctx: OperatorContext,
+    key: tuple,
+    stopped: kopf.DaemonStopped,
+    body: Mapping,
+    pods: Callable[[], list[PodView]],
+    entries: tuple,
+) -> float | None:
+    """Push the catalog again every :data:`CATALOG_RETRY_S` while a pod has not taken it (a
+    starting pod loading its model): only the push, not the whole serve pass. Ends when every
+    pod took it (None: sleep until the next event or resync), when an event wakes the serve
+    (its full pass comes next), or after one resync interval (0: a full pass now)."""
+    flag, deadline = ctx.wakers.flag(key), time.monotonic() + ctx.config.resync_interval_s
+    while not stopped and not flag.is_set():
+        if time.monotonic() >= deadline:
+            return 0.0
+        await _sleep(flag, stopped, CATALOG_RETRY_S)
+        if flag.is_set() or stopped:
+            break
+        if not (await _push_catalog(ctx, body, pods(), entries)).again_soon:
+            return None
+    return None
 
 
 def _serve_pods(runtime_pods: kopf.Index, namespace: str, serve: object) -> list[PodView]:

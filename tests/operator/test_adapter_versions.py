@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from loraserve.operator import desired as ds
+from loraserve.operator import handlers
 from loraserve.operator.config import OperatorConfig
 from loraserve.operator.reconcile import adapters as adapter_pass
 from loraserve.operator.reconcile.adapter_state import PodState, PodTrack, PodVersion, RetryPolicy
@@ -56,6 +57,7 @@ class VersionedRuntime:
         self.hold = asyncio.Event()  # loads wait for it when set_hung
         self.hung = False
         self.calls: list[str] = []
+        self.puts_refused = 0
         self.port = 0
 
     def app(self) -> web.Application:
@@ -91,6 +93,9 @@ class VersionedRuntime:
 
     async def put(self, request: web.Request) -> web.Response:
         self.calls.append("put")
+        if self.puts_refused > 0:  # the model is still loading: no engine to take the catalog
+            self.puts_refused -= 1
+            return web.json_response({"error": {"message": "not ready", "code": "not_ready"}}, status=503)
         body = await request.json()
         self.catalog = {e["name"]: e for e in body["adapters"]}
         self.confirmed = True
@@ -229,6 +234,36 @@ async def test_a_starting_pod_that_does_not_answer_is_tried_again_soon(ctx, pods
     sync = await sync_catalog(ctx, [*views, closed, gone], None, (CatalogEntry("sql", "/adapters/sql/v2"),))
     assert set(sync.starting) == {"pod-x"} and not sync.failed and sync.again_soon
     assert "pod-y" not in sync.starting and "pod-y" not in sync.pushed
+
+
+class _Running:
+    """kopf's daemon stop flag, never raised here."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    async def wait(self) -> None:
+        await asyncio.Event().wait()
+
+
+SERVE_BODY = {"metadata": {"name": SERVE, "namespace": NS}, "spec": {"model": {"source": "/models/llama"}}}
+
+
+async def test_a_starting_pod_gets_the_catalog_within_seconds_of_its_model_load(ctx, pods, monkeypatch):
+    """Only the push repeats (every CATALOG_RETRY_S) until the starting pod takes it."""
+    monkeypatch.setattr(handlers, "CATALOG_RETRY_S", 0.1)
+    (fake,), views = await pods(1, ready=False, confirmed=False)
+    fake.puts_refused = 2  # its model is still loading
+    key = ("serve", NS, SERVE)
+    entries = (CatalogEntry("sql", "/adapters/sql/v2"),)
+    assert await handlers._push_until_taken(ctx, key, _Running(), SERVE_BODY, lambda: views, entries) is None
+    assert fake.confirmed is True
+    assert fake.calls.count("put") == 3
+    # An event (a spec change, a pod turning Ready) ends the loop: the full pass comes next.
+    fake.confirmed, fake.puts_refused = False, 100
+    ctx.wakers.wake(key)
+    assert await handlers._push_until_taken(ctx, key, _Running(), SERVE_BODY, lambda: views, entries) is None
+    assert fake.calls.count("put") == 3
 
 
 # --------------------------------------------------------------------------- versions
