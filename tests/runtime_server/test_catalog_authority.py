@@ -272,3 +272,27 @@ async def test_the_longest_catalogued_name_loads_under_its_version_key(server, a
         assert len(next(iter(engine_keys(server, name)))) > 256
     finally:
         assert (await put_catalog(server, []))[0] == 200
+
+
+async def test_a_changed_entry_that_was_loaded_loads_its_new_version_at_once(server, assets):
+    """No request needs to come first: the pod that served the old version fetches the new."""
+    a, b = str(assets.demo.adapters["sql-r8"]), str(assets.extra_adapters["extra-1"])
+    assert (await put_catalog(server, [{"name": "pf", "source": a}]))[0] == 200
+    try:
+        assert (await stream(server, "pf", TOKENS)).status == 200
+        assert (await put_catalog(server, [{"name": "pf", "source": b}]))[0] == 200
+        new = CatalogEntry("pf", b)
+        await wait_for(
+            lambda: engine_keys(server, "pf") == {new.key}, "the new version loaded, the old freed"
+        )
+        # Never served here: a changed entry waits for its first request.
+        assert (await put_catalog(server, [{"name": "pf", "source": a}, {"name": "cold", "source": a}]))[
+            0
+        ] == 200
+        assert (await put_catalog(server, [{"name": "pf", "source": a}, {"name": "cold", "source": b}]))[
+            0
+        ] == 200
+        await wait_for(lambda: engine_keys(server, "pf") == {CatalogEntry("pf", a).key}, "pf back on a")
+        assert engine_keys(server, "cold") == set()
+    finally:
+        assert (await put_catalog(server, []))[0] == 200
