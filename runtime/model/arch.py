@@ -14,17 +14,10 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
+from ..contract.policy.families import ARCHITECTURE_FAMILIES, MOE_FAMILIES
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
-"""Families whose MLP is (in some layers) a sparse mixture of experts."""
+# The families served are the policy's table (the start-up check and admission judge it too).
+SUPPORTED_ARCHITECTURES = ARCHITECTURE_FAMILIES
 
 _DTYPES = {
     "float32": torch.float32,

@@ -294,3 +294,35 @@ def test_moe_adapter_slot_rank_and_scaling(moe_models, moe_adapters):
     a, b = weights.weights[("gate_proj", 0)]
     assert a.shape == (4, 8, 64) and b.shape == (4, 48, 8)
     assert ("gate", 2) in weights.weights and ("gate_proj", 1) not in weights.weights  # layer 1 is dense
+
+
+def _rules(config) -> set[str]:
+    from loraserve.runtime.contract.policy import check_config
+
+    return {v.rule for v in check_config(config).violations}
+
+
+def test_policy_refuses_what_moe_targets_do_not_serve(make_config, moe_models):
+    from loraserve.runtime.contract.config import SpecAlgorithm
+
+    config = make_config(moe_models["mixtral"])
+    config.model.architecture = "MixtralForCausalLM"
+    assert not _rules(config) & {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative", "model-architecture"}
+    config.device, config.cuda_graph.enabled, config.parallel.tensor_parallel_size = "cuda", True, 2
+    config.speculative.algorithm = SpecAlgorithm.NEXTN
+    assert {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"} <= _rules(config)
+    config.model.architecture = "LlamaForCausalLM"  # the same fields on a dense target
+    assert not _rules(config) & {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"}
+    config.model.architecture = "Gemma3ForCausalLM"
+    assert "model-architecture" in _rules(config)
+
+
+def test_startup_refuses_cuda_graphs_on_moe(moe_models, capsys):
+    """The runtime's start-up reads the architecture from config.json and refuses, with the
+    reason, before any weight loads."""
+    from loraserve.runtime.cli import EXIT_CONFIG, main
+
+    code = main(["--model", str(moe_models["qwen3-moe"]), "--device", "cuda", "--cuda-graph", "--check-config"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG
+    assert "per-expert row counts change every step" in err and "cuda" in err

@@ -1,7 +1,8 @@
 """Speculation on mixture-of-experts targets is lossless per adapter: greedy output with
 each algorithm equals output without, for the base model and an adapter on attention,
 experts and router, batched. Qwen3-MoE with n-gram, a dense Qwen3 STANDALONE draft and
-EAGLE3; Mixtral with n-gram and a STANDALONE draft."""
+EAGLE, EAGLE3 and DFLASH (the algorithms the policy serves on MoE targets,
+``policy.families.MOE_SPEC_ALGORITHMS``); Mixtral with n-gram and a STANDALONE draft."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ TARGETS = {
 CASES = [
     ("qwen3_moe", "NGRAM", None),
     ("qwen3_moe", "STANDALONE", "small"),
+    ("qwen3_moe", "EAGLE", "eagle"),
     ("qwen3_moe", "EAGLE3", "eagle3"),
+    ("qwen3_moe", "DFLASH", "dflash"),
     ("mixtral", "NGRAM", None),
     ("mixtral", "STANDALONE", "small"),
 ]
@@ -29,6 +32,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def moe_assets(tmp_path_factory):
     from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model
+    from loraserve.runtime.dev.dflash_builder import build_dflash_draft
     from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("moe_spec")
@@ -39,6 +43,10 @@ def moe_assets(tmp_path_factory):
             "target": target,
             "adapter": build_adapter(root / name / "all", target, rank=4, alpha=8, target_modules=modules, seed=62 + i),
             "small": build_draft_model(root / name / "small", target, architecture=draft_arch, seed=63 + i),
+            "eagle": build_eagle_draft(root / name / "eagle", target, version=1, seed=65 + i, init_std=0.1),
+            "dflash": build_dflash_draft(
+                root / name / "dflash", target, target_layer_ids=[0, 1], block_size=4, seed=66 + i, init_std=0.1
+            ),
             "eagle3": build_eagle_draft(
                 root / name / "eagle3", target, version=3, aux_layer_ids=[1, 2, 3], seed=64 + i, init_std=0.1
             ),

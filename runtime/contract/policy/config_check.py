@@ -11,6 +11,7 @@ from .basic import model_and_placement, normalized, scheduler_and_server
 from .config_warnings import config_warnings
 from .cuda_graphs import gpu_fields, graph_verify_width
 from .draft_adapters import draft_lora_pool
+from .families import model_family
 from .findings import Report
 from .lora import lora_compatibility, lora_pool
 from .speculative import speculative
@@ -21,6 +22,7 @@ def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIE
     config, violations = normalized(config)
     effective, note = effective_config(config)
     violations += model_and_placement(config)
+    violations += model_family(config)
     violations += scheduler_and_server(config)
     violations += gpu_fields(config)
     violations += lora_pool(config)

@@ -1,0 +1,104 @@
+"""Model families: which architectures the runtime serves, and what their mixture-of-experts
+members cannot run beside.
+
+The table is the one source for the runtime's model code (``runtime.model.arch`` reads
+it) and for this policy. The MoE layers run on the torch path (router, per-expert
+gather / ``index_add``): their per-expert row counts change every step, so no CUDA graph
+captures them, and experts are not split over tensor-parallel ranks. Speculation on MoE
+targets is verified lossless (spec-on = spec-off per adapter) for the algorithms in
+:data:`MOE_SPEC_ALGORITHMS`.
+"""
+
+from __future__ import annotations
+
+from ..config import RuntimeConfig, SpecAlgorithm
+from .findings import Kind, Violation
+
+ARCHITECTURE_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+"""config.json ``architectures[0]`` -> the family the runtime's layers implement."""
+
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
+"""Families whose MLP is (in some layers) a sparse mixture of experts."""
+
+MOE_SPEC_ALGORITHMS: tuple[SpecAlgorithm, ...] = (
+    SpecAlgorithm.NONE,
+    SpecAlgorithm.NGRAM,
+    SpecAlgorithm.STANDALONE,
+    SpecAlgorithm.EAGLE,
+    SpecAlgorithm.EAGLE3,
+    SpecAlgorithm.DFLASH,
+)
+"""Speculative algorithms served on an MoE target (each reads only the target's logits and
+hidden states, which the MoE layers produce as a dense layer does)."""
+
+
+def is_moe(architecture: str | None) -> bool:
+    """Whether ``architecture`` (config.json's) is a mixture-of-experts family."""
+    return ARCHITECTURE_FAMILIES.get(architecture or "") in MOE_FAMILIES
+
+
+def model_family(config: RuntimeConfig) -> list[Violation]:
+    """The target's architecture (when known: the runtime reads it from config.json at
+    start-up; a LoRAServe may state it), and what an MoE target cannot run beside."""
+    architecture = config.model.architecture
+    if not architecture:
+        return []
+    if architecture not in ARCHITECTURE_FAMILIES:
+        return [
+            Violation(
+                "model-architecture",
+                "model.architecture",
+                f"{architecture} is not a model family this runtime serves",
+                f"serve a model of one of {', '.join(ARCHITECTURE_FAMILIES)}",
+                kind=Kind.UNAVAILABLE,
+                related=("model.path",),
+            )
+        ]
+    if not is_moe(architecture):
+        return []
+    out: list[Violation] = []
+    if config.cuda_graph.enabled:
+        out.append(
+            Violation(
+                "moe-cuda-graph",
+                "cuda_graph.enabled",
+                f"the mixture-of-experts layers of {architecture} run on the torch path, whose per-expert row "
+                "counts change every step, so no CUDA graph can capture them",
+                "set {cuda_graph.enabled} to false",
+                kind=Kind.UNAVAILABLE,
+                related=("model.architecture",),
+            )
+        )
+    if config.parallel.tensor_parallel_size > 1:
+        out.append(
+            Violation(
+                "moe-tensor-parallel",
+                "parallel.tensor_parallel_size",
+                f"the experts of {architecture} are not split over tensor-parallel ranks (no tensor or expert "
+                "parallelism for mixture-of-experts layers)",
+                "set {parallel.tensor_parallel_size} to 1 and give the pod a GPU that holds the whole model",
+                kind=Kind.UNAVAILABLE,
+                related=("model.architecture",),
+            )
+        )
+    algorithm = SpecAlgorithm(config.speculative.algorithm)
+    if algorithm not in MOE_SPEC_ALGORITHMS:
+        served = ", ".join(a.value for a in MOE_SPEC_ALGORITHMS)
+        out.append(
+            Violation(
+                "moe-speculative",
+                "speculative.algorithm",
+                f"{algorithm.value} is not served on a mixture-of-experts target such as {architecture}",
+                f"set {{speculative.algorithm}} to one of {served}",
+                kind=Kind.UNAVAILABLE,
+                related=("model.architecture",),
+            )
+        )
+    return out
