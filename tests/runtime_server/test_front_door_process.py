@@ -4,7 +4,8 @@
   leaves ``/health`` and a completion answering within seconds, and the log quiet (before:
   both timed out and accept errors wrote 158 MB of log in a minute);
 - a request still waiting on an on-demand adapter load when the drain timeout ends gets
-  503 ``shutting_down`` (before: the connection was dropped without an answer).
+  503 ``shutting_down`` (before: the connection was dropped without an answer);
+- ``--body-timeout`` reaches the server: a withheld body gets 408 at that bound.
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ async def test_drain_end_answers_a_waiting_load(assets, tmp_path):
     url = f"http://127.0.0.1:{port}"
     flags = (
         *("--adapter-catalog", str(catalog), "--allow-private-source-hosts"),
-        *("--adapter-load-timeout", "300", "--drain-timeout", "1"),
+        *("--adapter-load-timeout", "300", "--drain-timeout", "1", "--body-timeout", "1"),
     )
     try:
         with _runtime(assets, port, log, *flags, env={"LORASERVE_ALLOW_HTTP_SOURCES": "1"}) as proc:
             await wait_ready(url, proc, log)
+            assert await _withheld_body(port) < 1 + 4  # --body-timeout, and slack
             async with aiohttp.ClientSession() as session:
                 body = {"model": "slow", "prompt": "x", "max_tokens": 2}
                 waiting = asyncio.create_task(_answer(session, url + "/v1/completions", body))
@@ -154,3 +156,18 @@ async def test_drain_end_answers_a_waiting_load(assets, tmp_path):
 async def _answer(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, dict]:
     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
         return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def _withheld_body(port: int) -> float:
+    """Seconds until a POST announcing 100 bytes and sending 1 gets its 408 ``body_timeout``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.monotonic()
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        took = time.monotonic() - start
+        length = next(int(h[15:]) for h in head.decode().lower().split("\r\n") if h.startswith("content-length:"))
+        assert head.startswith(b"HTTP/1.1 408") and b"body_timeout" in await reader.readexactly(length), head
+        return took
+    finally:
+        writer.close()
