@@ -77,6 +77,7 @@ from ..contract.policy import host_allowed, source_path_problem
 from ..remote import ARCHIVE_SUFFIXES as ARCHIVE_SUFFIXES
 from ..remote import (
     S3_BUCKET_RE,
+    Heartbeat,
     Progress,
     SourceError,
     Transport,
@@ -498,7 +499,7 @@ def _set_aside(final: Path, cache: Path, key: str) -> None:
 
 
 async def _download_and_publish(
-    parsed: ParsedSource, settings: SourceSettings, sha256: str | None, final: Path, key: str, progress: Progress
+    parsed: ParsedSource, settings: SourceSettings, sha256: str | None, final: Path, key: str, progress: Heartbeat
 ) -> Path:
     """Download into a private directory of the cache, verify, flush, then publish with one
     atomic rename. A rename that another writer beat is resolved by looking again."""
@@ -508,9 +509,9 @@ async def _download_and_publish(
         _check_adapter_dir(adapter_dir, parsed.subject)
         if sha256 is not None:
             progress.enter("verifying", parsed.shown)
-        await asyncio.to_thread(verify_digest, adapter_dir, sha256)
+        await progress.during(verify_digest, adapter_dir, sha256)
         (adapter_dir / COMPLETE).write_text(parsed.shown + "\n")
-        await asyncio.to_thread(fsync_tree, adapter_dir)
+        await progress.during(fsync_tree, adapter_dir)
         try:
             os.rename(adapter_dir, final)
         except OSError as exc:

@@ -62,8 +62,10 @@ import yarl
 
 from ..remote import (
     S3_BUCKET_RE,
+    Progress,
     SourceError,
     Transport,
+    download_lock,
     fetch_bytes,
     fetch_to,
     fsync_dir,
@@ -268,46 +270,68 @@ def fetch_model(source: str, dest: str | Path, options: FetchOptions | None = No
     if existing is not None:
         return existing
     dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(dest.parent, f"{dest.name}.partial-*", options.stale_partial_s)
-    partial = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=dest.parent))
-    try:
-        model_dir = _run_download(parsed, partial, options)
-        _drop_pickles(model_dir)
-        _check_model_dir(model_dir, parsed)
-        digest = model_digest(model_dir)
-        if expected is not None and digest != expected:
-            raise SourceError(
-                f"{parsed.subject}: sha256 mismatch: the model's digest is {digest}, --sha256 expects {expected}. "
-                f"Compute it in the model directory with: find . -type f -printf '%P\\n' | LC_ALL=C sort "
-                "| xargs -d '\\n' sha256sum | sha256sum",
-                field="sha256",
-            )
-        files = [p for p in model_dir.rglob("*") if p.is_file()]
-        marker = Marker(
-            source=parsed.shown,
-            sha256=digest,
-            files=len(files),
-            bytes=sum(p.stat().st_size for p in files),
-            fetched_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        )
-        # Data reaches the disk before the marker, and the marker before the rename: a node
-        # crash can never leave a marked DEST with missing bytes.
-        for path in files:
-            fsync_path(path)
-        (model_dir / MARKER).write_text(json.dumps(asdict(marker), indent=2) + "\n")
-        fsync_path(model_dir / MARKER)
+    return _run_on_loop(lambda: _fetch_once(parsed, dest, expected, options))
+
+
+async def _fetch_once(parsed: ModelSource, dest: Path, expected: str | None, options: FetchOptions) -> FetchResult:
+    """Fetch into a private ``DEST.partial-*`` and publish it, holding the destination's lock:
+    pods that share the models volume fetch one at a time, and those that waited find the
+    model there (the adapter cache's protocol, ``remote.download_lock``)."""
+    async with download_lock(
+        dest.parent / f".{dest.name}.lock",
+        silent_after_s=options.connect_timeout_s + 2 * options.read_timeout_s + 5,
+        subject=parsed.subject,
+        what=f"another fetch of {parsed.shown} into {dest}",
+    ) as heartbeat:
+        existing = _existing(dest, parsed, expected)
+        if existing is not None:
+            return existing
+        remove_stale(dest.parent, f"{dest.name}.partial-*", options.stale_partial_s)
+        partial = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=dest.parent))
         try:
-            os.rename(model_dir, dest)
-        except OSError:
-            # Another pod sharing the volume finished first: its model is as good as ours.
-            won = _existing(dest, parsed, expected)
-            if won is None:
-                raise
-            return won
-        fsync_dir(dest.parent)
-        return FetchResult(dest, parsed.shown, digest, marker.files, marker.bytes, downloaded=True)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            model_dir = await _download(parsed, partial, options, heartbeat)
+            return await heartbeat.during(_publish, parsed, model_dir, dest, expected)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish(parsed: ModelSource, model_dir: Path, dest: Path, expected: str | None) -> FetchResult:
+    """Check and verify ``model_dir``, mark it, flush it, then rename it to ``dest``."""
+    _drop_pickles(model_dir)
+    _check_model_dir(model_dir, parsed)
+    digest = model_digest(model_dir)
+    if expected is not None and digest != expected:
+        raise SourceError(
+            f"{parsed.subject}: sha256 mismatch: the model's digest is {digest}, --sha256 expects {expected}. "
+            f"Compute it in the model directory with: find . -type f -printf '%P\\n' | LC_ALL=C sort "
+            "| xargs -d '\\n' sha256sum | sha256sum",
+            field="sha256",
+        )
+    files = [p for p in model_dir.rglob("*") if p.is_file()]
+    marker = Marker(
+        source=parsed.shown,
+        sha256=digest,
+        files=len(files),
+        bytes=sum(p.stat().st_size for p in files),
+        fetched_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    )
+    # Data reaches the disk before the marker, and the marker before the rename: a node
+    # crash can never leave a marked DEST with missing bytes.
+    for path in files:
+        fsync_path(path)
+    (model_dir / MARKER).write_text(json.dumps(asdict(marker), indent=2) + "\n")
+    fsync_path(model_dir / MARKER)
+    try:
+        os.rename(model_dir, dest)
+    except OSError:
+        # A writer outside the lock (a filesystem without locks) finished first: its model
+        # is as good as ours.
+        won = _existing(dest, parsed, expected)
+        if won is None:
+            raise
+        return won
+    fsync_dir(dest.parent)
+    return FetchResult(dest, parsed.shown, digest, marker.files, marker.bytes, downloaded=True)
 
 
 def _existing(dest: Path, parsed: ModelSource, expected: str | None) -> FetchResult | None:
@@ -390,10 +414,13 @@ Request = Callable[[], tuple[str | yarl.URL, dict[str, str]]]
 class _Transfer:
     """One session's downloads for one source, with retries and bounded parallelism."""
 
-    def __init__(self, session: aiohttp.ClientSession, parsed: ModelSource, options: FetchOptions) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, parsed: ModelSource, options: FetchOptions, progress: Progress
+    ) -> None:
         self.session = session
         self.parsed = parsed
         self.options = options
+        self.progress = progress
         self.slots = asyncio.Semaphore(max(1, options.parallel))
 
     async def retrying(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
@@ -421,6 +448,7 @@ class _Transfer:
                 dest,
                 subject=self.parsed.subject,
                 max_bytes=self.options.max_bytes,
+                progress=self.progress,
             )
 
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -516,20 +544,20 @@ def _parse_listing(body: bytes, parsed: ModelSource) -> tuple[list[str], str | N
     return keys, token if truncated else None
 
 
-def _run_download(parsed: ModelSource, partial: Path, options: FetchOptions) -> Path:
-    """:func:`_download` on its own loop. In the main thread, SIGTERM ends it wherever the
-    kernel delivers the signal: a plain handler runs only when the main thread executes, and
-    a stalled read with the signal landing on an idle worker thread never would."""
+def _run_on_loop(work: Callable[[], Awaitable[_T]]) -> _T:
+    """``work()`` on its own loop. In the main thread, SIGTERM ends it wherever the kernel
+    delivers the signal: a plain handler runs only when the main thread executes, and a
+    stalled read with the signal landing on an idle worker thread never would."""
     if threading.current_thread() is not threading.main_thread():
-        return asyncio.run(_download(parsed, partial, options))
+        return asyncio.run(work())
     terminated: list[int] = []
 
-    async def guarded() -> Path:
+    async def guarded() -> _T:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         assert task is not None
         loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), task.cancel()))
-        return await _download(parsed, partial, options)
+        return await work()
 
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -543,7 +571,7 @@ def _run_download(parsed: ModelSource, partial: Path, options: FetchOptions) -> 
             signal.signal(signal.SIGTERM, previous)
 
 
-async def _download(parsed: ModelSource, partial: Path, options: FetchOptions) -> Path:
+async def _download(parsed: ModelSource, partial: Path, options: FetchOptions, progress: Progress) -> Path:
     """Fetch ``parsed`` under ``partial``; return the directory holding the model."""
     transport = Transport(
         ca_file=options.ca_file,
@@ -551,7 +579,7 @@ async def _download(parsed: ModelSource, partial: Path, options: FetchOptions) -
         stall_timeout_s=options.read_timeout_s,
     )
     async with open_session(transport, subject=parsed.subject) as session:
-        transfer = _Transfer(session, parsed, options)
+        transfer = _Transfer(session, parsed, options, progress)
         if parsed.is_archive:
             return await _download_archive(transfer, partial)
         model_dir = partial / "model"

@@ -208,3 +208,55 @@ async def test_a_damaged_cached_copy_is_fetched_again(adapter_dir, tmp_path):
         again = await resolve_source("hf://org/adapters", settings, sha256=digest)
     assert again == got and adapter_digest(again) == digest
     assert hub.hits[f"/org/adapters/resolve/main/{ADAPTER_FILES[1]}"] == 2
+
+
+async def test_fetchers_sharing_a_models_volume_download_once(tmp_path):
+    """``loraserve-fetch`` init containers of several pods, one models volume, one model:
+    the same lock protocol; one downloads, the others find the model there."""
+    model = tmp_path / "src"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (model / "model.safetensors").write_bytes(os.urandom(200_000))
+    archive = tmp_path / "model.tar.gz"
+    shutil.make_archive(str(archive).removesuffix(".tar.gz"), "gztar", model)
+    body, hits = archive.read_bytes(), []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        hits.append(request.path)
+        resp = web.StreamResponse()
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        step = len(body) // 20 + 1
+        for start in range(0, len(body), step):  # about 2 s: the other fetchers arrive meanwhile
+            await resp.write(body[start : start + step])
+            await asyncio.sleep(0.1)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    dest = tmp_path / "models-volume" / "llama"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "LORASERVE_ALLOW_HTTP_SOURCES": "1"}
+    try:
+        source = f"http://127.0.0.1:{server.port}/model.tar.gz"
+        fetchers = [
+            await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", "loraserve.runtime.tools.fetch", source, str(dest)),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+            for _ in range(3)
+        ]
+        outputs = [await asyncio.wait_for(f.communicate(), 120) for f in fetchers]
+    finally:
+        await server.close()
+    for fetcher, (_, err) in zip(fetchers, outputs, strict=True):
+        assert fetcher.returncode == 0, err.decode()[-2000:]
+    said = sorted(out.decode().split(":")[1].strip().split()[0] for out, _ in outputs)
+    assert said == ["already", "already", "fetched"], outputs
+    assert hits == ["/model.tar.gz"], "one download for all"
+    assert (dest / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    assert not list(dest.parent.glob("llama.partial-*"))
