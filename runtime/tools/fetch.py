@@ -31,7 +31,9 @@ Atomic and idempotent: the download lands in ``DEST.partial-<random>`` next to D
 checked (and its digest verified), gets a marker file recording the source and digest, and
 only then is renamed to DEST. When DEST already holds a marked model from the same source
 nothing is downloaded, so a restarting pod starts at once; a marker naming another source is
-an error naming both.
+an error naming both. Pods sharing the volume fetch one at a time (a lock file ``.DEST.lock``
+beside DEST): one downloads while the others wait as long as it shows progress, then find
+the model there.
 
 Exit status: 0 fetched (or already there), 2 bad arguments or a bad source (the message
 names the fix), 1 a transfer failure worth retrying (network, 5xx, local disk).
