@@ -871,15 +871,9 @@ def shown_name(name: str) -> str:
 
 
 def _matches(record: AdapterRecord, entry: CatalogEntry) -> bool:
-    """Whether ``record``'s weights are ``entry``'s: same source and draft source, and the
-    entry's digests (when it gives them) are the record's."""
-    draft_source, draft_sha = record.draft or (None, None)
-    return (
-        record.source == entry.source
-        and (entry.sha256 is None or record.sha256 == entry.sha256)
-        and draft_source == entry.draft_source
-        and (entry.draft_sha256 is None or draft_sha == entry.draft_sha256)
-    )
+    """Whether ``record``'s weights are ``entry``'s: the same identity (source, sha256 and
+    draft adapter), hence the same version id."""
+    return record.version == entry.version
 
 
 def _rank_error(name: str, declared: int, source: str, actual: int) -> ApiError:

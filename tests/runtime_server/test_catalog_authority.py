@@ -296,3 +296,27 @@ async def test_a_changed_entry_that_was_loaded_loads_its_new_version_at_once(ser
         assert engine_keys(server, "cold") == set()
     finally:
         assert (await put_catalog(server, []))[0] == 200
+
+
+async def test_a_name_the_catalog_takes_over_serves_the_entrys_version(server, assets):
+    """An admin-loaded name that the catalog then lists: the same identity is kept as is
+    (still loaded and warm); another identity (here: a sha256 the entry does not give) is
+    replaced by the entry's version, so the listing never shows a version it does not serve."""
+    a = str(assets.demo.adapters["sql-r8"])
+    digest = adapter_digest(assets.demo.adapters["sql-r8"])
+    for name, sha in (("same", None), ("other", digest)):
+        status, body = await _admin_load(server, {"lora_name": name, "lora_path": a, "sha256": sha})
+        assert status == 200, body
+    try:
+        assert (await put_catalog(server, [{"name": "same", "source": a}, {"name": "other", "source": a}]))[
+            0
+        ] == 200
+        listed = (await catalog_listing(server))["by_name"]
+        assert listed["same"]["state"] == "loaded" and listed["same"]["warm"] is True
+        assert listed["same"]["serving_versions"] == [listed["same"]["version"]]
+        assert (await stream(server, "other", TOKENS)).status == 200
+        listed = (await catalog_listing(server))["by_name"]
+        assert listed["other"]["serving_versions"] == [listed["other"]["version"]]
+        assert engine_keys(server, "other") == {CatalogEntry("other", a).key}
+    finally:
+        assert (await put_catalog(server, []))[0] == 200
