@@ -125,6 +125,8 @@ MOE_ADAPTERS = {
     "qwen-all": ("qwen3-moe", {"target_modules": (*ATTN, "gate_proj", "up_proj", "down_proj", "gate"), "seed": 52}),
     "qwen-norm-experts": ("qwen3-moe-norm", {"target_modules": ("gate_proj", "up_proj", "down_proj"), "seed": 53}),
     "mixtral-all": ("mixtral", {"target_modules": ("q_proj", "v_proj", "w1", "w2", "w3", "gate"), "seed": 54}),
+    # rsLoRA: the fused gate_up_proj's own scaling (2α/√(2r)) differs from the adapter's (α/√r)
+    "qwen-rslora": ("qwen3-moe", {"target_modules": ("o_proj", "gate_proj", "up_proj", "down_proj"), "use_rslora": True, "seed": 55}),
 }
 
 
@@ -313,8 +315,26 @@ def test_policy_refuses_what_moe_targets_do_not_serve(make_config, moe_models):
     assert {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"} <= _rules(config)
     config.model.architecture = "LlamaForCausalLM"  # the same fields on a dense target
     assert not _rules(config) & {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"}
+    config.speculative.algorithm = SpecAlgorithm.STANDALONE
+    config.speculative.draft_model_path = str(moe_models["qwen3-moe"])
+    config.speculative.draft_model_architecture = "Qwen3MoeForCausalLM"
+    assert "moe-draft-cuda-graph" in _rules(config)
     config.model.architecture = "Gemma3ForCausalLM"
     assert "model-architecture" in _rules(config)
+
+
+def test_expert_adapter_missing_experts_read_as_zero(moe_models, moe_adapters, tmp_path):
+    """A per-expert adapter that adapts only some experts: the others contribute nothing."""
+    from safetensors.torch import load_file, save_file
+
+    _, old = _per_expert_adapter(moe_adapters["qwen-all"], tmp_path, "qwen3_moe")
+    tensors = load_file(str(old / "adapter_model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if ".experts.3." not in k}
+    save_file(kept, str(old / "adapter_model.safetensors"))
+    a, b = _load(moe_models["qwen3-moe"], old).weights[("down_proj", 0)]
+    stem = "base_model.model.model.layers.0.mlp.experts"
+    assert torch.equal(b[3], torch.zeros_like(b[3])) and torch.equal(a[3], torch.zeros_like(a[3]))
+    assert torch.equal(a[1], tensors[f"{stem}.1.down_proj.lora_A.weight"])
 
 
 def test_startup_refuses_cuda_graphs_on_moe(moe_models, capsys):
@@ -326,3 +346,17 @@ def test_startup_refuses_cuda_graphs_on_moe(moe_models, capsys):
     err = capsys.readouterr().err
     assert code == EXIT_CONFIG
     assert "per-expert row counts change every step" in err and "cuda" in err
+
+
+def test_moe_adapter_on_triton_backend(moe_models, moe_adapters, make_runner, hf_model, ops):
+    """With the Triton LoRA backend (attention and router through its kernels, experts on the
+    torch path) the output still equals peft's."""
+    model_dir = moe_models["mixtral"]
+    runner = make_runner(model_dir, adapters={"a": moe_adapters["mixtral-all"]}, backend="triton")
+    prompts = [torch.arange(3, 12), torch.arange(30, 35)]
+    with torch.no_grad():
+        out = ops.extend(runner, ["a", "b"], prompts, names=["a", None], all_logits=True)
+        torch.testing.assert_close(
+            out.logits[:9], hf_model(model_dir, moe_adapters["mixtral-all"])(prompts[0][None]).logits[0], atol=2e-4, rtol=0
+        )
+        torch.testing.assert_close(out.logits[9:], hf_model(model_dir)(prompts[1][None]).logits[0], atol=2e-4, rtol=0)

@@ -47,23 +47,22 @@ def is_moe(architecture: str | None) -> bool:
 def model_family(config: RuntimeConfig) -> list[Violation]:
     """The target's architecture (when known: the runtime reads it from config.json at
     start-up; a LoRAServe may state it), and what an MoE target cannot run beside."""
+    out = _moe_draft(config)
     architecture = config.model.architecture
     if not architecture:
-        return []
+        return out
     if architecture not in ARCHITECTURE_FAMILIES:
-        return [
-            Violation(
-                "model-architecture",
-                "model.architecture",
-                f"{architecture} is not a model family this runtime serves",
-                f"serve a model of one of {', '.join(ARCHITECTURE_FAMILIES)}",
-                kind=Kind.UNAVAILABLE,
-                related=("model.path",),
-            )
-        ]
+        unknown = Violation(
+            "model-architecture",
+            "model.architecture",
+            f"{architecture} is not a model family this runtime serves",
+            f"serve a model of one of {', '.join(ARCHITECTURE_FAMILIES)}",
+            kind=Kind.UNAVAILABLE,
+            related=("model.path",),
+        )
+        return [*out, unknown]
     if not is_moe(architecture):
-        return []
-    out: list[Violation] = []
+        return out
     if config.cuda_graph.enabled:
         out.append(
             Violation(
@@ -102,3 +101,21 @@ def model_family(config: RuntimeConfig) -> list[Violation]:
             )
         )
     return out
+
+
+def _moe_draft(config: RuntimeConfig) -> list[Violation]:
+    """A mixture-of-experts draft model (STANDALONE) runs the same torch MoE path: no CUDA graphs."""
+    draft = config.speculative.draft_model_architecture
+    if not (config.speculative.enabled and is_moe(draft) and config.cuda_graph.enabled):
+        return []
+    return [
+        Violation(
+            "moe-draft-cuda-graph",
+            "cuda_graph.enabled",
+            f"the draft {draft} has mixture-of-experts layers, which run on the torch path that no CUDA graph "
+            "can capture",
+            "set {cuda_graph.enabled} to false, or use a dense draft model",
+            kind=Kind.UNAVAILABLE,
+            related=("speculative.draft_model_architecture",),
+        )
+    ]
