@@ -56,7 +56,9 @@ RELEASE = "loraserve"
 SYSTEM_NS = "loraserve-system"
 TLS_DIR = "/etc/loraserve/webhook-tls"
 """Where the chart's Deployment mounts the webhook Secret (rewritten to a local directory)."""
-FORBIDDEN = re.compile(r"\b403\b|forbidden", re.IGNORECASE)
+FORBIDDEN = re.compile(r"APIForbiddenError|\b403 Forbidden\b|is forbidden: User ")
+"""How a refused request shows in the operator's log: kopf's error, the operator's KubeError
+(``<method> <path>: 403 Forbidden: ...``) or the API server's message itself."""
 
 
 @pytest.fixture(scope="session")

@@ -140,8 +140,8 @@ def test_examples_reconciled_without_forbidden(control_plane, operator, applied,
         if not missing:
             break
         time.sleep(1)
-    assert not missing, "not reconciled:\n" + "\n".join(missing)
     assert operator.forbidden() == []
+    assert not missing, "not reconciled:\n" + "\n".join(missing)
 
 
 def _reconciled(serve: dict) -> bool:
