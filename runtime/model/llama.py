@@ -365,7 +365,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise WeightLoadError(f"checkpoint is missing tensors {missing[:5]}{more}: the weights are incomplete")
+            experts = (
+                " (experts are named per expert, as Qwen does; Mixtral's block_sparse_moe.experts.N.w1/w3/w2 "
+                "are gate_proj/up_proj/down_proj, and a fused mlp.experts.gate_up_proj provides every expert's "
+                "gate_proj and up_proj)"
+                if any(".experts." in name for name in missing)
+                else ""
+            )
+            raise WeightLoadError(
+                f"checkpoint is missing tensors {missing[:5]}{more}{experts}: the weights are incomplete"
+            )
 
 
 def checkpoint_destination(
