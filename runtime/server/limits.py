@@ -14,7 +14,8 @@ Each limit and its default (the flags are the configuration's, ``ServerConfig``)
 - ``--max-connections`` (0: derived, :func:`derived_max_connections`): open client
   connections at most. At the cap a new connection takes the place of the one idle longest
   (no request in flight for :data:`EVICT_IDLE_S`: a slow-loris head, a parked keep-alive),
-  which is closed; when every connection is busy, up to :data:`PROBE_RESERVE` more are read
+  else of the one whose request body has been arriving longest, which is closed; when every
+  connection is busy with a whole request, up to :data:`PROBE_RESERVE` more are read
   for a ``GET /health`` or ``/ready`` (kubelet probes), which are served, and the rest are
   answered 503 ``server_busy`` with ``Retry-After`` and closed at once.
 - ``--max-body-bytes`` (4 MiB): ``Expect: 100-continue`` with a larger ``Content-Length``
@@ -166,7 +167,7 @@ async def cutoff_middleware(request: web.Request, handler):
     if me is None:
         return await handler(request)
     cutoff.tasks.add(me)
-    conn = cutoff.gate.busy(request.transport) if cutoff.gate is not None else None
+    conn = cutoff.gate.busy(request) if cutoff.gate is not None else None
     try:
         return await handler(request)
     except asyncio.CancelledError:
@@ -328,9 +329,9 @@ def is_probe(request_line: bytes) -> bool:
 class ConnectionGate:
     """The listeners' protocol factory. A connection within ``max_connections`` is served by
     aiohttp's handler (``server()``). At the cap, the connection idle longest (no request in
-    flight for :data:`EVICT_IDLE_S` at least: a half-sent head, a parked keep-alive) is
-    closed to admit the new one, so idle connections cannot crowd out requests; failing
-    that, up to :data:`PROBE_RESERVE` more are read for a probe and the rest answered
+    flight for :data:`EVICT_IDLE_S` at least: a half-sent head, a parked keep-alive), else
+    the one whose request body has trickled in longest, is closed to admit the new one, so
+    slow clients cannot crowd out requests; failing that, up to :data:`PROBE_RESERVE` more are read for a probe and the rest answered
     :data:`BUSY_RESPONSE` and closed. Served connections whose output stalls for
     ``write_timeout_s`` are aborted."""
 
@@ -367,21 +368,37 @@ class ConnectionGate:
         return "refused"
 
     def _evict_idle(self) -> None:
-        """Abort the connection idle longest, if idle long enough, with nothing left to send
-        (a slow reader still receiving its last response is left to the write timeout)."""
+        """Abort the connection idle longest (if for :data:`EVICT_IDLE_S` at least), else the
+        one whose request body has been arriving longest: a slow-loris head, a parked
+        keep-alive, a trickled body make way for a new connection."""
         horizon = asyncio.get_running_loop().time() - EVICT_IDLE_S
-        for conn, since in self._idle.items():
-            if since > horizon:
-                return  # the rest are younger
-            if conn.transport is not None and conn.transport.get_write_buffer_size() == 0:
-                break
-        else:
+        conn = self._oldest_idle(horizon) or self._oldest_upload(horizon)
+        if conn is None:
             return
         self._forget(conn)
         conn.kind = "evicted"  # no longer counted: the new connection takes its place
         self.served -= 1
         self.evicted.hit()
         conn.transport.abort()  # at once: its file descriptor is the new connection's
+
+    def _oldest_idle(self, horizon: float) -> _Connection | None:
+        """The longest idle since before ``horizon`` with nothing left to send (a slow reader
+        still receiving its last answer is the write timeout's)."""
+        for conn, since in self._idle.items():
+            if since > horizon:
+                return None  # the rest are younger
+            if conn.transport is not None and conn.transport.get_write_buffer_size() == 0:
+                return conn
+        return None
+
+    def _oldest_upload(self, horizon: float) -> _Connection | None:
+        """The connection whose request body has been arriving longest, since before ``horizon``."""
+        uploads = [
+            conn
+            for conn in self._by_transport.values()
+            if conn.request is not None and not conn.request.content.is_eof() and conn.busy_since <= horizon
+        ]
+        return min(uploads, key=lambda conn: conn.busy_since, default=None)
 
     def start(self) -> None:
         """Check every open connection's output once per tick (the write timeout)."""
@@ -401,16 +418,19 @@ class ConnectionGate:
         self._by_transport[conn.transport] = conn  # type: ignore[index]
         self._idle[conn] = asyncio.get_running_loop().time()
 
-    def busy(self, transport: asyncio.BaseTransport | None) -> _Connection | None:
-        """A request's handler runs on ``transport``'s connection: not idle until ``done``."""
+    def busy(self, request: web.BaseRequest) -> _Connection | None:
+        """``request``'s handler runs on its connection: not idle until ``done``."""
+        transport = request.transport
         conn = self._by_transport.get(transport) if transport is not None else None
         if conn is not None:
             conn.requests += 1
+            conn.request, conn.busy_since = request, asyncio.get_running_loop().time()
             self._idle.pop(conn, None)
         return conn
 
     def done(self, conn: _Connection) -> None:
         conn.requests -= 1
+        conn.request = None
         if conn.requests == 0 and conn.transport in self._by_transport:
             self._idle[conn] = asyncio.get_running_loop().time()
 
@@ -467,6 +487,8 @@ class _Connection(asyncio.Protocol):
         self.gate = gate
         self.kind = ""
         self.requests = 0  # handlers running on this connection
+        self.request: web.BaseRequest | None = None  # the latest of them
+        self.busy_since = 0.0
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self._head = b""  # a probe candidate's first bytes

@@ -26,13 +26,14 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 from loraserve.runtime.server.limits import EVICT_IDLE_S, PROBE_RESERVE, FrontDoor, Limits
 
-from .conftest import make_config
+from .conftest import ADMIN_TOKEN, make_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -45,6 +46,7 @@ class Door:
     app: web.Application
     door: FrontDoor
     port: int
+    stuck_source: str  # an adapter source that accepts requests and never answers
 
     @property
     def url(self) -> str:
@@ -64,12 +66,23 @@ class Door:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def door(assets, tmp_path_factory) -> AsyncIterator[Door]:
+    async def never_answer(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    files_app = web.Application()
+    files_app.router.add_get("/{tail:.*}", never_answer)
+    files = TestServer(files_app, host="127.0.0.1")
+    await files.start_server()
     cfg = make_config(assets)
+    cfg.server.allow_private_sources = True  # the stuck source is on loopback
     tmp = tmp_path_factory.mktemp("slow-clients")
     app = build_app(
         cfg,
         lambda metrics: build_engine(cfg, observer=metrics),
-        sources=SourceSettings(cache_dir=tmp / "cache", pvc_root=tmp / "pvc"),
+        sources=SourceSettings(
+            cache_dir=tmp / "cache", pvc_root=tmp / "pvc", env={"LORASERVE_ALLOW_HTTP_SOURCES": "1"}
+        ),
         drain_timeout_s=2.0,
     )
     sock = socket.socket()
@@ -81,9 +94,12 @@ async def door(assets, tmp_path_factory) -> AsyncIterator[Door]:
     front = await FrontDoor.open(app, [sock], LIMITS)
     try:
         await wait_until_ready(app)
-        yield Door(app=app, door=front, port=sock.getsockname()[1])
+        yield Door(
+            app=app, door=front, port=sock.getsockname()[1], stuck_source=f"http://127.0.0.1:{files.port}/a/"
+        )
     finally:
         await front.close()
+        await files.close()
 
 
 async def _closed_after(reader: asyncio.StreamReader, bound_s: float) -> float:
@@ -179,17 +195,49 @@ async def test_idle_make_way_at_the_cap(door):
             writer.close()
 
 
+async def test_withheld_bodies_make_way(door):
+    """At the cap with every connection trickling a body, a new connection takes the place of
+    the one whose body has been arriving longest."""
+    await door.quiet()
+    state = door.app[STATE]
+    held = []
+    try:
+        for _ in range(LIMITS.max_connections):
+            reader, writer = await door.connect()
+            held.append((reader, writer))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            await asyncio.sleep(0.05)  # the first is the oldest
+        await _until(lambda: state.in_flight == LIMITS.max_connections, "not all busy")
+        await asyncio.sleep(EVICT_IDLE_S + 0.2)
+        reader, writer = await door.connect()
+        held.append((reader, writer))
+        writer.write(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = await _head(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        assert await _closed_after(held[0][0], 1.0) < 1.0 + SLACK_S
+        assert door.door.gate.served == LIMITS.max_connections
+    finally:
+        for _, writer in held:
+            writer.close()
+
+
 async def test_busy_cap_503_and_probes_served(door):
-    """Every connection busy (bodies withheld): a request past the cap gets 503 server_busy
-    at once; a kubelet probe is still served, from a bounded reserve."""
+    """Every connection busy with a whole request (admin loads from a source that never
+    answers): a request past the cap gets 503 server_busy at once; a kubelet probe is still
+    served, from a bounded reserve."""
     await door.quiet()
     state = door.app[STATE]
     held, extra = [], []
     try:
-        for _ in range(LIMITS.max_connections):
+        for i in range(LIMITS.max_connections):
             reader, writer = await door.connect()
             held.append(writer)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            load = json.dumps({"lora_name": f"stuck-{i}", "lora_path": door.stuck_source}).encode()
+            writer.write(
+                b"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: {len(load)}\r\n\r\n".encode()
+                + load
+            )
         await _until(lambda: state.in_flight == LIMITS.max_connections, "not all busy")
         await asyncio.sleep(EVICT_IDLE_S + 0.2)  # busy ones are never closed for a new one
         reader, writer = await door.connect()
@@ -239,7 +287,14 @@ async def test_unread_stream_cut_and_aborted(door, caplog):
     the engine aborts its requests (before: the handler waited forever, holding the slots)."""
     await door.quiet()
     aborted_before = await _aborted(door)
-    body = {"prompt": "x = [", "max_tokens": 900, "n": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "x = [",
+        "max_tokens": 900,
+        "n": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     payload = json.dumps(body).encode()
     loop = asyncio.get_running_loop()
     sock = socket.socket()
