@@ -21,6 +21,7 @@ TARGETS = {
 CASES = [
     ("qwen3_moe", "NGRAM", None),
     ("qwen3_moe", "STANDALONE", "small"),
+    ("qwen3_moe", "STANDALONE", "copy"),  # an MoE draft: the target itself, accepted where unadapted
     ("qwen3_moe", "EAGLE", "eagle"),
     ("qwen3_moe", "EAGLE3", "eagle3"),
     ("qwen3_moe", "DFLASH", "dflash"),
@@ -31,7 +32,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def moe_assets(tmp_path_factory):
-    from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model
+    from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
     from loraserve.runtime.dev.dflash_builder import build_dflash_draft
     from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
 
@@ -43,6 +44,7 @@ def moe_assets(tmp_path_factory):
             "target": target,
             "adapter": build_adapter(root / name / "all", target, rank=4, alpha=8, target_modules=modules, seed=62 + i),
             "small": build_draft_model(root / name / "small", target, architecture=draft_arch, seed=63 + i),
+            "copy": copy_model(target, root / name / "copy"),
             "eagle": build_eagle_draft(root / name / "eagle", target, version=1, seed=65 + i, init_std=0.1),
             "dflash": build_dflash_draft(
                 root / name / "dflash", target, target_layer_ids=[0, 1], block_size=4, seed=66 + i, init_std=0.1
@@ -102,6 +104,10 @@ def test_moe_speculation_is_lossless(target, algorithm, draft, moe_assets, engin
         assert out.error is None, (rid, out.error)
         assert out.tokens == expected[target][rid], rid
     assert any(len(tokens) == 14 for tokens in expected[target].values())
+    for rid, *_ in requests:
+        assert run.outputs[rid].spec is not None and run.outputs[rid].spec.verify_steps >= 1, rid
+    if draft == "copy":  # the MoE draft is the base target: its unadapted drafts are accepted
+        assert run.engine.decoder.metrics.snapshot().per_adapter[""].accept_rate > 0.9
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
