@@ -11,7 +11,9 @@ Each limit and its default (the flags are the configuration's, ``ServerConfig``)
 - ``--write-timeout`` (60 s): a connection whose unsent output makes no progress for this
   long (a client that stops reading) is aborted; its handler is cancelled, which aborts its
   engine requests and frees their batch slots.
-- ``--max-connections`` (0: derived, :func:`derived_max_connections`): open client
+- ``--max-connections`` (0: derived, :func:`derived_max_connections`: the open-file
+  limit less 64 kept for the process, at most 75 % of it and at most 16,384; 768 for 1,024
+  files): open client
   connections at most. At the cap a new connection takes the place of the one idle longest
   (no request in flight for :data:`EVICT_IDLE_S`: a slow-loris head, a parked keep-alive),
   else of the one whose request body has been arriving longest, which is closed; when every
@@ -50,6 +52,10 @@ FD_RESERVE = 64
 """File descriptors the derived connection cap leaves to the process itself (model and
 adapter files, logs, sockets to adapter sources and peers, the event loop's own)."""
 
+DERIVED_CEILING = 16384
+"""The derived cap's ceiling, whatever the file limit (containers often allow 2**20 files):
+each open connection holds buffers, so memory, not files, bounds it there."""
+
 PROBE_RESERVE = 8
 """Connections past the cap read for a probe (``GET /health`` or ``/ready``), which is served;
 they count within :data:`FD_RESERVE`."""
@@ -72,33 +78,38 @@ LISTEN_BACKLOG = 128
 _REQUEST_LINE_MAX = 8190  # aiohttp's own max_line_size: a longer first line is no probe
 
 
-def derived_max_connections(soft_limit: int) -> int:
-    """The connection cap for a process allowed ``soft_limit`` open files: that limit less
-    :data:`FD_RESERVE` and at most 75 % of it (at least 1). An unlimited soft limit
-    (``RLIM_INFINITY``) counts as 2**20."""
+def _file_bound(soft_limit: int) -> int:
+    """The most connections a process allowed ``soft_limit`` open files can hold: that limit
+    less :data:`FD_RESERVE` and at most 75 % of it (at least 1); unlimited counts as 2**20."""
     if soft_limit < 0 or soft_limit == resource.RLIM_INFINITY:
         soft_limit = 1 << 20
     return max(1, min(soft_limit - FD_RESERVE, soft_limit * 3 // 4))
 
 
+def derived_max_connections(soft_limit: int) -> int:
+    """``--max-connections 0``: what the file limit allows (:func:`_file_bound`), and at most
+    :data:`DERIVED_CEILING`."""
+    return min(_file_bound(soft_limit), DERIVED_CEILING)
+
+
 def connection_cap(requested: int, soft_limit: int | None = None) -> int:
-    """``--max-connections`` resolved: 0 means derived from the file limit; a larger value
-    than the derived one is lowered to it (past it accept() fails and the process runs out
-    of files), with a warning."""
+    """``--max-connections`` resolved: 0 means derived (:func:`derived_max_connections`); a
+    value above what the file limit allows is lowered to it (past it accept() fails and
+    the process runs out of files), with a warning."""
     if soft_limit is None:
         soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    derived = derived_max_connections(soft_limit)
     if requested <= 0:
-        return derived
-    if requested > derived:
+        return derived_max_connections(soft_limit)
+    bound = _file_bound(soft_limit)
+    if requested > bound:
         log.warning(
             "--max-connections %d is above what the file limit (%d open files) allows: using %d "
             "(raise the limit, e.g. `ulimit -n`, to allow more)",
             requested,
             soft_limit,
-            derived,
+            bound,
         )
-        return derived
+        return bound
     return requested
 
 

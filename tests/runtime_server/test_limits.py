@@ -13,6 +13,7 @@ import pytest
 
 from loraserve.runtime.contract.config import ServerConfig
 from loraserve.runtime.server.limits import (
+    DERIVED_CEILING,
     FD_RESERVE,
     AcceptErrorLog,
     Limits,
@@ -26,10 +27,11 @@ from loraserve.runtime.server.limits import (
     ("soft", "cap"),
     [
         (1024, 768),  # 75 % binds
-        (1 << 20, 3 << 18),
+        (1 << 20, DERIVED_CEILING),
+        (16000, 12000),
         (128, 128 - FD_RESERVE),  # the reserve binds
         (64, 1),
-        (resource.RLIM_INFINITY, 3 << 18),  # counted as 2**20
+        (resource.RLIM_INFINITY, DERIVED_CEILING),
     ],
 )
 def test_derived_cap(soft, cap):
@@ -39,6 +41,7 @@ def test_derived_cap(soft, cap):
 def test_cap_above_file_limit_lowered(caplog):
     assert connection_cap(0, 1024) == 768
     assert connection_cap(100, 1024) == 100
+    assert connection_cap(100_000, 1 << 20) == 100_000  # above the derived ceiling: asked for
     with caplog.at_level(logging.WARNING, logger="loraserve.server"):
         assert connection_cap(5000, 1024) == 768
     assert "--max-connections 5000" in caplog.text and "ulimit -n" in caplog.text
