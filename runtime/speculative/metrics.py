@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..contract.catalog import public_name
 from .switch import batch_bucket
 
 TIME_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -161,7 +162,7 @@ class SpecMetrics:
             )
         with self._lock:
             for adapter, context, accepted in zip(adapters, contexts, accept_lens, strict=True):
-                label = BASE_LABEL if adapter is None else adapter
+                label = BASE_LABEL if adapter is None else public_name(adapter)  # never a version key
                 for table, key in ((self._per_adapter, label), (self._per_context, context_bucket(int(context)))):
                     stats = table.get(key)
                     if stats is None:
