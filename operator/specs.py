@@ -271,7 +271,8 @@ class RuntimeSpec(_Spec):
     remote_source_hosts: list[Annotated[str, Field(max_length=253, pattern=HOST_PATTERN)]] | None = sets(
         "server.remote_source_hosts", default=None, max_length=64
     )
-    """Hosts remote Adapter sources may reach (``*.example.com``: its subdomains); empty: any."""
+    """Hosts remote Adapter sources may reach (``*.example.com``: its subdomains); empty: any host
+    with a public address (private ones refused: list in-cluster hosts here)."""
 
 
 class ResourceRequirements(_Spec):
