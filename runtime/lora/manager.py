@@ -30,6 +30,7 @@ import torch
 from loraserve.kernels import ForwardMode, LoRABackend, LoRABatchInfo, build_batch_info
 
 from ..contract.config import LORA_MODULES, LoRAConfig
+from ..contract.policy.bounds import pinned_slot_limit
 from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights, load_adapter
 from .errors import (
@@ -448,7 +449,7 @@ class LoRAManager:
 
     def _check_pin_capacity(self, name: str) -> None:
         pinned = sum(1 for e in self._entries.values() if e.pinned and e.name != name)
-        if pinned + 1 >= self.num_slots:
+        if pinned + 1 > pinned_slot_limit(self.num_slots):
             raise AdapterCapacityError(
                 f"pinning {name!r} would leave no slot for unpinned adapters ({pinned} pinned, "
                 f"lora.max_loras_per_batch={self.num_slots}): raise lora.max_loras_per_batch or pin fewer",
