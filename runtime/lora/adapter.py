@@ -281,10 +281,11 @@ def load_adapter(
         parts.setdefault(key, {})[which] = tensor
     for module, _ in moe_weights:
         if module != ROUTER and module not in pool:
-            raise _fail(
+            raise _outside(
                 f"the adapter adapts the experts' {module}, which is not in lora.target_modules {list(pool)}: "
                 f"add {module} to lora.target_modules or use an adapter without it",
                 "target_modules",
+                [module],
             )
     if not parts and not moe_weights:
         raise _fail(f"{weights_path} holds no LoRA tensors (lora_A / lora_B)", WEIGHTS_FILE)

@@ -250,12 +250,13 @@ def _edit_adapter(src, dest, *, config=None, tensors=None):
     return dest
 
 
-def _load(model_dir, adapter, max_rank=16):
+def _load(model_dir, adapter, max_rank=16, pool=None):
     from loraserve.runtime.contract.config import LORA_MODULES
     from loraserve.runtime.lora.adapter import load_adapter
 
     return load_adapter(
-        adapter, arch=load_arch_config(model_dir), max_rank=max_rank, pool_modules=LORA_MODULES, dtype=torch.float32
+        adapter, arch=load_arch_config(model_dir), max_rank=max_rank, pool_modules=pool or LORA_MODULES,
+        dtype=torch.float32,
     )
 
 
@@ -279,6 +280,8 @@ def test_unserved_moe_layouts_are_refused_by_name(moe_models, moe_adapters, tmp_
         _load(model, on_moe_layer)
     with pytest.raises(AdapterError, match=r"gate_up_proj has rank 8.*lora\.max_rank=4"):
         _load(model, src, max_rank=4)
+    with pytest.raises(AdapterError, match=r"\['down_proj', 'gate_proj', 'up_proj'\] are not in lora\.target_modules"):
+        _load(model, src, pool=ATTN)
     with pytest.raises(AdapterError, match="target_parameters") as err:
         _load_dense_with_params(tmp_path, src)
     assert err.value.field == "target_parameters"
