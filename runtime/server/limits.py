@@ -562,6 +562,7 @@ class _Connection(asyncio.Protocol):
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._unsent = 0  # the buffer drained below its low-water mark: progress
         if self.inner is not None:
             self.inner.resume_writing()
 

@@ -358,3 +358,42 @@ async def test_unread_answer_closed(door):
         )
     finally:
         sock.close()
+
+
+async def test_slow_reader_not_cut(door):
+    """A client that reads a long stream slowly but steadily is never taken for one that
+    stopped reading: its stream ends with [DONE]."""
+    await door.quiet()
+    body = {
+        "prompt": "x = [",
+        "max_tokens": 400,
+        "n": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    payload = json.dumps(body).encode()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    received = bytearray()
+    start = time.monotonic()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", door.port))
+        await loop.sock_sendall(
+            sock,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload,
+        )
+        deadline = time.monotonic() + 120
+        while b"data: [DONE]" not in received[-64:] and time.monotonic() < deadline:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 30)
+            assert chunk, "the server closed the stream"
+            received += chunk
+            await asyncio.sleep(0.1)  # 40 KB/s at most: the whole stream takes several write timeouts
+    finally:
+        sock.close()
+    assert b"data: [DONE]" in received[-64:] and len(received) > 64 * 1024, len(received)
+    assert time.monotonic() - start > 2 * LIMITS.write_timeout_s
