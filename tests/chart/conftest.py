@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,9 +26,16 @@ def helm() -> Path:
 
 @pytest.fixture(scope="session")
 def render(helm: Path) -> Callable[..., list[dict]]:
-    """``render(*helm-template-flags)`` -> the rendered objects (CRDs included)."""
+    """``render(*helm-template-flags)`` -> the rendered objects (CRDs included): helm runs once
+    per set of flags in a session, and each call gets its own copy to change."""
+    rendered: dict[tuple[str, ...], list[dict]] = {}
 
     def run(*flags: str) -> list[dict]:
+        if flags not in rendered:
+            rendered[flags] = template(*flags)
+        return copy.deepcopy(rendered[flags])
+
+    def template(*flags: str) -> list[dict]:
         result = subprocess.run(
             [
                 str(helm),
