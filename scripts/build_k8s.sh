@@ -16,9 +16,13 @@ if ! command -v go >/dev/null; then
   exit 1
 fi
 
-want="$(cat "$MOD/go.mod" "$MOD/go.sum" "${BASH_SOURCE[0]}" <(go version) | sha256sum | cut -d' ' -f1)"
+EPP_MOD="$ROOT/tools/epp"
+EPP_MISSING="$BIN/epp.unavailable"
+want="$(cat "$MOD/go.mod" "$MOD/go.sum" "$EPP_MOD/go.mod" "$EPP_MOD/go.sum" "$EPP_MOD/pick/main.go" "${BASH_SOURCE[0]}" \
+  <(go version) | sha256sum | cut -d' ' -f1)"
 have_all=1
 for b in "${BINARIES[@]}"; do [ -x "$BIN/$b" ] || have_all=0; done
+{ [ -x "$BIN/epp" ] || [ -f "$EPP_MISSING" ]; } || have_all=0
 if [ "$have_all" = 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "build_k8s.sh: $BIN is up to date"
   exit 0
@@ -47,5 +51,22 @@ nice -n 10 go build "${flags[@]}" -o "$BIN/" \
 for b in "${BINARIES[@]}"; do
   [ -x "$BIN/$b" ] || { echo "build_k8s.sh: $BIN/$b was not built" >&2; exit 1; }
 done
+
+# The Inference Extension's endpoint picker, its CRDs (InferencePool, InferenceObjective ...) and our ext-proc client
+# (tools/epp) are optional: when they cannot be built, the reason goes to epp.unavailable and
+# tests/cluster/test_picker.py skips with it; the control plane above is never optional.
+rm -f "$EPP_MISSING"
+cd "$EPP_MOD"
+if ! log="$( {
+  nice -n 10 go build -trimpath "-ldflags=-s -w" -o "$BIN/epp" sigs.k8s.io/gateway-api-inference-extension/cmd/epp &&
+    nice -n 10 go build -trimpath "-ldflags=-s -w" -o "$BIN/epp-pick" ./pick &&
+    dir="$(go list -m -f '{{.Dir}}' sigs.k8s.io/gateway-api-inference-extension)" &&
+    rm -rf "$BIN/epp-crds" && mkdir "$BIN/epp-crds" && cp "$dir"/config/crd/bases/*.yaml "$BIN/epp-crds/" &&
+    chmod 644 "$BIN"/epp-crds/*.yaml
+} 2>&1 )"; then
+  rm -rf "$BIN/epp" "$BIN/epp-pick" "$BIN/epp-crds"
+  printf 'the endpoint picker (tools/epp) did not build:\n%s\n' "$log" | tail -20 >"$EPP_MISSING"
+  echo "build_k8s.sh: the endpoint picker did not build (see $EPP_MISSING); going on without it" >&2
+fi
 echo "$want" >"$STAMP"
 echo "build_k8s.sh: built in $(( $(date +%s) - start )) s"
