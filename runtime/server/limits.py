@@ -186,6 +186,13 @@ async def cutoff_middleware(request: web.Request, handler):
             raise
         me.uncancel()
         return _shutting_down(request)
+    except ConnectionResetError:
+        if request.transport is not None and not request.transport.is_closing():
+            raise
+        # The client is gone (left, or its connection was closed to admit another) while its
+        # body was read: aiohttp is cancelling this handler; without this it would log each
+        # one as an error with a traceback, a way to flood the log.
+        raise asyncio.CancelledError from None
     finally:
         cutoff.tasks.discard(me)
         cutoff.cancelled.discard(me)

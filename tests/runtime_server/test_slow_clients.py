@@ -195,10 +195,12 @@ async def test_idle_make_way_at_the_cap(door):
             writer.close()
 
 
-async def test_withheld_bodies_make_way(door):
+async def test_withheld_bodies_make_way(door, caplog):
     """At the cap with every connection trickling a body, a new connection takes the place of
-    the one whose body has been arriving longest."""
+    the one whose body has been arriving longest (its handler ends quietly: no traceback
+    per evicted client in the log)."""
     await door.quiet()
+    caplog.set_level(logging.INFO)
     state = door.app[STATE]
     held = []
     try:
@@ -216,6 +218,8 @@ async def test_withheld_bodies_make_way(door):
         assert status.startswith(b"HTTP/1.1 200"), status
         assert await _closed_after(held[0][0], 1.0) < 1.0 + SLACK_S
         assert door.door.gate.served == LIMITS.max_connections
+        await _until(lambda: state.in_flight == LIMITS.max_connections - 1, "the evicted handler runs on")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
     finally:
         for _, writer in held:
             writer.close()
@@ -290,7 +294,8 @@ async def test_unread_stream_cut_and_aborted(door, caplog):
     body = {
         "prompt": "x = [",
         "max_tokens": 900,
-        "n": 8,
+        "n": 4,
+        "logprobs": 5,  # a kilobyte a token: the buffers fill within the first tokens
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -366,7 +371,7 @@ async def test_slow_reader_not_cut(door):
     await door.quiet()
     body = {
         "prompt": "x = [",
-        "max_tokens": 400,
+        "max_tokens": 800,
         "n": 4,
         "temperature": 0,
         "ignore_eos": True,
@@ -392,8 +397,8 @@ async def test_slow_reader_not_cut(door):
             chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 30)
             assert chunk, "the server closed the stream"
             received += chunk
-            await asyncio.sleep(0.1)  # 40 KB/s at most: the whole stream takes several write timeouts
+            await asyncio.sleep(0.02)  # 4 KB at a time: the server waits on the reader throughout
     finally:
         sock.close()
     assert b"data: [DONE]" in received[-64:] and len(received) > 64 * 1024, len(received)
-    assert time.monotonic() - start > 2 * LIMITS.write_timeout_s
+    assert time.monotonic() - start > LIMITS.write_timeout_s
