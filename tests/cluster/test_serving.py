@@ -170,6 +170,8 @@ async def test_hpa_scales_the_serve(stage):
         await wait_for(hpa_gone, timeout=60, what="the operator deleting the HPA")
         await wait_for(lambda: stage.adapters_loaded(2), timeout=TIMEOUT, what="back to 2 pods")
     finally:
+        # An APIService left without its server breaks discovery for every later client.
+        await stage.kubectl("delete", "apiservice", f"{metrics_mod.VERSION}.{metrics_mod.GROUP}", check=False)
         await adapter.stop()
     assert stage.operator.forbidden() == []
 
