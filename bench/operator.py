@@ -14,14 +14,20 @@ state. No device is needed.
 
 ``--scenario cluster`` runs the cluster-serving scenario of the end-to-end tests
 (``tests/e2e/scenario.py``) instead: a 3-replica serve with 4 Adapters (one placed on 1
-pod) under load through a Service stand-in (``tests/e2e/service.py``: a round-robin proxy
-over the ready, non-terminating pods, no retries, as kube-proxy) while a pod is deleted,
+pod) under load through a Service stand-in (``tests/e2e/service.py``: a random Ready pod
+per request, terminating pods for 1 s more, no retries, as kube-proxy) while a pod is deleted,
 the serve scales 3 -> 4 -> 2 (scale subresource), a spec change rolls the pods and an
 Adapter is created and another deleted. It reports the requests sent and failed (target
 0), then, with the traffic stopped, the latency of the first request for an adapter on a
 pod that does not hold it (an on-demand load; adapters placed on 1 pod, each asked once on
 every other pod) and the time from an Adapter's creation until a request for it succeeds
-on every ready pod, asked directly.
+on every ready pod, asked directly. Then, on a fresh 3-replica serve, what users do to
+Adapters (``scenario.Operations``, the phases of ``tests/e2e/test_adapter_operations_e2e.py``)
+behind a plain Service (a random Ready pod per request, terminating pods for 1 s, no
+retries), each under its own load of 40-token streams: a version change in place, a scale
+3 -> 1, a scale 1 -> 3 with an Adapter created while the new pods load their model, three
+pods fetching one hf:// adapter into their shared cache at once, and a source that hangs.
+It reports the failed requests per phase (target 0) and what each phase found wrong.
 
     python -P bench/operator.py                        # 20 iterations, 2 replicas
     python -P bench/operator.py --iterations 50 --out bench/results/$(date +%F)-operator-cpu.md
@@ -170,12 +176,50 @@ async def run_cluster(args: argparse.Namespace) -> dict:
         )
         if not args.base_only:
             result.update(await _cluster_timings(scn, scenario_mod, args.adapters))
+            result["operations"] = await _operations(cluster, scn, scenario_mod, args.workers)
     finally:
         await scn.stop()
         await cluster.stop()
     result["total_s"] = time.monotonic() - started
     result["load_average"] = os.getloadavg()
     return result
+
+
+async def _operations(cluster, scn, scenario_mod, workers: int) -> list:
+    """The adapter operations (issue 39) on a fresh serve, once the first one is deleted."""
+    await cluster.delete(f"{scn.serves}/{SERVE}")
+    ops = await scenario_mod.Operations.open(
+        cluster,
+        "bench-ops",
+        "ops",
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+        workers=workers,
+    )
+    try:
+        return await ops.run_all()
+    finally:
+        await ops.close()
+
+
+def operations_report(results: list) -> list[str]:
+    """Markdown lines: the failed requests and the problems of each operation."""
+    lines = [
+        "",
+        "Adapter operations, each under its own load (40-token streams), behind a plain Service:",
+        "",
+        "| phase | requests | failed (target 0) | seconds | found |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for phase in results:
+        found = "; ".join([*phase.notes, *(f"**{p}**" for p in phase.problems)]).replace("|", "/")
+        lines.append(
+            f"| {phase.name} | {len(phase.records) + len(phase.probes)} | **{len(phase.failed())}** "
+            f"| {phase.seconds:.1f} | {found[:400]} |"
+        )
+    for phase in results:
+        if phase.failed() or phase.problems:
+            lines += ["", "```", phase.report(), "```"]
+    return lines
 
 
 async def _cluster_timings(scn, scenario_mod, count: int) -> dict:
@@ -370,7 +414,7 @@ def cluster_report(args: argparse.Namespace, result: dict) -> str:
         "Setup: real operator (kopf) against kmock's KubernetesEmulator (no API server exists here), a kubelet "
         "stand-in running real `loraserve-runtime` processes (tiny Llama, CPU) with graceful deletion (preStop, "
         "SIGTERM, SIGKILL after the grace period) and rolling updates (maxSurge 1, maxUnavailable 0), and a Service "
-        "stand-in (round robin over ready, non-terminating pods, no retries). "
+        "stand-in (a random Ready pod per request, terminating pods for 1 s more, no retries). "
         + (
             "Traffic to the base model only.  "
             if args.base_only
@@ -409,6 +453,8 @@ def cluster_report(args: argparse.Namespace, result: dict) -> str:
             "| Adapter created -> a request succeeds on every ready pod (asked directly) "
             + _stats(result["usable"]),
         ]
+    if "operations" in result:
+        lines += operations_report(result["operations"])
     lines += [
         "",
         f"- Whole run {result['total_s']:.0f} s; 1-minute load average at the end {result['load_average'][0]:.2f} "
@@ -452,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
-        return 1 if result["outcome"].failed() else 0
+        phases = result.get("operations") or []
+        return 1 if result["outcome"].failed() or any(p.failed() or p.problems for p in phases) else 0
     result = asyncio.run(run(args))
     text = report(args, result)
     print(text)

@@ -196,6 +196,13 @@ class Kubelet:
     root: Path
     claims_root: Path
     tick_s: float = 0.2
+    model_load_delay_s: float = 0.0
+    """A slow node: runtime pods created while this is positive spend this long more loading
+    their model (``slowload/sitecustomize.py``, after the server listens and has read its
+    catalog file, as a large model read from a network volume would). 0: no delay."""
+    configmap_sync_s: float = 0.0
+    """How often mounted ConfigMap / Secret files follow their object (a real kubelet: up to
+    a minute or so). 0: every tick."""
     pods: dict[tuple[str, str], PodProc] = field(default_factory=dict)
     history: dict[str, PodProc] = field(default_factory=dict)  # every pod ever made, by name (logs)
     _session: aiohttp.ClientSession | None = None
@@ -205,6 +212,7 @@ class Kubelet:
     _deploy_status: dict[tuple[str, str], dict] = field(default_factory=dict)
     _completed: dict[tuple[str, str], str] = field(default_factory=dict)
     _reaping: set[asyncio.Task] = field(default_factory=set)
+    _volumes_synced: float = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -414,6 +422,8 @@ class Kubelet:
         volumes = self._volume_paths(pod_spec, workdir)
         command = self._command(container, volumes, ip)
         env = await self._env(namespace, name, container)
+        if self.model_load_delay_s > 0:
+            env = {**env, **slow_load_env(self.model_load_delay_s, env)}
         pod = PodProc(namespace, name, deployment, thash, ip, port, workdir, command, env)
         pod.started_at = time.monotonic()  # the pod's age until its main container starts
         pod.container, pod.volumes = container, volumes
@@ -575,8 +585,13 @@ class Kubelet:
     async def _refresh_volumes(self, listed: dict[str, list[dict]]) -> None:
         """Mounted ConfigMap / Secret files follow their object's changes (atomic replacement).
 
-        A deleted object leaves the last files in place, as a kubelet does.
+        A deleted object leaves the last files in place, as a kubelet does. With
+        ``configmap_sync_s`` set, files are refreshed only that often.
         """
+        now = time.monotonic()
+        if self.configmap_sync_s and now - self._volumes_synced < self.configmap_sync_s:
+            return
+        self._volumes_synced = now
         for pod in list(self.pods.values()):
             if not pod.mounted or pod.terminating:
                 continue
@@ -981,6 +996,17 @@ class Kubelet:
         if init is None:
             raise KeyError(f"pod {pod.name} has no init container {name!r}: {[c.name for c in pod.init]}")
         return [path.read_text(errors="replace") for path in init.logs if path.exists()]
+
+
+SLOW_LOAD_DIR = Path(__file__).parent / "slowload"
+SLOW_LOAD_VAR = "LORASERVE_E2E_MODEL_LOAD_DELAY_S"
+
+
+def slow_load_env(delay_s: float, env: dict[str, str]) -> dict[str, str]:
+    """Environment that makes a runtime process's model load take ``delay_s`` more seconds
+    (a test-only ``sitecustomize`` on ``PYTHONPATH``; see ``slowload/sitecustomize.py``)."""
+    path = os.pathsep.join(p for p in (str(SLOW_LOAD_DIR), env.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, SLOW_LOAD_VAR: f"{delay_s:g}"}
 
 
 def _int_or_percent(value: int | str, total: int, *, round_up: bool) -> int:

@@ -2,14 +2,17 @@
 
 There is no Kubernetes network on these machines, so nothing routes the Service the
 operator writes. :class:`ServiceProxy` plays what clients get from it: an HTTP endpoint on
-127.0.0.1 (a free port) that forwards each incoming request to the next endpoint, round
-robin, among the Service's endpoints, streaming the response through (SSE included).
+127.0.0.1 (a free port) that forwards each incoming request to a random endpoint among the
+Service's endpoints (kube-proxy's iptables mode; ``pick="round-robin"`` for IPVS's default),
+streaming the response through (SSE included).
 
 Endpoints are computed as the EndpointSlice controller does and read as kube-proxy does,
-from the API stand-in, every ``refresh_s`` (so there is a small, realistic lag): the pods
-matching the Service's ``spec.selector`` that have a ``podIP``, the Ready condition True
-and no ``deletionTimestamp`` (a terminating pod is not a ready endpoint), at the port the
-Service's ``targetPort`` names in the pod's container.
+from the API stand-in, every ``refresh_s`` (0.1 s: a pod gets requests the moment it turns
+Ready): the pods matching the Service's ``spec.selector`` that have a ``podIP`` and the
+Ready condition True, at the port the Service's ``targetPort`` names in the pod's
+container. A pod that turns terminating (a ``deletionTimestamp``) stays an endpoint for
+``terminating_lag_s`` more (1 s: the time the change takes to reach every node's
+kube-proxy), then leaves.
 
 Like kube-proxy it does not retry: a connection the chosen pod refuses or drops is the
 client's failure. kube-proxy forwards TCP connections, so a client would see a refused or
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
 import socket
 import time
 from collections import Counter
@@ -84,13 +88,16 @@ class ServiceProxy:
     namespace: str
     service: str
     port_name: str = "http"
-    refresh_s: float = 0.25
+    refresh_s: float = 0.1
+    terminating_lag_s: float = 1.0
+    pick: str = "random"  # or "round-robin"
     endpoints: list[Endpoint] = field(default_factory=list)
     served: Counter = field(default_factory=Counter)
     failures: list[ProxyFailure] = field(default_factory=list)
     endpoint_history: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
     url: str = ""
     _rr: itertools.count = field(default_factory=itertools.count)
+    _terminating_since: dict[str, float] = field(default_factory=dict)
     _api_session: aiohttp.ClientSession | None = None
     _pod_session: aiohttp.ClientSession | None = None
     _runner: web.AppRunner | None = None
@@ -144,7 +151,8 @@ class ServiceProxy:
                 log.exception("service %s: reading endpoints failed", self.service)
 
     async def refresh(self) -> None:
-        """Read the Service and its pods from the API; keep the ready, non-terminating ones."""
+        """Read the Service and its pods from the API; keep the ready ones, a terminating one
+        only for ``terminating_lag_s`` after this proxy first saw it terminating."""
         assert self._api_session is not None
         base = f"{self.api}/api/v1/namespaces/{self.namespace}"
         async with self._api_session.get(f"{base}/services/{self.service}") as resp:
@@ -162,6 +170,7 @@ class ServiceProxy:
         async with self._api_session.get(f"{base}/pods", params={"labelSelector": query}) as resp:
             pods = (await resp.json()).get("items") or []
         endpoints = []
+        now = time.monotonic()
         for pod in pods:
             meta, status = pod["metadata"], pod.get("status") or {}
             labels = meta.get("labels") or {}
@@ -170,12 +179,19 @@ class ServiceProxy:
             ready = any(
                 c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
             )
-            if not ready or meta.get("deletionTimestamp") or not status.get("podIP"):
+            if not ready or not status.get("podIP") or self._gone(meta, now):
                 continue
             number = _container_port(pod, target)
             if number is not None:
                 endpoints.append(Endpoint(meta["name"], status["podIP"], number))
         self._set(sorted(endpoints, key=lambda e: e.pod))
+
+    def _gone(self, meta: dict, now: float) -> bool:
+        """Whether a pod's deletion has reached this proxy (``terminating_lag_s`` after it began)."""
+        if not meta.get("deletionTimestamp"):
+            return False
+        since = self._terminating_since.setdefault(meta["name"], now)
+        return now - since >= self.terminating_lag_s
 
     def _set(self, endpoints: list[Endpoint]) -> None:
         if endpoints != self.endpoints:
@@ -193,7 +209,10 @@ class ServiceProxy:
                 status=503,
                 headers={PROXY_ERROR: "no endpoints"},
             )
-        endpoint = endpoints[next(self._rr) % len(endpoints)]
+        if self.pick == "random":
+            endpoint = random.choice(endpoints)
+        else:
+            endpoint = endpoints[next(self._rr) % len(endpoints)]
         self.served[endpoint.pod] += 1
         marks = {SERVED_BY: endpoint.pod, ENDPOINT: endpoint.address}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}

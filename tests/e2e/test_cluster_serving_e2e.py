@@ -6,8 +6,8 @@ for it (``apiserver.py``: bookkeeping, graceful pod deletion, the scale subresou
 maxUnavailable), the kubelet (ConfigMap volumes, probes, preStop / SIGTERM / SIGKILL) and
 the garbage collector, running real ``loraserve-runtime`` processes (tiny CPU model). No
 real Service exists either: ``service.py`` stands in for the serve's ClusterIP Service (a
-round-robin proxy over the ready, non-terminating pods that does not retry, as
-kube-proxy), and ``traffic.py`` sends a bounded load through it. The scenario itself is
+random Ready pod per request, a terminating pod for 1 s more, no retries, as kube-proxy),
+and ``traffic.py`` sends a bounded load through it. The scenario itself is
 ``scenario.py`` (shared with ``bench/operator.py --scenario cluster``).
 
 The tests run in order on one cluster (module scope, its own namespace and serve).
