@@ -119,6 +119,11 @@ class OperatorProcess:
         """Every log line about a request the API server refused with 403 (missing RBAC)."""
         return [line for line in self.log().splitlines() if FORBIDDEN.search(line)]
 
+    def pruned(self) -> list[str]:
+        """kopf's warnings of a merge-patch the API server did not keep as sent (a field the
+        CRD's schema prunes, a value it rewrites)."""
+        return [line for line in self.log().splitlines() if "finished with inconsistencies" in line]
+
 
 def operator_env(release: Release, tls_dir: Path, kubeconfig: Path, liveness_port: int) -> dict[str, str]:
     """The chart container's environment, as a kubelet would give it, for a local process."""

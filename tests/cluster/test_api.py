@@ -142,6 +142,7 @@ def test_examples_reconciled_without_forbidden(control_plane, operator, applied,
         time.sleep(1)
     assert operator.forbidden() == []
     assert not missing, "not reconciled:\n" + "\n".join(missing)
+    assert operator.pruned() == []
 
 
 def _reconciled(serve: dict) -> bool:

@@ -216,3 +216,4 @@ async def test_deleting_the_serve_collects_its_children(stage):
     secrets = (await stage.get("secrets"))["items"]
     assert [s["metadata"]["name"] for s in secrets if s["metadata"].get("ownerReferences")] == []
     assert stage.operator.forbidden() == []
+    assert stage.operator.pruned() == []
