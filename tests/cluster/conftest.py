@@ -110,6 +110,8 @@ class OperatorProcess:
     process: subprocess.Popen
     log_path: Path
     kubeconfig: Path
+    user: str
+    """The ServiceAccount's user name, as the API server's audit log records it."""
     env: dict[str, str] = field(default_factory=dict)
 
     def log(self) -> str:
@@ -161,7 +163,8 @@ def operator(control_plane, release: Release, tmp_path_factory: pytest.TempPathF
         process = subprocess.Popen(
             [sys.executable, "-m", "loraserve.operator"], env=env, cwd=root, stdout=handle, stderr=subprocess.STDOUT
         )
-    running = OperatorProcess(process, log_path, kubeconfig, env)
+    user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    running = OperatorProcess(process, log_path, kubeconfig, user, env)
     try:
         _wait_operator(running, f"http://127.0.0.1:{liveness}/healthz", env, tls_dir / "ca.crt")
         yield running

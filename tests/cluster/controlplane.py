@@ -130,6 +130,10 @@ class ControlPlane:
                 f"--cert-dir={pki}",
                 "--enable-priority-and-fairness=false",
                 "--profiling=false",
+                f"--audit-policy-file={self._audit_policy(pki)}",
+                f"--audit-log-path={self.root / 'audit.log'}",
+                "--audit-log-format=json",
+                "--audit-log-mode=blocking",
                 "--v=1",
             ],
         )
@@ -221,6 +225,33 @@ class ControlPlane:
     def log(self, component: str) -> str:
         return (self.root / f"{component}.log").read_text(errors="replace")
 
+    def audit(self, user: str) -> list[dict[str, Any]]:
+        """The API server's audit events of ``user`` (a ServiceAccount's full name), oldest first."""
+        path = self.root / "audit.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [e for e in map(json.loads, lines) if e.get("user", {}).get("username") == user]
+
+    def refused(self, user: str) -> list[str]:
+        """Every request of ``user`` the API server refused for want of RBAC (403)."""
+        return [
+            f"{e['verb']} {e['requestURI']}: {e['responseStatus'].get('message', '')}"
+            for e in self.audit(user)
+            if e.get("responseStatus", {}).get("code") == 403
+        ]
+
+    def dropped(self, user: str, group: str) -> list[str]:
+        """Fields ``user`` wrote to ``group``'s objects (merge patches, creates, updates) that the
+        stored object does not hold as sent: pruned by the CRD's schema or rewritten."""
+        out = []
+        for event in self.audit(user):
+            sent, stored = event.get("requestObject"), event.get("responseObject")
+            if event.get("objectRef", {}).get("apiGroup") != group or event.get("responseStatus", {}).get("code", 0) >= 300:
+                continue
+            if isinstance(sent, dict) and isinstance(stored, dict) and stored.get("kind") != "Status":
+                sent = {k: v for k, v in sent.items() if k not in ("apiVersion", "kind")}
+                out += [f"{event['verb']} {event['requestURI']}: {d}" for d in _dropped(sent, stored, "")]
+        return out
+
     # ------------------------------------------------------------------ internals
 
     def _issue(
@@ -237,6 +268,27 @@ class ControlPlane:
         cert.cert_chain_pems[0].write_to_path(str(identity.cert))
         cert.private_key_pem.write_to_path(str(identity.key))
         return identity
+
+    def _audit_policy(self, pki: Path) -> Path:
+        """Writes of ServiceAccounts with their bodies (the operator's), other SA requests'
+        metadata (their verdicts), nothing of anyone else."""
+        policy = {
+            "apiVersion": "audit.k8s.io/v1",
+            "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [
+                {
+                    "level": "RequestResponse",
+                    "userGroups": ["system:serviceaccounts"],
+                    "verbs": ["create", "update", "patch"],
+                },
+                {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                {"level": "None"},
+            ],
+        }
+        path = pki / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        return path
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         handle = (self.root / f"{name}.log").open("wb")
@@ -307,6 +359,24 @@ class ControlPlane:
                 last = str(exc)
             time.sleep(0.25)
         raise RuntimeError(f"{name} not ready at {url} within {START_TIMEOUT_S:g} s ({last}):\n{self.log(name)[-3000:]}")
+
+
+def _dropped(sent: Any, stored: Any, path: str) -> list[str]:
+    """Leaves of ``sent`` (a merge patch or an object) that ``stored`` lacks or holds otherwise."""
+    if isinstance(sent, dict):
+        if not isinstance(stored, dict):
+            return [f"{path or '.'}: sent an object, stored {stored!r}"]
+        # null in a merge patch deletes the key; metadata the API server owns is its own.
+        skip = ("resourceVersion", "managedFields", "generation", "uid", "creationTimestamp") if path == ".metadata" else ()
+        return [
+            d
+            for key, value in sent.items()
+            if value is not None and key not in skip
+            for d in _dropped(value, stored.get(key), f"{path}.{key}")
+        ]
+    if isinstance(sent, list) and isinstance(stored, list) and len(sent) == len(stored):
+        return [d for i, (a, b) in enumerate(zip(sent, stored, strict=True)) for d in _dropped(a, b, f"{path}[{i}]")]
+    return [] if sent == stored else [f"{path}: sent {sent!r}, stored {stored!r}"]
 
 
 def _service_account_keys(pki: Path) -> tuple[Path, Path]:

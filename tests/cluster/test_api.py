@@ -143,6 +143,11 @@ def test_examples_reconciled_without_forbidden(control_plane, operator, applied,
     assert operator.forbidden() == []
     assert not missing, "not reconciled:\n" + "\n".join(missing)
     assert operator.pruned() == []
+    # The API server's own record: no request refused, no field of a LoRAServe/Adapter pruned.
+    assert control_plane.refused(operator.user) == []
+    writes = [e for e in control_plane.audit(operator.user) if e.get("objectRef", {}).get("subresource") == "status"]
+    assert writes, "the audit log holds the operator's status writes"
+    assert control_plane.dropped(operator.user, "loraserve.io") == []
 
 
 def _reconciled(serve: dict) -> bool:

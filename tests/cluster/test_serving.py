@@ -217,3 +217,5 @@ async def test_deleting_the_serve_collects_its_children(stage):
     assert [s["metadata"]["name"] for s in secrets if s["metadata"].get("ownerReferences")] == []
     assert stage.operator.forbidden() == []
     assert stage.operator.pruned() == []
+    assert stage.cp.refused(stage.operator.user) == []
+    assert stage.cp.dropped(stage.operator.user, "loraserve.io") == []
