@@ -24,7 +24,7 @@ every other pod) and the time from an Adapter's creation until a request for it 
 on every ready pod, asked directly. Then, on a fresh 3-replica serve, what users do to
 Adapters (``scenario.Operations``, the phases of ``tests/e2e/test_adapter_operations_e2e.py``)
 behind a plain Service (a random Ready pod per request, terminating pods for 1 s, no
-retries), each under its own load of 40-token streams: a version change in place, a scale
+retries), each under its own load of 120-token streams: a version change in place, a scale
 3 -> 1, a scale 1 -> 3 with an Adapter created while the new pods load their model, three
 pods fetching one hf:// adapter into their shared cache at once, and a source that hangs.
 It reports the failed requests per phase (target 0) and what each phase found wrong.
@@ -205,7 +205,7 @@ def operations_report(results: list) -> list[str]:
     """Markdown lines: the failed requests and the problems of each operation."""
     lines = [
         "",
-        "Adapter operations, each under its own load (40-token streams), behind a plain Service:",
+        "Adapter operations, each under its own load (120-token greedy streams), behind a plain Service:",
         "",
         "| phase | requests | failed (target 0) | seconds | found |",
         "| --- | --- | --- | --- | --- |",

@@ -524,7 +524,7 @@ class Operations:
     scn: Scenario
     hub: Hub
     models: list[str]
-    max_tokens: int = 40
+    max_tokens: int = 120  # streams of ~1 s here: old-version streams are in flight at a change
     workers: int = 4
     results: list[PhaseResult] = field(default_factory=list)
 
@@ -631,7 +631,7 @@ class Operations:
             pod, [name, new.name], traffic_mod.PROMPTS, max_tokens=self.max_tokens
         )
         old_version = (await self._status(name)).get("version")
-        self._start([name, name, *self.models])
+        self._start([name, name, name, *self.models])  # most streams are for the changed one
         await asyncio.sleep(STREAM_LEAD_S)
         patched = self.scn.traffic.mark(f"{name}: source -> {new.source}")
         await self.scn.cluster.patch(f"{self.scn.adapters}/{name}", {"spec": {"source": new.source_uri}})

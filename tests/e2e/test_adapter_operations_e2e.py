@@ -4,7 +4,7 @@ The stand-in cluster of ``test_cluster_serving_e2e.py`` (kmock for the API, ``ku
 running real ``loraserve-runtime`` processes with the tiny CPU model, the real operator),
 with ``service.py`` as a plain Service: a random Ready endpoint per request, a pod the
 moment it turns Ready, a terminating pod for 1 s more, no retries. Each phase runs its own
-traffic (streams of up to ``MAX_TOKENS`` tokens in flight) through it; the phases are
+traffic (greedy streams of ``Operations.max_tokens`` tokens, ~1 s each, in flight) through it; the phases are
 ``scenario.Operations``' (shared with ``bench/operator.py --scenario cluster``):
 
 a. an Adapter's source changes in place under load: every answer is the old or the new
@@ -37,7 +37,6 @@ Plan = scenario_mod.AdapterPlan
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
 NS = SERVE = "ops"
-MAX_TOKENS = 40
 
 
 def operator_config() -> OperatorConfig:
@@ -57,7 +56,7 @@ async def ops(cluster):
     await cluster.start_operator(operator_config())
     try:
         operations = await scenario_mod.Operations.open(
-            cluster, NS, SERVE, say=lambda line: print(line, flush=True), max_tokens=MAX_TOKENS
+            cluster, NS, SERVE, say=lambda line: print(line, flush=True)
         )
         try:
             yield operations
