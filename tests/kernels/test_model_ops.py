@@ -113,10 +113,12 @@ def test_rotary(device, dtype, head_dim):
     positions = torch.randint(0, table, (tokens,), generator=gen).to(device)
     q_out, k_out = triton_ops.rotary(positions, q, k, cos, sin)
     q_ref, k_ref = reference.rotary(positions, q, k, cos, sin)
-    exact = dtype != torch.bfloat16 or torch.cuda.is_available()  # the interpreter truncates bf16
-    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2, "atol": 4e-2}
-    torch.testing.assert_close(q_out, q_ref, **tol)
-    torch.testing.assert_close(k_out, k_ref, **tol)
+    # Within two units in the last place of the largest value: the device may contract a product
+    # and a sum into one rounding where torch rounds twice; the interpreter truncates bfloat16.
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert (out.float() - ref.float()).abs().max().item() <= 2 * ulp
+    torch.testing.assert_close(q_out, q_ref, rtol=0.05, atol=0.05)
     c64 = torch.cat([angles.cos()] * 2, dim=-1).double().to(device)[positions].unsqueeze(1)
     s64 = torch.cat([angles.sin()] * 2, dim=-1).double().to(device)[positions].unsqueeze(1)
     half = head_dim // 2
