@@ -28,6 +28,18 @@ from loraserve.runtime.parallel.launch import TPHandle, TPOptions, start_tensor_
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_tp_health() -> Iterator[None]:
+    """A tensor-parallel group's health is process-wide: leave it as a new process has it, so
+    a failure these tests provoke never makes a later module's server unready (xdist workers
+    run modules of every directory in one process)."""
+    yield
+    from loraserve.runtime.parallel import health
+
+    health.reset_health()
+
+
 # Small timeouts: a broken test group fails in seconds, never hangs the suite.
 TEST_OPTIONS = TPOptions(
     collective_timeout_s=60.0,
