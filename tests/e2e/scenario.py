@@ -781,7 +781,7 @@ class Operations:
         result.probes = list(
             await asyncio.gather(*(self._probe(pod, plan.name, n) for n, pod in enumerate(pods * 2)))
         )
-        await self.scn.wait_converged(len(pods), what=f"{plan.name} Loaded everywhere")
+        await self.scn.wait_converged(len(pods), what=f"{plan.name} Loaded everywhere", timeout=60)
         result.notes.append(f"Ready {self.scn.traffic.now() - created:.1f} s after its creation")
         await self._finish(result, started)
         for r in result.records:
@@ -831,6 +831,10 @@ class Operations:
                     f"want 503 adapter_loading within {load_timeout_s:g} s: {r.describe()}"
                 )
         result.probes = asked
+        waits = sorted(f"{r.latency:.1f}" for r in asked)
+        result.notes.append(
+            f"{name}: {len(asked)} requests answered {sorted({r.status for r in asked}, key=str)} after {waits} s"
+        )
         message = await said
         if message.startswith("problem: "):
             result.problems.append(message.removeprefix("problem: "))
