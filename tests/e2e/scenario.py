@@ -683,7 +683,9 @@ class Operations:
         result, started = PhaseResult(label), time.monotonic()
         self._start(self.models)
         await asyncio.sleep(STREAM_LEAD_S)
+        before = self.scn.proxy.served_terminating
         await self.scn.scale(replicas)
+        result.notes.append(f"{self.scn.proxy.served_terminating - before} requests sent to terminating pods")
         return await self._finish(result, started)
 
     # ------------------------------------------------------------------ (b) created during a load
@@ -787,6 +789,7 @@ class Operations:
         for r in result.records:
             if r.model == plan.name and r.sent_at < listed and r.status == 404:
                 result.excuse(r, "sent before the operator pushed the new Adapter to the pod")
+        result.notes.append(f"the hub sent {self.hub.downloads(name)} (files: times)")
         if set(self.hub.downloads(name).values()) != {1}:
             result.problems.append(f"the hub sent {self.hub.downloads(name)}: want each file once")
         return result

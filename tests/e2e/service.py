@@ -93,6 +93,7 @@ class ServiceProxy:
     pick: str = "random"  # or "round-robin"
     endpoints: list[Endpoint] = field(default_factory=list)
     served: Counter = field(default_factory=Counter)
+    served_terminating: int = 0  # requests sent to a pod already terminating (in its last second)
     failures: list[ProxyFailure] = field(default_factory=list)
     endpoint_history: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
     url: str = ""
@@ -214,6 +215,7 @@ class ServiceProxy:
         else:
             endpoint = endpoints[next(self._rr) % len(endpoints)]
         self.served[endpoint.pod] += 1
+        self.served_terminating += endpoint.pod in self._terminating_since
         marks = {SERVED_BY: endpoint.pod, ENDPOINT: endpoint.address}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         body = await request.read()
