@@ -279,7 +279,7 @@ def _versions_message(findings: AdapterFindings, behind: Mapping[str, str]) -> s
 
 
 def _progress_message(findings: AdapterFindings) -> str:
-    """``; pod-b: loading ... waiting on ...`` for the pods loading now (empty: none)."""
+    """``; pod-b: loading <source> for 3 s: connecting ...`` for the pods loading now (empty: none)."""
     targeted = {t.pod for t in findings.tracks}
     lines = [f"{pod}: {text}" for pod, text in sorted(findings.progress.items()) if pod in targeted]
     return "".join(f"; {line}" for line in lines)

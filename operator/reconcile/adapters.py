@@ -361,10 +361,11 @@ def read_versions(listings: Mapping[str, PodCatalog], name: str, wanted: tuple, 
 
 
 def loading_words(source: str, entry: CatalogState) -> str:
-    """``loading <source> for 12.3 s, waiting on <what>``."""
+    """``loading <source> for 12.3 s: <what the load is doing>`` (the runtime's words, e.g.
+    ``connecting https://host/path``, ``waiting another process's download of …``)."""
     took = f" for {entry.loading_for_s:g} s" if entry.loading_for_s is not None else ""
-    waits = f", waiting on {entry.waiting_on}" if entry.waiting_on else ""
-    return f"loading {source}{took}{waits}"
+    doing = f": {entry.waiting_on}" if entry.waiting_on else ""
+    return f"loading {source}{took}{doing}"
 
 
 @dataclass

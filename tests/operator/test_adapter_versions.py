@@ -356,20 +356,20 @@ async def test_a_hung_load_is_named_in_the_status_within_seconds(ctx, pods, monk
         while "load" not in fake.calls:
             await asyncio.sleep(0.05)
         # The pod starts reporting its slow load only once the operator's load call hangs.
-        fake.loading["sql"] = (12.5, "the first byte from models.example:443")
+        fake.loading["sql"] = (12.5, "connecting https://models.example/sql")
         started = time.monotonic()
         while True:
             await asyncio.sleep(0.1)
             status = (await ctx.kube.get(ADAPTERS, NS, "sql")).get("status") or {}
-            if "waiting on" in _ready(status).get("message", "") if status.get("conditions") else False:
+            if "connecting" in _ready(status).get("message", "") if status.get("conditions") else False:
                 break
             assert time.monotonic() - started < 5, status
         message = _ready(status)["message"]
         assert "pod-0: loading https://models.example/sql.tar.gz for 12.5 s" in message
-        assert "waiting on the first byte from models.example:443" in message
+        assert "for 12.5 s: connecting https://models.example/sql" in message
         assert "secret" not in str(status) and "token=abc" not in str(status)
         (pod,) = status["pods"]
-        assert pod["state"] == "Loading" and "waiting on" in pod["message"]
+        assert pod["state"] == "Loading" and "connecting https://models.example/sql" in pod["message"]
     finally:
         fake.loading.clear()
         fake.hold.set()
