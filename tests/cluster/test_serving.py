@@ -36,7 +36,7 @@ SERVE = "tiny"
 ADAPTERS = ("alpha", "beta")
 TIMEOUT = 180.0
 METRIC = "vllm_num_requests_waiting"
-METRICS_IP = "127.200.0.250"
+METRICS_IP = "127.200.0.10"  # the static band (the lowest 16 of a /24): never handed out dynamically
 """The stand-in metrics adapter's ClusterIP (in controlplane.SERVICE_CIDR)."""
 
 

@@ -254,13 +254,15 @@ def test_stop_tokens_end_with_reason_stop(engine_assets, start_engine, tokenizer
 def test_shutdown_drains_then_aborts_and_refuses_new_work(engine_assets, start_engine):
     engine = start_engine(engine_config(engine_assets))
     short, sc = make_request(list(range(3, 10)), max_tokens=5)
-    long, lc = make_request(list(range(3, 10)), max_tokens=900)
     engine.submit(short)
-    engine.submit(long)
-    engine.shutdown(drain_timeout_s=0.5)
-    wait_all([sc, lc], timeout=10)
+    # Eight requests to the context's end: thousands of steps, never done within the drain.
+    longs = [make_request(list(range(3 + i, 10 + i)), max_tokens=1000) for i in range(8)]
+    for req, _ in longs:
+        engine.submit(req)
+    engine.shutdown(drain_timeout_s=0.3)
+    wait_all([sc, *(c for _, c in longs)], timeout=10)
     assert sc.finish_reason == "length"
-    assert lc.finish_reason == "abort"
+    assert [c.finish_reason for _, c in longs] == ["abort"] * len(longs)
     late, _ = make_request([3, 4, 5], max_tokens=2)
     with pytest.raises(EngineClosedError):
         engine.submit(late)
