@@ -58,6 +58,11 @@ async def in_flight_middleware(request: web.Request, handler):
         state.in_flight -= 1
 
 
+CLIENT_CLOSED = 499
+"""The status counted for a request whose handler was cancelled: its client closed the
+connection, or the server cut it (nginx's convention; no response is sent)."""
+
+
 @web.middleware
 async def http_metrics_middleware(request: web.Request, handler):
     state = request.app[STATE]
@@ -70,6 +75,9 @@ async def http_metrics_middleware(request: web.Request, handler):
         return resp
     except web.HTTPException as exc:
         status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED  # the client left (or its connection was cut): not a server error
         raise
     finally:
         state.metrics.http_requests.labels(name, str(status)).inc()

@@ -336,6 +336,12 @@ async def test_unread_stream_cut_and_aborted(door, caplog):
     # Requests still generating when the connection was cut are aborted, none left running.
     assert aborted >= 1, aborted
     assert aborted <= body["n"], aborted
+    # The cut request is counted as closed by the client (499), never as a server error.
+    async with aiohttp.ClientSession() as session, session.get(door.url + "/metrics") as resp:
+        text = await resp.text()
+    completions = [line for line in text.splitlines() if line.startswith("loraserve:http_requests_total{") and "/v1/completions" in line]
+    assert any('status="499"' in line for line in completions), completions
+    assert not any('status="500"' in line for line in completions), completions
     assert "read nothing for 2 s (--write-timeout)" in caplog.text
 
 
