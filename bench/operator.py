@@ -95,19 +95,6 @@ async def _held_everywhere(http: aiohttp.ClientSession, pods, name: str) -> bool
     return True
 
 
-def scenario_operator_config() -> OperatorConfig:
-    """The end-to-end tests' operator settings (fast retries and resyncs)."""
-    return OperatorConfig(
-        webhook_enabled=False,
-        adapter_max_tries=5,
-        adapter_backoff_base_s=0.05,
-        adapter_backoff_cap_s=0.4,
-        resync_interval_s=2.0,
-        unload_max_tries=2,
-        runtime_request_timeout_s=60,
-    )
-
-
 async def _first_success(
     http: aiohttp.ClientSession, pod, model: str, *, interval: float, timeout: float
 ) -> float:
@@ -147,7 +134,7 @@ async def run_cluster(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     result: dict = {"base_only": args.base_only}
     try:
-        await cluster.start_operator(scenario_operator_config())
+        await cluster.start_operator(scenario_mod.operator_config())
         await scn.bring_up(3, plans)
         base = await scn.base_model()
         scn.start_traffic(

@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from loraserve.operator.config import OperatorConfig
 from loraserve.runtime.lora.sources import ADAPTER_FILES
 
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
@@ -47,6 +48,20 @@ assets = cluster_mod.load_sibling("assets")
 service_mod = cluster_mod.load_sibling("service")
 traffic_mod = cluster_mod.load_sibling("traffic")
 wait_for = cluster_mod.wait_for
+
+def operator_config() -> OperatorConfig:
+    """The cluster scenario's operator settings (fast retries and resyncs), for its tests and
+    ``bench/operator.py --scenario cluster`` alike."""
+    return OperatorConfig(
+        webhook_enabled=False,
+        adapter_max_tries=5,
+        adapter_backoff_base_s=0.05,
+        adapter_backoff_cap_s=0.4,
+        resync_interval_s=2.0,
+        unload_max_tries=2,
+        runtime_request_timeout_s=60,
+    )
+
 
 STEP_TIMEOUT = 150.0
 CONVERGED_STATES = {"Loaded", "Registered"}

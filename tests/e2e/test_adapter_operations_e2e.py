@@ -28,8 +28,6 @@ import sys
 import pytest
 import pytest_asyncio
 
-from loraserve.operator.config import OperatorConfig
-
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
 scenario_mod = cluster_mod.load_sibling("scenario")
 Plan = scenario_mod.AdapterPlan
@@ -39,21 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest
 NS = SERVE = "ops"
 
 
-def operator_config() -> OperatorConfig:
-    return OperatorConfig(
-        webhook_enabled=False,
-        adapter_max_tries=5,
-        adapter_backoff_base_s=0.05,
-        adapter_backoff_cap_s=0.4,
-        resync_interval_s=2.0,
-        unload_max_tries=2,
-        runtime_request_timeout_s=60,
-    )
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ops(cluster):
-    await cluster.start_operator(operator_config())
+    await cluster.start_operator(scenario_mod.operator_config())
     try:
         operations = await scenario_mod.Operations.open(
             cluster, NS, SERVE, say=lambda line: print(line, flush=True)

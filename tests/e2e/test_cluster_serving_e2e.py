@@ -22,8 +22,6 @@ from collections import Counter
 import pytest
 import pytest_asyncio
 
-from loraserve.operator.config import OperatorConfig
-
 cluster_mod = sys.modules["_loraserve_e2e_cluster"]
 scenario_mod = cluster_mod.load_sibling("scenario")
 traffic_mod = cluster_mod.load_sibling("traffic")
@@ -47,21 +45,9 @@ MAX_TOKENS = 6
 WORKERS = 4
 
 
-def operator_config() -> OperatorConfig:
-    return OperatorConfig(
-        webhook_enabled=False,
-        adapter_max_tries=5,
-        adapter_backoff_base_s=0.05,
-        adapter_backoff_cap_s=0.4,
-        resync_interval_s=2.0,
-        unload_max_tries=2,
-        runtime_request_timeout_s=60,
-    )
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def scn(cluster):
-    await cluster.start_operator(operator_config())
+    await cluster.start_operator(scenario_mod.operator_config())
     scenario = scenario_mod.Scenario(cluster, NS, SERVE, say=lambda line: print(line, flush=True))
     try:
         yield scenario
