@@ -192,6 +192,11 @@ def setting(default: Any = dataclasses.MISSING, flag: str = "", help: str = "", 
     return field(default=default, metadata=metadata)
 
 
+def seconds_setting(default: float, flag: str, help: str, **options: Any) -> Any:
+    """A time bound in seconds: positive, at most an hour, written back as ``%g``."""
+    return setting(default, flag, help, metavar="SECONDS", parse=_positive_seconds(flag), render=_seconds, **options)
+
+
 def not_a_flag(default: Any, why: str) -> Any:
     """A configuration field with no flag of its own; ``why`` says where it comes from."""
     return field(default=default, metadata={NO_FLAG: why})
@@ -220,12 +225,6 @@ def _adapter_pairs(values: Sequence[str]) -> dict[str, str]:
             raise FlagError(f"--lora {name!r} is given twice: each adapter name once")
         adapters[name] = path.strip()
     return adapters
-
-
-def _load_timeout(value: float) -> float:
-    if not value > 0 or value > MAX_LOAD_TIMEOUT_S:
-        raise FlagError(f"--adapter-load-timeout {value:g}: give seconds in (0, {MAX_LOAD_TIMEOUT_S}]")
-    return value
 
 
 def _positive_seconds(flag: str) -> Callable[[float], float]:
@@ -435,14 +434,11 @@ class LoRAConfig:
         gated=True,
         metavar="FILE",
     )
-    load_timeout_s: float = setting(
+    load_timeout_s: float = seconds_setting(
         60.0,
         "--adapter-load-timeout",
         "how long a request waits for an on-demand adapter load before a 503 with Retry-After",
         gated=True,
-        metavar="SECONDS",
-        parse=_load_timeout,
-        render=_seconds,
     )
     catalog_confirm: bool = setting(
         False,
@@ -544,37 +540,25 @@ class ServerConfig:
         "remote adapter sources may reach loopback, link-local and private addresses (default: "
         "refused, whatever the host name resolves to)",
     )
-    source_stall_timeout_s: float = setting(
+    source_stall_timeout_s: float = seconds_setting(
         30.0,
         "--source-stall-timeout",
         "a remote adapter source that connects or sends no byte for this long fails as unavailable",
-        metavar="SECONDS",
-        parse=_positive_seconds("--source-stall-timeout"),
-        render=_seconds,
     )
-    header_timeout_s: float = setting(
+    header_timeout_s: float = seconds_setting(
         10.0,
         "--header-timeout",
         "time a client has to send a request's headers",
-        metavar="SECONDS",
-        parse=_positive_seconds("--header-timeout"),
-        render=_seconds,
     )
-    body_timeout_s: float = setting(
+    body_timeout_s: float = seconds_setting(
         30.0,
         "--body-timeout",
         "time a client has to send a request's body",
-        metavar="SECONDS",
-        parse=_positive_seconds("--body-timeout"),
-        render=_seconds,
     )
-    write_timeout_s: float = setting(
+    write_timeout_s: float = seconds_setting(
         60.0,
         "--write-timeout",
         "time a client may leave the server's writes unread before the connection is closed",
-        metavar="SECONDS",
-        parse=_positive_seconds("--write-timeout"),
-        render=_seconds,
     )
     max_connections: int = setting(
         0,
@@ -589,13 +573,10 @@ class ServerConfig:
         "largest response_format schema, regex, grammar or choice list (bytes of its JSON)",
         metavar="BYTES",
     )
-    structured_compile_timeout_s: float = setting(
+    structured_compile_timeout_s: float = seconds_setting(
         5.0,
         "--structured-compile-timeout",
         "time one response_format may take to compile before a 400",
-        metavar="SECONDS",
-        parse=_positive_seconds("--structured-compile-timeout"),
-        render=_seconds,
     )
 
 
