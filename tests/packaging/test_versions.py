@@ -3,7 +3,7 @@
 Four places name them and must move together: the image's base (Dockerfile ``BASE_IMAGE``),
 pyproject's bounds (``torch``, the ``triton`` extra), the runtime's start-up check
 (``capabilities.TRITON_OLDEST``) and the versions the GPU results in ``bench/results/``
-recorded. Bumping one without the others fails here. The runtime's refusal of an older
+recorded in their markdowns. Bumping one without the others fails here. The runtime's refusal of an older
 Triton is tested through the check function and through ``loraserve-runtime``'s start-up.
 """
 
@@ -52,14 +52,21 @@ def _bounds(req: Requirement) -> tuple[Version, Version]:
     return ops[">="], ops["<"]
 
 
+# A GPU run's markdown names its card and the versions it ran: "NVIDIA H200 ...; torch
+# 2.11.0+cu130; triton 3.6.0" (separators vary: ",", ";", ":"). The date is the file's prefix.
+_GPU = re.compile(r"NVIDIA [HABL]\d+")
+_TORCH = re.compile(r"\btorch:?\s+(\d+\.\d+\.\d+\+cu\d+)", re.IGNORECASE)
+_TRITON = re.compile(r"\btriton:?\s+(\d+\.\d+\.\d+)", re.IGNORECASE)
+
+
 def _gpu_records() -> list[dict]:
-    """``env`` of every GPU run under bench/results/ that recorded its versions."""
+    """The versions of every GPU run under bench/results/ (one markdown per study)."""
     records = []
-    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
-        data = json.loads(path.read_text()) if path.stat().st_size else None
-        env = data.get("env") if isinstance(data, dict) else None  # some results are plain lists of rows
-        if isinstance(env, dict) and "triton" in env and not str(env.get("gpu", "cpu")).startswith("cpu"):
-            records.append({**env, "file": path.name})
+    for path in sorted((ROOT / "bench" / "results").glob("2*.md")):
+        text = path.read_text()
+        torch_v, triton_v = _TORCH.search(text), _TRITON.search(text)
+        if _GPU.search(text) and torch_v and triton_v:
+            records.append({"date": path.name[:10], "torch": torch_v[1], "triton": triton_v[1], "file": path.name})
     assert records, "bench/results/ holds GPU runs with their versions"
     return records
 
