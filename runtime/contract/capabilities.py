@@ -2,8 +2,9 @@
 
 The compatibility policy (``loraserve.runtime.contract.policy``) reports a configuration this image
 cannot run yet as *unavailable*, distinct from *incompatible* (which no image will ever
-run). Enabling an algorithm or a feature in the runtime is a one-line change here: flip
-its entry, and both the admission webhook and the runtime's start-up check follow.
+run). Enabling a feature in the runtime is a one-line change here, an algorithm one in
+``loraserve.runtime.contract.algorithms`` (its ``implemented`` trait): both the admission
+webhook and the runtime's start-up check follow.
 """
 
 from __future__ import annotations
@@ -11,20 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import SpecAlgorithm
+from .algorithms import ALGORITHMS, SpecAlgorithm, having
 
 IMPLEMENTED_ALGORITHMS: dict[SpecAlgorithm, bool] = {
-    SpecAlgorithm.NONE: True,
-    SpecAlgorithm.NGRAM: True,
-    SpecAlgorithm.STANDALONE: True,
-    SpecAlgorithm.EAGLE: True,
-    SpecAlgorithm.EAGLE3: True,
-    SpecAlgorithm.DFLASH: True,
-    SpecAlgorithm.DSPARK: False,
-    SpecAlgorithm.FROZEN_KV_MTP: False,
+    algorithm: traits.implemented for algorithm, traits in ALGORITHMS.items() if traits.resolves_to is None
 }
-"""Speculative algorithms this image runs. NEXTN has no entry: it is judged as the
-algorithm it resolves to (EAGLE, or FROZEN_KV_MTP with a Gemma-4 assistant draft)."""
+"""Speculative algorithms this image runs (``AlgorithmTraits.implemented``). NEXTN has no
+entry: it is judged as the algorithm it resolves to (EAGLE, or FROZEN_KV_MTP with a Gemma-4
+assistant draft)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,7 @@ class Capabilities:
         return algorithm in self.algorithms
 
 
-TREE_DRAFTS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3})
+TREE_DRAFTS: frozenset[SpecAlgorithm] = having("trees_implemented")
 """Algorithms this image grows draft trees for (greedy requests; sampled ones verify a chain)."""
 
 CAPABILITIES = Capabilities(

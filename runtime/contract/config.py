@@ -50,41 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class SpecAlgorithm(enum.StrEnum):
-    """Speculative-decoding algorithms a LoRAServe may name."""
-
-    NONE = "NONE"
-    NGRAM = "NGRAM"
-    STANDALONE = "STANDALONE"
-    EAGLE = "EAGLE"
-    EAGLE3 = "EAGLE3"
-    NEXTN = "NEXTN"
-    DFLASH = "DFLASH"
-    DSPARK = "DSPARK"
-    FROZEN_KV_MTP = "FROZEN_KV_MTP"
-
-    @property
-    def is_eagle_family(self) -> bool:
-        """EAGLE-family heads (one layer over the target's hidden states; token maps, head
-        draft adapters)."""
-        return self in (SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3, SpecAlgorithm.NEXTN)
-
-    @property
-    def shares_target_embeddings(self) -> bool:
-        """Drafts that read the target's BASE embeddings and lm_head (never an adapter's):
-        the EAGLE family and DFLASH. An adapter on those modules lowers its accept rate."""
-        return self.is_eagle_family or self is SpecAlgorithm.DFLASH
-
-    @property
-    def needs_draft_model(self) -> bool:
-        return self in (
-            SpecAlgorithm.STANDALONE,
-            SpecAlgorithm.EAGLE,
-            SpecAlgorithm.EAGLE3,
-            SpecAlgorithm.DFLASH,
-            SpecAlgorithm.DSPARK,
-        )
+from .algorithms import SpecAlgorithm, chain_verify
 
 
 class RaggedVerify(enum.StrEnum):
@@ -134,7 +100,7 @@ def default_draft_tokens(spec: Any) -> int | None:
     the pod's command line) and start-up fills it in (``runtime.cli``; a checkpoint that
     states no block gets the reference's default, ``dflash_format.UNSTATED_BLOCK``).
     """
-    if spec.algorithm == SpecAlgorithm.DFLASH:
+    if not chain_verify(spec.algorithm):
         return None
     return chain_draft_tokens(spec.num_steps)
 

@@ -4,12 +4,11 @@ algorithm is named in a finding."""
 
 from __future__ import annotations
 
+from ..algorithms import ALGORITHMS, having
 from ..config import RuntimeConfig, SpecAlgorithm
 
-TREE_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
-    {SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3}
-)
-"""Effective algorithms that can draft a tree (``top_k > 1``)."""
+TREE_ALGORITHMS: frozenset[SpecAlgorithm] = having("grows_trees")
+"""Effective algorithms that can draft a tree (``top_k > 1``): ``AlgorithmTraits.grows_trees``."""
 
 FROZEN_KV_MTP_DRAFT_ARCHITECTURES: frozenset[str] = frozenset({"Gemma4AssistantForCausalLM"})
 """Draft architectures that run as FROZEN_KV_MTP when named under EAGLE or NEXTN."""
@@ -25,15 +24,15 @@ def resolve_speculative(
     assistant draft runs as FROZEN_KV_MTP. Raises ``ValueError`` on an unknown name.
     """
     requested = SpecAlgorithm(requested)
-    if (
-        requested in (SpecAlgorithm.EAGLE, SpecAlgorithm.NEXTN)
-        and draft_architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
+    resolves_to = ALGORITHMS[requested].resolves_to
+    if (requested if resolves_to is None else resolves_to) is SpecAlgorithm.EAGLE and (
+        draft_architecture in FROZEN_KV_MTP_DRAFT_ARCHITECTURES
     ):
         return SpecAlgorithm.FROZEN_KV_MTP, (
             f"{requested.value} with the Gemma-4 assistant draft {draft_architecture} resolves to FROZEN_KV_MTP"
         )
-    if requested is SpecAlgorithm.NEXTN:
-        return SpecAlgorithm.EAGLE, "NEXTN resolves to EAGLE"
+    if resolves_to is not None:
+        return resolves_to, f"{requested.value} resolves to {resolves_to.value}"
     return requested, None
 
 
@@ -52,7 +51,7 @@ def effective_config(config: RuntimeConfig) -> tuple[RuntimeConfig, str | None]:
     algorithm, note = resolve_algorithm(config)
     effective = config.copy()
     if (
-        SpecAlgorithm(config.speculative.algorithm) is SpecAlgorithm.NEXTN
+        ALGORITHMS[SpecAlgorithm(config.speculative.algorithm)].resolves_to is not None
         and not config.speculative.draft_model_path
     ):
         # NEXTN without a separate draft reads the next-n layers from the target checkpoint.

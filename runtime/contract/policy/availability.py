@@ -5,6 +5,7 @@ the decoder's own check (``runtime.speculative.draft_config``) calls: one rule, 
 
 from __future__ import annotations
 
+from ..algorithms import ALGORITHMS
 from ..capabilities import Capabilities
 from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm, SpeculativeConfig
 from .algorithms import TREE_ALGORITHMS, named, order
@@ -24,7 +25,8 @@ def availability(
             Violation(
                 "algorithm-unavailable",
                 "speculative.algorithm",
-                f"speculative algorithm {named(algorithm, note)}; this image implements {implemented}",
+                f"speculative algorithm {named(algorithm, note)}; this image implements {implemented}"
+                + (f" (it lacks {lacks})" if (lacks := ALGORITHMS[algorithm].unimplemented_reason) else ""),
                 "choose an implemented algorithm, or upgrade the runtime image",
                 kind=Kind.UNAVAILABLE,
             )

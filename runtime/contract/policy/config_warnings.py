@@ -54,7 +54,7 @@ def _ignored_drafting(config: RuntimeConfig) -> list[PolicyWarning]:
     spec = config.speculative
     requested = SpecAlgorithm(spec.algorithm)
     out: list[PolicyWarning] = []
-    if requested in (SpecAlgorithm.NONE, SpecAlgorithm.NGRAM) and spec.draft_model_path:
+    if requested in NO_DRAFT_MODEL_ALGORITHMS and spec.draft_model_path:
         out.append(
             PolicyWarning(
                 "draft-ignored",

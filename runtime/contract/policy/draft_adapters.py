@@ -6,20 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..algorithms import having
 from ..config import DEFAULT_LORA_MODULES, LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from .algorithms import named
 from .declarations import DraftAdapterDeclaration
 from .fields import at_least, at_most, module_list
 from .findings import Kind, Violation
 
-DRAFT_ADAPTER_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
-    {SpecAlgorithm.STANDALONE, SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3}
-)
+DRAFT_ADAPTER_ALGORITHMS: frozenset[SpecAlgorithm] = having("draft_adapters")
 """Effective algorithms whose draft takes draft adapters in this runtime: a STANDALONE draft
 (a whole model with its own adapter pool) and an EAGLE / EAGLE3 head (a pool over the
 head's own linear layers; NEXTN resolves to EAGLE). DFLASH / DSPARK drafts and the
 FROZEN_KV_MTP assistant take none in this version."""
-NO_DRAFT_MODEL_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset({SpecAlgorithm.NONE, SpecAlgorithm.NGRAM})
+NO_DRAFT_MODEL_ALGORITHMS: frozenset[SpecAlgorithm] = having("model_free")
 """Algorithms with no draft model at all: nothing a draft adapter could adapt."""
 DRAFT_LORA_MODULES: tuple[str, ...] = DEFAULT_LORA_MODULES
 """The modules of the draft's adapter pool (``SpeculativeConfig.draft_lora_pool``): never the

@@ -11,6 +11,7 @@ targets is verified lossless (spec-on = spec-off per adapter) for the algorithms
 
 from __future__ import annotations
 
+from ..algorithms import ALGORITHMS
 from ..config import RuntimeConfig, SpecAlgorithm
 from .findings import Kind, Violation
 
@@ -27,15 +28,8 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
 MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 """Families whose MLP is (in some layers) a sparse mixture of experts."""
 
-MOE_SPEC_ALGORITHMS: tuple[SpecAlgorithm, ...] = (
-    SpecAlgorithm.NONE,
-    SpecAlgorithm.NGRAM,
-    SpecAlgorithm.STANDALONE,
-    SpecAlgorithm.EAGLE,
-    SpecAlgorithm.EAGLE3,
-    SpecAlgorithm.DFLASH,
-)
-"""Speculative algorithms served on an MoE target (each reads only the target's logits and
+MOE_SPEC_ALGORITHMS: tuple[SpecAlgorithm, ...] = tuple(a for a, t in ALGORITHMS.items() if t.moe_target)
+"""Speculative algorithms served on an MoE target (``AlgorithmTraits.moe_target``: each reads only the target's logits and
 hidden states, which the MoE layers produce as a dense layer does)."""
 
 

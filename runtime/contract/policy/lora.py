@@ -3,6 +3,7 @@ a LoRA serve cannot run beside (speculative algorithms, overlapped scheduling or
 
 from __future__ import annotations
 
+from ..algorithms import ALGORITHMS
 from ..capabilities import Capabilities
 from ..config import LORA_BACKENDS, RaggedVerify, RuntimeConfig, SpecAlgorithm
 from .algorithms import named, order
@@ -11,17 +12,10 @@ from .fields import at_least, at_most, module_list, one_of
 from .findings import Violation
 
 LORA_SPEC_ALGORITHMS: frozenset[SpecAlgorithm] = frozenset(
-    {
-        SpecAlgorithm.NONE,
-        SpecAlgorithm.NGRAM,
-        SpecAlgorithm.STANDALONE,
-        SpecAlgorithm.EAGLE,
-        SpecAlgorithm.EAGLE3,
-        SpecAlgorithm.DFLASH,
-        SpecAlgorithm.DSPARK,
-    }
+    a for a, t in ALGORITHMS.items() if t.lora_refusal is None and t.resolves_to is None
 )
-"""Effective algorithms whose adapter-free draft stays valid for every adapter."""
+"""Effective algorithms whose adapter-free draft stays valid for every adapter (those with
+no ``AlgorithmTraits.lora_refusal``)."""
 
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 
@@ -112,21 +106,20 @@ def _lora_speculation(
             Violation(
                 "lora-algorithm",
                 "speculative.algorithm",
-                f"LoRA adapters cannot be served with speculative algorithm {named(algorithm, note)}: its draft is "
-                "not independent of the target's adapter, so one adapter-free draft cannot stay lossless for "
-                "every adapter",
+                f"LoRA adapters cannot be served with speculative algorithm {named(algorithm, note)}: "
+                f"{ALGORITHMS[algorithm].lora_refusal}",
                 f"use one of {allowed} (or NONE), or set {{lora.enabled}} to false",
                 related=("lora.enabled", "speculative.draft_model_architecture")
                 if note
                 else ("lora.enabled",),
             )
         )
-    if algorithm is SpecAlgorithm.DSPARK and spec.ragged_verify is RaggedVerify.DYNAMIC:
+    if ALGORITHMS[algorithm].lora_static_verify and spec.ragged_verify is RaggedVerify.DYNAMIC:
         out.append(
             Violation(
                 "lora-dspark-ragged",
                 "speculative.ragged_verify",
-                "DSPARK with LoRA needs static ragged verify: per-request verify lengths break the uniform-width "
+                f"{algorithm.value} with LoRA needs static ragged verify: per-request verify lengths break the uniform-width "
                 "LoRA segment layout of target-verify",
                 "set {speculative.ragged_verify} to static",
                 related=("speculative.algorithm", "lora.enabled"),

@@ -3,6 +3,7 @@ and its checkpoint format, and the shape of a draft (chain or tree, its steps an
 
 from __future__ import annotations
 
+from ..algorithms import chain_verify
 from ..config import DRAFT_LOAD_FORMATS, RuntimeConfig, SpecAlgorithm, SpeculativeConfig, chain_draft_tokens
 from .algorithms import TREE_ALGORITHMS, named
 from .bounds import MINIMUM, tree_draft_tokens_limit
@@ -112,8 +113,8 @@ def _chain_or_tree(spec: SpeculativeConfig, algorithm: SpecAlgorithm, note: str 
     """The verified tokens a chain or a tree holds, and a tree only where the algorithm grows one."""
     out: list[Violation] = []
     chain = chain_draft_tokens(spec.num_steps)
-    # A DFLASH block is drafted in one forward: num_draft_tokens is the block, num_steps unused.
-    chained = algorithm is not SpecAlgorithm.DFLASH
+    # A block (DFLASH) is drafted in one forward: num_draft_tokens is the block, num_steps unused.
+    chained = chain_verify(algorithm)
     if chained and spec.top_k == 1 and spec.num_steps >= 1 and spec.num_draft_tokens != chain:
         out.append(
             Violation(
