@@ -40,8 +40,8 @@ import torch
 
 from loraserve.kernels import ForwardMode
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
-from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
-from loraserve.runtime.parallel.protocol import ForwardStep, Kind, Message
+from loraserve.runtime.distributed.protocol import ForwardStep, Kind, Message
+from loraserve.runtime.executor.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 

@@ -15,7 +15,7 @@ def build_engine(config: RuntimeConfig, observer: EngineObserver | None = None) 
     """
     # With tensor_parallel_size > 1 this starts the pod's other ranks (this process is rank 0);
     # with one device it is ModelRunner(config).
-    from ..parallel.launch import build_target_runner
+    from ..executor.launch import build_target_runner
 
     tokenizer = Tokenizer.load(config.model.path)
     runner = build_target_runner(config)

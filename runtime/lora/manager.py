@@ -44,7 +44,7 @@ from .pool import LoRAContext, SlotPool
 from .sharding import shard_adapter
 
 if TYPE_CHECKING:
-    from ..parallel.sharding import ShardPlan
+    from ..distributed.sharding import ShardPlan
 
 
 class AdapterState(enum.StrEnum):

@@ -9,7 +9,7 @@ transposed view: an adapter below the pool's rank then reads only its own rank's
 Writing a slot zeroes it first, so parts an adapter does not target contribute nothing.
 
 In a tensor-parallel model the buffers take the shapes of this rank's layers (an adapter
-arrives already cut by ``loraserve.runtime.parallel.sharding``): B by output rows for
+arrives already cut by ``loraserve.runtime.distributed.sharding``): B by output rows for
 column-parallel modules, A by input columns for row-parallel ones, and the vocabulary
 side of the embedding / lm_head adapters by this rank's vocabulary rows. The embedding's
 A then has one extra, always-zero row that tokens of other ranks gather, so their

@@ -10,7 +10,7 @@ import torch
 from .adapter import AdapterWeights
 
 if TYPE_CHECKING:
-    from ..parallel.sharding import ShardPlan
+    from ..distributed.sharding import ShardPlan
 
 
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:

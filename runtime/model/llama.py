@@ -7,7 +7,7 @@ by :meth:`LlamaForCausalLM.load_weights`.
 
 Tensor parallelism (``shard`` and ``group`` given): q/k/v and gate/up hold this rank's
 output rows, o/down are row-parallel, the embedding and lm_head vocab-parallel (see
-``loraserve.runtime.parallel.sharding``). Without them the model is built exactly as
+``loraserve.runtime.distributed.sharding``). Without them the model is built exactly as
 for one device: plain layers, no collective anywhere.
 """
 
@@ -35,7 +35,7 @@ from .layers.parallel import Collectives, ParallelLMHead, RowParallelLinear, Voc
 from .moe import SparseMoE, moe_checkpoint_names, moe_destination
 
 if TYPE_CHECKING:
-    from ..parallel.sharding import ShardPlan
+    from ..distributed.sharding import ShardPlan
 
 # HF checkpoint part -> (our fused module, index of the part inside it)
 _STACKED = {

@@ -14,7 +14,7 @@ from .layers.parallel import Collectives
 from .llama import _STACKED, LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from ..parallel.sharding import ShardPlan
+    from ..distributed.sharding import ShardPlan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

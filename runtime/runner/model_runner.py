@@ -9,10 +9,10 @@ batch runs eagerly, with the same results. A draft runner (``is_draft=True``) is
 at all: ``runner.lora is None`` and it always runs the base weights.
 
 Tensor parallelism (``parallel.tensor_parallel_size > 1``, target only): the process
-belongs to a group the launcher (``loraserve.runtime.parallel.launch``) started, and
+belongs to a group the launcher (``loraserve.runtime.executor.launch``) started, and
 the runner holds this rank's shard of the model, its KV heads and adapter slices. On
 rank 0 the runner is used exactly like a single-device one; each ``forward`` is first
-described to the other ranks (``parallel.driver``), whose runners replay it with
+described to the other ranks (``executor.driver``), whose runners replay it with
 :meth:`ModelRunner.follow`. A draft runner is never sharded: it runs whole, on rank 0.
 With one device none of this exists: same layers, same calls, no collective.
 """
@@ -29,6 +29,10 @@ import torch
 from loraserve.kernels import ForwardMode, get_backend
 
 from ..contract.config import RuntimeConfig
+from ..distributed import context as tp_context
+from ..distributed.errors import TensorParallelConfigError, TensorParallelError
+from ..distributed.protocol import Kind
+from ..distributed.sharding import ShardPlan
 from ..kv import Allocation, KVCache, derive_max_total_tokens, kv_bytes_per_token
 from ..lora import LoRAManager
 from ..model import (
@@ -40,10 +44,6 @@ from ..model import (
 from ..model.arch import ModelConfigError, parse_dtype
 from ..model.layers import LMHead, VocabEmbedding, build_attention_metadata
 from ..model.layers.attention import check_attention_backend, resolve_attention_backend
-from ..parallel import context as tp_context
-from ..parallel.errors import TensorParallelConfigError, TensorParallelError
-from ..parallel.protocol import Kind
-from ..parallel.sharding import ShardPlan
 from .cuda_graph import context_bucket
 from .forward_batch import ForwardBatch, ForwardBatchError, ForwardOutput
 
@@ -71,7 +71,7 @@ class ModelRunner:
     directory then needs only config.json.
 
     A tensor-parallel target takes its group and device from the process's
-    :func:`loraserve.runtime.parallel.context.current` context; ``tp`` is that context
+    :func:`loraserve.runtime.distributed.context.current` context; ``tp`` is that context
     (None for one device and for every draft).
     """
 
@@ -181,7 +181,7 @@ class ModelRunner:
             group is None or group.is_driver
         )
         if driver is not None:
-            from ..parallel.driver import MirroredKVCache
+            from ..executor.driver import MirroredKVCache
 
             self.kv = MirroredKVCache(driver=driver, **kv_args, prefix_cache=prefix)
         else:
@@ -462,7 +462,7 @@ def _tensor_parallel_context(config: RuntimeConfig, is_draft: bool) -> tp_contex
         raise TensorParallelConfigError(
             f"parallel.tensor_parallel_size={size} needs one process per GPU: start the runtime with "
             "loraserve-runtime (its launcher starts them) or call "
-            "loraserve.runtime.parallel.launch.start_tensor_parallel(config) before building the runner"
+            "loraserve.runtime.executor.launch.start_tensor_parallel(config) before building the runner"
         )
     if ctx.group.size != size:
         raise TensorParallelConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..parallel.health import failure_reason as tp_failure_reason
+from ..distributed.health import failure_reason as tp_failure_reason
 from .errors import ApiError
 from .metrics import CONTENT_TYPE
 from .state import STATE

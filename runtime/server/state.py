@@ -10,9 +10,9 @@ from pathlib import Path
 from aiohttp import web
 
 from ..contract.config import RuntimeConfig
+from ..distributed.health import failure_reason as tp_failure_reason
 from ..engine import Engine
 from ..lora.sources import SourceSettings
-from ..parallel.health import failure_reason as tp_failure_reason
 from ..tokenizer import Tokenizer
 from .adapter_supply import AdapterRecord, AdapterSupply, public_message
 from .errors import ApiError

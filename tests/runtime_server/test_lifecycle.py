@@ -93,7 +93,7 @@ async def test_a_failed_load_is_reported_by_ready_and_requests(assets, tmp_path)
 async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(assets, tmp_path):
     """The pod's readiness follows its tensor-parallel group: once a rank is reported failed
     (the process exits a moment later), /ready and new requests answer 503 with the reason."""
-    from loraserve.runtime.parallel import health
+    from loraserve.runtime.distributed import health
 
     cfg = make_config(assets)
     app = build_app(

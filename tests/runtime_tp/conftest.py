@@ -24,7 +24,7 @@ from loraserve.runtime.dev.devmodels import (
     build_draft_model,
     build_tiny_model,
 )
-from loraserve.runtime.parallel.launch import TPHandle, TPOptions, start_tensor_parallel
+from loraserve.runtime.executor.launch import TPHandle, TPOptions, start_tensor_parallel
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 
@@ -35,7 +35,7 @@ def _fresh_tp_health() -> Iterator[None]:
     a failure these tests provoke never makes a later module's server unready (xdist workers
     run modules of every directory in one process)."""
     yield
-    from loraserve.runtime.parallel import health
+    from loraserve.runtime.distributed import health
 
     health.reset_health()
 

@@ -16,9 +16,9 @@ import torch
 
 from loraserve.kernels import ForwardMode
 from loraserve.runtime.contract.config import RuntimeConfig
-from loraserve.runtime.parallel.errors import TensorParallelError
-from loraserve.runtime.parallel.health import health
-from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
+from loraserve.runtime.distributed.errors import TensorParallelError
+from loraserve.runtime.distributed.health import health
+from loraserve.runtime.executor.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraserve.runtime.distributed.errors import TensorParallelError
+from loraserve.runtime.distributed.health import EXIT_TP_FAILURE
+from loraserve.runtime.executor.launch import start_tensor_parallel
 from loraserve.runtime.kv import KVCache
-from loraserve.runtime.parallel.errors import TensorParallelError
-from loraserve.runtime.parallel.health import EXIT_TP_FAILURE
-from loraserve.runtime.parallel.launch import start_tensor_parallel
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import TEST_OPTIONS, decode, extend, tp_config

@@ -12,8 +12,8 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from loraserve.runtime.engine import Engine
+from loraserve.runtime.executor.launch import build_target_runner, shutdown_tensor_parallel
 from loraserve.runtime.lora.sources import SourceSettings
-from loraserve.runtime.parallel.launch import build_target_runner, shutdown_tensor_parallel
 from loraserve.runtime.server import build_app, wait_until_ready
 from loraserve.runtime.tokenizer import Tokenizer
 

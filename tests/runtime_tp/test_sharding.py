@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
+from loraserve.runtime.distributed.errors import TensorParallelConfigError
+from loraserve.runtime.distributed.protocol import ForwardStep, Kind, Message
+from loraserve.runtime.distributed.sharding import ShardPlan, check_tensor_parallel
+from loraserve.runtime.executor.launch import TPOptions, start_tensor_parallel
 from loraserve.runtime.lora.manager import SlotEvent
 from loraserve.runtime.model.arch import ModelArchConfig
-from loraserve.runtime.parallel.errors import TensorParallelConfigError
-from loraserve.runtime.parallel.launch import TPOptions, start_tensor_parallel
-from loraserve.runtime.parallel.protocol import ForwardStep, Kind, Message
-from loraserve.runtime.parallel.sharding import ShardPlan, check_tensor_parallel
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from .conftest import tp_config

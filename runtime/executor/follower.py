@@ -16,11 +16,11 @@ import torch
 
 from loraserve.kernels import ForwardMode
 
+from ..distributed.errors import TensorParallelError
+from ..distributed.group import TPGroup
+from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
 from ..lora.manager import SlotEvent
 from ..runner.forward_batch import ForwardBatch
-from .errors import TensorParallelError
-from .group import TPGroup
-from .protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
 
 log = logging.getLogger("loraserve.parallel")
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..distributed.errors import TensorParallelError
+from ..distributed.group import TPGroup
+from ..distributed.health import TPHealth
+from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
 from ..kv import KVCache
 from ..lora.manager import LoRAManager, SlotEvent
-from .errors import TensorParallelError
-from .group import TPGroup
-from .health import TPHealth
-from .protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
 
 if TYPE_CHECKING:
     from ..kv import Allocation

@@ -1,6 +1,6 @@
-"""``python -m loraserve.runtime.parallel.worker``: one follower rank of a pod's group.
+"""``python -m loraserve.runtime.executor.worker``: one follower rank of a pod's group.
 
-Started by :func:`loraserve.runtime.parallel.launch.start_tensor_parallel`, never by
+Started by :func:`loraserve.runtime.executor.launch.start_tensor_parallel`, never by
 hand. Reads ``(RuntimeConfig, TPOptions, random_weights)`` (pickled by its parent, rank
 0, through a pipe only it holds) from stdin,
 joins the group, builds its shard of the target model and follows rank 0 until told to
@@ -23,7 +23,7 @@ log = logging.getLogger("loraserve.parallel")
 
 def _watch_parent(parent: int, rank: int) -> None:
     """Exit as soon as rank 0 is gone, even while blocked inside a collective."""
-    from .health import EXIT_TP_FAILURE
+    from ..distributed.health import EXIT_TP_FAILURE
 
     while True:
         if os.getppid() != parent:
@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..distributed import context
+    from ..distributed.group import init_group
+    from ..distributed.health import EXIT_TP_FAILURE, reset_health
     from ..runner.model_runner import ModelRunner
-    from . import context
     from .follower import Follower
-    from .group import init_group
-    from .health import EXIT_TP_FAILURE, reset_health
 
     config, options, random_weights = pickle.load(sys.stdin.buffer)
     health = reset_health(exit_on_failure=False)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(config, random_weights=random_weights)
         Follower(runner, group).run()
     except BaseException as exc:
-        from .errors import TensorParallelError
+        from ..distributed.errors import TensorParallelError
 
         if not isinstance(exc, TensorParallelError):
             traceback.print_exc()

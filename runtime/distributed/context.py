@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .driver import Driver
+    from ..executor.driver import Driver
     from .group import TPGroup
     from .health import TPHealth
 

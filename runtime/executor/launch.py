@@ -2,12 +2,12 @@
 
 The runtime's entry point calls :func:`start_tensor_parallel` before it builds the
 target runner. Rank 0 (this process) keeps serving HTTP and scheduling; ranks 1..N-1
-are ``python -m loraserve.runtime.parallel.worker`` processes that build their shard of
+are ``python -m loraserve.runtime.executor.worker`` processes that build their shard of
 the model and follow rank 0's steps. Every rank meets through a file store in a private
 temporary directory (no listening socket for the rendezvous) and talks over loopback.
 
 Failure handling: a monitor thread waits on every worker; if one exits while the group
-is serving, rank 0 reports the failure (``parallel.health``: ``/ready`` turns 503) and
+is serving, rank 0 reports the failure (``distributed.health``: ``/ready`` turns 503) and
 exits with ``EXIT_TP_FAILURE`` after a short grace period. Workers exit the same way
 when rank 0 disappears (their parent changes) or stops answering (control timeout).
 """
@@ -29,17 +29,17 @@ import torch
 import torch.distributed as dist
 
 from ..contract.config import RuntimeConfig
+from ..distributed import context
+from ..distributed.errors import TensorParallelConfigError
+from ..distributed.group import TPGroup, destroy_group, init_group
+from ..distributed.health import TPHealth, reset_health
+from ..distributed.sharding import check_tensor_parallel
 from ..model.arch import load_arch_config
-from . import context
 from .driver import Driver
-from .errors import TensorParallelConfigError
-from .group import TPGroup, destroy_group, init_group
-from .health import TPHealth, reset_health
-from .sharding import check_tensor_parallel
 
-log = logging.getLogger("loraserve.parallel")
+log = logging.getLogger("loraserve.executor")
 
-WORKER_MODULE = "loraserve.runtime.parallel.worker"
+WORKER_MODULE = "loraserve.runtime.executor.worker"
 
 
 @dataclass
