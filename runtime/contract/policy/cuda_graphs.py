@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..capabilities import Capabilities
 from ..config import RaggedVerify, RuntimeConfig, SpecAlgorithm
 from .bounds import MINIMUM
+from .cel import CelRule
 from .fields import at_least
 from .findings import Violation
 
@@ -56,6 +57,21 @@ def gpu_fields(config: RuntimeConfig) -> list[Violation]:
             )
         )
     return out
+
+
+# On a LoRAServe's spec: spec.gpus 0 is the CPU device (the operator's translation).
+CPU_CUDA_GRAPHS = CelRule(
+    "!(self.gpus == 0 && self.runtime.cudaGraph.enabled)",
+    "CUDA graphs need a GPU: set spec.gpus >= 1 or spec.runtime.cudaGraph.enabled: false",
+    field_path=".runtime.cudaGraph.enabled",
+    mirrors="cuda-graph-cpu",
+)
+CPU_TRITON_ATTENTION = CelRule(
+    "!(self.gpus == 0 && self.runtime.attentionBackend == 'triton')",
+    "The paged Triton attention needs a GPU: set spec.gpus >= 1 or spec.runtime.attentionBackend: auto",
+    field_path=".runtime.attentionBackend",
+    mirrors="attention-triton-cpu",
+)
 
 
 def graph_verify_width(config: RuntimeConfig, caps: Capabilities) -> list[Violation]:

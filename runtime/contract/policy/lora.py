@@ -8,6 +8,7 @@ from ..capabilities import Capabilities
 from ..config import LORA_BACKENDS, RaggedVerify, RuntimeConfig, SpecAlgorithm
 from .algorithms import named, order
 from .bounds import pinned_slot_limit
+from .cel import CelRule
 from .fields import at_least, at_most, module_list, one_of
 from .findings import Violation
 
@@ -42,6 +43,15 @@ def lora_pool(config: RuntimeConfig) -> list[Violation]:
     out += module_list("lora.target_modules", lora.target_modules, "lora-modules")
     out += one_of("lora.backend", lora.backend, LORA_BACKENDS, "lora-backend")
     return out + _start_up_adapters(config)
+
+
+# On a LoRAServe's spec.lora.
+SLOTS_WITHIN_CACHE = CelRule(
+    "!has(self.maxLorasPerBatch) || self.maxLorasPerBatch <= self.maxLoadedLoras",
+    "lora.maxLorasPerBatch (GPU slots) must not exceed lora.maxLoadedLoras (CPU cache)",
+    field_path=".maxLorasPerBatch",
+    mirrors="lora-slots-cache",
+)
 
 
 def _start_up_adapters(config: RuntimeConfig) -> list[Violation]:

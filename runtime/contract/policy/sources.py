@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from .cel import CelRule
 from .findings import PolicyWarning
 
 _HF_COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -83,6 +84,16 @@ def source_path_problem(source: str | None) -> str | None:
     if source.startswith("/") and ".." in source.split("/"):
         return f"{source!r} has a '..' segment; fix: write the absolute path without '..'"
     return None
+
+
+INSIDE_VOLUME = CelRule(
+    "!self.matches('^(pvc://[^/]*)?/(.*/)?[.][.](/.*)?$') && "
+    "(!self.startsWith('pvc://') || self.matches('^pvc://[^/]*/[^/]+(/[^/]+)*/?$'))",
+    "must stay inside its volume: no '..' segments, and after pvc://<claim>/ a relative path with no "
+    "empty segments ('//'); write pvc://<claim>/<relative path>",
+    check=source_path_problem,
+)
+""":func:`source_path_problem` in CEL (RE2), on every source field of the CRDs."""
 
 
 def host_allowed(host: str, allowed: Iterable[str]) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ..algorithms import chain_verify
 from ..config import DRAFT_LOAD_FORMATS, RuntimeConfig, SpecAlgorithm, SpeculativeConfig, chain_draft_tokens
-from .algorithms import TREE_ALGORITHMS, named
+from .algorithms import TREE_ALGORITHMS, named, resolve_speculative
 from .bounds import MINIMUM, tree_draft_tokens_limit
+from .cel import CelRule, cel_list, words
 from .fields import at_least, at_most, one_of
 from .findings import Kind, Violation
 
@@ -23,6 +24,15 @@ def speculative(config: RuntimeConfig, effective: RuntimeConfig, note: str | Non
     out += _draft_shape_bounds(spec)
     out += _chain_or_tree(spec, algorithm, note)
     return out
+
+
+NGRAM_WINDOW = CelRule(
+    "!has(self.minMatch) || self.minMatch <= self.maxMatch",
+    "ngram.minMatch must not exceed ngram.maxMatch",
+    field_path=".minMatch",
+    mirrors="ngram-window",
+)
+"""On a LoRAServe's spec.speculative.ngram."""
 
 
 def _switches(spec: SpeculativeConfig) -> list[Violation]:
@@ -92,6 +102,17 @@ def _draft_model(
     return out
 
 
+_DRAFTED = [a for a in SpecAlgorithm if a.needs_draft_model]
+DRAFT_REQUIRED = CelRule(
+    f"!has(self.algorithm) || !(self.algorithm in {cel_list(_DRAFTED)}) || has(self.draftModel)",
+    f"speculative.draftModel is required for algorithms {words(_DRAFTED)}",
+    field_path=".draftModel",
+    reason="FieldValueRequired",
+    mirrors="draft-required",
+)
+"""On a LoRAServe's spec.speculative, as the rules below."""
+
+
 def _draft_shape_bounds(spec: SpeculativeConfig) -> list[Violation]:
     """The draft's steps, branching and verified tokens within their bounds."""
     out: list[Violation] = []
@@ -153,3 +174,31 @@ def _chain_or_tree(spec: SpeculativeConfig, algorithm: SpecAlgorithm, note: str 
                 )
             )
     return out
+
+
+# The CEL rules of a chain's and a tree's shape, on a LoRAServe's spec.speculative. The API
+# server judges the requested algorithm; NEXTN resolves to EAGLE, and a Gemma-4 assistant's
+# refusals are the webhook's.
+_UNCHAINED = [SpecAlgorithm.NONE, *(a for a in SpecAlgorithm if not chain_verify(a))]
+_TREES = [a for a in SpecAlgorithm if a is SpecAlgorithm.NONE or resolve_speculative(a)[0] in TREE_ALGORITHMS]
+CHAIN_DRAFT_TOKENS = CelRule(
+    f"!has(self.algorithm) || self.algorithm in {cel_list(_UNCHAINED)} || self.topK != 1 || "
+    "!has(self.numDraftTokens) || self.numDraftTokens == self.numSteps + 1",
+    "numDraftTokens must equal numSteps + 1 when topK is 1 (a chain verifies its numSteps drafted tokens "
+    "plus one; DFLASH: numDraftTokens is the block)",
+    field_path=".numDraftTokens",
+    mirrors="chain-draft-tokens",
+)
+TREE_DRAFT_TOKENS = CelRule(
+    "!has(self.algorithm) || self.algorithm == 'NONE' || self.topK == 1 || !has(self.numDraftTokens) || "
+    "self.numDraftTokens <= 1 + self.topK + (self.numSteps - 1) * self.topK * self.topK",
+    "numDraftTokens must be at most 1 + topK + (numSteps - 1) * topK^2, the number of tree candidates plus one",
+    field_path=".numDraftTokens",
+    mirrors="tree-draft-tokens",
+)
+TREE_ALGORITHM = CelRule(
+    f"!has(self.algorithm) || self.topK == 1 || self.algorithm in {cel_list(_TREES)}",
+    f"topK > 1 (tree drafts) is only supported by {words(_TREES[1:])}; set topK: 1",
+    field_path=".topK",
+    mirrors="tree-algorithm",
+)
