@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from loraserve.runtime.tools.distill.dflash_recipe import Recipe, parse_recipe
+
 from ..speculative import cli as spec_cli
-from ..speculative.dflash_recipe import Recipe, parse_recipe
 from ..speculative.settings import TARGET_STEPS
 from ..speculative.settings import Settings as SpecSettings
 from ..speculative.shapes import SHAPES

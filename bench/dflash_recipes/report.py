@@ -6,7 +6,8 @@ import platform
 
 import torch
 
-from ..speculative.dflash_training import format_walk_by_context
+from loraserve.runtime.tools.distill.dflash_train import format_walk_by_context
+
 from ..speculative.settings import Settings as SpecSettings
 
 

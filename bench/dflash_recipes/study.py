@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.dev.devmodels import write_tokenizer
+from loraserve.runtime.tools.distill.dflash_recipe import Recipe
+from loraserve.runtime.tools.distill.dflash_train import heldout_windows
 
-from ..speculative.dflash_recipe import Recipe
-from ..speculative.dflash_training import heldout_windows
 from ..speculative.distillation import TeacherData, teacher_continuations
 from ..speculative.log import log
 from ..speculative.models import load_corpus, train_dflash_draft, train_target

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..speculative.training import teacher_sequences
+from loraserve.runtime.tools.distill.corpus import teacher_sequences
+
 from .corpora import TaskCorpus
 
 

@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.tools.distill.eagle import HEAD_MODULES
+from loraserve.runtime.tools.distill.eagle_head import EagleHead, eagle_config, save_eagle_head
 from loraserve.runtime.tools.distill.models import LoraSettings
 from loraserve.runtime.tools.distill.train import TrainSettings
 from loraserve.runtime.tools.distill_draft import DistillOptions, distill
 
-from ..speculative.eagle_checkpoint import eagle_config, save_eagle_head
-from ..speculative.eagle_head import EagleHead
 from ..speculative.log import log
 from .task_adapters import TaskAdapter
 

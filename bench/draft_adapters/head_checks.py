@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.runner.model_runner import ModelRunner
-
-from ..speculative.eagle_head import EagleHead
-from ..speculative.eagle_training import target_features
+from loraserve.runtime.tools.distill.eagle_head import EagleHead
+from loraserve.runtime.tools.distill.eagle_train import target_features
 
 
 def merged_head(head: EagleHead, adapter_dir: Path, device: torch.device) -> EagleHead:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES
+from loraserve.runtime.tools.distill.train import lr_scale, progress
 
 from ..speculative.log import log
-from ..speculative.training import lr_scale, progress
 from .answers import AnswerSettings, write_answers
 from .corpora import TaskCorpus
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.runner.model_runner import ModelRunner
+from loraserve.runtime.tools.distill.eagle_head import EagleHead
+from loraserve.runtime.tools.distill.eagle_train import target_features
 
 from .dflash_check import dflash_check
-from .eagle_head import EagleHead
-from .eagle_training import target_features
 from .log import log
 from .models import TrainedModels
 from .serving import Serving

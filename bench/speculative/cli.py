@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from . import dflash_recipe
+from loraserve.runtime.tools.distill import dflash_recipe
+
 from .settings import Settings, settings_from
 
 DESCRIPTION = "Speculative decoding throughput: tokens/s with and without a draft, 4 adapters in the mix."

@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.runner.model_runner import ModelRunner
-
-from .dflash_draft import DFlashDraft
-from .dflash_training import target_outputs
+from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
+from loraserve.runtime.tools.distill.dflash_train import target_outputs
 
 
 @torch.no_grad()

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.runtime.tools.distill.corpus import teacher_sequences
+
 from .corpus import tokenize, unseen_code_files
 from .log import log
-from .training import teacher_sequences, train_lm
+from .training import train_lm
 
 
 @dataclass

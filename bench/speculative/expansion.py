@@ -11,8 +11,8 @@ import math
 import torch
 
 from loraserve.runtime.runner.model_runner import ModelRunner
+from loraserve.runtime.tools.distill.eagle_head import EAGLE_NAMES
 
-from .eagle_head import EAGLE_NAMES
 from .shapes import SHAPES
 
 
@@ -98,4 +98,50 @@ def expand_eagle_head(
         big[EAGLE_NAMES[name]][:hs, : w.shape[1]] = w
     for name in ("input_norm", "post_norm"):
         big[EAGLE_NAMES[name]][:hs] = small[EAGLE_NAMES[name]] * scale
+    return big
+
+
+@torch.no_grad()
+def expand_dflash(small: dict[str, torch.Tensor], small_shape: str, big_shape: str, *, num_layers: int,
+                  num_features: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The small draft's weights in a draft of ``big_shape`` that computes the same function
+    over the expanded target (``expansion.expand_into``: the padded dimensions of its
+    residual stream, hence of every captured layer output and of the embeddings, are zero).
+
+    fc reads the first ``Hs`` dimensions of each captured output and writes the first ``Hs``;
+    the small heads are the first heads (same head_dim and GQA group), extra heads and MLP
+    units have zero weights and add nothing; the per-head q/k norms are unchanged; RMSNorms
+    over the hidden width scale by ``sqrt(Hs/Hb)`` (the config's eps is the big target's,
+    ``eps * Hs/Hb``)."""
+    hs, _, ns, kvs, d, _ = SHAPES[small_shape]
+    hb, _, nb, kvb, db, ib = SHAPES[big_shape]
+    if db != d or nb // kvb != ns // kvs:
+        raise ValueError(f"{big_shape} must keep {small_shape}'s head_dim {d} and GQA group size {ns // kvs}")
+    scale = math.sqrt(hs / hb)
+    fc = torch.zeros(hb, num_features * hb)
+    for k in range(num_features):
+        fc[:hs, k * hb : k * hb + hs] = small["fc.weight"][:, k * hs : (k + 1) * hs]
+    big = {"fc.weight": fc}
+    for name in ("hidden_norm.weight", "norm.weight"):
+        big[name] = torch.zeros(hb)
+        big[name][:hs] = small[name] * scale
+    shapes = {"q_proj": (nb * d, hb), "k_proj": (kvb * d, hb), "v_proj": (kvb * d, hb), "o_proj": (hb, nb * d),
+              "gate_proj": (ib, hb), "up_proj": (ib, hb), "down_proj": (hb, ib)}  # fmt: skip
+    for j in range(num_layers):
+        p = f"layers.{j}."
+        for part, shape in shapes.items():
+            name = (
+                p
+                + ("mlp." if part.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn.")
+                + part
+                + ".weight"
+            )
+            w = small[name]
+            big[name] = torch.zeros(shape)
+            big[name][: w.shape[0], : w.shape[1]] = w  # the small block: first rows, first columns
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            big[p + norm + ".weight"] = torch.zeros(hb)
+            big[p + norm + ".weight"][:hs] = small[p + norm + ".weight"] * scale
+        for norm in ("q_norm", "k_norm"):  # over head_dim: untouched by the padding
+            big[p + f"self_attn.{norm}.weight"] = small[p + f"self_attn.{norm}.weight"].clone()
     return big

@@ -10,14 +10,21 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.dev.devmodels import write_tokenizer
+from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
+from loraserve.runtime.tools.distill.dflash_recipe import Recipe
+from loraserve.runtime.tools.distill.dflash_train import (
+    DFlashTraining,
+    HeldOut,
+    dflash_heldout,
+    dflash_layer_ids,
+    heldout_data,
+    train_dflash,
+)
+from loraserve.runtime.tools.distill.eagle_head import EagleHead
+from loraserve.runtime.tools.distill.eagle_train import EagleTraining, eagle_heldout_top1, train_eagle_head
 
 from .corpus import corpus_files, tokenize
-from .dflash_draft import DFlashDraft
-from .dflash_recipe import Recipe
-from .dflash_training import DFlashTraining, HeldOut, dflash_heldout, heldout_data, train_dflash
 from .distillation import TeacherData, teacher_continuations, train_standalone
-from .eagle_head import EagleHead
-from .eagle_training import EagleTraining, eagle_heldout_top1, train_eagle_head
 from .log import log
 from .settings import Settings
 from .training import save_hf, train_lm
@@ -106,36 +113,13 @@ def _train_eagle(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor
         feature_weight=args.eagle_feature_weight, max_steps=s.max_steps[2],
         cache_gib=args.eagle_cache_gib if args.eagle_cache_gib is not None else (0.02 if s.smoke else 32.0),
     )  # fmt: skip
-    head, info = train_eagle_head(target, s.small_shape, data, teacher.data, s.device, opts)
+    head, info = train_eagle_head(target, data, teacher.data, s.device, opts)
     head.round_to_bf16()  # what is served
     info["heldout_top1"] = eagle_heldout_top1(
         head, target, held_ids, s.device, seq=teacher.seq, steps=max(2, opts.unroll)
     )
     log(f"EAGLE head trained: {info}")
     return head, info
-
-
-def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str = "reference") -> list[int]:
-    """The target layers the DFLASH draft reads: as many as it has layers, distinct, so fewer
-    where the span holds fewer (layer ``0`` alone for a target of under 4 layers).
-    ``spread``: ``reference``, over ``1 .. L-3`` as the reference spreads them over its
-    36-layer targets (3 of 36 unread); ``top``, over ``1 .. L-2``, the deepest output a
-    target's forward captures (``dflash_format.check_target_layer_ids``: layer ``L-1``'s
-    output is the final norm's input, served un-normed where training would see it normed).
-    Of the small target's 8 layers, ``L-3`` leaves 2 unread, a quarter of its depth."""
-    from loraserve.runtime.speculative.dflash_format import default_target_layer_ids
-
-    if num_target_layers < 4:
-        return [0]
-    if spread == "reference":
-        return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
-    if spread != "top":
-        raise ValueError(f"DFLASH target layer spread must be reference or top, got {spread!r}")
-    deepest = num_target_layers - 2
-    if num_draft_layers == 1:
-        return [deepest]
-    span = deepest - 1
-    return sorted({round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 # Held-out continuations the served run's DFLASH draft is walked on (base model only). With 16,
@@ -147,8 +131,16 @@ HELDOUT, HELDOUT_SMOKE = 64, 16
 def _train_dflash(s: Settings, target, data: torch.Tensor, held_ids: torch.Tensor, teacher: TeacherData):
     """The DFLASH draft of the ``--dflash-*`` flags over ``target``, trained for ``--dflash-train-s``."""
     draft, info = train_dflash_draft(
-        s, s.dflash_recipe, target, data, held_ids, teacher, seconds=s.dflash_train_s, max_steps=s.max_steps[2],
-        probe_every=s.args.dflash_probe_steps, compile=s.args.dflash_compile,
+        s,
+        s.dflash_recipe,
+        target,
+        data,
+        held_ids,
+        teacher,
+        seconds=s.dflash_train_s,
+        max_steps=s.max_steps[2],
+        probe_every=s.args.dflash_probe_steps,
+        compile=s.args.dflash_compile,
         heldout_count=HELDOUT_SMOKE if s.smoke else HELDOUT,
     )
     log(f"DFLASH draft trained: {info}")
@@ -191,11 +183,17 @@ def train_dflash_draft(
         max_steps=max_steps, probe_every=probe_every, compile=compile,
     )  # fmt: skip
     held = heldout_data(
-        target, held_ids, s.device, seq=teacher.seq, count=heldout_count, block=s.dflash_block, layer_ids=layer_ids,
+        target,
+        held_ids,
+        s.device,
+        seq=teacher.seq,
+        count=heldout_count,
+        block=s.dflash_block,
+        layer_ids=layer_ids,
         windows=held_windows,
     )  # built once: every probe and the final walk judge on the same continuations, as long as serving reads
     draft, info = train_dflash(
-        target, s.small_shape, data, recipe.teacher_windows(teacher.data), s.device, opts,
+        target, data, recipe.teacher_windows(teacher.data), s.device, opts,
         probe=lambda d: _walk_probe(d, held),
     )  # fmt: skip
     draft.round_to_bf16()  # what is served

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from loraserve.runtime.speculative.metrics import context_bucket_start
+from loraserve.runtime.tools.distill.dflash_train import format_walk_by_context
 
 from .concurrency import Results
-from .dflash_training import format_walk_by_context
 from .measure import Row
 from .models import TrainedModels
 from .settings import Settings

@@ -10,11 +10,11 @@ from pathlib import Path
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
 from loraserve.runtime.dev.devmodels import copy_tokenizer
 from loraserve.runtime.runner.model_runner import ModelRunner
+from loraserve.runtime.tools.distill.dflash_draft import dflash_config, save_dflash
+from loraserve.runtime.tools.distill.eagle_head import eagle_config, save_eagle_head
 
 from .adapters import write_adapter
-from .dflash_checkpoint import dflash_config, expand_dflash, save_dflash
-from .eagle_checkpoint import eagle_config, save_eagle_head
-from .expansion import expand_eagle_head, expand_into
+from .expansion import expand_dflash, expand_eagle_head, expand_into
 from .log import log
 from .models import TrainedModels
 from .settings import Settings

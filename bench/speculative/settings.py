@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dflash_recipe import Recipe
+from loraserve.runtime.tools.distill.dflash_recipe import Recipe
 
 DRAFTS = ("standalone", "eagle", "dflash")
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import torch
+
+from loraserve.runtime.tools.distill.train import lr_scale, progress
 
 from .shapes import llama_config
 
@@ -117,52 +118,6 @@ def _loss(model, teacher, window: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.kl_div(
         logp.reshape(-1, vocab), target_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
     )
-
-
-def progress(elapsed: float, seconds: float, step: int, max_steps: int | None) -> float:
-    """Share of the training budget spent: time, or steps when ``max_steps`` caps them."""
-    frac = elapsed / seconds if seconds > 0 else 1.0
-    return max(frac, step / max_steps) if max_steps else frac
-
-
-def lr_scale(step: int, frac: float, warmup: int = 50) -> float:
-    """Linear warm-up, then cosine decay to 10% over the time budget (as ``train_lm``)."""
-    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-@torch.no_grad()
-def teacher_sequences(
-    model,
-    data: torch.Tensor,
-    device: torch.device,
-    *,
-    count: int,
-    prompt_len: int,
-    new_tokens: int,
-    seed: int,
-) -> torch.Tensor:
-    """Greedy continuations by ``model`` of random windows of ``data``, ``[count, prompt+new]``.
-
-    ``data`` is never the held-out files the benchmark prompts are cut from.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
-    prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
-    chunks = []
-    # large batches on a GPU: generation of a small model is bound by per-step latency (an
-    # H100 made 49,152 continuations in 42.7 s 2,048 at a time; 4,096's KV is ~7 GiB)
-    for part in prompts.split(4096 if device.type == "cuda" else 512):
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.generate(
-                input_ids=part,
-                attention_mask=torch.ones_like(part),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        chunks.append(out[:, : prompt_len + new_tokens])
-    return torch.cat(chunks)
 
 
 def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:

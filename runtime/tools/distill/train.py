@@ -50,8 +50,29 @@ def lr_factor(step: int, steps: int) -> float:
     warmup = max(1, round(steps * WARMUP_FRACTION))
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cosine_decay((step - warmup) / max(1, steps - warmup))
+
+
+def cosine_decay(frac: float) -> float:
+    """The cosine from 1 to ``FINAL_LR_FRACTION`` over ``frac`` in [0, 1]: every trainer's decay."""
+    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def progress(elapsed: float, seconds: float, step: int, max_steps: int | None) -> float:
+    """Share of a time-budgeted run spent: time, or steps when ``max_steps`` caps them."""
+    frac = elapsed / seconds if seconds > 0 else 1.0
+    return max(frac, step / max_steps) if max_steps else frac
+
+
+def lr_scale(step: int, frac: float, warmup: int = 50) -> float:
+    """A time-budgeted run's multiplier: linear warm-up over ``warmup`` steps, then the same
+    cosine as :func:`lr_factor` over the share ``frac`` of the budget spent."""
+    return min(1.0, (step + 1) / warmup) * cosine_decay(frac)
+
+
+def log(msg: str) -> None:
+    """Print ``msg`` with the time of day, flushed (the trainers' progress lines)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def check_unroll(unroll: int) -> None:

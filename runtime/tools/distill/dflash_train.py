@@ -30,13 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.runtime.speculative.dflash_format import check_target_layer_ids
-from loraserve.runtime.speculative.metrics import context_bucket
-
+from ...speculative.dflash_format import check_target_layer_ids
+from ...speculative.metrics import context_bucket
 from .dflash_draft import DFlashDraft
-from .eagle_training import FeatureCache, cache_windows, sample_cached
-from .log import log
-from .training import lr_scale, progress
+from .eagle_head import LayerDims, rope_theta
+from .eagle_train import FeatureCache, cache_windows, sample_cached
+from .train import log, lr_scale, progress
 
 
 @dataclass
@@ -89,6 +88,29 @@ class DFlashTraining:
     # step outside the training clock whose gradients are dropped. Eager, a step is a few hundred
     # small kernels (norms, RoPE, masks) around its matmuls; the served draft is the same either way
     compile: bool = False
+
+
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str = "reference") -> list[int]:
+    """The target layers a DFLASH draft reads: as many as it has layers, distinct, so fewer
+    where the span holds fewer (layer ``0`` alone for a target of under 4 layers).
+    ``spread``: ``reference``, over ``1 .. L-3`` as the reference spreads them over its
+    36-layer targets (3 of 36 unread); ``top``, over ``1 .. L-2``, the deepest output a
+    target's forward captures (``dflash_format.check_target_layer_ids``: layer ``L-1``'s
+    output is the final norm's input, served un-normed where training would see it normed).
+    Of an 8-layer target, ``L-3`` leaves 2 unread, a quarter of its depth."""
+    from ...speculative.dflash_format import default_target_layer_ids
+
+    if num_target_layers < 4:
+        return [0]
+    if spread == "reference":
+        return sorted(set(default_target_layer_ids(num_target_layers, num_draft_layers)))
+    if spread != "top":
+        raise ValueError(f"DFLASH target layer spread must be reference or top, got {spread!r}")
+    deepest = num_target_layers - 2
+    if num_draft_layers == 1:
+        return [deepest]
+    span = deepest - 1
+    return sorted({round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 # Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
@@ -227,7 +249,9 @@ def dflash_loss(
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
         draft_logits = (forward or draft.block_logits)(window, feats, anchors)
-    labels, teacher, counts = block_targets(window, greedy, logits if opts.labels != "greedy" else None, anchors, blk)
+    labels, teacher, counts = block_targets(
+        window, greedy, logits if opts.labels != "greedy" else None, anchors, blk
+    )
     logp = torch.log_softmax(draft_logits, -1)
     if teacher is None:
         per_position = -logp.gather(-1, labels[..., None]).squeeze(-1)  # [B, n, blk - 1]
@@ -253,7 +277,9 @@ def cached_outputs(
     return torch.cat([*parts, final] if with_final else parts, -1).to(torch.bfloat16), logits.argmax(-1)
 
 
-def split_cached(target, rows: torch.Tensor, *, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_cached(
+    target, rows: torch.Tensor, *, with_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer outputs (float32) of :func:`cached_outputs`' rows, and the logits when
     ``with_logits`` (the rows then end with the final normed hidden state)."""
     if not with_logits:
@@ -347,16 +373,16 @@ def init_from_target(draft: DFlashDraft, target) -> None:
 
 
 def train_dflash(
-    target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
+    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
     opts: DFlashTraining, probe: Callable[[DFlashDraft], dict] | None = None,
 ) -> tuple[DFlashDraft, dict]:  # fmt: skip
     """Train a DFLASH draft over the frozen ``target`` for ``opts.seconds``; ``probe`` (with
     ``opts.probe_every``) judges it every ``probe_every`` steps, listed under ``probes``."""
     cfg = target.config
     draft = DFlashDraft(
-        shape, target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=opts.layer_ids,
+        LayerDims.of(cfg), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=opts.layer_ids,
         num_layers=opts.num_layers, block=opts.block, mask_id=opts.mask_id, eps=cfg.rms_norm_eps,
-        theta=float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]),
+        theta=rope_theta(cfg),
     ).to(device)  # fmt: skip
     torch.manual_seed(opts.seed)
     for p in draft.parameters():  # norms start at 1; the rest as a Llama initialises
@@ -452,7 +478,9 @@ def _compiled(draft: DFlashDraft, step_loss: Callable, seed: int) -> tuple[Calla
     return forward, {"compile_seconds": seconds}
 
 
-def _probe(draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: list[dict], elapsed: float, step: int) -> float:
+def _probe(
+    draft: DFlashDraft, probe: Callable[[DFlashDraft], dict], probes: list[dict], elapsed: float, step: int
+) -> float:
     """Append ``probe``'s judgement of ``draft`` after ``elapsed`` training seconds (``step``
     steps) to ``probes``; returns the seconds it took, which the training budget does not count."""
     t0 = time.monotonic()
@@ -479,11 +507,13 @@ class HeldOut:
 
 
 @torch.no_grad()
-def heldout_windows(target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int) -> torch.Tensor:
+def heldout_windows(
+    target, held_ids: torch.Tensor, device: torch.device, *, seq: int, count: int
+) -> torch.Tensor:
     """The target's greedy continuations of ``count`` held-out prompts (``seq // 3`` tokens
     each), ``[count, seq + 1]``; deterministic (seed 11). They depend on the target alone, so
     drafts of other layers or blocks over one target can share them (the recipe study)."""
-    from .training import teacher_sequences
+    from .corpus import teacher_sequences
 
     prompt = seq // 3
     return teacher_sequences(
@@ -503,7 +533,9 @@ def heldout_data(
     if windows is None:
         windows = heldout_windows(target, held_ids, device, seq=seq, count=count)
     elif tuple(windows.shape) != (count, seq + 1):
-        raise ValueError(f"held-out windows must be [{count}, {seq + 1}] (heldout_windows' shape), got {list(windows.shape)}")
+        raise ValueError(
+            f"held-out windows must be [{count}, {seq + 1}] (heldout_windows' shape), got {list(windows.shape)}"
+        )
     feats, logits = target_outputs(target, windows, layer_ids)
     # the block's drafts follow the prompt: its first token is the prompt's last or later
     gen = torch.Generator().manual_seed(11)

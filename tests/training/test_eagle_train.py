@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.speculative.eagle_head import EagleHead
-from bench.speculative.eagle_training import (
+from loraserve.runtime.tools.distill.eagle_head import EagleHead, LayerDims
+from loraserve.runtime.tools.distill.eagle_train import (
     EagleTraining,
     FeatureCache,
     eagle_loss,
@@ -29,7 +29,11 @@ def test_cached_features_are_the_targets_features_of_their_windows(target):
 
 def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
     head = EagleHead(
-        "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
+        LayerDims.of(target.config),
+        target.model.embed_tokens.weight,
+        target.lm_head.weight,
+        eps=1e-5,
+        theta=500000.0,
     )
     windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
     opts = EagleTraining(seconds=0, seq=16, batch=4, lr=0)
@@ -42,7 +46,7 @@ def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
 def test_the_cache_gives_the_teacher_rows_what_the_corpus_leaves():
     """The corpus keeps up to half of the cache; the teacher rows take the rest, so a small
     corpus leaves them more than half, and a large one leaves each half."""
-    from bench.speculative.eagle_training import cache_windows
+    from loraserve.runtime.tools.distill.eagle_train import cache_windows
 
     def sizes(corpus_tokens: int, teacher_rows: int, budget_rows: int) -> tuple[int, int]:
         data = torch.zeros(corpus_tokens, dtype=torch.long)
@@ -53,24 +57,27 @@ def test_the_cache_gives_the_teacher_rows_what_the_corpus_leaves():
     assert sizes(corpus_tokens=5 * 10, teacher_rows=500, budget_rows=100) == (10, 90)  # small corpus
     assert sizes(corpus_tokens=5 * 400, teacher_rows=500, budget_rows=100) == (50, 50)  # both over half
     assert sizes(corpus_tokens=5 * 400, teacher_rows=20, budget_rows=100) == (80, 20)  # few teacher rows
-    assert cache_windows(torch.zeros(50, dtype=torch.long), None, 5, 2**20, 100 / 2**10, lambda w: w, "t")[2][
-        "cached_corpus_windows"
-    ] == 10
+    assert (
+        cache_windows(torch.zeros(50, dtype=torch.long), None, 5, 2**20, 100 / 2**10, lambda w: w, "t")[2][
+            "cached_corpus_windows"
+        ]
+        == 10
+    )
 
 
 def test_training_with_a_cache_reports_it_and_learns(target):
     data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(5))
     opts = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=30, cache_gib=0.001)
-    head, info = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    head, info = train_eagle_head(target, data, teacher, torch.device("cpu"), opts)
     assert info["steps"] == 30
     assert info["cached_teacher_windows"] == 24 and 0 < info["cached_corpus_windows"] <= 4000 // 17
     off = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.0)
-    _, info_off = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), off)
+    _, info_off = train_eagle_head(target, data, teacher, torch.device("cpu"), off)
     assert info_off["feature_cache"] == "off"
     # thirty steps lower the loss from where one step (same init and data) leaves it
     one = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=1, cache_gib=0.001)
-    head_one, _ = train_eagle_head(target, "smoke-small", data, teacher, torch.device("cpu"), one)
+    head_one, _ = train_eagle_head(target, data, teacher, torch.device("cpu"), one)
     windows = teacher[:8]
     with torch.no_grad():
         trained_loss, _ = eagle_loss(head, target, windows, opts)
@@ -85,7 +92,11 @@ def test_unrolled_steps_attend_as_the_serving_chain_does(target, steps):
     fed the previous step's output (an entry's K/V depend on its own pair only)."""
     torch.manual_seed(7)
     head = EagleHead(
-        "smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, eps=1e-5, theta=500000.0
+        LayerDims.of(target.config),
+        target.model.embed_tokens.weight,
+        target.lm_head.weight,
+        eps=1e-5,
+        theta=500000.0,
     )
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(8))
     feats = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(9))

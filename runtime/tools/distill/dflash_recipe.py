@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .dflash_training import DFlashTraining
+from .dflash_train import DFlashTraining
 
 SPREADS = ("reference", "top")  # models.dflash_layer_ids' spreads of the target layers read
 INITS = ("random", "target")
@@ -42,7 +42,9 @@ class Recipe:
     share: float | None = None  # teacher windows' share of each batch (None: the run's teacher fraction)
     anchor_from: str = DFlashTraining.anchor_from  # or "continuation": teacher blocks after the prompt only
     outputs: str = DFlashTraining.teacher_outputs  # or "stream": teacher windows' target outputs per step
-    seq: int | None = None  # training windows of this many tokens, at most the teacher's (None: the teacher's)
+    seq: int | None = (
+        None  # training windows of this many tokens, at most the teacher's (None: the teacher's)
+    )
 
     def label(self) -> str:
         """The recipe as given (only what differs from the defaults), e.g. ``layers=3,ids=top``."""
@@ -81,7 +83,9 @@ RULES: dict[str, _Rule] = {
     "share": _Rule(float, lambda v: v is None or 0 < v <= 1, "above 0 and at most 1 (a share of each batch)"),
     "anchor_from": _Rule(str, lambda v: v in ANCHOR_FROM, f"one of {list(ANCHOR_FROM)}"),
     "outputs": _Rule(str, lambda v: v in TEACHER_OUTPUTS, f"one of {list(TEACHER_OUTPUTS)}"),
-    "seq": _Rule(int, lambda v: v is None or v >= MIN_WINDOW, f"at least {MIN_WINDOW} tokens (a training window)"),
+    "seq": _Rule(
+        int, lambda v: v is None or v >= MIN_WINDOW, f"at least {MIN_WINDOW} tokens (a training window)"
+    ),
 }
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a word"}
 

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .eagle_head import EagleHead
-from .log import log
-from .training import lr_scale, progress
+from .eagle_head import EagleHead, LayerDims, rope_theta
+from .train import log, lr_scale, progress
 
 
 @dataclass
@@ -163,7 +162,7 @@ def _feature_caches(
 
 
 def train_eagle_head(
-    target, shape: str, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
+    target, data: torch.Tensor, teacher_data: torch.Tensor | None, device: torch.device,
     opts: EagleTraining,
 ) -> tuple[EagleHead, dict]:  # fmt: skip
     """Train an EAGLE head over the frozen ``target`` for ``opts.seconds``.
@@ -173,7 +172,7 @@ def train_eagle_head(
     With ``opts.cache_gib`` the target's features of the windows are computed once, before
     the clock starts (:class:`FeatureCache`); the time it takes is reported.
     """
-    head = _new_head(target, shape, device, opts.seed)
+    head = _new_head(target, device, opts.seed)
     params = list(head.parameters())
     optim = torch.optim.AdamW(
         params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
@@ -209,12 +208,12 @@ def train_eagle_head(
     }
 
 
-def _new_head(target, shape: str, device: torch.device, seed: int) -> EagleHead:
+def _new_head(target, device: torch.device, seed: int) -> EagleHead:
     """A head over ``target``'s embeddings and LM head, initialised as a Llama layer (``seed``)."""
     cfg = target.config
     head = EagleHead(
-        shape, target.model.embed_tokens.weight, target.lm_head.weight, eps=cfg.rms_norm_eps,
-        theta=float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]),
+        LayerDims.of(cfg), target.model.embed_tokens.weight, target.lm_head.weight, eps=cfg.rms_norm_eps,
+        theta=rope_theta(cfg),
     ).to(device)  # fmt: skip
     torch.manual_seed(seed)
     for p in head.parameters():  # norms start at 1; the rest as a Llama initialises

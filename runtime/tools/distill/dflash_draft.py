@@ -12,10 +12,12 @@ LM head are frozen buffers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from .shapes import SHAPES
+from .eagle_head import EAGLE_COPIED_KEYS, LayerDims
 
 
 def dflash_names(num_layers: int) -> list[str]:
@@ -54,15 +56,21 @@ class _Layer(torch.nn.Module):
 
 
 class DFlashDraft(torch.nn.Module):
-    """``num_layers`` DFLASH layers of ``shape`` over the target's ``layer_ids`` outputs."""
+    """``num_layers`` DFLASH layers of ``dims`` over the target's ``layer_ids`` outputs."""
 
     def __init__(
-        self, shape: str, embed: torch.Tensor, lm_head: torch.Tensor, *, layer_ids: list[int], num_layers: int,
+        self, dims: LayerDims, embed: torch.Tensor, lm_head: torch.Tensor, *, layer_ids: list[int], num_layers: int,
         block: int, mask_id: int, eps: float, theta: float,
     ):  # fmt: skip
         super().__init__()
-        hidden, _, heads, kv, head_dim, inter = SHAPES[shape]
-        self.shape, self.eps, self.block, self.mask_id = shape, eps, block, mask_id
+        hidden, heads, kv, head_dim, inter = (
+            dims.hidden,
+            dims.heads,
+            dims.kv_heads,
+            dims.head_dim,
+            dims.intermediate,
+        )
+        self.dims, self.eps, self.block, self.mask_id = dims, eps, block, mask_id
         self.layer_ids = list(layer_ids)
         self.heads, self.kv_heads, self.head_dim = heads, kv, head_dim
         self.fc = torch.nn.Linear(len(layer_ids) * hidden, hidden, bias=False)
@@ -144,3 +152,39 @@ class DFlashDraft(torch.nn.Module):
             x = x + layer.down_proj(F.silu(layer.gate_proj(m)) * layer.up_proj(m))
         out = self._norm(x, self.norm).view(b, n, blk, -1)[:, :, 1:]
         return out.float() @ self.lm_head.T
+
+
+def dflash_config(target_raw: dict, *, intermediate: int, num_layers: int, layer_ids: list[int], block: int,
+                  mask_id: int) -> dict:  # fmt: skip
+    """config.json of a DFLASH draft (z-lab's ``DFlashDraftModel`` fields) for the target
+    whose config.json is ``target_raw``: its heads, rope and eps, its hidden size."""
+    raw = {key: target_raw[key] for key in EAGLE_COPIED_KEYS if key in target_raw}
+    raw.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        num_hidden_layers=num_layers,
+        num_target_layers=target_raw["num_hidden_layers"],
+        intermediate_size=intermediate,
+        attention_bias=False,
+        layer_types=["full_attention"] * num_layers,
+        block_size=block,
+        dflash_config={"block_size": block, "target_layer_ids": list(layer_ids), "mask_token_id": mask_id},
+        tie_word_embeddings=False,
+        torch_dtype="float32",  # rescaled norm weights are not bfloat16 values (as the EAGLE head's)
+    )
+    return raw
+
+
+def save_dflash(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> Path:
+    """Write a DFLASH draft directory, checked against the runtime's reading of ``raw``."""
+    from ...dev.dflash_builder import write_dflash_draft
+    from ...speculative.dflash_format import dflash_config_from_dict
+
+    config = dflash_config_from_dict(raw, target_num_layers=int(raw["num_target_layers"]))
+    shapes = config.tensor_shapes()
+    wrong = {n: tuple(t.shape) for n, t in tensors.items() if shapes.get(n) != tuple(t.shape)}
+    if wrong or set(shapes) != set(tensors):
+        raise ValueError(
+            f"DFLASH draft tensors do not fit their config: {wrong or sorted(set(shapes) ^ set(tensors))}"
+        )
+    return write_dflash_draft(dest, raw, {n: t.float() for n, t in tensors.items()})

@@ -1,4 +1,4 @@
-"""``bench/speculative``'s DFLASH training: which block labels count, where blocks go, and the
+"""The DFLASH trainer: which block labels count, where blocks go, and the
 target's outputs computed once."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.speculative.dflash_training import (
+from loraserve.runtime.tools.distill.dflash_train import (
     DFlashTraining,
     block_targets,
     cache_budget,
@@ -20,6 +20,9 @@ from bench.speculative.dflash_training import (
     target_outputs,
     train_dflash,
 )
+from loraserve.runtime.tools.distill.eagle_head import LayerDims
+
+from .conftest import tiny_llama
 
 
 def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
@@ -86,9 +89,9 @@ def test_teacher_blocks_go_after_the_prompt_only_when_asked():
 def test_the_loss_places_the_teacher_windows_blocks_after_their_prompt(target):
     """``dflash_loss`` with ``teacher_rows``: the draft is asked for blocks of the teacher
     windows only at or after the prompt's last token (seen at the draft's own input)."""
-    from bench.speculative.dflash_draft import DFlashDraft
+    from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
 
-    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
+    draft = DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
                         num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
     seen = []
     real = draft.block_logits
@@ -107,9 +110,7 @@ def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits(
     """The cache keeps the layer outputs in bfloat16 and the target's greedy tokens; for KL
     labels also the final normed hidden state, from which the logits come back through the LM
     head as the uncached step computes them."""
-    from bench.speculative.training import new_llama
-
-    target = new_llama("smoke-big", 64, seed=0, device=torch.device("cpu")).eval()  # 4 layers: two outputs
+    target = tiny_llama(128, 4, 8, 4, 16, 256, vocab=64, seed=0)  # 4 layers: two outputs
     windows = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
     feats, logits = target_outputs(target, windows, [0, 2])
     rows, greedy = cached_outputs(target, windows, [0, 2])
@@ -129,11 +130,11 @@ def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits(
 def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
     """The same windows and anchors give the same loss from the cache as from the target (to
     the cache's bfloat16 rounding), with greedy and KL labels alike."""
-    from bench.speculative.dflash_draft import DFlashDraft
-    from bench.speculative.dflash_training import dflash_loss
+    from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
+    from loraserve.runtime.tools.distill.dflash_train import dflash_loss
 
     torch.manual_seed(0)
-    draft = DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
+    draft = DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
                         num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
     with torch.no_grad():
         draft.norm.mul_(30.0)  # peaked logits: the loss then depends on which token is the label
@@ -150,7 +151,7 @@ def test_training_on_cached_outputs_reports_the_cache(target):
     teacher = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(5))
     opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
                           blocks=6, max_steps=3, cache_gib=0.0005)  # fmt: skip
-    _, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    _, info = train_dflash(target, data, teacher, torch.device("cpu"), opts)
     assert info["steps"] == 3 and info["cached_teacher_windows"] >= 1 and info["cached_corpus_windows"] >= 1
     assert info["labels"] == "greedy"  # cross-entropy to the target's greedy token by default
     assert cache_budget(DFlashTraining(seconds=0, seq=16, batch=4, lr=0, block=4, layer_ids=[0], num_layers=1),
@@ -162,7 +163,7 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
     teacher windows (its last rows) come from every teacher window with the target's outputs
     computed then, equal to what the cache would hold; with ``"cache"``, the teacher windows
     are the few the cache's half holds."""
-    from bench.speculative import dflash_training
+    from loraserve.runtime.tools.distill import dflash_train as dflash_training
 
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (200, 17), generator=torch.Generator().manual_seed(5))
@@ -176,7 +177,7 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
     monkeypatch.setattr(dflash_training, "dflash_loss", spy)
     opts = DFlashTraining(seconds=600, seq=16, batch=8, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=12,
                           cache_gib=0.00005, teacher_fraction=0.5, teacher_outputs="stream")  # fmt: skip
-    _, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
+    _, info = train_dflash(target, data, teacher, torch.device("cpu"), opts)
     assert info["teacher_outputs"] == "stream" and info["cached_teacher_windows"] == 0
     rows_of = {tuple(w.tolist()): i for i, w in enumerate(teacher)}
     streamed = set()
@@ -187,10 +188,10 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
             assert torch.equal(r, cached_outputs(target, w[None], [0])[0][0])  # ... with its outputs
         assert all(tuple(w.tolist()) not in rows_of for w in window[:4])  # corpus rows first
     cached = replace(opts, teacher_outputs="cache")
-    _, kept = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), cached)
+    _, kept = train_dflash(target, data, teacher, torch.device("cpu"), cached)
     assert kept["teacher_outputs"] == "cache" and 1 <= kept["cached_teacher_windows"] < len(streamed)
     with pytest.raises(ValueError, match="teacher_outputs must be cache or stream, got 'disk'"):
-        train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), replace(opts, teacher_outputs="disk"))
+        train_dflash(target, data, teacher, torch.device("cpu"), replace(opts, teacher_outputs="disk"))
 
 
 def test_a_compiled_training_forward_trains_the_eager_draft(target, monkeypatch):
@@ -212,8 +213,8 @@ def test_a_compiled_training_forward_trains_the_eager_draft(target, monkeypatch)
     monkeypatch.setattr(torch, "compile", counted)
     opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2, blocks=3,
                           max_steps=3, cache_gib=0.0005, teacher_outputs="stream")  # fmt: skip
-    eager, plain = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), opts)
-    compiled, info = train_dflash(target, "smoke-small", data, teacher, torch.device("cpu"), replace(opts, compile=True))
+    eager, plain = train_dflash(target, data, teacher, torch.device("cpu"), opts)
+    compiled, info = train_dflash(target, data, teacher, torch.device("cpu"), replace(opts, compile=True))
     assert len(calls) == 1 + 3 and info["compile_seconds"] > 0 and "compile_seconds" not in plain
     assert info["steps"] == plain["steps"] == 3
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
@@ -228,12 +229,15 @@ def test_a_forward_that_does_not_compile_trains_eagerly_and_says_why(target, mon
     def broken(fn, **kw):
         def fail(*a):
             raise RuntimeError("inductor: no C++ compiler")
+
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
-    opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=2)
-    eager, _ = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts)
-    fell_back, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, compile=True))
+    opts = DFlashTraining(
+        seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], blocks=3, max_steps=2
+    )
+    eager, _ = train_dflash(target, data, None, torch.device("cpu"), opts)
+    fell_back, info = train_dflash(target, data, None, torch.device("cpu"), replace(opts, compile=True))
     assert info["steps"] == 2 and "no C++ compiler" in info["compile_error"] and "compile_seconds" not in info
     for a, b in zip(eager.parameters(), fell_back.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -254,11 +258,11 @@ def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):
 
     opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
                           blocks=6, max_steps=7, probe_every=2, cache_gib=0.0)  # fmt: skip
-    draft, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts, probe=probe)
+    draft, info = train_dflash(target, data, None, torch.device("cpu"), opts, probe=probe)
     assert [(p["steps"], p["walk"]) for p in info["probes"]] == [(2, 1.0), (4, 2.0), (6, 3.0)]
     assert not any(training for training, _ in seen) and not draft.training  # eval mode while probed
     assert not torch.equal(seen[0][1], seen[-1][1])  # it saw the draft as it trained
-    _, plain = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), replace(opts, probe_every=0),
+    _, plain = train_dflash(target, data, None, torch.device("cpu"), replace(opts, probe_every=0),
                             probe=probe)  # fmt: skip
     assert "probes" not in plain and plain["steps"] == 7
 
@@ -270,7 +274,7 @@ def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):
     slow.calls = 0
     # 3 s of training: the three steps before the probe leave time for more on a loaded machine
     timed = replace(opts, seconds=3.0, max_steps=None, probe_every=3)
-    _, info = train_dflash(target, "smoke-small", data, None, torch.device("cpu"), timed, probe=slow)
+    _, info = train_dflash(target, data, None, torch.device("cpu"), timed, probe=slow)
     assert info["steps"] > 4  # were the probe's 3.5 s counted, training would stop one step after it (4)
 
 
@@ -278,11 +282,11 @@ def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
     """``init="target"``: draft layer ``j`` of ``n`` holds target layer ``L - n + j``'s
     weights and the draft's final norm the target's; a draft deeper than the target, or an
     unknown init, is refused by name."""
-    from bench.speculative.dflash_draft import DFlashDraft
-    from bench.speculative.dflash_training import init_from_target
+    from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
+    from loraserve.runtime.tools.distill.dflash_train import init_from_target
 
     def draft(layers: int) -> DFlashDraft:
-        return DFlashDraft("smoke-small", target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
+        return DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
                            num_layers=layers, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
 
     one = draft(1)
@@ -302,7 +306,7 @@ def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
     opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=1,
                           blocks=6, max_steps=1, init="copied")  # fmt: skip
     with pytest.raises(ValueError, match="init must be random or target, got 'copied'"):
-        train_dflash(target, "smoke-small", data, None, torch.device("cpu"), opts)
+        train_dflash(target, data, None, torch.device("cpu"), opts)
 
 
 def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
@@ -311,18 +315,17 @@ def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
     (what serving feeds it); layer ``L-1``, whose Hugging Face output is normed where the
     served one is not, is refused by name. A draft trained over ``L-1`` (the top spread
     once did) was served other features than it learnt on: it drafted other tokens."""
-    from bench.speculative.dflash_training import target_outputs
-    from bench.speculative.models import dflash_layer_ids
-    from bench.speculative.training import new_llama, save_hf
     from loraserve.kernels import ForwardMode
     from loraserve.runtime.contract.config import RuntimeConfig
-    from loraserve.runtime.dev.devmodels import write_tokenizer
+    from loraserve.runtime.dev.devmodels import copy_tokenizer, write_tokenizer
     from loraserve.runtime.model.arch import ModelConfigError
     from loraserve.runtime.runner.forward_batch import ForwardBatch
     from loraserve.runtime.runner.model_runner import ModelRunner
+    from loraserve.runtime.tools.distill.dflash_train import dflash_layer_ids, target_outputs
 
-    small = new_llama("cpu-deep", 512, seed=2, device=torch.device("cpu")).eval()
-    save_hf(small, tmp_path / "target", write_tokenizer(tmp_path / "tok", 512))
+    small = tiny_llama(128, 8, 4, 2, 32, 384, vocab=512, seed=2)
+    small.to(torch.bfloat16).save_pretrained(str(tmp_path / "target"))
+    copy_tokenizer(write_tokenizer(tmp_path / "tok", 512), tmp_path / "target")
     small.float()  # the bfloat16 values the runtime loads, computed in float32 as it does
     config = RuntimeConfig()
     config.model.path = str(tmp_path / "target")
@@ -330,7 +333,9 @@ def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
     config.scheduler.max_total_tokens = 256
     runner = ModelRunner(config)
     window = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
-    ids = sorted({i for n in range(1, 8) for spread in ("reference", "top") for i in dflash_layer_ids(8, n, spread)})
+    ids = sorted(
+        {i for n in range(1, 8) for spread in ("reference", "top") for i in dflash_layer_ids(8, n, spread)}
+    )
     assert ids == list(range(1, 7))  # every capturable layer but the embeddings' 0
     out = runner.forward(ForwardBatch(ForwardMode.EXTEND, ["r"], window[0], extend_lens=[40],
                                       hidden_layers=tuple(i + 1 for i in ids)))  # fmt: skip
@@ -340,7 +345,9 @@ def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
     with pytest.raises(ModelConfigError, match="names layer 7, but the target has 8 layers"):
         target_outputs(small, window, [1, 7])
     # why: the stream a forward captures after the last layer is not Hugging Face's last state
-    last = runner.forward(ForwardBatch(ForwardMode.EXTEND, ["r"], window[0], extend_lens=[40], hidden_layers=(8,)))
+    last = runner.forward(
+        ForwardBatch(ForwardMode.EXTEND, ["r"], window[0], extend_lens=[40], hidden_layers=(8,))
+    )
     with torch.no_grad():
         normed = small.model(input_ids=window, output_hidden_states=True).hidden_states[8][0]
     assert not torch.allclose(normed, last.aux_hidden_states, atol=1e-2)

@@ -1,10 +1,39 @@
-"""The EAGLE draft head as a trainable module, with the runtime's checkpoint names."""
+"""The EAGLE draft head as a trainable module, with the runtime's checkpoint names, and
+its directory written as the runtime reads one (``config.json`` + ``model.safetensors``)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-from .shapes import SHAPES
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The dimensions of one of the target's decoder layers: a draft layer has the same."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, config) -> LayerDims:
+        """The layer dimensions of a Hugging Face Llama-style ``config``."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+            config.intermediate_size,
+        )  # fmt: skip
+
+
+def rope_theta(config) -> float:
+    """The target's RoPE base (older configs name it at the top level)."""
+    return float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
+
 
 # Checkpoint names (``loraserve.runtime.speculative.eagle_format``) of the head's parameters.
 EAGLE_NAMES = {
@@ -31,10 +60,18 @@ class EagleHead(torch.nn.Module):
     ``x[i+2]``. The target's embeddings and LM head are frozen buffers, never trained.
     """
 
-    def __init__(self, shape: str, embed: torch.Tensor, lm_head: torch.Tensor, *, eps: float, theta: float):
+    def __init__(
+        self, dims: LayerDims, embed: torch.Tensor, lm_head: torch.Tensor, *, eps: float, theta: float
+    ):
         super().__init__()
-        hidden, _, heads, kv, head_dim, inter = SHAPES[shape]
-        self.shape, self.eps = shape, eps
+        hidden, heads, kv, head_dim, inter = (
+            dims.hidden,
+            dims.heads,
+            dims.kv_heads,
+            dims.head_dim,
+            dims.intermediate,
+        )
+        self.dims, self.eps = dims, eps
         self.heads, self.kv_heads, self.head_dim = heads, kv, head_dim
 
         def lin(fan_in: int, fan_out: int) -> torch.nn.Linear:
@@ -185,3 +222,48 @@ class EagleHead(torch.nn.Module):
             pair_ids.append(tokens[-1])
             pair_feats = torch.cat([pair_feats, o[None]])
         return tokens, torch.stack(outs)
+
+
+# Keys an EAGLE config.json takes over from its target's (eagle_builder does the same).
+EAGLE_COPIED_KEYS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "hidden_act", "bos_token_id",
+    "eos_token_id", "pad_token_id",
+)  # fmt: skip
+
+
+def eagle_config(target_raw: dict, intermediate: int) -> dict:
+    """config.json of an EAGLE head for the target whose config.json is ``target_raw``."""
+    raw = {key: target_raw[key] for key in EAGLE_COPIED_KEYS if key in target_raw}
+    raw.update(
+        architectures=["LlamaForCausalLMEagle"],
+        model_type="llama",
+        num_hidden_layers=1,
+        intermediate_size=intermediate,
+        target_hidden_size=target_raw["hidden_size"],
+        bias=False,
+        tie_word_embeddings=False,
+        # float32 on disk: the expansion's rescaled norm weights are not bfloat16 values;
+        # the runtime casts to the serving dtype, as it does for the expanded target
+        torch_dtype="float32",
+    )
+    return raw
+
+
+def save_eagle_head(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> Path:
+    """Write an EAGLE draft directory (``eagle_format``): config.json + model.safetensors (float32)."""
+    from safetensors.torch import save_file
+
+    from ...speculative.eagle_format import eagle_config_from_dict
+
+    config = eagle_config_from_dict(raw)
+    shapes = config.tensor_shapes()
+    wrong = {n: tuple(t.shape) for n, t in tensors.items() if shapes.get(n) != tuple(t.shape)}
+    if wrong or set(shapes) != set(tensors):
+        raise ValueError(
+            f"EAGLE head tensors do not fit their config: {wrong or sorted(set(shapes) ^ set(tensors))}"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(raw, indent=1))
+    save_file({n: t.float().contiguous() for n, t in tensors.items()}, str(dest / "model.safetensors"))
+    return dest
