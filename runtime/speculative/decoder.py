@@ -165,7 +165,9 @@ class SpeculativeDecoder:
         if 0 < self.disable_batch_size <= bs:
             return StepShape.PLAIN
         shapes = self.shapes(requests)
-        return shapes[0] if self.switch is None else self.switch.choose(bs, shapes)
+        if self.switch is None:
+            return shapes[0]
+        return self.switch.choose(bs, shapes, adapters=[r.adapter for r in requests])
 
     def shapes(self, requests: Sequence[Request]) -> list[StepShape]:
         """The shapes a step of ``requests`` may take, the configured one first: a tree where
