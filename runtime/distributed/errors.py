@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..model.arch import ModelConfigError
+from ..contract.errors import ModelConfigError
 
 
 class TensorParallelConfigError(ModelConfigError):

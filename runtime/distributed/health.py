@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-log = logging.getLogger("loraserve.parallel")
+log = logging.getLogger("loraserve.distributed")
 
 EXIT_TP_FAILURE = 75
 """Exit status of a process whose tensor-parallel group failed."""

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..lora.manager import SlotEvent
 from .errors import TensorParallelError
 from .group import TPGroup
 
@@ -30,6 +29,17 @@ class Kind(enum.IntEnum):
     FORWARD = 1  # run ``step``
     GATHER_VOCAB = 2  # join an all-gather of the base embedding / lm_head (a draft needs them whole)
     STOP = 3  # rank 0 is shutting down: exit cleanly
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """An adapter-slot change another rank must replay: ``load`` (name, path), ``place``
+    (slot, name) or ``remove`` (name)."""
+
+    kind: str
+    name: str
+    slot: int | None = None
+    path: str | None = None
 
 
 class KVOp(enum.IntEnum):

@@ -23,10 +23,10 @@ all-reduce (the scaling is applied once per partial, hence once in total).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from ..model.arch import ModelArchConfig
 from .errors import TensorParallelConfigError
 
 COLUMN_PARTS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
@@ -34,7 +34,17 @@ ROW_PARTS = {"o_proj": "q", "down_proj": "mlp"}
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 
 
-def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
+class ShardableArch(Protocol):
+    """The shape of a model a split needs (``loraserve.runtime.model.arch.ModelArchConfig`` is one)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def check_tensor_parallel(arch: ShardableArch, size: int) -> None:
     """Raise :class:`TensorParallelConfigError` unless ``arch`` splits evenly over ``size`` ranks."""
     field = "parallel.tensor_parallel_size"
     if size < 1:
@@ -71,7 +81,7 @@ class ShardPlan:
     vocab_size: int
 
     @classmethod
-    def for_arch(cls, arch: ModelArchConfig, rank: int, size: int) -> ShardPlan:
+    def for_arch(cls, arch: ShardableArch, rank: int, size: int) -> ShardPlan:
         check_tensor_parallel(arch, size)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside 0..{size - 1}")

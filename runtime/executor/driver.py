@@ -22,9 +22,9 @@ import torch
 from ..distributed.errors import TensorParallelError
 from ..distributed.group import TPGroup
 from ..distributed.health import TPHealth
-from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
+from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message, SlotEvent
 from ..kv import KVCache
-from ..lora.manager import LoRAManager, SlotEvent
+from ..lora.manager import LoRAManager
 
 if TYPE_CHECKING:
     from ..kv import Allocation
@@ -102,6 +102,10 @@ class Driver:
     def kv_release(self, slots: torch.Tensor) -> None:
         with self._journal_lock:
             self._kv_ops.append((KVOp.RELEASE, 0, int(slots.numel()), slots.tolist()))
+
+    def kv_cache(self, **kwargs) -> MirroredKVCache:
+        """Rank 0's KV cache (``kwargs`` as :class:`KVCache`'s), its changes journalled here."""
+        return MirroredKVCache(driver=self, **kwargs)
 
     def attach_lora(self, manager: LoRAManager) -> None:
         """Journal every change of rank 0's adapter slots for the other ranks."""

@@ -18,11 +18,10 @@ from loraserve.kernels import ForwardMode
 
 from ..distributed.errors import TensorParallelError
 from ..distributed.group import TPGroup
-from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message
-from ..lora.manager import SlotEvent
+from ..distributed.protocol import ControlChannel, ForwardStep, Kind, KVOp, Message, SlotEvent
 from ..runner.forward_batch import ForwardBatch
 
-log = logging.getLogger("loraserve.parallel")
+log = logging.getLogger("loraserve.executor")
 
 
 class Follower:

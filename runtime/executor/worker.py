@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 
-log = logging.getLogger("loraserve.parallel")
+log = logging.getLogger("loraserve.executor")
 
 
 def _watch_parent(parent: int, rank: int) -> None:

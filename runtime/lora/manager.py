@@ -31,6 +31,7 @@ from loraserve.kernels import ForwardMode, LoRABackend, LoRABatchInfo, build_bat
 
 from ..contract.config import LORA_MODULES, LoRAConfig
 from ..contract.policy.bounds import pinned_slot_limit
+from ..distributed.protocol import SlotEvent
 from ..model.llama import LlamaForCausalLM
 from .adapter import AdapterWeights, load_adapter
 from .errors import (
@@ -67,17 +68,6 @@ class AdapterInfo:
     pinned: bool
     slot: int | None
     refcount: int
-
-
-@dataclass(frozen=True)
-class SlotEvent:
-    """A change another rank must replay: ``load`` (name, path), ``place`` (slot, name) or
-    ``remove`` (name)."""
-
-    kind: str
-    name: str
-    slot: int | None = None
-    path: str | None = None
 
 
 class _Entry:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.errors import ModelConfigError
 from ..contract.policy.families import ARCHITECTURE_FAMILIES, MOE_FAMILIES
 
 # The families served are the policy's table (the start-up check and admission judge it too).
@@ -26,10 +27,6 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-class ModelConfigError(ValueError):
-    """A model directory or config.json the runtime cannot serve; the message names the fix."""
 
 
 @dataclass(frozen=True)

@@ -181,9 +181,7 @@ class ModelRunner:
             group is None or group.is_driver
         )
         if driver is not None:
-            from ..executor.driver import MirroredKVCache
-
-            self.kv = MirroredKVCache(driver=driver, **kv_args, prefix_cache=prefix)
+            self.kv = driver.kv_cache(**kv_args, prefix_cache=prefix)
         else:
             self.kv = KVCache(**kv_args, prefix_cache=prefix)
         log.info(

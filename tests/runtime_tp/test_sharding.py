@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from loraserve.runtime.distributed.errors import TensorParallelConfigError
-from loraserve.runtime.distributed.protocol import ForwardStep, Kind, Message
+from loraserve.runtime.distributed.protocol import ForwardStep, Kind, Message, SlotEvent
 from loraserve.runtime.distributed.sharding import ShardPlan, check_tensor_parallel
 from loraserve.runtime.executor.launch import TPOptions, start_tensor_parallel
-from loraserve.runtime.lora.manager import SlotEvent
 from loraserve.runtime.model.arch import ModelArchConfig
 from loraserve.runtime.runner.model_runner import ModelRunner
 
