@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from .. import model_ops
-from .routing import BlockLayout, RoutingBuffers, align_block_size, capacity, lora_groups
+from .routing import BlockLayout, MoEBuffers, RoutingBuffers, align_block_size, capacity, lora_groups
 from .types import ExpertLoRA, MoELoRA
 
 __all__ = [
     "BlockLayout",
     "ExpertLoRA",
+    "MoEBuffers",
     "MoELoRA",
     "RoutingBuffers",
     "align_block_size",
@@ -58,12 +59,12 @@ def fused_moe(
     weights: torch.Tensor,
     ids: torch.Tensor,
     lora: MoELoRA | None = None,
-    buffers=None,
+    buffers: MoEBuffers | None = None,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for rows ``x [T, H]`` with the
     experts' ``gate_up [E, 2I, H]`` (gate rows first) and ``down [E, H, I]``, each pair with
     the LoRA delta of its row's adapter for that expert (``lora``; None: base model).
-    ``buffers`` (:class:`.triton_ops.MoEBuffers`): persistent routing buffers for CUDA graphs."""
+    ``buffers`` (:class:`MoEBuffers`): persistent routing buffers for CUDA graphs."""
     from . import triton_ops
 
     return triton_ops.fused_moe(x, gate_up, down, weights, ids, lora, buffers)

@@ -148,3 +148,14 @@ def lora_groups(
     safe = slots.clamp(min=0)
     live = (slots >= 0) & (live_ranks.index_select(0, safe) > 0)
     return torch.where(live, expert_ids.reshape(-1).long() * num_slots + safe, -1)
+
+
+class MoEBuffers:
+    """The routing buffers of one model's MoE layers (shared: the layers run one after
+    another), sized for ``max_tokens`` token rows; see :class:`.routing.RoutingBuffers`."""
+
+    def __init__(self, max_tokens: int, top_k: int, num_experts: int, num_slots: int, device: torch.device | str):
+        max_pairs = max_tokens * top_k
+        self.max_tokens = int(max_tokens)
+        self.base = RoutingBuffers(max_pairs, num_experts, BLOCK_CHOICES[-1], device)
+        self.lora = RoutingBuffers(max_pairs, num_experts * num_slots, LORA_BLOCK, device) if num_slots else None

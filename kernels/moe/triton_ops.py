@@ -27,10 +27,9 @@ import triton.language as tl
 from ..model_ops import triton_ops as model_triton
 from ..triton_ops.shrink import dot_precision, upcast_dot
 from .routing import (
-    BLOCK_CHOICES,
     LORA_BLOCK,
     BlockLayout,
-    RoutingBuffers,
+    MoEBuffers,
     align_block_size,
     block_for,
     lora_groups,
@@ -196,17 +195,6 @@ def _lora(
         out.stride(0), out.stride(1), MUL_WEIGHT=rw is not None, BLOCK_M=layout.block, BLOCK_N=BLOCK_N,
         BLOCK_R=block_r, num_warps=4,
     )  # fmt: skip
-
-
-class MoEBuffers:
-    """The routing buffers of one model's MoE layers (shared: the layers run one after
-    another), sized for ``max_tokens`` token rows; see :class:`.routing.RoutingBuffers`."""
-
-    def __init__(self, max_tokens: int, top_k: int, num_experts: int, num_slots: int, device: torch.device | str):
-        max_pairs = max_tokens * top_k
-        self.max_tokens = int(max_tokens)
-        self.base = RoutingBuffers(max_pairs, num_experts, BLOCK_CHOICES[-1], device)
-        self.lora = RoutingBuffers(max_pairs, num_experts * num_slots, LORA_BLOCK, device) if num_slots else None
 
 
 def fused_moe(

@@ -25,12 +25,13 @@ has a small buffer of its own: peft's ``all-linear`` adapts it on MoE models.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loraserve.kernels import LoRABackend, LoRABatchInfo
 from loraserve.kernels.metadata import ensure_tiles
+from loraserve.kernels.moe import ExpertLoRA
 from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lora
 
 from ..model.layers.parallel import VocabParallelEmbedding
@@ -125,12 +126,35 @@ class ExpertLoRAHook:
 
     ``A [slots, experts, slices * max_rank, in]``, ``B [slots, experts, out, max_rank]``.
     The torch path: for the rows an expert runs on, each adapter's rows in one matmul pair
-    (a host loop over the adapters present, as the torch LoRA backend loops segments)."""
+    (a host loop over the adapters present, as the torch LoRA backend loops segments). The
+    fused path (:meth:`fused`) reads the same buffers plus ``ranks``: each slot's rank on
+    this part (int32, on the device), 0 where the slot's adapter has no LoRA here, so the
+    kernels skip its rows."""
 
     ctx: LoRAContext
     A: torch.Tensor
     B: torch.Tensor
     slice_offsets: tuple[int, ...]
+    ranks: torch.Tensor = field(init=False)
+    _ranks_cpu: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ranks = torch.zeros(self.A.shape[0], dtype=torch.int32, device=self.A.device)
+        self._ranks_cpu = [0] * self.A.shape[0]
+
+    def set_rank(self, slot: int, rank: int) -> None:
+        """Record ``slot``'s rank on this part (0 on clearing; the largest of its slices)."""
+        rank = 0 if rank == 0 else max(rank, self._ranks_cpu[slot])
+        if rank != self._ranks_cpu[slot]:
+            self._ranks_cpu[slot] = rank
+            self.ranks[slot] = rank
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor, ExpertLoRA] | None:
+        """See :meth:`loraserve.runtime.model.moe.ExpertLoRAHook.fused`."""
+        info = self.ctx.info
+        if info is None:
+            return None
+        return info.token_slots, info.scalings, ExpertLoRA(self.A, self.B, self.slice_offsets, self.ranks)
 
     def add(self, expert: int, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
         info = self.ctx.info
@@ -281,6 +305,8 @@ class SlotPool:
         for hook in self.hooks.values():
             hook.A[slot].zero_()
             hook.B[slot].zero_()
+            if isinstance(hook, ExpertLoRAHook):
+                hook.set_rank(slot, 0)
         R = self.max_rank
         for (module, layer), (a, b) in adapter.weights.items():
             r = b.shape[-1]  # this module's rank (at most the slot's, adapter.rank)
@@ -291,6 +317,7 @@ class SlotPool:
                 if isinstance(hook, ExpertLoRAHook):  # a: [experts, r, in], b: [experts, out, r]
                     hook.A[slot, :, part * R : part * R + r].copy_(a, non_blocking=True)
                     hook.B[slot, :, lo:hi, :r].copy_(b, non_blocking=True)
+                    hook.set_rank(slot, r)
                     continue
                 hook.A[slot, part * R : part * R + r].copy_(a, non_blocking=True)
                 hook.B[slot, lo:hi, :r].copy_(b, non_blocking=True)

@@ -5,7 +5,11 @@ Per token the router's float32 softmax over all experts picks the ``top_k`` larg
 MLP, and the token's output is the routing-weighted sum of its experts' outputs. The
 forward gathers each expert's tokens, runs the expert on them and scatters the weighted
 result back with ``index_add_``: clear and CPU-friendly, with data-dependent shapes (so
-not capturable by CUDA graphs; the policy refuses graphs on MoE models).
+not capturable by CUDA graphs). On CUDA the layer runs the fused Triton path instead
+(``loraserve.kernels.moe``, the switch of the decoder's fused ops): routing metadata on the
+device, grouped expert GEMMs and each row's expert LoRA delta in its kernels, fixed shapes
+for a fixed number of token rows; :attr:`MoEExperts.buffers` holds the routing buffers a
+CUDA graph replays with, sized in token rows.
 
 Weights live fused, as transformers 5 holds them: ``experts.gate_up_proj [E, 2I, H]``
 (gate rows first) and ``experts.down_proj [E, H, I]``; the router is ``gate [E, H]``.
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.kernels import model_ops
+from loraserve.kernels import moe as moe_kernels
 
 from .arch import ModelArchConfig
 from .layers import Linear
@@ -50,6 +55,10 @@ class ExpertLoRAHook(Protocol):
     def add(self, expert: int, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Add, in place into ``out``, the LoRA delta of ``expert`` for its input rows ``x``;
         ``rows``: those rows' indices in the batch (which adapter each row uses)."""
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor, moe_kernels.ExpertLoRA] | None:
+        """``(token slots, scalings, this part's weights)`` for the fused kernels; None when
+        no row of the batch uses an adapter."""
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,9 +86,15 @@ class MoEExperts(nn.Module):
         )
         self.lora_gate_up: ExpertLoRAHook | None = None
         self.lora_down: ExpertLoRAHook | None = None
+        # persistent routing buffers (CUDA graphs); None: the fused path allocates per step
+        self.buffers: moe_kernels.MoEBuffers | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` for every row ``t``."""
+        if moe_kernels.use_triton(x):
+            return moe_kernels.fused_moe(
+                x, self.gate_up_proj, self.down_proj, weights, ids, self._fused_lora(), self.buffers
+            )
         out = torch.zeros_like(x)
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -97,6 +112,16 @@ class MoEExperts(nn.Module):
             y = (y.float() * flat_weights.index_select(0, pairs)[:, None]).to(out.dtype)
             out.index_add_(0, rows, y)
         return out
+
+    def _fused_lora(self) -> moe_kernels.MoELoRA | None:
+        """The batch's expert LoRA for the fused kernels (None: no row uses an adapter)."""
+        parts: dict[str, moe_kernels.ExpertLoRA] = {}
+        batch = None
+        for name, hook in (("gate_up", self.lora_gate_up), ("down", self.lora_down)):
+            got = None if hook is None else hook.fused()
+            if got is not None:
+                batch, parts[name] = got[:2], got[2]
+        return None if batch is None else moe_kernels.MoELoRA(batch[0], batch[1], **parts)
 
     def _expert(self, expert: int, xe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One expert on its rows, each row's adapter delta included."""

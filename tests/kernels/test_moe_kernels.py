@@ -128,7 +128,7 @@ def test_fused_moe_into_buffers(gen):
     gate_up, down = _weights(4, 32, 16, torch.float32, gen)
     x, weights, ids = _route(6, 4, 2, 32, torch.float32, gen)
     lora = _lora(4, 32, 16, 8, torch.float32, gen, torch.tensor([0, 2, -1, 0, 1, 2]))
-    buffers = triton_ops.MoEBuffers(max_tokens=6, top_k=2, num_experts=4, num_slots=SLOTS, device="cpu")
+    buffers = moe.MoEBuffers(max_tokens=6, top_k=2, num_experts=4, num_slots=SLOTS, device="cpu")
     out = triton_ops.fused_moe(x, gate_up, down, weights, ids, lora, buffers)
     torch.testing.assert_close(out, triton_ops.fused_moe(x, gate_up, down, weights, ids, lora), rtol=0, atol=0)
     with pytest.raises(ValueError, match="7 token rows do not fit"):
