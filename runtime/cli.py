@@ -161,6 +161,7 @@ def _local_checks(cfg: RuntimeConfig) -> list[str]:
         and not (Path(cfg.speculative.draft_model_path) / "config.json").is_file()
     ):
         problems.append(f"--draft-model {cfg.speculative.draft_model_path}: no config.json there")
+    problems += _draft_layout_problems(cfg)
     for name, path in cfg.lora.adapters.items():
         if not (Path(path) / "adapter_config.json").is_file():
             problems.append(f"--lora {name}={path}: no adapter_config.json there")
@@ -172,6 +173,19 @@ def _local_checks(cfg: RuntimeConfig) -> list[str]:
     if triton_problem := check_triton(cfg):
         problems.append(triton_problem)
     return problems
+
+
+def _draft_layout_problems(cfg: RuntimeConfig) -> list[str]:
+    """What the draft's config.json asks for that its drafter does not run (a multi-layer
+    EAGLE head, a DSPARK draft under DFLASH...), judged before any weight loads."""
+    from .contract.policy import resolve_algorithm
+    from .contract.policy.drafts import draft_config_problems
+
+    raw = _config_json(cfg.speculative.draft_model_path) if cfg.speculative.enabled else None
+    if raw is None:
+        return []
+    algorithm, _ = resolve_algorithm(cfg)
+    return [f"--draft-model {cfg.speculative.draft_model_path}: {p}" for p in draft_config_problems(algorithm, raw)]
 
 
 def _outside_roots(cfg: RuntimeConfig) -> list[str]:
@@ -330,7 +344,7 @@ def serve(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     it and the fix, before the model loads and before "listening on" is logged.
     """
 
-    from .engine.factory import build_engine
+    from .builder import build_engine
     from .lora.sources import SourceSettings
     from .server import STATE, build_app
     from .server.limits import Limits

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.policy.drafts import draft_config_problems
 from ..model.arch import (
     ModelArchConfig,
     ModelConfigError,
@@ -79,11 +80,6 @@ UNSTATED_BLOCK = 16
 """The block a draft that states no ``block_size`` is served with when none is asked for: the
 reference engine's default, the block of z-lab's checkpoints."""
 """The reference engine's mask token string when a checkpoint names none."""
-
-_REFUSED_ARCHITECTURES = {
-    "DFlash2DraftModel": "DFlash2 drafts (causal convolutions and a candidate selector) are not served; "
-    "use a DFlashDraftModel checkpoint",
-}
 
 
 @dataclass(frozen=True)
@@ -249,8 +245,9 @@ def dflash_config_from_dict(
     """Parse a DFLASH draft's config.json (its layers as a Llama-family config, plus the
     fields DFLASH adds). ``target_num_layers``: for the default target layers."""
     architecture = declared_architecture(raw, architecture_override)
-    if architecture in _REFUSED_ARCHITECTURES:
-        raise ModelConfigError(f"draft architecture {architecture}: {_REFUSED_ARCHITECTURES[architecture]}")
+    problems = draft_config_problems("DFLASH", dict(raw, architectures=[architecture]))
+    if problems:  # a published layout refused by name (DFlash2, DSPARK), before any tensor is read
+        raise ModelConfigError("; ".join(problems))
     if architecture not in DFLASH_ARCHITECTURES:
         raise ModelConfigError(
             f"draft config.json architecture {architecture!r} is not a DFLASH draft: use one of "

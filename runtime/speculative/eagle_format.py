@@ -1,6 +1,7 @@
 """The EAGLE / EAGLE3 draft checkpoint format: an HF-style directory, config + safetensors.
 
-``config.json`` is a Llama config for the draft's single decoder layer plus:
+``config.json`` is a Llama config for the draft's single decoder layer (``num_hidden_layers``
+1: a head of more layers is refused by name, see :mod:`..contract.policy.drafts`) plus:
 
 - ``architectures``: ``["LlamaForCausalLMEagle"]`` (EAGLE, also serves NEXTN) or
   ``["LlamaForCausalLMEagle3"]``;
@@ -8,9 +9,12 @@
 - EAGLE3: ``eagle_aux_hidden_state_layer_ids`` (top level, or inside ``eagle_config``):
   the target's residual streams that form the feature; entry ``i`` is the stream
   entering target layer ``i`` (the output of layer ``i - 1``; ``num_layers`` is the final
-  stream before the model's norm).
+  stream before the model's norm). Published heads mostly leave it out: then the streams
+  are vLLM's and SGLang's default for a target of ``L`` layers, ``(2, L // 2, L - 3)``
+  (:func:`default_aux_layers`).
 
-Tensors (an optional leading ``model.`` is ignored):
+Tensors (an optional leading ``model.`` is ignored; ``midlayer.``, the name EAGLE's and
+SGLang's training code gives the one layer, reads as ``layers.0.``, as vLLM renames it):
 
 ==============================================  ==================================  ======
 name                                            shape                               which
@@ -37,6 +41,10 @@ training writes its drafts): then the checkpoint holds its own ``lm_head.weight`
 ``d2t`` ``[draft_vocab_size]`` (int64; draft row ``i`` predicts target token ``i + d2t[i]``).
 ``t2d`` (a training-time mask) is ignored. See :mod:`.draft_vocab`.
 
+Weights are ``*.safetensors`` files; a directory with only pickle weights
+(``pytorch_model.bin``, as some heads are published) is refused with the conversion that
+fixes it, as every pickle checkpoint is (loading one can run code).
+
 Draft adapters of a head (:mod:`.eagle_lora`) are PEFT LoRAs named by these tensors' modules
 (``base_model.model.fc.lora_A.weight``, ``base_model.model.layers.0.self_attn.q_proj...``);
 their shapes are checked against :meth:`EagleDraftConfig.tensor_shapes`.
@@ -57,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.policy.drafts import draft_config_problems
 from ..model.arch import (
     ModelArchConfig,
     ModelConfigError,
@@ -68,6 +77,9 @@ from ..model.arch import (
 
 INPUT_NORM = "layers.0.input_layernorm.weight"
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": 1, "LlamaForCausalLMEagle3": 3}
+LAYER_ALIASES = {"midlayer.": "layers.0."}
+"""Prefixes published heads give their one decoder layer -> the name this format uses."""
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model-*.bin", "*.pt")
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,9 @@ class EagleDraftConfig:
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """Low, middle and high residual streams (distinct, in range) for an EAGLE3 feature."""
+    """Low, middle and high residual streams (distinct, in range) for an EAGLE3 feature:
+    ``(2, L // 2, L - 3)``, vLLM's and SGLang's choice for heads that name none, on any
+    target of 8 layers or more."""
     picks = (2, num_target_layers // 2, num_target_layers - 3)
     chosen: list[int] = []
     for layer_id in picks:
@@ -170,10 +184,13 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
     return tuple(sorted(chosen))
 
 
-def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = None) -> EagleDraftConfig:
+def eagle_config_from_dict(
+    raw: dict, *, architecture_override: str | None = None, target_num_layers: int | None = None
+) -> EagleDraftConfig:
     """Parse an EAGLE draft's config.json: its decoder layer as the target's config.json is
     parsed (:func:`~..model.arch.arch_from_dict`: heads, rope, norms, biases, dtype), plus
-    the fields EAGLE's formats add."""
+    the fields EAGLE's formats add. ``target_num_layers``: for the default EAGLE3 streams of
+    a head that names none."""
     architecture = declared_architecture(raw, architecture_override)
     if architecture not in EAGLE_ARCHITECTURES:
         raise ModelConfigError(
@@ -181,6 +198,9 @@ def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = Non
             f"{sorted(EAGLE_ARCHITECTURES)} (speculative.draft_model_architecture overrides config.json)"
         )
     version = EAGLE_ARCHITECTURES[architecture]
+    problems = draft_config_problems("EAGLE3" if version == 3 else "EAGLE", raw)
+    if problems:
+        raise ModelConfigError("; ".join(problems))
     layer_raw = dict(raw, architectures=["LlamaForCausalLM"], num_hidden_layers=1)
     layer = arch_from_dict(layer_raw)
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
@@ -188,6 +208,8 @@ def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = Non
     if version == 3:
         nested = raw.get("eagle_config") or {}
         ids = raw.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids"))
+        if ids is None and target_num_layers is not None:
+            ids = list(default_aux_layers(target_num_layers))
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             raise ModelConfigError(
                 "EAGLE3 draft config.json needs eagle_aux_hidden_state_layer_ids: a non-empty list of "
@@ -209,10 +231,36 @@ def eagle_config_from_dict(raw: dict, *, architecture_override: str | None = Non
     )
 
 
-def load_eagle_config(path: str | Path, *, architecture_override: str | None = None) -> EagleDraftConfig:
+def load_eagle_config(
+    path: str | Path, *, architecture_override: str | None = None, target_num_layers: int | None = None
+) -> EagleDraftConfig:
     """Read ``path/config.json`` of an EAGLE draft; local files only."""
     raw = read_config_json(path, missing="speculative.draft_model_path must be a local EAGLE draft directory")
-    return eagle_config_from_dict(raw, architecture_override=architecture_override)
+    return eagle_config_from_dict(
+        raw, architecture_override=architecture_override, target_num_layers=target_num_layers
+    )
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name in this format: no ``model.`` prefix, ``midlayer.`` as ``layers.0.``."""
+    name = name.removeprefix("model.")
+    for alias, canonical in LAYER_ALIASES.items():
+        if name.startswith(alias):
+            return canonical + name[len(alias) :]
+    return name
+
+
+def _refuse_pickles(path: Path) -> None:
+    """A draft directory with pickle weights and no safetensors: refused, with the conversion."""
+    pickles = sorted({f.name for pattern in PICKLE_WEIGHTS for f in path.glob(pattern)})
+    if not pickles:
+        raise ModelConfigError(f"no *.safetensors files in EAGLE draft directory {path}")
+    raise ModelConfigError(
+        f"the EAGLE draft directory {path} holds pickle weights ({', '.join(pickles)}) and no *.safetensors: "
+        "pickle checkpoints are refused (loading one can run code); convert it once with "
+        "safetensors.torch.save_file(torch.load(FILE, weights_only=True), 'model.safetensors') "
+        "beside config.json"
+    )
 
 
 def load_eagle_tensors(
@@ -225,11 +273,14 @@ def load_eagle_tensors(
     skip = {Path(f).resolve() for f in exclude}
     files = sorted(f for f in Path(path).glob("*.safetensors") if f.resolve() not in skip)
     if not files:
-        raise ModelConfigError(f"no *.safetensors files in EAGLE draft directory {path}")
+        _refuse_pickles(Path(path))
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(str(file)).items():
-            tensors[name.removeprefix("model.")] = tensor
+            canonical = canonical_name(name)
+            if canonical in tensors:
+                raise ModelConfigError(f"EAGLE draft {path}: tensors {name!r} and another both name {canonical!r}")
+            tensors[canonical] = tensor
     tensors.pop("t2d", None)  # the training-time target-to-draft mask
     if "d2t" in tensors and not config.own_lm_head:
         raise ModelConfigError(

@@ -72,7 +72,9 @@ class EagleDraftRunner:
         ``draft_lora``: the draft adapter pool (``speculative.draft_lora_pool``; None: every
         request drafts with the base head)."""
         self.attention_backend = attention_backend
-        self.config: EagleDraftConfig = load_eagle_config(path, architecture_override=architecture)
+        self.config: EagleDraftConfig = load_eagle_config(
+            path, architecture_override=architecture, target_num_layers=target_arch.num_layers
+        )
         self.config.check_target(target_arch)
         map_file = resolve_token_map(token_map, path) if token_map else None
         tensors = _draft_tensors(

@@ -11,6 +11,7 @@ from .basic import model_and_placement, normalized, scheduler_and_server
 from .config_warnings import config_warnings
 from .cuda_graphs import gpu_fields, graph_verify_width
 from .draft_adapters import draft_lora_pool
+from .drafts import draft_layout
 from .families import model_family
 from .findings import Report
 from .lora import lora_compatibility, lora_pool
@@ -27,6 +28,7 @@ def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIE
     violations += gpu_fields(config)
     violations += lora_pool(config)
     violations += speculative(config, effective, note)
+    violations += draft_layout(config, effective)
     violations += lora_compatibility(config, effective, note, capabilities)
     violations += graph_verify_width(config, capabilities)
     violations += availability(config, effective, note, capabilities)
