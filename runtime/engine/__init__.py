@@ -4,7 +4,14 @@
 callers hand in and get back; ``Decoder`` is the seam speculative decoding plugs into.
 """
 
-from .decoder import Decoder, DecoderUnavailableError, StandardDecoder, StepOutput, build_decoder
+from .decoder import (
+    Decoder,
+    DecoderFactory,
+    DecoderUnavailableError,
+    StandardDecoder,
+    StepOutput,
+    build_decoder,
+)
 from .engine import Engine
 from .errors import EngineClosedError, EngineError
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState, SpecStats
@@ -13,6 +20,7 @@ from .stats import EngineObserver, EngineSnapshot
 
 __all__ = [
     "Decoder",
+    "DecoderFactory",
     "DecoderUnavailableError",
     "Engine",
     "EngineClosedError",

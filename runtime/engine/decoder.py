@@ -3,8 +3,8 @@
 The engine owns requests, scheduling, KV accounting and output; a :class:`Decoder` owns
 the model calls. :class:`StandardDecoder` runs one target forward per step and samples
 one token per request. A speculative decoder (``loraserve.runtime.speculative``) drafts and
-verifies, returning up to ``k`` tokens per request per step; the engine asks
-``loraserve.runtime.speculative.build_decoder`` for one when ``config.speculative.enabled``.
+verifies, returning up to ``k`` tokens per request per step; when ``config.speculative.enabled``
+the engine builds one with the factory its builder hands in (:class:`DecoderFactory`).
 
 Contract every decoder keeps:
 
@@ -25,7 +25,6 @@ Contract every decoder keeps:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -156,34 +155,35 @@ class StandardDecoder:
         return None
 
 
+class DecoderFactory(Protocol):
+    """Builds the decoder of a speculative configuration (``loraserve.runtime.speculative.build_decoder``)."""
+
+    def __call__(self, *, config: RuntimeConfig, runner, sampler: Sampler) -> Decoder: ...
+
+
 class DecoderUnavailableError(RuntimeError):
-    """Speculative decoding was asked for but this runtime cannot provide it."""
+    """Speculative decoding was asked for but the engine was given no way to build its decoder."""
 
 
-def build_decoder(config: RuntimeConfig, runner, sampler: Sampler) -> Decoder:
-    """The decoder for a configuration: speculative when enabled, else standard.
+def build_decoder(
+    config: RuntimeConfig, runner, sampler: Sampler, speculative: DecoderFactory | None = None
+) -> Decoder:
+    """The decoder for a configuration: standard, or the one ``speculative`` builds when
+    ``config.speculative.enabled``.
 
-    A speculative decoder comes from ``loraserve.runtime.speculative.build_decoder(config=...,
-    runner=..., sampler=...)``.
+    The engine never imports the speculative package (it sits above the engine): whoever
+    builds the engine hands its factory in (``loraserve.runtime.builder.build_engine`` does).
     """
     if not config.speculative.enabled:
         return StandardDecoder(runner, sampler)
-    algorithm = config.speculative.algorithm.value
-    try:
-        spec = importlib.import_module("loraserve.runtime.speculative")
-    except ImportError as exc:
+    if speculative is None:
         raise DecoderUnavailableError(
-            f"speculative.algorithm={algorithm} needs loraserve.runtime.speculative, which failed to import: {exc}"
-        ) from exc
-    factory = getattr(spec, "build_decoder", None)
-    if factory is None:
-        raise DecoderUnavailableError(
-            f"speculative.algorithm={algorithm} is not available in this runtime: "
-            "use --speculative-algorithm NONE"
+            f"speculative.algorithm={config.speculative.algorithm.value} needs a speculative decoder and "
+            "this engine was built without one: build it with loraserve.runtime.builder.build_engine "
+            "(or pass decoder_factory=loraserve.runtime.speculative.build_decoder), "
+            "or use --speculative-algorithm NONE"
         )
-    decoder = factory(config=config, runner=runner, sampler=sampler)
+    decoder = speculative(config=config, runner=runner, sampler=sampler)
     if not isinstance(decoder, Decoder):
-        raise DecoderUnavailableError(
-            f"loraserve.runtime.speculative.build_decoder returned {type(decoder).__name__}, not a Decoder"
-        )
+        raise DecoderUnavailableError(f"the speculative decoder factory returned {type(decoder).__name__}, not a Decoder")
     return decoder

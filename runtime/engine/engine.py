@@ -31,7 +31,7 @@ from ..contract.policy.draft_adapters import draft_pool_refusal
 from ..lora.errors import AdapterError
 from ..sampling import Sampler, SamplingParams, SamplingParamsError, make_generator
 from ..sampling.structured import Constraint, ConstraintCompiler
-from .decoder import Decoder, StepOutput, build_decoder
+from .decoder import Decoder, DecoderFactory, StepOutput, build_decoder
 from .errors import EngineClosedError, EngineError
 from .prefix import PrefixReuse
 from .request import FinishReason, Request, RequestError, RequestOutput, RequestState
@@ -54,18 +54,22 @@ class Engine:
         *,
         tokenizer=None,
         decoder: Decoder | None = None,
+        decoder_factory: DecoderFactory | None = None,
         observer: EngineObserver | None = None,
         sampler: Sampler | None = None,
         max_admission_defer_steps: int | None = None,
     ) -> None:
-        """``max_admission_defer_steps``: how many decode steps admission may wait to batch
+        """``decoder``: the decoder to drive; without one the engine builds the standard decoder,
+        or, when ``config.speculative.enabled``, the one ``decoder_factory`` builds (the
+        speculative package's ``build_decoder``; :class:`DecoderUnavailableError` without it).
+        ``max_admission_defer_steps``: how many decode steps admission may wait to batch
         prefills under a backlog (None: the configuration's ``scheduler.max_admission_defer_steps``;
         0: never)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.sampler = sampler or Sampler(seed=config.seed)
-        self.decoder: Decoder = decoder or build_decoder(config, runner, self.sampler)
+        self.decoder: Decoder = decoder or build_decoder(config, runner, self.sampler, decoder_factory)
         self.observer = observer or EngineObserver()
         self.kv = runner.kv
         self.lora = getattr(runner, "lora", None)

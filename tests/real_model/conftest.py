@@ -21,9 +21,9 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.dev import realmodel
-from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 

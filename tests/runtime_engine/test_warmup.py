@@ -25,6 +25,7 @@ from loraserve.runtime.engine.warmup import (
 )
 from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 from loraserve.runtime.runner.model_runner import ModelRunner
+from loraserve.runtime.speculative import build_decoder
 
 from .conftest import engine_config, make_request, wait_all
 
@@ -149,7 +150,7 @@ def _engine(
     runner = ModelRunner(cfg)
     # The static padded path on the CPU: each shape enters the table as a GPU would capture it.
     runner.graphs = CudaGraphRunner(runner, max_bs=max_bs, use_graphs=False)
-    engine = Engine(cfg, runner)
+    engine = Engine(cfg, runner, decoder_factory=build_decoder)
     engine.start()
     return engine
 

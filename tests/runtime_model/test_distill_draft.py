@@ -346,6 +346,7 @@ def _serve(models, requests, draft: str, adapter: str, draft_adapter: Path | Non
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
     from loraserve.runtime.runner.model_runner import ModelRunner
+    from loraserve.runtime.speculative import build_decoder
 
     config = RuntimeConfig()
     config.model.path = str(models["target"])
@@ -361,7 +362,7 @@ def _serve(models, requests, draft: str, adapter: str, draft_adapter: Path | Non
     config.speculative.num_steps, config.speculative.num_draft_tokens = 3, 4
     config.speculative.draft_max_loras = 1
     config.speculative.draft_max_lora_rank = 8
-    engine = Engine(config, ModelRunner(config))
+    engine = Engine(config, ModelRunner(config), decoder_factory=build_decoder)
     engine.refresh_adapters()
     if draft_adapter is not None:
         engine.decoder.drafter.lora.load("sql", draft_adapter)

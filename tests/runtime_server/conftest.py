@@ -18,9 +18,9 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.dev.devmodels import DemoAssets, build_adapter, ensure_demo_assets
-from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 

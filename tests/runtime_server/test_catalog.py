@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest, encode_catalog
-from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import ADAPTER_FILES, SourceSettings
 from loraserve.runtime.server import STATE, build_app
 

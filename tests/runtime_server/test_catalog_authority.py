@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
-from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings, adapter_digest
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 

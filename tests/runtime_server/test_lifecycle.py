@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.dev.demo import free_port
-from loraserve.runtime.engine.factory import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 

@@ -28,7 +28,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loraserve.runtime.engine.factory import build_engine
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import STATE, build_app, wait_until_ready
 from loraserve.runtime.server.limits import EVICT_IDLE_S, PROBE_RESERVE, FrontDoor, Limits

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loraserve.runtime.engine.factory import build_engine
+from loraserve.runtime.builder import build_engine
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 from loraserve.runtime.server import STATE, build_app, wait_until_ready

@@ -200,8 +200,9 @@ def run_engine(config: RuntimeConfig, runner, requests, *, timeout_s: float = 30
 
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
+    from loraserve.runtime.speculative import build_decoder
 
-    engine = Engine(config, runner)
+    engine = Engine(config, runner, decoder_factory=build_decoder)
     outputs: dict[str, Finished] = {}
     collected: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
     pending = set(collected)

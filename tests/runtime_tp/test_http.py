@@ -15,6 +15,7 @@ from loraserve.runtime.engine import Engine
 from loraserve.runtime.executor.launch import build_target_runner, shutdown_tensor_parallel
 from loraserve.runtime.lora.sources import SourceSettings
 from loraserve.runtime.server import build_app, wait_until_ready
+from loraserve.runtime.speculative import build_decoder
 from loraserve.runtime.tokenizer import Tokenizer
 
 from .conftest import TEST_OPTIONS, tp_config
@@ -27,7 +28,7 @@ async def _serve_and_ask(config, tmp_path, late_adapter) -> dict:
     def factory(metrics):
         runner = build_target_runner(config, options=TEST_OPTIONS, exit_on_failure=False)
         tokenizer = Tokenizer.load(config.model.path)
-        return Engine(config, runner, tokenizer=tokenizer, observer=metrics), tokenizer
+        return Engine(config, runner, tokenizer=tokenizer, observer=metrics, decoder_factory=build_decoder), tokenizer
 
     app = build_app(config, factory, sources=SourceSettings(cache_dir=tmp_path / "cache", pvc_root=tmp_path))
     server = TestServer(app)

@@ -12,6 +12,7 @@ import torch
 from loraserve.runtime.engine import Engine, EngineObserver, Request
 from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import SamplingParams
+from loraserve.runtime.speculative import build_decoder
 
 from .conftest import tp_config, tp_group
 
@@ -43,7 +44,7 @@ def _waves():
 
 def _serve(config, runner, waves) -> tuple[dict[str, list[int]], int]:
     hits = _Hits()
-    engine = Engine(config, runner, observer=hits)
+    engine = Engine(config, runner, observer=hits, decoder_factory=build_decoder)
     engine.start()
     out: dict[str, list[int]] = {}
     try:

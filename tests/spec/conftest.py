@@ -215,9 +215,10 @@ def run_engine(
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
     from loraserve.runtime.runner.model_runner import ModelRunner
+    from loraserve.runtime.speculative import build_decoder
 
     runner = runner or ModelRunner(config)
-    engine = Engine(config, runner, tokenizer=tokenizer)
+    engine = Engine(config, runner, tokenizer=tokenizer, decoder_factory=build_decoder)
     engine.refresh_adapters()
     if decoder_hook is not None:
         decoder_hook(engine.decoder)

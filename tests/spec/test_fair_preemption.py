@@ -47,6 +47,7 @@ def test_preempted_requests_keep_their_tokens_under_speculation(
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
     from loraserve.runtime.runner.model_runner import ModelRunner
+    from loraserve.runtime.speculative import build_decoder
 
     requests = _requests()
     plain = engine_run(make_spec_config(), [(rid, p, params, a) for rid, p, params, a, _ in requests])
@@ -54,7 +55,7 @@ def test_preempted_requests_keep_their_tokens_under_speculation(
 
     config = make_spec_config(algorithm, draft, max_running_requests=4)
     observer = Retractions()
-    engine = Engine(config, ModelRunner(config), observer=observer)
+    engine = Engine(config, ModelRunner(config), observer=observer, decoder_factory=build_decoder)
     engine.refresh_adapters()
     got: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
     done = {rid: threading.Event() for rid, *_ in requests}

@@ -19,6 +19,7 @@ import torch
 from loraserve.runtime.engine import Engine, EngineObserver, Request
 from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import SamplingParams
+from loraserve.runtime.speculative import build_decoder
 
 ADAPTERS = (None, "attn-r8", "all-r16", "mlp-r4", "emb-head")
 
@@ -62,7 +63,7 @@ def run_waves(config, waves, *, prefix_cache: bool, chat_turns: int = 0, seed: i
     config = config.copy()
     config.scheduler.prefix_cache = prefix_cache
     hits = Hits()
-    engine = Engine(config, runner or ModelRunner(config), observer=hits)
+    engine = Engine(config, runner or ModelRunner(config), observer=hits, decoder_factory=build_decoder)
     engine.start()
     outputs: dict[str, list[int]] = {}
     try:
@@ -218,7 +219,7 @@ def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec
     prompt = _tokens(gen, 40)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     hits = Hits()
-    engine = Engine(config, ModelRunner(config), observer=hits)
+    engine = Engine(config, ModelRunner(config), observer=hits, decoder_factory=build_decoder)
     engine.start()
     try:
         engine.load_adapter("tenant", spec_assets.adapters["all-r16"])
@@ -275,7 +276,7 @@ def test_metrics_report_hits_per_adapter_and_the_caches_share_of_the_pool(make_s
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     holder: dict = {}
     metrics = Metrics("tiny", snapshot=lambda: holder["engine"].snapshot)
-    engine = holder["engine"] = Engine(config, ModelRunner(config), observer=metrics)
+    engine = holder["engine"] = Engine(config, ModelRunner(config), observer=metrics, decoder_factory=build_decoder)
     engine.start()
     try:
         _run_wave(engine, [("a", [*system, 1], params, "all-r16")])
@@ -305,7 +306,7 @@ def _submit_together(config, wave, *, prefix_cache: bool):
     config = config.copy()
     config.scheduler.prefix_cache = prefix_cache
     hits = Hits()
-    engine = Engine(config, ModelRunner(config), observer=hits)
+    engine = Engine(config, ModelRunner(config), observer=hits, decoder_factory=build_decoder)
     engine.start()
     gate = threading.Event()
     held = engine.call(gate.wait)

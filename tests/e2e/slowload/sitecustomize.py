@@ -2,7 +2,7 @@
 
 The kubelet stand-in (``kubelet.py``, ``Kubelet.model_load_delay_s``) puts this directory
 on ``PYTHONPATH`` with ``LORASERVE_E2E_MODEL_LOAD_DELAY_S`` set; Python imports it at
-start-up. When the process imports ``loraserve.runtime.engine.factory``, its
+start-up. When the process imports ``loraserve.runtime.builder``, its
 ``build_engine`` is wrapped to sleep that long first, so the server listens, reads its
 catalog file and takes catalog pushes while "the model loads", as a runtime reading a large
 model from a slow volume does. Nothing in the product reads the variable; without it this
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-TARGET = "loraserve.runtime.engine.factory"
+TARGET = "loraserve.runtime.builder"
 DELAY_S = float(os.environ.get("LORASERVE_E2E_MODEL_LOAD_DELAY_S") or 0)
 
 
