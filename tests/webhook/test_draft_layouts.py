@@ -1,0 +1,56 @@
+"""Draft layouts at admission: a draft architecture the runtime does not serve is refused by
+the webhook with the reason (the same rule the runtime's start-up runs), and the published
+layouts it serves are admitted. A multi-layer EAGLE head cannot be told from its architecture:
+the start-up check refuses it from its config.json (tests/spec/test_published_drafts.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraserve.operator import webhooks
+
+PINNED = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _serve(algorithm: str, draft: str, architecture: str | None, **speculative) -> dict:
+    model = {"source": f"hf://{draft}@{PINNED}"}
+    if architecture:
+        model["architecture"] = architecture
+    return {
+        "model": {"source": f"hf://meta-llama/Llama-3.1-8B-Instruct@{PINNED}"},
+        "speculative": {"algorithm": algorithm, "draftModel": model, **speculative},
+    }
+
+
+@pytest.mark.parametrize(
+    "algorithm,draft,architecture",
+    [
+        ("EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "LlamaForCausalLMEagle3"),
+        ("EAGLE3", "AngelSlim/Qwen3-8B_eagle3", None),
+        ("DFLASH", "z-lab/Qwen3-8B-DFlash-b16", "DFlashDraftModel"),
+    ],
+)
+def test_published_layouts_are_admitted(algorithm, draft, architecture):
+    extra = {"numDraftTokens": 16} if algorithm == "DFLASH" else {}
+    verdict = webhooks.judge_serve(_serve(algorithm, draft, architecture, **extra), name="s")
+    assert verdict.allowed, verdict.problems
+
+
+@pytest.mark.parametrize(
+    "algorithm,architecture,words",
+    [
+        ("NEXTN", "DeepSeekMTPModel", ["multi-token-prediction", "single-layer"]),
+        ("EAGLE3", "Eagle3Speculator", ["speculators format", "LlamaForCausalLMEagle3"]),
+        ("DFLASH", "DSparkDraftModel", ["Markov head", "confidence head"]),
+        ("DFLASH", "DFlash2DraftModel", ["DFlash2"]),
+        ("EAGLE3", "DFlashDraftModel", ["loaded by DFLASH, not by EAGLE3"]),
+    ],
+)
+def test_unserved_layouts_are_refused_with_the_reason(algorithm, architecture, words):
+    extra = {"numDraftTokens": 16} if algorithm == "DFLASH" else {}
+    verdict = webhooks.judge_serve(_serve(algorithm, "acme/draft", architecture, **extra), name="s")
+    assert not verdict.allowed
+    problem = next((p for p in verdict.problems if architecture in p), None)
+    assert problem is not None, verdict.problems
+    assert "spec.speculative.draftModel.architecture" in problem, problem
+    assert all(w in problem for w in words), problem
