@@ -172,7 +172,12 @@ ALGORITHMS: dict[SpecAlgorithm, AlgorithmTraits] = {
         needs_draft_model=True,
         lora_static_verify=True,
         unimplemented_reason=(
-            "a DSPARK drafter and a loader for its draft checkpoints: runtime.speculative has neither"
+            "what a DSPARK draft (SpecForge's DSparkDraftModel: a DFLASH backbone plus two heads) needs beyond "
+            "the DFLASH drafter: its Markov head (markov_w1 [vocab, r] and markov_w2 [vocab, r], a bias on each "
+            "block position's logits from the token drafted before it, so a block is drafted position by "
+            "position), its confidence head (an acceptance estimate per position that cuts each request's "
+            "verify), and dynamic ragged verify (a verify width per request; target-verify here is uniform "
+            "width k, which the batch's LoRA segment layout relies on)"
         ),
     ),
     SpecAlgorithm.FROZEN_KV_MTP: AlgorithmTraits(

@@ -54,3 +54,11 @@ def test_unserved_layouts_are_refused_with_the_reason(algorithm, architecture, w
     assert problem is not None, verdict.problems
     assert "spec.speculative.draftModel.architecture" in problem, problem
     assert all(w in problem for w in words), problem
+
+
+def test_dspark_refusal_names_what_the_runtime_lacks():
+    verdict = webhooks.judge_serve(_serve("DSPARK", "acme/qwen3-8b-dspark", None), name="s")
+    problem = next((p for p in verdict.problems if "spec.speculative.algorithm" in p), None)
+    assert problem is not None, verdict.problems
+    for need in ("Markov head", "markov_w1", "confidence head", "dynamic ragged verify", "uniform width k"):
+        assert need in problem, problem
