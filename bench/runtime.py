@@ -22,7 +22,7 @@ import datetime
 import faulthandler
 import json
 import os
-import platform
+import runpy
 import statistics
 import sys
 import tempfile
@@ -37,6 +37,9 @@ from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfi
 from loraserve.runtime.model import ModelArchConfig
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
+
+# bench/harness.py, imported as bootstrap.py imports a benchmark (this file runs by its path)
+harness = runpy.run_path(str(Path(__file__).resolve().parent / "bootstrap.py"))["import_module"]("harness")
 
 PRESETS = {
     "smoke": dict(
@@ -354,18 +357,11 @@ def run_size(size: str, args, backend: str, graphs: bool, notes: list[str]) -> l
 
 
 def _header(args, device: torch.device, backend: str, triton_note: str, argv) -> list[str]:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
     command = " ".join(["python", "bench/runtime.py", *(argv if argv is not None else sys.argv[1:])])
     return [
         f"# Runtime decode throughput: base vs {args.adapters} LoRA adapters\n",
         f"Date: {datetime.date.today().isoformat()}  ",
-        f"Device: {gpu}; torch {torch.__version__}; triton {triton_version}; Python {platform.python_version()}  ",
+        f"{harness.environment_line(harness.environment(device))}  ",
         f"Setup: {args.dtype}, random Llama-shaped weights, prompt {args.prompt_len} tokens, "
         f"{args.steps} timed decode steps x {args.repeats} (median) through ModelRunner.forward, "
         f"rank-{args.rank} adapters (pool rank {args.max_lora_rank}) on {', '.join(DEFAULT_LORA_MODULES)}, "
@@ -382,9 +378,8 @@ def _write_report(args, header: list[str], rows: list[str], notes: list[str], fi
     report = "\n".join([*header, *rows, "", *(f"- {n}" for n in notes)]) + "\n"
     if final:
         print(report, flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    record = {"env": harness.environment(), "argv": sys.argv[1:], "rows": rows, "notes": notes}
+    harness.write_report(report, record, out=args.out, json_to=None, name="runtime")
 
 
 if __name__ == "__main__":

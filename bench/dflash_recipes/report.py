@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import platform
-
-import torch
-
 from loraserve.runtime.tools.distill.dflash_train import format_walk_by_context
 
+from ..harness import environment, environment_line
 from ..speculative.settings import Settings as SpecSettings
 
 
@@ -23,11 +20,10 @@ def _by_context(r: dict) -> str:
 def report(record: dict, spec: SpecSettings) -> str:
     """Markdown for ``record`` (``study.main``'s): the device, the shared setup, each recipe's draft."""
     setup = record["setup"]
-    device = torch.cuda.get_device_name() if spec.device.type == "cuda" else f"CPU ({platform.processor() or 'unknown'})"
     lines = [
         "# DFLASH draft recipes",
         "",
-        f"- Device: {device}; torch {torch.__version__}, Python {platform.python_version()}.",
+        f"- {environment_line(environment(spec.device))}.",
         f"- Target: {spec.small_shape} trained {setup['target'].get('steps')} steps"
         f" (final loss {setup['target'].get('final_loss')}); teacher continuations"
         f" {setup['teacher']['teacher_sequences']} in {setup['teacher']['teacher_seconds']} s.",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -13,8 +12,8 @@ from loraserve.runtime.dev.devmodels import write_tokenizer
 from loraserve.runtime.tools.distill.dflash_recipe import Recipe
 from loraserve.runtime.tools.distill.dflash_train import heldout_windows
 
+from ..harness import log, write_report
 from ..speculative.distillation import TeacherData, teacher_continuations
-from ..speculative.log import log
 from ..speculative.models import load_corpus, train_dflash_draft, train_target
 from . import cli
 from .report import report
@@ -74,9 +73,5 @@ def train_recipe(
 def _write(s: cli.Settings, record: dict) -> str:
     """The report of ``record`` so far, written to ``--out`` (and its JSON) when given."""
     text = report(record, s.spec)
-    if s.out:
-        Path(s.out).write_text(text)
-    json_path = s.json or (str(Path(s.out).with_suffix(".json")) if s.out else None)
-    if json_path:
-        Path(json_path).write_text(json.dumps(record, indent=1))
+    write_report(text, record, out=s.out, json_to=s.json, name="dflash_recipes")
     return text

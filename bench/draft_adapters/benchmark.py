@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from ..harness import log
 from ..speculative.checks import eagle_check, expansion_check
-from ..speculative.log import log
 from ..speculative.models import TrainedModels, train_models
 from ..speculative.serving import Serving
 from ..speculative.workloads import prompt_pool

@@ -38,7 +38,7 @@ from loraserve.runtime.tools.distill.models import LoraSettings
 from loraserve.runtime.tools.distill.train import TrainSettings
 from loraserve.runtime.tools.distill_draft import DistillOptions, distill
 
-from ..speculative.log import log
+from ..harness import log
 from .task_adapters import TaskAdapter
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..harness import log
 from ..speculative.identity import gap_of, identity_by_kind
-from ..speculative.log import log
 from ..speculative.measure import spec_summary
 from ..speculative.serving import Serving
 from ..speculative.workloads import RunResult, Workload, run_workload

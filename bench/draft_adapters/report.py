@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-import platform
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
+from .. import harness
+from ..harness import environment, environment_line
 from ..speculative.shapes import SHAPES
 from .cli import Settings
 from .measure import MIXED, KindResult
@@ -34,16 +31,7 @@ class Record:
 def write_report(s: Settings, record: Record) -> str:
     """The report as it stands, written to ``--out`` (and the JSON to ``--json``, or beside it)."""
     text = "\n".join(report_lines(s, record)) + "\n"
-    json_path = (
-        Path(s.args.json) if s.args.json else Path(s.args.out).with_suffix(".json") if s.args.out else None
-    )
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(json_record(s, record), indent=1, default=str))
-    if s.args.out:
-        out = Path(s.args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+    harness.write_report(text, json_record(s, record), out=s.args.out, json_to=s.args.json, name="draft_adapters")
     return text
 
 
@@ -78,18 +66,13 @@ def report_lines(s: Settings, record: Record) -> list[str]:
 
 def _setup_lines(s: Settings, setup: dict) -> list[str]:
     spec = s.spec
-    gpu = (
-        torch.cuda.get_device_name(spec.device)
-        if spec.device.type == "cuda"
-        else platform.processor() or "cpu"
-    )
     argv = s.argv if s.argv is not None else sys.argv[1:]
     target, draft = setup.get("target", {}), setup.get("draft", {})
     lines = [
         f"# Draft adapters: accept length of adapted requests with the shared draft and with their own"
         f" ({datetime.date.today().isoformat()})",
         "",
-        f"- device: {gpu}; torch {torch.__version__}; python {platform.python_version()}",
+        f"- {environment_line(environment(spec.device))}",
         f"- command: `python bench/draft_adapters {' '.join(argv)}`",
     ]
     if "params" in setup:

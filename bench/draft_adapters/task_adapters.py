@@ -19,7 +19,7 @@ import torch
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES
 from loraserve.runtime.tools.distill.train import lr_scale, progress
 
-from ..speculative.log import log
+from ..harness import log
 from .answers import AnswerSettings, write_answers
 from .corpora import TaskCorpus
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..speculative.log import log
+from ..harness import log
 
 
 class PhaseClock:

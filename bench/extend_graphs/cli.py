@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
 
 from bench.runtime import PRESETS, write_model_config, write_random_adapter
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
@@ -18,6 +14,7 @@ from loraserve.runtime.model import load_arch_config
 from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 from loraserve.runtime.runner.model_runner import ModelRunner, resolve_device
 
+from ..harness import add_output_args, environment, write_report
 from .measure import ExtendBench, Row, cache_system_prompts
 
 HEADER = [
@@ -47,8 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", default=None, help="write the markdown report here")
-    p.add_argument("--json", default=None, help="write the rows here")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.size, args.device, args.dtype = "smoke", "cpu", "float32"
@@ -97,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     device = resolve_device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    name = environment(device)["gpu"]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_config(Path(tmp) / "model", args.size)
@@ -130,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     text = "\n".join(lines) + "\n"
     print(lines[-1])
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    record = {"env": environment(device), "rows": [asdict(r) for r in rows]}
+    write_report(text, record, out=args.out, json_to=args.json, name="extend_graphs")
     return 0

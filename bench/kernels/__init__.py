@@ -16,7 +16,7 @@ Phases, in one process:
   5. a few alternative launch configurations on key shapes (tuning record).
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
-``bench/results``) and prints a short table last.
+``.cache/bench/kernels``) and prints a short table last.
 
     python bench/kernels               # on a CUDA machine
     TRITON_INTERPRET=1 python bench/kernels --tiny   # CPU dry run of every code path

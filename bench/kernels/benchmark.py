@@ -17,6 +17,7 @@ import torch
 
 from loraserve.kernels.triton_ops.fused import barrier_timeouts
 
+from ..harness import environment
 from . import cli
 from .correctness import correctness, pipeline_checks, rank_checks
 from .gemm import bench_gemm
@@ -114,15 +115,7 @@ def start(args: argparse.Namespace) -> Run:
     t0 = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
-    import triton
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
+    env = {**environment(device), "command": " ".join([Path(sys.executable).name, *sys.argv])}
     l2_bytes = 60 * 2**20
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .checkout import ROOT
+from ..harness import ARTIFACTS
 
 DESCRIPTION = "LoRA kernel benchmark on Llama-3-8B shapes: correctness first, then timings."
 
@@ -13,7 +13,9 @@ DESCRIPTION = "LoRA kernel benchmark on Llama-3-8B shapes: correctness first, th
 def build_parser() -> argparse.ArgumentParser:
     """Every option of the benchmark."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
-    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT", str(ARTIFACTS / "kernels")), help="folder for kernels.md and .json"
+    )
     parser.add_argument("--tiny", action="store_true", help="small shapes: a CPU dry run of every path")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     parser.add_argument("--reps", type=int, default=25)

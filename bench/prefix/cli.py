@@ -16,6 +16,7 @@ from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfi
 from loraserve.runtime.engine import Engine
 from loraserve.runtime.runner.model_runner import ModelRunner
 
+from ..harness import add_output_args, environment, write_report
 from .driver import HitCounter, RunResult, run_sessions
 from .report import HEADER, row, summary, workload_label
 from .workloads import WORKLOADS, Shape, adapter_names, with_think_time
@@ -44,8 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the scheduler's admission deferral (default: the runtime's); 0 admits at once",
     )
-    p.add_argument("--out", default=None, help="write the markdown report here")
-    p.add_argument("--json", default=None, help="write the summaries here")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.size, args.device, args.dtype = "smoke", "cpu", "float32"
@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 summaries.append(summary(label, off, on))
                 print(lines[-2], lines[-1], sep="\n", flush=True)
     text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summaries, indent=1))
+    write_report(text, {"env": environment(args.device), "workloads": summaries}, out=args.out, json_to=args.json,
+                 name="prefix")  # fmt: skip
     print(json.dumps(summaries))
     return 0

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
+from ..harness import log
 from . import cli
 from .checks import check_notes, check_serving
 from .concurrency import Results, measure_level
 from .decoders import build_decoders
-from .log import log
 from .measure import MeasureOptions
 from .models import train_models
-from .report import write_report
+from .report import write_run_report
 from .serving import build_serving
 from .settings import Settings
 from .workloads import prompt_pool
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"CHECK FAILED: {note}")
     for c in s.concurrency:
         if measure_level(c, s.k_sweep, serving, decoders, pool, opts, results):
-            write_report(s, trained, serving.target_params, check, results)
-    print(write_report(s, trained, serving.target_params, check, results))
+            write_run_report(s, trained, serving.target_params, check, results)
+    print(write_run_report(s, trained, serving.target_params, check, results))
     log(f"total {time.monotonic() - started:.0f} s")
     return verdict(s, results)
 

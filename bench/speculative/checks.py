@@ -10,8 +10,8 @@ from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.tools.distill.eagle_head import EagleHead
 from loraserve.runtime.tools.distill.eagle_train import target_features
 
+from ..harness import log
 from .dflash_check import dflash_check
-from .log import log
 from .models import TrainedModels
 from .serving import Serving
 from .settings import Settings

@@ -6,6 +6,7 @@ import argparse
 
 from loraserve.runtime.tools.distill import dflash_recipe
 
+from ..harness import add_output_args
 from .settings import Settings, settings_from
 
 DESCRIPTION = "Speculative decoding throughput: tokens/s with and without a draft, 4 adapters in the mix."
@@ -54,7 +55,7 @@ def parse(argv: list[str] | None = None) -> Settings:
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
     """The run itself: where results go, the models' shapes and training times, the workload."""
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, short training")
-    ap.add_argument("--out", default=None, help="markdown results file")
+    add_output_args(ap)
     ap.add_argument("--target-shape", default=None, help="8b (default on GPU) or trained")
     ap.add_argument("--k", type=int, default=None, help="num_draft_tokens (default 6; smoke 4)")
     ap.add_argument("--train-target-s", type=float, default=None)

@@ -9,8 +9,8 @@ import torch
 
 from loraserve.runtime.speculative import build_decoder
 
+from ..harness import log
 from .decoders import Decoders
-from .log import log
 from .measure import MeasureOptions, Row, measure_plain, measure_spec, plain_floor
 from .serving import Serving
 from .workloads import RunResult, Workload

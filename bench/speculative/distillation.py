@@ -10,8 +10,8 @@ import torch
 
 from loraserve.runtime.tools.distill.corpus import teacher_sequences
 
+from ..harness import log
 from .corpus import tokenize, unseen_code_files
-from .log import log
 from .training import train_lm
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from loraserve.runtime.runner.model_runner import ModelRunner
 
+from ..harness import log
 from .identity import gap_of, identity_by_kind
-from .log import log
 from .phases.run import phases_run
 from .profiling import profile_run
 from .settings import Settings

@@ -23,9 +23,9 @@ from loraserve.runtime.tools.distill.dflash_train import (
 from loraserve.runtime.tools.distill.eagle_head import EagleHead
 from loraserve.runtime.tools.distill.eagle_train import EagleTraining, eagle_heldout_top1, train_eagle_head
 
+from ..harness import log
 from .corpus import corpus_files, tokenize
 from .distillation import TeacherData, teacher_continuations, train_standalone
-from .log import log
 from .settings import Settings
 from .training import save_hf, train_lm
 

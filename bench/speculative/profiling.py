@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .log import log
+from ..harness import log
 from .workloads import make_workload, run_workload
 
 if TYPE_CHECKING:

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import json
-import platform
 import sys
-from pathlib import Path
-
-import torch
 
 from loraserve.runtime.speculative.metrics import context_bucket_start
 from loraserve.runtime.tools.distill.dflash_train import format_walk_by_context
 
+from ..harness import environment, environment_line, write_report
 from .concurrency import Results
 from .measure import Row
 from .models import TrainedModels
@@ -20,7 +16,7 @@ from .settings import Settings
 from .shapes import SHAPES
 
 
-def write_report(
+def write_run_report(
     s: Settings, trained: TrainedModels, target_params: int, check: dict, results: Results
 ) -> str:
     """The report as it stands; with ``--out``, also written there (markdown) and beside it
@@ -28,13 +24,10 @@ def write_report(
     a run cut short keeps what it measured."""
     lines = report_lines(s, target_params, trained.target_info, trained.infos, check, results)
     text = "\n".join(lines) + "\n"
-    if s.args.out:
-        meta = {"target": trained.target_info, "drafts": trained.infos, "k": s.k, "check": check,
-                "argv": s.argv or sys.argv[1:]}  # fmt: skip
-        out = Path(s.args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({**results.details, "setup": meta}, indent=1))
-        out.write_text(text)
+    meta = {"target": trained.target_info, "drafts": trained.infos, "k": s.k, "check": check,
+            "argv": s.argv or sys.argv[1:], "env": environment(s.device)}  # fmt: skip
+    record = {**results.details, "setup": meta}
+    write_report(text, record, out=s.args.out, json_to=s.args.json, name="speculative")
     return text
 
 
@@ -60,21 +53,12 @@ def report_lines(
 def _setup_lines(s: Settings, target_params: int, t_info: dict, check: dict) -> list[str]:
     """Title, software, the command and the serving and trained targets."""
     device = s.device
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except ImportError:
-        triton_v = "absent"
-    import transformers
-
+    env = environment(device)
     argv = s.argv if s.argv is not None else sys.argv[1:]
     return [
         f"# Speculative decoding with co-batched LoRA adapters ({datetime.date.today().isoformat()})",
         "",
-        f"- device: {gpu}; torch {torch.__version__}; triton {triton_v}; transformers {transformers.__version__};"
-        f" python {platform.python_version()}",
+        f"- {environment_line(env)}",
         f"- command: `python bench/speculative {' '.join(argv)}`",
         f"- serving target: {s.target_shape} shape, {target_params / 1e9:.2f} B parameters,"
         f" {'bf16, CUDA graphs on' if device.type == 'cuda' else 'float32, no CUDA graphs'};"

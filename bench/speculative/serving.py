@@ -13,9 +13,9 @@ from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.tools.distill.dflash_draft import dflash_config, save_dflash
 from loraserve.runtime.tools.distill.eagle_head import eagle_config, save_eagle_head
 
+from ..harness import log
 from .adapters import write_adapter
 from .expansion import expand_dflash, expand_eagle_head, expand_into
-from .log import log
 from .models import TrainedModels
 from .settings import Settings
 from .shapes import SHAPES, llama_config

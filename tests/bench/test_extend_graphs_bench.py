@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -31,7 +33,9 @@ def test_extend_graphs_bench_smoke(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(js.read_text())
+    record = json.loads(js.read_text())
+    assert record["env"]["torch"] == torch.__version__ and record["env"]["gpu"].startswith("cpu")
+    rows = record["rows"]
     assert [(r["requests"], r["shape"]) for r in rows] == [(1, [16, 1]), (2, [16, 2]), (4, [16, 4])]
     assert all(r["rel_err"] < 1e-5 and r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in rows)
     text = out.read_text()

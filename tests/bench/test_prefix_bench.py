@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +23,9 @@ def test_prefix_bench_smoke(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summaries = {s["workload"]: s for s in json.loads(js.read_text())}
+    record = json.loads(js.read_text())
+    assert record["env"]["torch"] == torch.__version__ and record["env"]["gpu"].startswith("cpu")
+    summaries = {s["workload"]: s for s in record["workloads"]}
     names = ("system-prompts", "chat-replay", "no-shared-prefix")
     assert set(summaries) == {*names, *(f"{n}, think 0.02 s" for n in names)}
     for s in summaries.values():

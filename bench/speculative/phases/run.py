@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..log import log
+from ...harness import log
 from ..workloads import make_workload, run_workload
 from . import trace
 from .recorder import PhaseRecorder
