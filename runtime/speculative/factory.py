@@ -16,22 +16,11 @@ from ..contract.config import RuntimeConfig, SpecAlgorithm
 from ..model.arch import ModelConfigError
 from ..sampling import Sampler
 from .decoder import SpeculativeDecoder
-from .draft_config import SpeculativeConfigError, build_draft_config, validate_speculative
+from .draft_config import SpeculativeConfigError, build_draft_config, check_speculative
 from .drafter import Drafter
 from .tree import TreeShape
 
-_LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
 log = logging.getLogger("loraserve.spec")
-
-
-def _check_load_format(fmt: str) -> None:
-    if fmt not in _LOAD_FORMATS:
-        raise SpeculativeConfigError(
-            "speculative.draft_load_format",
-            f"speculative.draft_load_format {fmt!r} cannot be loaded: use 'auto' or 'safetensors' "
-            "(pickle 'pt' weights are refused: loading one can run arbitrary code), or 'dummy' for random weights",
-        )
 
 
 def _vocabulary(model_dir: Path) -> tuple | None:
@@ -57,13 +46,14 @@ def _check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
 
 def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Drafter, SpecAlgorithm]:
     """The drafter for ``config.speculative`` next to the target ``runner``, and the algorithm it runs."""
-    algorithm = validate_speculative(config.speculative)
+    effective = check_speculative(config)  # NEXTN as EAGLE, with its draft path
+    requested, config = SpecAlgorithm(config.speculative.algorithm), effective
     spec = config.speculative
+    algorithm = SpecAlgorithm(spec.algorithm)
     if algorithm is SpecAlgorithm.NGRAM:
         from .ngram_drafter import NgramDrafter
 
         return NgramDrafter(spec.ngram_min, spec.ngram_max, device=runner.device), algorithm
-    _check_load_format(spec.draft_load_format)
     draft_config = build_draft_config(config, context_length=runner.context_len)
     # The draft holds at most as many tokens as the target at its verify peak.
     draft_config.scheduler.max_total_tokens = runner.kv.capacity
@@ -86,7 +76,6 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler) -> tuple[Draf
     from .eagle_drafter import EagleDrafter
     from .eagle_runner import EagleDraftRunner
 
-    requested = SpecAlgorithm(spec.algorithm)
     try:
         draft_runner = EagleDraftRunner(
             **_head_runner_args(config, runner),

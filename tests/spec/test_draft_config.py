@@ -8,13 +8,16 @@ import pytest
 
 from loraserve.runtime.contract.capabilities import CAPABILITIES, Capabilities
 from loraserve.runtime.contract.config import RaggedVerify, RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.contract.policy import check_config
+from loraserve.runtime.contract.policy import check_config, resolve_speculative
 from loraserve.runtime.speculative.draft_config import (
     SpeculativeConfigError,
     build_draft_config,
-    resolve_algorithm,
-    validate_speculative,
+    check_speculative,
 )
+
+
+def resolve_algorithm(requested, architecture=None):
+    return resolve_speculative(requested, architecture)[0]
 
 
 def _target() -> RuntimeConfig:
@@ -70,7 +73,7 @@ def test_ngram_needs_no_draft_path():
     target = _target()
     target.speculative.algorithm = SpecAlgorithm.NGRAM
     target.speculative.draft_model_path = None
-    assert validate_speculative(target.speculative) is SpecAlgorithm.NGRAM
+    assert check_speculative(target).speculative.algorithm is SpecAlgorithm.NGRAM
 
 
 def test_nextn_resolves_to_eagle():
@@ -87,20 +90,20 @@ def test_gemma4_assistant_draft_resolves_as_the_policy_does(requested):
     target.speculative.draft_model_architecture = "Gemma4AssistantForCausalLM"
     assert resolve_algorithm(requested, "Gemma4AssistantForCausalLM") is SpecAlgorithm.FROZEN_KV_MTP
     with pytest.raises(SpeculativeConfigError, match="FROZEN_KV_MTP") as err:
-        validate_speculative(target.speculative)
+        check_speculative(target)
     assert err.value.field == "speculative.algorithm"
-    assert f"{requested.value} resolves to it" in str(err.value)
+    assert f"{requested.value} with the Gemma-4 assistant draft" in str(err.value)
     assert "algorithm-unavailable" in check_config(target).rules()
 
 
 def test_runnable_algorithms_come_from_the_capability_table():
     """Flipping an algorithm in the image's capabilities is what lets the decoder run it."""
     target = _target()
-    assert validate_speculative(target.speculative, CAPABILITIES) is SpecAlgorithm.EAGLE3
+    assert check_speculative(target, CAPABILITIES).speculative.algorithm is SpecAlgorithm.EAGLE3
     without = Capabilities(algorithms=CAPABILITIES.algorithms - {SpecAlgorithm.EAGLE3})
-    with pytest.raises(SpeculativeConfigError, match="EAGLE3 is not implemented") as err:
-        validate_speculative(target.speculative, without)
-    assert "EAGLE3" not in str(err.value).split("use one of")[1]
+    with pytest.raises(SpeculativeConfigError, match="algorithm EAGLE3; this image implements") as err:
+        check_speculative(target, without)
+    assert "EAGLE3" not in str(err.value).split("this image implements")[1]
 
 
 @pytest.mark.parametrize(
@@ -108,6 +111,7 @@ def test_runnable_algorithms_come_from_the_capability_table():
     [
         ({"top_k": 0}, "speculative.top_k"),
         ({"algorithm": SpecAlgorithm.NGRAM, "draft_model_path": None, "top_k": 2}, "speculative.top_k"),
+        ({"draft_load_format": "pt"}, "speculative.draft_load_format"),
         ({"num_draft_tokens": 8}, "speculative.num_draft_tokens"),
         # top_k 2 over 3 steps offers 2 + 2 * 4 = 10 candidates: 11 verified tokens at most.
         ({"top_k": 2, "num_steps": 3, "num_draft_tokens": 12}, "speculative.num_draft_tokens"),
@@ -118,7 +122,7 @@ def test_runnable_algorithms_come_from_the_capability_table():
         ({"draft_model_path": None}, "speculative.draft_model_path"),
         ({"algorithm": SpecAlgorithm.DSPARK}, "speculative.algorithm"),
         ({"algorithm": SpecAlgorithm.NONE}, "speculative.algorithm"),
-        ({"algorithm": SpecAlgorithm.NGRAM, "ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max"),
+        ({"algorithm": SpecAlgorithm.NGRAM, "ngram_min": 3, "ngram_max": 2}, "speculative.ngram_min"),
     ],
 )
 def test_bad_settings_name_the_field(change, field):
@@ -142,6 +146,6 @@ def test_tree_drafts_build_for_eagle_family_only():
     draft = build_draft_config(target)
     assert (draft.speculative.top_k, draft.speculative.num_draft_tokens) == (2, 11)
     target.speculative.algorithm, target.speculative.draft_model_path = SpecAlgorithm.NGRAM, None
-    with pytest.raises(SpeculativeConfigError, match="grows for EAGLE, EAGLE3, not NGRAM") as err:
+    with pytest.raises(SpeculativeConfigError, match="NGRAM drafts a chain, not a tree") as err:
         build_draft_config(target)
     assert err.value.field == "speculative.top_k"

@@ -5,7 +5,7 @@ graphs goes through the webhook's decision (the mutating defaults, then ``judge_
 the CRD-shaped spec) and through the runtime's start-up as a pod runs it: the flags the
 operator writes for the translated configuration, parsed by the runtime's own parser,
 ``config_from_args`` and ``cli.check`` (no model is loaded), then the decoder's own check
-(``validate_speculative``, run when the drafter is built after the model loads). Admitted
+(``check_speculative``, run when the drafter is built after the model loads). Admitted
 must equal "starts and builds its drafter". Model directories hold only a config.json.
 """
 
@@ -22,7 +22,7 @@ from loraserve.operator.desired import runtime_args
 from loraserve.operator.specs import parse_loraserve_spec
 from loraserve.operator.translate import to_runtime_config
 from loraserve.runtime import cli
-from loraserve.runtime.speculative.draft_config import SpeculativeConfigError, validate_speculative
+from loraserve.runtime.speculative.draft_config import SpeculativeConfigError, check_speculative
 
 ALGORITHMS = ("NONE", "NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "DFLASH")
 SWITCHES = ("adaptive", "autoDisable", "lora", "cudaGraphs")
@@ -80,7 +80,7 @@ def starts(spec: dict) -> list[str]:
         return reasons
     if effective.speculative.enabled:
         try:
-            validate_speculative(effective.speculative)
+            check_speculative(effective)
         except SpeculativeConfigError as exc:
             return [f"drafter: {exc}"]
     return []

@@ -26,7 +26,8 @@ The modules, one concern each:
 - ``config_warnings``: the warnings of a configuration;
 - ``sources``: where weights come from (pinned revisions, volume paths, hosts);
 - ``declarations``: what an adapter declares;
-- ``config_check`` and ``adapter``: the two checks, ``check_config`` and ``check_adapter``.
+- ``config_check`` and ``adapter``: the two checks, ``check_config`` and ``check_adapter``
+  (and ``check_speculation``, the speculative rules alone, for the draft factory).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from .bounds import (
     pinned_slot_limit,
     tree_draft_tokens_limit,
 )
-from .config_check import check_config
+from .config_check import check_config, check_speculation
 from .declarations import AdapterDeclaration, DraftAdapterDeclaration
 from .draft_adapters import (
     DRAFT_ADAPTER_ALGORITHMS,
@@ -98,6 +99,7 @@ __all__ = [
     "check_adapter",
     "check_config",
     "check_source_revision",
+    "check_speculation",
     "draft_lora_modules",
     "effective_config",
     "host_allowed",

@@ -1,7 +1,7 @@
 """What this runtime image does not implement yet (``unavailable`` findings): an algorithm,
 a tree for it, trees under tensor parallelism, dynamic ragged verify, adaptive speculation;
-judged against the image's :class:`Capabilities`. :func:`adaptive_unavailable` is also what
-the decoder's own check (``runtime.speculative.draft_config``) calls: one rule, two callers."""
+judged against the image's :class:`Capabilities`. The draft factory judges by these too
+(``check_speculation``): one rule, every caller."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The configuration check: a whole :class:`RuntimeConfig` judged by every rule, in order,
-into one :class:`Report` with its effective (resolved) form."""
+into one :class:`Report` with its effective (resolved) form; and the speculative rules
+alone, which the runtime's draft factory judges by."""
 
 from __future__ import annotations
 
@@ -35,3 +36,14 @@ def check_config(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIE
     violations += draft_lora_pool(config, effective, note)
     warnings = config_warnings(config, effective)
     return Report(tuple(violations), tuple(warnings), effective, note, config.speculative.algorithm)
+
+
+def check_speculation(config: RuntimeConfig, capabilities: Capabilities = CAPABILITIES) -> Report:
+    """The speculative rules of :func:`check_config` alone (the draft, its shape, what this
+    image implements for it): what the runtime's draft factory judges a draft by, so that
+    a configuration the start-up admits always builds its drafter."""
+    config, violations = normalized(config)
+    effective, note = effective_config(config)
+    violations += speculative(config, effective, note)
+    violations += availability(config, effective, note, capabilities)
+    return Report(tuple(violations), (), effective, note, config.speculative.algorithm)
