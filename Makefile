@@ -60,6 +60,7 @@ demo-admission: $(STAMP)
 
 test: $(STAMP) $(HELM) k8s
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
@@ -67,6 +68,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
