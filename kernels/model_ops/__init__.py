@@ -1,5 +1,5 @@
 """Fused elementwise ops of the decoder: RMSNorm, residual-add + RMSNorm, SiLU-and-multiply,
-rotary embedding.
+rotary embedding, and rotary embedding fused with the paged KV-cache write.
 
 One interface, two implementations: ``reference`` (torch, any device: the CPU path and the
 oracle) and ``triton_ops`` (one kernel each, used for CUDA tensors). Both compute exactly what
@@ -16,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["add_rms_norm", "fused_enabled", "rms_norm", "rotary", "set_fused", "silu_mul"]
+__all__ = ["add_rms_norm", "fused_enabled", "rms_norm", "rotary", "rotary_kv_write", "set_fused", "silu_mul"]
 
 _ENABLED = True
 
@@ -78,3 +78,25 @@ def rotary(
 
         return triton_ops.rotary(positions, q, k, cos, sin)
     return reference.rotary(positions, q, k, cos, sin)
+
+
+def rotary_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on ``q [T, H, D]`` and ``k [T, KH, D]``, then the rotated keys and ``v`` (``[T, KH,
+    D]`` or ``[T, KH * D]``) written to rows ``slots [T]`` of the paged caches ``[S, KH, D]``
+    in the caches' dtype; returns the rotated queries. One kernel on CUDA (static shapes:
+    CUDA-graph safe); the cached keys are exactly :func:`rotary`'s."""
+    if _use_triton(q, k, v, cos, sin, k_cache, v_cache):
+        from . import triton_ops
+
+        return triton_ops.rotary_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+    return reference.rotary_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots)

@@ -36,6 +36,26 @@ def rotary(
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
+def rotary_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on ``q`` and ``k``, the rotated keys and the values written to rows ``slots`` of
+    the caches (in the caches' dtype); returns the rotated queries."""
+    q_rot, k_rot = rotary(positions, q, k, cos, sin)
+    tokens = k.shape[0]
+    k_cache.index_copy_(0, slots, k_rot.reshape(tokens, *k_cache.shape[1:]).to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.reshape(tokens, *v_cache.shape[1:]).to(v_cache.dtype))
+    return q_rot
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -124,6 +124,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty: tl.constexpr):
+    """The two rotated halves in ``ty``: each product and the sum rounded to the dtype, as
+    torch's ``x * cos + rotated * sin``."""
+    out_lo = ((lo * cos_lo).to(ty).to(tl.float32) + (-hi * sin_lo).to(ty).to(tl.float32)).to(ty)
+    out_hi = ((hi * cos_hi).to(ty).to(tl.float32) + (lo * sin_hi).to(ty).to(tl.float32)).to(ty)
+    return out_lo, out_hi
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, src_ptr, dst_ptr, cos_ptr, sin_ptr, src_t, src_h, dst_t, dst_h, table_stride,
     HALF: tl.constexpr, BLOCK: tl.constexpr,
@@ -141,10 +150,7 @@ def _rotary_kernel(
     cos_hi = tl.load(cos_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    ty = dst_ptr.dtype.element_ty
-    # Each product and the sum rounded to the dtype, as torch's ``x * cos + rotated * sin``.
-    out_lo = ((lo * cos_lo).to(ty).to(tl.float32) + (-hi * sin_lo).to(ty).to(tl.float32)).to(ty)
-    out_hi = ((hi * cos_hi).to(ty).to(tl.float32) + (lo * sin_hi).to(ty).to(tl.float32)).to(ty)
+    out_lo, out_hi = _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, dst_ptr.dtype.element_ty)
     dst = dst_ptr + token * dst_t + head * dst_h
     tl.store(dst + cols, out_lo, mask=mask)
     tl.store(dst + HALF + cols, out_hi, mask=mask)
@@ -172,3 +178,85 @@ def rotary(
         raise ValueError(f"rotary: head_dim {q.shape[-1]} must be even and match the tables' {cos.shape[-1]}")
     positions = positions.contiguous()
     return _rotate(positions, q, cos, sin), _rotate(positions, k, cos, sin)
+
+
+@triton.jit
+def _rotary_kv_write_kernel(
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
+    q_t, q_h, k_t, k_h, v_t, v_h, qo_t, qo_h, kc_s, kc_h, vc_s, vc_h, table_stride,
+    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (token, head): heads below ``HEADS`` rotate a query head into ``qo``; the rest
+    rotate key head ``head - HEADS`` into the key cache and copy its value head."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    row = tl.load(pos_ptr + token).to(tl.int64) * table_stride
+    cos_lo = tl.load(cos_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    ty = qo_ptr.dtype.element_ty  # the rotation's dtype, as the reference computes it
+    if head < HEADS:
+        src = q_ptr + token * q_t + head.to(tl.int64) * q_h
+        lo = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        out_lo, out_hi = _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
+        dst = qo_ptr + token * qo_t + head.to(tl.int64) * qo_h
+        tl.store(dst + cols, out_lo, mask=mask)
+        tl.store(dst + HALF + cols, out_hi, mask=mask)
+    else:
+        kv = (head - HEADS).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        src = k_ptr + token * k_t + kv * k_h
+        lo = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        out_lo, out_hi = _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
+        cache_ty = kc_ptr.dtype.element_ty
+        dst = kc_ptr + slot * kc_s + kv * kc_h
+        tl.store(dst + cols, out_lo.to(cache_ty), mask=mask)
+        tl.store(dst + HALF + cols, out_hi.to(cache_ty), mask=mask)
+        vsrc = v_ptr + token * v_t + kv * v_h
+        vdst = vc_ptr + slot * vc_s + kv * vc_h
+        value_ty = vc_ptr.dtype.element_ty
+        tl.store(vdst + cols, tl.load(vsrc + cols, mask=mask, other=0.0).to(value_ty), mask=mask)
+        tl.store(vdst + HALF + cols, tl.load(vsrc + HALF + cols, mask=mask, other=0.0).to(value_ty), mask=mask)
+
+
+def rotary_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`loraserve.kernels.model_ops.rotary_kv_write`."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim % 2 or cos.shape[-1] != dim or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rotary_kv_write: head_dim {dim} must be even and match the tables' {cos.shape[-1]}")
+    if k_cache.shape[1:] != (kv_heads, dim) or v_cache.shape[1:] != (kv_heads, dim):
+        raise ValueError(
+            f"rotary_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
+            f"[slots, {kv_heads}, {dim}] rows"
+        )
+    v = v.reshape(tokens, kv_heads, dim)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("rotary_kv_write: the caches' head_dim must be contiguous")
+    out = torch.empty((tokens, heads, dim), dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
+    if tokens and heads + kv_heads:
+        half = dim // 2
+        _rotary_kv_write_kernel[(tokens, heads + kv_heads)](
+            positions.contiguous(), slots.contiguous(), q, k, v, out, k_cache, v_cache, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+            HEADS=heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        )  # fmt: skip
+    return out

@@ -123,9 +123,24 @@ class LlamaAttention(nn.Module):
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(meta.positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, k_cache, v_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(self.rope_and_attend(q, k, v, meta, k_cache, v_cache))
+
+    def rope_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary on ``q [T, H, D]`` and ``k [T, KH, D]``, the rotated keys and ``v`` written
+        to the cache slots ``meta.out_cache_loc`` (one kernel on CUDA), then attention over
+        each request's context; ``[T, H * D]``."""
+        tokens = q.shape[0]
+        cos, sin = self.rotary.cos, self.rotary.sin
+        q = model_ops.rotary_kv_write(meta.positions, q, k, v, cos, sin, k_cache, v_cache, meta.out_cache_loc)
+        return self.attn(q.reshape(tokens, -1), k, v, k_cache, v_cache, meta, kv_written=True)
 
 
 class LlamaMLP(nn.Module):

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.kernels import model_ops
+
 from ..model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
 from ..model.llama import (
     LlamaAttention,
@@ -53,13 +55,18 @@ class DFlashAttention(LlamaAttention):
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(meta.positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, k_cache, v_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(self.rope_and_attend(q, k, v, meta, k_cache, v_cache))
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[n, kv_heads, head_dim]`` (normed, rotated to ``positions``) and values of
-        projected context rows. Only the k/v rows of the fused weight run: context
+    def write_context_kv(
+        self,
+        context: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Keys (normed, rotated to ``positions``) and values of projected context rows,
+        written to cache ``slots``. Only the k/v rows of the fused weight run: context
         positions are never queries."""
         n = context.shape[0]
         start = self.q_size
@@ -67,9 +74,9 @@ class DFlashAttention(LlamaAttention):
         bias = self.qkv_proj.bias[start:] if self.qkv_proj.bias is not None else None
         k, v = F.linear(context, weight, bias).split((self.kv_size, self.kv_size), dim=-1)
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        # The rotary table rotates queries and keys together: an empty query set costs nothing.
-        _, k = self.rotary(positions, k[:, :0], k)
-        return k, v.reshape(n, self.num_kv_heads, self.head_dim)
+        # The rotary write rotates queries and keys together: an empty query set costs nothing.
+        cos, sin = self.rotary.cos, self.rotary.sin
+        model_ops.rotary_kv_write(positions, k[:, :0], k, v, cos, sin, k_cache, v_cache, slots)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -154,9 +161,7 @@ class DFlashDraftModel(nn.Module):
         ``positions``) into cache ``slots``."""
         context = self.project(features)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            k, v = layer.self_attn.context_kv(context, positions)
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            layer.self_attn.write_context_kv(context, positions, slots, k_cache, v_cache)
 
     def forward(
         self,

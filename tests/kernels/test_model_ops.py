@@ -125,3 +125,58 @@ def test_rotary(device, dtype, head_dim):
     k64 = k.double()
     ref64 = k64 * c64 + torch.cat((-k64[..., half:], k64[..., :half]), dim=-1) * s64
     assert _rel(k_out, ref64) < {torch.float32: 1e-6}.get(dtype, 2e-2)
+
+
+def _rope64(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE in float64 of ``[T, heads, D]`` rows (half-split layout)."""
+    c = torch.cat([angles.cos()] * 2, dim=-1).double().to(x.device)[positions].unsqueeze(1)
+    s = torch.cat([angles.sin()] * 2, dim=-1).double().to(x.device)[positions].unsqueeze(1)
+    half = x.shape[-1] // 2
+    x = x.double()
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+)
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_rotary_kv_write(device, dtype, cache_dtype, head_dim):
+    """Rotated queries returned, rotated keys and values written at the slots (views of one
+    fused projection, slots in any order), every other cache row untouched."""
+    gen = torch.Generator().manual_seed(head_dim + 7)
+    tokens, heads, kv_heads, table, capacity = 9, 4, 2, 50, 20
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    angles = torch.rand(table, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device, dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device, dtype)
+    positions = torch.randint(0, table, (tokens,), generator=gen).to(device)
+    slots = (torch.randperm(capacity - 1, generator=gen)[:tokens] + 1).to(device)
+    caches = torch.randn(2, capacity, kv_heads, head_dim, generator=gen).to(device, cache_dtype)
+    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+    k_ref, v_ref = caches[0].clone(), caches[1].clone()
+    q_out = triton_ops.rotary_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+    q_ref = reference.rotary_kv_write(positions, q, k, v, cos, sin, k_ref, v_ref, slots)
+    for out, ref in ((q_out, q_ref), (k_cache, k_ref)):
+        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert (out.float() - ref.float()).abs().max().item() <= 2 * ulp
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+    others = torch.ones(capacity, dtype=torch.bool, device=device)
+    others[slots] = False
+    torch.testing.assert_close(k_cache[others], caches[0][others], rtol=0, atol=0)
+    tol = {torch.float32: 1e-6}.get(dtype, 2e-2)
+    assert _rel(q_out, _rope64(q, angles, positions)) < tol
+    assert _rel(k_cache[slots], _rope64(k, angles, positions)) < tol
+
+
+def test_rotary_kv_write_checks_the_caches(device):
+    q, k = torch.randn(2, 4, 8, device=device), torch.randn(2, 2, 8, device=device)
+    table = torch.randn(10, 8, device=device)
+    slots = torch.tensor([1, 2], device=device)
+    with pytest.raises(ValueError, match="do not hold"):
+        triton_ops.rotary_kv_write(
+            torch.zeros(2, dtype=torch.int64, device=device), q, k, k, table, table,
+            torch.zeros(5, 4, 8, device=device), torch.zeros(5, 4, 8, device=device), slots,
+        )  # fmt: skip

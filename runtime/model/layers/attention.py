@@ -229,12 +229,16 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        kv_written: bool = False,
     ) -> torch.Tensor:
+        """``kv_written``: ``k`` and ``v`` are already in the caches (the fused rotary write)."""
         tokens = q.shape[0]
         kvh, g, hd = self.num_kv_heads, self.groups, self.head_dim
         bs, max_q = meta.batch_size, meta.max_q
-        k_cache.index_copy_(0, meta.out_cache_loc, k.view(tokens, kvh, hd).to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.out_cache_loc, v.view(tokens, kvh, hd).to(v_cache.dtype))
+        if not kv_written:
+            k_cache.index_copy_(0, meta.out_cache_loc, k.view(tokens, kvh, hd).to(k_cache.dtype))
+            v_cache.index_copy_(0, meta.out_cache_loc, v.view(tokens, kvh, hd).to(v_cache.dtype))
         if meta.paged is not None:
             from .paged_attention import paged_attention
 
