@@ -106,11 +106,3 @@ def test_valid_example_passes_the_webhook_except_unavailable_algorithms(kit, pat
         assert verdict.problems and all("not available in this runtime" in p for p in verdict.problems)
     else:
         assert verdict.allowed, verdict.problems
-
-
-def test_serve_is_immutable_on_update(kit):
-    obj = kit.load_yaml(EXAMPLES / "adapter-sql-pvc.yaml")
-    moved = {**obj, "spec": {**obj["spec"], "serve": "qwen-ngram"}}
-    assert kit.admit(obj, old=obj).valid
-    admission = kit.admit(moved, old=obj)
-    assert any("serve is immutable" in m for m in admission.cel), admission.cel

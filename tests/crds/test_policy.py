@@ -682,30 +682,6 @@ def test_upper_bounds_name_the_field_the_maximum_and_the_fix(rule, field, bad, g
     assert rule not in rules(config(A.EAGLE3, **{**bad, **good}))
 
 
-def test_the_maxima_agree_across_the_crd_the_operator_model_and_the_policy(kit):
-    from loraserve.operator import specs
-
-    crd = kit.crd_schema(kit.load_crd("LoRAServe"))["properties"]["spec"]["properties"]
-    spec, lora = crd["speculative"]["properties"], crd["lora"]["properties"]
-    assert spec["numSteps"]["maximum"] == policy.MAX_NUM_STEPS
-    assert spec["topK"]["maximum"] == policy.MAX_TOP_K
-    assert spec["numDraftTokens"]["maximum"] == policy.MAX_NUM_DRAFT_TOKENS
-    assert lora["maxRank"]["maximum"] == policy.MAX_LORA_RANK
-    adapter_rank = kit.crd_schema(kit.load_crd("Adapter"))["properties"]["spec"]["properties"]["rank"]
-    assert adapter_rank["maximum"] == policy.MAX_LORA_RANK
-    with pytest.raises(specs.SpecError) as caught:
-        specs.parse_loraserve_spec(
-            {
-                "model": {"source": "/m"},
-                "lora": {"maxRank": 2**40},
-                "speculative": {"algorithm": "NGRAM", "numSteps": 1_000_000, "numDraftTokens": 1_000_001},
-            }
-        )
-    problems = caught.value.problems
-    for name in ("spec.lora.maxRank:", "spec.speculative.numSteps:", "spec.speculative.numDraftTokens:"):
-        assert any(p.startswith(name) for p in problems), problems
-
-
 def test_start_up_refuses_values_over_the_maximum_naming_the_fix(tmp_path, capsys):
     from loraserve.runtime.cli import main
 

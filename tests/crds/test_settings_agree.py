@@ -1,7 +1,9 @@
-"""The CRD, the operator's spec model and the runtime configuration agree on every setting.
+"""The operator's spec model (and the CRD generated from it) and the runtime configuration
+agree on every setting.
 
-A setting is written in three places (the CRD, the spec model, the config field; see the
-docstring of ``loraserve.runtime.contract.config``); everything else is derived. Here:
+A setting is written in two places (the spec model, the config field; see the docstring
+of ``loraserve.runtime.contract.config``); the CRD, its defaults (the configuration's) and
+bounds (the policy's) are derived. Here:
 
 - every CRD ``spec`` field either sets a runtime field (through the translation) or is
   named as configuring the pod rather than the process;
@@ -9,7 +11,6 @@ docstring of ``loraserve.runtime.contract.config``); everything else is derived.
   runtime parses from the operator's argv;
 - every configuration field has a flag (or says why not), and every flag parses back to
   the value it was written from;
-- the CRD's defaults are the configuration's and its bounds the policy's;
 - every flag the runtime ever took is still accepted.
 """
 
@@ -26,8 +27,8 @@ import pytest
 
 from loraserve.operator import specs, translate
 from loraserve.runtime import cli
-from loraserve.runtime.contract import flags, policy
-from loraserve.runtime.contract.config import DEFAULTS, GROUP, LORA_MODULES, RuntimeConfig, SpecAlgorithm
+from loraserve.runtime.contract import flags
+from loraserve.runtime.contract.config import GROUP, LORA_MODULES, RuntimeConfig, SpecAlgorithm
 
 NOT_THE_PROCESS = (
     "spec.replicas",
@@ -361,38 +362,3 @@ def test_every_flag_the_runtime_ever_took_is_still_accepted():
     switches = [s.flag.name for s in flags.settings() if s.shape is flags.Shape.SWITCH]
     for name in switches:  # --x and --no-x, as BooleanOptionalAction gave before
         assert "--no-" + name.removeprefix("--") in known
-
-
-# --------------------------------------------------------------------------- defaults and bounds
-
-
-def _crd_node(kit, crd_path: str) -> dict:
-    return kit.schema_at(kit.crd_schema(kit.load_crd("LoRAServe")), crd_path)
-
-
-@pytest.mark.parametrize("setting", translate.spec_settings(), ids=lambda s: s.crd_path)
-def test_crd_default_is_the_configs_and_bounds_are_the_policys(kit, setting):
-    node = _crd_node(kit, setting.crd_path)
-    if "default" in node:
-        expected = _config_field(DEFAULTS, setting.config_path)
-        expected = list(expected) if isinstance(expected, tuple) else expected
-        expected = expected.value if isinstance(expected, enum.Enum) else expected
-        assert node["default"] == expected
-    if setting.config_path in policy.MINIMUM:
-        assert node.get("minimum") == policy.MINIMUM[setting.config_path]
-    if setting.config_path in policy.MAXIMUM:
-        assert node.get("maximum") == policy.MAXIMUM[setting.config_path]
-
-
-def test_max_loras_per_batch_is_bounded_by_the_policy_alone(kit):
-    """One enforcement: the policy's minimum; the spec model derives it, the CRD equals it."""
-    path = "lora.max_loras_per_batch"
-    assert _crd_node(kit, "spec.lora.maxLorasPerBatch")["minimum"] == policy.MINIMUM[path]
-    schema = specs.LoRASpec.model_json_schema(by_alias=True)["properties"]["maxLorasPerBatch"]
-    assert (
-        schema["minimum"] == policy.MINIMUM[path] and schema["default"] == DEFAULTS.lora.max_loras_per_batch
-    )
-    config = RuntimeConfig()
-    config.model.path = "/m"
-    config.lora.max_loras_per_batch = policy.MINIMUM[path] - 1
-    assert "lora-slots" in policy.check_config(config).rules()
