@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward_mode import ForwardMode, token_counts
+
 BLOCK_CHOICES: tuple[int, ...] = (16, 32, 64)
 """Pair-block heights the grouped GEMMs are built for (``tl.dot`` needs at least 16)."""
 
@@ -159,3 +161,16 @@ class MoEBuffers:
         self.max_tokens = int(max_tokens)
         self.base = RoutingBuffers(max_pairs, num_experts, BLOCK_CHOICES[-1], device)
         self.lora = RoutingBuffers(max_pairs, num_experts * num_slots, LORA_BLOCK, device) if num_slots else None
+
+    @classmethod
+    def for_graph(
+        cls, mode: ForwardMode, max_bs: int, width: int, *, top_k: int, num_experts: int, num_slots: int,
+        device: torch.device | str,
+    ) -> MoEBuffers:  # fmt: skip
+        """The buffers of a CUDA graph of ``mode`` for ``max_bs`` requests of ``width`` rows
+        each (1 for decode; target-verify's draft tokens; an extend's padded length), sized
+        in the token rows :func:`~..forward_mode.token_counts` gives that batch."""
+        lens = [width] * max_bs if mode is ForwardMode.EXTEND else None
+        draft = width if mode is ForwardMode.TARGET_VERIFY else None
+        tokens, _ = token_counts(mode, max_bs, extend_lens=lens, num_draft_tokens=draft)
+        return cls(tokens, top_k, num_experts, num_slots, device)

@@ -24,14 +24,16 @@ expert runs on, the delta of each row's own adapter for that expert only.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.kernels import model_ops
+from loraserve.kernels import ForwardMode, model_ops
 from loraserve.kernels import moe as moe_kernels
 
 from .arch import ModelArchConfig
@@ -152,6 +154,36 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return self.experts(x, weights, ids)
+
+
+def graph_buffers(
+    model: nn.Module, mode: ForwardMode, max_bs: int, width: int, num_slots: int
+) -> moe_kernels.MoEBuffers | None:
+    """Routing buffers for every MoE layer of ``model`` (the layers run one after another)
+    in a graph of ``max_bs`` requests of ``width`` rows, sized in token rows (a verify graph
+    feeds ``max_bs * width``); None for a model without MoE layers."""
+    layer = next((m for m in model.modules() if isinstance(m, SparseMoE)), None)
+    if layer is None:
+        return None
+    experts = layer.experts
+    return moe_kernels.MoEBuffers.for_graph(
+        mode, max_bs, width, top_k=layer.top_k, num_experts=experts.num_experts, num_slots=num_slots,
+        device=experts.gate_up_proj.device,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def using_buffers(model: nn.Module, buffers: moe_kernels.MoEBuffers | None) -> Iterator[None]:
+    """Every MoE layer of ``model`` routes into ``buffers`` inside the block (a graph's
+    capture); eager forwards outside it size their own."""
+    layers = [m.experts for m in model.modules() if isinstance(m, SparseMoE)]
+    for experts in layers:
+        experts.buffers = buffers
+    try:
+        yield
+    finally:
+        for experts in layers:
+            experts.buffers = None
 
 
 def moe_destination(params: dict[str, nn.Parameter], name: str) -> torch.Tensor | None:

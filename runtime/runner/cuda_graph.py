@@ -57,6 +57,7 @@ static buffers and padding, executed eagerly, so the padding logic is testable t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -66,6 +67,7 @@ import torch
 from loraserve.kernels import ForwardMode
 
 from ..model.layers import build_attention_metadata
+from ..model.moe import graph_buffers, using_buffers
 from .forward_batch import ForwardBatch, ForwardOutput
 from .graph_runner import GraphRunner, StaticRequests, fill_padded, padded_batch_size, prefill_widths
 
@@ -75,6 +77,7 @@ from .graph_runner import graph_batch_sizes as graph_batch_sizes
 
 if TYPE_CHECKING:
     from loraserve.kernels.graph_metadata import GraphLoRAMetadata
+    from loraserve.kernels.moe import MoEBuffers
 
     from ..kv import Allocation
     from .model_runner import ModelRunner
@@ -158,6 +161,7 @@ class CudaGraphRunner(GraphRunner):
         # buffers differ (requests per width; an extend vs a verify LoRA layout).
         self._inputs: dict[tuple[ForwardMode, int], _StaticInputs] = {}
         self._lora_meta: dict[tuple[ForwardMode, int], GraphLoRAMetadata] = {}
+        self._moe_buffers: dict[tuple[ForwardMode, int], MoEBuffers | None] = {}
         self._graphs = self.new_table()
 
     @property
@@ -372,9 +376,10 @@ class CudaGraphRunner(GraphRunner):
             tree_depths=static.tree_depths[: key.batch_size] if key.tree else None,
             tree_ancestors=static.tree_ancestors[: key.batch_size] if key.tree else None,
         )
-        hidden, aux = runner.model(
-            static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers
-        )
+        with self._moe_routing(key, static):
+            hidden, aux = runner.model(
+                static.input_ids[:n], meta, runner.kv.k_buffers, runner.kv.v_buffers, key.hidden_layers
+            )
         if key.mode is ForwardMode.EXTEND:
             # Each request's last real row's logits only (the index is an input: one graph
             # serves every chunk length of the bucket), not a vocabulary row per padded token.
@@ -386,6 +391,19 @@ class CudaGraphRunner(GraphRunner):
             hidden if key.return_hidden else None,
             torch.cat(aux, dim=-1) if key.hidden_layers else None,
         )
+
+    def _moe_routing(self, key: GraphKey, static: _StaticInputs) -> contextlib.AbstractContextManager:
+        """An MoE model's layers route into persistent buffers sized in token rows, as the
+        static inputs are (requests x width, never requests alone: a verify feeds ``bs x width``)."""
+        runner = self.runner
+        if runner.arch.moe is None:
+            return contextlib.nullcontext()
+        slots = runner.lora.num_slots if runner.lora is not None else 0
+        reqs = self._max_requests(key.mode, key.width)
+        buffers = self.cached(
+            self._moe_buffers, (key.mode, key.width), lambda: graph_buffers(runner.model, key.mode, reqs, key.width, slots)
+        )
+        return using_buffers(runner.model, buffers)
 
 
 def _real_rows(out: torch.Tensor | None, rows: torch.Tensor | None, total: int) -> torch.Tensor | None:

@@ -133,3 +133,28 @@ def test_fused_moe_into_buffers(gen):
     torch.testing.assert_close(out, triton_ops.fused_moe(x, gate_up, down, weights, ids, lora), rtol=0, atol=0)
     with pytest.raises(ValueError, match="7 token rows do not fit"):
         triton_ops.fused_moe(torch.cat([x, x[:1]]), gate_up, down, weights.repeat(2, 1)[:7], ids.repeat(2, 1)[:7], None, buffers)
+
+
+@pytest.mark.parametrize("real_bs", [4, 3])
+def test_verify_graph_buffers_sized_in_tokens(real_bs, gen):
+    """A verify graph for ``max_bs`` requests of width ``k`` feeds ``max_bs * k`` token rows:
+    its MoE buffers hold them, filled through the graph's LoRA metadata (padded requests on
+    the base model), and the real rows equal the unpadded reference."""
+    from loraserve.kernels import ForwardMode, GraphLoRAMetadata
+
+    max_bs, k, experts, top_k, hidden, inter = 4, 3, 4, 2, 32, 16
+    mode = ForwardMode.TARGET_VERIFY
+    meta = GraphLoRAMetadata(mode, max_bs, SLOTS, num_draft_tokens=k, device="cpu")
+    buffers = moe.MoEBuffers.for_graph(mode, max_bs, k, top_k=top_k, num_experts=experts, num_slots=SLOTS, device="cpu")
+    meta.capture_info(max_bs)
+    req_slots = [0, 2, -1, 1][:real_bs]
+    info = meta.update(req_slots, [8] * SLOTS, [0.5, 2.0, 1.5], num_draft_tokens=k, batch_size=max_bs)
+    gate_up, down = _weights(experts, hidden, inter, torch.float32, gen)
+    x, weights, ids = _route(max_bs * k, experts, top_k, hidden, torch.float32, gen)
+    parts = _lora(experts, hidden, inter, 8, torch.float32, gen, info.token_slots)
+    graphed = moe.MoELoRA(info.token_slots, info.scalings, parts.gate_up, parts.down)
+    out = triton_ops.fused_moe(x, gate_up, down, weights, ids, graphed, buffers)
+    rows = real_bs * k
+    unpadded = moe.MoELoRA(torch.tensor(req_slots).repeat_interleave(k), info.scalings.clone(), parts.gate_up, parts.down)
+    ref = reference.fused_moe(x[:rows], gate_up, down, weights[:rows], ids[:rows], unpadded)
+    assert _rel(out[:rows], ref) < 1e-5

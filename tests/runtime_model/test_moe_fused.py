@@ -73,3 +73,29 @@ def test_fused_moe_verify_matches_torch(assets, make_runner, ops, path):
     with torch.no_grad():
         ref, out = _both_paths(path, run)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_verify_graph_path_routes_in_token_sized_buffers(assets, make_runner, ops, path):
+    """A verify of ``max_bs`` requests x 3 draft tokens through the CUDA-graph runner's static
+    path (everything but the capture) on the fused MoE path equals the eager torch path; its
+    MoE buffers are sized in token rows (a buffer sized in requests would refuse the batch)."""
+    from loraserve.kernels import ForwardMode
+    from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
+
+    model, experts, attn = assets
+    eager = make_runner(model, adapters={"e": experts, "a": attn})
+    graphed = make_runner(model, adapters={"e": experts, "a": attn})
+    graphed.graphs = CudaGraphRunner(graphed, use_graphs=False, max_bs=2)
+    prompts = [torch.arange(3, 8), torch.arange(20, 24)]
+    blocks = [[11, 12, 13], [21, 22, 23]]
+    names = ["e", "a"]
+    with torch.no_grad():
+        path("torch")
+        ops.extend(eager, ["r0", "r1"], prompts, names=names)
+        ref = ops.verify(eager, ["r0", "r1"], blocks, names=names).logits
+        path("triton")
+        ops.extend(graphed, ["r0", "r1"], prompts, names=names)
+        out = ops.verify(graphed, ["r0", "r1"], blocks, names=names).logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    buffers = graphed.graphs._moe_buffers[(ForwardMode.TARGET_VERIFY, 3)]
+    assert buffers.max_tokens == 2 * 3
