@@ -60,7 +60,7 @@ class RaggedVerify(enum.StrEnum):
     DYNAMIC = "dynamic"  # per-request widths (breaks the uniform-width LoRA segment layout)
 
 
-LORA_MODULES: tuple[str, ...] = (
+DENSE_LORA_MODULES: tuple[str, ...] = (
     "q_proj",
     "k_proj",
     "v_proj",
@@ -71,9 +71,37 @@ LORA_MODULES: tuple[str, ...] = (
     "embed_tokens",
     "lm_head",
 )
-"""Every module name an adapter may target in a Llama-family model."""
+"""The modules of a Llama-family decoder an adapter may target: one adapter-pool slot each. On a
+mixture-of-experts layer gate_proj / up_proj / down_proj are the experts' (Qwen3-MoE's names)."""
 
-DEFAULT_LORA_MODULES: tuple[str, ...] = LORA_MODULES[:7]
+MOE_LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "gate": (),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "w1": ("gate_proj",),
+    "w3": ("up_proj",),
+    "w2": ("down_proj",),
+}
+"""A mixture-of-experts model's router and expert names, as peft configs write them -> the pool
+slots that serve them: ``gate`` is the router (every MoE layer's router always has its slot, so
+it adds none), ``gate_up_proj`` the experts' fused gate and up parameter (peft
+``target_parameters``), ``w1`` / ``w3`` / ``w2`` Mixtral's per-expert gate, up and down."""
+
+LORA_MODULES: tuple[str, ...] = (*DENSE_LORA_MODULES, *MOE_LORA_MODULES)
+"""Every name ``lora.target_modules`` and an adapter's declared modules accept (the CRD's enum).
+Which of them a model has depends on its family (``policy.families.FAMILY_LORA_MODULES``);
+:func:`pool_modules` turns a list into the adapter pool's slots."""
+
+DEFAULT_LORA_MODULES: tuple[str, ...] = DENSE_LORA_MODULES[:7]
+
+
+def pool_modules(names: Sequence[str]) -> tuple[str, ...]:
+    """The adapter pool's slots for the module ``names`` (``lora.target_modules``): dense names as
+    they are, mixture-of-experts names as the slots that serve them, in :data:`DENSE_LORA_MODULES`
+    order."""
+    wanted: set[str] = set()
+    for name in names:
+        wanted.update(MOE_LORA_MODULES.get(name, (name,)))
+    return tuple(m for m in DENSE_LORA_MODULES if m in wanted)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -177,7 +205,8 @@ def section(factory: Callable[[], Any], group: str) -> Any:
 
 
 def _modules(values: Sequence[str]) -> tuple[str, ...]:
-    return LORA_MODULES if list(values) == ["all"] else tuple(values)
+    # 'all': every slot, which serves every family's modules (experts and router included).
+    return DENSE_LORA_MODULES if list(values) == ["all"] else tuple(values)
 
 
 def _adapter_pairs(values: Sequence[str]) -> dict[str, str]:

@@ -29,7 +29,7 @@ import torch
 
 from loraserve.kernels import ForwardMode, LoRABackend, LoRABatchInfo, build_batch_info
 
-from ..contract.config import LORA_MODULES, LoRAConfig
+from ..contract.config import LORA_MODULES, LoRAConfig, pool_modules
 from ..contract.policy.bounds import pinned_slot_limit
 from ..distributed.protocol import SlotEvent
 from ..model.llama import LlamaForCausalLM
@@ -129,7 +129,7 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.backend = backend
-        self.modules = tuple(m for m in LORA_MODULES if m in config.target_modules)
+        self.modules = pool_modules(config.target_modules)  # router / expert names -> their slots
         self.ctx = LoRAContext(backend)
         self.pool = SlotPool(
             model,

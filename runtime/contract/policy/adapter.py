@@ -4,7 +4,7 @@ configuration's own."""
 
 from __future__ import annotations
 
-from ..config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
+from ..config import LORA_MODULES, RuntimeConfig, SpecAlgorithm, pool_modules
 from .algorithms import effective_config
 from .bounds import pinned_slot_limit
 from .declarations import AdapterDeclaration
@@ -104,7 +104,8 @@ def _modules(config: RuntimeConfig, adapter: AdapterDeclaration, algorithm: Spec
         return violations, warnings
     modules = tuple(adapter.target_modules)
     violations += module_list("adapter.target_modules", modules, "adapter-modules")
-    missing = [m for m in dict.fromkeys(modules) if m in LORA_MODULES and m not in lora.target_modules]
+    served = set(pool_modules(lora.target_modules))  # a router / expert name is served by its slots
+    missing = [m for m in dict.fromkeys(modules) if m in LORA_MODULES and not set(pool_modules([m])) <= served]
     if missing:
         violations.append(
             Violation(

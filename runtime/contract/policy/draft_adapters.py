@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..algorithms import having
-from ..config import DEFAULT_LORA_MODULES, LORA_MODULES, RuntimeConfig, SpecAlgorithm
+from ..config import DEFAULT_LORA_MODULES, DENSE_LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from .algorithms import named
 from .declarations import DraftAdapterDeclaration
 from .fields import at_least, at_most, module_list
@@ -27,7 +27,7 @@ HEAD_DRAFT_LORA_MODULES: tuple[str, ...] = (*DRAFT_LORA_MODULES, "fc")
 """The modules of an EAGLE / EAGLE3 head's draft adapter pool: its decoder layer's
 projections and the fc that fuses the target's features, as the head's checkpoint names
 them. The embed_tokens / lm_head it shares with the target are never adapted."""
-DRAFT_ADAPTER_MODULE_NAMES: tuple[str, ...] = (*LORA_MODULES, "fc")
+DRAFT_ADAPTER_MODULE_NAMES: tuple[str, ...] = (*DENSE_LORA_MODULES, "fc")
 """Every module name an Adapter's ``spec.draft.targetModules`` may declare (the policy then
 judges them against the serve's draft)."""
 

@@ -12,7 +12,7 @@ targets is verified lossless (spec-on = spec-off per adapter) for the algorithms
 from __future__ import annotations
 
 from ..algorithms import ALGORITHMS
-from ..config import RuntimeConfig, SpecAlgorithm
+from ..config import DENSE_LORA_MODULES, LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from .findings import Kind, Violation
 
 ARCHITECTURE_FAMILIES: dict[str, str] = {
@@ -31,6 +31,20 @@ MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 MOE_SPEC_ALGORITHMS: tuple[SpecAlgorithm, ...] = tuple(a for a, t in ALGORITHMS.items() if t.moe_target)
 """Speculative algorithms served on an MoE target (``AlgorithmTraits.moe_target``: each reads only the target's logits and
 hidden states, which the MoE layers produce as a dense layer does)."""
+
+
+FAMILY_LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "qwen3_moe": (*DENSE_LORA_MODULES, "gate", "gate_up_proj"),
+    "mixtral": (*DENSE_LORA_MODULES, "gate", "gate_up_proj", "w1", "w2", "w3"),
+}
+"""The ``lora.target_modules`` names each family has (others: :data:`DENSE_LORA_MODULES`). The
+experts of Qwen3-MoE are named gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2 (or those);
+both have a router (``gate``) and, saved by peft with transformers 5, a fused ``gate_up_proj``."""
+
+
+def family_modules(architecture: str) -> tuple[str, ...]:
+    """The module names a model of ``architecture`` (a served one) has."""
+    return FAMILY_LORA_MODULES.get(ARCHITECTURE_FAMILIES[architecture], DENSE_LORA_MODULES)
 
 
 def is_moe(architecture: str | None) -> bool:
@@ -55,6 +69,7 @@ def model_family(config: RuntimeConfig) -> list[Violation]:
             related=("model.path",),
         )
         return [*out, unknown]
+    out += _family_modules(config, architecture)
     if not is_moe(architecture):
         return out
     if config.cuda_graph.enabled:
@@ -111,5 +126,26 @@ def _moe_draft(config: RuntimeConfig) -> list[Violation]:
             "set {cuda_graph.enabled} to false, or use a dense draft model",
             kind=Kind.UNAVAILABLE,
             related=("speculative.draft_model_architecture",),
+        )
+    ]
+
+
+def _family_modules(config: RuntimeConfig, architecture: str) -> list[Violation]:
+    """Target modules the family does not have (a router or experts on a dense model). Every
+    name at once (``--lora-target-modules all``) means every module the family has."""
+    named = tuple(config.lora.target_modules)
+    if not config.lora.enabled or set(named) >= set(LORA_MODULES):
+        return []
+    has = family_modules(architecture)
+    absent = [m for m in dict.fromkeys(named) if m in LORA_MODULES and m not in has]
+    if not absent:
+        return []
+    return [
+        Violation(
+            "lora-modules-family",
+            "lora.target_modules",
+            f"{', '.join(absent)}: {architecture} has no such module (its adapters may target {', '.join(has)})",
+            f"remove {', '.join(absent)} from {{lora.target_modules}}",
+            related=("model.architecture",),
         )
     ]
