@@ -33,7 +33,7 @@ from .desired import (
     label_value,
     owned_metadata,
 )
-from .reconcile.diff import with_desired_hash
+from .diff import with_desired_hash
 from .specs import API_VERSION as LORASERVE_API_VERSION
 from .specs import LORASERVE_KIND, AutoscalingSpec
 

@@ -3,7 +3,7 @@
 Everything here is a function of the serve's identity, its parsed spec, the
 :class:`RuntimeConfig` translated from it and the operator's settings; nothing reads the
 cluster or the clock. The reconcile loop compares these objects with what it observes
-(``reconcile.diff``) and writes only the difference.
+(``diff``) and writes only the difference.
 
 Objects, all owned by the LoRAServe (owner reference, garbage-collected with it):
 
@@ -30,7 +30,7 @@ from loraserve.runtime.contract.catalog import CatalogEntry, catalog_digest, enc
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.contract.flags import to_argv
 
-from .reconcile.diff import stable_hash, with_desired_hash
+from .diff import stable_hash, with_desired_hash
 from .specs import (
     API_VERSION,
     GPU_RESOURCE,

@@ -23,7 +23,7 @@ from .desired import (
     owned_metadata,
     selector_labels,
 )
-from .reconcile.diff import with_desired_hash
+from .diff import with_desired_hash
 from .specs import RoutingSpec
 from .translate import RUNTIME_PORT
 

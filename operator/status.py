@@ -12,8 +12,8 @@ import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .reconcile.adapter_state import PodState, PodTrack, PodVersion, lagging, summarise
-from .reconcile.diff import replace_patch
+from .adapter_state import PodState, PodTrack, PodVersion, lagging, summarise
+from .diff import replace_patch
 from .specs import AdapterPhase, ConditionType, EffectiveSpeculative, LoRAServePhase
 
 MAX_MESSAGE = 4096  # the CRDs' maxLength for per-pod and warning messages

@@ -1,7 +1,8 @@
 """Reconcile loops of the operator: LoRAServe → runtime pods, Adapter → loaded in ready pods.
 
-``kube`` talks to the Kubernetes API, ``diff`` decides what differs, ``serve`` and
-``adapters`` run one observe → diff → act → report pass each, ``adapter_state`` holds the
-per-pod adapter state machine and ``pods`` reads runtime pods. Everything that decides is
-a pure function; the passes only fetch, call and write.
+``kube`` talks to the Kubernetes API, ``serve`` and ``adapters`` run one observe → diff →
+act → report pass each, ``optional`` keeps a serve's routing and autoscaling objects and
+``pods`` reads runtime pods. What decides lives below this package, as pure functions
+(``desired``, ``status``, ``diff``, ``adapter_state``...); the passes only fetch, call and
+write.
 """

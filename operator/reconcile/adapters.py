@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .. import adapter_state as st
 from .. import desired as ds
 from ..runtime_client import CatalogState, LoadedAdapter, PodCatalog, PodModels, RuntimeCallError
 from ..specs import (
@@ -39,7 +40,6 @@ from ..specs import (
 )
 from ..status import AdapterFindings, adapter_status, iso, status_patch
 from ..translate import public_source, source_problem
-from . import adapter_state as st
 from .context import OperatorContext
 from .kube import ADAPTERS, LORASERVES, SECRETS, KubeError
 from .pods import PodView

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from ..adapter_state import RetryPolicy
 from ..config import OperatorConfig
 from ..desired import DesiredSettings
 from ..runtime_client import RuntimeClient
-from .adapter_state import RetryPolicy
 from .kube import KubeClient
 from .pods import PodView
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from .. import autoscaling as asc
 from .. import routing as rt
 from ..desired import DesiredSettings, ServeIdentity
+from ..diff import needs_update, update_patch
 from ..specs import LoRAServeSpec
 from ..status import OptionalState
-from .diff import needs_update, update_patch
 from .kube import HPAS, INFERENCE_POOLS, SCALED_OBJECTS, KubeClient, KubeError, Resource, retry_on_conflict
 
 logger = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from loraserve.runtime.contract.catalog import CatalogEntry
 from loraserve.runtime.contract.policy import check_config
 
 from .. import desired as ds
+from ..diff import needs_update, update_patch
 from ..specs import LoRAServeSpec, SpecError, parse_loraserve_spec
 from ..status import ServeFindings, serve_status, status_patch
 from ..translate import effective_status, serve_messages, to_runtime_config
-from .diff import needs_update, update_patch
 from .kube import (
     CONFIGMAPS,
     DEPLOYMENTS,

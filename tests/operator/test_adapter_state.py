@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from loraserve.operator.reconcile import adapter_state as st
-from loraserve.operator.reconcile.adapter_state import LoadOutcome, PodState, RetryPolicy
+from loraserve.operator import adapter_state as st
+from loraserve.operator.adapter_state import LoadOutcome, PodState, RetryPolicy
 from loraserve.operator.specs import AdapterPhase
 
 

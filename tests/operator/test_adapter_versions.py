@@ -20,9 +20,9 @@ from aiohttp import web
 
 from loraserve.operator import desired as ds
 from loraserve.operator import handlers
+from loraserve.operator.adapter_state import PodState, PodTrack, PodVersion, RetryPolicy
 from loraserve.operator.config import OperatorConfig
 from loraserve.operator.reconcile import adapters as adapter_pass
-from loraserve.operator.reconcile.adapter_state import PodState, PodTrack, PodVersion, RetryPolicy
 from loraserve.operator.reconcile.adapters import AdapterMemory, reconcile_adapter
 from loraserve.operator.reconcile.catalog import sync_catalog
 from loraserve.operator.reconcile.context import OperatorContext

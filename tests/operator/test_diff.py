@@ -6,7 +6,7 @@ import copy
 
 from kmock._internal.dicts import merge_patch_dict
 
-from loraserve.operator.reconcile import diff
+from loraserve.operator import diff
 
 OWNED = ("spec.template", "spec.replicas")
 

@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from loraserve.operator import desired as ds
+from loraserve.operator.adapter_state import PodState, PodTrack, RetryPolicy
 from loraserve.operator.config import OperatorConfig
-from loraserve.operator.reconcile.adapter_state import PodState, PodTrack, RetryPolicy
 from loraserve.operator.reconcile.adapters import AdapterMemory, listed_draft, reconcile_adapter, with_draft
 from loraserve.operator.reconcile.context import OperatorContext
 from loraserve.operator.reconcile.kube import ADAPTERS, LORASERVES

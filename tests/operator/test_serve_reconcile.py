@@ -13,7 +13,7 @@ import json
 import pytest
 
 from loraserve.operator import desired as ds
-from loraserve.operator.reconcile import diff
+from loraserve.operator import diff
 from loraserve.operator.reconcile.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,

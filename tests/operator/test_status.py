@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraserve.operator import status as st
-from loraserve.operator.reconcile.adapter_state import PodState, PodTrack
+from loraserve.operator.adapter_state import PodState, PodTrack
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
