@@ -1,8 +1,9 @@
 """The package layers hold (docs/development.md#layers).
 
 ``lint-imports`` keeps every contract of ``[tool.importlinter]`` (function-level imports
-count), the runtime's layers name every package of it, so a new one cannot sit outside
-them, and the engine reaches speculative decoding only through the factory it is given.
+count), the runtime's and the operator's layers name every package of theirs, so a new
+one cannot sit outside them, and the engine reaches speculative decoding only through
+the factory it is given.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ def test_contracts_kept():
     assert f"Contracts: {len(_contracts())} kept, 0 broken." in report, report
 
 
-def test_layers_name_every_package():
-    (layers,) = [c for c in _contracts() if c["type"] == "layers" and c["containers"] == ["loraserve.runtime"]]
+@pytest.mark.parametrize("package", ["runtime", "operator"])
+def test_layers_name_every_package(package):
+    container = [f"loraserve.{package}"]
+    (layers,) = [c for c in _contracts() if c["type"] == "layers" and c["containers"] == container]
     named = {name.strip() for layer in layers["layers"] for name in re.split(r"[|:]", layer)}
-    runtime = ROOT / "runtime"
-    children = {p.name for p in runtime.iterdir() if (p / "__init__.py").is_file()}
-    children |= {p.stem for p in runtime.glob("*.py") if p.stem != "__init__"}
+    folder = ROOT / package
+    children = {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+    children |= {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
     assert named == children
 
 
