@@ -215,6 +215,15 @@ class _Spec(BaseModel):
 # --------------------------------------------------------------------------- LoRAServe spec
 
 
+def _revision_twice(source: str, revision: str | None) -> str | None:
+    if not (source.startswith("hf://") and "@" in source and revision is not None):
+        return None
+    return (
+        f"revision {revision!r} is set twice, in source {source!r} and in revision; fix: set it once, "
+        "in model.source (hf://<repo>@<revision>) or in model.revision"
+    )
+
+
 class ModelSpec(_Spec):
     """The base (target) model every request runs on."""
 
@@ -223,6 +232,7 @@ class ModelSpec(_Spec):
             "!(self.source.startsWith('hf://') && self.source.contains('@') && has(self.revision))",
             "set the revision once: either in model.source (hf://<repo>@<revision>) or in model.revision",
             field_path=".revision",
+            check=lambda m: _revision_twice(m.source, m.revision),
         ),
     )
 
@@ -446,6 +456,10 @@ class _VolumeSpec(_Spec):
             "!has(self.size) || self.type == 'EmptyDir'",
             "size is the sizeLimit of an EmptyDir; a PersistentVolumeClaim brings its own capacity",
             field_path=".size",
+            check=lambda v: None
+            if v.size is None or v.type is VolumeType.EMPTY_DIR
+            else f"size {v.size} is the sizeLimit of an EmptyDir; fix: remove size (a PersistentVolumeClaim "
+            "brings its own capacity)",
         ),
     )
 
@@ -624,10 +638,16 @@ class AutoscalingSpec(_Spec):
 
 
 def _gpus_not_as_resources(kind: str) -> CelRule:
+    def check(spec: LoRAServeSpec) -> str | None:
+        if spec.resources is None or GPU_RESOURCE not in (getattr(spec.resources, kind) or {}):
+            return None
+        return f"resources.{kind}['{GPU_RESOURCE}'] is set; fix: set GPUs with spec.gpus (the operator requests them)"
+
     return CelRule(
         f"!has(self.resources) || !has(self.resources.{kind}) || !('{GPU_RESOURCE}' in self.resources.{kind})",
         f"set GPUs with spec.gpus, not spec.resources.{kind}['{GPU_RESOURCE}']",
         field_path=f".resources.{kind}",
+        check=check,
     )
 
 
@@ -766,6 +786,10 @@ class PlacementSpec(_Spec):
             "!has(self.mode) || (self.mode == 'Replicas' ? has(self.replicas) : !has(self.replicas))",
             "placement.replicas is required for mode Replicas and not allowed for mode All",
             field_path=".replicas",
+            check=lambda p: None
+            if (p.mode is PlacementMode.REPLICAS) == (p.replicas is not None)
+            else "placement.replicas is required for mode Replicas and not allowed for mode All; fix: set both "
+            "mode: Replicas and replicas, or neither",
         ),
     )
 
