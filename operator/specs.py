@@ -104,16 +104,14 @@ def _cel_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _matches(pattern: str, message: str, *, also: str = "", extra: Any = None) -> CelRule:
-    """A CEL rule that the value matches ``pattern`` (RE2) ``also`` (more CEL), checked in
-    Python by the same pattern and ``extra`` (a predicate on the value)."""
+def _matches(pattern: str, message: str) -> CelRule:
+    """A CEL rule that the value matches ``pattern`` (RE2, and Python's ``re`` alike)."""
     compiled = re.compile(pattern)
-
-    def check(value: str) -> str | None:
-        ok = compiled.match(value) is not None and (extra is None or extra(value))
-        return None if ok else message
-
-    return CelRule(f"self.matches({_cel_string(pattern)}){also}", message, check=check)
+    return CelRule(
+        f"self.matches({_cel_string(pattern)})",
+        message,
+        check=lambda value: None if compiled.match(value) else message,
+    )
 
 
 SOURCE_FORMAT = _matches(SOURCE_PATTERN, SOURCE_MESSAGE)
@@ -131,11 +129,12 @@ TOKEN_MAP_PATTERN = r"^[^/\s]\S*\.(json|safetensors|pt)$"
 TOKEN_MAP_MESSAGE = (
     "must be a relative path inside the draft model's source ending in .json, .safetensors or .pt"
 )
-TokenMapPath = Annotated[
-    str,
-    Field(max_length=512),
-    Cel((_matches(TOKEN_MAP_PATTERN, TOKEN_MAP_MESSAGE, also=" && !self.contains('..')", extra=lambda v: ".." not in v),)),
-]
+TOKEN_MAP_FORMAT = CelRule(
+    f"self.matches({_cel_string(TOKEN_MAP_PATTERN)}) && !self.contains('..')",
+    TOKEN_MAP_MESSAGE,
+    check=lambda value: None if re.match(TOKEN_MAP_PATTERN, value) and ".." not in value else TOKEN_MAP_MESSAGE,
+)
+TokenMapPath = Annotated[str, Field(max_length=512), Cel((TOKEN_MAP_FORMAT,))]
 Sha256 = Annotated[str, Field(max_length=64), Cel((_matches(SHA256_PATTERN, SHA256_MESSAGE),))]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
 """An RFC 3339 time, as Kubernetes writes them."""
@@ -170,7 +169,7 @@ def _config_default(path: str) -> Any:
 def sets(path: str, **constraints: Any) -> Any:
     """A spec field that sets the runtime's ``path``: its default is the configuration's
     (unless ``default=`` says otherwise) and its bounds the policy's (``MINIMUM`` /
-    ``MAXIMUM``), unless given; the CRD tests hold the CRD equal to both."""
+    ``MAXIMUM``), unless given; the CRD generated from the field says the same."""
     constraints.setdefault("default", _config_default(path))
     if path in MINIMUM:
         constraints.setdefault("ge", MINIMUM[path])

@@ -13,24 +13,22 @@ container arguments (config -> argv).
 
 How to add a setting
 --------------------
-1. The CRD: the field under ``spec`` of ``crds/loraserve.io_loraserves.yaml`` and its copy
-   ``charts/loraserve/crds/loraserve.io_loraserves.yaml``, with its OpenAPI default and
-   bounds (the API's first line of defence).
-2. The operator's spec model: the same field in ``loraserve.operator.specs``, declared as
+1. The operator's spec model: the field in ``loraserve.operator.specs``, declared as
    ``name: type = sets("<section>.<field>")``. Its default then comes from here and its
    bounds from the policy (``MINIMUM`` / ``MAXIMUM``; pass others, such as an API-only
-   ``le=``, as keywords); ``loraserve.operator.translate`` copies it into the configuration
-   and names it in messages with no code of its own.
-3. The config field: ``name: type = setting(default, "--flag-name", "help text")`` in its
+   ``le=``, as keywords), its docstring is its description; ``make crds`` writes it into
+   the CRDs (``crds/`` and the chart's copy), and ``loraserve.operator.translate`` copies
+   it into the configuration and names it in messages with no code of its own.
+2. The config field: ``name: type = setting(default, "--flag-name", "help text")`` in its
    section below; ``gated=True`` when the flag matters only while the section is enabled.
    A bound the runtime must enforce goes in the policy's ``MINIMUM`` / ``MAXIMUM``.
 
 Nothing else: the runtime's flag, its parsing, the operator's container argv and
 ``--help`` all follow from the field. (A new field changes every pod's configuration hash,
-and a flag written by default every pod's argv: existing pods roll once on the upgrade.) ``tests/crds/test_settings_agree.py`` proves the three
+and a flag written by default every pod's argv: existing pods roll once on the upgrade.) ``tests/crds/test_settings_agree.py`` proves the two
 agree (every runtime field of the CRD reaches the runtime's parsed configuration; every
-field has a flag that round-trips), ``tests/crds/test_models.py`` that the CRD and the
-spec model share defaults and bounds. A rule that spans fields goes in ``.policy``, once:
+field has a flag that round-trips), ``tests/crds/test_generated.py`` that the committed
+CRDs are the generated ones. A rule that spans fields goes in ``.policy``, once:
 the webhook and the runtime's start-up both call it.
 
 Dataclasses, not pydantic: the serving image must import this with nothing but torch's
