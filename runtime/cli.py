@@ -94,7 +94,7 @@ def _draft_block(raw: dict | None, draft_dir: str | None) -> int:
     states none verifies the reference's default block (``UNSTATED_BLOCK``), with a warning;
     one whose config.json cannot be read gets that too, and the start-up checks then name what
     is wrong."""
-    from .speculative.dflash_format import UNSTATED_BLOCK, block_size_of
+    from .speculative.dflash.format import UNSTATED_BLOCK, block_size_of
 
     if raw is None:
         return UNSTATED_BLOCK

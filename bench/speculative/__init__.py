@@ -26,7 +26,7 @@ Method (everything is built inside the run; nothing is downloaded):
    ``--draft eagle`` trains an EAGLE head instead (``--draft standalone,eagle``: both): one
    Llama decoder layer of the small target's shape over the target's own final normed
    hidden state, sharing its embeddings and LM head (the runtime's EAGLE format and
-   equations, ``loraserve.runtime.speculative.eagle_format``). The input at position ``i`` is
+   equations, ``loraserve.runtime.speculative.eagle.format``). The input at position ``i`` is
    ``fc([embed(x[i+1]), feature[i]])``; the loss is KL to the target's distribution of
    ``x[i+2]`` plus a smooth-L1 pull towards ``feature[i+1]``, on the same batches as the
    STANDALONE distillation, for ``--train-draft-s``. Training unrolls a second draft step
@@ -37,7 +37,7 @@ Method (everything is built inside the run; nothing is downloaded):
    training budget goes to the head. For the 8B-shaped target the head is expanded the same
    function-preserving way, and a check compares the served head's proposals and output
    features with the trained head's on held-out prompts.
-   ``--draft dflash`` trains a DFLASH draft (``loraserve.runtime.speculative.dflash_format``):
+   ``--draft dflash`` trains a DFLASH draft (``loraserve.runtime.speculative.dflash.format``):
    ``--dflash-layers`` layers (default 5, the reference's depth for 8B targets) of the small target's shape over as many of its
    layer outputs (spread over 1..L-3 as the reference spreads them; ``--dflash-target-layers
    top`` over 1..L-2, the deepest output a forward captures), drafting a block of

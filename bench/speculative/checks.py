@@ -86,8 +86,8 @@ def eagle_check(
 
 def _served_head(runner: ModelRunner, head_dir: Path, longest: int):
     """The runtime's EAGLE draft runner for ``head_dir`` over ``runner``'s target."""
-    from loraserve.runtime.speculative.eagle_model import base_weight
-    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+    from loraserve.runtime.speculative.eagle.model import base_weight
+    from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
     return EagleDraftRunner(
         str(head_dir), target_arch=runner.arch, embed_weight=base_weight(runner.embed_tokens),

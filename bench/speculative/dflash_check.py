@@ -25,8 +25,8 @@ def dflash_check(
 
     from loraserve.kernels import ForwardMode
     from loraserve.runtime.runner.forward_batch import ForwardBatch
-    from loraserve.runtime.speculative.dflash_runner import DFlashDraftRunner
-    from loraserve.runtime.speculative.eagle_model import base_weight
+    from loraserve.runtime.speculative.dflash.runner import DFlashDraftRunner
+    from loraserve.runtime.speculative.eagle.model import base_weight
 
     device = runner.device
     longest = max(len(p) for p in prompts) + draft.block + 1

@@ -1,6 +1,6 @@
 """Tiny DFLASH draft checkpoints with random weights, for tests, demos and benchmarks.
 
-The files follow :mod:`loraserve.runtime.speculative.dflash_format` exactly (z-lab's
+The files follow :mod:`loraserve.runtime.speculative.dflash.format` exactly (z-lab's
 ``DFlashDraftModel`` layout), so loading them exercises the same path as a trained
 draft. Shapes come from the target's config.json: the draft shares the target's hidden
 size, heads and vocabulary (it uses the target's embedding and LM head).
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
-from ..speculative.dflash_format import dflash_config_from_dict
+from ..speculative.dflash.format import dflash_config_from_dict
 
 _UNSET = object()
 

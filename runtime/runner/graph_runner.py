@@ -1,7 +1,7 @@
 """One CUDA-graph runner for every uniform forward of the engine core.
 
 The target's decode, verify and prefill (:mod:`.cuda_graph`) and the EAGLE
-head's draft steps (:mod:`loraserve.runtime.speculative.eagle_graphs`) replay the same way:
+head's draft steps (:mod:`loraserve.runtime.speculative.eagle.graphs`) replay the same way:
 
 - a batch is padded to a captured batch size (:func:`graph_batch_sizes`), or along its
   tokens to a width bucket (:func:`prefill_widths`), and its context to a power-of-two

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from loraserve.runtime.contract.config import SpecAlgorithm
-from loraserve.runtime.speculative.eagle_builder import build_eagle_draft, build_eagle_draft_adapter
+from loraserve.runtime.speculative.eagle.builder import build_eagle_draft, build_eagle_draft_adapter
 
 from .conftest import draft_pool_config, greedy_completion, make_config, running_server
 

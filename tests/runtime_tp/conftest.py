@@ -77,7 +77,7 @@ class TPAssets:
 
 @pytest.fixture(scope="session")
 def tp_assets(tmp_path_factory) -> TPAssets:
-    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("runtime_tp_assets")
     gqa = build_tiny_model(root / "gqa", num_layers=3, seed=51)

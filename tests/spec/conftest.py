@@ -9,7 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from loraserve.runtime.model.arch import ModelArchConfig
-    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+    from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
 
 def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
@@ -86,7 +86,7 @@ class SpecAssets:
 @pytest.fixture(scope="session")
 def spec_assets(tmp_path_factory) -> SpecAssets:
     from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
-    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("spec_assets")
     target = build_tiny_model(root / "target", num_layers=3, seed=31)
@@ -134,7 +134,7 @@ def eagle_runner(
 ) -> EagleDraftRunner:
     """An EAGLE draft runner of ``path`` over ``target``'s embedding and LM head, float32 on
     ``device``, holding 1024 tokens of up to 8 requests of 256; ``kwargs`` go to the runner."""
-    from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+    from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
     sizes = {"max_total_tokens": 1024, "max_requests": 8, "max_context_len": 256}
     return EagleDraftRunner(

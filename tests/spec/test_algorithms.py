@@ -3,6 +3,7 @@ the policy reading its traits."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,13 @@ def test_lora_refusal_reason():
     report = check_config(config)
     (finding,) = [v for v in report.violations if v.rule == "lora-algorithm"]
     assert ALGORITHMS[SpecAlgorithm.FROZEN_KV_MTP].lora_refusal in finding.reason
+
+
+def test_packages_build_drafters():
+    """The factory is a lookup: every implemented algorithm that drafts names a package
+    with a ``build_drafter``; one the image does not run names none."""
+    for algorithm, traits in ALGORITHMS.items():
+        drafts = traits.implemented and algorithm is not SpecAlgorithm.NONE
+        assert (traits.package is not None) == drafts, algorithm
+        if drafts:
+            assert callable(importlib.import_module(traits.package).build_drafter), algorithm

@@ -13,8 +13,8 @@ from loraserve.runtime.sampling import Sampler, SamplingParams
 from loraserve.runtime.speculative import build_decoder
 from loraserve.runtime.speculative.acceptance import Acceptance
 from loraserve.runtime.speculative.draft_config import SpeculativeConfigError
-from loraserve.runtime.speculative.eagle_drafter import EagleDrafter
-from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle.drafter import EagleDrafter
+from loraserve.runtime.speculative.eagle.graphs import EagleGraphRunner
 from loraserve.runtime.speculative.metrics import SpecMetrics
 
 from .conftest import eagle_runner, tiny_target

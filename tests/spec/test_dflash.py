@@ -24,7 +24,7 @@ from loraserve.runtime.model.arch import ModelConfigError, arch_from_dict
 from loraserve.runtime.runner.forward_batch import ForwardBatch
 from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import Sampler, SamplingParams
-from loraserve.runtime.speculative.dflash_format import (
+from loraserve.runtime.speculative.dflash.format import (
     DEFAULT_MASK_TOKEN,
     default_target_layer_ids,
     dflash_config_from_dict,
@@ -168,7 +168,7 @@ def test_a_block_wider_than_the_checkpoint_is_refused_at_start_up(make_spec_conf
 def test_checkpoint_tensors_are_checked(spec_assets, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from loraserve.runtime.speculative.dflash_format import load_dflash_tensors
+    from loraserve.runtime.speculative.dflash.format import load_dflash_tensors
 
     draft = build_dflash_draft(tmp_path / "d", spec_assets.target, target_layer_ids=[0])
     config = load_dflash_config(draft, target_num_layers=3)

@@ -25,7 +25,7 @@ from loraserve.runtime.contract import policy
 from loraserve.runtime.contract.config import RuntimeConfig
 from loraserve.runtime.dev.dflash_builder import build_dflash_draft
 from loraserve.runtime.model.arch import ModelConfigError
-from loraserve.runtime.speculative.dflash_format import UNSTATED_BLOCK, load_dflash_config
+from loraserve.runtime.speculative.dflash.format import UNSTATED_BLOCK, load_dflash_config
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from loraserve.runtime.sampling import SamplingParams
-from loraserve.runtime.speculative.dflash_graphs import DFlashGraphRunner
-from loraserve.runtime.speculative.dflash_runner import DFlashDraftRunner
+from loraserve.runtime.speculative.dflash.graphs import DFlashGraphRunner
+from loraserve.runtime.speculative.dflash.runner import DFlashDraftRunner
 
 from .conftest import tiny_target
 from .test_dflash import _config, _requests, baseline, drafts  # noqa: F401 (fixtures)

@@ -28,10 +28,10 @@ from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.lora import AdapterError
 from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.speculative.draft_adapters import DraftAdapterLeases
-from loraserve.runtime.speculative.eagle_builder import build_eagle_draft, build_eagle_draft_adapter
-from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
-from loraserve.runtime.speculative.eagle_lora import HEAD_LORA_MODULES
-from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.eagle.builder import build_eagle_draft, build_eagle_draft_adapter
+from loraserve.runtime.speculative.eagle.graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle.lora import HEAD_LORA_MODULES
+from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 from loraserve.runtime.speculative.metrics import BASE_LABEL
 from loraserve.runtime.speculative.tree import TreeShape
 

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraserve.runtime.model import ModelConfigError, build_model, load_arch_config
-from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
-from loraserve.runtime.speculative.eagle_format import load_eagle_config, load_eagle_tensors
-from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
+from loraserve.runtime.speculative.eagle.format import load_eagle_config, load_eagle_tensors
+from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
 from .conftest import eagle_runner
 

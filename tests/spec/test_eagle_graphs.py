@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
-from loraserve.runtime.speculative.eagle_runner import EagleDraftRunner
+from loraserve.runtime.speculative.eagle.graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
 from .conftest import eagle_runner, tiny_target
 from .test_greedy_oracle import CASES, _check_same, _requests

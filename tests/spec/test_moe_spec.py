@@ -34,7 +34,7 @@ CASES = [
 def moe_assets(tmp_path_factory):
     from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
     from loraserve.runtime.dev.dflash_builder import build_dflash_draft
-    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("moe_spec")
     out = {}

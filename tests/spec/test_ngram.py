@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from loraserve.runtime.speculative.ngram import NgramIndex, propose_ngram
+from loraserve.runtime.speculative.ngram.index import NgramIndex, propose_ngram
 
 
 def _brute_force(tokens: list[int], num: int, nmin: int, nmax: int) -> tuple[list[int], int]:

@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.model import ModelConfigError, build_model, load_arch_config
 from loraserve.runtime.sampling import SamplingParams
-from loraserve.runtime.speculative.eagle_format import load_eagle_config
+from loraserve.runtime.speculative.eagle.format import load_eagle_config
 
 from .conftest import eagle_runner
 
@@ -50,7 +50,7 @@ TARGET_LAYERS = 8  # the default EAGLE3 streams (2, 4, 5) are distinct from 8 la
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     from loraserve.runtime.dev.devmodels import build_adapter, build_tiny_model
-    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("published")
     out = {}
@@ -179,7 +179,7 @@ def test_published_eagle3_is_lossless(assets, tmp_path, engine_run, family):
 
 def test_pickle_head_is_refused_with_the_conversion(assets, tmp_path):
     """yuhuili's heads are pytorch_model.bin: refused by name, and the fix the message gives works."""
-    from loraserve.runtime.speculative.eagle_format import load_eagle_tensors
+    from loraserve.runtime.speculative.eagle.format import load_eagle_tensors
 
     a = assets["llama"]
     published = _published_eagle3(tmp_path / "pub", a["canonical"], a["target"], dtype=torch.float16, embed=False, pickle=True)
@@ -193,7 +193,7 @@ def test_pickle_head_is_refused_with_the_conversion(assets, tmp_path):
 def test_eagle3_without_streams_needs_the_target(assets):
     raw = json.loads((assets["llama"]["canonical"] / "config.json").read_text())
     del raw["eagle_aux_hidden_state_layer_ids"]
-    from loraserve.runtime.speculative.eagle_format import eagle_config_from_dict
+    from loraserve.runtime.speculative.eagle.format import eagle_config_from_dict
 
     with pytest.raises(ModelConfigError, match="eagle_aux_hidden_state_layer_ids"):
         eagle_config_from_dict(raw)
@@ -238,7 +238,7 @@ def test_multi_layer_eagle_is_refused_before_loading(assets, tmp_path):
 
 def test_dspark_checkpoint_under_dflash_is_refused(assets, tmp_path):
     from loraserve.runtime import cli
-    from loraserve.runtime.speculative.dflash_format import dflash_config_from_dict
+    from loraserve.runtime.speculative.dflash.format import dflash_config_from_dict
 
     a = assets["qwen3"]
     raw = _zlab_config(a["target"])
@@ -295,7 +295,7 @@ def _zlab_config(target: Path) -> dict:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_zlab_dflash_is_lossless(assets, tmp_path, engine_run, family):
-    from loraserve.runtime.speculative.dflash_format import dflash_config_from_dict, random_dflash_tensors
+    from loraserve.runtime.speculative.dflash.format import dflash_config_from_dict, random_dflash_tensors
 
     a = assets[family]
     raw = _zlab_config(a["target"])

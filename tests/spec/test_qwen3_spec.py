@@ -24,7 +24,7 @@ def qwen3_assets(tmp_path_factory):
         build_draft_model,
         build_tiny_model,
     )
-    from loraserve.runtime.speculative.eagle_builder import build_eagle_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
 
     root = tmp_path_factory.mktemp("qwen3_spec")
     target = build_tiny_model(root / "target", architecture="qwen3", num_layers=3, head_dim=32, seed=41)

@@ -9,7 +9,7 @@ import torch
 
 from loraserve.runtime.runner.cuda_graph import CudaGraphRunner
 from loraserve.runtime.sampling import SamplingParams
-from loraserve.runtime.speculative.eagle_graphs import EagleGraphRunner
+from loraserve.runtime.speculative.eagle.graphs import EagleGraphRunner
 
 from .test_greedy_oracle import ADAPTERS, CASES, _check_same, _requests
 

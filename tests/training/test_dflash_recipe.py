@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from loraserve.runtime.speculative.dflash_format import check_target_layer_ids
+from loraserve.runtime.speculative.dflash.format import check_target_layer_ids
 from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
 from loraserve.runtime.tools.distill.dflash_recipe import FLAGS, RULES, Recipe, check_recipe, parse_recipe
 from loraserve.runtime.tools.distill.dflash_train import (

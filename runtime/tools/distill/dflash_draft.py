@@ -1,6 +1,6 @@
 """The DFLASH draft as a trainable module, with the runtime's checkpoint names.
 
-The equations of ``loraserve.runtime.speculative.dflash_format``: context rows
+The equations of ``loraserve.runtime.speculative.dflash.format``: context rows
 ``hidden_norm(fc(concat of the target's layer outputs))``; a block ``[x_a, mask × (B-1)]``
 at positions ``a .. a+B-1`` goes through decoder layers (Qwen3's per-head q/k norms) whose
 keys and values are the context rows' (positions ``< a``) and the block's own, every block
@@ -178,7 +178,7 @@ def dflash_config(target_raw: dict, *, intermediate: int, num_layers: int, layer
 def save_dflash(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> Path:
     """Write a DFLASH draft directory, checked against the runtime's reading of ``raw``."""
     from ...dev.dflash_builder import write_dflash_draft
-    from ...speculative.dflash_format import dflash_config_from_dict
+    from ...speculative.dflash.format import dflash_config_from_dict
 
     config = dflash_config_from_dict(raw, target_num_layers=int(raw["num_target_layers"]))
     shapes = config.tensor_shapes()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...speculative.dflash_format import check_target_layer_ids
+from ...speculative.dflash.format import check_target_layer_ids
 from ...speculative.metrics import context_bucket
 from .dflash_draft import DFlashDraft
 from .eagle_head import LayerDims, rope_theta
@@ -98,7 +98,7 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str 
     target's forward captures (``dflash_format.check_target_layer_ids``: layer ``L-1``'s
     output is the final norm's input, served un-normed where training would see it normed).
     Of an 8-layer target, ``L-3`` leaves 2 unread, a quarter of its depth."""
-    from ...speculative.dflash_format import default_target_layer_ids
+    from ...speculative.dflash.format import default_target_layer_ids
 
     if num_target_layers < 4:
         return [0]

@@ -1,8 +1,8 @@
 """An EAGLE / EAGLE3 head as the student of a distillation.
 
-The head is the runtime's own (:class:`~...speculative.eagle_model.EagleDraftModel`, loaded
+The head is the runtime's own (:class:`~...speculative.eagle.model.EagleDraftModel`, loaded
 by the runtime's loader), its base frozen; a LoRA hooks into its linears exactly where the
-serving pool's does (:mod:`...speculative.eagle_lora`): the decoder layer's projections
+serving pool's does (:mod:`...speculative.eagle.lora`): the decoder layer's projections
 and the fc that fuses the target's features. Training runs the head over whole sequences
 (causal attention, positions from 0) instead of through its paged KV cache.
 
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...model.arch import load_arch_config
-from ...speculative.eagle_format import EAGLE_ARCHITECTURES
-from ...speculative.eagle_lora import HEAD_LORA_MODULES, LAYER_MODULES
+from ...speculative.eagle.format import EAGLE_ARCHITECTURES
+from ...speculative.eagle.lora import HEAD_LORA_MODULES, LAYER_MODULES
 from .models import DistillError, LoraSettings
 from .train import check_unroll
 
@@ -392,8 +392,8 @@ def load_head_pair(
     """The teacher over ``teacher_model`` (the adapted target), the head student (training
     ``unroll`` chained draft steps), and the logit width both give (the head's vocabulary)."""
     from ...model.arch import ModelConfigError
-    from ...speculative.eagle_model import base_weight
-    from ...speculative.eagle_runner import EagleDraftRunner
+    from ...speculative.eagle.model import base_weight
+    from ...speculative.eagle.runner import EagleDraftRunner
 
     check_head_settings(lora)
     base = teacher_model.get_base_model() if hasattr(teacher_model, "get_base_model") else teacher_model
@@ -421,8 +421,8 @@ def load_head_pair(
 def check_written_head_adapter(out_dir: Path, draft_dir: Path, lora: LoraSettings) -> None:
     """Read the written adapter back through the serving pool's own loader, against the head."""
     from ...lora.errors import AdapterError
-    from ...speculative.eagle_format import load_eagle_config
-    from ...speculative.eagle_lora import load_head_adapter
+    from ...speculative.eagle.format import load_eagle_config
+    from ...speculative.eagle.lora import load_head_adapter
 
     try:
         load_head_adapter(out_dir, load_eagle_config(draft_dir), max_rank=lora.rank, dtype=torch.float32)

@@ -35,7 +35,7 @@ def rope_theta(config) -> float:
     return float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
 
 
-# Checkpoint names (``loraserve.runtime.speculative.eagle_format``) of the head's parameters.
+# Checkpoint names (``loraserve.runtime.speculative.eagle.format``) of the head's parameters.
 EAGLE_NAMES = {
     "fc": "fc.weight",
     "q_proj": "layers.0.self_attn.q_proj.weight",
@@ -254,7 +254,7 @@ def save_eagle_head(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> 
     """Write an EAGLE draft directory (``eagle_format``): config.json + model.safetensors (float32)."""
     from safetensors.torch import save_file
 
-    from ...speculative.eagle_format import eagle_config_from_dict
+    from ...speculative.eagle.format import eagle_config_from_dict
 
     config = eagle_config_from_dict(raw)
     shapes = config.tensor_shapes()

@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.request import Request
-from ..runner.forward_batch import ForwardOutput
-from ..sampling import Sampler
-from .acceptance import Acceptance
-from .dflash_runner import DFlashDraftRunner
-from .drafter import DraftProposal, choose_drafts
+from ...engine.request import Request
+from ...runner.forward_batch import ForwardOutput
+from ...sampling import Sampler
+from ..acceptance import Acceptance
+from ..drafter import DraftProposal, choose_drafts
+from .runner import DFlashDraftRunner
 
 
 @dataclass

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine.request import Request
-from ..runner.forward_batch import ForwardOutput
-from .acceptance import Acceptance
-from .drafter import DraftProposal
-from .ngram import NgramIndex
+from ...engine.request import Request
+from ...runner.forward_batch import ForwardOutput
+from ..acceptance import Acceptance
+from ..drafter import DraftProposal
+from .index import NgramIndex
 
 
 class NgramDrafter:

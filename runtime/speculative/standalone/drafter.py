@@ -11,7 +11,7 @@ fixed-width forwards that CUDA graphs replay, and no step pays a forward only to
 the last draft. A request whose draft cache is further behind (new, or re-synced after a
 failure) first catches up in one extend. The draft runner never holds the target's
 adapters; its own pool, when the serve has one (``speculative.draft_max_loras``), holds
-draft adapters: a request whose Adapter has one drafts with it (:mod:`.draft_adapters`),
+draft adapters: a request whose Adapter has one drafts with it (:mod:`..draft_adapters`),
 every other request gets the base draft's proposals.
 
 Prefix caching (``scheduler.prefix_cache``): without draft adapters the draft's KV depends
@@ -29,12 +29,12 @@ import torch
 
 from loraserve.kernels import ForwardMode
 
-from ..engine.request import Request
-from ..runner.forward_batch import ForwardBatch, ForwardOutput
-from ..sampling import Sampler
-from .acceptance import Acceptance
-from .draft_adapters import DraftAdapterLeases
-from .drafter import DraftProposal, choose_drafts, fit_vocab
+from ...engine.request import Request
+from ...runner.forward_batch import ForwardBatch, ForwardOutput
+from ...sampling import Sampler
+from ..acceptance import Acceptance
+from ..draft_adapters import DraftAdapterLeases
+from ..drafter import DraftProposal, choose_drafts, fit_vocab
 
 
 class StandaloneDrafter:

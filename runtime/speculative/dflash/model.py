@@ -1,9 +1,9 @@
 """The DFLASH draft: decoder layers that draft a whole block from the target's features.
 
 Built from the target's own pieces: each layer is the target's pre-norm attention + MLP
-(:class:`~..model.llama.LlamaAttention`, :class:`~..model.llama.LlamaMLP`, the paged KV
+(:class:`~...model.llama.LlamaAttention`, :class:`~...model.llama.LlamaMLP`, the paged KV
 attention) with Qwen3's per-head q/k norms added, and checkpoint tensors are routed into
-the fused weights by the target's loader. See :mod:`.dflash_format` for the equations.
+the fused weights by the target's loader. See :mod:`.format` for the equations.
 
 Two entry points, both over the draft's own KV cache (one entry per context position):
 
@@ -28,15 +28,15 @@ from torch import nn
 
 from loraserve.kernels import model_ops
 
-from ..model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
-from ..model.llama import (
+from ...model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
+from ...model.llama import (
     LlamaAttention,
     LlamaMLP,
     WeightLoadError,
     checkpoint_destination,
     copy_checkpoint_tensor,
 )
-from .dflash_format import DFlashDraftConfig
+from .format import DFlashDraftConfig
 
 
 class DFlashAttention(LlamaAttention):
@@ -187,7 +187,7 @@ class DFlashDraftModel(nn.Module):
         return logits
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy checkpoint tensors (checked by :func:`.dflash_format.load_dflash_tensors`),
+        """Copy checkpoint tensors (checked by :func:`.format.load_dflash_tensors`),
         routed into the fused weights as the target's are."""
         params = dict(self.named_parameters())
         for name, tensor in tensors.items():

@@ -7,8 +7,8 @@ optional input norm of the original EAGLE layout), and checkpoint tensors are ro
 into its fused weights by the target's loader. So it runs wherever the target runs. The token embedding and (unless the checkpoint has its
 own) the LM head are the target's BASE weights, held by reference: the draft reads the
 weight tensors directly and never calls the target's modules, so no adapter hook can reach
-a draft proposal. See :mod:`.eagle_format` for the checkpoint layout and the exact
-equations, :mod:`.draft_vocab` for the vocabulary a draft predicts over.
+a draft proposal. See :mod:`.format` for the checkpoint layout and the exact
+equations, :mod:`..draft_vocab` for the vocabulary a draft predicts over.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
-from ..model.llama import LlamaDecoderLayer, WeightLoadError, checkpoint_destination, copy_checkpoint_tensor
-from .draft_vocab import DraftVocab
-from .eagle_format import EagleDraftConfig
+from ...model.layers import AttentionMetadata, Linear, RMSNorm, RotaryEmbedding
+from ...model.llama import LlamaDecoderLayer, WeightLoadError, checkpoint_destination, copy_checkpoint_tensor
+from ..draft_vocab import DraftVocab
+from .format import EagleDraftConfig
 
 
 def base_weight(module: nn.Module) -> torch.Tensor:
@@ -82,7 +82,7 @@ class EagleDecoderLayer(LlamaDecoderLayer):
 class EagleDraftModel(nn.Module):
     """A single-layer EAGLE (version 1) or EAGLE3 (version 3) draft head.
 
-    Parameters carry the checkpoint's names (:mod:`.eagle_format`): ``fc``, ``layers.0.*``
+    Parameters carry the checkpoint's names (:mod:`.format`): ``fc``, ``layers.0.*``
     and, for EAGLE3, ``norm``; the embedding and (unless the checkpoint has its own) the
     LM head are the target's, held as plain tensors, never as parameters.
     """

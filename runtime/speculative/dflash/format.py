@@ -62,8 +62,8 @@ from pathlib import Path
 
 import torch
 
-from ..contract.policy.drafts import draft_config_problems
-from ..model.arch import (
+from ...contract.policy.drafts import draft_config_problems
+from ...model.arch import (
     ModelArchConfig,
     ModelConfigError,
     arch_from_dict,

@@ -20,13 +20,13 @@ before the draft is queued), does the step's bookkeeping and queues the next ver
 the draft runs.
 
 Tree drafts (:meth:`EagleDrafter.propose_tree`, greedy batches): the tree grows from the
-same tails (:mod:`.tree`); after its verify the accepted path is fed like a chain's
+same tails (:mod:`..tree`); after its verify the accepted path is fed like a chain's
 verified positions (the target's features at the path's nodes), and the next tree grows
 in the same replay.
 
-Draft adapters: with a draft adapter pool on the head (:mod:`.eagle_lora`), a request
+Draft adapters: with a draft adapter pool on the head (:mod:`.lora`), a request
 whose Adapter has a draft adapter runs every head forward of its own with it, from its
-first fed pair to its release (:class:`~.draft_adapters.DraftAdapterLeases`); every other
+first fed pair to its release (:class:`~..draft_adapters.DraftAdapterLeases`); every other
 request of the same batch runs the base head. The target still verifies with the
 request's own adapter, so only proposals change.
 """
@@ -39,14 +39,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.request import Request
-from ..runner.forward_batch import ForwardOutput
-from ..sampling import Sampler
-from .acceptance import Acceptance
-from .draft_adapters import DraftAdapterLeases
-from .drafter import DraftProposal, choose_drafts
-from .eagle_runner import EagleDraftRunner
-from .tree import DraftTree, TreeShape, ancestor_closure
+from ...engine.request import Request
+from ...runner.forward_batch import ForwardOutput
+from ...sampling import Sampler
+from ..acceptance import Acceptance
+from ..draft_adapters import DraftAdapterLeases
+from ..drafter import DraftProposal, choose_drafts
+from ..tree import DraftTree, TreeShape, ancestor_closure
+from .runner import EagleDraftRunner
 
 
 @dataclass
@@ -264,7 +264,7 @@ class EagleDrafter:
         return torch.tensor(list(rows), device=self.device)
 
     def propose_tree(self, requests: Sequence[Request], shape: TreeShape) -> DraftTree:
-        """A greedy draft tree per request (see :mod:`.tree`). A request whose draft state
+        """A greedy draft tree per request (see :mod:`..tree`). A request whose draft state
         was lost gets a tree whose drafts (-1) the target rejects: it gains one token."""
         ready = self._take_pending_tree(requests)
         if ready is not None:

@@ -1,6 +1,6 @@
 """Tiny EAGLE / EAGLE3 draft checkpoints with random weights, for tests and demos.
 
-The files follow :mod:`.eagle_format` exactly, so loading them exercises the same path
+The files follow :mod:`.format` exactly, so loading them exercises the same path
 as a trained draft. Shapes come from the target's config.json (the draft must share
 the target's hidden size and vocabulary).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
-from .eagle_format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
-from .eagle_lora import HEAD_LORA_MODULES
+from ...model.arch import DRAFT_SHAPE_KEYS, arch_from_dict, read_config_json
+from .format import EAGLE_ARCHITECTURES, INPUT_NORM, default_aux_layers, eagle_config_from_dict
+from .lora import HEAD_LORA_MODULES
 
 
 def build_eagle_draft(
@@ -113,7 +113,7 @@ def build_eagle_draft_adapter(
     """
     from safetensors.torch import save_file
 
-    from .eagle_format import load_eagle_config
+    from .format import load_eagle_config
 
     unknown = sorted(set(target_modules) - set(HEAD_LORA_MODULES))
     if unknown:

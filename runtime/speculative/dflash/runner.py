@@ -27,19 +27,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kv import KVCache
-from ..model.arch import ModelArchConfig, ModelConfigError
-from ..model.layers import build_attention_metadata
-from ..runner.graph_runner import context_bucket
-from .dflash_format import (
+from ...kv import KVCache
+from ...model.arch import ModelArchConfig, ModelConfigError
+from ...model.layers import build_attention_metadata
+from ...runner.graph_runner import context_bucket
+from .format import (
     DFlashDraftConfig,
     load_dflash_config,
     load_dflash_tensors,
     random_dflash_tensors,
     resolve_mask_token_id,
 )
-from .dflash_graphs import DFlashGraphRunner
-from .dflash_model import DFlashDraftModel
+from .graphs import DFlashGraphRunner
+from .model import DFlashDraftModel
 
 
 class DFlashDraftRunner:
@@ -71,7 +71,7 @@ class DFlashDraftRunner:
         """``embed_weight`` / ``lm_head_weight``: the target's BASE weights (unwrapped from
         any adapter wrapper by the caller); ``attention_backend``: the target's.
         ``cuda_graph_max_bs``: replay blocks of ``block_width`` rows (the verify width) and
-        context appends of up to this many requests from CUDA graphs (:mod:`.dflash_graphs`;
+        context appends of up to this many requests from CUDA graphs (:mod:`.graphs`;
         0 or no ``block_width``: always eager)."""
         self.path = Path(path)
         self.config: DFlashDraftConfig = load_dflash_config(

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kv import Allocation
-from ..runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
+from ...kv import Allocation
+from ...runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
 
 if TYPE_CHECKING:
-    from .dflash_runner import DFlashDraftRunner
+    from .runner import DFlashDraftRunner
 
 
 class _AppendKey(NamedTuple):

@@ -1,7 +1,7 @@
 """The EAGLE / EAGLE3 draft checkpoint format: an HF-style directory, config + safetensors.
 
 ``config.json`` is a Llama config for the draft's single decoder layer (``num_hidden_layers``
-1: a head of more layers is refused by name, see :mod:`..contract.policy.drafts`) plus:
+1: a head of more layers is refused by name, see :mod:`...contract.policy.drafts`) plus:
 
 - ``architectures``: ``["LlamaForCausalLMEagle"]`` (EAGLE, also serves NEXTN) or
   ``["LlamaForCausalLMEagle3"]``;
@@ -39,13 +39,13 @@ target's BASE ``lm_head`` too, unless config.json sets ``draft_vocab_size`` (as 
 training writes its drafts): then the checkpoint holds its own ``lm_head.weight``
 ``[draft_vocab_size, H]`` and, when ``draft_vocab_size`` is below the target's vocabulary,
 ``d2t`` ``[draft_vocab_size]`` (int64; draft row ``i`` predicts target token ``i + d2t[i]``).
-``t2d`` (a training-time mask) is ignored. See :mod:`.draft_vocab`.
+``t2d`` (a training-time mask) is ignored. See :mod:`..draft_vocab`.
 
 Weights are ``*.safetensors`` files; a directory with only pickle weights
 (``pytorch_model.bin``, as some heads are published) is refused with the conversion that
 fixes it, as every pickle checkpoint is (loading one can run code).
 
-Draft adapters of a head (:mod:`.eagle_lora`) are PEFT LoRAs named by these tensors' modules
+Draft adapters of a head (:mod:`.lora`) are PEFT LoRAs named by these tensors' modules
 (``base_model.model.fc.lora_A.weight``, ``base_model.model.layers.0.self_attn.q_proj...``);
 their shapes are checked against :meth:`EagleDraftConfig.tensor_shapes`.
 
@@ -65,8 +65,8 @@ from pathlib import Path
 
 import torch
 
-from ..contract.policy.drafts import draft_config_problems
-from ..model.arch import (
+from ...contract.policy.drafts import draft_config_problems
+from ...model.arch import (
     ModelArchConfig,
     ModelConfigError,
     arch_from_dict,
@@ -188,7 +188,7 @@ def eagle_config_from_dict(
     raw: dict, *, architecture_override: str | None = None, target_num_layers: int | None = None
 ) -> EagleDraftConfig:
     """Parse an EAGLE draft's config.json: its decoder layer as the target's config.json is
-    parsed (:func:`~..model.arch.arch_from_dict`: heads, rope, norms, biases, dtype), plus
+    parsed (:func:`~...model.arch.arch_from_dict`: heads, rope, norms, biases, dtype), plus
     the fields EAGLE's formats add. ``target_num_layers``: for the default EAGLE3 streams of
     a head that names none."""
     architecture = declared_architecture(raw, architecture_override)

@@ -32,7 +32,7 @@ stay on the device, where they pick each request's tail row and place the chain'
 right after the accepted entries. The verify, the acceptance and the whole draft then run
 back to back on the GPU with no host round trip between them.
 
-Draft adapters (:mod:`.eagle_lora`): a batch where some request drafts with a draft
+Draft adapters (:mod:`.lora`): a batch where some request drafts with a draft
 adapter replays graphs of its own, captured with the LoRA ops of the head's linears. Their
 segment layouts live in fixed buffers, one per row width the body runs (1 for draft steps,
 ``k`` for a feed or a tree frontier), rewritten before each replay with the batch's slots
@@ -51,14 +51,14 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from ..kv import Allocation
-from ..model.layers import AttentionMetadata
-from ..runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
-from .eagle_lora import HeadAdapterBatch, HeadGraphLoRA
-from .tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
+from ...kv import Allocation
+from ...model.layers import AttentionMetadata
+from ...runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
+from ..tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
+from .lora import HeadAdapterBatch, HeadGraphLoRA
 
 if TYPE_CHECKING:
-    from .eagle_runner import EagleDraftRunner
+    from .runner import EagleDraftRunner
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -424,7 +424,7 @@ def grow_tree(
     """Grow every request's tree from its tail (the head's output at its last committed
     pair): the frontier of step ``d`` goes in at position ``prefix + d - 1`` and into the
     entries ``locs[:, (d - 1) * K : d * K]`` (table positions right after the prefix), each
-    node seeing the request's committed entries and its ancestors' (:mod:`.tree`). Static
+    node seeing the request's committed entries and its ancestors' (:mod:`..tree`). Static
     shapes throughout: the graph runner captures it; eager callers pass their allocation."""
     model, groups = runner.model, runner.attn_groups
     bs, k = rows.shape[0], shape.top_k

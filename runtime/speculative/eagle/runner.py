@@ -5,7 +5,7 @@ the draft layer's K/V for the pair (feature of position ``i``, token ``i + 1``).
 separate :class:`~loraserve.runtime.kv.KVCache` of one layer, sized to hold as many
 tokens as the target's, so the draft can never run out before the target does.
 
-Draft adapters (``draft_lora``: the serve's draft adapter pool, :mod:`.eagle_lora`): every
+Draft adapters (``draft_lora``: the serve's draft adapter pool, :mod:`.lora`): every
 public call takes ``lora_names``, each request's draft adapter (None: the base head), and
 runs the head's linears with them, eagerly or inside the graphs. The target's adapters
 never reach this runner.
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ..contract.config import LoRAConfig
-from ..kv import Allocation, KVCache
-from ..model.arch import ModelArchConfig, ModelConfigError
-from ..model.layers import build_attention_metadata
-from ..runner.graph_runner import context_bucket
-from .draft_vocab import (
+from ...contract.config import LoRAConfig
+from ...kv import Allocation, KVCache
+from ...model.arch import ModelArchConfig, ModelConfigError
+from ...model.layers import build_attention_metadata
+from ...runner.graph_runner import context_bucket
+from ..draft_vocab import (
     DraftVocab,
     TokenMapError,
     load_token_map,
@@ -32,11 +32,11 @@ from .draft_vocab import (
     resolve_token_map,
     target_head_vocab,
 )
-from .eagle_format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
-from .eagle_graphs import EagleGraphRunner, grow_tree
-from .eagle_lora import HeadAdapterBatch, HeadLoRAManager
-from .eagle_model import EagleDraftModel
-from .tree import DraftTree, TreeShape
+from ..tree import DraftTree, TreeShape
+from .format import INPUT_NORM, EagleDraftConfig, load_eagle_config, load_eagle_tensors
+from .graphs import EagleGraphRunner, grow_tree
+from .lora import HeadAdapterBatch, HeadLoRAManager
+from .model import EagleDraftModel
 
 
 class EagleDraftRunner:
@@ -65,10 +65,10 @@ class EagleDraftRunner:
         draft_lora: LoRAConfig | None = None,
     ):
         """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
-        from CUDA graphs (:mod:`.eagle_graphs`; 0: always eager). ``token_map``: a file of
+        from CUDA graphs (:mod:`.graphs`; 0: always eager). ``token_map``: a file of
         token ids the draft predicts over, through those rows of the target's LM head
-        (:func:`.draft_vocab.load_token_map`; relative paths are files of the draft's
-        directory). ``attention_backend``: the target's (see :mod:`..model.layers.attention`).
+        (:func:`..draft_vocab.load_token_map`; relative paths are files of the draft's
+        directory). ``attention_backend``: the target's (see :mod:`...model.layers.attention`).
         ``draft_lora``: the draft adapter pool (``speculative.draft_lora_pool``; None: every
         request drafts with the base head)."""
         self.attention_backend = attention_backend
@@ -430,7 +430,7 @@ class EagleDraftRunner:
     ) -> Iterator[list[int] | None]:
         """Place the call's draft adapters in the pool's slots; yields each request's slot,
         or None when no request has one (the base head, with no LoRA work at all). Eager
-        calls get their layouts here; graph calls from the graph runner (:mod:`.eagle_graphs`)."""
+        calls get their layouts here; graph calls from the graph runner (:mod:`.graphs`)."""
         if self.lora is None or lora_names is None or all(n is None for n in lora_names):
             yield None
             return

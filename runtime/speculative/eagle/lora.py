@@ -1,13 +1,13 @@
 """Draft adapters of an EAGLE / EAGLE3 head: its own LoRA pool over the head's linear layers.
 
 A draft adapter is a PEFT LoRA for the head itself, named as the head's checkpoint names
-its modules (:mod:`.eagle_format`): ``fc`` and ``layers.0.self_attn.{q,k,v,o}_proj`` /
+its modules (:mod:`.format`): ``fc`` and ``layers.0.self_attn.{q,k,v,o}_proj`` /
 ``layers.0.mlp.{gate,up,down}_proj`` (peft prefixes ``base_model.model.``; a leading
 ``model.`` is ignored as in head checkpoints). It lives in a pool of its own, sized by the
 serve's draft adapter settings (``speculative.draft_max_loras`` / ``draft_max_lora_rank``),
 never holding one of the target's adapters: the head stays one draft for every adapter,
 and only a request whose Adapter names a draft adapter drafts with it
-(:class:`~.draft_adapters.DraftAdapterLeases`).
+(:class:`~..draft_adapters.DraftAdapterLeases`).
 
 The token embedding and LM head the head shares with the target stay unwrapped: a draft
 adapter that targets ``embed_tokens`` or ``lm_head`` is refused with the reason.
@@ -31,9 +31,9 @@ import torch
 
 from loraserve.kernels import ForwardMode, GraphLoRAMetadata, LoRABackend, LoRABatchInfo
 
-from ..contract.config import LoRAConfig
-from ..lora import AdapterError
-from ..lora.adapter import (
+from ...contract.config import LoRAConfig
+from ...lora import AdapterError
+from ...lora.adapter import (
     WEIGHTS_FILE,
     AdapterWeights,
     adapter_dir,
@@ -41,12 +41,12 @@ from ..lora.adapter import (
     read_adapter_tensors,
     read_scaling,
 )
-from ..lora.manager import LoRAManager
-from ..lora.pool import LinearLoRAHook, rank_major_b
-from .eagle_format import EagleDraftConfig
+from ...lora.manager import LoRAManager
+from ...lora.pool import LinearLoRAHook, rank_major_b
+from .format import EagleDraftConfig
 
 if TYPE_CHECKING:
-    from .eagle_model import EagleDraftModel
+    from .model import EagleDraftModel
 
 LAYER_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEAD_LORA_MODULES: tuple[str, ...] = (*LAYER_MODULES, "fc")
@@ -75,7 +75,7 @@ def _shared_refusal(module: str, field: str) -> AdapterError:
 
 
 def _checkpoint_name(module: str) -> str:
-    """The head checkpoint's weight name of ``module`` (:mod:`.eagle_format`)."""
+    """The head checkpoint's weight name of ``module`` (:mod:`.format`)."""
     if module == "fc":
         return "fc.weight"
     block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"

@@ -1,0 +1,1 @@
+"""What every draft model beside the target shares: its settings (:mod:`.settings`)."""
