@@ -83,6 +83,7 @@ class RoutingBuffers:
         # one spare entry past the end: the scatter target of pairs that join no group
         self._pairs = torch.empty(max(c for c, _ in caps) + 1, dtype=torch.int32, device=device)
         self._groups = torch.empty(max(c // b for c, b in caps), dtype=torch.int32, device=device)
+        self.cursor = torch.empty(self.num_groups, dtype=torch.int32, device=device)  # the Triton layout's
 
     def views(self, num_pairs: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pairs [capacity + 1], block groups)`` for ``num_pairs`` pairs at ``block``."""

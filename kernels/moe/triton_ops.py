@@ -1,6 +1,7 @@
 """Triton fused MoE: grouped expert GEMMs over routed pairs, with per-row LoRA deltas.
 
-One forward (``P = T * top_k`` pairs, see :mod:`.routing`):
+One forward (``P = T * top_k`` pairs, see :mod:`.routing`), after the routing layouts (by
+expert, and by (expert, slot) for the LoRA deltas: two launches each, :mod:`.align`):
 
 1. ``gate_up [P, 2I] = x[p // top_k] @ W13[e]ᵀ``: one program per (block of one expert's
    pairs, column block); plus, for the pairs whose row uses an adapter with LoRA on the
@@ -26,14 +27,8 @@ import triton.language as tl
 
 from ..model_ops import triton_ops as model_triton
 from ..triton_ops.shrink import dot_precision, upcast_dot
-from .routing import (
-    LORA_BLOCK,
-    BlockLayout,
-    MoEBuffers,
-    align_block_size,
-    block_for,
-    lora_groups,
-)
+from .align import align
+from .routing import LORA_BLOCK, BlockLayout, MoEBuffers, block_for
 from .types import ExpertLoRA, MoELoRA
 
 BLOCK_N = 64
@@ -218,15 +213,13 @@ def fused_moe(
             f"{tokens} token rows do not fit the MoE routing buffers sized for {buffers.max_tokens} rows "
             "(size them in tokens: max_bs x rows per request)"
         )
-    flat_ids = ids.reshape(-1)
-    layout = align_block_size(
-        flat_ids, num_experts, block_for(num_pairs, num_experts), None if buffers is None else buffers.base
-    )
+    layout = align(ids, num_experts, block_for(num_pairs, num_experts), None if buffers is None else buffers.base)
     lora_layout = None
     if lora is not None and lora.num_slots:
-        groups = lora_groups(ids, lora.token_slots, lora.live_ranks(), lora.num_slots)
-        lora_buffers = None if buffers is None else buffers.lora
-        lora_layout = align_block_size(groups, num_experts * lora.num_slots, LORA_BLOCK, lora_buffers)
+        lora_layout = align(
+            ids, num_experts * lora.num_slots, LORA_BLOCK, None if buffers is None else buffers.lora,
+            token_slots=lora.token_slots, ranks=lora.live_ranks(), num_slots=lora.num_slots,
+        )  # fmt: skip
 
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _gemm(x, gate_up, gu, layout, top_k, None)

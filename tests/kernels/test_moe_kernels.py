@@ -158,3 +158,30 @@ def test_verify_graph_buffers_sized_in_tokens(real_bs, gen):
     unpadded = moe.MoELoRA(torch.tensor(req_slots).repeat_interleave(k), info.scalings.clone(), parts.gate_up, parts.down)
     ref = reference.fused_moe(x[:rows], gate_up, down, weights[:rows], ids[:rows], unpadded)
     assert _rel(out[:rows], ref) < 1e-5
+
+
+def _spans(layout) -> list[tuple[int, list[int]]]:
+    """Each group's run of entries (its pairs, padding included), the order inside a run aside."""
+    owners, pairs, block = layout.block_groups.tolist(), layout.sorted_pairs.tolist(), layout.block
+    runs: list[tuple[int, list[int]]] = []
+    for b, owner in enumerate(owners):
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].extend(pairs[b * block : (b + 1) * block])
+        else:
+            runs.append((owner, pairs[b * block : (b + 1) * block]))
+    return [(owner, sorted(entries)) for owner, entries in runs]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block", [(1, 4, 2, 16), (37, 6, 2, 16), (50, 3, 4, 32), (3, 40, 1, 64)])
+def test_triton_align_matches_torch(tokens, experts, top_k, block, gen):
+    """The two-launch Triton layout puts every group's pairs in the entries the torch one does,
+    for experts and for (expert, slot) groups (base rows and rank-0 slots left out)."""
+    from loraserve.kernels.moe.align import align
+
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    assert _spans(align(ids, experts, block)) == _spans(align_block_size(ids.reshape(-1), experts, block))
+    slots = torch.randint(-1, SLOTS, (tokens,), generator=gen, dtype=torch.int32)
+    ranks = torch.tensor([8, 0, 4], dtype=torch.int32)
+    got = align(ids, experts * SLOTS, 16, token_slots=slots, ranks=ranks, num_slots=SLOTS)
+    want = align_block_size(moe.lora_groups(ids, slots, ranks, SLOTS), experts * SLOTS, 16)
+    assert _spans(got) == _spans(want)
