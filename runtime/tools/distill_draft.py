@@ -26,12 +26,18 @@ target's the same way (:mod:`.distill.eagle`). Serving chains the head, its late
 steps reading its own output instead of the target's feature: ``--unroll N`` (default 2)
 trains N such chained steps, each matched to the adapted target. The adapter is written with
 the head's module names and read back through the head's draft adapter pool's loader.
+
+``--new eagle`` or ``--new dflash`` trains a new draft for the target instead (no --adapter,
+no --draft): an EAGLE head or a DFLASH draft over the frozen target's features, for
+``--seconds`` (or ``--steps``), written to ``--out`` as the runtime reads one
+(:mod:`.distill.new_draft`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +68,7 @@ from .distill.models import (
     require_peft,
     save_adapter,
 )
+from .distill.new_draft import KINDS, NewDraftOptions, train_new_draft
 from .distill.objective import score
 from .distill.report import DistillReport, format_report, write_report_file
 from .distill.train import DEFAULT_HEAD_UNROLL, TrainSettings, check_settings, train
@@ -219,12 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--target", required=True, type=Path, help="the target model's folder (Hugging Face layout)"
     )
-    ap.add_argument(
-        "--adapter", required=True, type=Path, help="the target's PEFT adapter folder (the teacher)"
-    )
+    ap.add_argument("--adapter", type=Path, help="the target's PEFT adapter folder (the teacher)")
     ap.add_argument(
         "--draft",
-        required=True,
         type=Path,
         help="the STANDALONE draft model's folder (the target's tokenizer), or an EAGLE / EAGLE3 head's",
     )
@@ -240,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"for an EAGLE head {','.join(HEAD_MODULES)})",
     )
     ap.add_argument(
-        "--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})"
+        "--steps", type=int, default=None,
+        help=f"optimizer steps (default {defaults.steps}; with --new, a cap beside --seconds)",
     )
     ap.add_argument(
         "--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default 8)"
@@ -278,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--seed", type=int, default=0, help="seeds the held-out split, the batches and the LoRA init"
     )
+    ap.add_argument("--new", choices=KINDS, default=None, help="train a new draft of this kind for --target")
+    ap.add_argument("--seconds", type=float, default=600.0, help="--new: the training's time budget (default 600)")
+    ap.add_argument("--dflash-layers", type=int, default=1, help="--new dflash: the draft's layers (default 1)")
     ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return ap
@@ -299,7 +307,7 @@ def options_from_args(args: argparse.Namespace) -> DistillOptions:
         out=args.out,
         lora=LoraSettings(rank=args.rank, alpha=args.alpha, target_modules=_target_modules(args)),
         training=TrainSettings(
-            steps=args.steps,
+            steps=TrainSettings().steps if args.steps is None else args.steps,
             batch_size=args.batch_size,
             lr=args.lr,
             temperature=args.temperature,
@@ -323,12 +331,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
+    if args.new:
+        return _new_draft(args, log)
     try:
+        missing = [flag for flag, value in (("--adapter", args.adapter), ("--draft", args.draft)) if value is None]
+        if missing:
+            raise DistillError(f"{' and '.join(missing)} required: the adapter to follow and the draft to adapt "
+                               "(or --new eagle|dflash to train a new draft)")  # fmt: skip
         report = distill(options_from_args(args), log)
     except (DistillError, CorpusError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(format_report(report))
+    return 0
+
+
+def _new_draft(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """``--new``: train a new EAGLE head or DFLASH draft for ``--target``."""
+    try:
+        if args.adapter is not None or args.draft is not None:
+            raise DistillError("--new trains a draft from the target alone: leave --adapter and --draft out")
+        target = check_model_dir(args.target, "--target", "target model")
+        check_out_dir(args.out, args.overwrite)
+        device, _ = resolve_device(args.device, args.dtype)
+        options = NewDraftOptions(
+            kind=args.new, seconds=args.seconds, max_steps=args.steps,
+            seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, dflash_layers=args.dflash_layers,
+            seed=args.seed,
+        )  # fmt: skip
+        info = train_new_draft(options, target, list(args.corpus), args.out, device=device, log=log)
+    except (DistillError, CorpusError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": str(args.out), "kind": args.new, **info}, default=str))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``bench/speculative``'s EAGLE head training with the target's features computed once."""
+"""The EAGLE head trainer: its loss, and the target's features computed once."""
 
 from __future__ import annotations
 
@@ -111,3 +111,21 @@ def test_unrolled_steps_attend_as_the_serving_chain_does(target, steps):
                 pairs = torch.cat([feats[:, : committed + 1], torch.stack(chain, 1)], 1)
                 want = head(ids[:, : j + 1], pairs)[:, -1]
                 torch.testing.assert_close(outs[s - 1][:, j], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_is_the_kl_from_the_target_plus_the_feature_term(target):
+    """One step: KL(target's next-token distribution ‖ the head's), the distribution read by
+    the target's LM head from the target's next feature, plus ``feature_weight`` smooth-L1 to
+    that feature; computed here from the head's forward alone."""
+    head = EagleHead(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight,
+                     eps=1e-5, theta=500000.0)  # fmt: skip
+    windows = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(9))
+    opts = EagleTraining(seconds=0, seq=12, batch=3, lr=0, unroll=1, feature_weight=0.3)
+    got, _ = eagle_loss(head, target, windows, opts)
+    feats = target_features(target, windows)
+    out = head(windows[:, 1:], feats[:, :-1])
+    p = torch.log_softmax(feats[:, 1:] @ target.lm_head.weight.T, -1)
+    q = torch.log_softmax(out @ target.lm_head.weight.T, -1)
+    kl = (p.exp() * (p - q)).sum(-1).mean()
+    want = kl + 0.3 * torch.nn.functional.smooth_l1_loss(out, feats[:, 1:])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .eagle_head import EagleHead, LayerDims, rope_theta
+from .objective import distillation_loss
 from .train import log, lr_scale, progress
 
 
@@ -57,20 +58,17 @@ def eagle_loss(
     if opts.noise:
         inputs = inputs + (2 * torch.rand_like(inputs) - 1) * opts.noise
     with torch.no_grad():
-        teacher = torch.log_softmax(head.logits(want), -1)
+        teacher = head.logits(want)  # the target's own next-token logits: its LM head over its feature
     autocast = window.device.type == "cuda"
     with torch.autocast(device_type=window.device.type, dtype=torch.bfloat16, enabled=autocast):
         outs = head.unrolled(ids, inputs, opts.unroll) if opts.unroll > 1 else [head(ids, inputs)]
     loss, top1 = torch.zeros((), device=window.device), []
     for step, out in enumerate(outs):
-        out, t_logp, w = out[:, step:], teacher[:, step:], want[:, step:]  # step s skips rows < s - 1
-        logp = torch.log_softmax(head.logits(out), -1)
-        vocab = logp.shape[-1]
-        kl = torch.nn.functional.kl_div(
-            logp.reshape(-1, vocab), t_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
-        )
+        out, t_logits, w = out[:, step:], teacher[:, step:], want[:, step:]  # step s skips rows < s - 1
+        logits = head.logits(out)
+        kl = distillation_loss(logits, t_logits, logits.shape[-1], temperature=1.0, top_k=None)
         loss = loss + kl + opts.feature_weight * torch.nn.functional.smooth_l1_loss(out.float(), w)
-        top1.append(float((logp.argmax(-1) == t_logp.argmax(-1)).float().mean()))
+        top1.append(float((logits.argmax(-1) == t_logits.argmax(-1)).float().mean()))
     return loss, top1
 
 
