@@ -9,8 +9,9 @@ run is padded up to a multiple of ``block`` (the layout of vLLM's ``moe_align_bl
 - ``sorted_pairs`` (int32 ``[capacity]``): pair ids in group order, ``P`` in padding;
 - ``block_groups`` (int32 ``[capacity // block]``): each block's group, -1 past the end.
 
-Everything is torch ops on fixed shapes with no host sync (a scatter-add count, a stable
-sort, cumulative sums, a binary search), so a CUDA graph captures it. The shapes depend
+:func:`align_block_size` is the torch definition: fixed shapes, no host sync (a scatter-add
+count, a stable sort, cumulative sums, a binary search); the fused path builds the same
+runs in two Triton launches (:mod:`.align`). The shapes depend
 only on the pair count, the group count and the block: :func:`capacity` bounds the padded
 length by ``P + min(G, P) * (block - 1)`` (at most ``min(G, P)`` groups are non-empty,
 each padding fewer than ``block`` slots). Under CUDA graphs the buffers are sized for the
