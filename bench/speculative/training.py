@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.runtime.tools.distill.objective import distillation_loss
 from loraserve.runtime.tools.distill.train import lr_scale, progress
 
 from .shapes import llama_config
@@ -113,11 +114,8 @@ def _loss(model, teacher, window: torch.Tensor, vocab: int) -> torch.Tensor:
     if teacher is None:
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), window[:, 1:].reshape(-1))
     with torch.no_grad(), torch.autocast(**autocast):
-        target_logp = torch.log_softmax(teacher(input_ids=window[:, :-1]).logits.float(), dim=-1)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.nn.functional.kl_div(
-        logp.reshape(-1, vocab), target_logp.reshape(-1, vocab), log_target=True, reduction="batchmean"
-    )
+        teacher_logits = teacher(input_ids=window[:, :-1]).logits
+    return distillation_loss(logits, teacher_logits, vocab, temperature=1.0, top_k=None)
 
 
 def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:
