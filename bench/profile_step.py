@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-width", type=int, default=4, help="rows per request of a verify")
     parser.add_argument("--adapters", type=int, default=8, help="rank-16 adapters on the target (0: base)")
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="profiled steps of each kind")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps of each kind")
     parser.add_argument("--fused-ops", default="off,on", help="comma list of off / on (kernels.model_ops)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
@@ -210,23 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         target_dir = rt["write_model_config"](Path(tmp) / "target", args.size)
         draft_presets = {args.size: {**rt["PRESETS"][args.size], "num_hidden_layers": 1}}
         draft_dir = rt["write_model_config"](Path(tmp) / "draft", args.size, draft_presets)
-        adapters: list[Path] = []
+        # Eager steps read the fused-ops switch at every call: one pair of runners serves both settings.
+        target = rt["make_runner"](target_dir, sized, backend)
+        for i in range(args.adapters):
+            target.lora.load(f"a{i}", rt["write_random_adapter"](Path(tmp) / f"a{i}", target.arch, rank=16, seed=i))
+        draft = rt["make_runner"](draft_dir, argparse.Namespace(**{**vars(sized), "adapters": 1}), backend)
         for setting in [s.strip() for s in args.fused_ops.split(",") if s.strip()]:
             model_ops.set_fused(setting == "on")
-            target = rt["make_runner"](target_dir, sized, backend)
-            if not adapters:
-                adapters = [
-                    rt["write_random_adapter"](Path(tmp) / f"a{i}", target.arch, rank=16, seed=i)
-                    for i in range(args.adapters)
-                ]
-            for i, path in enumerate(adapters):
-                target.lora.load(f"a{i}", path)
-            draft = rt["make_runner"](draft_dir, argparse.Namespace(**{**vars(sized), "adapters": 1}), backend)
             report.append(table(phases(target, draft, args, rt), f"fused ops {setting}"))
             print(report[-1], flush=True)
-            del target, draft
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
     if args.out:
         args.out.write_text("\n".join(report))
     return 0

@@ -45,8 +45,12 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kind", [{}, {"architecture": "qwen3", "head_dim": 32, "seed": 5}])
 def test_fused_kernels_in_the_model(tmp_path, device, monkeypatch, kind):
     model_dir = build_tiny_model(tmp_path / "m", **kind)
-    reference = _steps(_runner(model_dir, device))
-    monkeypatch.setattr(model_ops, "_use_triton", lambda *tensors: True)
+    model_ops.set_fused(False)  # the torch path, on a GPU too
+    try:
+        reference = _steps(_runner(model_dir, device))
+    finally:
+        model_ops.set_fused(True)
+    monkeypatch.setattr(model_ops, "_use_triton", lambda *tensors: True)  # the kernels, on the CPU too
     fused = _steps(_runner(model_dir, device))
     # float32 throughout; a GPU contracts products and sums into one rounding where torch rounds twice
     tol = 1e-4 if device.type == "cuda" else 1e-5
