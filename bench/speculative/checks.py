@@ -86,14 +86,14 @@ def eagle_check(
 
 def _served_head(runner: ModelRunner, head_dir: Path, longest: int):
     """The runtime's EAGLE draft runner for ``head_dir`` over ``runner``'s target."""
-    from loraserve.runtime.speculative.eagle.model import base_weight
+    from loraserve.runtime.speculative.draft.settings import DraftSettings, base_weight
     from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
-    return EagleDraftRunner(
+    return EagleDraftRunner(DraftSettings(
         str(head_dir), target_arch=runner.arch, embed_weight=base_weight(runner.embed_tokens),
         lm_head_weight=base_weight(runner.lm_head), dtype=runner.dtype, device=runner.device,
         max_total_tokens=2 * longest, max_requests=2, max_context_len=longest,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _proposals(runner: ModelRunner, served, ref, ref_head: EagleHead, prompt: list[int], steps: int,

@@ -26,15 +26,15 @@ def dflash_check(
     from loraserve.kernels import ForwardMode
     from loraserve.runtime.runner.forward_batch import ForwardBatch
     from loraserve.runtime.speculative.dflash.runner import DFlashDraftRunner
-    from loraserve.runtime.speculative.eagle.model import base_weight
+    from loraserve.runtime.speculative.draft.settings import DraftSettings, base_weight
 
     device = runner.device
     longest = max(len(p) for p in prompts) + draft.block + 1
-    served = DFlashDraftRunner(
+    served = DFlashDraftRunner(DraftSettings(
         draft_dir, target_arch=runner.arch, target_dir=runner.model_path,
         embed_weight=base_weight(runner.embed_tokens), lm_head_weight=base_weight(runner.lm_head),
         dtype=runner.dtype, device=device, max_total_tokens=2 * longest, max_requests=2, max_context_len=longest,
-    )  # fmt: skip
+    ))  # fmt: skip
     ref = AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=runner.dtype).to(device).eval()
     trained = draft.to(device=device, dtype=torch.float32)
     agree = torch.zeros(draft.block - 1)

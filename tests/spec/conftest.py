@@ -133,11 +133,13 @@ def eagle_runner(
     path: Path, arch: ModelArchConfig, target: torch.nn.Module, device: str = "cpu", **kwargs
 ) -> EagleDraftRunner:
     """An EAGLE draft runner of ``path`` over ``target``'s embedding and LM head, float32 on
-    ``device``, holding 1024 tokens of up to 8 requests of 256; ``kwargs`` go to the runner."""
+    ``device``, holding 1024 tokens of up to 8 requests of 256; ``kwargs`` go to its
+    :class:`DraftSettings`."""
+    from loraserve.runtime.speculative.draft.settings import DraftSettings
     from loraserve.runtime.speculative.eagle.runner import EagleDraftRunner
 
     sizes = {"max_total_tokens": 1024, "max_requests": 8, "max_context_len": 256}
-    return EagleDraftRunner(
+    settings = DraftSettings(
         str(path),
         target_arch=arch,
         embed_weight=target.embed_tokens.weight,
@@ -146,6 +148,7 @@ def eagle_runner(
         device=device,
         **{**sizes, **kwargs},
     )
+    return EagleDraftRunner(settings)
 
 
 def spec_config(

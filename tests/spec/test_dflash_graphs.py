@@ -16,6 +16,7 @@ import torch
 from loraserve.runtime.sampling import SamplingParams
 from loraserve.runtime.speculative.dflash.graphs import DFlashGraphRunner
 from loraserve.runtime.speculative.dflash.runner import DFlashDraftRunner
+from loraserve.runtime.speculative.draft.settings import DraftSettings
 
 from .conftest import tiny_target
 from .test_dflash import _config, _requests, baseline, drafts  # noqa: F401 (fixtures)
@@ -38,11 +39,11 @@ def dflash_pair(
     arch, target = tiny_target(spec_assets, device)
 
     def make(attention: str = "sdpa") -> DFlashDraftRunner:
-        return DFlashDraftRunner(
+        return DFlashDraftRunner(DraftSettings(
             draft, target_arch=arch, target_dir=spec_assets.target, embed_weight=target.embed_tokens.weight,
             lm_head_weight=target.lm_head.weight, dtype=torch.float32, device=device, max_total_tokens=2048,
             max_requests=8, max_context_len=256, attention_backend=attention,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     graphed, eager = make(attention), make()
     graphed.graphs = DFlashGraphRunner(graphed, max_bs=max_bs, width=width, use_graphs=use_graphs)

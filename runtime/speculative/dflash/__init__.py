@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ...model.arch import ModelConfigError
-from ..draft.settings import head_runner_args
+from ..draft.settings import DraftSettings
 from ..draft_config import SpeculativeConfigError
 
 if TYPE_CHECKING:
@@ -31,12 +31,7 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler, requested: Sp
 
     spec = config.speculative
     try:
-        draft_runner = DFlashDraftRunner(
-            **head_runner_args(config, runner),
-            target_dir=runner.model_path,
-            cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
-            block_width=int(spec.num_draft_tokens),
-        )
+        draft_runner = DFlashDraftRunner(DraftSettings.beside(config, runner))
         draft_runner.config.check_block(int(spec.num_draft_tokens))
     except ModelConfigError as exc:
         field = "speculative.num_draft_tokens" if "num_draft_tokens" in str(exc) else "speculative.draft_model_path"

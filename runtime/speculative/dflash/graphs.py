@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ...kv import Allocation
-from ...runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
+from ...runner.graph_runner import Captured, StaticRequests, fill_padded
+from ..draft.graphs import DraftGraphRunner
 
 if TYPE_CHECKING:
     from .runner import DFlashDraftRunner
@@ -86,7 +87,7 @@ class _FeedStatic(StaticRequests):
 Block = tuple[torch.Tensor, torch.Tensor]  # greedy tokens [bs, width - 1], hidden [bs, width - 1, H]
 
 
-class DFlashGraphRunner(GraphRunner):
+class DFlashGraphRunner(DraftGraphRunner):
     """Pads uniform DFLASH draft forwards into static buffers and replays captured graphs.
 
     ``width``: the block (the verify width), fixed for the runner's life. ``use_graphs=False``
@@ -106,15 +107,6 @@ class DFlashGraphRunner(GraphRunner):
         self._blocks: dict[_BlockKey, Captured[Block]] = self.new_table()
         self._feed_static: _FeedStatic | None = None
         self._feeds: dict[_FeedKey, Captured[torch.Tensor]] = self.new_table()
-
-    @property
-    def disabled(self) -> bool:
-        """A capture failed: :meth:`can_run` refuses every batch (the runner runs them eagerly)."""
-        return self.capture_failures > 0
-
-    def can_run(self, batch_size: int) -> bool:
-        """Whether a forward of ``batch_size`` requests goes through the static path."""
-        return not self.disabled and 0 < batch_size <= self.max_bs
 
     def check_width(self, width: int) -> None:
         """Refuse a block or a verify of another width than the graphs' (their layout is fixed)."""

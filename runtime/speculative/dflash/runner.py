@@ -1,8 +1,8 @@
 """Runs a DFLASH draft next to its target, with the draft's own KV cache.
 
 The draft's KV of projected context features is a separate
-:class:`~loraserve.runtime.kv.KVCache` with one layer per draft layer, sized like the
-target's (so the draft can never run out before the target does). It is the same paged
+:class:`~loraserve.runtime.kv.KVCache` with one layer per draft layer
+(:class:`~..draft.runner.DraftRunner`'s), sized like the target's (so the draft can never run out before the target does). It is the same paged
 pool the target and the EAGLE head use rather than per-request tensors: appends are O(new
 rows), dropping a request returns its slots at once, and the block forward attends through
 the same attention layer (SDPA or the paged Triton kernel) the target uses.
@@ -22,15 +22,12 @@ greedy verify) replay from :class:`.DFlashGraphRunner`; prefill chunks stay eage
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ...kv import KVCache
-from ...model.arch import ModelArchConfig, ModelConfigError
-from ...model.layers import build_attention_metadata
-from ...runner.graph_runner import context_bucket
+from ..draft.runner import DraftRunner
+from ..draft.settings import DraftSettings
 from .format import (
     DFlashDraftConfig,
     load_dflash_config,
@@ -42,94 +39,51 @@ from .graphs import DFlashGraphRunner
 from .model import DFlashDraftModel
 
 
-class DFlashDraftRunner:
+class DFlashDraftRunner(DraftRunner):
     """Loads a DFLASH draft next to its target; appends context and drafts blocks."""
 
-    is_draft = True
+    kind = "a DFLASH draft"
     lora = None  # drafts never carry adapters
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        target_arch: ModelArchConfig,
-        target_dir: str | Path,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        max_total_tokens: int,
-        max_requests: int,
-        max_context_len: int,
-        architecture: str | None = None,
-        load_format: str = "auto",
-        seed: int = 0,
-        attention_backend: str = "sdpa",
-        cuda_graph_max_bs: int = 0,
-        block_width: int | None = None,
-    ):
-        """``embed_weight`` / ``lm_head_weight``: the target's BASE weights (unwrapped from
-        any adapter wrapper by the caller); ``attention_backend``: the target's.
-        ``cuda_graph_max_bs``: replay blocks of ``block_width`` rows (the verify width) and
-        context appends of up to this many requests from CUDA graphs (:mod:`.graphs`;
-        0 or no ``block_width``: always eager)."""
-        self.path = Path(path)
+    def __init__(self, settings: DraftSettings):
+        """``settings.embed_weight`` / ``lm_head_weight``: the target's BASE weights;
+        ``settings.target_dir``: where the mask token is read when the draft does not state
+        it. ``settings.cuda_graph_max_bs``: replay blocks of ``settings.verify_width`` rows
+        and context appends of up to this many requests from CUDA graphs (:mod:`.graphs`;
+        0 or no ``verify_width``: always eager)."""
+        super().__init__(settings)
+        path = settings.path
+        target = settings.target_arch
         self.config: DFlashDraftConfig = load_dflash_config(
-            path, target_num_layers=target_arch.num_layers, architecture_override=architecture
+            path, target_num_layers=target.num_layers, architecture_override=settings.architecture
         )
-        self.config.check_target(target_arch)
+        self.config.check_target(target)
         self.mask_token_id, self.mask_source = resolve_mask_token_id(
-            self.config, draft_dir=path, target_dir=target_dir, vocab_size=target_arch.vocab_size
+            self.config, draft_dir=path, target_dir=settings.target_dir, vocab_size=target.vocab_size
         )
-        if load_format in ("auto", "safetensors"):
-            tensors = load_dflash_tensors(path, self.config)
-        elif load_format == "dummy":
-            tensors = random_dflash_tensors(self.config, seed=seed)
-        else:
-            raise ModelConfigError(
-                f"speculative.draft_load_format {load_format!r} cannot load a DFLASH draft: use 'auto' or "
-                "'safetensors' (pickle 'pt' weights are refused), or 'dummy' for random weights"
-            )
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.attention_backend = attention_backend
-        self.model = DFlashDraftModel(
+        tensors = self.load_tensors(
+            lambda: load_dflash_tensors(path, self.config),
+            lambda seed: random_dflash_tensors(self.config, seed=seed),
+        )
+        model = DFlashDraftModel(
             self.config,
-            embed_weight=embed_weight,
-            lm_head_weight=lm_head_weight,
-            max_positions=max_context_len,
-            dtype=dtype,
+            embed_weight=settings.embed_weight,
+            lm_head_weight=settings.lm_head_weight,
+            max_positions=settings.max_context_len,
+            dtype=self.dtype,
             device=self.device,
         )
-        self.model.load_weights(tensors)
-        self.model.eval()
+        self.install(model, tensors)
         layer = self.config.layer
-        self.kv = KVCache(
-            num_layers=layer.num_layers,
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim,
-            dtype=dtype,
-            device=self.device,
-            max_total_tokens=max_total_tokens,
-            max_requests=max_requests,
-            max_context_len=max_context_len,
-        )
+        self.allocate_kv(layer.num_layers, layer.num_kv_heads, layer.head_dim)
         self.graphs: DFlashGraphRunner | None = None
-        if cuda_graph_max_bs > 0 and block_width is not None and self.device.type == "cuda":
-            self.graphs = DFlashGraphRunner(self, max_bs=cuda_graph_max_bs, width=block_width)
+        if self.graphs_wanted() and settings.verify_width is not None:
+            self.graphs = DFlashGraphRunner(self, max_bs=settings.cuda_graph_max_bs, width=settings.verify_width)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """The target's residual streams the draft reads (``ForwardBatch.hidden_layers``)."""
         return self.config.capture_layers
-
-    @property
-    def attn_groups(self) -> int:
-        return self.config.layer.num_heads // self.config.layer.num_kv_heads
-
-    def held(self, request_id: Hashable) -> int:
-        """Context entries the draft holds for a request (0 when it has none)."""
-        return self.kv.seq_len(request_id) if request_id in self.kv else 0
 
     @property
     def feature_size(self) -> int:
@@ -209,24 +163,11 @@ class DFlashDraftRunner:
         # prefix + n and sees the whole context and every node (non-causal in the block).
         depths = torch.arange(width, device=self.device).expand(bs, width)
         visible = torch.ones(bs, width, width, dtype=torch.bool, device=self.device)
-        meta = build_attention_metadata(
-            req_to_token=self.kv.req_to_token,
-            rows=rows,
-            prefix_lens=prefix_lens,
-            out_cache_loc=slots,
-            max_q=width,
-            max_ctx=context,
-            groups=self.attn_groups,
-            backend=self.attention_backend,
-            tree_depths=depths,
-            tree_ancestors=visible,
+        meta = self.attention(
+            rows, prefix_lens, slots, width, context, tree_depths=depths, tree_ancestors=visible
         )
         hidden = self.model(ids.reshape(-1), meta, self.kv.k_buffers, self.kv.v_buffers)
         return hidden.view(bs, width, -1)[:, 1:]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the target's vocabulary from the draft's final hidden rows."""
-        return self.model.compute_logits(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's argmax of each hidden row (int64, the rows' shape without ``H``)."""
@@ -250,7 +191,7 @@ class DFlashDraftRunner:
                 out = self.graphs.run_block(alloc, first)
             else:
                 prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-                context = context_bucket(max(alloc.seq_lens), self.kv.max_context_len)
+                context = self.context(alloc)
                 hidden = self.block_hidden(alloc.rows, prefix, alloc.out_cache_loc, context, first, width)
                 out = self.greedy_tokens(hidden), hidden
         for rid in request_ids:
@@ -311,6 +252,3 @@ class DFlashDraftRunner:
         for rid, n in zip(request_ids, keep, strict=True):
             if n < rows:
                 self.kv.truncate(rid, rows - n)
-
-    def release(self, request_id: Hashable) -> None:
-        self.kv.free(request_id)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ...contract.config import SpecAlgorithm
 from ...model.arch import ModelConfigError
-from ..draft.settings import head_runner_args
+from ..draft.settings import DraftSettings
 from ..draft_config import SpeculativeConfigError
 
 if TYPE_CHECKING:
@@ -38,13 +38,8 @@ def build_drafter(config: RuntimeConfig, runner, sampler: Sampler, requested: Sp
     spec = config.speculative
     algorithm = SpecAlgorithm(spec.algorithm)
     try:
-        draft_runner = EagleDraftRunner(
-            **head_runner_args(config, runner),
-            cuda_graph_max_bs=config.cuda_graph.max_bs if config.cuda_graph.enabled else 0,
-            token_map=spec.token_map,
-            # The head's own draft adapter pool (never the target's adapters).
-            draft_lora=spec.draft_lora_pool(config.lora),
-        )
+        # The head's own draft adapter pool only (never the target's adapters).
+        draft_runner = EagleDraftRunner(DraftSettings.beside(config, runner))
     except TokenMapError as exc:
         raise SpeculativeConfigError("speculative.token_map", str(exc)) from exc
     except ModelConfigError as exc:

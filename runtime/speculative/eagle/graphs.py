@@ -53,7 +53,8 @@ import torch
 
 from ...kv import Allocation
 from ...model.layers import AttentionMetadata
-from ...runner.graph_runner import Captured, GraphRunner, StaticRequests, fill_padded
+from ...runner.graph_runner import Captured, StaticRequests, fill_padded
+from ..draft.graphs import DraftGraphRunner
 from ..tree import DraftTree, TreeShape, expand_tree, tree_attention_mask
 from .lora import HeadAdapterBatch, HeadGraphLoRA
 
@@ -115,7 +116,7 @@ class _Static(StaticRequests):
 _Hidden = tuple[torch.Tensor, torch.Tensor | None]  # output features, logits of single steps
 
 
-class EagleGraphRunner(GraphRunner):
+class EagleGraphRunner(DraftGraphRunner):
     """Pads uniform EAGLE draft forwards into static buffers and replays captured graphs.
 
     ``use_graphs=False`` runs the same padded static path eagerly (the CPU tests use it).
@@ -134,14 +135,6 @@ class EagleGraphRunner(GraphRunner):
         self._trees: dict[_TreeKey, Captured[tuple[torch.Tensor, ...]]] = self.new_table()
         self._lora: HeadGraphLoRA | None = None  # draft adapters' fixed layouts, made on first use
         self._adapted: dict[int, dict] = {}  # id of a plain table -> its graphs with draft adapters
-
-    @property
-    def disabled(self) -> bool:
-        """A capture failed: :meth:`can_run` refuses every batch (the runner runs them eagerly)."""
-        return self.capture_failures > 0
-
-    def can_run(self, batch_size: int) -> bool:
-        return not self.disabled and 0 < batch_size <= self.max_bs
 
     def run(
         self,

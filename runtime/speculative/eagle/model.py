@@ -25,21 +25,6 @@ from ..draft_vocab import DraftVocab
 from .format import EagleDraftConfig
 
 
-def base_weight(module: nn.Module) -> torch.Tensor:
-    """The base weight of an embedding / LM head, unwrapped from any adapter wrapper.
-
-    Wrappers in the PEFT style keep the original module as ``base_layer``; the runtime's
-    own layers keep adapters outside the module. Either way the returned tensor is the
-    base model's weight, and a draft using it sees no adapter.
-    """
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(module).__name__} has no weight tensor to share with a draft")
-    return weight
-
-
 class EagleDecoderLayer(LlamaDecoderLayer):
     """The target's decoder layer with EAGLE's input side (checkpoint prefix ``layers.0.``).
 

@@ -2,8 +2,9 @@
 
 The draft's cache mirrors the target's token positions: entry ``i`` of a request holds
 the draft layer's K/V for the pair (feature of position ``i``, token ``i + 1``). It is a
-separate :class:`~loraserve.runtime.kv.KVCache` of one layer, sized to hold as many
-tokens as the target's, so the draft can never run out before the target does.
+separate :class:`~loraserve.runtime.kv.KVCache` of one layer (:class:`~..draft.runner.DraftRunner`'s,
+sized to hold as many tokens as the target's, so the draft can never run out before the
+target does).
 
 Draft adapters (``draft_lora``: the serve's draft adapter pool, :mod:`.lora`): every
 public call takes ``lora_names``, each request's draft adapter (None: the base head), and
@@ -14,16 +15,14 @@ never reach this runner.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ...contract.config import LoRAConfig
-from ...kv import Allocation, KVCache
-from ...model.arch import ModelArchConfig, ModelConfigError
-from ...model.layers import build_attention_metadata
-from ...runner.graph_runner import context_bucket
+from ..draft.runner import DraftRunner
+from ..draft.settings import DraftSettings
 from ..draft_vocab import (
     DraftVocab,
     TokenMapError,
@@ -39,87 +38,53 @@ from .lora import HeadAdapterBatch, HeadLoRAManager
 from .model import EagleDraftModel
 
 
-class EagleDraftRunner:
+class EagleDraftRunner(DraftRunner):
     """Loads a draft head next to its target and runs ragged or uniform batches of it."""
 
-    is_draft = True
+    kind = "an EAGLE draft"
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        target_arch: ModelArchConfig,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        max_total_tokens: int,
-        max_requests: int,
-        max_context_len: int,
-        architecture: str | None = None,
-        load_format: str = "auto",
-        seed: int = 0,
-        cuda_graph_max_bs: int = 0,
-        token_map: str | None = None,
-        attention_backend: str = "sdpa",
-        draft_lora: LoRAConfig | None = None,
-    ):
-        """``cuda_graph_max_bs``: replay single-row draft steps of up to this many requests
-        from CUDA graphs (:mod:`.graphs`; 0: always eager). ``token_map``: a file of
-        token ids the draft predicts over, through those rows of the target's LM head
-        (:func:`..draft_vocab.load_token_map`; relative paths are files of the draft's
-        directory). ``attention_backend``: the target's (see :mod:`...model.layers.attention`).
-        ``draft_lora``: the draft adapter pool (``speculative.draft_lora_pool``; None: every
-        request drafts with the base head)."""
-        self.attention_backend = attention_backend
+    def __init__(self, settings: DraftSettings):
+        """``settings.cuda_graph_max_bs``: replay single-row draft steps of up to this many
+        requests from CUDA graphs (:mod:`.graphs`; 0: always eager). ``settings.token_map``:
+        a file of token ids the draft predicts over, through those rows of the target's LM
+        head (:func:`..draft_vocab.load_token_map`; relative paths are files of the draft's
+        directory). ``settings.draft_lora``: the draft adapter pool (None: every request
+        drafts with the base head)."""
+        super().__init__(settings)
+        path = str(settings.path)
         self.config: EagleDraftConfig = load_eagle_config(
-            path, architecture_override=architecture, target_num_layers=target_arch.num_layers
+            path, architecture_override=settings.architecture, target_num_layers=settings.target_arch.num_layers
         )
-        self.config.check_target(target_arch)
-        map_file = resolve_token_map(token_map, path) if token_map else None
-        tensors = _draft_tensors(
-            path, self.config, load_format, seed, exclude=(map_file,) if map_file else ()
+        self.config.check_target(settings.target_arch)
+        map_file = resolve_token_map(settings.token_map, path) if settings.token_map else None
+        exclude = (map_file,) if map_file else ()
+        tensors = self.load_tensors(
+            lambda: load_eagle_tensors(path, self.config, exclude=exclude),
+            lambda seed: _random_tensors(self.config, seed),
         )
-        self.device = torch.device(device)
-        self.dtype = dtype
         self.vocab = _draft_vocab(
-            self.config, tensors, lm_head_weight, map_file, path, dtype=dtype, device=self.device
+            self.config, tensors, settings.lm_head_weight, map_file, path, dtype=self.dtype, device=self.device
         )
-        self.model = EagleDraftModel(
+        model = EagleDraftModel(
             self.config,
-            embed_weight=embed_weight,
+            embed_weight=settings.embed_weight,
             vocab=self.vocab,
-            max_positions=max_context_len,
-            dtype=dtype,
+            max_positions=settings.max_context_len,
+            dtype=self.dtype,
             device=self.device,
             has_input_norm=INPUT_NORM in tensors,
         )
-        self.model.load_weights(tensors)
-        self.model.eval()
-        self.lora: HeadLoRAManager | None = _draft_pool(draft_lora, self.model, self.device, dtype)
+        self.install(model, tensors)
+        self.lora: HeadLoRAManager | None = _draft_pool(settings.draft_lora, model, self.device, self.dtype)
         self._adapters: HeadAdapterBatch | None = None  # the call in progress's draft adapters
         layer = self.config.layer
-        self.kv = KVCache(
-            num_layers=1,
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim,
-            dtype=dtype,
-            device=self.device,
-            max_total_tokens=max_total_tokens,
-            max_requests=max_requests,
-            max_context_len=max_context_len,
-        )
+        self.allocate_kv(1, layer.num_kv_heads, layer.head_dim)
         self.graphs: EagleGraphRunner | None = None
         # Draft adapters inside graphs need kernels that read device tensors alone (Triton),
         # as the target's do; with another LoRA backend the head runs eagerly.
         capturable = self.lora is None or self.lora.backend.name == "triton"
-        if cuda_graph_max_bs > 0 and self.device.type == "cuda" and capturable:
-            self.graphs = EagleGraphRunner(self, max_bs=cuda_graph_max_bs)
-
-    @property
-    def attn_groups(self) -> int:
-        """Query heads per KV head of the draft's layer."""
-        return self.config.layer.num_heads // self.config.layer.num_kv_heads
+        if self.graphs_wanted() and capturable:
+            self.graphs = EagleGraphRunner(self, max_bs=settings.cuda_graph_max_bs)
 
     @property
     def version(self) -> int:
@@ -170,7 +135,7 @@ class EagleDraftRunner:
                 torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device),
                 alloc.out_cache_loc,
                 max(lens),
-                self._context(alloc),
+                self.context(alloc),
                 input_ids.to(self.device),
                 features.to(device=self.device, dtype=self.dtype),
                 from_target=from_target,
@@ -196,17 +161,7 @@ class EagleDraftRunner:
         (``q_lens``: each request's own count, a ragged batch, ``ragged_lens`` on the host),
         attending over ``context`` key columns. Uniform calls use device tensors only, so
         the graph runner captures them."""
-        meta = build_attention_metadata(
-            req_to_token=self.kv.req_to_token,
-            rows=rows,
-            prefix_lens=prefix_lens,
-            out_cache_loc=out_cache_loc,
-            max_q=width,
-            max_ctx=context,
-            groups=self.attn_groups,
-            q_lens=q_lens,
-            backend=self.attention_backend,
-        )
+        meta = self.attention(rows, prefix_lens, out_cache_loc, width, context, q_lens=q_lens)
         self.apply_adapters(width, ragged_lens)
         return self.model(
             input_ids, features, meta, self.kv.k_buffers[0], self.kv.v_buffers[0], from_target=from_target
@@ -217,9 +172,6 @@ class EagleDraftRunner:
         request, or ``ragged_lens``); nothing when no request of the call has one."""
         if self._adapters is not None:
             self._adapters.apply(width, ragged_lens)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_uniform(
@@ -288,7 +240,7 @@ class EagleDraftRunner:
         if num_tokens < 1:
             raise ValueError(f"a draft chain proposes at least one token, got num_tokens={num_tokens}")
         steps = num_tokens - 1
-        with self._adapting(lora_names, graphed=True) as slots, self._allocated(request_ids, steps) as alloc:
+        with self._adapting(lora_names, graphed=True) as slots, self.allocated(request_ids, steps) as alloc:
             return self.graphs.run_chain(alloc, hidden.to(self.device, self.dtype), steps, slots=slots)
 
     @torch.inference_mode()
@@ -318,7 +270,7 @@ class EagleDraftRunner:
         steps = num_tokens - 1
         with (
             self._adapting(lora_names, graphed=True) as slots,
-            self._allocated(request_ids, width + steps) as alloc,
+            self.allocated(request_ids, width + steps) as alloc,
         ):
             return self.graphs.run_feed_chain(
                 alloc,
@@ -346,13 +298,13 @@ class EagleDraftRunner:
         graphed = self._graphable(len(request_ids))
         with (
             self._adapting(lora_names, graphed=graphed) as slots,
-            self._allocated(request_ids, shape.entries) as alloc,
+            self.allocated(request_ids, shape.entries) as alloc,
         ):
             if graphed:
                 return self.graphs.run_tree(alloc, hidden, shape, slots=slots)  # type: ignore[union-attr]
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
             locs = alloc.out_cache_loc.view(len(request_ids), shape.entries)
-            return grow_tree(self, alloc.rows, prefix, locs, self._context(alloc), hidden, shape)
+            return grow_tree(self, alloc.rows, prefix, locs, self.context(alloc), hidden, shape)
 
     @torch.inference_mode()
     def feed_tree(
@@ -377,7 +329,7 @@ class EagleDraftRunner:
         graphed = self._graphable(bs)
         with (
             self._adapting(lora_names, graphed=graphed) as slots,
-            self._allocated(request_ids, width + shape.entries) as alloc,
+            self.allocated(request_ids, width + shape.entries) as alloc,
         ):
             if graphed:
                 return self.graphs.run_feed_tree(  # type: ignore[union-attr]
@@ -385,7 +337,7 @@ class EagleDraftRunner:
                 )
             locs = alloc.out_cache_loc.view(bs, width + shape.entries)
             prefix = torch.tensor(alloc.prefix_lens, dtype=torch.int64, device=self.device)
-            context = self._context(alloc)
+            context = self.context(alloc)
             hidden = self.head(
                 alloc.rows, prefix, locs[:, :width].reshape(-1), width, context, input_ids, features,
                 from_target=True,
@@ -396,10 +348,6 @@ class EagleDraftRunner:
                 self, alloc.rows, prefix + accept + 1, locs.gather(1, offsets), context, tails, shape
             )
             return tree, tails
-
-    def _context(self, alloc: Allocation) -> int:
-        """Key columns, bucketed as the target's contexts: a new length each step would be a new shape."""
-        return context_bucket(max(alloc.seq_lens), self.kv.max_context_len)
 
     def _replay(
         self,
@@ -414,7 +362,7 @@ class EagleDraftRunner:
         """Allocate ``width`` rows per request and run them through the graph runner; on
         failure the allocation is rolled back."""
         assert self.graphs is not None
-        with self._allocated(request_ids, width) as alloc:
+        with self.allocated(request_ids, width) as alloc:
             return self.graphs.run(
                 alloc,
                 input_ids.to(self.device),
@@ -451,10 +399,6 @@ class EagleDraftRunner:
             yield
         finally:
             self._adapters = None
-
-    def _allocated(self, request_ids: Sequence[Hashable], rows: int) -> AbstractContextManager[Allocation]:
-        """``rows`` new cache entries per request, rolled back if the body fails."""
-        return self.kv.allocating(request_ids, [rows] * len(request_ids))
 
 
 def _draft_pool(
@@ -501,30 +445,15 @@ def _draft_vocab(
     )
 
 
-def _draft_tensors(
-    path: str, config: EagleDraftConfig, load_format: str, seed: int, *, exclude: tuple[Path, ...] = ()
-) -> dict[str, torch.Tensor]:
-    """The draft's weights per ``speculative.draft_load_format``.
-
-    ``auto`` / ``safetensors`` read the checkpoint; ``dummy`` draws random weights of the
-    right shapes (for benchmarks of the machinery alone); ``pt`` pickles are refused,
-    since loading one can run arbitrary code.
-    """
-    if load_format in ("auto", "safetensors"):
-        return load_eagle_tensors(path, config, exclude=exclude)
-    if load_format == "dummy":
-        generator = torch.Generator().manual_seed(seed)
-        tensors = {
-            name: torch.ones(shape)
-            if name.endswith("norm.weight")
-            else torch.randn(shape, generator=generator) * 0.02
-            for name, shape in config.tensor_shapes().items()
-            if name != "d2t"
-        }
-        if "d2t" in config.tensor_shapes():
-            tensors["d2t"] = torch.zeros(config.draft_vocab_size or 0, dtype=torch.int64)  # the first tokens
-        return tensors
-    raise ModelConfigError(
-        f"speculative.draft_load_format {load_format!r} cannot load an EAGLE draft: use 'auto' or "
-        "'safetensors' (pickle 'pt' weights are refused), or 'dummy' for random weights"
-    )
+def _random_tensors(config: EagleDraftConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of the head's shapes (``dummy``): unit norms, small projections, and a
+    ``d2t`` that maps the draft vocabulary onto the target's first tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.02
+        for name, shape in config.tensor_shapes().items()
+        if name != "d2t"
+    }
+    if "d2t" in config.tensor_shapes():
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size or 0, dtype=torch.int64)  # the first tokens
+    return tensors

@@ -392,13 +392,13 @@ def load_head_pair(
     """The teacher over ``teacher_model`` (the adapted target), the head student (training
     ``unroll`` chained draft steps), and the logit width both give (the head's vocabulary)."""
     from ...model.arch import ModelConfigError
-    from ...speculative.eagle.model import base_weight
+    from ...speculative.draft.settings import DraftSettings, base_weight
     from ...speculative.eagle.runner import EagleDraftRunner
 
     check_head_settings(lora)
     base = teacher_model.get_base_model() if hasattr(teacher_model, "get_base_model") else teacher_model
     try:
-        runner = EagleDraftRunner(
+        settings = DraftSettings(
             str(draft_dir),
             target_arch=load_arch_config(target_dir),
             embed_weight=base_weight(base.get_input_embeddings()).detach(),
@@ -409,6 +409,7 @@ def load_head_pair(
             max_requests=1,
             max_context_len=seq_len,
         )
+        runner = EagleDraftRunner(settings)
     except ModelConfigError as exc:
         raise DistillError(f"--draft {str(draft_dir)!r} is not an EAGLE head of this target: {exc}") from exc
     vocab = runner.model.vocab
