@@ -168,7 +168,7 @@ ALGORITHMS: dict[SpecAlgorithm, AlgorithmTraits] = {
         package=_SPEC + "dflash",
     ),
     SpecAlgorithm.DSPARK: AlgorithmTraits(
-        "a separate draft model whose verify may be ragged (a width per request)",
+        "a DFLASH backbone with a Markov head and a confidence head, verified with a width per request",
         needs_draft_model=True,
         lora_static_verify=True,
         unimplemented_reason=(
