@@ -124,7 +124,7 @@ def default_draft_tokens(spec: Any) -> int | None:
     draft checkpoint's ``block_size``, as the reference engine defaults it; only the
     runtime's start-up can read the checkpoint, so until then the width is None (no flag on
     the pod's command line) and start-up fills it in (``runtime.cli``; a checkpoint that
-    states no block gets the reference's default, ``dflash_format.UNSTATED_BLOCK``).
+    states no block gets the reference's default, ``speculative.dflash.format.UNSTATED_BLOCK``).
     """
     if not chain_verify(spec.algorithm):
         return None
