@@ -64,7 +64,7 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3")
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -140,6 +140,25 @@ def copy_tokenizer(src_dir: str | Path, dest: str | Path) -> None:
         raise FileNotFoundError(f"{src_dir} has no tokenizer.json to share")
 
 
+def _gemma3_config(kwargs: dict, rope: dict, extra: dict):
+    """A tiny Gemma 3 (text) config: global rope as given, local rope at Gemma's 10000, a
+    window of 4 and alternating sliding / global layers unless ``extra`` (the ``moe`` argument,
+    reused for Gemma's fields) says otherwise."""
+    import transformers
+
+    layers = kwargs["num_hidden_layers"]
+    fields = {
+        "sliding_window": 4,
+        "query_pre_attn_scalar": kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"],
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        **extra,
+    }
+    kwargs = {**kwargs, "rope_parameters": {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    config = transformers.Gemma3TextConfig(**kwargs, **fields)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return config, transformers.Gemma3ForCausalLM
+
+
 def _model_config(
     architecture: str,
     *,
@@ -190,6 +209,8 @@ def _model_config(
         return transformers.Qwen2Config(use_sliding_window=False, **kwargs), transformers.Qwen2ForCausalLM
     if architecture == "qwen3":
         return transformers.Qwen3Config(use_sliding_window=False, **kwargs), transformers.Qwen3ForCausalLM
+    if architecture == "gemma3":
+        return _gemma3_config(kwargs, rope, moe or {})
     moe = {**MOE_DEFAULTS, **(moe or {})}
     if architecture == "qwen3_moe":
         moe.setdefault("moe_intermediate_size", intermediate_size // 2)
@@ -271,6 +292,8 @@ def build_tiny_model(
             # Zero-initialised biases and unit norm weights would leave those paths untested.
             if architecture == "qwen2" and name.endswith("bias"):
                 torch.nn.init.normal_(param, std=initializer_range)
+            elif architecture == "gemma3" and name.endswith("norm.weight"):  # Gemma scales by 1 + w
+                torch.nn.init.normal_(param, std=4 * initializer_range)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 torch.nn.init.normal_(param, mean=1.0, std=4 * initializer_range)
     model = model.to(torch_dtype)

@@ -16,6 +16,7 @@ import torch
 
 from ..contract.errors import ModelConfigError
 from ..contract.policy.families import ARCHITECTURE_FAMILIES, MOE_FAMILIES
+from .gemma3_config import GemmaSpec, gemma_spec
 
 # The families served are the policy's table (the start-up check and admission judge it too).
 SUPPORTED_ARCHITECTURES = ARCHITECTURE_FAMILIES
@@ -86,6 +87,7 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3)
     moe: MoESpec | None = None  # the sparse MLP of MoE families; None: every MLP is dense
+    gemma: GemmaSpec | None = None  # Gemma 3's layer pattern, second rope and scalings
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -199,11 +201,17 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         )
     head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
     act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    if family == "gemma3":  # Gemma's GELU (tanh approximation), under its own key
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ModelConfigError(f"config.json hidden_activation {act!r} is not served for Gemma 3")
+    elif act not in ("silu", "swish"):
         raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
     sliding = raw.get("sliding_window")
     if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         sliding = None
+    if family == "gemma3":
+        sliding = None  # per layer: arch.gemma.sliding_layers
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope = _rope_spec(raw)
@@ -228,8 +236,9 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         rope=rope,
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         moe=moe_spec(raw, family),
+        gemma=gemma_spec(raw, raw["num_hidden_layers"]) if family == "gemma3" else None,
         torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype"), torch.float32),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -81,8 +81,11 @@ def build_model(
     With ``shard``/``group`` only this rank's share is built and loaded; random weights
     are then drawn whole and sliced, so every size of group builds the same model.
     """
+    model_cls = LlamaForCausalLM
+    if arch.gemma is not None:
+        from .gemma3 import Gemma3ForCausalLM as model_cls  # Gemma's layers in the Llama frame
     with torch.device(device):
-        model = LlamaForCausalLM(
+        model = model_cls(
             arch, max_positions=max_positions, dtype=dtype, device=device, shard=shard, group=group
         )
     if random_init_std is not None:
