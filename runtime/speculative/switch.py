@@ -13,7 +13,7 @@ What the measuring costs, and how it is kept small:
 
 - A new bucket starts from its nearest measured neighbours' verdict: their rates, relative
   to their best shape, scaled by this bucket's first own measurement (of the inherited best),
-  and their exploration intervals. Only a bucket with no measured neighbour measures every
+  and their exploration intervals (halved per doubling of batch size past the first). Only a bucket with no measured neighbour measures every
   shape it may use once (in the order given: the configured one first).
 - Exploration re-measures each other shape every ``explore_every`` steps while it is close
   (within ``LEAD``); one that lost by more backs off geometrically (``explore_every``, then
@@ -22,9 +22,10 @@ What the measuring costs, and how it is kept small:
 - A shape that lost by ``WIDE`` or more at this bucket (measured here since the last reset)
   and at each adjacent bucket (half and twice the size, where that is a batch size) is not
   explored at all.
-- The first step after a change of shape (from whatever bucket the previous step was in) is
-  charged to no shape: it carries the switch's own costs (a STANDALONE draft catching up, an
-  EAGLE head re-fed, a CUDA-graph replay of another width).
+- The first step after a change of shape (the previous step, in whatever bucket, and this
+  bucket's previous step were of another shape) is charged to no shape: it carries the
+  switch's own costs (a STANDALONE draft catching up, an EAGLE head re-fed, a CUDA-graph
+  replay of another width).
 
 Every shape is lossless, so the choice changes speed only.
 """
@@ -75,10 +76,11 @@ class _Bucket:
     interval: dict[StepShape, int] = field(default_factory=dict)  # steps between explorations
     due: dict[StepShape, int] = field(default_factory=dict)  # step of the next exploration
     exploring: StepShape | None = None
-    explore_left: int = 0  # further steps of ``exploring``
+    explore_left: int = 0  # further steps ``exploring`` may take until one of them is measured
     verdict: StepShape | None = None
     adapters: set[Hashable] = field(default_factory=set)  # served since the bucket began
     fresh: set[StepShape] = field(default_factory=set)  # measured here since the last reset
+    last: StepShape | None = None  # the shape of this bucket's last recorded step
 
     def rate(self, shape: StepShape) -> float | None:
         r = self.rates.get(shape)
@@ -106,7 +108,8 @@ class SpeculationSwitch:
     """
 
     EXPLORE_STEPS = 2
-    LEAD = 0.15  # a shape slower than the best by more than this backs off
+    MAX_EXPLORE_STEPS = 4  # an exploration ends at its first measured step, or after this many
+    LEAD = 0.03  # a shape slower than the best by more than this backs off
     WIDE = 0.30  # ... and by this much here and at the adjacent buckets: not explored
 
     def __init__(self, *, explore_every: int = 50, alpha: float = 0.2, max_explore_every: int | None = None):
@@ -138,7 +141,10 @@ class SpeculationSwitch:
         bucket has not served before restarts its exploration)."""
         if not shapes:
             raise ValueError("choose needs at least one shape")
-        b = self._bucket(batch_bucket(batch_size), shapes)
+        bucket = batch_bucket(batch_size)
+        b = self._buckets.setdefault(bucket, _Bucket())
+        if not any(r.samples for r in b.rates.values()):
+            self._inherit(b, bucket, shapes)  # until it measures, a bucket follows its neighbours
         new = set(adapters) - b.adapters
         if new:
             if b.adapters:  # not the bucket's first batch: the mix changed
@@ -157,7 +163,7 @@ class SpeculationSwitch:
             if b.verdict is not None:
                 b.reset_exploration()
             b.verdict = best
-        shape = self._explore(b, batch_bucket(batch_size), best, shapes)
+        shape = self._explore(b, bucket, best, shapes)
         return best if shape is None else shape
 
     def _explore(self, b: _Bucket, bucket: int, best: StepShape, shapes: Sequence[StepShape]) -> StepShape | None:
@@ -174,7 +180,7 @@ class SpeculationSwitch:
             elif not lost:
                 b.interval[s] = self.explore_every
             b.due[s] = b.steps + b.interval[s]
-            b.exploring, b.explore_left = s, self.EXPLORE_STEPS - 1
+            b.exploring, b.explore_left = s, self.MAX_EXPLORE_STEPS - 1
             return s
         return None
 
@@ -197,20 +203,20 @@ class SpeculationSwitch:
         return mine is not None and mine < (1 - self.WIDE) * best
 
     # ------------------------------------------------------------------ buckets
-    def _bucket(self, bucket: int, shapes: Sequence[StepShape]) -> _Bucket:
-        """The bucket, created from its nearest measured neighbours where there are any."""
-        b = self._buckets.get(bucket)
-        if b is not None:
-            return b
-        b = self._buckets[bucket] = _Bucket()
+    def _inherit(self, b: _Bucket, bucket: int, shapes: Sequence[StepShape]) -> None:
+        """Give an unmeasured bucket its nearest measured neighbours' relative rates and
+        back-off for the shapes it has no rate for."""
         distance, neighbours = self._nearest_measured(bucket, shapes)
+        if not neighbours:
+            return
         for s in shapes:
+            if b.rate(s) is not None:
+                continue
             rel = [n.rate(s) / max(n.rate(x) for x in shapes) for n in neighbours]  # type: ignore[operator]
-            if rel:
-                b.rates[s] = _Rate(tokens_per_s=sum(rel) / len(rel))
-                if distance <= 1:  # an adjacent bucket's back-off holds here too
-                    b.interval[s] = min(n.interval.get(s, self.explore_every) for n in neighbours)
-        return b
+            b.rates[s] = _Rate(tokens_per_s=sum(rel) / len(rel))
+            # The neighbours' back-off, halved for each doubling of batch size beyond the first.
+            longest = min(n.interval.get(s, self.explore_every) for n in neighbours)
+            b.interval[s] = max(self.explore_every, longest >> max(0, int(distance) - 1))
 
     def _nearest_measured(self, bucket: int, shapes: Sequence[StepShape]) -> tuple[float, list[_Bucket]]:
         """The buckets with a rate for each of ``shapes`` (at least one measured there) at the
@@ -228,10 +234,16 @@ class SpeculationSwitch:
     # ------------------------------------------------------------------ measurements
     def record(self, batch_size: int, shape: StepShape, *, tokens: int, seconds: float) -> None:
         """A finished step of ``shape``: ``tokens`` emitted for ``batch_size`` requests in ``seconds``."""
-        changed, self._last = self._last is not shape, shape
-        if changed or seconds <= 0:
-            return
         b = self._buckets.setdefault(batch_bucket(batch_size), _Bucket())
+        # A switch-over: the step before it, and this bucket's step before it, were of other
+        # shapes. (Where two buckets alternate with different shapes every step follows a
+        # change; each is then charged its share of that ongoing cost.)
+        switched = self._last is not shape and b.last is not shape
+        self._last = b.last = shape
+        if switched or seconds <= 0:
+            return
+        if b.exploring is shape:  # measured: the exploration is done
+            b.exploring, b.explore_left = None, 0
         value = tokens / seconds
         if not any(r.samples for r in b.rates.values()):
             # The first own measurement: inherited (relative) rates take this bucket's scale.
@@ -240,7 +252,7 @@ class SpeculationSwitch:
                 for s, r in b.rates.items():
                     if s is not shape and r.tokens_per_s is not None:
                         r.tokens_per_s *= value / prior
-        b.rates.setdefault(shape, _Rate()).add(value, self.alpha, b.steps, self.EXPLORE_STEPS + 1)
+        b.rates.setdefault(shape, _Rate()).add(value, self.alpha, b.steps, self.MAX_EXPLORE_STEPS + 2)
         b.fresh.add(shape)
 
     def verdict(self, batch_size: int, shapes: Sequence[StepShape]) -> StepShape | None:
