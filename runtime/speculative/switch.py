@@ -13,8 +13,9 @@ What the measuring costs, and how it is kept small:
 
 - A new bucket starts from its nearest measured neighbours' verdict: their rates, relative
   to their best shape, scaled by this bucket's first own measurement (of the inherited best),
-  and their exploration intervals (halved per doubling of batch size past the first). Only a bucket with no measured neighbour measures every
-  shape it may use once (in the order given: the configured one first).
+  and their exploration intervals (halved per doubling of batch size past the first). Only
+  a bucket with no measured neighbour measures every shape it may use once (in the order
+  given: the configured one first).
 - Exploration re-measures each other shape every ``explore_every`` steps while it is close
   (within ``LEAD``); one that lost by more backs off geometrically (``explore_every``, then
   twice that, ... up to ``max_explore_every``). A change of the verdict, or an adapter the
@@ -101,8 +102,9 @@ class SpeculationSwitch:
     """Chooses, per decode step, the shape with the best measured throughput.
 
     ``explore_every``: the base number of a bucket's steps between two re-measurements of a
-    shape not in use (each runs ``EXPLORE_STEPS`` steps of it: the switch-over, then one
-    measured). ``max_explore_every``: the longest back-off (default 16 × ``explore_every``),
+    shape not in use (each runs it until one step is measured: ``EXPLORE_STEPS``, the
+    switch-over and the measured step, where nothing interleaves; at most
+    ``MAX_EXPLORE_STEPS``). ``max_explore_every``: the longest back-off (default 16 × ``explore_every``),
     which bounds how long a shape that became the fastest goes unnoticed. ``alpha``: weight of
     a new measurement in the moving average.
     """
