@@ -43,6 +43,7 @@ import importlib.util
 import logging
 import os
 import platform
+import runpy
 import statistics
 import sys
 import tempfile
@@ -59,6 +60,8 @@ import aiohttp  # noqa: E402
 from loraserve.operator.config import OperatorConfig  # noqa: E402
 
 REPO = HERE.parent
+# bench/harness.py, imported as bootstrap.py imports a benchmark (this file runs by its path)
+harness = runpy.run_path(str(HERE / "bootstrap.py"))["import_module"]("harness")
 E2E = REPO / "tests" / "e2e"
 TARGET_P50_S = 2.0
 NS, SERVE = "bench", "tiny"
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a short run (adapter-load: 2 iterations, 1 warm-up; cluster: 2 adapters per timing)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    harness.add_output_args(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.iterations, args.warmup, args.adapters = 2, 1, 2
@@ -482,18 +485,20 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run_cluster(args))
         text = cluster_report(args, result)
         print(text)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text)
+        _write(args, text, result)
         phases = result.get("operations") or []
         return 1 if result["outcome"].failed() or any(p.failed() or p.problems for p in phases) else 0
     result = asyncio.run(run(args))
     text = report(args, result)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    _write(args, text, result)
     return 0
+
+
+def _write(args: argparse.Namespace, text: str, result: dict) -> None:
+    """The markdown to ``--out``, the run's numbers and environment as its JSON artifact."""
+    record = {"scenario": args.scenario, "env": harness.environment("cpu"), **result}
+    harness.write_report(text, record, out=args.out, json_to=args.json, name=f"operator-{args.scenario}")
 
 
 if __name__ == "__main__":

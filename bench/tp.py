@@ -20,10 +20,8 @@ what it costs to keep the draft on rank 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import runpy
 import sys
 import tempfile
@@ -58,11 +56,12 @@ SMOKE_PRESETS = {
 }  # fmt: skip
 
 
-def _runtime_bench() -> types.ModuleType:
-    """``bench/runtime.py`` as ``bench.runtime``: its model-config and adapter writers serve
-    here too (``bench/`` is no package and stays off ``sys.path``: ``bench/bootstrap.py``)."""
+def _bench_module(name: str) -> types.ModuleType:
+    """``bench/<name>`` as ``bench.<name>``: bench/runtime.py's model-config and adapter writers
+    and the harness serve here too (``bench/`` is no package and stays off ``sys.path``:
+    ``bench/bootstrap.py``)."""
     bootstrap = runpy.run_path(str(Path(__file__).resolve().with_name("bootstrap.py")))
-    return bootstrap["import_module"]("runtime")
+    return bootstrap["import_module"](name)
 
 
 def make_config(model_dir: Path, args, tp: int, dtype: str, adapters: dict[str, Path]) -> RuntimeConfig:
@@ -224,7 +223,7 @@ def draft_placement(handle, args, draft_dir: Path) -> dict:
 
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    files = _runtime_bench()
+    files = _bench_module("runtime")
     presets = {**files.PRESETS, **SMOKE_PRESETS}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model, seconds")
@@ -244,7 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--out", default=None, help="write a markdown report here")
+    harness = _bench_module("harness")
+    harness.add_output_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.preset, args.draft_preset, args.dtype = "cpu", "smoke", "draft-smoke", "float32"
@@ -289,15 +289,9 @@ def main(argv=None) -> int:
         results["draft_placement"] = draft_placement(handle, args, draft_dir)
     finally:
         handle.shutdown()
-    results["host"] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
-        "date": datetime.date.today().isoformat(),
-    }
+    results["host"] = harness.environment(args.device)
     print(json.dumps(results, indent=1))
-    if args.out:
-        Path(args.out).write_text(render(results, args))
+    harness.write_report(render(results, args), results, out=args.out, json_to=args.json, name="tp")
     eq = results["equality"]
     # A TP error beyond a few times the dtype's own floor means the sharding is wrong.
     ok = eq["max_abs_tp_vs_tp1"] <= max(4 * eq["max_abs_dtype_floor"], 1e-3)

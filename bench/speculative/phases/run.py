@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...harness import log
+from ...harness import environment, log
 from ..workloads import make_workload, run_workload
 from . import trace
 from .recorder import PhaseRecorder
@@ -35,7 +35,7 @@ def phases_run(spec_config, runner, decoder, name: str, pool, opts: MeasureOptio
     overhead = PhaseRecorder(cuda).overhead_us()
     results, outputs = _timed_runs(runs, runner, work, name, cuda)
     meta = {
-        "device": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        "device": environment(runner.device)["gpu"],
         "prompt_tokens": len(work.prompts[0]), "adapter": work.adapters[0], "new_tokens": work.gen_tokens,
         "overhead_us": overhead,
     }  # fmt: skip
