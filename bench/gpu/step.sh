@@ -15,7 +15,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
   profile=(--smoke)
   runtime=(--smoke --fused-ops off,on)
 else
-  "$py" -m pip install -q --no-deps --no-build-isolation --target /tmp/lsv . >"$out/install.log" 2>&1
+  # (the device call brings back at most 8 files: the install log stays on the machine)
+  "$py" -m pip install -q --no-deps --no-build-isolation --target /tmp/lsv . >/tmp/lsv-install.log 2>&1 ||
+    tail -20 /tmp/lsv-install.log
   export PYTHONPATH=/tmp/lsv
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   tests=(tests/kernels)
