@@ -11,6 +11,7 @@ from loraserve.kernels.moe import reference, triton_ops
 from loraserve.kernels.moe.routing import RoutingBuffers, align_block_size, capacity
 
 SLOTS = 3  # slot 0: LoRA on both parts, 1: on no expert part, 2: on down only (rank 4)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels run
 
 
 def _routing_ok(groups: torch.Tensor, num_groups: int, block: int) -> None:
@@ -48,7 +49,7 @@ def test_align_into_buffers_and_overflow():
 def _weights(num_experts, hidden, inter, dtype, gen):
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
     down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    return gate_up, down
+    return gate_up.to(DEV), down.to(DEV)
 
 
 def _lora(num_experts, hidden, inter, rank, dtype, gen, token_slots) -> moe.MoELoRA:
@@ -59,11 +60,11 @@ def _lora(num_experts, hidden, inter, rank, dtype, gen, token_slots) -> moe.MoEL
         slices, n_out = len(offsets) - 1, offsets[-1]
         a = torch.randn(SLOTS, num_experts, slices * rank, n_in, generator=gen).to(dtype)
         b = (torch.randn(SLOTS, num_experts, rank, n_out, generator=gen) / rank).to(dtype).transpose(2, 3)
-        return moe.ExpertLoRA(a, b, offsets, torch.tensor(ranks, dtype=torch.int32))
+        return moe.ExpertLoRA(a.to(DEV), b.to(DEV), offsets, torch.tensor(ranks, dtype=torch.int32, device=DEV))
 
     return moe.MoELoRA(
-        token_slots=token_slots.to(torch.int32),
-        scalings=torch.tensor([0.5, 2.0, 1.5]),
+        token_slots=token_slots.to(DEV, torch.int32),
+        scalings=torch.tensor([0.5, 2.0, 1.5], device=DEV),
         gate_up=part(hidden, (0, inter, 2 * inter), [rank, 0, 0]),
         down=part(inter, (0, hidden), [rank, 0, 4]),
     )
@@ -73,7 +74,7 @@ def _route(tokens, num_experts, top_k, hidden, dtype, gen):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=gen)
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
-    return x, weights, ids
+    return x.to(DEV), weights.to(DEV), ids.to(DEV)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -99,7 +100,7 @@ def test_fused_moe_lora(tokens, experts, top_k, hidden, inter, gen, tolerance):
     with no LoRA on the experts (1), one on down only at a lower rank (2)."""
     gate_up, down = _weights(experts, hidden, inter, torch.float32, gen)
     x, weights, ids = _route(tokens, experts, top_k, hidden, torch.float32, gen)
-    slots = torch.tensor([-1, 0, 1, 2, 0])[torch.arange(tokens) % 5]
+    slots = torch.tensor([-1, 0, 1, 2, 0], device=DEV)[torch.arange(tokens, device=DEV) % 5]
     lora = _lora(experts, hidden, inter, 8, torch.float32, gen, slots)
     out = triton_ops.fused_moe(x, gate_up, down, weights, ids, lora)
     ref = reference.fused_moe(x, gate_up, down, weights, ids, lora)
@@ -128,7 +129,7 @@ def test_fused_moe_into_buffers(gen):
     gate_up, down = _weights(4, 32, 16, torch.float32, gen)
     x, weights, ids = _route(6, 4, 2, 32, torch.float32, gen)
     lora = _lora(4, 32, 16, 8, torch.float32, gen, torch.tensor([0, 2, -1, 0, 1, 2]))
-    buffers = moe.MoEBuffers(max_tokens=6, top_k=2, num_experts=4, num_slots=SLOTS, device="cpu")
+    buffers = moe.MoEBuffers(max_tokens=6, top_k=2, num_experts=4, num_slots=SLOTS, device=DEV)
     out = triton_ops.fused_moe(x, gate_up, down, weights, ids, lora, buffers)
     torch.testing.assert_close(out, triton_ops.fused_moe(x, gate_up, down, weights, ids, lora), rtol=0, atol=0)
     with pytest.raises(ValueError, match="7 token rows do not fit"):
@@ -144,8 +145,8 @@ def test_verify_graph_buffers_sized_in_tokens(real_bs, gen):
 
     max_bs, k, experts, top_k, hidden, inter = 4, 3, 4, 2, 32, 16
     mode = ForwardMode.TARGET_VERIFY
-    meta = GraphLoRAMetadata(mode, max_bs, SLOTS, num_draft_tokens=k, device="cpu")
-    buffers = moe.MoEBuffers.for_graph(mode, max_bs, k, top_k=top_k, num_experts=experts, num_slots=SLOTS, device="cpu")
+    meta = GraphLoRAMetadata(mode, max_bs, SLOTS, num_draft_tokens=k, device=DEV)
+    buffers = moe.MoEBuffers.for_graph(mode, max_bs, k, top_k=top_k, num_experts=experts, num_slots=SLOTS, device=DEV)
     meta.capture_info(max_bs)
     req_slots = [0, 2, -1, 1][:real_bs]
     info = meta.update(req_slots, [8] * SLOTS, [0.5, 2.0, 1.5], num_draft_tokens=k, batch_size=max_bs)
@@ -155,7 +156,7 @@ def test_verify_graph_buffers_sized_in_tokens(real_bs, gen):
     graphed = moe.MoELoRA(info.token_slots, info.scalings, parts.gate_up, parts.down)
     out = triton_ops.fused_moe(x, gate_up, down, weights, ids, graphed, buffers)
     rows = real_bs * k
-    unpadded = moe.MoELoRA(torch.tensor(req_slots).repeat_interleave(k), info.scalings.clone(), parts.gate_up, parts.down)
+    unpadded = moe.MoELoRA(torch.tensor(req_slots, device=DEV).repeat_interleave(k), info.scalings.clone(), parts.gate_up, parts.down)
     ref = reference.fused_moe(x[:rows], gate_up, down, weights[:rows], ids[:rows], unpadded)
     assert _rel(out[:rows], ref) < 1e-5
 
@@ -178,10 +179,10 @@ def test_triton_align_matches_torch(tokens, experts, top_k, block, gen):
     for experts and for (expert, slot) groups (base rows and rank-0 slots left out)."""
     from loraserve.kernels.moe.align import align
 
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEV)
     assert _spans(align(ids, experts, block)) == _spans(align_block_size(ids.reshape(-1), experts, block))
-    slots = torch.randint(-1, SLOTS, (tokens,), generator=gen, dtype=torch.int32)
-    ranks = torch.tensor([8, 0, 4], dtype=torch.int32)
+    slots = torch.randint(-1, SLOTS, (tokens,), generator=gen, dtype=torch.int32).to(DEV)
+    ranks = torch.tensor([8, 0, 4], dtype=torch.int32, device=DEV)
     got = align(ids, experts * SLOTS, 16, token_slots=slots, ranks=ranks, num_slots=SLOTS)
     want = align_block_size(moe.lora_groups(ids, slots, ranks, SLOTS), experts * SLOTS, 16)
     assert _spans(got) == _spans(want)
