@@ -385,7 +385,7 @@ class EagleDrafter:
     def release(self, request: Request) -> None:
         self._invalidate([request])
         self._states.pop(request.rid, None)
-        self.runner.kv.free(request.rid)
+        self.runner.release(request.rid)
         self.adapters.release(request)
 
 
