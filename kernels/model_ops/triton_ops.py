@@ -198,30 +198,32 @@ def _rotary_kv_write_kernel(
     sin_lo = tl.load(sin_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_ptr + row + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     ty = qo_ptr.dtype.element_ty  # the rotation's dtype, as the reference computes it
+    # The branches name their values apart: Triton merges a name bound in both branches of a
+    # runtime ``if`` and needs one type for it (the key cache's dtype may differ from q's).
     if head < HEADS:
-        src = q_ptr + token * q_t + head.to(tl.int64) * q_h
-        lo = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        hi = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-        out_lo, out_hi = _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
-        dst = qo_ptr + token * qo_t + head.to(tl.int64) * qo_h
-        tl.store(dst + cols, out_lo, mask=mask)
-        tl.store(dst + HALF + cols, out_hi, mask=mask)
+        q_src = q_ptr + token * q_t + head.to(tl.int64) * q_h
+        q_lo = tl.load(q_src + cols, mask=mask, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        q_out_lo, q_out_hi = _rope(q_lo, q_hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
+        q_dst = qo_ptr + token * qo_t + head.to(tl.int64) * qo_h
+        tl.store(q_dst + cols, q_out_lo, mask=mask)
+        tl.store(q_dst + HALF + cols, q_out_hi, mask=mask)
     else:
         kv = (head - HEADS).to(tl.int64)
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        src = k_ptr + token * k_t + kv * k_h
-        lo = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        hi = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-        out_lo, out_hi = _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
-        cache_ty = kc_ptr.dtype.element_ty
-        dst = kc_ptr + slot * kc_s + kv * kc_h
-        tl.store(dst + cols, out_lo.to(cache_ty), mask=mask)
-        tl.store(dst + HALF + cols, out_hi.to(cache_ty), mask=mask)
-        vsrc = v_ptr + token * v_t + kv * v_h
-        vdst = vc_ptr + slot * vc_s + kv * vc_h
-        value_ty = vc_ptr.dtype.element_ty
-        tl.store(vdst + cols, tl.load(vsrc + cols, mask=mask, other=0.0).to(value_ty), mask=mask)
-        tl.store(vdst + HALF + cols, tl.load(vsrc + HALF + cols, mask=mask, other=0.0).to(value_ty), mask=mask)
+        k_src = k_ptr + token * k_t + kv * k_h
+        k_lo = tl.load(k_src + cols, mask=mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        k_out_lo, k_out_hi = _rope(k_lo, k_hi, cos_lo, cos_hi, sin_lo, sin_hi, ty)
+        k_dst = kc_ptr + slot * kc_s + kv * kc_h
+        tl.store(k_dst + cols, k_out_lo.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF + cols, k_out_hi.to(kc_ptr.dtype.element_ty), mask=mask)
+        v_src = v_ptr + token * v_t + kv * v_h
+        v_dst = vc_ptr + slot * vc_s + kv * vc_h
+        v_lo = tl.load(v_src + cols, mask=mask, other=0.0)
+        v_hi = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
+        tl.store(v_dst + cols, v_lo.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF + cols, v_hi.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_kv_write(
