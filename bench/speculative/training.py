@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.runtime.tools.distill.corpus import sample_windows
 from loraserve.runtime.tools.distill.objective import distillation_loss
 from loraserve.runtime.tools.distill.train import lr_scale, progress
 
@@ -50,7 +51,7 @@ def train_lm(
         for group in opt.param_groups:
             group["lr"] = lr * lr_scale(step, frac)
         n_teacher = 0 if teacher_data is None else max(1, round(batch * teacher_fraction))
-        window = _batch(data, teacher_data, gen, batch - n_teacher, n_teacher, seq)
+        window = sample_windows(data, teacher_data, gen, count=batch, n_teacher=n_teacher, seq=seq)
         loss = _loss(model, teacher, window, vocab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -82,26 +83,6 @@ def new_llama(shape: str, vocab: int, seed: int, device: torch.device):
     model = transformers.LlamaForCausalLM(cfg).to(device)
     model.train()
     return model
-
-
-def _batch(
-    data: torch.Tensor,
-    teacher_data: torch.Tensor | None,
-    gen: torch.Generator,
-    n_corpus: int,
-    n_teacher: int,
-    seq: int,
-) -> torch.Tensor:
-    """``[n_corpus + n_teacher, seq + 1]`` tokens: corpus windows at random offsets, then
-    random rows of ``teacher_data`` (on ``data``'s device)."""
-    device = data.device
-    starts = torch.randint(0, data.numel() - seq - 1, (n_corpus,), generator=gen)
-    idx = starts[:, None] + torch.arange(seq + 1)[None, :]
-    window = data[idx.to(device)]
-    if teacher_data is not None:
-        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
-        window = torch.cat([window, teacher_data[rows.to(teacher_data.device)].to(device)])
-    return window
 
 
 def _loss(model, teacher, window: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -155,3 +155,19 @@ def teacher_sequences(
             )
         chunks.append(out[:, : prompt_len + new_tokens])
     return torch.cat(chunks)
+
+
+def sample_windows(
+    data: torch.Tensor, teacher_data: torch.Tensor | None, gen: torch.Generator, *, count: int, n_teacher: int,
+    seq: int,
+) -> torch.Tensor:  # fmt: skip
+    """``[count, seq + 1]`` training windows on ``data``'s device: ``count - n_teacher`` at
+    random offsets of the token stream ``data``, then ``n_teacher`` random rows of
+    ``teacher_data`` (the target's own continuations), cut to ``seq + 1``. Every trainer's batch."""
+    device = data.device
+    starts = torch.randint(0, data.numel() - seq - 1, (count - n_teacher,), generator=gen)
+    window = data[(starts[:, None] + torch.arange(seq + 1)[None, :]).to(device)]
+    if n_teacher:
+        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
+        window = torch.cat([window, teacher_data[rows.to(teacher_data.device)][:, : seq + 1].to(device)])
+    return window

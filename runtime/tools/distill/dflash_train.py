@@ -32,6 +32,7 @@ import torch
 
 from ...speculative.dflash.format import check_target_layer_ids
 from ...speculative.metrics import context_bucket
+from .corpus import sample_windows, teacher_sequences
 from .dflash_draft import DFlashDraft
 from .eagle_head import LayerDims, rope_theta
 from .eagle_train import FeatureCache, cache_windows, sample_cached
@@ -331,14 +332,7 @@ def _batch(data, teacher_data, gen: torch.Generator, opts: DFlashTraining) -> to
     """``opts.batch`` windows of ``opts.seq + 1`` tokens, ``teacher_fraction`` of them the
     target's own continuations."""
     n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
-    starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
-    window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(data.device)]
-    if n_teacher:
-        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
-        window = torch.cat(
-            [window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(data.device)]
-        )
-    return window
+    return sample_windows(data, teacher_data, gen, count=opts.batch, n_teacher=n_teacher, seq=opts.seq)
 
 
 def _with_streamed(
@@ -513,8 +507,6 @@ def heldout_windows(
     """The target's greedy continuations of ``count`` held-out prompts (``seq // 3`` tokens
     each), ``[count, seq + 1]``; deterministic (seed 11). They depend on the target alone, so
     drafts of other layers or blocks over one target can share them (the recipe study)."""
-    from .corpus import teacher_sequences
-
     prompt = seq // 3
     return teacher_sequences(
         target, held_ids, device, count=count, prompt_len=prompt, new_tokens=seq + 1 - prompt, seed=11

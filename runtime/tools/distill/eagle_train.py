@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .corpus import sample_windows
 from .eagle_head import EagleHead, LayerDims, rope_theta
 from .objective import distillation_loss
 from .train import log, lr_scale, progress
@@ -225,13 +226,7 @@ def _batch(data, teacher_data, caches, gen: torch.Generator, opts: EagleTraining
     continuations, with their cached features (None without caches: computed by the loss)."""
     if caches is not None:
         return sample_cached(caches, opts.batch, n_teacher, gen)
-    device = data.device
-    starts = torch.randint(0, data.numel() - opts.seq - 1, (opts.batch - n_teacher,), generator=gen)
-    window = data[(starts[:, None] + torch.arange(opts.seq + 1)[None, :]).to(device)]
-    if n_teacher:
-        rows = torch.randint(0, teacher_data.shape[0], (n_teacher,), generator=gen)
-        window = torch.cat([window, teacher_data[rows.to(teacher_data.device)][:, : opts.seq + 1].to(device)])
-    return window, None
+    return sample_windows(data, teacher_data, gen, count=opts.batch, n_teacher=n_teacher, seq=opts.seq), None
 
 
 @torch.no_grad()
