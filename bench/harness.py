@@ -82,21 +82,38 @@ def write_report(text: str, record: object, *, out: str | Path | None, json_to: 
     return path
 
 
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): every wall-clock timing needs it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_times(fn: Callable[[], object], device: torch.device | str, *, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, timed by ``perf_counter`` with the
+    device synchronized before the first and after each (so queued kernels count)."""
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 1, repeats: int = 5) -> float:
     """Median milliseconds of ``fn()``: CUDA events on a GPU, ``perf_counter`` on the CPU."""
     for _ in range(warmup):
         fn()
+    if device.type != "cuda":
+        return statistics.median(wall_times(fn, device, repeats=repeats)) * 1e3
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
     return statistics.median(times)

@@ -118,11 +118,6 @@ def make_runner(model_dir: Path, args, backend: str) -> ModelRunner:
     return ModelRunner(config, random_weights=True)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prefill(runner: ModelRunner, rids: list[str], names: list[str | None], prompt_len: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, runner.vocab_size, (prompt_len,), generator=gen) for _ in rids]
@@ -151,14 +146,12 @@ def measure(runner: ModelRunner, bs: int, names: list[str | None], args, tag: st
     tokens = torch.randint(3, runner.vocab_size, (bs,))
     for _ in range(args.warmup):
         decode_step(runner, rids, names, tokens)
-    sync(runner.device)
-    rates = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
+
+    def steps() -> None:
         for _ in range(args.steps):
             decode_step(runner, rids, names, tokens)
-        sync(runner.device)
-        rates.append(bs * args.steps / (time.perf_counter() - start))
+
+    rates = [bs * args.steps / s for s in harness.wall_times(steps, runner.device, repeats=args.repeats)]
     for rid in rids:
         runner.kv.free(rid)
     return statistics.median(rates)

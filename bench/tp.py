@@ -64,6 +64,9 @@ def _bench_module(name: str) -> types.ModuleType:
     return bootstrap["import_module"](name)
 
 
+harness = _bench_module("harness")
+
+
 def make_config(model_dir: Path, args, tp: int, dtype: str, adapters: dict[str, Path]) -> RuntimeConfig:
     config = RuntimeConfig()
     config.model.path = str(model_dir)
@@ -83,11 +86,6 @@ def make_config(model_dir: Path, args, tp: int, dtype: str, adapters: dict[str, 
     config.cuda_graph.enabled = args.graphs and args.device == "cuda"
     config.cuda_graph.max_bs = max_bs
     return config
-
-
-def sync(runner: ModelRunner) -> None:
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
 
 
 # --------------------------------------------------------------------------- 1. equality
@@ -147,12 +145,14 @@ def decode_rate(runner: ModelRunner, bs: int, names: list[str | None], args, tag
     tokens = torch.cat(last)
     for _ in range(args.warmup):
         tokens = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)).logits.argmax(-1)
-    sync(runner)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        tokens = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)).logits.argmax(-1)
-    tokens.tolist()  # the host needs the tokens each step in serving; wait for the last
-    elapsed = time.perf_counter() - start
+
+    def steps() -> None:
+        nonlocal tokens
+        for _ in range(args.steps):
+            tokens = runner.forward(ForwardBatch(ForwardMode.DECODE, rids, tokens, lora_names=names)).logits.argmax(-1)
+        tokens.tolist()  # the host needs the tokens each step in serving; wait for the last
+
+    (elapsed,) = harness.wall_times(steps, runner.device, repeats=1)
     for rid in rids:
         runner.kv.free(rid)
     return bs * args.steps / elapsed
@@ -243,7 +243,6 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
-    harness = _bench_module("harness")
     harness.add_output_args(p)
     args = p.parse_args(argv)
     if args.smoke:

@@ -18,6 +18,8 @@ from loraserve.runtime.runner.cuda_graph import CudaGraphRunner, ExtendShape
 from loraserve.runtime.runner.forward_batch import ForwardBatch, ForwardOutput
 from loraserve.runtime.runner.model_runner import ModelRunner
 
+from .. import harness
+
 
 @dataclass
 class Row:
@@ -38,11 +40,6 @@ class Row:
 def prefix_key(adapter: str | None) -> tuple[str, str | None]:
     """The prefix-cache key of an adapter's system prompt (any hashable; one per adapter)."""
     return ("bench", adapter)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def cache_system_prompts(
@@ -107,10 +104,10 @@ class ExtendBench:
         runner.graphs = self.graphs if graph else None
         self.shapes.append(None)
         try:
-            sync(runner.device)
+            harness.sync(runner.device)
             start = time.perf_counter()
             out = runner.forward(batch)
-            sync(runner.device)
+            harness.sync(runner.device)
             seconds = time.perf_counter() - start
         finally:
             for rid in rids:
