@@ -77,8 +77,11 @@ def write_model_config(dest: Path, preset: str, presets: Mapping[str, dict] = PR
     return dest
 
 
-def write_random_adapter(dest: Path, arch: ModelArchConfig, *, rank: int, seed: int, modules=DEFAULT_LORA_MODULES) -> Path:
-    """A PEFT-format adapter (config + safetensors) with random A and B for ``modules``."""
+def write_random_adapter(
+    dest: Path, arch: ModelArchConfig, *, rank: int, seed: int, modules=DEFAULT_LORA_MODULES, b_std: float = 0.02
+) -> Path:
+    """A PEFT-format adapter (config + safetensors) with random A (scaled by its fan-in) and
+    random B of standard deviation ``b_std`` for ``modules``: every benchmark's adapters."""
     from safetensors.torch import save_file
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -90,9 +93,10 @@ def write_random_adapter(dest: Path, arch: ModelArchConfig, *, rank: int, seed: 
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_dim, generator=gen) / in_dim**0.5).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * 0.02).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dim, rank, generator=gen) * b_std).to(torch.bfloat16)
     save_file(tensors, str(dest / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "bias": "none"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "bias": "none",
+              "task_type": "CAUSAL_LM"}  # fmt: skip
     (dest / "adapter_config.json").write_text(json.dumps(config))
     return dest
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from loraserve.runtime.contract.config import DEFAULT_LORA_MODULES, RuntimeConfig
 from loraserve.runtime.dev.devmodels import copy_tokenizer
+from loraserve.runtime.model import load_arch_config
 from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.tools.distill.dflash_draft import dflash_config, save_dflash
 from loraserve.runtime.tools.distill.eagle_head import eagle_config, save_eagle_head
 
 from ..harness import log
-from .adapters import write_adapter
+from ..runtime import write_random_adapter
 from .expansion import expand_dflash, expand_eagle_head, expand_into
 from .models import TrainedModels
 from .settings import Settings
@@ -39,10 +40,9 @@ def build_serving(s: Settings, trained: TrainedModels) -> Serving:
     target_dir, raw, expanded = serving_target_dir(s, trained)
     head_dir = eagle_dir(s, trained, raw)
     dflash_dir = _dflash_dir(s, trained, raw)
+    arch = load_arch_config(target_dir)
     adapters = {
-        f"ad{i}": write_adapter(
-            trained.work / f"ad{i}", raw, rank=16, seed=10 + i, b_std=s.args.adapter_b_std
-        )
+        f"ad{i}": write_random_adapter(trained.work / f"ad{i}", arch, rank=16, seed=10 + i, b_std=s.args.adapter_b_std)
         for i in range(4)
     }
     config = runtime_config(s, target_dir, adapters)
