@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.runtime.tools.distill.corpus import teacher_sequences
+from loraserve.runtime.tools.distill.standalone import train_lm
 
 from ..harness import log
 from .corpus import tokenize, unseen_code_files
-from .training import train_lm
+from .shapes import llama_config
 
 
 @dataclass
@@ -79,14 +80,13 @@ def train_standalone(
     lr = 2e-3 if smoke else 1e-3
     if args.draft_training == "distill":
         draft, info = train_lm(
-            draft_shape, vocab, data, seconds, device, seq=teacher.seq, batch=batch, lr=lr, seed=2,
+            llama_config(draft_shape, vocab), data, seconds, device, seq=teacher.seq, batch=batch, lr=lr, seed=2,
             teacher=target, teacher_data=teacher.data, teacher_fraction=teacher.fraction, max_steps=max_steps,
         )  # fmt: skip
         info.update(teacher.info)
     else:
         draft, info = train_lm(
-            draft_shape,
-            vocab,
+            llama_config(draft_shape, vocab),
             data,
             seconds,
             device,

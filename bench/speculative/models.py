@@ -22,12 +22,13 @@ from loraserve.runtime.tools.distill.dflash_train import (
 )
 from loraserve.runtime.tools.distill.eagle_head import EagleHead
 from loraserve.runtime.tools.distill.eagle_train import EagleTraining, eagle_heldout_top1, train_eagle_head
+from loraserve.runtime.tools.distill.standalone import save_hf, train_lm
 
 from ..harness import log
 from .corpus import corpus_files, tokenize
 from .distillation import TeacherData, teacher_continuations, train_standalone
 from .settings import Settings
-from .training import save_hf, train_lm
+from .shapes import llama_config
 
 
 @dataclass
@@ -97,7 +98,7 @@ def load_corpus(s: Settings, tok_dir: Path) -> tuple[torch.Tensor, torch.Tensor]
 def train_target(s: Settings, data: torch.Tensor):
     """The small target, trained on the corpus for ``--train-target-s``."""
     target, info = train_lm(
-        s.small_shape, s.vocab, data, s.train_target_s, s.device, seq=s.seq, batch=s.batch,
+        llama_config(s.small_shape, s.vocab), data, s.train_target_s, s.device, seq=s.seq, batch=s.batch,
         lr=1.5e-3 if s.smoke else 6e-4, seed=1, max_steps=s.max_steps[0],
     )  # fmt: skip
     log(f"target-small trained: {info}")

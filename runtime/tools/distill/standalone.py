@@ -1,4 +1,5 @@
-"""Training of plain Llamas: the small target, and a STANDALONE draft by distillation."""
+"""A plain Llama trained from scratch: a STANDALONE draft distilled from its target (or,
+without a teacher, a small language model on a corpus, as the benchmarks' targets are)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,13 @@ from pathlib import Path
 
 import torch
 
-from loraserve.runtime.tools.distill.corpus import sample_windows
-from loraserve.runtime.tools.distill.objective import distillation_loss
-from loraserve.runtime.tools.distill.train import lr_scale, progress
-
-from .shapes import llama_config
+from .corpus import sample_windows
+from .objective import distillation_loss
+from .train import lr_scale, progress
 
 
 def train_lm(
-    shape: str,
-    vocab: int,
+    config: dict,
     data: torch.Tensor,
     seconds: float,
     device: torch.device,
@@ -30,7 +28,7 @@ def train_lm(
     teacher_fraction: float = 0.5,
     max_steps: int | None = None,
 ):
-    """Train a Llama of ``shape`` for ``seconds`` on random windows of ``data``.
+    """Train a Llama of ``config`` (a ``config.json``) for ``seconds`` on random windows of ``data``.
 
     With a ``teacher``, the loss is the KL divergence from the teacher's next-token
     distribution (distillation), and ``teacher_fraction`` of every batch comes from
@@ -39,7 +37,8 @@ def train_lm(
     ``max_steps`` also ends training (whichever comes first; the schedule follows the
     larger of the time and step fractions).
     """
-    model = new_llama(shape, vocab, seed, device)
+    model = new_llama(config, seed, device)
+    vocab = config["vocab_size"]
     opt = torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
@@ -71,13 +70,12 @@ def train_lm(
     }
 
 
-def new_llama(shape: str, vocab: int, seed: int, device: torch.device):
-    """A randomly initialised (``seed``) Hugging Face Llama of ``shape``, in training mode."""
+def new_llama(config: dict, seed: int, device: torch.device):
+    """A randomly initialised (``seed``) Hugging Face Llama of ``config``, in training mode."""
     import transformers
 
-    raw = llama_config(shape, vocab)
     cfg = transformers.LlamaConfig(
-        **{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
+        **{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).to(device)
@@ -101,7 +99,7 @@ def _loss(model, teacher, window: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def save_hf(model, dest: Path, tokenizer_dir: Path) -> Path:
     """Save ``model`` in bfloat16 (in place) with the tokenizer: a directory the runtime loads."""
-    from loraserve.runtime.dev.devmodels import copy_tokenizer
+    from ...dev.devmodels import copy_tokenizer
 
     model.to(torch.bfloat16).save_pretrained(str(dest), safe_serialization=True)
     copy_tokenizer(tokenizer_dir, dest)
