@@ -7,6 +7,7 @@ import argparse
 from loraserve.runtime.tools.distill import dflash_recipe
 
 from ..harness import add_output_args
+from . import recipe_flags
 from .settings import Settings, settings_from
 
 DESCRIPTION = "Speculative decoding throughput: tokens/s with and without a draft, 4 adapters in the mix."
@@ -46,7 +47,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     if args.dflash_block is not None and args.dflash_block < 2:
         ap.error(f"--dflash-block must be at least 2 (the last token and one draft), got {args.dflash_block}")
     try:
-        recipe = dflash_recipe.recipe_from_args(args)
+        recipe = recipe_flags.recipe_from_args(args)
     except ValueError as err:
         ap.error(str(err))
     return settings_from(args, argv, recipe)
@@ -195,7 +196,7 @@ def _add_draft_args(ap: argparse.ArgumentParser) -> None:
         "--eagle-feature-weight", type=float, default=0.1, help="EAGLE training: weight of the feature loss"
     )
     ap.add_argument("--eagle-lr", type=float, default=None, help="EAGLE training: peak learning rate")
-    dflash_recipe.add_flags(ap)
+    recipe_flags.add_flags(ap)
     ap.add_argument(
         "--dflash-train-s", type=float, default=None, help="DFLASH training: seconds (default --train-draft-s)"
     )
