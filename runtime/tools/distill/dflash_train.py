@@ -1,4 +1,4 @@
-"""Training of the DFLASH draft over the frozen small target: masked block prediction.
+"""Training of a DFLASH draft over the frozen target: masked block prediction.
 
 Each training window (the target's own greedy continuations and corpus windows, as the
 other drafts train on) gets ``blocks`` distinct random anchors (the reference trains

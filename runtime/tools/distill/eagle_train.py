@@ -1,4 +1,4 @@
-"""Training of the EAGLE head over the frozen small target's features."""
+"""Training of an EAGLE head over the frozen target's features."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .train import log, lr_scale, progress
 
 @dataclass
 class EagleTraining:
-    """How the EAGLE head trains (``--eagle-*`` options)."""
+    """How an EAGLE head trains."""
 
     seconds: float
     seq: int
