@@ -15,7 +15,8 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -117,3 +118,31 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 1
         torch.cuda.synchronize(device)
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+class PhaseClock:
+    """Wall seconds per named phase of a run since ``started`` (``time.monotonic()``), each
+    logged as it ends and kept for the report (the next run's time budgets come from them)."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` block as phase ``name`` (repeated names add up)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            seconds = time.monotonic() - t0
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+            log(f"phase {name}: {seconds:.1f} s (total {self.elapsed():.0f} s)")
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.monotonic() - self.started
+
+    def record(self) -> dict[str, float]:
+        """Seconds per phase, rounded, with the total."""
+        return {**{k: round(v, 1) for k, v in self.phases.items()}, "total": round(self.elapsed(), 1)}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..harness import log
+from ..harness import PhaseClock, log
 from ..speculative.checks import eagle_check, expansion_check
 from ..speculative.models import TrainedModels, train_models
 from ..speculative.serving import Serving
@@ -22,7 +22,6 @@ from .measure import BASE, MIXED, LevelOptions, measure_kind, warm_up
 from .report import Record, write_report
 from .serving import build_serving, served_draft_adapters
 from .task_adapters import TaskAdapter, train_task_adapter
-from .timing import PhaseClock
 from .verdict import verdicts
 
 
