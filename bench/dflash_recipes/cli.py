@@ -28,7 +28,7 @@ DEFAULT_RECIPES = (
 SMOKE_RECIPES = "layers=2,ids=reference;layers=2,ids=top,lr=0.003"
 TEACHER, SMOKE_TEACHER = 12288, 32  # teacher continuations without --distill-count
 SMOKE_STEPS = 12  # per recipe: the smoke's training is step-capped, so its result does not depend on load
-SMOKE_TARGET_STEPS = 150  # the smoke target's cap (bench/draft_adapters' too): ~4 s on an idle 2-core CPU
+SMOKE_TARGET_STEPS = 150  # the smoke target's cap: ~4 s on an idle 2-core CPU
 
 
 @dataclass
