@@ -1,19 +1,18 @@
-"""LoRA kernel benchmark on Llama-3-8B shapes: correctness first, then timings.
+"""LoRA kernel timings on Llama-3-8B shapes.
 
 Phases, in one process:
   1. environment and the copy bandwidth of this GPU (device-to-device copy, read + write);
-  2. correctness of every kernel path on the benchmark shapes against a float64
-     reference (decode, verify, extend; mixed ranks; base-model rows; fp16/bf16/fp32;
-     the public shrink with a poisoned output; a CUDA-graph capture replayed with new
-     slots; the verify-width guard);
-  3. the LoRA work of one whole layer (seven modules: four apply calls, each one launch
+  2. the LoRA work of one whole layer (seven modules: four apply calls, each one launch
      or a shrink/expand pair) vs the layer's base GEMMs, each replayed from a graph over
      32 layers' weights (a whole Llama-3-8B step, so neither the base nor the adapter
      weights sit in L2), for the default choice and each path forced;
-  4. per-module timings, Triton vs a straightforward torch baseline (gather each
+  3. per-module timings, Triton vs a straightforward torch baseline (gather each
      request's adapter weights, bmm), both replayed from CUDA graphs over rotating
      inputs so nothing is served from L2;
-  5. a few alternative launch configurations on key shapes (tuning record).
+  4. a few alternative launch configurations on key shapes (tuning record).
+
+Correctness against float64 references is ``tests/kernels``' (every path, graph capture,
+overlap, PDL); a GPU run runs it first (``bash bench/gpu/step.sh``).
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
 ``.cache/bench/kernels``) and prints a short table last.
@@ -27,9 +26,8 @@ repository root on ``sys.path``, where ``operator/`` shadows the standard librar
 ``__main__.py`` imports the folder as the package ``bench.kernels``
 (``bench/bootstrap.py``'s ``import_package``); ``bench/kernel_profile.py`` does the same.
 
-Modules: ``shapes`` (the modules and batches), ``timing`` (graph replays, bandwidth),
-``reference``, ``checks``, ``graph_checks`` and ``correctness`` (phase 2), ``variants`` (the
-backends a timing can force), ``layer``, ``module_bench``, ``sweep``, ``tune`` and ``gemm``
+Modules: ``shapes`` (the modules, batches and adapter weights), ``timing`` (graph replays,
+bandwidth), ``variants`` (the backends a timing can force), ``layer``, ``module_bench``, ``sweep``, ``tune`` and ``gemm``
 (the timed phases), ``scenarios`` (what each phase times), ``report``, ``cli``;
 ``benchmark.main`` runs the phases. ``checkout`` finds ``loraserve.kernels``: importing this
 package does that first, so its modules can import ``loraserve.kernels`` by name.

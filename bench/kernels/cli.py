@@ -7,7 +7,7 @@ import os
 
 from ..harness import ARTIFACTS
 
-DESCRIPTION = "LoRA kernel benchmark on Llama-3-8B shapes: correctness first, then timings."
+DESCRIPTION = "LoRA kernel timings on Llama-3-8B shapes (correctness: tests/kernels)."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="small shapes: a CPU dry run of every path")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new timings after this")
     parser.add_argument("--reps", type=int, default=25)
-    parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer,pdl")
+    parser.add_argument("--skip", default="", help="comma list of phases to skip: bench,sweep,layer")
     parser.add_argument(
         "--tune",
         action="store_true",
@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer scenarios: all (every join and crossover shape), targets (the four targets, defaults vs tuned)"
         " or epilogue (the targets and batch 1 with the expand in a Triton base GEMM's epilogue; also times the"
         " Triton GEMM alone against cuBLAS per module) or rank (rank-64 pools with and without the small-rank"
-        " step; only the rank checks run, and the modules are those shapes) or pipeline (the expand's pipelined"
-        " loop against the register prefetch; only the pipeline checks run, and the modules are those shapes)",
+        " step; the modules are those shapes) or pipeline (the expand's pipelined"
+        " loop against the register prefetch; the modules are those shapes)",
     )
     return parser
 

@@ -14,9 +14,8 @@ from loraserve.kernels.triton_backend import TritonLoRABackend
 from loraserve.kernels.triton_ops.configs import GemmConfig, gemm_config
 from loraserve.kernels.triton_ops.gemm_expand import gemm_linear, launch_gemm_expand
 
-from .reference import make_b
 from .report import fmt
-from .shapes import Module, Workload, batch_info, request_slots
+from .shapes import Module, Workload, batch_info, make_b, request_slots
 from .timing import num_sms, sm_carveout, time_replays, trace_replay
 from .variants import BACKENDS, CARVEOUTS, MIXED_DELTA, OVERLAPS, TRITON_GEMM, TUNED, describe, path_of
 

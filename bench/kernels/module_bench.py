@@ -13,8 +13,7 @@ from loraserve.kernels.triton_ops import ExpandConfig, ShrinkConfig
 from loraserve.kernels.triton_ops.expand import launch_expand
 from loraserve.kernels.triton_ops.shrink import launch_shrink
 
-from .reference import make_b
-from .shapes import Module, Workload, batch_info, request_slots
+from .shapes import Module, Workload, batch_info, make_b, request_slots
 from .timing import time_replays
 from .variants import BACKENDS, path_of
 

@@ -15,13 +15,13 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def markdown(env, checks, rows, sweeps, layer, tuned=None) -> str:
+def markdown(env, rows, sweeps, layer, tuned=None) -> str:
     """``kernels.md``: the environment, then a section per phase that has results."""
     lines = ["# LoRA kernels", ""]
     lines += [f"- {k}: {v}" for k, v in env.items() if k != "gemm"]
     if env.get("gemm"):
         lines += _gemm_lines(env["gemm"])
-    lines += _check_lines(checks) + _module_lines(rows) + _sweep_lines(sweeps) + _layer_lines(layer)
+    lines += _module_lines(rows) + _sweep_lines(sweeps) + _layer_lines(layer)
     if tuned:
         lines += _tune_lines(tuned)
     return "\n".join(lines) + "\n"
@@ -37,19 +37,6 @@ def _gemm_lines(gemm: list[dict]) -> list[str]:
         f"| {g['triton_tb_s']:.2f} | {g['ratio']:.3f} | {'*' if g['heuristic'] else ''}{g['config']} |"
         for g in gemm
     ]
-    return lines
-
-
-def _check_lines(checks) -> list[str]:
-    """Every correctness check against float64."""
-    lines = [
-        "",
-        "## Correctness (float64 reference)",
-        "",
-        "| check | ok | rel. error | detail |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {c.name} | {'yes' if c.ok else 'NO'} | {c.error:.2e} | {c.detail} |" for c in checks]
     return lines
 
 
@@ -116,12 +103,11 @@ def _tune_lines(tuned: dict[str, dict]) -> list[str]:
     return lines
 
 
-def save(out_dir: Path, env, checks, rows, sweeps, layer, tuned=None, tune_record=()) -> None:
+def save(out_dir: Path, env, rows, sweeps, layer, tuned=None, tune_record=()) -> None:
     """Write ``kernels.json`` and ``kernels.md`` with what has been measured so far."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "env": env,
-        "checks": [asdict(c) for c in checks],
         "modules": [asdict(r) for r in rows],
         "sweep": sweeps,
         "layer": layer,
@@ -135,7 +121,7 @@ def save(out_dir: Path, env, checks, rows, sweeps, layer, tuned=None, tune_recor
         "tune_record": list(tune_record),
     }
     (out_dir / "kernels.json").write_text(json.dumps(payload, indent=1, default=str))
-    (out_dir / "kernels.md").write_text(markdown(env, checks, rows, sweeps, layer, tuned))
+    (out_dir / "kernels.md").write_text(markdown(env, rows, sweeps, layer, tuned))
 
 
 def print_summary(layer: list[dict], rows: list[Row]) -> None:

@@ -112,3 +112,10 @@ def batch_info(
     if mode is ForwardMode.EXTEND:
         kwargs["extend_lens"] = [w.width] * w.bs
     return build_batch_info(mode, slots, ranks, scalings, device=device, **kwargs)
+
+
+def make_b(slots: int, out_dim: int, rank: int, rank_major: bool, **kw) -> torch.Tensor:
+    """B ``[slots, out, rank]``; rank-major storage is a transposed view of ``[slots, rank, out]``."""
+    if rank_major:
+        return torch.randn(slots, rank, out_dim, **kw).transpose(1, 2)
+    return torch.randn(slots, out_dim, rank, **kw)
