@@ -47,8 +47,7 @@ Method (everything is built inside the run; nothing is downloaded):
    (earlier positions weighted more), for ``--dflash-train-s`` (default ``--train-draft-s``;
    ``--dflash-probe-steps`` walks the held-out continuations as it trains); expanded the same
    function-preserving way, checked against the trained draft on held-out prompts, and
-   served with ``num_draft_tokens`` = the block. ``bench/dflash_recipes`` compares training
-   recipes of this draft (layers, target layers, teacher windows, learning rate) offline.
+   served with ``num_draft_tokens`` = the block (its recipe: the ``--dflash-*`` flags).
 5. For concurrency 1, 8 and 32, the same greedy workload runs through the real engine
    without speculation and with each draft's speculation (EAGLE first, so that under
    ``--deadline-s`` a second draft's run is the one skipped). Tokens/s is
