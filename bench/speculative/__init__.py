@@ -57,7 +57,7 @@ Method (everything is built inside the run; nothing is downloaded):
    batch occupancy, host work, CUDA graphs captured during the timed run). Concurrency 1
    runs ``--c1-requests`` requests (default 10) one after another. ``--phases DIR`` then
    times one more request per draft, and the same request without speculation, call by
-   call inside each decode step (host time and CUDA-event spans; ``PhaseRecorder``).
+   call inside each decode step (host time and CUDA-event spans; ``phases``).
 
     python bench/speculative --smoke                # CPU, tiny models, a minute
     python bench/speculative --out results.md       # GPU

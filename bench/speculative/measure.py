@@ -10,7 +10,7 @@ from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..harness import log
 from .identity import gap_of, identity_by_kind
-from .phases.run import phases_run
+from .phases import phases_run
 from .profiling import profile_run
 from .settings import Settings
 from .workloads import RunResult, Workload, make_workload, run_workload, warmup_workload

@@ -81,7 +81,7 @@ def test_speculative_bench_smoke_with_both_drafts(tmp_path):
         ):
             assert row in table, (draft, table)
         assert "Outputs of the two runs identical: yes." in table
-        assert "### spec:" in table and "### plain:" in table  # the traced runs' tables
+        assert "| (rest of the step) |" in table and "| **between steps** (engine) |" in table
         summary = details["1"]["spec"][draft]["phases"]
         assert summary["spec"]["steps"] > 0 and summary["plain"]["tokens_per_step"] == 1.0
     tree_table = (phases / "phases-eagle-t2-n6.md").read_text()
