@@ -2,9 +2,10 @@
 members cannot run beside.
 
 The table is the one source for the runtime's model code (``runtime.model.arch`` reads
-it) and for this policy. The MoE layers run on the torch path (router, per-expert
-gather / ``index_add``): their per-expert row counts change every step, so no CUDA graph
-captures them, and experts are not split over tensor-parallel ranks. Speculation on MoE
+it) and for this policy. The MoE layers run on the torch path on the CPU and on the fused
+Triton path on CUDA, whose shapes depend only on the token rows (its routing buffers are
+sized for a graph's tokens); CUDA graphs stay refused on MoE models until their capture
+is proven on a GPU. Experts are not split over tensor-parallel ranks. Speculation on MoE
 targets is verified lossless (spec-on = spec-off per adapter) for the algorithms in
 :data:`MOE_SPEC_ALGORITHMS`.
 """
@@ -92,8 +93,8 @@ def model_family(config: RuntimeConfig) -> list[Violation]:
             Violation(
                 "moe-cuda-graph",
                 "cuda_graph.enabled",
-                f"the mixture-of-experts layers of {architecture} run on the torch path, whose per-expert row "
-                "counts change every step, so no CUDA graph can capture them",
+                f"CUDA graphs are not served with the mixture-of-experts layers of {architecture} yet: their "
+                "fused path is built for capture, but capturing it is not enabled",
                 "set {cuda_graph.enabled} to false",
                 kind=Kind.UNAVAILABLE,
                 related=("model.architecture",),
