@@ -15,8 +15,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -71,6 +70,15 @@ def environment_line(env: dict[str, str]) -> str:
     )
 
 
+def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its rule and one line per row (cells ``str``-ed)."""
+    return [_table_line(header), "|" + "---|" * len(header), *map(_table_line, rows)]
+
+
+def _table_line(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def write_report(text: str, record: object, *, out: str | Path | None, json_to: str | Path | None, name: str) -> Path:
     """Write the markdown to ``out`` (when given) and the JSON record (always, see
     :func:`json_path`); returns the JSON's path."""
@@ -103,6 +111,15 @@ def wall_times(fn: Callable[[], object], device: torch.device | str, *, repeats:
     return times
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Linearly interpolated percentile of ``values`` (``q`` in [0, 100])."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 1, repeats: int = 5) -> float:
     """Median milliseconds of ``fn()``: CUDA events on a GPU, ``perf_counter`` on the CPU."""
     for _ in range(warmup):
@@ -119,30 +136,3 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 1
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
-
-class PhaseClock:
-    """Wall seconds per named phase of a run since ``started`` (``time.monotonic()``), each
-    logged as it ends and kept for the report (the next run's time budgets come from them)."""
-
-    def __init__(self, started: float | None = None) -> None:
-        self.started = time.monotonic() if started is None else started
-        self.phases: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the ``with`` block as phase ``name`` (repeated names add up)."""
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            seconds = time.monotonic() - t0
-            self.phases[name] = self.phases.get(name, 0.0) + seconds
-            log(f"phase {name}: {seconds:.1f} s (total {self.elapsed():.0f} s)")
-
-    def elapsed(self) -> float:
-        """Seconds since the run started."""
-        return time.monotonic() - self.started
-
-    def record(self) -> dict[str, float]:
-        """Seconds per phase, rounded, with the total."""
-        return {**{k: round(v, 1) for k, v in self.phases.items()}, "total": round(self.elapsed(), 1)}

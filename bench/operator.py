@@ -77,17 +77,6 @@ def _load(name: str):
     return sys.modules[module_name]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100])."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 async def _held_everywhere(http: aiohttp.ClientSession, pods, name: str) -> bool:
     """Every pod holds ``name`` loaded (``/v1/models`` also lists catalogued adapters not loaded yet)."""
     for pod in pods:
@@ -344,10 +333,10 @@ def report(args: argparse.Namespace, result: dict) -> str:
         ("status Ready", result["reported"]),
     ):
         rows.append(
-            f"| {label} | {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 95):.3f} | "
+            f"| {label} | {len(values)} | {harness.percentile(values, 50):.3f} | {harness.percentile(values, 95):.3f} | "
             f"{min(values):.3f} | {max(values):.3f} | {statistics.mean(values):.3f} |"
         )
-    p50 = percentile(result["loaded"], 50)
+    p50 = harness.percentile(result["loaded"], 50)
     verdict = "met" if p50 < TARGET_P50_S else "**not met**"
     expected_loads = (args.warmup + args.iterations) * result["pods"]
     lines = [
@@ -381,7 +370,7 @@ def _stats(values: list[float]) -> str:
     if not values:
         return "| 0 | - | - | - | - |"
     return (
-        f"| {len(values)} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | {min(values):.3f} | "
+        f"| {len(values)} | {harness.percentile(values, 50):.3f} | {harness.percentile(values, 99):.3f} | {min(values):.3f} | "
         f"{max(values):.3f} |"
     )
 
@@ -420,8 +409,8 @@ def cluster_report(args: argparse.Namespace, result: dict) -> str:
         f"- Requests sent: {len(records)} over {result['traffic_s']:.0f} s; failed: **{len(failed)}** (target 0)"
         + ("".join(f"; {n} x {kind}" for kind, n in sorted(by_kind.items())) if by_kind else "")
         + ".",
-        f"- Latency of the successful requests: p50 {percentile(latencies, 50):.3f} s, "
-        f"p99 {percentile(latencies, 99):.3f} s."
+        f"- Latency of the successful requests: p50 {harness.percentile(latencies, 50):.3f} s, "
+        f"p99 {harness.percentile(latencies, 99):.3f} s."
         if latencies
         else "- No successful request.",
     ]

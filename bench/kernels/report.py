@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..harness import table
 from .module_bench import Row
 from .variants import describe
 
@@ -27,80 +28,61 @@ def markdown(env, rows, sweeps, layer, tuned=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _section(title: str, header: str, rows) -> list[str]:
+    """A titled table; ``header``'s cells are ``|``-separated."""
+    return ["", f"## {title}", "", *table([h.strip() for h in header.split("|")], rows)]
+
+
 def _gemm_lines(gemm: list[dict]) -> list[str]:
     """The Triton base GEMM against cuBLAS (``--layer epilogue``)."""
-    lines = ["", "## Triton base GEMM (no LoRA) vs cuBLAS (graph replay, 8 weight copies rotating; * = heuristic)",
-             "", "| module | tokens | cuBLAS µs | TB/s | Triton µs | TB/s | Triton / cuBLAS | configuration |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [
-        f"| {g['module']} | {g['tokens']} | {g['cublas_us']:.2f} | {g['cublas_tb_s']:.2f} | {g['triton_us']:.2f} "
-        f"| {g['triton_tb_s']:.2f} | {g['ratio']:.3f} | {'*' if g['heuristic'] else ''}{g['config']} |"
-        for g in gemm
-    ]
-    return lines
+    return _section(
+        "Triton base GEMM (no LoRA) vs cuBLAS (graph replay, 8 weight copies rotating; * = heuristic)",
+        "module | tokens | cuBLAS µs | TB/s | Triton µs | TB/s | Triton / cuBLAS | configuration",
+        ([g["module"], g["tokens"], f"{g['cublas_us']:.2f}", f"{g['cublas_tb_s']:.2f}", f"{g['triton_us']:.2f}",
+          f"{g['triton_tb_s']:.2f}", f"{g['ratio']:.3f}", f"{'*' if g['heuristic'] else ''}{g['config']}"]
+         for g in gemm),
+    )  # fmt: skip
 
 
 def _module_lines(rows: list[Row]) -> list[str]:
     """Per-module timings, Triton against torch."""
-    lines = [
-        "",
-        "## Per module (median per call, graph replay, rotating inputs)",
-        "",
-        "| module | workload | variant | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % | path |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.module} | {r.workload} | {r.variant} | {r.tokens} | {r.bytes / 1e6:.2f} | {r.triton_us:.2f} "
-            f"| {r.torch_us:.2f} | {r.speedup:.2f} | {100 * r.bw_frac:.1f} | {100 * r.weight_frac:.0f} "
-            f"| {r.extra.get('path', '')} |"
-        )
-    return lines
+    return _section(
+        "Per module (median per call, graph replay, rotating inputs)",
+        "module | workload | variant | tokens | MB moved | Triton µs | torch µs | speed-up | % copy BW | weights % | path",
+        ([r.module, r.workload, r.variant, r.tokens, f"{r.bytes / 1e6:.2f}", f"{r.triton_us:.2f}",
+          f"{r.torch_us:.2f}", f"{r.speedup:.2f}", f"{100 * r.bw_frac:.1f}", f"{100 * r.weight_frac:.0f}",
+          r.extra.get("path", "")] for r in rows),
+    )  # fmt: skip
 
 
 def _sweep_lines(sweeps: list[dict]) -> list[str]:
     """The launch-configuration sweep."""
-    lines = ["", "## Launch-configuration sweep", "", "| module | workload | variant | µs | % copy BW | configuration |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [
-        f"| {s['module']} | {s['workload']} | {s['variant']} | {s['us']:.2f} | {100 * s['bw_frac']:.1f} | {s['config']} |"
-        for s in sweeps
-    ]
-    return lines
+    return _section(
+        "Launch-configuration sweep", "module | workload | variant | µs | % copy BW | configuration",
+        ([s["module"], s["workload"], s["variant"], f"{s['us']:.2f}", f"{100 * s['bw_frac']:.1f}", s["config"]]
+         for s in sweeps),
+    )  # fmt: skip
 
 
 def _layer_lines(layer: list[dict]) -> list[str]:
     """One whole layer, LoRA against the base GEMMs, per workload and variant."""
-    lines = [
-        "",
-        "## One Llama-3-8B layer (7 modules; base = 4 bf16 F.linear: fused qkv, o, fused gate/up, down)",
-        "",
-        "| workload | variant | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % | paths |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {x['workload']} | {x['variant']} | {x['tokens']} | {fmt(x['lora_us'], '.2f')} | {x['base_us']:.2f} | {fmt(x['lora_pct_of_base'], '.1f')} "
-        f"| {x['base_plus_lora_us']:.2f} | {x['increment_pct']:.1f} | {x['paths']} |"
-        for x in layer
-    ]
-    return lines
+    return _section(
+        "One Llama-3-8B layer (7 modules; base = 4 bf16 F.linear: fused qkv, o, fused gate/up, down)",
+        "workload | variant | tokens | LoRA µs | base µs | LoRA % of base | base+LoRA µs | in-situ increment % | paths",
+        ([x["workload"], x["variant"], x["tokens"], fmt(x["lora_us"], ".2f"), f"{x['base_us']:.2f}",
+          fmt(x["lora_pct_of_base"], ".1f"), f"{x['base_plus_lora_us']:.2f}", f"{x['increment_pct']:.1f}", x["paths"]]
+         for x in layer),
+    )  # fmt: skip
 
 
 def _tune_lines(tuned: dict[str, dict]) -> list[str]:
     """The tune phase's best configuration per workload and module."""
-    lines = [
-        "",
-        "## Tune phase (two launches; best per module and workload)",
-        "",
-        "| workload | module | default µs | best µs | shrink | expand |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {label} | {name} | {b['default_us']:.2f} | {b['us']:.2f} | {describe(b['shrink'])} | {describe(b['expand'])} |"
-        for label, per in tuned.items()
-        for name, b in per.items()
-    ]
-    return lines
+    return _section(
+        "Tune phase (two launches; best per module and workload)",
+        "workload | module | default µs | best µs | shrink | expand",
+        ([label, name, f"{b['default_us']:.2f}", f"{b['us']:.2f}", describe(b["shrink"]), describe(b["expand"])]
+         for label, per in tuned.items() for name, b in per.items()),
+    )  # fmt: skip
 
 
 def save(out_dir: Path, env, rows, sweeps, layer, tuned=None, tune_record=()) -> None:

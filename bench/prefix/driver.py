@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 from loraserve.runtime.engine import Engine, EngineObserver, Request
 from loraserve.runtime.sampling import SamplingParams
 
+from ..harness import percentile
 from .workloads import Session
 
 
@@ -44,11 +44,7 @@ class RunResult:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        if not self.ttft_s:
-            return 0.0
-        if len(self.ttft_s) == 1:
-            return 1e3 * self.ttft_s[0]
-        return 1e3 * statistics.quantiles(self.ttft_s, n=100, method="inclusive")[round(q * 100) - 1]
+        return 1e3 * percentile(self.ttft_s, 100 * q) if self.ttft_s else 0.0
 
 
 def run_sessions(engine: Engine, sessions: list[Session], output_tokens: int, tag: str, timeout_s: float = 1800) -> RunResult:

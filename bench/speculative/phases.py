@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..harness import environment, log
+from ..harness import environment, log, table
 from .workloads import make_workload, run_workload
 
 if TYPE_CHECKING:
@@ -222,8 +222,11 @@ def _sums(step: Step, phases: list[tuple[str, int]]) -> dict[tuple[str, int], li
     return sums
 
 
-def _cells(stats: list[float] | None) -> str:
-    return "– | –" if stats is None else f"{stats[0]:.3f} | {stats[1]:.3f}"
+def _pair(stats: list[float] | None) -> list[str]:
+    return ["–", "–"] if stats is None else [f"{stats[0]:.3f}", f"{stats[1]:.3f}"]
+
+
+HEADER = ["phase", "calls / step", "host ms / step (mean)", "(median)", "GPU span ms / step (mean)", "(median)"]
 
 
 def markdown(name: str, runs: dict[str, dict], meta: dict) -> str:
@@ -237,21 +240,15 @@ def markdown(name: str, runs: dict[str, dict], meta: dict) -> str:
         " says what each column measures).",
     ]
     for kind, s in runs.items():
-        lines += [
-            "", f"## {kind}: {s['steps']} steps, {s['tokens_per_step']} tokens / step; {s['generated']} tokens"
-            f" in {s['seconds']:.3f} s", "",
-            "| phase | calls / step | host ms / step (mean) | (median) | GPU span ms / step (mean) | (median) |",
-            "|---|---|---|---|---|---|",
+        rows = [[f"{'· ' * (r['depth'] - 1)}`{r['phase']}`", f"{r['calls']:g}", *_pair(r["host_ms"]),
+                 *_pair(r["gpu_ms"])] for r in s["rows"]]  # fmt: skip
+        rows += [
+            [label, calls, *_pair(s[f"{key}_host_ms"]), *_pair(s[f"{key}_gpu_ms"])]
+            for label, calls, key in (("(rest of the step)", "", "rest"), ("**step** (`decoder.step`)", 1, "step"),
+                                      ("**between steps** (engine)", 1, "between"))
         ]  # fmt: skip
-        lines += [
-            f"| {'· ' * (r['depth'] - 1)}`{r['phase']}` | {r['calls']:g} | {_cells(r['host_ms'])} | {_cells(r['gpu_ms'])} |"
-            for r in s["rows"]
-        ]
-        lines += [
-            f"| (rest of the step) | | {_cells(s['rest_host_ms'])} | {_cells(s['rest_gpu_ms'])} |",
-            f"| **step** (`decoder.step`) | 1 | {_cells(s['step_host_ms'])} | {_cells(s['step_gpu_ms'])} |",
-            f"| **between steps** (engine) | 1 | {_cells(s['between_host_ms'])} | {_cells(s['between_gpu_ms'])} |",
-        ]
+        lines += ["", f"## {kind}: {s['steps']} steps, {s['tokens_per_step']} tokens / step; {s['generated']} tokens"
+                  f" in {s['seconds']:.3f} s", "", *table(HEADER, rows)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
