@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from loraserve.kernels import ForwardMode
-from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig
+from loraserve.runtime.contract.config import DENSE_LORA_MODULES, LORA_MODULES, RuntimeConfig
 from loraserve.runtime.dev.devmodels import (
     ALL_LINEAR_MODULES,
     build_adapter,
@@ -96,7 +96,7 @@ def tp_assets(tmp_path_factory) -> TPAssets:
     (biased / "config.json").write_text(json.dumps(cfg))
     adapters = {name: build_adapter(root / "adapters" / name, gqa, **kw) for name, kw in GQA_ADAPTERS.items()}
     replicated_adapter = build_adapter(
-        root / "adapters" / "rep-all", replicated, rank=8, alpha=8, target_modules=LORA_MODULES, seed=53
+        root / "adapters" / "rep-all", replicated, rank=8, alpha=8, target_modules=DENSE_LORA_MODULES, seed=53
     )
     return TPAssets(
         gqa=gqa,
