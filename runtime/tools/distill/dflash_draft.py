@@ -21,7 +21,7 @@ from .eagle_head import EAGLE_COPIED_KEYS, LayerDims
 
 
 def dflash_names(num_layers: int) -> list[str]:
-    """Checkpoint names (``dflash_format``) of every trained tensor."""
+    """Checkpoint names (``speculative.dflash.format``) of every trained tensor."""
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     for j in range(num_layers):
         p = f"layers.{j}."
@@ -85,7 +85,7 @@ class DFlashDraft(torch.nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def checkpoint(self) -> dict[str, torch.Tensor]:
-        """The draft's weights under their ``dflash_format`` names (float32, CPU)."""
+        """The draft's weights under their ``speculative.dflash.format`` names (float32, CPU)."""
         out = {}
         for name, param in self.named_parameters():
             key = name if name.endswith(".weight") else f"{name}.weight"  # norms are bare Parameters

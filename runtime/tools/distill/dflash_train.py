@@ -96,7 +96,7 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str 
     where the span holds fewer (layer ``0`` alone for a target of under 4 layers).
     ``spread``: ``reference``, over ``1 .. L-3`` as the reference spreads them over its
     36-layer targets (3 of 36 unread); ``top``, over ``1 .. L-2``, the deepest output a
-    target's forward captures (``dflash_format.check_target_layer_ids``: layer ``L-1``'s
+    target's forward captures (``dflash.format.check_target_layer_ids``: layer ``L-1``'s
     output is the final norm's input, served un-normed where training would see it normed).
     Of an 8-layer target, ``L-3`` leaves 2 unread, a quarter of its depth."""
     from ...speculative.dflash.format import default_target_layer_ids

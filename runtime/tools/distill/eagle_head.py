@@ -53,7 +53,7 @@ EAGLE_NAMES = {
 class EagleHead(torch.nn.Module):
     """The runtime's EAGLE draft layer (version 1, with input norm) as a trainable module.
 
-    The equations of ``eagle_format`` / ``EagleDraftModel``: the input at position ``i`` is
+    The equations of ``speculative.eagle.format`` / ``EagleDraftModel``: the input at position ``i`` is
     ``fc([embed(x[i+1]), feature[i]])`` (feature = the target's final normed hidden state),
     then one Llama decoder layer with causal attention at positions ``0..T-1``; the output
     is the predicted ``feature[i+1]`` and ``lm_head(output)`` (no norm) the distribution of
@@ -96,7 +96,7 @@ class EagleHead(torch.nn.Module):
         )
 
     def checkpoint(self) -> dict[str, torch.Tensor]:
-        """The head's weights under their ``eagle_format`` names (float32, CPU)."""
+        """The head's weights under their ``speculative.eagle.format`` names (float32, CPU)."""
         out = {}
         for attr, name in EAGLE_NAMES.items():
             p = getattr(self, attr)
@@ -251,7 +251,7 @@ def eagle_config(target_raw: dict, intermediate: int) -> dict:
 
 
 def save_eagle_head(tensors: dict[str, torch.Tensor], raw: dict, dest: Path) -> Path:
-    """Write an EAGLE draft directory (``eagle_format``): config.json + model.safetensors (float32)."""
+    """Write an EAGLE draft directory (``speculative.eagle.format``): config.json + model.safetensors (float32)."""
     from safetensors.torch import save_file
 
     from ...speculative.eagle.format import eagle_config_from_dict
