@@ -43,12 +43,11 @@ class OverlapMode(enum.Enum):
 class OverlapPolicy:
     """When a module's LoRA runs beside its base GEMM, and with which join.
 
-    ``mode`` None is the measured choice (H200, one Llama-3-8B layer, see
-    ``bench/results/2026-12-03-kernels-h200.md``): ``DELTA`` for batches of at most
-    ``delta_max_tiles`` LoRA tiles (batch 1: LoRA added +7% to the layer, serial +24%),
-    ``SHRINK`` above (at 8-64 tiles the side stream's expand no longer fits beside the
-    GEMM and ``DELTA`` lost to serial; ``SHRINK`` won everywhere). ``max_tokens``: larger
-    batches run serially (at prefill sizes the GEMM is compute-bound and fills the GPU).
+    ``mode`` None picks by size (bench/KERNELS-NOTES.md holds the measurements): ``DELTA``
+    for batches of at most ``delta_max_tiles`` LoRA tiles, where the whole delta fits
+    beside the GEMM; ``SHRINK`` above, where the side stream's expand would compete with
+    the GEMM for SMs and bandwidth and finish after it. ``max_tokens``: larger batches run
+    serially (at prefill sizes the GEMM is compute-bound and fills the GPU).
     """
 
     mode: OverlapMode | None = None

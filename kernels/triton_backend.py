@@ -41,8 +41,8 @@ from .triton_ops.pdl import pdl_supported
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # "1": let the shape heuristic take the single-launch path. Off by default: its grid barrier
 # needs every program resident, which a shared GPU (MPS with an SM limit) can break, and a
-# barrier that gives up leaves that batch's LoRA delta wrong. It saves ~1 µs per module at
-# batch 1-2 only (bench/KERNELS-NOTES.md).
+# barrier that gives up leaves that batch's LoRA delta wrong. It saves about one launch per
+# module at batch 1-2 only (bench/KERNELS-NOTES.md).
 FUSED_ENV = "LORASERVE_LORA_FUSED"
 _INTERPRETER_SMS = 4  # the interpreter runs programs one by one: keep grids small
 DEFAULT_PDL = False

@@ -11,16 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-# Tuned on an H200 (bench/KERNELS-NOTES.md has the sweeps behind each number).
+# Tuned constants; bench/KERNELS-NOTES.md holds the sweeps behind each number.
 MAX_SPLIT_K = 16
 MAX_SPLIT_K_WIDE_TILES = 2  # extend: every split's partial is re-read by each column group
 MIN_K_BLOCKS_PER_SPLIT = 2  # at least 2 steps (256 columns at block_k 128) per split
 PROGRAMS_PER_SM = 2  # shrink programs (tiles x slices) aimed for per SM before splitting K
-EXPAND_PIPELINE_STAGES = 3  # the expand's column loop: blocks in flight + 1 (bench/KERNELS-NOTES.md run 10)
+EXPAND_PIPELINE_STAGES = 3  # the expand's column loop: blocks in flight + 1
 # Short-tile expands take 4 column blocks a program from this many blocks per SM, 2 below:
-# run 10 found 4 better at 64 decode tiles (o, down: 2048 blocks; 1-3 points a layer) and
-# worse at 32 verify tiles (qkv: 1536) and 8 decode tiles; run 11 (H100) confirmed 15 against
-# run 10's 32 (bs 64 / 64 rank-16 adapters in a rank-64 pool: +52.7% against +55.3%).
+# longer programs pay only once the blocks fill every SM many times over; fewer blocks
+# need the extra programs to keep enough loads in flight.
 FOUR_COL_BLOCKS_PER_SM = 15
 # The expand loads every split's partial tile at once (so they are in flight together):
 # splits x rank block is capped so they fit in registers (16 splits at rank 16, 4 at 64).
@@ -29,9 +28,9 @@ MAX_PARTIAL_COLUMNS = 256
 # Single-launch (fused) path: programs resident together (a grid barrier needs all of
 # them at once; two per SM fit whatever the kernel uses). The automatic choice takes it
 # only where a full tile table gives each program at most one column block and each
-# shrink item at most four K steps: on the H200 it beat two launches there (bs 1:
-# qkv, o, gate_up) and lost everywhere else it was measured (down's 7 K steps a split,
-# 8 to 64 tiles; bench/KERNELS-NOTES.md, run 3).
+# shrink item at most four K steps, the only shapes where one launch beats two: longer K
+# loops pipeline fewer stages in the fused kernel, and two programs per SM keep too few
+# bytes in flight for many tiles.
 FUSED_PROGRAMS_PER_SM = 2
 FUSED_MAX_COL_BLOCKS = 1
 FUSED_MAX_K_STEPS_PER_SPLIT = 4
@@ -171,10 +170,8 @@ def pick_expand(
     else:
         col_blocks = 2
     # The column loop goes to Triton's pipeliner, B and the base output copied to shared
-    # memory two blocks ahead (run 10: 1-4 points off every layer target, 8% off gate_up at
-    # 64 adapters, 0.4-4% off extend's o and down, from fewer registers and shared-memory
-    # round trips than the register prefetch; run 11 on an H100: extend's o and down
-    # 0.6-5% faster, decode and verify tiles as in run 10).
+    # memory two blocks ahead: fewer registers and shared-memory round trips than a
+    # register prefetch, on every tile kind (bench/KERNELS-NOTES.md).
     return ExpandConfig(
         block_n=block_n, block_r=rank_block(max_rank), col_blocks=col_blocks, pipeline_stages=EXPAND_PIPELINE_STAGES
     )

@@ -21,11 +21,9 @@ Ranks are unrolled ``RANK_UNROLL`` at a time so a group's loads are in flight to
 ``xa`` is read straight from the shrink's float32 split-K partial sums, adding them as it
 loads; rows of slot -1 and columns past a slot's rank are never read (they are unwritten).
 
-Status: a measured alternative, not used by the runtime. On an H200 (``bench/kernels
---layer epilogue``, ``bench/KERNELS-NOTES.md`` run 7) the GEMM alone comes within a few
-percent of cuBLAS at 32-64 tokens, but the gathered epilogue made a Llama-3-8B layer's LoRA
-cost +65-89% at 32 tokens / 8 adapters against +20% for the runtime's shrink join, and the
-shrink it needs first is no longer hidden beside the GEMM.
+Status: an alternative kept for ``bench/kernels --layer epilogue``, not used by the
+runtime: the per-row gather of B in the epilogue costs more than the expand it replaces,
+and the shrink it needs first is no longer hidden beside the GEMM (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ expand adds them while loading, so no atomics, no zero-fill and no extra launch.
 Rank blocks are the slowest grid axis: the first blocks the GPU dispatches are every
 (slice, tile, split)'s first rank block, which serving ranks fill, and the programs of
 rank blocks past a slot's rank (which stop at once) come after. With rank blocks as the
-fastest axis, a rank-64 pool gave 12 programs per (tile, split) of which 3 were live, and
-since 132 SMs are 11 × 12, the block scheduler's round robin put every live program on
-the same quarter of the SMs (Nsight Compute: SMs active 25% of the shrink; 34 µs against
-12 µs in a rank-16 pool, bench/KERNELS-NOTES.md run 9).
+fastest axis the block scheduler's round robin can land every live program on the same
+few SMs (a rank-64 pool serving rank-16 slots has 3 live programs in 12 per (tile, split),
+and 12 divides a 132-SM GPU's count); bench/KERNELS-NOTES.md has the profile.
 """
 
 from __future__ import annotations
