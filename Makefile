@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 # `python -m` run from the repository root: never put the working directory on sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv demo demo-tiny demo-admission test test-fast lint fmt helm bench-cpu clean crds
+.PHONY: all venv demo demo-tiny demo-admission test test-fast lint fmt helm bench-cpu clean
 
 all: test
 
