@@ -58,9 +58,9 @@ CAPABILITIES = Capabilities(
 # --- Triton ---------------------------------------------------------------------------
 
 TRITON_OLDEST: tuple[int, int] = (3, 6)
-"""The oldest Triton the CUDA kernels (LoRA shrink/expand, paged attention) were run on:
-every GPU test and figure in ``bench/results/`` used Triton 3.6 (with torch 2.11), the CPU
-tests Triton 3.9. pyproject's ``triton`` extra starts here and the image's base ships it
+"""The oldest Triton the CUDA kernels (LoRA shrink/expand, paged attention) are validated
+on: the GPU tests and benchmarks run on Triton 3.6 (with torch 2.11), the CPU tests on
+3.9. pyproject's ``triton`` extra starts here and the image's base ships it
 (tests/packaging/test_versions.py holds the three together)."""
 
 BASE_IMAGE_HINT = "pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime"

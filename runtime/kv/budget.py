@@ -7,14 +7,15 @@ weights and the adapter pool, as vLLM's ``gpu_memory_utilization`` and SGLang's
 On a CPU that rule is wrong. System memory is shared with the OS, the page cache, other
 processes (other runtime pods on the node, the tests that start several runtimes) and this
 process's own activations, tokenizer and adapter loads; and the pool is allocated eagerly
-and zero-filled, so every byte of it is resident from start-up. 0.85 of the available
-memory was about 18 GiB for SmolLM2-135M on a 24 GiB machine. What others do:
+and zero-filled, so every byte of it is resident from start-up: 0.85 of the available
+memory would take most of the machine for a model that needs a fraction of it. What others
+do:
 
 - vLLM's CPU backend ignores ``gpu_memory_utilization`` and sizes the pool from
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB); unset, it used a fixed 4 GiB for a long time (with a
   warning), and recent versions take half of the total memory of the NUMA node.
 - SGLang on CPU treats ``psutil.virtual_memory().available`` as the device's free memory
-  and applies ``mem_fraction_static`` as on a GPU: the behaviour this module had.
+  and applies ``mem_fraction_static`` as on a GPU, which has the problem above.
 
 So, when ``scheduler.max_total_tokens`` is unset, a CPU pool is the smallest of:
 

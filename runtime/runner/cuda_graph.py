@@ -25,13 +25,13 @@ Which extends replay (:func:`extend_padding_ok`, :meth:`CudaGraphRunner.extend_s
 the padded tokens ``B_padded x W`` fit ``cuda_graph.max_prefill_tokens`` and are at most
 :data:`EXTEND_PADDING_RATIO` times the real ones, or at most
 :data:`EXTEND_PADDED_TOKENS_FREE` in all. Why: an eager extend step pays a launch floor
-(tens of ms at 8B dims on an H100, whatever it carries) that a replay does not, and a
-replay pays the GPU time of its padded rows. Below a few hundred rows a step's GEMMs are
-bound by reading the weights (the bf16 ridge point of an H100 is near 300 rows), so
-padded rows there are nearly free; above it padding costs in proportion, and bounding it
-at 2x keeps a replay's GPU time within twice the eager step's work, well under the
-launch floor the eager step would add at these sizes, while batches that mix one long
-chunk with several short ones (most of their rows padding) stay eager.
+(tens of ms at 8B dims, whatever it carries: docs/runtime.md#cuda-graphs) that a replay
+does not, and a replay pays the GPU time of its padded rows. Below a few hundred rows a
+step's GEMMs are bound by reading the weights (a Hopper GPU's bf16 ridge point is near 300
+rows), so padded rows there are nearly free; above it padding costs in proportion, and
+bounding it at 2x keeps a replay's GPU time within twice the eager step's work, well
+under the launch floor the eager step would add at these sizes, while batches that mix one
+long chunk with several short ones (most of their rows padding) stay eager.
 
 Why padded uniform batches and not the token-count buckets of SGLang's piecewise CUDA
 graphs or vLLM's PIECEWISE mode (the model captured between attention calls, attention

@@ -20,8 +20,8 @@ MAX_TOP_K = 16
 MAX_NUM_DRAFT_TOKENS = 256
 """The most tokens verified per request and step (a chain verifies num_steps + 1 ≤ 33; a
 tree at most this many nodes): every decode request verifies that many rows."""
-# Tree drafts verify num_draft_tokens rows per request; at 8 requests a 16-node tree was
-# already slower than a chain on the H200 (bench/results/2026-12-04-spec-h200.md).
+# Tree drafts verify num_draft_tokens rows per request, so from about this many requests a
+# tree's wider verify costs more than its extra accepted drafts (docs/speculative.md).
 TREE_COSTLY_BATCH = 8
 
 MINIMUM: dict[str, int] = {

@@ -36,9 +36,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``auto``: the paged Triton kernel on CUDA when triton is installed (decode 1.2-4x the
-    SDPA path on an H200, bench/results/2026-12-04-attention-h200.md), SDPA elsewhere (the
-    interpreter is for tests, not serving). Other values are returned as given."""
+    """``auto``: the paged Triton kernel on CUDA when triton is installed (it reads the KV
+    cache in place where SDPA copies each context; docs/runtime.md#attention), SDPA elsewhere
+    (the interpreter is for tests, not serving). Other values are returned as given."""
     if backend != "auto":
         return backend
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "sdpa"
@@ -255,11 +255,10 @@ class Attention(nn.Module):
             qh = padded
         qh = qh.view(bs, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, kvh, g * max_q, hd)
         if qh.is_cuda:
-            # Never cuDNN attention: on the H200 it spent ~2 ms of host time per eager call
-            # (plan lookup) for ~10 µs on the device (bench/results/2026-12-03-spec-h200.md),
-            # and a backend chosen only inside capture would build its plan there, after
-            # warm-ups that ran another backend; that capture fails. One set of backends for
-            # eager steps, warm-ups and captures.
+            # Never cuDNN attention: its per-call host planning dwarfs its device time in
+            # eager steps, and a backend chosen only inside capture would build its plan
+            # there, after warm-ups that ran another backend; that capture fails. One set of
+            # backends for eager steps, warm-ups and captures.
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=meta.mask, scale=self.scale)
         else:

@@ -5,7 +5,7 @@ verify width, fixed at start-up), and a verify hands over ``width`` rows of the 
 features per request. Like the target's decode and the EAGLE head's steps, these forwards
 are padded to a batch-size bucket and a power-of-two context and replayed from a graph
 per shape (eager, each is a few dozen small launches plus attention metadata built on the
-host: ~3.5-4 ms a step on an H100, ``bench/results/2026-12-06-spec-dflash-h100.md``):
+host, which then sets a step's cost; docs/benchmarks.md):
 
 - *append*: the target's features of ``rows`` positions per request projected into every
   draft layer's keys and values (no attention runs: context positions are never

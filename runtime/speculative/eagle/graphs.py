@@ -11,8 +11,8 @@ context and replayed from a graph per shape:
   head is causal, so the kept rows never see the dropped ones).
 
 Eager, each forward is a few dozen small launches plus attention metadata built on the
-host; at batch 1 that host work, not the GPU, set the EAGLE step's cost
-(``bench/results/2026-12-03-spec-h200.md``). Padded rows use KV row 0 and slot 0, which
+host; at small batches that host work, not the GPU, sets the EAGLE step's cost
+(docs/benchmarks.md). Padded rows use KV row 0 and slot 0, which
 the cache never hands out. Prefill chunks (ragged) stay eager.
 
 A greedy proposal runs as one *chain* graph: the LM head's argmax of each request's tail

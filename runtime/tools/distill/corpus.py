@@ -141,8 +141,8 @@ def teacher_sequences(
     starts = torch.randint(0, data.numel() - prompt_len - 1, (count,), generator=gen)
     prompts = data[starts[:, None] + torch.arange(prompt_len)[None, :]].to(device)
     chunks = []
-    # large batches on a GPU: generation of a small model is bound by per-step latency (an
-    # H100 made 49,152 continuations in 42.7 s 2,048 at a time; 4,096's KV is ~7 GiB)
+    # large batches on a GPU: generation of a small model is bound by per-step latency, and
+    # 4,096 continuations' KV (~7 GiB for the small target) fits beside the model
     for part in prompts.split(4096 if device.type == "cuda" else 512):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.generate(

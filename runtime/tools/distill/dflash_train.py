@@ -82,8 +82,8 @@ class DFlashTraining:
     # "cache": teacher windows share the output cache with the corpus (the corpus keeps up to
     # half of it); "stream": only corpus windows are cached, and the target runs over each step's
     # teacher windows, so every teacher window generated is trained on, however many the
-    # device's memory would hold (H200 run 8's draft agreed with the target at block position
-    # 7 on 0.57 of training blocks and 0.16 of held-out ones: it memorised its 24,576)
+    # device's memory would hold (a draft trained over and over on the windows a cache holds
+    # memorises them; docs/dflash.md)
     teacher_outputs: str = "cache"
     # torch.compile the draft's training forward (its shapes are fixed: one graph), compiled by a
     # step outside the training clock whose gradients are dropped. Eager, a step is a few hundred
@@ -114,15 +114,11 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, spread: str 
     return sorted({round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
-# Run 2 (H100) computed the target per step: 2,547 steps in 90 s, where the EAGLE head's
-# cached steps made 2,837 with a third of the draft's work. A window of 193 tokens costs
-# 1.2 MB with three layer outputs of the 1024-wide small target and greedy labels (2.0 MB with
-# five; the final hidden state for KL labels adds 0.4 MB): 64 GiB holds ~28k teacher and ~28k
-# corpus windows with three (run 4 cached the final hidden state too: ~21k). Run 3's five-layer draft, trained
-# 6.6 epochs over the 8,717 teacher windows 40 GiB held, agreed with the target at block
-# position 7 on 0.70 of training blocks and 0.24 of held-out ones: the teacher windows the
-# cache holds bound what the draft learns. An H200's ~130 GiB free holds 48k teacher windows
-# and as many corpus windows with three layers; an H100's free memory bounds it first.
+# The output cache keeps the target's layer outputs of each window, so a training step is the
+# draft's own work rather than the target's forward; the teacher windows it holds bound what
+# the draft learns. A 193-token window with three layer outputs of the 1024-wide small target
+# and greedy labels is ~1.2 MB, so this holds ~50k teacher and as many corpus windows; a
+# device with less free memory bounds it first (docs/dflash.md).
 CACHE_GIB = 120.0
 # what a training step itself allocates, beside the cache (batch 48, 24 blocks of 8: ~3 GiB)
 STEP_RESERVE_GIB = 10.0

@@ -78,9 +78,9 @@ class FeatureCache:
     """Training windows with the target's features, computed once (``--eagle-cache-gib``).
 
     The target is frozen, so its features of a window never change: computing them once
-    leaves every training step the head's own work (the target's forward was about 40% of
-    a step). Corpus windows are then fixed, non-overlapping slices of the corpus instead of
-    windows at random offsets."""
+    leaves every training step the head's own work (the target's forward would otherwise
+    be a large share of each step). Corpus windows are then fixed, non-overlapping slices
+    of the corpus instead of windows at random offsets."""
 
     windows: torch.Tensor  # int64 [n, seq + 1], on the device
     features: torch.Tensor  # bfloat16 [n, seq + 1, H], on the device
