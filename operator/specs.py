@@ -397,8 +397,8 @@ class RuntimeSpec(_Spec):
     key); unused entries are evicted least recently used when the pool needs room."""
     attention_backend: Literal[ATTENTION_BACKENDS] = sets("attention_backend")  # type: ignore[valid-type]
     """Decode and verify attention: sdpa gathers each request's context per layer; triton reads the paged KV
-    cache in place (CUDA only; decode 1.2-3.4x sdpa at a 512-token context and 2.6-4.0x at 4096 on an H200);
-    auto takes triton on CUDA when the image has it, else sdpa."""
+    cache in place (CUDA only; its lead over sdpa grows with the context and the batch); auto takes triton on
+    CUDA when the image has it, else sdpa."""
     image: str | None = Field(default=None, max_length=512)
     """Runtime image; unset uses the operator's default."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
