@@ -106,7 +106,8 @@ def test_every_rule_has_a_case():
     assert set(RULES) - covered == transition
 
 
-def test_every_rule_restates_a_python_rule_or_is_the_api_servers_own():
+def test_cel_rules_restate_python_rules():
+    """Every rule restates a python rule or is the API servers own."""
     mirrored = {r.mirrors for r in RULES.values() if r.mirrors}
     assert all(not (r.check and r.mirrors) for r in RULES.values())
     # The operator words these its own way (it fills a chain's width in, names an unmounted
@@ -196,7 +197,8 @@ def _random_spec(rng: random.Random) -> dict:
     }
 
 
-def test_mirrored_rules_agree_with_the_policy_on_random_specs(kit):
+def test_mirrored_rules_agree_on_random_specs(kit):
+    """Mirrored rules agree with the policy on random specs."""
     twins = {r.message: r.mirrors for r in RULES.values() if r.mirrors}
     rng = random.Random(20261202)
     seen: set[str] = set()

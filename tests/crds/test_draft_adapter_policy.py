@@ -48,12 +48,14 @@ def rendered(report: policy.Report) -> list[str]:
 # --------------------------------------------------------------------------- an Adapter's draft
 
 
-def test_a_draft_adapter_fits_a_standalone_serve_with_a_pool():
+def test_draft_adapter_fits_standalone_pool():
+    """A draft adapter fits a standalone serve with a pool."""
     assert judge(serve()).ok
     assert judge(serve(), DraftAdapterDeclaration(rank=16, target_modules=DEFAULT_LORA_MODULES)).ok
 
 
-def test_an_adapter_without_a_draft_adapter_needs_no_pool():
+def test_no_draft_adapter_needs_no_pool():
+    """An adapter without a draft adapter needs no pool."""
     for algorithm in A:
         assert not {r for r in judge(serve(algorithm, pool=0), None).rules() if r.startswith("adapter-draft")}
 
@@ -66,14 +68,16 @@ def test_ngram_has_no_draft_model_to_adapt():
     assert "fix: remove spec.draft" in message
 
 
-def test_a_serve_without_speculation_has_no_draft_model():
+def test_no_speculation_no_draft_model():
+    """A serve without speculation has no draft model."""
     report = judge(serve(A.NONE))
     assert report.rules() == {"adapter-draft-no-draft-model"}
     assert "spec.speculative.algorithm NONE" in rendered(report)[0]
 
 
 @pytest.mark.parametrize("algorithm", [A.EAGLE, A.EAGLE3, A.NEXTN])
-def test_an_eagle_head_takes_a_draft_adapter_on_its_own_layers(algorithm):
+def test_eagle_head_takes_draft_adapter(algorithm):
+    """An EAGLE head takes a draft adapter on its own layers."""
     assert judge(serve(algorithm)).ok
     head = (*DEFAULT_LORA_MODULES, "fc")
     assert judge(serve(algorithm), DraftAdapterDeclaration(rank=16, target_modules=head)).ok
@@ -82,7 +86,8 @@ def test_an_eagle_head_takes_a_draft_adapter_on_its_own_layers(algorithm):
 
 
 @pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
-def test_an_eagle_head_shares_the_targets_embeddings_which_stay_unadapted(module):
+def test_eagle_shared_embeddings_unadapted(module):
+    """An EAGLE head shares the targets embeddings which stay unadapted."""
     report = judge(serve(A.EAGLE3), DraftAdapterDeclaration(target_modules=("fc", module)))
     assert report.rules() == {"adapter-draft-modules-not-served"}
     (message,) = rendered(report)
@@ -100,7 +105,8 @@ def test_only_a_heads_pool_wraps_fc():
 
 
 @pytest.mark.parametrize("algorithm", [A.DFLASH, A.DSPARK])
-def test_block_drafts_take_no_adapters_in_this_version(algorithm):
+def test_block_drafts_take_no_adapters(algorithm):
+    """Block drafts take no adapters in this version."""
     report = judge(serve(algorithm))
     assert report.rules() == {"adapter-draft-algorithm"}
     (violation,) = report.violations
@@ -111,7 +117,8 @@ def test_block_drafts_take_no_adapters_in_this_version(algorithm):
     assert "fix: remove spec.draft, or serve the adapter from a STANDALONE, EAGLE or EAGLE3 serve" in message
 
 
-def test_a_standalone_serve_without_a_pool_names_the_fix():
+def test_standalone_without_pool_names_fix():
+    """A standalone serve without a pool names the fix."""
     report = judge(serve(pool=0))
     assert report.rules() == {"adapter-draft-no-pool"}
     (message,) = rendered(report)
@@ -140,7 +147,8 @@ def test_the_draft_pool_wraps_no_embeddings(module):
     assert f"retrain the draft adapter without {module}" in message
 
 
-def test_unknown_or_repeated_draft_modules_are_refused():
+def test_bad_draft_modules_refused():
+    """Unknown or repeated draft modules are refused."""
     report = judge(serve(), DraftAdapterDeclaration(target_modules=("q_proj", "q_proj", "w_pack")))
     assert report.rules() == {"adapter-draft-modules"}
 
@@ -154,7 +162,8 @@ def test_every_misfit_is_collected():
     }
 
 
-def test_the_target_adapters_rules_still_apply_beside_the_draft():
+def test_target_adapter_rules_still_apply():
+    """The target adapters rules still apply beside the draft."""
     c = serve(A.NGRAM, lora__max_rank=8)
     report = policy.check_adapter(c, AdapterDeclaration("sql", rank=16, draft=DRAFT))
     assert report.rules() == {"adapter-rank-too-large", "adapter-draft-no-draft-model"}
@@ -175,7 +184,8 @@ def test_a_pool_for_an_eagle_head_is_servable(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", [A.DFLASH])
-def test_a_pool_for_a_draft_that_takes_no_adapters_is_unavailable(algorithm):
+def test_pool_for_adapterless_draft_unavailable(algorithm):
+    """A pool for a draft that takes no adapters is unavailable."""
     report = policy.check_config(serve(algorithm))
     assert "draft-lora-algorithm" in report.rules()
     (violation,) = [v for v in report.violations if v.rule == "draft-lora-algorithm"]
@@ -186,7 +196,8 @@ def test_a_pool_for_a_draft_that_takes_no_adapters_is_unavailable(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", [A.NONE, A.NGRAM])
-def test_a_pool_without_a_draft_model_is_ignored_with_a_warning(algorithm):
+def test_pool_without_draft_model_warns(algorithm):
+    """A pool without a draft model is ignored with a warning."""
     # Harmless (no pool is built for a draft that does not exist), so warned, as a draft model
     # named for NGRAM is, rather than refused.
     report = policy.check_config(serve(algorithm))
@@ -198,7 +209,8 @@ def test_a_pool_without_a_draft_model_is_ignored_with_a_warning(algorithm):
         assert "NGRAM drafts from the prompt: there is no draft model to adapt" in warning.render()
 
 
-def test_a_pool_with_lora_off_is_ignored_with_a_warning():
+def test_pool_with_lora_off_warns():
+    """A pool with LoRA off is ignored with a warning."""
     report = policy.check_config(serve(lora__enabled=False))
     assert report.ok and "draft-lora-ignored" in report.warning_rules()
 
@@ -217,7 +229,8 @@ def test_draft_slots_fit_the_host_cache():
     assert policy.check_config(serve(pool=4, lora__max_loaded_loras=4, lora__max_loras_per_batch=4)).ok
 
 
-def test_the_spec_model_takes_its_defaults_and_bounds_from_the_config_and_policy():
+def test_spec_model_defaults_and_bounds():
+    """The spec model takes its defaults and bounds from the config and policy."""
     spec = specs.parse_loraserve_spec({"model": {"source": "/m"}})
     assert (spec.speculative.draft_lora.max_loras, spec.speculative.draft_lora.max_rank) == (0, 16)
     with pytest.raises(specs.SpecError, match=r"spec\.speculative\.draftLora\.maxLoras"):
@@ -232,7 +245,8 @@ def test_the_spec_model_takes_its_defaults_and_bounds_from_the_config_and_policy
     assert (config.speculative.draft_max_loras, config.speculative.draft_max_lora_rank) == (3, 32)
 
 
-def test_the_adapter_declaration_carries_the_draft():
+def test_adapter_declaration_carries_draft():
+    """The adapter declaration carries the draft."""
     spec = specs.parse_adapter_spec(
         {
             "serve": "s",

@@ -94,7 +94,8 @@ def test_negative_example_fails_where_annotated(kit, path, example_objects):
 
 
 @pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
-def test_valid_example_passes_the_webhook_except_unavailable_algorithms(kit, path, example_objects):
+def test_valid_example_passes_webhook(kit, path, example_objects):
+    """Valid example passes the webhook except unavailable algorithms."""
     from loraserve.runtime.contract.capabilities import CAPABILITIES
     from loraserve.runtime.contract.config import SpecAlgorithm
 

@@ -79,7 +79,8 @@ def test_lora_rejection_names_the_algorithm():
 
 
 @pytest.mark.parametrize("requested", [A.NEXTN, A.EAGLE])
-def test_gemma4_assistant_draft_resolves_to_frozen_kv_mtp_and_is_refused_with_lora(requested):
+def test_gemma4_draft_is_frozen_kv_mtp(requested):
+    """Gemma4 assistant draft resolves to frozen KV MTP and is refused with LoRA."""
     c = config(requested, draft="/models/assistant", speculative__draft_model_architecture=GEMMA4_ASSISTANT)
     report = policy.check_config(c, EVERYTHING)
     assert report.effective.speculative.algorithm is A.FROZEN_KV_MTP
@@ -95,14 +96,16 @@ def test_gemma4_assistant_draft_resolves_to_frozen_kv_mtp_and_is_refused_with_lo
     )
 
 
-def test_other_draft_architectures_do_not_resolve_to_frozen_kv_mtp():
+def test_other_drafts_not_frozen_kv_mtp():
+    """Other draft architectures do not resolve to frozen KV MTP."""
     c = config(A.EAGLE3, speculative__draft_model_architecture=GEMMA4_ASSISTANT)
     assert policy.check_config(c, EVERYTHING).effective.speculative.algorithm is A.EAGLE3
     c = config(A.EAGLE, speculative__draft_model_architecture="LlamaForCausalLMEagle")
     assert policy.check_config(c, EVERYTHING).effective.speculative.algorithm is A.EAGLE
 
 
-def test_nextn_resolves_to_eagle_reading_the_target_checkpoint():
+def test_nextn_resolves_to_eagle():
+    """NextN resolves to EAGLE reading the target checkpoint."""
     c = config(A.NEXTN)
     report = policy.check_config(c, EVERYTHING)
     assert report.ok, report.violations
@@ -115,7 +118,8 @@ def test_nextn_resolves_to_eagle_reading_the_target_checkpoint():
 # --------------------------------------------------------------------------- LoRA x features
 
 
-def test_dspark_with_lora_needs_static_ragged_verify():
+def test_dspark_lora_needs_static_ragged():
+    """DSpark with LoRA needs static ragged verify."""
     dynamic = RaggedVerify.DYNAMIC
     assert "lora-dspark-ragged" in rules(config(A.DSPARK, speculative__ragged_verify=dynamic))
     assert "lora-dspark-ragged" not in rules(config(A.DSPARK, speculative__ragged_verify=RaggedVerify.STATIC))
@@ -123,7 +127,8 @@ def test_dspark_with_lora_needs_static_ragged_verify():
     assert "lora-dspark-ragged" not in rules(config(A.DFLASH, speculative__ragged_verify=dynamic))
 
 
-def test_adaptive_with_lora_follows_the_one_capability_flag():
+def test_adaptive_lora_follows_flag():
+    """Adaptive with LoRA follows the one capability flag."""
     c = config(A.EAGLE, speculative__adaptive=True)
     assert "lora-adaptive" in rules(c, EVERYTHING)
     rebuilt = dataclasses.replace(EVERYTHING, lora_graph_width_rebuild=True)
@@ -135,7 +140,7 @@ def test_adaptive_with_lora_follows_the_one_capability_flag():
     assert ("lora-adaptive" in policy.check_config(c).rules()) == expected
 
 
-def test_adaptive_runs_only_where_the_image_varies_the_width():
+def test_adaptive_needs_varying_width():
     """One rule for the webhook and the decoder: adaptive is refused with any algorithm, LoRA
     or not, until the image's flag says it runs; the fixes never lead to another refusal."""
     for lora in (True, False):
@@ -166,7 +171,8 @@ def test_overlap_features_are_refused_with_lora(rule, field, value):
     assert rule not in rules(config(lora=False, **{field: value}))
 
 
-def test_overlap_loading_without_lora_is_only_a_warning():
+def test_overlap_without_lora_warns():
+    """Overlap loading without LoRA is only a warning."""
     c = config(lora=False, lora__overlap_loading=True)
     assert policy.check_config(c, EVERYTHING).ok
     assert "overlap-loading-ignored" in warning_rules(c)
@@ -227,12 +233,14 @@ def test_algorithm_availability_follows_the_table(algorithm):
         assert "not available in this runtime" in violation.render()
 
 
-def test_nextn_is_available_exactly_when_what_it_resolves_to_is():
+def test_nextn_availability_follows_target():
+    """NextN is available exactly when what it resolves to is."""
     report = policy.check_config(config(A.NEXTN, lora=False))
     assert ("algorithm-unavailable" in report.rules()) == (not IMPLEMENTED_ALGORITHMS[A.EAGLE])
 
 
-def test_flipping_one_table_entry_is_the_whole_change(monkeypatch):
+def test_one_table_entry_is_whole_change(monkeypatch):
+    """Flipping one table entry is the whole change."""
     c = config(A.NGRAM, lora=False)
     off = Capabilities(algorithms=frozenset({A.NONE}))
     on = Capabilities(algorithms=frozenset({A.NONE, A.NGRAM}))
@@ -245,14 +253,16 @@ def test_flipping_one_table_entry_is_the_whole_change(monkeypatch):
     assert built == caps_module.CAPABILITIES.algorithms | {A.NGRAM}
 
 
-def test_unavailable_is_distinct_from_incompatible():
+def test_unavailable_not_incompatible():
+    """Unavailable is distinct from incompatible."""
     c = config(A.FROZEN_KV_MTP, draft="/models/assistant")
     report = policy.check_config(c, Capabilities(algorithms=frozenset({A.NONE})))
     assert {v.rule for v in report.incompatible} == {"lora-algorithm"}
     assert {v.rule for v in report.unavailable} == {"algorithm-unavailable"}
 
 
-def test_tree_drafts_and_dynamic_verify_are_features_of_the_image():
+def test_tree_and_dynamic_verify_features():
+    """Tree drafts and dynamic verify are features of the image."""
     tree = config(A.EAGLE, speculative__top_k=4, speculative__num_draft_tokens=8)
     assert "tree-unavailable" in rules(tree, dataclasses.replace(EVERYTHING, tree_algorithms=frozenset()))
     assert "tree-unavailable" not in rules(tree, EVERYTHING)
@@ -282,7 +292,8 @@ def test_draft_model_not_required(algorithm):
 
 
 @pytest.mark.parametrize("fmt", ["auto", "safetensors", "dummy"])
-def test_pickle_draft_checkpoints_are_refused_and_safe_formats_pass(fmt):
+def test_pickle_drafts_refused(fmt):
+    """Pickle draft checkpoints are refused and safe formats pass."""
     assert "draft-load-format-pickle" in rules(config(A.STANDALONE, speculative__draft_load_format="pt"))
     assert "draft-load-format-pickle" not in rules(config(A.STANDALONE, speculative__draft_load_format=fmt))
     report = policy.check_config(config(A.STANDALONE, speculative__draft_load_format="pt"), EVERYTHING)
@@ -291,7 +302,7 @@ def test_pickle_draft_checkpoints_are_refused_and_safe_formats_pass(fmt):
 
 
 @pytest.mark.parametrize("algorithm", list(SpecAlgorithm))
-def test_a_token_map_needs_a_draft_over_the_target_head(algorithm):
+def test_token_map_needs_head_draft(algorithm):
     """A token map picks rows of the target's lm_head: EAGLE-family drafts only (NEXTN runs as
     EAGLE); elsewhere refused, naming the field; without speculation only a warning."""
     c = config(algorithm, lora=False, speculative__token_map="freq_32768.pt")
@@ -324,7 +335,8 @@ def test_tree_draft_token_bound():
     assert "tree-draft-tokens" in rules(config(A.EAGLE, speculative__num_draft_tokens=38, **tree))
 
 
-def test_only_tree_capable_algorithms_take_top_k_above_one():
+def test_top_k_above_one_needs_tree():
+    """Only tree capable algorithms take top k above one."""
     tree = {"speculative__top_k": 2, "speculative__num_draft_tokens": 4}
     assert "tree-algorithm" in rules(config(A.NGRAM, lora=False, **tree))
     assert "tree-algorithm" in rules(config(A.DFLASH, lora=False, **tree))
@@ -410,7 +422,8 @@ def test_basic_sanity(rule, bad, good):
     assert rule not in rules(config(**{**bad, **good}))
 
 
-def test_disable_batch_size_bound_names_field_and_fix_and_any_algorithm_may_set_it():
+def test_disable_batch_size_bound():
+    """Disable batch size bound names field and fix and any algorithm may set it."""
     (violation,) = policy.check_config(config(speculative__disable_batch_size=-1), EVERYTHING).violations
     assert violation.render() == (
         "speculative.disable_batch_size: must be at least 0, got -1; "
@@ -436,7 +449,8 @@ def test_warmup_context_bound_names_field_and_fix():
     )
 
 
-def test_unknown_enum_strings_are_violations_not_crashes():
+def test_unknown_enum_is_violation():
+    """Unknown enum strings are violations not crashes."""
     c = config()
     c.speculative.algorithm = "MEDUSA"
     c.speculative.ragged_verify = "sometimes"
@@ -450,7 +464,8 @@ def test_unknown_enum_strings_are_violations_not_crashes():
 # --------------------------------------------------------------------------- warnings
 
 
-def test_embedding_modules_under_eagle_family_and_dflash_warn():
+def test_embedding_modules_warn():
+    """Embedding modules under EAGLE family and DFlash warn."""
     modules = {"lora__target_modules": (*LORA_MODULES[:7], "lm_head")}
     for algorithm in (A.EAGLE, A.EAGLE3, A.NEXTN, A.DFLASH):  # DFLASH too takes the base embeddings and head
         report = policy.check_config(config(algorithm, **modules), EVERYTHING)
@@ -485,7 +500,8 @@ def test_costly_settings_warn(rule, warned, quiet):
     assert policy.check_config(config(**warned), EVERYTHING).ok  # warnings never refuse
 
 
-def test_a_disable_batch_size_no_step_reaches_warns():
+def test_unreachable_disable_size_warns():
+    """A disable batch size no step reaches warns."""
     running = {"scheduler__max_running_requests": 32}
     warned = config(A.NGRAM, speculative__disable_batch_size=33, **running)
     report = policy.check_config(warned, EVERYTHING)
@@ -525,7 +541,8 @@ def test_every_violation_is_reported_at_once():
     assert str(caught.value).count("fix:") == len(report.violations)
 
 
-def test_findings_name_field_reason_and_fix_and_render_through_a_namer():
+def test_findings_name_field_and_fix():
+    """Findings name field reason and fix and render through a namer."""
     report = policy.check_config(config(lora__max_loras_per_batch=64, lora__max_loaded_loras=8), EVERYTHING)
     (violation,) = report.violations
     assert violation.field == "lora.max_loras_per_batch" and violation.reason and violation.fix
@@ -541,7 +558,8 @@ def test_check_does_not_mutate_its_input():
     assert c.to_dict() == before
 
 
-def test_clean_configuration_passes_under_this_image():
+def test_clean_configuration_passes():
+    """Clean configuration passes under this image."""
     report = policy.check_config(config())
     assert report.ok and report.warnings == () and report.effective.speculative.algorithm is A.NONE
 
@@ -574,7 +592,8 @@ def test_adapter_modules_within_serve_modules():
     assert "adapter-modules" in adapter_rules(c, adapter(target_modules=("q_proj", "bogus")))
 
 
-def test_adapter_embeddings_under_eagle_family_and_dflash_warn():
+def test_adapter_embeddings_warn():
+    """Adapter embeddings under EAGLE family and DFlash warn."""
     for algorithm in (A.EAGLE3, A.DFLASH):
         c = config(algorithm, lora__target_modules=LORA_MODULES)
         report = policy.check_adapter(c, adapter(target_modules=("q_proj", "embed_tokens")))
@@ -665,7 +684,7 @@ def test_trees_in_large_batches_warn():
         ("lora-rank-max", "lora.max_rank", {"lora__max_rank": 2**40}, {"lora__max_rank": 512}),
     ],
 )
-def test_upper_bounds_name_the_field_the_maximum_and_the_fix(rule, field, bad, good):
+def test_upper_bounds_name_field_and_fix(rule, field, bad, good):
     """1,000,001 draft tokens or a rank of 2^40 used to pass the policy and fail at run time."""
     report = policy.check_config(config(A.EAGLE3, **bad), EVERYTHING)
     found = [v for v in report.violations if v.rule == rule]
@@ -682,7 +701,8 @@ def test_upper_bounds_name_the_field_the_maximum_and_the_fix(rule, field, bad, g
     assert rule not in rules(config(A.EAGLE3, **{**bad, **good}))
 
 
-def test_start_up_refuses_values_over_the_maximum_naming_the_fix(tmp_path, capsys):
+def test_start_up_refuses_over_maximum(tmp_path, capsys):
+    """Start up refuses values over the maximum naming the fix."""
     from loraserve.runtime.cli import main
 
     code = main(

@@ -26,7 +26,8 @@ KEDA = {"serverAddress": "http://prometheus.monitoring:9090"}
         ({"maxReplicas": 2, "metricName": "vllm:x"}, ["spec.autoscaling.metricName"]),
     ],
 )
-def test_webhook_refusals_name_the_field_and_the_fix(autoscaling, needles):
+def test_refusals_name_field_and_fix(autoscaling, needles):
+    """Webhook refusals name the field and the fix."""
     verdict = webhooks.judge_serve({"model": {"source": "/models/m"}, "autoscaling": autoscaling}, name="s")
     assert not verdict.allowed
     assert any(all(n in p for n in needles) for p in verdict.problems), verdict.problems

@@ -142,7 +142,8 @@ def _within(path: str, prefixes: typing.Iterable[str]) -> bool:
 # --------------------------------------------------------------------------- CRD -> runtime
 
 
-def test_every_crd_field_sets_the_runtime_or_shapes_the_pod(kit):
+def test_every_crd_field_is_used(kit):
+    """Every CRD field sets the runtime or shapes the pod."""
     settings = {s.crd_path for s in translate.spec_settings()}
     special = {p for p in translate.SPECIAL_FIELD_PATHS.values() if p.startswith("spec.")}
     unaccounted = [
@@ -243,7 +244,8 @@ def test_each_crd_setting_reaches_the_runtime(setting):
         assert parsed == after  # the whole configuration, not just the field
 
 
-def test_all_crd_settings_changed_at_once_reach_the_runtime():
+def test_all_crd_settings_reach_runtime():
+    """All CRD settings changed at once reach the runtime."""
     keep_on = {"lora.enabled", "cuda_graph.enabled"}  # switching a section off drops its flags
     changes = {s.crd_path: _other(s) for s in translate.spec_settings() if s.config_path not in keep_on}
     config = translate.to_runtime_config(specs.parse_loraserve_spec(_raw(**changes)))
@@ -261,7 +263,8 @@ def _sections() -> typing.Iterator[tuple[str | None, type]]:
             yield f.name, hints[f.name]
 
 
-def test_every_config_field_has_a_flag_or_says_why_not():
+def test_every_config_field_has_flag():
+    """Every config field has a flag or says why not."""
     paths = set()
     for section, cls in _sections():
         for f in dataclasses.fields(cls):
@@ -319,7 +322,8 @@ def _flags_parse(config: RuntimeConfig) -> RuntimeConfig:
 
 
 @pytest.mark.parametrize("setting", flags.settings(), ids=lambda s: s.flag.name)
-def test_each_flag_round_trips_a_non_default_value(setting):
+def test_each_flag_round_trips(setting):
+    """Each flag round trips a non default value."""
     rng = random.Random(setting.flag.name)
     for _ in range(5):
         config = RuntimeConfig()
@@ -334,7 +338,8 @@ def test_each_flag_round_trips_a_non_default_value(setting):
         assert _flags_parse(config) == config
 
 
-def test_random_configurations_round_trip_through_the_flags():
+def test_random_configs_round_trip():
+    """Random configurations round trip through the flags."""
     rng = random.Random(20261206)
     for _ in range(300):
         config = RuntimeConfig()
@@ -348,14 +353,16 @@ def test_random_configurations_round_trip_through_the_flags():
         assert _flags_parse(config) == config
 
 
-def test_an_absent_num_draft_tokens_is_derived_as_everywhere():
+def test_absent_num_draft_tokens_derived():
+    """An absent num draft tokens is derived as everywhere."""
     config = flags.config_from_namespace(cli.build_parser().parse_args(["--model", "m", "--num-steps", "6"]))
     assert config.speculative.num_draft_tokens == 7
     spec = specs.parse_loraserve_spec(_raw(**{"spec.speculative.numSteps": 6}))
     assert translate.to_runtime_config(spec).speculative.num_draft_tokens == 7
 
 
-def test_every_flag_the_runtime_ever_took_is_still_accepted():
+def test_old_flags_still_accepted():
+    """Every flag the runtime ever took is still accepted."""
     parser = cli.build_parser()
     known = {option for action in parser._actions for option in action.option_strings}
     assert set(EVERY_FLAG_EVER) <= known

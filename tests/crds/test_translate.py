@@ -43,7 +43,8 @@ def test_every_mapped_field_exists_in_the_crd(kit):
             assert kit.schema_at(adapter_schema, crd_path) is not None, crd_path
 
 
-def test_every_field_the_policy_names_maps_to_a_user_field():
+def test_policy_fields_map_to_user_fields():
+    """Every field the policy names maps to a user field."""
     named = set(
         re.findall(
             r'"((?:model|speculative|lora|scheduler|cuda_graph|server|parallel)\.[a-z_]+|device)"',
@@ -141,7 +142,8 @@ def test_every_mapped_spec_field_is_perturbed():
     }
 
 
-def test_the_draft_model_fields_drive_the_draft_settings():
+def test_draft_model_fields_drive_settings():
+    """The draft model fields drive the draft settings."""
     draft = {"source": "/models/eagle", "architecture": "LlamaForCausalLMEagle", "tokenMap": "maps/hot.json"}
     config = translate.to_runtime_config(
         _spec(**{"speculative.algorithm": "EAGLE", "speculative.draftModel": draft})
@@ -162,7 +164,8 @@ def test_gpus_pick_the_device():
     assert translate.to_runtime_config(_spec(gpus=2)).device == "cuda"
 
 
-def test_chain_num_draft_tokens_derived_when_unset():
+def test_chain_draft_tokens_derived():
+    """Chain num draft tokens derived when unset."""
     config = translate.to_runtime_config(
         _spec(**{"speculative.algorithm": "NGRAM", "speculative.numSteps": 5})
     )
@@ -219,7 +222,7 @@ def test_pvc_paths_never_leave_the_mount(source):
     assert entries == ()
 
 
-def test_pods_are_confined_to_their_volumes_and_cache():
+def test_pods_confined_to_volumes():
     """The runtime may read local files from the model and adapter volumes and the adapter
     cache only; a model or draft given as an absolute path elsewhere (in the image) is added."""
     claim = {"type": "PersistentVolumeClaim", "claimName": "lora", "mountPath": "/lora/"}
@@ -236,7 +239,8 @@ def test_pods_are_confined_to_their_volumes_and_cache():
     assert config.server.allowed_local_roots == ("/models", "/adapters")
 
 
-def test_model_revision_field_applies_to_hf_sources():
+def test_model_revision_applies_to_hf():
+    """Model revision field applies to HF sources."""
     spec = _spec(**{"model.source": "hf://org/repo", "model.revision": "v1"})
     assert translate.to_runtime_config(spec).model.path == "/models/hf/org/repo/v1"
 
@@ -319,7 +323,7 @@ def test_spec_errors_name_the_users_fields():
     assert caught.value.problems == ["spec.model: Field required"]
 
 
-def test_lora_serves_wait_for_the_operators_catalog_push():
+def test_lora_serves_wait_for_catalog():
     """--catalog-confirm with LoRA on: a pod is not Ready until the operator pushed its
     catalog (the ConfigMap volume lags behind Adapters created while it started)."""
     from loraserve.operator.desired import runtime_args
