@@ -49,7 +49,8 @@ def adapter(name: str, namespace: str, serve_name: str, **spec) -> dict:
     }
 
 
-async def test_valid_examples_follow_the_capability_table(lab, manifest):
+async def test_valid_examples_follow_table(lab, manifest):
+    """Valid examples follow the capability table."""
     ns = "examples"
     docs = [manifest(p.name, ns) for p in sorted(EXAMPLES.glob("*.yaml"))]
     docs.sort(key=lambda d: d["kind"] != "LoRAServe")
@@ -73,7 +74,8 @@ async def test_valid_examples_follow_the_capability_table(lab, manifest):
 
 
 @pytest.mark.parametrize("path", WEBHOOK_NEGATIVES, ids=lambda p: p.name)
-async def test_negative_examples_are_refused_with_their_message(lab, manifest, path):
+async def test_negative_examples_refused(lab, manifest, path):
+    """Negative examples are refused with their message."""
     ns = "negatives"
     for name in ("llama3-1b-plain.yaml", "adapter-style-https.yaml"):
         await lab.apply(manifest(name, ns))  # the serve they refer to, and its adapter
@@ -89,7 +91,8 @@ async def test_negative_examples_are_refused_with_their_message(lab, manifest, p
     assert await lab.get(obj["kind"], obj["metadata"]["name"], ns) is None  # nothing stored
 
 
-async def test_mutation_fills_derived_defaults_only_where_unset(lab):
+async def test_mutation_fills_unset_defaults(lab):
+    """Mutation fills derived defaults only where unset."""
     ns = "mutation"
     review = await lab.review(
         serve(
@@ -119,7 +122,8 @@ async def test_mutation_fills_derived_defaults_only_where_unset(lab):
     assert (await lab.review(tree, path=webhooks.MUTATE_LORASERVE)).patch == []
 
 
-async def test_adapter_mutation_labels_with_the_serve_but_keeps_user_labels(lab):
+async def test_adapter_mutation_labels(lab):
+    """Adapter mutation labels with the serve but keeps user labels."""
     ns = "labels"
     review = await lab.review(adapter("a", ns, "s1"), path=webhooks.MUTATE_ADAPTER)
     assert review.patch == [{"op": "add", "path": "/metadata/labels", "value": {webhooks.SERVE_LABEL: "s1"}}]
@@ -130,7 +134,8 @@ async def test_adapter_mutation_labels_with_the_serve_but_keeps_user_labels(lab)
     assert review.allowed and any("selections by this label will miss" in w for w in review.warnings)
 
 
-async def test_adapter_before_its_serve_is_admitted_with_a_warning_then_checked(lab):
+async def test_adapter_before_serve_warns(lab):
+    """Adapter before its serve is admitted with a warning then checked."""
     ns = "order"
     early = await lab.apply(adapter("early", ns, "late-serve", rank=32))
     assert early.allowed
@@ -151,7 +156,8 @@ async def test_adapter_before_its_serve_is_admitted_with_a_warning_then_checked(
     )
 
 
-async def test_serve_change_that_strands_adapters_is_refused_naming_them(lab):
+async def test_stranding_serve_change_refused(lab):
+    """Serve change that strands adapters is refused naming them."""
     ns = "strand"
     assert (await lab.apply(serve("s", ns, lora={"maxRank": 64}))).allowed
     for name, rank in (("a16", 16), ("a32", 32), ("a64", 64)):
@@ -170,7 +176,8 @@ async def test_serve_change_that_strands_adapters_is_refused_naming_them(lab):
     assert (await lab.apply(serve("s", ns, lora={"maxRank": 16}))).allowed
 
 
-async def test_serve_update_that_keeps_an_old_misfit_is_not_blamed_for_it(lab):
+async def test_old_misfit_not_blamed(lab):
+    """Serve update that keeps an old misfit is not blamed for it."""
     ns = "misfit"
     # An adapter admitted before its serve existed, which the serve never could hold.
     assert (await lab.apply(adapter("big", ns, "s", rank=128))).allowed
@@ -180,7 +187,8 @@ async def test_serve_update_that_keeps_an_old_misfit_is_not_blamed_for_it(lab):
     assert changed.allowed, changed.validation.message
 
 
-async def test_pinned_adapters_are_counted_across_the_index(lab):
+async def test_pinned_adapters_counted(lab):
+    """Pinned adapters are counted across the index."""
     ns = "pinned"
     assert (await lab.apply(serve("s", ns, lora={"maxLorasPerBatch": 3, "maxLoadedLoras": 8}))).allowed
     first = await lab.apply(adapter("p1", ns, "s", pinned=True))
@@ -193,7 +201,8 @@ async def test_pinned_adapters_are_counted_across_the_index(lab):
     assert (await lab.apply(adapter("p3", ns, "s", pinned=False))).allowed
 
 
-async def test_updates_that_leave_the_spec_alone_are_never_refused(lab):
+async def test_spec_unchanged_never_refused(lab):
+    """Updates that leave the spec alone are never refused."""
     ns = "finalizers"
     bad = serve("s", ns, runtime={"overlapSchedule": True})
     refused = await lab.review(bad, path=webhooks.VALIDATE_LORASERVE)
@@ -209,7 +218,8 @@ async def test_updates_that_leave_the_spec_alone_are_never_refused(lab):
     assert not review.allowed
 
 
-async def test_all_problems_come_back_at_once_with_warnings(lab):
+async def test_all_problems_at_once(lab):
+    """All problems come back at once with warnings."""
     ns = "many"
     obj = serve(
         "s",
@@ -237,7 +247,8 @@ async def test_all_problems_come_back_at_once_with_warnings(lab):
     assert any(w.startswith("spec.runtime.image:") and "acme/rt:2" in w for w in review.warnings)
 
 
-async def test_a_token_map_is_refused_without_an_eagle_draft_naming_the_field(lab):
+async def test_token_map_needs_eagle_draft(lab):
+    """A token map is refused without an EAGLE draft naming the field."""
     ns = "token-map"
     draft = {"source": "/models/draft", "tokenMap": "maps/freq_32768.json"}
     standalone = serve("s", ns, speculative={"algorithm": "STANDALONE", "draftModel": draft})
@@ -250,7 +261,8 @@ async def test_a_token_map_is_refused_without_an_eagle_draft_naming_the_field(la
     assert (await lab.review(eagle, path=webhooks.VALIDATE_LORASERVE)).allowed
 
 
-async def test_malformed_specs_are_refused_with_the_field(lab):
+async def test_malformed_specs_refused(lab):
+    """Malformed specs are refused with the field."""
     ns = "malformed"
     review = await lab.review(serve("s", ns, lora={"maxRank": "big"}), path=webhooks.VALIDATE_LORASERVE)
     assert not review.allowed and review.message.startswith("spec.lora.maxRank:")
@@ -283,7 +295,7 @@ async def test_unmounting_an_adapters_claim_is_refused(lab):
     )
 
 
-async def test_hf_sources_without_a_pinned_commit_warn_at_admission(lab):
+async def test_unpinned_hf_source_warns(lab):
     """``hf://org/repo`` without ``@revision`` follows main: admitted, with a warning naming
     the field and the fix, for Adapter sources and for model and draft sources alike."""
     ns = "revisions"

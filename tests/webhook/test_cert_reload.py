@@ -228,7 +228,8 @@ def fast_reload(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- the operator's server
 
 
-async def test_renewed_certificate_is_served_without_a_restart(tmp_path, fast_reload, caplog):
+async def test_renewed_cert_served(tmp_path, fast_reload, caplog):
+    """Renewed certificate is served without a restart."""
     caplog.set_level(logging.INFO, logger=TLS_LOGGER)
     ca1, ca2, ca3 = trustme.CA(), trustme.CA(), trustme.CA()
     first, second, third = Issued.by(ca1), Issued.by(ca2), Issued.by(ca3)
@@ -292,7 +293,7 @@ async def test_renewed_certificate_is_served_without_a_restart(tmp_path, fast_re
         await late.close()
 
 
-async def test_unreadable_and_truncated_files_keep_the_served_pair(tmp_path, caplog):
+async def test_bad_files_keep_served_pair(tmp_path, caplog):
     """The reloader alone, serving a real TLS listener from its context."""
     caplog.set_level(logging.INFO, logger=TLS_LOGGER)
     ca1, ca2 = trustme.CA(), trustme.CA()
@@ -327,7 +328,7 @@ async def test_unreadable_and_truncated_files_keep_the_served_pair(tmp_path, cap
         await server.wait_closed()
 
 
-async def test_changed_ca_bundle_is_yielded_as_a_new_client_config(tmp_path):
+async def test_changed_ca_bundle_yielded(tmp_path):
     """kopf patches a yielded caBundle into the webhook configurations it manages."""
     ca1, ca2 = trustme.CA(), trustme.CA()
     mount = SecretMount(tmp_path / "webhook-tls")
@@ -353,7 +354,8 @@ async def test_changed_ca_bundle_is_yielded_as_a_new_client_config(tmp_path):
         await configs.aclose()
 
 
-def test_expiry_is_warned_once_per_certificate_and_state(tmp_path, caplog):
+def test_expiry_warned_once(tmp_path, caplog):
+    """Expiry is warned once per certificate and state."""
     caplog.set_level(logging.INFO, logger=TLS_LOGGER)
     ca = trustme.CA()
     now = datetime.datetime.now(datetime.UTC)
@@ -409,7 +411,7 @@ def test_reload_interval_setting(tmp_path):
     assert type(settings.admission.server) is kopf.WebhookServer
 
 
-def test_chart_mounts_the_certificate_secret_as_a_directory():
+def test_chart_mounts_cert_directory():
     """A subPath mount never sees a renewed Secret: the files must come from a directory mount."""
     helm = REPO / ".tools" / "helm"
     if not helm.exists():

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 
-def test_demo_runs_and_every_verdict_matches_its_annotation(tmp_path):
+def test_demo_verdicts_match(tmp_path):
+    """Demo runs and every verdict matches its annotation."""
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "loraserve.operator.dev.demo_admission"],

@@ -42,7 +42,8 @@ def adapter(name: str, namespace: str, serve_name: str, **draft) -> dict:
     }
 
 
-async def test_a_draft_adapter_for_a_standalone_pool_is_admitted(lab):
+async def test_standalone_pool_draft_admitted(lab):
+    """A draft adapter for a standalone pool is admitted."""
     ns = "draft-ok"
     assert (await lab.apply(serve("s", ns))).allowed
     applied = await lab.apply(adapter("sql", ns, "s", rank=16, targetModules=["q_proj", "v_proj"]))
@@ -52,7 +53,8 @@ async def test_a_draft_adapter_for_a_standalone_pool_is_admitted(lab):
     assert stored["spec"]["draft"]["rank"] == 16
 
 
-async def test_ngram_refuses_a_draft_adapter_with_the_reason(lab):
+async def test_ngram_refuses_draft_adapter(lab):
+    """N-gram refuses a draft adapter with the reason."""
     ns = "draft-ngram"
     created = await lab.apply(serve("s", ns, "NGRAM", pool=0))
     assert created.allowed
@@ -64,7 +66,8 @@ async def test_ngram_refuses_a_draft_adapter_with_the_reason(lab):
     assert await lab.get("Adapter", "sql", ns) is None
 
 
-async def test_an_eagle3_head_takes_a_draft_adapter_on_its_own_layers(lab):
+async def test_eagle3_head_takes_draft_adapter(lab):
+    """An EAGLE3 head takes a draft adapter on its own layers."""
     ns = "draft-eagle"
     assert (await lab.apply(serve("s", ns, "EAGLE3"))).allowed
     applied = await lab.apply(adapter("sql", ns, "s", rank=8, targetModules=["q_proj", "down_proj", "fc"]))
@@ -76,7 +79,8 @@ async def test_an_eagle3_head_takes_a_draft_adapter_on_its_own_layers(lab):
     )
 
 
-async def test_a_dflash_draft_takes_no_draft_adapter_in_this_version(lab):
+async def test_dflash_takes_no_draft_adapter(lab):
+    """A DFlash draft takes no draft adapter in this version."""
     ns = "draft-dflash"
     assert (await lab.apply(serve("s", ns, "DFLASH", pool=0))).allowed
     refused = await lab.apply(adapter("sql", ns, "s"))
@@ -85,7 +89,8 @@ async def test_a_dflash_draft_takes_no_draft_adapter_in_this_version(lab):
     assert "draft adapters serve STANDALONE drafts and EAGLE / EAGLE3 heads" in refused.validation.message
 
 
-async def test_a_serve_without_a_draft_pool_names_the_fix(lab):
+async def test_no_draft_pool_names_fix(lab):
+    """A serve without a draft pool names the fix."""
     ns = "draft-nopool"
     assert (await lab.apply(serve("s", ns, pool=0))).allowed
     refused = await lab.apply(adapter("sql", ns, "s"))
@@ -96,7 +101,8 @@ async def test_a_serve_without_a_draft_pool_names_the_fix(lab):
     )
 
 
-async def test_rank_and_modules_are_judged_against_the_draft_pool_all_at_once(lab):
+async def test_rank_and_modules_judged_by_pool(lab):
+    """Rank and modules are judged against the draft pool all at once."""
     ns = "draft-fit"
     assert (await lab.apply(serve("s", ns))).allowed
     refused = await lab.apply(adapter("big", ns, "s", rank=32, targetModules=["q_proj", "lm_head"]))
@@ -110,7 +116,8 @@ async def test_rank_and_modules_are_judged_against_the_draft_pool_all_at_once(la
     assert "spec.draft.targetModules: targets lm_head, which the draft adapter pool does not wrap" in message
 
 
-async def test_the_draft_source_follows_the_source_rules(lab):
+async def test_draft_source_follows_rules(lab):
+    """The draft source follows the source rules."""
     ns = "draft-source"
     pvc = {"adapters": {"type": "PersistentVolumeClaim", "claimName": "lora"}}
     assert (await lab.apply(serve("s", ns, storage=pvc))).allowed
@@ -126,7 +133,8 @@ async def test_the_draft_source_follows_the_source_rules(lab):
     assert mounted.allowed, mounted.validation.message
 
 
-async def test_removing_the_pool_under_draft_adapters_is_refused_naming_them(lab):
+async def test_removing_used_pool_refused(lab):
+    """Removing the pool under draft adapters is refused naming them."""
     ns = "draft-strand"
     assert (await lab.apply(serve("s", ns))).allowed
     assert (await lab.apply(adapter("sql", ns, "s"))).allowed
@@ -141,7 +149,8 @@ async def test_removing_the_pool_under_draft_adapters_is_refused_naming_them(lab
     assert (await lab.apply(serve("s", ns, pool=0))).allowed
 
 
-async def test_the_serves_pool_is_judged_with_its_algorithm(lab):
+async def test_pool_judged_with_algorithm(lab):
+    """The serves pool is judged with its algorithm."""
     ns = "draft-pool"
     eagle = await lab.apply(serve("e", ns, "EAGLE", pool=2))
     assert eagle.allowed, eagle.validation.message  # a pool over the head's own layers

@@ -46,7 +46,8 @@ def test_published_layouts_are_admitted(algorithm, draft, architecture):
         ("EAGLE3", "DFlashDraftModel", ["loaded by DFLASH, not by EAGLE3"]),
     ],
 )
-def test_unserved_layouts_are_refused_with_the_reason(algorithm, architecture, words):
+def test_unserved_layouts_refused(algorithm, architecture, words):
+    """Unserved layouts are refused with the reason."""
     extra = {"numDraftTokens": 16} if algorithm == "DFLASH" else {}
     verdict = webhooks.judge_serve(_serve(algorithm, "acme/draft", architecture, **extra), name="s")
     assert not verdict.allowed
@@ -56,7 +57,8 @@ def test_unserved_layouts_are_refused_with_the_reason(algorithm, architecture, w
     assert all(w in problem for w in words), problem
 
 
-def test_dspark_refusal_names_what_the_runtime_lacks():
+def test_dspark_refusal_names_lack():
+    """DSpark refusal names what the runtime lacks."""
     verdict = webhooks.judge_serve(_serve("DSPARK", "acme/qwen3-8b-dspark", None), name="s")
     problem = next((p for p in verdict.problems if "spec.speculative.algorithm" in p), None)
     assert problem is not None, verdict.problems

@@ -102,14 +102,14 @@ def test_walk_covers_both_outcomes(models):
     assert outcomes == {True, False}
 
 
-def test_eagle_adaptive_without_lora_is_refused_by_name(models):
+def test_eagle_adaptive_no_lora_refused(models):
     """The issue's case: EAGLE, adaptive, LoRA off was admitted and then crash-looped."""
     verdict = admitted(serve_spec(models, "EAGLE", True, False, False, False))
     assert not verdict.allowed
     assert any(p.startswith("spec.speculative.adaptive:") for p in verdict.problems), verdict.problems
 
 
-def test_lora_adaptive_fix_does_not_lead_to_a_refused_serve(models):
+def test_lora_adaptive_fix_is_accepted(models):
     """The fix text of the LoRA-on case names only a change that makes the serve start."""
     verdict = admitted(serve_spec(models, "EAGLE", True, False, True, False))
     assert not verdict.allowed

@@ -33,7 +33,8 @@ def mounted(tmp_path):
     return ca, files
 
 
-async def test_mounted_certificate_is_served_and_verified(mounted):
+async def test_mounted_cert_served(mounted):
+    """Mounted certificate is served and verified."""
     _, files = mounted
     obj = {
         "apiVersion": API_VERSION,
@@ -56,7 +57,8 @@ async def test_mounted_certificate_is_served_and_verified(mounted):
                 )
 
 
-def test_self_signed_certificate_covers_its_names_and_verifies(tmp_path):
+def test_self_signed_cert_verifies(tmp_path):
+    """Self signed certificate covers its names and verifies."""
     files = tls.generate_self_signed(tmp_path, ["loraserve-webhook.loraserve.svc", "127.0.0.1"])
     assert stat.S_IMODE(files.keyfile.stat().st_mode) == 0o600
     leaf = x509.load_pem_x509_certificates(files.certfile.read_bytes())[0]
@@ -125,7 +127,8 @@ def test_bad_settings_name_the_variable(env, message):
         webhooks.WebhookServerConfig.from_env(env)
 
 
-def test_mounted_files_that_do_not_load_stop_configuration(tmp_path):
+def test_bad_mounted_files_stop_config(tmp_path):
+    """Mounted files that do not load stop configuration."""
     config = webhooks.WebhookServerConfig(
         certfile=str(tmp_path / "tls.crt"), keyfile=str(tmp_path / "tls.key")
     )
@@ -133,7 +136,7 @@ def test_mounted_files_that_do_not_load_stop_configuration(tmp_path):
         webhooks.configure_webhook_server(kopf.OperatorSettings(), config)
 
 
-async def test_operator_runs_without_serving_its_registered_webhooks():
+async def test_operator_runs_without_webhooks():
     """kopf refuses to run registered admission handlers without a server; the disabled
     server lets an operator run with the chart's webhook turned off."""
     obj = {
