@@ -169,7 +169,8 @@ def test_chart_crds_are_the_repository_crds() -> None:
         )
 
 
-def test_webhook_configurations_call_the_registered_handlers(render) -> None:
+def test_webhook_configs_call_handlers(render) -> None:
+    """Webhook configurations call the registered handlers."""
     objects = render()
     handlers = {
         h.id: h
@@ -192,7 +193,8 @@ def test_webhook_configurations_call_the_registered_handlers(render) -> None:
             assert handler_id in handlers, f"no kopf admission handler with id {handler_id!r}"
 
 
-def test_generated_certificate_is_valid_for_the_webhook_service(render) -> None:
+def test_generated_cert_valid_for_service(render) -> None:
+    """Generated certificate is valid for the webhook service."""
     objects = render()
     secret = next(o for o in objects if o["kind"] == "Secret" and o["type"] == "kubernetes.io/tls")
     ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
@@ -215,7 +217,8 @@ def test_generated_certificate_is_valid_for_the_webhook_service(render) -> None:
     assert secret["metadata"]["name"] in mounted
 
 
-def test_cert_manager_issues_the_mounted_certificate_and_injects_the_ca(render) -> None:
+def test_cert_manager_issues_and_injects_ca(render) -> None:
+    """Cert manager issues the mounted certificate and injects the CA."""
     objects = render(*VALUES["cert-manager"])
     certificate = next(o for o in objects if o["kind"] == "Certificate" and not o["spec"].get("isCA"))
     deployment = next(o for o in objects if o["kind"] == "Deployment")
@@ -243,7 +246,8 @@ def test_cert_manager_issues_the_mounted_certificate_and_injects_the_ca(render) 
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
-def test_operator_settings_in_the_chart_are_understood_by_the_operator(render, name: str) -> None:
+def test_chart_operator_settings_understood(render, name: str) -> None:
+    """Operator settings in the chart are understood by the operator."""
     env = _operator_env(render(*VALUES[name]))
     config = OperatorConfig.from_env(env)  # raises, naming the variable, on anything it cannot read
     assert config.adapter_max_tries == 5 and config.adapter_backoff_base_s == 5.0
@@ -355,7 +359,8 @@ def _pod_monitors(objects: list[dict]) -> list[dict]:
     return [o for o in objects if o["kind"] == "PodMonitor"]
 
 
-def test_pod_monitor_needs_the_switch_and_the_prometheus_operator_api(render) -> None:
+def test_pod_monitor_needs_switch_and_api(render) -> None:
+    """Pod monitor needs the switch and the prometheus operator API."""
     assert _pod_monitors(render(*MONITORING_API)) == [], "off by default"
     assert _pod_monitors(render(*VALUES["monitoring"])) == [], "nothing without monitoring.coreos.com/v1"
     (monitor,) = _pod_monitors(render(*VALUES["monitoring"], *MONITORING_API))
@@ -365,7 +370,8 @@ def test_pod_monitor_needs_the_switch_and_the_prometheus_operator_api(render) ->
     assert any("intervall" in p for p in _upstream().validate(broken)), "the check sees a mistyped field"
 
 
-def test_pod_monitor_scrapes_the_runtime_pods_the_operator_makes(render) -> None:
+def test_pod_monitor_scrapes_runtime_pods(render) -> None:
+    """Pod monitor scrapes the runtime pods the operator makes."""
     from loraserve.operator import autoscaling as asc
     from loraserve.operator import desired as ds
     from loraserve.operator.specs import parse_loraserve_spec
@@ -421,7 +427,8 @@ def test_bad_values_are_refused_naming_the_key(helm: Path, flags: list[str], nee
     assert needle in result.stderr, result.stderr
 
 
-def test_values_file_documents_every_top_level_key() -> None:
+def test_values_file_documents_every_key() -> None:
+    """Values file documents every top level key."""
     text = (CHART / "values.yaml").read_text()
     values = yaml.safe_load(text)
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())

@@ -53,7 +53,8 @@ def _arg(name: str) -> str:
     raise AssertionError(f"the final stage declares no ARG {name}")
 
 
-def test_every_entrypoint_is_a_package_script_that_loads() -> None:
+def test_entrypoints_are_loadable_scripts() -> None:
+    """Every entrypoint is a package script that loads."""
     label = next(
         rest for word, rest in _final_stage() if word == "LABEL" and "io.loraserve.entrypoints" in rest
     )
@@ -80,7 +81,8 @@ def test_entrypoints_start(tmp_path: Path) -> None:
         assert script in result.stdout
 
 
-def test_user_is_the_non_root_uid_the_chart_and_operator_use() -> None:
+def test_user_is_shared_non_root_uid() -> None:
+    """User is the non root uid the chart and operator use."""
     user = next(rest for word, rest in _final_stage() if word == "USER")
     assert user.isdigit() and int(user) != 0, "a numeric non-root USER lets Kubernetes enforce runAsNonRoot"
     assert int(user) == int(_arg("UID")) == desired.RUNTIME_UID
@@ -103,7 +105,8 @@ def test_chart_runs_the_operator_entrypoint(render) -> None:
     assert desired.FETCH_COMMAND in SCRIPTS  # the serving pods' init containers run it
 
 
-def test_build_context_holds_what_the_dockerfile_copies() -> None:
+def test_build_context_holds_copied_files() -> None:
+    """Build context holds what the dockerfile copies."""
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()]
     patterns = [p for p in patterns if p and not p.startswith("#")]
 
