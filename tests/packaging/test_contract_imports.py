@@ -66,7 +66,8 @@ def _import_without_torch(*packages: str, cwd: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_contract_and_every_operator_module_import_without_torch(tmp_path):
+def test_operator_imports_without_torch(tmp_path):
+    """The contract and every operator module import without torch."""
     result = _import_without_torch("loraserve.runtime.contract", "loraserve.operator", cwd=tmp_path)
     assert result["failed"] == {}
     assert result["torch"] is False

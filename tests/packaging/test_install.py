@@ -51,7 +51,8 @@ def _python(code: str, *args: str, cwd: Path, isolated_site: list[str] | None = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_editable_install_imports_from_the_checkout(tmp_path, checkout_packages):
+def test_editable_install_uses_checkout(tmp_path, checkout_packages):
+    """Editable install imports from the checkout."""
     names = sorted(checkout_packages | set(OWN_MODULES))
     result = _python(IMPORT_ALL, json.dumps(names), cwd=tmp_path)
     for name, path in result["files"].items():
@@ -60,7 +61,8 @@ def test_editable_install_imports_from_the_checkout(tmp_path, checkout_packages)
     assert result["init"] is None  # loraserve is a namespace package
 
 
-def test_wheel_holds_every_package_and_no_loraserve_init(wheel, checkout_packages):
+def test_wheel_holds_every_package(wheel, checkout_packages):
+    """Wheel holds every package and no loraserve init."""
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -86,7 +88,7 @@ def test_built_wheel_imports_without_the_checkout(installed, tmp_path, checkout_
     assert result["namespace"] == [str(installed / "loraserve")]
 
 
-def test_runtime_policy_needs_no_operator_dependencies(installed, tmp_path):
+def test_policy_needs_no_operator_deps(installed, tmp_path):
     """The contract needs none of the operator's dependencies (pydantic, kopf, jsonschema, yaml)."""
     blocker = """
 import importlib.abc, json, sys

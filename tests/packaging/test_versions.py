@@ -88,7 +88,8 @@ def _dev_pin(name: str) -> Version:
     raise AssertionError(f"requirements-dev.txt pins no {name}")
 
 
-def test_the_base_image_is_the_torch_and_cuda_of_the_latest_gpu_results() -> None:
+def test_base_image_matches_gpu_results() -> None:
+    """The base image is the torch and CUDA of the latest GPU results."""
     latest = max(_gpu_records(), key=lambda env: env["date"])
     match = BASE_TAG.match(_base_image())
     assert match, f"BASE_IMAGE {_base_image()}: expected an official pytorch/pytorch:<torch>-cuda<x.y>-cudnn<n>-runtime"
@@ -126,7 +127,8 @@ def test_the_torch_bounds_span_what_ran() -> None:
     assert base in _requirement("torch").specifier, "pip keeps the base's torch"
 
 
-def test_the_image_installs_the_triton_extra_and_checks_it() -> None:
+def test_image_installs_triton_extra() -> None:
+    """The image installs the triton extra and checks it."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r'pip install [^\n]*"\$\{wheel\}\[[^\]]*\btriton\b[^\]]*\]"', dockerfile)
     assert "triton_version_problem" in dockerfile, "the build runs the runtime's own Triton check"
@@ -146,7 +148,8 @@ def _cfg(**kw) -> RuntimeConfig:
 
 
 @pytest.mark.parametrize("version", ["3.2.0", "3.1.0", "3.5.1", "3.5.0+git4f6f7e1", "2.3.1"])
-def test_an_older_triton_is_refused_with_the_versions_and_the_fix(version) -> None:
+def test_older_triton_refused(version) -> None:
+    """An older triton is refused with the versions and the fix."""
     used = capabilities.triton_kernels_used(_cfg(), cuda_available=True)
     assert used == ["LoRA (--lora-backend auto)", "paged attention (--attention-backend auto)"]
     problem = capabilities.triton_version_problem(version, used)
@@ -176,7 +179,8 @@ def test_a_supported_triton_starts(version) -> None:
         (_cfg(lora="triton", attention="sdpa"), True, ["LoRA (--lora-backend triton)"]),
     ],
 )
-def test_only_a_start_that_runs_triton_on_cuda_is_judged(cfg, cuda, used) -> None:
+def test_only_triton_on_cuda_judged(cfg, cuda, used) -> None:
+    """Only a start that runs triton on CUDA is judged."""
     assert capabilities.triton_kernels_used(cfg, cuda_available=cuda) == used
     refused = capabilities.triton_version_problem("3.2.0", used) is not None
     assert refused == bool(used)
