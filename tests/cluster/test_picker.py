@@ -174,7 +174,8 @@ async def _running(pod, model: str) -> bool:
     )
 
 
-async def test_picker_routes_each_adapter_to_the_pod_running_it(routed):
+async def test_picker_routes_to_adapter_pod(routed):
+    """Picker routes each adapter to the pod running it."""
     # Before any load the picker answers with one of the pool's pods.
     pods = sorted((p for p in routed.kubelet.pods_of(NS, SERVE) if p.ready), key=lambda p: p.name)
     addresses = {f"{p.ip}:{p.port}" for p in pods}
