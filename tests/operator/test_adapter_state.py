@@ -16,7 +16,8 @@ def _track(**kw) -> st.PodTrack:
 
 
 @pytest.mark.parametrize("base,cap,tries", [(5.0, 300.0, 5), (0.05, 0.3, 5), (1.0, 3.0, 8), (2.0, 2.0, 3)])
-def test_schedule_doubles_from_base_and_stops_at_cap(base: float, cap: float, tries: int) -> None:
+def test_schedule_doubles_to_cap(base: float, cap: float, tries: int) -> None:
+    """Schedule doubles from base and stops at cap."""
     policy = RetryPolicy(max_tries=tries, base_s=base, cap_s=cap)
     schedule = policy.schedule()
     assert len(schedule) == tries - 1  # waits between tries, none after the last
@@ -26,13 +27,15 @@ def test_schedule_doubles_from_base_and_stops_at_cap(base: float, cap: float, tr
     assert max(schedule) <= cap
 
 
-def test_default_schedule_is_five_tries_from_five_seconds() -> None:
+def test_default_schedule() -> None:
+    """Default schedule is five tries from five seconds."""
     policy = RetryPolicy()
     assert policy.max_tries == 5
     assert policy.schedule() == [5.0 * 2**n for n in range(4)]
 
 
-def test_transient_failures_back_off_then_fail_after_max_tries() -> None:
+def test_transient_failures_back_off() -> None:
+    """Transient failures back off then fail after max tries."""
     policy = RetryPolicy(max_tries=5, base_s=5.0, cap_s=300.0)
     track = _track()
     now = 1000.0
@@ -59,7 +62,8 @@ def test_transient_failures_back_off_then_fail_after_max_tries() -> None:
     assert waits == policy.schedule()
 
 
-def test_adapter_fault_fails_at_once_with_the_runtime_message() -> None:
+def test_adapter_fault_fails_at_once() -> None:
+    """Adapter fault fails at once with the runtime message."""
     policy = RetryPolicy()
     track = st.start_loading(_track(), wall=1.0)
     msg = "adapter rank 128 exceeds max_lora_rank 64"
@@ -81,7 +85,8 @@ def test_success_resets_the_retry_clock() -> None:
     assert (track.failed_tries, track.next_try_at, track.message) == (0, None, "")
 
 
-def test_spec_change_retries_failed_tracks_and_keeps_loaded_ones() -> None:
+def test_spec_change_retries_failed() -> None:
+    """Spec change retries failed tracks and keeps loaded ones."""
     policy = RetryPolicy()
     failed = st.after_load(
         _track(), LoadOutcome(ok=False, message="bad", transient=False), policy, now=0, wall=0
@@ -122,7 +127,8 @@ def test_placement_all_takes_every_ready_pod() -> None:
     assert st.place("a", PODS, 10, holding=[], load={}) == sorted(PODS)
 
 
-def test_placement_takes_the_least_loaded_and_keeps_holders() -> None:
+def test_placement_least_loaded() -> None:
+    """Placement takes the least loaded and keeps holders."""
     load = {p: i for i, p in enumerate(PODS)}  # serve-0 least loaded
     assert st.place("a", PODS, 2, holding=[], load=load) == ["serve-0", "serve-1"]
     # Holders keep the adapter even when more loaded (no churn), the rest is filled up.

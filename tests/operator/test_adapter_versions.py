@@ -227,7 +227,8 @@ async def test_the_catalog_reaches_pods_still_starting(ctx, pods):
     assert sync.waiting == ["pod-0"] and not sync.again_soon  # its Ready flip is a pod event
 
 
-async def test_a_starting_pod_that_does_not_answer_is_tried_again_soon(ctx, pods):
+async def test_silent_starting_pod_retried_soon(ctx, pods):
+    """A starting pod that does not answer is tried again soon."""
     _, views = await pods(1, ready=False)
     closed = PodView("pod-x", NS, "ux", SERVE, "127.0.0.1", 9, False, False)  # nothing listens
     gone = PodView("pod-y", NS, "uy", SERVE, "127.0.0.1", 9, False, True)  # terminating: never pushed
@@ -249,7 +250,7 @@ class _Running:
 SERVE_BODY = {"metadata": {"name": SERVE, "namespace": NS}, "spec": {"model": {"source": "/models/llama"}}}
 
 
-async def test_a_starting_pod_gets_the_catalog_within_seconds_of_its_model_load(ctx, pods, monkeypatch):
+async def test_starting_pod_gets_catalog_fast(ctx, pods, monkeypatch):
     """Only the push repeats (every CATALOG_RETRY_S) until the starting pod takes it."""
     monkeypatch.setattr(handlers, "CATALOG_RETRY_S", 0.1)
     (fake,), views = await pods(1, ready=False, confirmed=False)
@@ -269,7 +270,8 @@ async def test_a_starting_pod_gets_the_catalog_within_seconds_of_its_model_load(
 # --------------------------------------------------------------------------- versions
 
 
-async def test_status_names_each_pods_version_while_a_change_rolls(ctx, pods):
+async def test_status_names_pod_versions(ctx, pods):
+    """Status names each pods version while a change rolls."""
     await _objects(ctx)
     fakes, views = await pods(2)
     new, old = version_of(V2), version_of(V1)
@@ -297,7 +299,8 @@ async def test_status_names_each_pods_version_while_a_change_rolls(ctx, pods):
     assert all(p["version"] == new for p in status["pods"])
 
 
-async def test_a_version_draining_is_retried_soon_not_backed_off(ctx, pods):
+async def test_draining_version_retried_soon(ctx, pods):
+    """A version draining is retried soon not backed off."""
     await _objects(ctx)
     fakes, views = await pods(1)
     fakes[0].catalog = {"sql": dict(V2)}
@@ -310,7 +313,8 @@ async def test_a_version_draining_is_retried_soon_not_backed_off(ctx, pods):
     assert memory.tracks["pod-0"].failed_tries == 0  # draining spends no try
 
 
-async def test_a_conflict_on_a_versioned_pod_waits_for_the_push_and_never_unloads(ctx, pods):
+async def test_versioned_conflict_waits_for_push(ctx, pods):
+    """A conflict on a versioned pod waits for the push and never unloads."""
     await _objects(ctx)
     fakes, views = await pods(1)
     fakes[0].catalog = {"sql": dict(V2)}
@@ -321,7 +325,8 @@ async def test_a_conflict_on_a_versioned_pod_waits_for_the_push_and_never_unload
     assert "unload" not in fakes[0].calls
 
 
-async def test_a_pinned_load_without_a_slot_fails_at_once_with_the_fix(ctx, pods):
+async def test_pinned_load_without_slot_fails(ctx, pods):
+    """A pinned load without a slot fails at once with the fix."""
     await _objects(ctx, pinned=True)
     fakes, views = await pods(1)
     fakes[0].catalog = {"sql": {**V2, "pinned": True}}
@@ -332,7 +337,8 @@ async def test_a_pinned_load_without_a_slot_fails_at_once_with_the_fix(ctx, pods
     assert fakes[0].calls.count("load") == 1
 
 
-async def test_an_unpinned_load_without_a_slot_stays_transient(ctx, pods):
+async def test_unpinned_load_without_slot_waits(ctx, pods):
+    """An unpinned load without a slot stays transient."""
     await _objects(ctx)
     fakes, views = await pods(1)
     fakes[0].refuse = (503, "adapter_capacity")
@@ -343,7 +349,8 @@ async def test_an_unpinned_load_without_a_slot_stays_transient(ctx, pods):
 # --------------------------------------------------------------------------- a slow source
 
 
-async def test_a_hung_load_is_named_in_the_status_within_seconds(ctx, pods, monkeypatch):
+async def test_hung_load_named_in_status(ctx, pods, monkeypatch):
+    """A hung load is named in the status within seconds."""
     monkeypatch.setattr(adapter_pass, "LOADING_POLL_S", 0.2)
     source = "https://user:secret@models.example/sql.tar.gz?token=abc"
     await _objects(ctx, source=source, sha256="ab" * 32)
@@ -376,7 +383,7 @@ async def test_a_hung_load_is_named_in_the_status_within_seconds(ctx, pods, monk
         await running
 
 
-def test_ready_waits_until_every_targeted_pod_serves_the_spec_version():
+def test_ready_waits_for_spec_version():
     """Pods that answer Loaded but still serve the old version keep the Adapter from Ready."""
     tracks = [PodTrack(f"pod-{i}", "10.0.0.1", f"u{i}", state=PodState.LOADED) for i in range(3)]
     new = PodVersion(listed="v2", current=True, serving="v2", draining=("v1",))
@@ -389,7 +396,8 @@ def test_ready_waits_until_every_targeted_pod_serves_the_spec_version():
     assert adapter_phase(caught_up)[0] is AdapterPhase.READY
 
 
-def test_a_failed_pod_keeps_its_reason_while_the_runtime_loads_again():
+def test_failed_pod_keeps_reason():
+    """A failed pod keeps its reason while the runtime loads again."""
     failed = PodTrack("pod-0", "10.0.0.1", "u0", state=PodState.FAILED, message="gave up after 5 tries: 502")
     loading = PodTrack("pod-1", "10.0.0.2", "u1", state=PodState.LOADING)
     progress = {"pod-0": "loading https://h/a for 3 s", "pod-1": "loading https://h/a for 3 s"}
@@ -397,7 +405,8 @@ def test_a_failed_pod_keeps_its_reason_while_the_runtime_loads_again():
     assert by_pod == {"pod-0": "gave up after 5 tries: 502", "pod-1": "loading https://h/a for 3 s"}
 
 
-def test_public_source_drops_credentials_and_queries():
+def test_public_source_drops_secrets():
+    """Public source drops credentials and queries."""
     assert public_source("https://u:p@h.example/a.tgz?X-Amz-Signature=s#f") == "https://h.example/a.tgz"
     assert public_source("s3://bucket/key") == "s3://bucket/key"
     assert public_source("/adapters/sql") == "/adapters/sql"

@@ -9,7 +9,8 @@ import pytest
 from loraserve.operator.config import ConfigError, OperatorConfig
 
 
-def test_defaults_match_the_documented_retry_schedule() -> None:
+def test_defaults_match_documented_retry() -> None:
+    """Defaults match the documented retry schedule."""
     config = OperatorConfig.from_env({})
     assert config == OperatorConfig()
     assert (config.adapter_max_tries, config.adapter_backoff_base_s, config.adapter_backoff_cap_s) == (
@@ -19,7 +20,8 @@ def test_defaults_match_the_documented_retry_schedule() -> None:
     )
 
 
-def test_every_field_is_settable_from_its_variable() -> None:
+def test_every_field_settable_from_env() -> None:
+    """Every field is settable from its variable."""
     env = {
         "LORASERVE_RUNTIME_IMAGE": "registry.local/ls:dev",
         "LORASERVE_NAMESPACES": "team-a, team-b",

@@ -203,7 +203,7 @@ def test_pod_is_locked_down_and_probed() -> None:
     assert {"name": "HF_HUB_OFFLINE", "value": "0"} in fetch["model-fetch"]["env"]
 
 
-def test_https_and_s3_models_are_fetched_by_init_containers() -> None:
+def test_remote_models_fetched_by_init() -> None:
     """https:// and s3:// model and draft sources run `loraserve-fetch SOURCE DEST` before the
     runtime starts, with the user's env (secrets included) and the models volume writable;
     the runtime then reads the very directories the fetch wrote."""
@@ -244,7 +244,8 @@ def test_local_sources_need_no_init_container() -> None:
     assert "initContainers" not in plan.deployment["spec"]["template"]["spec"]
 
 
-def test_owner_references_and_labels_on_everything() -> None:
+def test_owner_refs_and_labels() -> None:
+    """Owner references and labels on everything."""
     plan, objects = _objects(SPECS["minimal"])
     for obj in objects:
         meta = obj["metadata"]
@@ -262,7 +263,8 @@ def test_owner_references_and_labels_on_everything() -> None:
     assert set(ports) == {"http", "metrics"} and all(p["targetPort"] == "http" for p in ports.values())
 
 
-def test_user_named_admin_secret_is_used_not_generated() -> None:
+def test_user_admin_secret_used() -> None:
+    """User named admin secret is used not generated."""
     plan, _ = _objects(SPECS["ngram-cpu"])
     assert plan.token_secret_name == "my-admin-token" and not plan.token_secret_owned
     pod = plan.deployment["spec"]["template"]["spec"]
@@ -272,7 +274,7 @@ def test_user_named_admin_secret_is_used_not_generated() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_command_line_parses_back_to_the_same_configuration(name: str) -> None:
+def test_command_line_round_trips(name: str) -> None:
     """The runtime's own parser reads the pod's flags back into exactly the translated config."""
     spec = parse_loraserve_spec(copy.deepcopy(SPECS[name]))
     config = to_runtime_config(spec)
@@ -281,7 +283,7 @@ def test_command_line_parses_back_to_the_same_configuration(name: str) -> None:
     assert parsed.to_dict() == config.to_dict()
 
 
-def test_runtime_flags_confine_it_to_the_pods_volumes_and_hosts() -> None:
+def test_runtime_flags_confine_pod() -> None:
     """The operator always passes the mounted volumes and the adapter cache as the runtime's
     allowed local roots, and the serve's remote source hosts."""
     config = to_runtime_config(parse_loraserve_spec(copy.deepcopy(SPECS["remote-source-hosts"])))
@@ -328,7 +330,8 @@ def _hash(spec_raw: dict) -> str:
 
 
 @pytest.mark.parametrize("field", sorted(RELEVANT))
-def test_config_hash_changes_with_runtime_relevant_fields(field: str) -> None:
+def test_config_hash_tracks_runtime_fields(field: str) -> None:
+    """Config hash changes with runtime relevant fields."""
     changed = copy.deepcopy(BASE)
     RELEVANT[field](changed)
     assert _hash(changed) != _hash(BASE)
@@ -409,7 +412,8 @@ def test_unbuildable_specs_are_named_with_a_fix(patch: dict, needle: str) -> Non
 
 
 @pytest.mark.parametrize("name", ["a" * 63, "b" * 64, "x" * 200, "9lives", "with.dots.in.it"])
-def test_long_or_odd_names_give_valid_labels_and_service_names(name: str) -> None:
+def test_odd_names_give_valid_labels(name: str) -> None:
+    """Long or odd names give valid labels and service names."""
     value = ds.label_value(name)
     assert len(value) <= 63 and value[-1].isalnum()
     service = ds.service_name(name)
@@ -418,7 +422,8 @@ def test_long_or_odd_names_give_valid_labels_and_service_names(name: str) -> Non
     assert len(ds.admin_secret_name(name, parse_loraserve_spec(BASE))) <= 253
 
 
-def test_pods_mount_the_catalog_and_keep_serving_while_endpoints_drop_them() -> None:
+def test_pods_mount_catalog_and_drain() -> None:
+    """Pods mount the catalog and keep serving while endpoints drop them."""
     spec = parse_loraserve_spec(copy.deepcopy(SPECS["eagle3-hf"]))
     entries = ds.catalog_entries(
         spec.storage,

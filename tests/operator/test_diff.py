@@ -55,7 +55,8 @@ def test_server_defaults_are_not_a_difference() -> None:
     assert not diff.needs_update(_as_served(desired), desired, OWNED)
 
 
-def test_hand_edit_of_an_owned_field_is_a_difference() -> None:
+def test_hand_edit_is_a_difference() -> None:
+    """Hand edit of an owned field is a difference."""
     desired = _desired()
     observed = _as_served(desired)
     observed["spec"]["template"]["spec"]["containers"][0]["image"] = "img:hacked"
@@ -68,7 +69,8 @@ def test_hand_edit_of_an_owned_field_is_a_difference() -> None:
     assert diff.needs_update(observed, desired, OWNED)
 
 
-def test_removed_field_is_a_difference_through_the_hash() -> None:
+def test_removed_field_is_a_difference() -> None:
+    """Removed field is a difference through the hash."""
     old = _desired()
     new_body = copy.deepcopy(old)
     del new_body["spec"]["template"]["spec"]["nodeSelector"]
@@ -79,7 +81,8 @@ def test_removed_field_is_a_difference_through_the_hash() -> None:
     assert diff.needs_update(observed, new, OWNED)
 
 
-def test_patch_turns_observed_into_desired_on_owned_fields_only() -> None:
+def test_patch_touches_owned_fields_only() -> None:
+    """Patch turns observed into desired on owned fields only."""
     old = _desired()
     new_body = copy.deepcopy(old)
     del new_body["spec"]["template"]["spec"]["nodeSelector"]
@@ -107,13 +110,15 @@ def test_owner_reference_is_added_next_to_others() -> None:
     assert other in refs and desired["metadata"]["ownerReferences"][0] in refs
 
 
-def test_stable_hash_ignores_key_order_and_sees_values() -> None:
+def test_stable_hash_ignores_key_order() -> None:
+    """Stable hash ignores key order and sees values."""
     assert diff.stable_hash({"a": 1, "b": [1, 2]}) == diff.stable_hash({"b": [1, 2], "a": 1})
     assert diff.stable_hash({"a": 1}) != diff.stable_hash({"a": 2})
     assert diff.stable_hash({"a": [1, 2]}) != diff.stable_hash({"a": [2, 1]})
 
 
-def test_contains_distinguishes_bools_from_numbers_and_list_lengths() -> None:
+def test_contains_is_type_strict() -> None:
+    """Contains distinguishes bools from numbers and list lengths."""
     assert not diff.contains({"x": 1}, {"x": True})
     assert not diff.contains({"x": [1, 2, 3]}, {"x": [1, 2]})
     assert diff.contains({"x": [{"a": 1, "b": 2}]}, {"x": [{"a": 1}]})

@@ -212,7 +212,8 @@ def _asks(fake: FakeRuntime) -> list[str]:
 # --------------------------------------------------------------------------- pure parts
 
 
-def test_catalog_entries_carry_the_draft_adapter_at_its_path_in_the_pod():
+def test_catalog_entries_carry_draft():
+    """Catalog entries carry the draft adapter at its path in the pod."""
     storage = StorageSpec.model_validate(STORAGE)
     with_draft_spec = {
         "serve": SERVE,
@@ -230,7 +231,8 @@ def test_catalog_entries_carry_the_draft_adapter_at_its_path_in_the_pod():
     )  # an Adapter whose draft adapter no pod can reach is served with it or not at all: left out
 
 
-def test_the_catalog_listing_says_which_draft_adapters_a_pod_holds():
+def test_catalog_listing_shows_drafts():
+    """The catalog listing says which draft adapters a pod holds."""
     listing = parse_catalog_listing(
         {
             "digest": "d1",
@@ -258,7 +260,8 @@ def test_the_catalog_listing_says_which_draft_adapters_a_pod_holds():
     assert listed_draft(loaded, "sql", ("/a/d", None)) is DraftPodState.LOADED
 
 
-def test_a_tracks_draft_state_follows_what_was_learned_or_what_it_knew_while_loaded():
+def test_track_draft_state():
+    """A tracks draft state follows what was learned or what it knew while loaded."""
     loaded = PodTrack("p", "1.2.3.4", "u", state=PodState.LOADED, draft=DraftPodState.LOADED)
     assert with_draft(loaded, ("/d", None), None).draft is DraftPodState.LOADED
     assert with_draft(loaded, ("/d", None), DraftPodState.ABSENT).draft is DraftPodState.ABSENT
@@ -267,7 +270,8 @@ def test_a_tracks_draft_state_follows_what_was_learned_or_what_it_knew_while_loa
     assert with_draft(pending, ("/d", None), None).draft is None
 
 
-def test_per_pod_status_shows_the_draft_state_and_parses_back():
+def test_pod_status_shows_draft_state():
+    """Per pod status shows the draft state and parses back."""
     tracks = [
         PodTrack("a", "1.1.1.1", "u1", state=PodState.LOADED, since=0.0, draft=DraftPodState.LOADED),
         PodTrack("b", "1.1.1.2", "u2", state=PodState.LOADED, since=0.0),
@@ -277,7 +281,8 @@ def test_per_pod_status_shows_the_draft_state_and_parses_back():
     assert parse_adapter_status({"pods": pods}).pods[0].draft is DraftPodState.LOADED
 
 
-async def test_the_load_body_names_the_draft_and_a_draft_fault_is_told_apart(runtimes):
+async def test_load_body_names_draft(runtimes):
+    """The load body names the draft and a draft fault is told apart."""
     (fake, _), (pod, _) = runtimes
     async with aiohttp.ClientSession() as http:
         client = RuntimeClient(http, pod.url, None)
@@ -297,7 +302,8 @@ async def test_the_load_body_names_the_draft_and_a_draft_fault_is_told_apart(run
 # --------------------------------------------------------------------------- reconcile
 
 
-async def test_an_adapter_loads_with_its_draft_adapter_and_reports_it_per_pod(api, runtimes):
+async def test_adapter_loads_with_draft(api, runtimes):
+    """An adapter loads with its draft adapter and reports it per pod."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://lora/sql/draft-v1", "sha256": SHA})
     status = await _pass(ctx, AdapterMemory(), pods)
@@ -314,7 +320,8 @@ async def test_an_adapter_loads_with_its_draft_adapter_and_reports_it_per_pod(ap
     assert stored["status"]["pods"][0]["draft"] == "Loaded"
 
 
-async def test_a_bad_draft_adapter_fails_the_adapter_naming_the_draft(api, runtimes):
+async def test_bad_draft_fails_adapter(api, runtimes):
+    """A bad draft adapter fails the adapter naming the draft."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://lora/sql/bad-draft"})
     status = await _pass(ctx, AdapterMemory(), pods)
@@ -325,7 +332,8 @@ async def test_a_bad_draft_adapter_fails_the_adapter_naming_the_draft(api, runti
     assert all(not fake.loaded for fake in fakes)  # nothing half-loaded
 
 
-async def test_a_pod_holding_the_adapter_without_its_draft_adapter_loads_both_again(api, runtimes):
+async def test_missing_draft_reloads_both(api, runtimes):
+    """A pod holding the adapter without its draft adapter loads both again."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://lora/sql/draft-v1"})
     # Loaded before the Adapter named a draft adapter; the pod's catalog already names it.
@@ -345,7 +353,8 @@ async def test_a_pod_holding_the_adapter_without_its_draft_adapter_loads_both_ag
     assert all(_asks(fake) == ["unload", "load"] for fake in fakes)
 
 
-async def test_a_pod_holding_another_draft_adapter_is_reloaded_after_its_conflict(api, runtimes):
+async def test_other_draft_reloaded(api, runtimes):
+    """A pod holding another draft adapter is reloaded after its conflict."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://lora/sql/draft-v2"})
     # The pod still holds the old draft adapter, warm=False (loaded on demand), and its catalog
@@ -365,7 +374,8 @@ async def test_a_pod_holding_another_draft_adapter_is_reloaded_after_its_conflic
         assert fake.loaded["sql"]["draft"] == ("/adapters/sql/draft-v2", None)
 
 
-async def test_pods_that_load_on_demand_report_the_draft_state_they_list(api, runtimes):
+async def test_on_demand_pods_report_drafts(api, runtimes):
+    """Pods that load on demand report the draft state they list."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://lora/sql/draft-v1"}, placement={"mode": "Replicas", "replicas": 1})
     entry = {"name": "sql", "source": "/adapters/sql/v1", "draft_source": "/adapters/sql/draft-v1"}
@@ -388,7 +398,8 @@ async def test_pods_that_load_on_demand_report_the_draft_state_they_list(api, ru
     assert [(p["state"], p.get("draft")) for p in second["pods"]] == [("Loaded", "Loaded")] * 2
 
 
-async def test_an_adapter_without_a_draft_adapter_reports_no_draft_state(api, runtimes):
+async def test_no_draft_no_draft_state(api, runtimes):
+    """An adapter without a draft adapter reports no draft state."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, None)
     status = await _pass(ctx, AdapterMemory(), pods)
@@ -398,7 +409,8 @@ async def test_an_adapter_without_a_draft_adapter_reports_no_draft_state(api, ru
     assert all(any(verb == "catalog" for verb, _ in fake.calls) for fake in fakes)
 
 
-async def test_an_unmounted_draft_source_is_the_adapters_own_problem(api, runtimes):
+async def test_unmounted_draft_fails_adapter(api, runtimes):
+    """An unmounted draft source is the adapters own problem."""
     ctx, (fakes, pods) = api, runtimes
     await _objects(ctx, {"source": "pvc://elsewhere/sql-draft"})
     status = await _pass(ctx, AdapterMemory(), pods)

@@ -20,13 +20,15 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_bad_setting_exits_2_naming_the_variable(tmp_path: Path) -> None:
+def test_bad_setting_exits_2(tmp_path: Path) -> None:
+    """A bad setting exits 2 naming the variable."""
     result = _run(tmp_path, LORASERVE_RESYNC_INTERVAL_S="often")
     assert result.returncode == 2
     assert "LORASERVE_RESYNC_INTERVAL_S='often' is not valid: expected a number" in result.stderr
 
 
-def test_missing_credentials_exit_2_with_the_reason(tmp_path: Path) -> None:
+def test_missing_credentials_exit_2(tmp_path: Path) -> None:
+    """Missing credentials exit 2 with the reason."""
     result = _run(tmp_path, KUBECONFIG=str(tmp_path / "absent"))
     assert (
         result.returncode == 2
@@ -37,7 +39,8 @@ def test_missing_credentials_exit_2_with_the_reason(tmp_path: Path) -> None:
     assert result.returncode == 2 and "no kubeconfig (set KUBECONFIG)" in result.stderr
 
 
-def test_without_the_webhook_only_admission_handlers_are_left_out() -> None:
+def test_no_webhook_drops_admission() -> None:
+    """Without the webhook only admission handlers are left out."""
     full = main.operator_registry(webhooks_enabled=True)
     lean = main.operator_registry(webhooks_enabled=False)
     assert full._webhooks.get_all_handlers() and not lean._webhooks.get_all_handlers()

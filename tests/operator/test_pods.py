@@ -31,7 +31,8 @@ def test_ready_pod_is_usable_at_its_ip_and_port() -> None:
     assert (view.serve, view.url, view.uid) == ("llama", "http://10.1.2.3:8000", "u1")
 
 
-def test_not_ready_unaddressed_or_terminating_pods_are_not_usable() -> None:
+def test_unusable_pods_skipped() -> None:
+    """Not ready unaddressed or terminating pods are not usable."""
     assert not pod_view(_pod(conditions=[{"type": "Ready", "status": "False"}])).usable
     assert not pod_view(_pod(podIP=None)).usable
     assert not pod_view(_pod(phase="Succeeded")).usable
@@ -47,7 +48,8 @@ def test_other_pods_are_ignored() -> None:
     assert pod_view(other) is None
 
 
-def test_long_serve_names_are_read_from_the_annotation() -> None:
+def test_long_serve_names_from_annotation() -> None:
+    """Long serve names are read from the annotation."""
     name = "s" * 80
     pod = _pod()
     pod["metadata"]["labels"] = {ds.SERVE_LABEL: ds.label_value(name)}
@@ -55,7 +57,7 @@ def test_long_serve_names_are_read_from_the_annotation() -> None:
     assert pod_view(pod).serve == name
 
 
-def test_a_running_pod_that_is_not_ready_yet_takes_the_catalog() -> None:
+def test_unready_pod_takes_catalog() -> None:
     """--catalog-confirm: the pod turns Ready only after the operator's push, so the push
     must reach pods that are running and addressed but not Ready."""
     loading = pod_view(_pod(conditions=[{"type": "Ready", "status": "False"}]))

@@ -72,7 +72,8 @@ def _spec(**extra):
 # --------------------------------------------------------------------------- the objects
 
 
-def test_inference_pool_is_the_v1_shape_the_upstream_crd_accepts() -> None:
+def test_inference_pool_is_v1_shape() -> None:
+    """Inference pool is the v1 shape the upstream CRD accepts."""
     pool = rt.inference_pool(IDENTITY, _spec(routing=ROUTING).routing, SETTINGS, target_port=8000)
     assert upstream().validate(pool) == []
     spec = pool["spec"]
@@ -89,7 +90,8 @@ def test_inference_pool_is_the_v1_shape_the_upstream_crd_accepts() -> None:
     assert pool["metadata"]["name"] == NAME
 
 
-def test_the_pool_selects_exactly_the_pods_the_deployment_makes() -> None:
+def test_pool_selects_deployment_pods() -> None:
+    """The pool selects exactly the pods the deployment makes."""
     spec = _spec(routing=ROUTING)
     from loraserve.operator.translate import to_runtime_config
 
@@ -102,7 +104,8 @@ def test_the_pool_selects_exactly_the_pods_the_deployment_makes() -> None:
     assert pool["spec"]["targetPorts"][0]["number"] in {p["containerPort"] for p in container["ports"]}
 
 
-def test_the_upstream_check_refuses_the_pre_ga_shape_and_undeclared_fields() -> None:
+def test_upstream_check_refuses_pre_ga() -> None:
+    """The upstream check refuses the pre ga shape and undeclared fields."""
     pool = rt.inference_pool(IDENTITY, _spec(routing=ROUTING).routing, SETTINGS)
     old = copy.deepcopy(pool)
     old["spec"]["extensionRef"] = old["spec"].pop("endpointPickerRef")  # v1alpha2's name
@@ -116,7 +119,8 @@ def test_the_upstream_check_refuses_the_pre_ga_shape_and_undeclared_fields() -> 
 
 
 @pytest.mark.parametrize("version", ["1.28.0", kubernetes_validate.utils.latest_version()])
-def test_hpa_is_a_valid_autoscaling_v2_object_on_the_scale_subresource(version) -> None:
+def test_hpa_is_valid_autoscaling_v2(version) -> None:
+    """HPA is a valid autoscaling v2 object on the scale subresource."""
     auto = _spec(autoscaling={"minReplicas": 2, "maxReplicas": 6, "targetPerReplica": 3}).autoscaling
     hpa = asc.horizontal_pod_autoscaler(IDENTITY, auto, SETTINGS)
     kubernetes_validate.validate(hpa, version, strict=True)
@@ -143,7 +147,8 @@ def test_hpa_is_a_valid_autoscaling_v2_object_on_the_scale_subresource(version) 
     ("target", "stored"),
     [(1, "1"), (4, "4"), (999, "999"), (1000, "1k"), (1500, "1500"), (12000, "12k"), (2000000, "2M")],
 )
-def test_hpa_target_is_written_as_the_api_server_stores_it(target, stored) -> None:
+def test_hpa_target_as_stored(target, stored) -> None:
+    """HPA target is written as the API server stores it."""
     # The API server canonicalises Quantities ("1000" is stored as "1k"); another spelling
     # would differ from what is read back and be rewritten on every pass.
     auto = _spec(autoscaling={"maxReplicas": 2, "targetPerReplica": min(target, 100000)}).autoscaling
@@ -153,7 +158,8 @@ def test_hpa_target_is_written_as_the_api_server_stores_it(target, stored) -> No
         assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == stored
 
 
-def test_scaled_object_matches_the_keda_crd_and_queries_only_this_serve() -> None:
+def test_scaled_object_matches_keda() -> None:
+    """Scaled object matches the KEDA CRD and queries only this serve."""
     auto = _spec(autoscaling={"mode": "KEDA", "minReplicas": 1, "maxReplicas": 5, "keda": KEDA}).autoscaling
     obj = asc.scaled_object(IDENTITY, auto, SETTINGS)
     assert upstream().validate(obj) == []
@@ -193,7 +199,8 @@ def test_scale_to_zero_wakes_on_the_wake_query() -> None:
         _spec(autoscaling={"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "keda": KEDA})
 
 
-def test_the_query_label_is_the_pod_label_as_prometheus_names_it() -> None:
+def test_query_label_is_prometheus_label() -> None:
+    """The query label is the pod label as prometheus names it."""
     # The chart's PodMonitor copies the pod label loraserve.io/serve onto every series
     # (podTargetLabels), which Prometheus spells loraserve_io_serve; the value is the pod's.
     assert asc.prometheus_label(ds.SERVE_LABEL) == asc.PROMETHEUS_SERVE_LABEL == "loraserve_io_serve"
@@ -204,7 +211,8 @@ def test_the_query_label_is_the_pod_label_as_prometheus_names_it() -> None:
     assert query.startswith("sum(vllm:num_requests_running{")
 
 
-def test_a_query_of_the_users_own_replaces_the_default() -> None:
+def test_user_query_replaces_default() -> None:
+    """A query of the users own replaces the default."""
     keda = {**KEDA, "query": "sum(rate(vllm:request_success_total[1m]))"}
     auto = _spec(autoscaling={"mode": "KEDA", "maxReplicas": 5, "keda": keda}).autoscaling
     trigger = asc.scaled_object(IDENTITY, auto, SETTINGS)["spec"]["triggers"][0]
@@ -244,7 +252,8 @@ async def _set_spec(client: KubeClient, **changes) -> None:
     await client.patch(LORASERVES, NS, NAME, {"spec": changes})
 
 
-async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(full) -> None:
+async def test_routing_and_hpa_lifecycle(full) -> None:
+    """Routing and HPA are created owned updated idempotent and deleted."""
     server, client = full
     await client.create(LORASERVES, NS, serve_body(routing=ROUTING, autoscaling={"maxReplicas": 4}))
     outcome = await reconcile_pass(client)
@@ -310,7 +319,8 @@ async def test_routing_and_hpa_are_created_owned_updated_idempotent_and_deleted(
     assert (await reconcile_pass(client)).acts == [] and writes(server, since) == []
 
 
-async def test_switching_to_keda_replaces_the_hpa_with_a_scaled_object(full) -> None:
+async def test_keda_replaces_hpa(full) -> None:
+    """Switching to KEDA replaces the HPA with a scaled object."""
     _, client = full
     await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
     await reconcile_pass(client)
@@ -329,7 +339,8 @@ async def test_switching_to_keda_replaces_the_hpa_with_a_scaled_object(full) -> 
     assert _condition(status, "Autoscaling")["reason"] == "ScaledObjectApplied"
 
 
-async def test_absent_apis_leave_the_serve_running_and_say_why(bare) -> None:
+async def test_absent_apis_keep_serving(bare) -> None:
+    """Absent APIs leave the serve running and say why."""
     server, client = bare
     await client.create(
         LORASERVES,
@@ -382,7 +393,8 @@ async def test_discovery_is_cached_for_its_ttl(bare) -> None:
     assert len(list(server)) == since + 2
 
 
-async def test_an_object_of_the_same_name_not_ours_is_left_alone(full) -> None:
+async def test_foreign_object_left_alone(full) -> None:
+    """An object of the same name not ours is left alone."""
     _, client = full
     theirs = {
         "apiVersion": "autoscaling/v2",
@@ -407,7 +419,8 @@ async def test_an_object_of_the_same_name_not_ours_is_left_alone(full) -> None:
     assert await client.get(HPAS, NS, NAME) is not None
 
 
-async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
+async def test_hpa_metric_failure_reported(full) -> None:
+    """An HPA that cannot read its metric is reported."""
     _, client = full
     await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))
     await reconcile_pass(client)
@@ -424,7 +437,8 @@ async def test_an_hpa_that_cannot_read_its_metric_is_reported(full) -> None:
     assert "custom.metrics.k8s.io" in scaling["message"] and "prometheus-adapter" in scaling["message"]
 
 
-async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> None:
+async def test_rejected_spec_keeps_objects(full) -> None:
+    """A rejected spec keeps the objects and the conditions."""
     _, client = full
     await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
     await reconcile_pass(client)
@@ -437,7 +451,8 @@ async def test_a_rejected_spec_keeps_the_objects_and_the_conditions(full) -> Non
     assert _condition(status, "Routing") == before
 
 
-async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full) -> None:
+async def test_routing_condition_gateway_use(full) -> None:
+    """The routing condition tells whether a gateway uses the pool."""
     _, client = full
     await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
     await reconcile_pass(client)
@@ -471,7 +486,8 @@ async def test_the_routing_condition_tells_whether_a_gateway_uses_the_pool(full)
     assert routing["message"].endswith("; not accepted by Gateway inference-gw (no EPP support)")
 
 
-async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(full, monkeypatch) -> None:
+async def test_removed_crd_reported(full, monkeypatch) -> None:
+    """A CRD removed after discovery answered is reported not raised."""
     server, client = full
     await client.create(LORASERVES, NS, serve_body(routing=ROUTING))
     optional.discovery(client).forget()
@@ -498,7 +514,8 @@ async def test_a_crd_removed_after_discovery_answered_is_reported_not_raised(ful
     assert "/apis/inference.networking.k8s.io/v1" in asked, "the stale answer was forgotten"
 
 
-async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_them(full) -> None:
+async def test_autoscaler_replicas_reach_deploy(full) -> None:
+    """The autoscalers replicas reach the deployment and nothing fights them."""
     # What the HPA controller (or KEDA's) does: read the LoRAServe's scale subresource (its
     # selector picks the pods whose metric is averaged) and write spec.replicas through it.
     server, client = full
@@ -521,7 +538,8 @@ async def test_the_autoscalers_replicas_reach_the_deployment_and_nothing_fights_
     assert (await reconcile_pass(client)).acts == [] and writes(server, since) == []
 
 
-async def test_a_refused_write_is_a_condition_not_a_failed_pass(full, monkeypatch) -> None:
+async def test_refused_write_is_condition(full, monkeypatch) -> None:
+    """A refused write is a condition not a failed pass."""
     # E.g. an operator installed with an older chart, without RBAC for HPAs: the API answers 403.
     _, client = full
     await client.create(LORASERVES, NS, serve_body(autoscaling={"maxReplicas": 4}))

@@ -27,7 +27,8 @@ def test_5xx_throttling_and_auth_are_transient(status: int) -> None:
     assert classify_status(status) is True
 
 
-def test_error_message_prefers_the_runtimes_own_words() -> None:
+def test_error_prefers_runtime_words() -> None:
+    """Error message prefers the runtimes own words."""
     body = (
         '{"error": {"message": "adapter rank 32 exceeds max_lora_rank 16", "type": "invalid_request_error"}}'
     )
@@ -36,7 +37,8 @@ def test_error_message_prefers_the_runtimes_own_words() -> None:
     assert error_message(503, "") == "HTTP 503"
 
 
-def test_models_lists_adapters_with_what_the_runtime_read() -> None:
+def test_models_lists_adapters() -> None:
+    """Models lists adapters with what the runtime read."""
     answer = {
         "object": "list",
         "data": [
@@ -75,7 +77,8 @@ def test_models_lists_adapters_with_what_the_runtime_read() -> None:
     assert info.value.transient
 
 
-async def test_a_pod_that_does_not_listen_is_a_transient_failure() -> None:
+async def test_silent_pod_is_transient() -> None:
+    """A pod that does not listen is a transient failure."""
     with socket.socket() as sock:  # a port nobody listens on: bound, never listening
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -87,7 +90,8 @@ async def test_a_pod_that_does_not_listen_is_a_transient_failure() -> None:
     assert f"127.0.0.1:{port}" in str(info.value)
 
 
-def test_catalog_listing_reads_versions_and_progress() -> None:
+def test_catalog_listing_reads_versions() -> None:
+    """Catalog listing reads versions and progress."""
     listing = parse_catalog_listing(
         {
             "digest": "d1",

@@ -33,7 +33,8 @@ async def api():
         yield api
 
 
-async def test_first_pass_creates_everything_and_the_second_writes_nothing(api) -> None:
+async def test_second_pass_writes_nothing(api) -> None:
+    """First pass creates everything and the second writes nothing."""
     server, client = api
     await client.create(LORASERVES, NS, serve_body())
     outcome = await reconcile_pass(client)
@@ -69,7 +70,7 @@ def _adapter_spec(source: str, **extra) -> dict:
     return {"serve": NAME, "source": source, **extra}
 
 
-async def test_catalog_follows_the_adapters_without_rolling_the_pods(api) -> None:
+async def test_catalog_follows_without_rolling(api) -> None:
     """The catalog ConfigMap lists the serve's usable Adapters; changing it never changes
     the pod template (running pods get the catalog pushed instead of restarting)."""
     _, client = api
@@ -134,7 +135,8 @@ async def test_hand_edits_of_owned_fields_are_undone(api) -> None:
     assert restored["spec"]["template"]["spec"]["containers"][0]["image"] == image
 
 
-async def test_stale_writes_get_409_and_are_retried_after_observing_again(api) -> None:
+async def test_stale_writes_retried(api) -> None:
+    """Stale writes get 409 and are retried after observing again."""
     _, client = api
     await client.create(LORASERVES, NS, serve_body())
     await reconcile_pass(client)
@@ -158,7 +160,8 @@ async def test_stale_writes_get_409_and_are_retried_after_observing_again(api) -
     assert result["metadata"]["labels"]["touched"] == "yes", "the other writer's change survives"
 
 
-async def test_incompatible_spec_creates_nothing_and_says_why(api) -> None:
+async def test_incompatible_spec_creates_nothing(api) -> None:
+    """Incompatible spec creates nothing and says why."""
     _, client = api
     await client.create(LORASERVES, NS, serve_body(lora={"maxLorasPerBatch": 16, "maxLoadedLoras": 8}))
     outcome = await reconcile_pass(client)

@@ -67,7 +67,8 @@ def test_serve_phase_follows_the_deployment(deployment: dict | None, phase: str,
     assert status["observedGeneration"] == 3 and status["adapters"] == 2 and status["selector"] == "a=b"
 
 
-def test_rejected_spec_keeps_serving_when_pods_run() -> None:
+def test_rejected_spec_keeps_serving() -> None:
+    """Rejected spec keeps serving when pods run."""
     violation = "spec.lora.maxLorasPerBatch: 16 > spec.lora.maxLoadedLoras 8; fix: lower it"
     serving = _serve(violations=[violation], deployment=_deployment(2))
     assert serving["phase"] == "Degraded"
@@ -82,7 +83,8 @@ def test_rejected_spec_keeps_serving_when_pods_run() -> None:
     assert _conditions(blocked)["Compatible"] == ("False", "NotRunnable")
 
 
-def test_transition_time_moves_only_when_a_condition_flips() -> None:
+def test_transition_time_on_flip_only() -> None:
+    """Transition time moves only when a condition flips."""
     findings = st.ServeFindings(generation=1, desired_replicas=2, deployment=_deployment(2))
     first = st.serve_status(findings, None, now=T0)
     again = st.serve_status(findings, first, now=T1)
@@ -95,7 +97,8 @@ def test_transition_time_moves_only_when_a_condition_flips() -> None:
     assert times["Degraded"] == T1 and times["Compatible"] == T0
 
 
-def test_status_patch_removes_keys_and_nested_fields() -> None:
+def test_status_patch_removes_keys() -> None:
+    """Status patch removes keys and nested fields."""
     old = {
         "phase": "Running",
         "effective": {"algorithm": "EAGLE", "requestedAlgorithm": "NEXTN"},
@@ -146,7 +149,8 @@ def test_adapter_phase_and_reason(findings: st.AdapterFindings, phase: str, reas
     assert status["loadedReplicas"] == sum(t.state is PodState.LOADED for t in findings.tracks)
 
 
-def test_adapter_pod_list_carries_the_runtime_message_clipped() -> None:
+def test_pod_list_clips_runtime_message() -> None:
+    """Adapter pod list carries the runtime message clipped."""
     long = "x" * 10_000
     tracks = [_track("b", PodState.FAILED, long), _track("a", PodState.LOADED)]
     status = st.adapter_status(st.AdapterFindings(generation=2, tracks=tracks), None, now=T0)
@@ -160,7 +164,8 @@ def test_adapter_pod_list_carries_the_runtime_message_clipped() -> None:
     assert failed["time"] == "1970-01-01T00:00:00Z"
 
 
-def test_pods_that_load_on_demand_are_listed_but_do_not_hold_the_phase_back() -> None:
+def test_on_demand_pods_dont_hold_phase() -> None:
+    """Pods that load on demand are listed but do not hold the phase back."""
     placed = PodTrack(pod="p0", pod_ip="10.0.0.1", pod_uid="u0", state=PodState.LOADED, since=0.0)
     others = [
         PodTrack(pod="p1", pod_ip="10.0.0.2", pod_uid="u1", state=PodState.REGISTERED, since=0.0),
