@@ -32,7 +32,8 @@ LLAMA_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": 
 @pytest.mark.parametrize("module", sorted(LLAMA_8B))
 @pytest.mark.parametrize("num_tiles", [1, 2, 8, 32, 64])
 @pytest.mark.parametrize("max_rank", [8, 16, 64])
-def test_fused_grid_fits_the_resident_limit_and_bounds_the_work(module, num_tiles, max_rank):
+def test_fused_grid_fits_resident_limit(module, num_tiles, max_rank):
+    """Fused grid fits the resident limit and bounds the work."""
     in_dim, widths = LLAMA_8B[module]
     sms = 132
     cfg = pick_fused(num_tiles=num_tiles, tile_m=16, widths=widths, max_rank=max_rank, in_dim=in_dim,
@@ -104,7 +105,7 @@ def test_residency_is_the_largest_count_that_fits(n_regs, shared, warps):
     assert count == 32 or not _fits(count + 1, n_regs, shared, warps, props)
 
 
-def test_small_ranks_take_a_narrow_rank_step_on_short_tiles():
+def test_small_ranks_take_narrow_step():
     """Decode/verify tiles of a slot with rank <= 16 take 16-row B tiles in a rank-64 pool;
     extend tiles, pools of rank 16 and a disabled small step keep the pool's one step."""
     from loraserve.kernels.triton_ops.expand import small_rank_block
@@ -117,7 +118,7 @@ def test_small_ranks_take_a_narrow_rank_step_on_short_tiles():
     assert small_rank_block(replace(wide, small_block_r=0), 16) == 0
 
 
-def test_expand_column_groups_follow_the_block_count():
+def test_expand_groups_follow_blocks():
     """Four column blocks a program once a launch has about 15 blocks per SM (64 decode
     tiles of o or down), two below (32 verify tiles of qkv, 8 decode tiles), eight for
     extend tiles; every tile's column loop pipelined."""

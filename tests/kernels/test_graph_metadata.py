@@ -22,7 +22,7 @@ def test_extend_needs_a_fixed_length_with_the_fix():
 
 
 @pytest.mark.parametrize("width,tile_m,tiles", [(16, 16, 1), (40, 64, 1), (128, 64, 2), (192, 64, 3)])
-def test_extend_layout_is_the_eager_layout_of_equal_lengths(width, tile_m, tiles):
+def test_extend_layout_matches_eager(width, tile_m, tiles):
     """A padded extend (one request, as the runtime's prefill graphs use it): one segment
     in request order, the tile height extend picks for that length, and the same segments,
     rows and tiles build_batch_info gives an eager extend of that length. The capacity is

@@ -74,14 +74,16 @@ def test_decode_and_verify_group_requests_by_slot(k, gen):
     assert int(info.live_tiles.item()) == info.num_tiles  # an eager table holds live tiles only
 
 
-def test_ungrouped_decode_keeps_one_segment_per_request():
+def test_ungrouped_decode_segments():
+    """Ungrouped decode keeps one segment per request."""
     info = build_batch_info(ForwardMode.DECODE, [1, 0, 1], [4, 4], [1.0, 2.0], group_by_slot=False)
     assert info.permutation is None
     assert info.weight_indices_cpu == [1, 0, 1]
     assert info.num_tiles == 3
 
 
-def test_extend_segments_skip_empty_requests_and_size_tiles():
+def test_extend_segments_skip_empty():
+    """Extend segments skip empty requests and size tiles."""
     lens = [5, 0, 40, 3]
     info = build_batch_info(ForwardMode.EXTEND, [0, 1, -1, 1], [8, 8], [1.0, 1.0], extend_lens=lens)
     assert info.permutation is None
@@ -91,7 +93,8 @@ def test_extend_segments_skip_empty_requests_and_size_tiles():
     assert _covered_rows(info) == [*range(5), *range(45, 48)]  # base-model rows get no tile
 
 
-def test_scaling_and_rank_travel_in_the_tile_table():
+def test_tile_table_holds_scaling_and_rank():
+    """Scaling and rank travel in the tile table."""
     info = build_batch_info(ForwardMode.DECODE, [1, 0], [4, 12], [0.5, 2.25])
     table = {row[0]: row for row in info.tiles.tolist()}
     assert table[1][1] == 12 and table[0][1] == 4

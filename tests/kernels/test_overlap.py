@@ -31,13 +31,15 @@ def test_policy_from_env(raw, mode, monkeypatch):
     assert OverlapPolicy.from_env().mode is mode
 
 
-def test_policy_rejects_unknown_mode_naming_the_variable_and_values(monkeypatch):
+def test_policy_rejects_unknown_mode(monkeypatch):
+    """Policy rejects unknown mode naming the variable and values."""
     monkeypatch.setenv(OVERLAP_ENV, "sideways")
     with pytest.raises(ValueError, match=f"{OVERLAP_ENV}='sideways'.*auto, delta, shrink or serial"):
         OverlapPolicy.from_env()
 
 
-def test_policy_joins_by_tiles_and_overlaps_only_small_batches_on_cuda():
+def test_policy_overlaps_small_cuda_batches():
+    """Policy joins by tiles and overlaps only small batches on CUDA."""
     auto = OverlapPolicy(max_tokens=64, delta_max_tiles=2)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert auto.mode_for(1, 1, cuda) is OverlapMode.DELTA
@@ -70,7 +72,7 @@ def test_split_stages_equal_apply(backend_name, mode, make_pool, gen):
 
 
 @pytest.mark.parametrize("mode", list(OverlapMode))
-def test_linear_with_lora_without_a_side_stream_is_base_plus_delta(mode, make_pool, gen, check_output):
+def test_linear_lora_no_stream_is_sum(mode, make_pool, gen, check_output):
     """Off CUDA every mode falls back to the GEMM then the delta, checked against float64."""
     pool = make_pool(in_dim=80, widths=(48, 24), ranks=[16, 4], max_rank=16)
     info = build_batch_info(ForwardMode.DECODE, [1, -1, 0, 0], pool.ranks, pool.scalings, device=pool.device)

@@ -103,7 +103,7 @@ def test_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads,
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
 
 
-def test_queries_of_a_verify_block_see_only_earlier_positions(gen):
+def test_verify_queries_see_earlier_only(gen):
     """Query j of a verify block attends to the prefix and drafts 0..j: changing the value
     of the last draft changes the last query's output only."""
     shape = dict(width=4, heads=2, kv_heads=1, head_dim=16)
@@ -136,7 +136,7 @@ def test_sliding_window_matches_sdpa(gen):
     assert not torch.allclose(got, full), "the window changed nothing: it is not applied"
 
 
-def test_splits_cover_the_context_whatever_their_number(gen, monkeypatch):
+def test_splits_cover_context(gen, monkeypatch):
     """The context is cut into ranges combined by their log-sum-exp: one range or many give
     the same output."""
     import loraserve.runtime.model.layers.paged_attention as pa
@@ -151,7 +151,8 @@ def test_splits_cover_the_context_whatever_their_number(gen, monkeypatch):
     assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < 1e-5
 
 
-def test_backend_choice_is_checked_naming_the_field(monkeypatch):
+def test_backend_choice_checked(monkeypatch):
+    """Backend choice is checked naming the field."""
     with pytest.raises(ValueError, match="attention_backend must be one of auto, sdpa, triton"):
         check_attention_backend("flash", torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -163,7 +164,7 @@ def test_backend_choice_is_checked_naming_the_field(monkeypatch):
 
 
 @pytest.mark.parametrize("architecture", ["llama", "mistral"])
-def test_a_runner_on_the_paged_kernel_matches_one_on_sdpa(tmp_path, architecture):
+def test_paged_runner_matches_sdpa(tmp_path, architecture):
     """Whole forwards (prefill on SDPA for both, then decode and target-verify) give the
     same logits on either backend; mistral with a 6-token window shorter than the prompts."""
     import json
@@ -218,7 +219,7 @@ def _random_tree(gen, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(
     ("prefixes", "width", "heads", "kv_heads"), [([4, 90, 33], 7, 4, 2), ([130], 16, 8, 2)]
 )
-def test_tree_verify_on_the_paged_kernel_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads):
+def test_paged_tree_verify_matches_sdpa(gen, dtype, prefixes, width, heads, kv_heads):
     """A draft tree's verify: each node sees the prefix and its own ancestors (not its
     siblings, not later nodes); the kernel gives the SDPA tree path's outputs and positions."""
     head_dim = 16

@@ -146,7 +146,7 @@ def test_more_than_three_slices_launch_in_groups(path, make_pool, gen, check_app
     check_apply(PATHS[path], info, pool, x, out0)
 
 
-def test_shrink_writes_every_live_entry_and_nothing_else(make_pool, gen, device):
+def test_shrink_writes_live_entries_only(make_pool, gen, device):
     """Poison the output: every LoRA row's rank columns are written, base rows keep the poison."""
     pool = make_pool(in_dim=40, widths=(8, 8, 8), ranks=[16, 5], max_rank=16)
     info = build_batch_info(ForwardMode.DECODE, [1, -1, 0, 1], pool.ranks, pool.scalings, device=device)
@@ -198,7 +198,8 @@ def test_empty_batches_change_nothing(path, make_pool, gen, device):
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_rank_above_pool_rank_is_rejected_before_any_write(path, make_pool, gen, device):
+def test_rank_above_pool_rejected(path, make_pool, gen, device):
+    """Rank above pool rank is rejected before any write."""
     pool = make_pool(in_dim=10, widths=(6,), ranks=[4, 4], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [0, 1], [4, 8], pool.scalings, device=device)
     x, out = pool.inputs(gen, 2)
@@ -209,7 +210,8 @@ def test_rank_above_pool_rank_is_rejected_before_any_write(path, make_pool, gen,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU guard")
-def test_cpu_without_interpreter_gets_a_clear_error(make_pool, gen, monkeypatch):
+def test_cpu_without_interpreter_errors(make_pool, gen, monkeypatch):
+    """CPU without interpreter gets a clear error."""
     pool = make_pool(in_dim=10, widths=(6,), ranks=[4], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [0], pool.ranks, pool.scalings)
     x, out = pool.inputs(gen, 1)
@@ -218,7 +220,7 @@ def test_cpu_without_interpreter_gets_a_clear_error(make_pool, gen, monkeypatch)
         get_backend("triton").apply(x, pool.A, pool.B, info, out, pool.offsets)
 
 
-def test_single_launch_is_opt_in_through_the_environment(make_pool, gen, monkeypatch, check_apply, device):
+def test_single_launch_is_opt_in(make_pool, gen, monkeypatch, check_apply, device):
     """The default backend takes two launches; ``LORASERVE_LORA_FUSED=1`` lets the heuristic fuse."""
     pool = make_pool(in_dim=16, widths=(8,), ranks=[4], max_rank=4)
     info = build_batch_info(ForwardMode.DECODE, [0], pool.ranks, pool.scalings, device=device)
