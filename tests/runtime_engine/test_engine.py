@@ -70,7 +70,8 @@ def _together(engine, work, waves: int = 3) -> list:
     return collected
 
 
-def test_continuous_batching_gives_each_request_what_it_gets_alone(engine_assets):
+def test_batching_matches_alone(engine_assets):
+    """Continuous batching gives each request what it gets alone."""
     cfg = engine_config(engine_assets, max_loras_per_batch=2, max_running_requests=6, chunked_prefill_size=16)
     runner = ModelRunner(cfg)
     decoder = RecordingDecoder(runner, Sampler())
@@ -103,7 +104,8 @@ def test_chunk_size_does_not_change_outputs(engine_assets, start_engine):
     assert [c.token_ids for c in _together(small, work)] == _alone(big, work)
 
 
-def test_kv_pressure_waits_and_retracts_without_changing_outputs(engine_assets, start_engine):
+def test_kv_pressure_keeps_outputs(engine_assets, start_engine):
+    """KV pressure waits and retracts without changing outputs."""
     work = [(p[:20] + [7] * max(0, 20 - len(p)), a, 40) for p, a, _ in _workload(3, 8)]
     reference = _alone(start_engine(engine_config(engine_assets)), work)
     recorder = StepRecorder()
@@ -116,7 +118,8 @@ def test_kv_pressure_waits_and_retracts_without_changing_outputs(engine_assets, 
     assert tight.kv.num_free_tokens == tight.kv.capacity
 
 
-def test_a_request_that_can_never_fit_is_refused_with_the_fix(engine_assets, start_engine):
+def test_unfittable_request_refused(engine_assets, start_engine):
+    """A request that can never fit is refused with the fix."""
     engine = start_engine(engine_config(engine_assets, max_total_tokens=160))
     r, _ = make_request(list(range(3, 103)), max_tokens=100)
     with pytest.raises(EngineError) as info:
@@ -194,7 +197,8 @@ def test_abort_releases_kv_and_the_adapter(engine_assets, start_engine):
     assert info.refcount == 0
 
 
-def test_unloading_adapter_refuses_new_requests_and_finishes_running_ones(engine_assets, start_engine):
+def test_unloading_adapter_drains(engine_assets, start_engine):
+    """Unloading adapter refuses new requests and finishes running ones."""
     engine = start_engine(engine_config(engine_assets))
     r, c = make_request(list(range(3, 20)), "sql-r8", max_tokens=60)
     engine.submit(r)
@@ -210,7 +214,8 @@ def test_unloading_adapter_refuses_new_requests_and_finishes_running_ones(engine
     assert all(i.name != "sql-r8" for i in engine.list_adapters())
 
 
-def test_seeded_sampling_in_the_engine_does_not_depend_on_the_batch(engine_assets, start_engine):
+def test_seeded_sampling_batch_free(engine_assets, start_engine):
+    """Seeded sampling in the engine does not depend on the batch."""
     engine = start_engine(engine_config(engine_assets))
     prompt = list(range(10, 40))
 
@@ -251,7 +256,8 @@ def test_stop_tokens_end_with_reason_stop(engine_assets, start_engine, tokenizer
     assert c.text == tokenizer.decode(ref.token_ids[:cut])
 
 
-def test_shutdown_drains_then_aborts_and_refuses_new_work(engine_assets, start_engine):
+def test_shutdown_drains_then_aborts(engine_assets, start_engine):
+    """Shutdown drains then aborts and refuses new work."""
     engine = start_engine(engine_config(engine_assets))
     short, sc = make_request(list(range(3, 10)), max_tokens=5)
     engine.submit(short)
@@ -278,7 +284,7 @@ def _backlog(engine, work) -> list:
     return [c.token_ids for c in collected]
 
 
-def test_batched_admission_under_a_backlog_changes_no_output_and_saves_extends(engine_assets, start_engine):
+def test_batched_admission_saves_extends(engine_assets, start_engine):
     """With extends made expensive in the engine's learnt costs (as an eager forward is on
     a GPU), a backlog is admitted in batches: fewer extend steps interrupt decoding, every
     output stays the same, and the counters in the snapshot add up."""

@@ -70,7 +70,8 @@ def _run(engine_assets, graphs: bool, work) -> tuple[list[list[int]], list[tuple
     return tokens, replayed
 
 
-def test_engine_output_is_unchanged_with_multi_request_extend_graphs(engine_assets):
+def test_extend_graphs_keep_output(engine_assets):
+    """Engine output is unchanged with multi request extend graphs."""
     work = _workload(5)
     want, _ = _run(engine_assets, False, work)
     got, replayed = _run(engine_assets, True, work)

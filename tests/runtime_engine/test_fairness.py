@@ -28,7 +28,8 @@ def _waiting(group: str | None) -> Request:
     return r
 
 
-def test_fair_order_is_round_robin_between_calls_least_served_first():
+def test_fair_order_round_robin():
+    """Fair order is round robin between calls least served first."""
     big = [_waiting("big") for _ in range(5)]
     small = _waiting("small")
     single = _waiting(None)
@@ -57,7 +58,8 @@ def _running(group: str | None, t: float, adapter: str | None = None) -> Request
     return r
 
 
-def test_fair_preemption_frees_one_slot_of_the_call_over_its_share_and_never_thrashes():
+def test_fair_preemption_no_thrash():
+    """Fair preemption frees one slot of the call over its share and never thrashes."""
     limits = SchedulerLimits(
         max_running_requests=4, max_loras_per_batch=1, chunked_prefill_size=64, max_prefill_tokens=64
     )
@@ -80,7 +82,7 @@ def test_fair_preemption_frees_one_slot_of_the_call_over_its_share_and_never_thr
     assert fair_preemption([small], big, limits, free_tokens=-1000) is None
 
 
-def test_a_small_call_beside_a_big_one_finishes_within_a_bounded_number_of_steps(engine_assets, start_engine):
+def test_small_call_finishes_bounded(engine_assets, start_engine):
     """A big call (24 choices × 40 tokens on 4 running slots) is running when a small call
     (8 tokens) arrives: one of the big call's requests gives back its slot, so the small one
     starts at once and ends within about its own length (measured: 16 steps; round-robin

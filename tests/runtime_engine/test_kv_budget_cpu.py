@@ -47,7 +47,8 @@ def plan(device_type="cpu", *, available, bpt, context, rows=DEFAULT_ROWS, fract
     )
 
 
-def test_smollm2_on_a_24_gib_machine_gets_at_most_4_gib_on_cpu_and_the_same_as_before_on_gpu():
+def test_smollm2_budget_on_24_gib():
+    """SmolLM2 on a 24 GiB machine gets at most 4 GiB on CPU and the same as before on GPU."""
     assert SMOL_BPT == 46080
     available = 23 * GIB  # MemAvailable of an idle 24 GiB machine
     cpu = plan(available=available, bpt=SMOL_BPT, context=SMOL_CONTEXT)
@@ -62,7 +63,8 @@ def test_smollm2_on_a_24_gib_machine_gets_at_most_4_gib_on_cpu_and_the_same_as_b
     assert gpu.bytes > 19 * GIB
 
 
-def test_a_small_machine_gives_a_quarter_of_its_available_memory():
+def test_small_machine_gives_quarter():
+    """A small machine gives a quarter of its available memory."""
     cpu = plan(available=6 * GIB, bpt=SMOL_BPT, context=SMOL_CONTEXT)
     assert cpu.limited_by == "cpu_share"
     assert cpu.tokens == int(6 * GIB * 0.25) // SMOL_BPT
@@ -72,14 +74,16 @@ def test_a_small_machine_gives_a_quarter_of_its_available_memory():
     assert low.tokens == int(6 * GIB * 0.1) // SMOL_BPT
 
 
-def test_a_pool_never_exceeds_what_the_limits_can_occupy():
+def test_pool_within_limits():
+    """A pool never exceeds what the limits can occupy."""
     for device_type in ("cpu", "cuda"):
         tiny = plan(device_type, available=23 * GIB, bpt=TINY_BPT, context=1024)
         assert tiny == KVBudget(DEFAULT_ROWS * 1024, DEFAULT_ROWS * 1024 * TINY_BPT, "demand", tiny.reason)
     assert tiny.bytes == 64 * 2**20  # 64 MiB: 128 rows x 1024 tokens x 512 bytes
 
 
-def test_an_explicit_max_total_tokens_wins_on_cpu_even_above_the_defaults_caps():
+def test_explicit_max_total_tokens_wins():
+    """An explicit max total tokens wins on CPU even above the defaults caps."""
     big = plan(available=23 * GIB, bpt=SMOL_BPT, context=SMOL_CONTEXT, requested=200_000)
     assert (big.tokens, big.limited_by) == (200_000, "max_total_tokens")
     assert big.bytes > CPU_KV_MAX_BYTES
@@ -109,7 +113,7 @@ def _unbudgeted_config(model_dir, **scheduler) -> RuntimeConfig:
     return cfg
 
 
-def test_the_tiny_models_runtime_on_cpu_reserves_a_small_pool(engine_assets, start_engine, caplog):
+def test_tiny_model_small_pool(engine_assets, start_engine, caplog):
     """With the runtime's default limits the tiny model's pool is what they can occupy: 64 MiB."""
     caplog.set_level(logging.INFO, logger="loraserve.runtime.kv.budget")
     engine = start_engine(_unbudgeted_config(engine_assets.demo.model_dir))
@@ -119,7 +123,7 @@ def test_the_tiny_models_runtime_on_cpu_reserves_a_small_pool(engine_assets, sta
     assert any("KV cache budget on cpu" in r.getMessage() for r in caplog.records)
 
 
-def test_a_long_context_model_on_a_small_machine_takes_a_quarter_not_most_of_it(
+def test_long_context_takes_quarter(
     engine_assets, start_engine, caplog, tmp_path, monkeypatch
 ):
     """A real runner on a machine reporting 2 GiB available: the limits could occupy 2 GiB

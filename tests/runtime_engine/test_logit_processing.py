@@ -145,7 +145,8 @@ def _run(config, tokenizer, requests):
     return outs
 
 
-def test_prompt_and_top_logprobs_match_a_whole_forward(tiny, tokenizer):
+def test_logprobs_match_forward(tiny, tokenizer):
+    """Prompt and top logprobs match a whole forward."""
     prompt = tokenizer.encode("def parse(text):\n    return [line.split() for line in text]")
     assert len(prompt) > 12
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3, prompt_logprobs=2)
@@ -179,7 +180,8 @@ def test_prompt_and_top_logprobs_match_a_whole_forward(tiny, tokenizer):
         assert top[0][0] == token and top[0][1] == pytest.approx(lp, abs=1e-5)  # greedy: the top-1
 
 
-def test_logit_bias_and_structured_output_in_one_batch(tiny, tokenizer):
+def test_bias_and_structured_one_batch(tiny, tokenizer):
+    """Logit bias and structured output in one batch."""
     schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
     forced = tokenizer.encode("x", add_special_tokens=False)[0]
     requests = [
@@ -200,7 +202,8 @@ def test_logit_bias_and_structured_output_in_one_batch(tiny, tokenizer):
     assert outs["json"][-1].finish_reason.value == "stop" and isinstance(json.loads(text)["ok"], bool), text
 
 
-def test_a_bad_schema_is_refused_naming_response_format(tiny, tokenizer):
+def test_bad_schema_refused(tiny, tokenizer):
+    """A bad schema is refused naming response format."""
     engine = Engine(_config(tiny), ModelRunner(_config(tiny)), tokenizer=tokenizer)
     bad = SamplingParams(
         max_tokens=3, structured=StructuredOutput("json_schema", '{"type": "object", "properties": 3}')
@@ -232,7 +235,8 @@ def test_verify_masks_equal_a_token_by_token_walk(tokenizer):
     assert torch.equal(refused[2], refused[1]) and torch.equal(refused[3], refused[1])
 
 
-def test_without_xgrammar_a_constraint_is_a_400_not_a_500(tiny, tokenizer, monkeypatch):
+def test_no_xgrammar_gives_400(tiny, tokenizer, monkeypatch):
+    """Without xgrammar a constraint is a 400 not a 500."""
     import sys
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError

@@ -25,7 +25,8 @@ def _seq(start: int, n: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the tree
-def test_match_returns_longest_cached_prefix_and_its_slots():
+def test_match_returns_longest_prefix():
+    """Match returns longest cached prefix and its slots."""
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3, 4], _slots(10, 11, 12, 13))
     m = pc.match(A, [1, 2, 3, 9, 9])
@@ -37,7 +38,8 @@ def test_match_returns_longest_cached_prefix_and_its_slots():
     assert full.length == 4 and full.slots.tolist() == [10, 11, 12, 13]
 
 
-def test_prefix_under_one_adapter_is_never_served_to_another_or_the_base():
+def test_prefix_isolated_per_adapter():
+    """Prefix under one adapter is never served to another or the base."""
     pc = PrefixCache()
     pc.insert(A, [5, 6, 7], _slots(1, 2, 3))
     assert pc.match(A, [5, 6, 7, 8]).length == 3
@@ -47,7 +49,8 @@ def test_prefix_under_one_adapter_is_never_served_to_another_or_the_base():
     assert pc.match(("sql", 2), [5, 6, 7, 8]).length == 0
 
 
-def test_insert_reports_present_tokens_and_splits_edges():
+def test_insert_splits_edges():
+    """Insert reports present tokens and splits edges."""
     pc = PrefixCache()
     assert pc.insert(A, [1, 2, 3, 4], _seq(10, 4)).present == 0
     # shares [1, 2], diverges: the edge splits, the new tail becomes a sibling leaf
@@ -65,7 +68,8 @@ def test_insert_reports_present_tokens_and_splits_edges():
     assert pc.match(A, [1, 2, 3, 4, 5, 6]).slots.tolist() == [10, 11, 12, 13, 99]
 
 
-def test_partial_match_splits_so_a_lock_holds_exactly_the_match():
+def test_partial_match_splits():
+    """Partial match splits so a lock holds exactly the match."""
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3, 4, 5, 6], _seq(20, 6))
     m = pc.match(A, [1, 2, 3, 7])
@@ -89,7 +93,8 @@ def test_peek_changes_nothing():
     assert len(root.children) == 1 and len(next(iter(root.children.values()))) == 4
 
 
-def test_peek_counts_only_unlocked_tokens_as_evictable():
+def test_peek_counts_unlocked_only():
+    """Peek counts only unlocked tokens as evictable."""
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3, 4], _seq(0, 4))
     held = pc.match(A, [1, 2, 5])
@@ -98,7 +103,8 @@ def test_peek_counts_only_unlocked_tokens_as_evictable():
     assert m.length == 4 and m.evictable == 2
 
 
-def test_eviction_is_least_recently_used_leaf_first():
+def test_eviction_is_lru_leaf_first():
+    """Eviction is least recently used leaf first."""
     pc = PrefixCache()
     pc.insert(A, [1, 1, 1], _seq(0, 3))  # oldest
     pc.insert(B, [2, 2, 2], _seq(3, 3))
@@ -112,7 +118,8 @@ def test_eviction_is_least_recently_used_leaf_first():
     assert pc.num_tokens == pc.num_evictable == 3
 
 
-def test_eviction_takes_leaves_before_their_parents_and_spares_locked_paths():
+def test_eviction_spares_locked_paths():
+    """Eviction takes leaves before their parents and spares locked paths."""
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3], _seq(0, 3))
     pc.insert(A, [1, 2, 4], _slots(9, 9, 5))  # splits: [1, 2] -> {[3], [4]}
@@ -140,7 +147,8 @@ def test_locks_count_requests():
     assert pc.evict(10).numel() == 2
 
 
-def test_drop_frees_unheld_now_and_held_when_released_and_refuses_the_key():
+def test_drop_frees_and_refuses_key():
+    """Drop frees unheld now and held when released and refuses the key."""
     pc = PrefixCache()
     pc.insert(A, [1, 2, 3], _seq(0, 3))
     pc.insert(A, [1, 2, 7, 8], _slots(0, 0, 3, 4))
@@ -156,7 +164,8 @@ def test_drop_frees_unheld_now_and_held_when_released_and_refuses_the_key():
     assert pc.num_tokens == 3 == pc.num_evictable
 
 
-def test_random_operations_keep_the_counts_consistent():
+def test_random_ops_keep_counts():
+    """Random operations keep the counts consistent."""
     rng = random.Random(7)
     pc = PrefixCache()
     next_slot = 0
@@ -217,7 +226,8 @@ def _all_slots_accounted(kv: KVCache) -> None:
     assert sorted(everything) == list(range(1, kv.capacity + 1)), "a slot was lost or handed out twice"
 
 
-def test_a_finished_request_leaves_its_kv_and_the_next_reuses_it():
+def test_finished_request_kv_reused():
+    """A finished request leaves its KV and the next reuses it."""
     kv = _kv()
     prompt = list(range(100, 110))
     kv.allocate(["r1"], [10])
@@ -244,7 +254,8 @@ def test_the_last_prompt_token_is_always_computed():
     assert kv.match_prefix("r3", A, [1, 2, 3, 4, 5], max_len=2) == 2
 
 
-def test_another_adapter_gets_nothing_from_the_pool():
+def test_other_adapter_gets_nothing():
+    """Another adapter gets nothing from the pool."""
     kv = _kv()
     kv.allocate(["r1"], [6])
     kv.cache_and_free("r1", A, [1, 2, 3, 4, 5, 6])
@@ -253,7 +264,8 @@ def test_another_adapter_gets_nothing_from_the_pool():
     assert kv.match_prefix("r3", BASE, [1, 2, 3, 4, 5, 6, 7]) == 0
 
 
-def test_duplicate_kv_is_freed_when_a_second_request_caches_the_same_tokens():
+def test_duplicate_kv_freed():
+    """Duplicate KV is freed when a second request caches the same tokens."""
     kv = _kv()
     kv.allocate(["r1", "r2"], [4, 4])  # computed the same prompt concurrently
     kv.cache_and_free("r1", A, [1, 2, 3, 4])
@@ -262,7 +274,8 @@ def test_duplicate_kv_is_freed_when_a_second_request_caches_the_same_tokens():
     _all_slots_accounted(kv)
 
 
-def test_only_tokens_the_request_holds_are_cached_and_the_rest_is_freed():
+def test_only_held_tokens_cached():
+    """Only tokens the request holds are cached and the rest is freed."""
     kv = _kv()
     kv.allocate(["r1"], [6])
     assert kv.cache_and_free("r1", A, [1, 2, 3]) == 3  # its last 3 entries are not cached
@@ -272,7 +285,8 @@ def test_only_tokens_the_request_holds_are_cached_and_the_rest_is_freed():
     _all_slots_accounted(kv)
 
 
-def test_allocation_evicts_unused_prefixes_before_reporting_full():
+def test_allocation_evicts_before_full():
+    """Allocation evicts unused prefixes before reporting full."""
     kv = _kv(tokens=16)
     kv.allocate(["r1"], [10])
     kv.cache_and_free("r1", A, list(range(10)))
@@ -298,7 +312,8 @@ def test_a_held_prefix_is_never_evicted():
     _all_slots_accounted(kv)
 
 
-def test_truncating_into_a_shared_prefix_never_frees_the_trees_slots():
+def test_truncate_keeps_shared_slots():
+    """Truncating into a shared prefix never frees the trees slots."""
     kv = _kv()
     kv.allocate(["r1"], [6])
     kv.cache_and_free("r1", A, list(range(6)))
@@ -314,7 +329,8 @@ def test_truncating_into_a_shared_prefix_never_frees_the_trees_slots():
     _all_slots_accounted(kv)
 
 
-def test_rollback_of_a_first_forward_after_a_match_keeps_the_prefix():
+def test_rollback_keeps_prefix():
+    """Rollback of a first forward after a match keeps the prefix."""
     kv = _kv()
     kv.allocate(["r1"], [6])
     kv.cache_and_free("r1", A, list(range(6)))
@@ -325,7 +341,8 @@ def test_rollback_of_a_first_forward_after_a_match_keeps_the_prefix():
     _all_slots_accounted(kv)
 
 
-def test_retraction_caches_then_the_request_resumes_from_its_own_kv():
+def test_retraction_resumes_from_kv():
+    """Retraction caches then the request resumes from its own KV."""
     kv = _kv()
     prompt = list(range(20, 32))
     kv.allocate(["r1"], [12])
@@ -338,7 +355,8 @@ def test_retraction_caches_then_the_request_resumes_from_its_own_kv():
     _all_slots_accounted(kv)
 
 
-def test_a_running_prompt_is_shared_before_the_request_ends():
+def test_running_prompt_shared():
+    """A running prompt is shared before the request ends."""
     kv = _kv()
     prompt = list(range(40, 50))
     kv.allocate(["r1", "r2"], [10, 10])  # both prefilled the same prompt in one step
@@ -404,7 +422,8 @@ def test_without_a_prefix_cache_nothing_changes():
     assert kv.peek_prefix(A, [1, 2, 3, 4, 5]).length == 0
 
 
-def test_random_pool_workload_never_loses_or_double_hands_a_slot():
+def test_random_pool_keeps_slots():
+    """Random pool workload never loses or double hands a slot."""
     rng = random.Random(3)
     kv = _kv(tokens=48, rows=4)
     live: dict[str, tuple] = {}
@@ -472,7 +491,7 @@ class _Journalled(KVCache):
         self.log.append(("share", request_id, start, slots.clone()))
 
 
-def test_a_pool_without_a_tree_replays_the_slot_steps_into_the_same_state():
+def test_treeless_pool_replays_state():
     """What a tensor-parallel follower needs: adopt / forget / release (plus the usual
     allocate / truncate / free) reproduce rank 0's slots, rows and free stack exactly."""
     args = dict(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu",

@@ -44,7 +44,8 @@ def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return out / out.sum()
 
 
-def test_greedy_rows_are_argmax_and_sampled_rows_follow_their_params():
+def test_greedy_and_sampled_rows():
+    """Greedy rows are argmax and sampled rows follow their params."""
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     params = [
@@ -68,7 +69,7 @@ def test_greedy_rows_are_argmax_and_sampled_rows_follow_their_params():
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 6, 0.7)],
 )
-def test_empirical_distribution_matches_filtered_softmax(temperature, top_k, top_p):
+def test_empirical_matches_softmax(temperature, top_k, top_p):
     """Chi-square goodness of fit with fixed seeds; false-failure rate 1e-4 per case."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(12, generator=gen) * 1.5
@@ -84,7 +85,8 @@ def test_empirical_distribution_matches_filtered_softmax(temperature, top_k, top
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
 
 
-def test_seeded_request_is_reproducible_whatever_shares_its_batch():
+def test_seeded_request_reproducible():
+    """Seeded request is reproducible whatever shares its batch."""
     torch.manual_seed(0)
     steps = [torch.randn(6, 40) for _ in range(8)]
     target = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
@@ -118,7 +120,8 @@ def test_unseeded_requests_vary():
     assert len(tokens) > 10
 
 
-def test_processed_probs_rows_sum_to_one_and_greedy_is_one_hot():
+def test_processed_probs_normalised():
+    """Processed probs rows sum to one and greedy is one hot."""
     logits = torch.randn(3, 30)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=4), SamplingParams(top_p=0.5)]
     probs = processed_probs(logits, params)

@@ -58,7 +58,8 @@ def limits(**kw) -> SchedulerLimits:
     return SchedulerLimits(**base)
 
 
-def test_fifo_admission_stops_at_a_head_that_does_not_fit_the_kv_budget():
+def test_fifo_stops_at_unfit_head():
+    """Fifo admission stops at a head that does not fit the KV budget."""
     waiting = [req(10), req(100), req(5)]
     admitted, reason, _ = select_admissions(
         waiting, [], free_tokens=60, limits=limits(), chunk_budget=64, bypass_used=0
@@ -67,7 +68,8 @@ def test_fifo_admission_stops_at_a_head_that_does_not_fit_the_kv_budget():
     assert reason is BlockReason.KV  # the small third request does not overtake the second
 
 
-def test_max_running_requests_and_free_rows_cap_admission():
+def test_running_and_rows_cap_admission():
+    """Max running requests and free rows cap admission."""
     waiting = [req(4) for _ in range(6)]
     admitted, reason, _ = select_admissions(
         waiting, [running(req(4))], 10_000, limits(max_running_requests=3), 64, 0
@@ -77,7 +79,8 @@ def test_max_running_requests_and_free_rows_cap_admission():
     assert len(admitted) == 1
 
 
-def test_adapter_limit_counts_running_and_pinned_adapters():
+def test_adapter_limit_counts_pinned():
+    """Adapter limit counts running and pinned adapters."""
     run = [running(req(4, "a")), running(req(4, "b"))]
     waiting = [req(4, "c"), req(4, "a"), req(4, None), req(4, "d")]
     admitted, reason, used = select_admissions(waiting, run, 10_000, limits(), 64, 0)
@@ -91,7 +94,8 @@ def test_adapter_limit_counts_running_and_pinned_adapters():
     assert [r.adapter for r in admitted] == ["x"] and reason is BlockReason.ADAPTERS
 
 
-def test_a_blocked_head_is_overtaken_a_bounded_number_of_times():
+def test_blocked_head_overtaken_bounded():
+    """A blocked head is overtaken a bounded number of times."""
     lim = limits(max_head_bypass=3, max_running_requests=64)
     sched = Scheduler(lim)
     run = [running(req(4, "a")), running(req(4, "b"))]
@@ -113,7 +117,8 @@ def test_a_blocked_head_is_overtaken_a_bounded_number_of_times():
     assert plan.admit[0] is head
 
 
-def test_chunked_prefill_respects_the_budget_and_continues_first():
+def test_chunked_prefill_budget():
+    """Chunked prefill respects the budget and continues first."""
     sched = Scheduler(limits(chunked_prefill_size=16, max_prefill_tokens=64))
     long = req(40)
     short = req(5)
@@ -129,7 +134,8 @@ def test_chunked_prefill_respects_the_budget_and_continues_first():
     assert plan.extend == [(long, 8), (short, 5)] and plan.admit == [short]
 
 
-def test_extend_and_decode_alternate_when_both_have_work():
+def test_extend_and_decode_alternate():
+    """Extend and decode alternate when both have work."""
     sched = Scheduler(limits())
     dec = running(req(4))
     kinds = []
@@ -144,7 +150,8 @@ def test_extend_and_decode_alternate_when_both_have_work():
     assert kinds == [StepKind.EXTEND, StepKind.DECODE] * 3
 
 
-def test_decode_retracts_newest_first_and_never_the_last_request():
+def test_decode_retracts_newest_first():
+    """Decode retracts newest first and never the last request."""
     old, mid, new = (running(req(10), t=float(i)) for i in (1, 2, 3))
     # Each holds 10 tokens; a step of 8 tokens per request needs 24, 0 are free.
     victims = plan_retractions([old, mid, new], free_tokens=0, tokens_per_request=8)
@@ -154,7 +161,8 @@ def test_decode_retracts_newest_first_and_never_the_last_request():
     assert plan_retractions([old, mid], free_tokens=2, tokens_per_request=1) == []
 
 
-def test_kv_reserve_counts_running_requests_expected_growth():
+def test_kv_reserve_counts_growth():
+    """KV reserve counts running requests expected growth."""
     run = [running(req(4, max_new=100))]
     waiting = [req(4, max_new=100)]
     lim = limits(new_token_ratio=0.5)
@@ -169,7 +177,8 @@ def test_limits_reject_nonsense(field):
         limits(**{field: 0})
 
 
-def test_a_decode_step_with_nothing_left_to_decode_is_idle():
+def test_empty_decode_is_idle():
+    """A decode step with nothing left to decode is idle."""
     sched = Scheduler(limits())
     old_prefill = running(req(30), decoding=False, t=1.0)
     old_prefill.num_cached = 10
@@ -192,7 +201,8 @@ def gpu_like_costs(decode_s: float = 0.02, fixed_s: float = 0.1, per_token_s: fl
     return costs
 
 
-def test_step_costs_recover_the_fixed_part_of_an_extend():
+def test_step_costs_fixed_part():
+    """Step costs recover the fixed part of an extend."""
     costs = StepCosts()
     assert costs.decode_seconds is None and costs.extend_fixed_seconds is None
     rng = random.Random(0)
@@ -232,7 +242,8 @@ def _defer(**kw) -> bool:
     return should_defer_admission(**args)
 
 
-def test_admission_waits_only_under_a_backlog_while_cheaper_than_an_extend():
+def test_admission_waits_under_backlog():
+    """Admission waits only under a backlog while cheaper than an extend."""
     assert _defer()
     assert not _defer(num_waiting=2), "no backlog: admit at once (light load keeps its latency)"
     assert not _defer(num_decoding=0), "nothing decodes: an extend costs nobody anything"
@@ -248,7 +259,8 @@ def test_admission_waits_only_under_a_backlog_while_cheaper_than_an_extend():
     assert not _defer(costs=gpu_like_costs(fixed_s=0.0, per_token_s=1e-4))
 
 
-def test_batched_admission_admits_everything_freed_in_one_extend_within_the_limit():
+def test_batched_admission_one_extend():
+    """Batched admission admits everything freed in one extend within the limit."""
     lim = limits(max_running_requests=8, max_loras_per_batch=4, max_admission_defer_steps=4)
     sched = Scheduler(lim, costs=gpu_like_costs())
     run = [running(req(4)) for _ in range(8)]
@@ -273,20 +285,22 @@ def test_batched_admission_admits_everything_freed_in_one_extend_within_the_limi
     assert plan.admit == queue[: len(plan.admit)]  # the queue's oldest, in order
 
 
-def test_batched_admission_off_admits_each_freed_slot_at_once():
+def test_batched_admission_off():
+    """Batched admission off admits each freed slot at once."""
     sched = Scheduler(limits(max_admission_defer_steps=0), costs=gpu_like_costs())
     run = [running(req(4)) for _ in range(7)]
     plan = sched.plan([req(4) for _ in range(5)], run, free_tokens=10_000)
     assert plan.kind is StepKind.EXTEND and len(plan.admit) == 1
 
 
-def test_max_admission_defer_steps_must_not_be_negative():
+def test_defer_steps_not_negative():
+    """Max admission defer steps must not be negative."""
     with pytest.raises(ValueError, match="max_admission_defer_steps"):
         limits(max_admission_defer_steps=-1)
 
 
 # ------------------------------------------------------------------ shared uncached prefixes
-def test_requests_computing_the_same_uncached_prefix_are_not_prefilled_side_by_side():
+def test_shared_prefix_not_prefilled_twice():
     """One request of a prefix group is admitted; the others of its group wait for its KV
     while requests outside the group (no group, another group) are admitted past them."""
     waiting = [req(8, "a"), req(8, "a"), req(8, None), req(8, "a"), req(8, "b")]
@@ -303,7 +317,7 @@ def test_requests_computing_the_same_uncached_prefix_are_not_prefilled_side_by_s
     assert admitted == [waiting[2], waiting[4]]
 
 
-def test_requests_waiting_on_a_shared_prefix_are_no_backlog_to_defer_for():
+def test_prefix_waiters_not_backlog():
     """Seven followers of an admissible leader would look like a backlog and make admission
     wait for slots; they are admitted next step, so the leader goes now."""
     sched = Scheduler(limits(max_running_requests=64), costs=gpu_like_costs())

@@ -118,7 +118,8 @@ def test_identical_constraints_share_one_compile(tokenizer):
     assert 0 < int(expected.sum()) < tokenizer.vocab_size
 
 
-def test_a_slow_compile_times_out_and_its_worker_dies(tokenizer):
+def test_slow_compile_times_out(tokenizer):
+    """A slow compile times out and its worker dies."""
     compiler = _compiler(tokenizer, timeout_s=1.0)
     compiler.constraint(SIMPLE)  # the worker pool is up (its first start is not a compile)
     (pid,) = compiler.workers.pids()
@@ -134,7 +135,8 @@ def test_a_slow_compile_times_out_and_its_worker_dies(tokenizer):
     assert compiler.constraint(SIMPLE) is not None  # a new worker serves the next one
 
 
-async def test_slow_compile_blocks_nothing_and_stops_when_its_clients_leave(tokenizer):
+async def test_slow_compile_blocks_nothing(tokenizer):
+    """Slow compile blocks nothing and stops when its clients leave."""
     compiler = _compiler(tokenizer, timeout_s=120.0)
     await compiler.compile_async(SIMPLE)
     slow = [asyncio.create_task(compiler.compile_async(SLOW)) for _ in range(2)]
@@ -215,7 +217,8 @@ def test_an_integer_field_ends_in_bounded_json(engine_assets, tokenizer, start_e
     assert abs(value["score"]) <= NINES, col.text
 
 
-def test_a_worker_that_dies_fails_only_its_compile(tokenizer):
+def test_dead_worker_fails_own_compile(tokenizer):
+    """A worker that dies fails only its compile."""
     compiler = _compiler(tokenizer, timeout_s=120.0)
     compiler.constraint(SIMPLE)
     (pid,) = compiler.workers.pids()

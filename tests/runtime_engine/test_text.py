@@ -21,7 +21,8 @@ TEXTS = [
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_deltas_never_split_a_character_and_add_up(tokenizer, text):
+def test_streamed_deltas_whole_chars(tokenizer, text):
+    """Streamed deltas never split a character and add up."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = tokenizer.detokenizer(tokenizer.encode("prefix: "))
     deltas = [detok.push(i) for i in ids]
@@ -73,7 +74,8 @@ def test_stop_strings_across_tokens_never_leak(tokenizer):
     assert out == "alpha "
 
 
-def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
+def test_held_back_prefix_released(tokenizer):
+    """Held back prefix is released when no stop follows."""
     _, stopped, out = _stream(tokenizer, "total: STO and more", ["STOP"])
     assert not stopped and out == "total: STO and more"
     _, stopped, out = _stream(tokenizer, "ends with ST", ["STOP"])
@@ -98,7 +100,8 @@ def test_chat_template_and_plain_fallback(tokenizer):
         tokenizer.hf.chat_template = original
 
 
-def test_load_reads_generation_eos_ids_and_fails_clearly(engine_assets, tmp_path):
+def test_load_reads_eos_ids(engine_assets, tmp_path):
+    """Load reads generation eos IDs and fails clearly."""
     model = tmp_path / "model"
     shutil.copytree(engine_assets.demo.model_dir, model)
     gen = json.loads((model / "generation_config.json").read_text())

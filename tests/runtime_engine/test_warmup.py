@@ -54,7 +54,8 @@ def keys(plan: list[WarmupItem]) -> set[tuple[int, int, bool]]:
 
 
 # ---------------------------------------------------------------------- the plan
-def test_plan_covers_every_batch_size_at_every_bucket():
+def test_plan_covers_sizes_and_buckets():
+    """Plan covers every batch size at every bucket."""
     plan = plan_warmup(graphs(), LIMITS)
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     buckets = [64, 128, 256, 512, 1024]
@@ -69,7 +70,8 @@ def test_plan_covers_every_batch_size_at_every_bucket():
         assert item.new_tokens >= 4
 
 
-def test_buckets_stop_at_the_warmup_context_and_the_context_length():
+def test_buckets_stop_at_context():
+    """Buckets stop at the warmup context and the context length."""
     assert context_buckets(1024, LIMITS) == [64, 128, 256, 512, 1024]
     assert context_buckets(1000, LIMITS) == [64, 128, 256, 512, 1024]  # 1000 tokens fall in 1024
     assert context_buckets(100, LIMITS) == [64, 128]
@@ -82,13 +84,15 @@ def test_buckets_stop_at_the_warmup_context_and_the_context_length():
     assert all(i.prompt_len + i.new_tokens + 1 <= 1000 for i in capped)
 
 
-def test_warmup_context_zero_plans_nothing_and_negative_is_refused():
+def test_warmup_context_zero_or_negative():
+    """Warmup context zero plans nothing and negative is refused."""
     assert plan_warmup(graphs(warmup_context=0), LIMITS) == []
     with pytest.raises(ValueError, match=r"cuda_graph\.warmup_context must be >= 0"):
         plan_warmup(graphs(warmup_context=-1), LIMITS)
 
 
-def test_batch_sizes_stop_at_what_the_scheduler_runs():
+def test_batch_sizes_stop_at_scheduler():
+    """Batch sizes stop at what the scheduler runs."""
     plan = plan_warmup(graphs(max_bs=64, warmup_context=64), limits(max_running_requests=20))
     # 20 requests pad to the 24 graph; 32 and above never run.
     assert [(i.batch_size, i.graph_batch_size) for i in plan] == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (20, 24)]
@@ -96,7 +100,8 @@ def test_batch_sizes_stop_at_what_the_scheduler_runs():
     assert [i.graph_batch_size for i in exact] == [1, 2, 4, 8, 16]
 
 
-def test_items_whose_tokens_do_not_fit_the_kv_cache_are_left_out():
+def test_unfit_items_left_out():
+    """Items whose tokens do not fit the KV cache are left out."""
     full = plan_warmup(graphs(max_bs=8), LIMITS)
     capacity = 530  # a 1024-token bucket's long prompt is 513 tokens
     plan = plan_warmup(graphs(max_bs=8), limits(kv_capacity=capacity))
@@ -105,7 +110,8 @@ def test_items_whose_tokens_do_not_fit_the_kv_cache_are_left_out():
     assert {(1, 1024, False), (2, 1024, False), (8, 512, False)} <= keys(plan)  # they still fit
 
 
-def test_the_adapter_variant_plans_every_item_again_on_the_adapter():
+def test_adapter_variant_replans():
+    """The adapter variant plans every item again on the adapter."""
     base = plan_warmup(graphs(max_bs=8, warmup_context=256), LIMITS)
     plan = plan_warmup(graphs(max_bs=8, warmup_context=256), LIMITS, adapter="sql")
     assert plan[: len(base)] == base
@@ -113,7 +119,8 @@ def test_the_adapter_variant_plans_every_item_again_on_the_adapter():
     assert keys(plan) == keys(base) | {(s, b, True) for s, b, _ in keys(base)}
 
 
-def test_speculation_leaves_room_for_the_verify_width_and_outlives_the_prefill():
+def test_speculation_leaves_verify_room():
+    """Speculation leaves room for the verify width and outlives the prefill."""
     wide = limits(tokens_per_step=8, chunk_budget=256)
     plan = plan_warmup(graphs(max_bs=64, warmup_context=1024), wide)
     for item in plan:
@@ -125,7 +132,8 @@ def test_speculation_leaves_room_for_the_verify_width_and_outlives_the_prefill()
     assert 64 not in {i.context for i in plan_warmup(graphs(max_bs=1), limits(tokens_per_step=40))}
 
 
-def test_prompts_are_valid_distinct_and_longest_first():
+def test_prompts_valid_and_ordered():
+    """Prompts are valid distinct and longest first."""
     item = WarmupItem(8, 8, 128, 65, 4)
     prompts = item_prompts(item, vocab_size=512)
     assert [len(p) for p in prompts] == [65] + [SHORT_PROMPT] * 7
@@ -179,7 +187,8 @@ def engines():
         e.shutdown(drain_timeout_s=2.0)
 
 
-def test_warmup_holds_every_planned_decode_key_and_serving_adds_none(engine_assets, engines):
+def test_warmup_holds_decode_keys(engine_assets, engines):
+    """Warmup holds every planned decode key and serving adds none."""
     engine = _engine(engine_assets)
     engines.append(engine)
     report = warm_up(engine)
@@ -200,7 +209,7 @@ def test_warmup_holds_every_planned_decode_key_and_serving_adds_none(engine_asse
     assert after == before
 
 
-def test_full_batches_are_reached_when_the_prompts_take_several_extends(engine_assets, engines):
+def test_full_batches_reached(engine_assets, engines):
     """Extend and decode steps alternate while prompts are prefilled: every request of an
     item must still be running when the last of them is prefilled."""
     engine = _engine(engine_assets, chunked_prefill_size=48, prefix_cache=False)
@@ -224,7 +233,8 @@ def test_warmup_leaves_nothing_behind(engine_assets, engines):
     assert engine.snapshot.steps > 0 and engine.scheduler.costs.decode_seconds is None  # captures' steps forgotten
 
 
-def test_warmup_is_off_without_graphs_or_with_a_zero_context(engine_assets, engines):
+def test_warmup_off_without_graphs(engine_assets, engines):
+    """Warmup is off without graphs or with a zero context."""
     engine = _engine(engine_assets, warmup_context=0)
     engines.append(engine)
     assert warm_up(engine) is None
@@ -238,7 +248,8 @@ def test_warmup_is_off_without_graphs_or_with_a_zero_context(engine_assets, engi
     assert engine.snapshot.steps == 0
 
 
-def test_warmup_with_speculation_holds_the_verify_keys(engine_assets, engines):
+def test_warmup_holds_verify_keys(engine_assets, engines):
+    """Warmup with speculation holds the verify keys."""
     engine = _engine(engine_assets, spec=True, warmup_context=128, max_bs=4, prefix_cache=False)
     engines.append(engine)
     assert engine.limits.decode_tokens_per_step == 4
@@ -254,7 +265,7 @@ def test_warmup_with_speculation_holds_the_verify_keys(engine_assets, engines):
     assert {k for k in _step_keys(engine) if k[0] is not ForwardMode.EXTEND} == before
 
 
-def test_the_warmups_steps_are_forgotten_by_the_switch_and_the_step_costs(engine_assets, engines):
+def test_warmup_steps_forgotten(engine_assets, engines):
     """The warm-up's steps carry graph captures and batches no client sent: the speculation
     switch's throughputs and the scheduler's step costs start from serving's first step."""
     engine = _engine(engine_assets, spec=True, auto_disable=True, warmup_context=128, max_bs=4, prefix_cache=False)
@@ -277,7 +288,8 @@ def test_a_failing_item_raises_naming_it(engine_assets, engines):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_serving_within_the_warmed_range_captures_nothing(engine_assets, engines):
+def test_gpu_warmed_range_captures_nothing(engine_assets, engines):
+    """On a GPU serving within the warmed range captures nothing."""
     cfg = engine_config(engine_assets, max_running_requests=8)
     cfg.device = "cuda"
     cfg.cuda_graph.enabled = True
