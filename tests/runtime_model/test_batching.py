@@ -78,7 +78,8 @@ def test_verify_k_equals_k_decodes(runner, ops):
         torch.testing.assert_close(ver[:, j], dec, atol=TOL, rtol=0)
 
 
-def test_truncate_then_reextend_equals_never_appended(runner, ops):
+def test_truncate_reextend_equals_fresh(runner, ops):
+    """Truncate then reextend equals never appended."""
     prompt = _prompts([8], seed=4)[0]
     ops.extend(runner, ["t"], [prompt], names=["attn-r8"])
     ops.extend(runner, ["ref"], [prompt], names=["attn-r8"])
@@ -113,7 +114,8 @@ def test_free_returns_every_token(runner, ops):
     assert runner.kv.num_free_tokens == free0 and runner.kv.request_ids() == []
 
 
-def test_bad_batches_are_refused_and_change_nothing(runner, ops):
+def test_bad_batches_refused(runner, ops):
+    """Bad batches are refused and change nothing."""
     ops.extend(runner, ["keep"], [torch.tensor([4, 5, 6])])
     free = runner.kv.num_free_tokens
     cases = [

@@ -34,7 +34,8 @@ def test_tiny_model_is_deterministic_per_seed(tmp_path):
     assert (a / "generation_config.json").is_file()
 
 
-def test_tokenizer_round_trips_and_has_a_chat_template(assets):
+def test_tokenizer_round_trips(assets):
+    """Tokenizer round trips and has a chat template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets.models["llama-gqa"])
@@ -48,7 +49,8 @@ def test_tokenizer_round_trips_and_has_a_chat_template(assets):
     assert chat.startswith(BOS_TOKEN) and "hi" in chat and chat.endswith("<|assistant|>\n")
 
 
-def test_adapter_weights_are_random_and_saved_by_peft(assets):
+def test_adapter_weights_random(assets):
+    """Adapter weights are random and saved by PEFT."""
     path = assets.adapters["emb-head"]
     cfg = json.loads((path / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and set(cfg["target_modules"]) == {"embed_tokens", "lm_head", "v_proj"}

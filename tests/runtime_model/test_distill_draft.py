@@ -115,7 +115,8 @@ def skip_run(models, tmp_path_factory):
     return distill(_options(models, tmp, "skip", "adapter-all", DEFAULT_LORA_MODULES, steps=150))
 
 
-def test_distillation_lowers_kl_and_raises_agreement(skip_run):
+def test_distillation_lowers_kl(skip_run):
+    """Distillation lowers KL and raises agreement."""
     before, after = skip_run.before, skip_run.after
     print(
         f"skip draft: KL {before.kl:.4f} -> {after.kl:.4f}, agreement {before.agreement:.2%} -> {after.agreement:.2%}"
@@ -126,7 +127,7 @@ def test_distillation_lowers_kl_and_raises_agreement(skip_run):
     assert skip_run.stats.steps == 150 and skip_run.stats.tokens == 150 * 4 * SEQ_LEN
 
 
-def test_the_written_adapter_is_what_the_runtime_loads(skip_run, models):
+def test_written_adapter_loads(skip_run, models):
     """peft's default layout, no embedding copies, loaded by the runtime's loader; and peft
     reading it back onto the draft scores what the trained student scored."""
     from peft import PeftModel
@@ -242,7 +243,8 @@ def test_help_says_what_kinds_of_draft_it_distils(capsys):
     assert "STANDALONE" in text and "EAGLE" in text and "--top-k" in text
 
 
-def test_a_draft_with_another_tokenizer_is_refused(models, tmp_path, capsys):
+def test_other_tokenizer_refused(models, tmp_path, capsys):
+    """A draft with another tokenizer is refused."""
     other = build_tiny_model(tmp_path / "other", vocab_size=300, seed=9)
     rc = main(_minimal_args(models, tmp_path / "out", **{"--draft": str(other)}))
     err = capsys.readouterr().err
@@ -252,7 +254,8 @@ def test_a_draft_with_another_tokenizer_is_refused(models, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_padded_draft_vocabulary_is_compared_over_the_common_width(models, tmp_path):
+def test_padded_vocab_common_width(models, tmp_path):
+    """A padded draft vocabulary is compared over the common width."""
     padded = build_tiny_model(tmp_path / "padded", vocab_size=520, tokenizer_from=models["target"], seed=4)
     tok = load_tokenizer(models["target"])
     vocab = check_vocabulary(models["target"], padded, tok, load_tokenizer(padded))
@@ -292,7 +295,8 @@ def test_bad_corpus_text_and_settings_are_refused(models, tmp_path, capsys):
     assert "--target-modules has ['qkv_proj']" in capsys.readouterr().err
 
 
-def test_unroll_is_checked_and_refused_for_a_standalone_draft(models, tmp_path, capsys):
+def test_unroll_refused_standalone(models, tmp_path, capsys):
+    """Unroll is checked and refused for a standalone draft."""
     assert main([*_minimal_args(models, tmp_path / "o1"), "--unroll", "0"]) == 2
     err = capsys.readouterr().err
     assert "--unroll must be a positive integer, got 0" in err and "give 1" in err
@@ -302,7 +306,8 @@ def test_unroll_is_checked_and_refused_for_a_standalone_draft(models, tmp_path, 
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
-def test_kl_matches_its_definition_and_top_k_covers_the_full_case():
+def test_kl_matches_definition():
+    """KL matches its definition and top k covers the full case."""
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 3, 10), torch.randn(2, 3, 12) * 3  # teacher wider: padded rows
     ours = kl_per_position(student, teacher, 10, temperature=2.0)
@@ -329,7 +334,8 @@ def test_packing_split_and_schedule():
     assert factors[-1] == pytest.approx(0.1, abs=0.01) and factors[10] > factors[50] > factors[90]
 
 
-def test_lora_settings_refuse_modules_the_draft_pool_does_not_wrap():
+def test_lora_refuses_unwrapped_modules():
+    """LoRA settings refuse modules the draft pool does not wrap."""
     with pytest.raises(DistillError, match="short names"):
         LoraSettings(target_modules=("model.layers.0.q_proj",)).check()
     with pytest.raises(DistillError, match="never embed_tokens or lm_head"):
@@ -397,7 +403,7 @@ def _serve(models, requests, draft: str, adapter: str, draft_adapter: Path | Non
 @pytest.mark.parametrize(
     ("draft", "adapter", "run"), [("skip", "adapter-all", "skip_run"), ("copy", "adapter-attn", "copy_run")]
 )
-def test_the_distilled_adapter_raises_the_served_accept_rate(draft, adapter, run, models, request):
+def test_distilled_adapter_raises_accept(draft, adapter, run, models, request):
     """End to end: the runtime serves the written adapter as the Adapter's draft adapter;
     greedy output is unchanged and the measured accept rate rises."""
     from loraserve.runtime.sampling import SamplingParams

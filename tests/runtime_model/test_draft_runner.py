@@ -9,7 +9,8 @@ import torch
 from loraserve.runtime.runner.forward_batch import ForwardBatchError
 
 
-def test_embedding_and_lm_head_adapter_changes_target_but_not_draft(assets, make_runner, ops):
+def test_head_adapter_skips_draft(assets, make_runner, ops):
+    """Embedding and lm head adapter changes target but not draft."""
     model_dir = assets.models["llama-gqa"]
     target = make_runner(model_dir)
     prompt = torch.arange(3, 17)
@@ -46,7 +47,8 @@ def test_draft_refuses_adapter_names(assets, make_runner, ops):
     assert "x" not in draft.kv
 
 
-def test_draft_from_config_path_and_shared_tokenizer(assets, make_config, tmp_path):
+def test_draft_from_config_path(assets, make_config, tmp_path):
+    """Draft from config path and shared tokenizer."""
     from transformers import AutoTokenizer
 
     from loraserve.runtime.dev.devmodels import build_draft_model, copy_model

@@ -63,7 +63,7 @@ def test_base_logits_match_transformers(which, gemma, make_runner, hf_model, ops
         _check_modes(runner, hf_model(gemma[which]), ops, seed=3)
 
 
-def test_paged_attention_windows_the_sliding_layers(gemma, hf_model, ops):
+def test_paged_attention_sliding_window(gemma, hf_model, ops):
     """The Triton paged kernel (decode and verify rows) takes each sliding layer's window."""
     from loraserve.runtime.runner.model_runner import ModelRunner
 

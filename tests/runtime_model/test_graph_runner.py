@@ -43,7 +43,8 @@ class _FakeGraph:
         self.replays += 1
 
 
-def test_shape_pads_the_batch_and_buckets_the_context():
+def test_shape_pads_and_buckets():
+    """Shape pads the batch and buckets the context."""
     graphs = GraphRunner(_runner(max_context_len=200), max_bs=20, use_graphs=False)
     assert graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
     assert graphs.shape(_alloc([10, 3, 60], [1, 1, 1], [4, 5, 6])) == (3, 4, 64)
@@ -60,7 +61,7 @@ def test_graphs_need_cuda():
         GraphRunner(_runner(), max_bs=4, use_graphs=True)
 
 
-def test_static_buffers_take_the_real_rows_then_zeros():
+def test_static_buffers_zero_padded():
     """Padded requests and rows read zeros (table row 0, slot 0, token 0), also where an
     earlier, larger batch left values behind."""
     graphs = GraphRunner(_runner(), max_bs=4, use_graphs=False)
@@ -120,7 +121,7 @@ def test_capture_once_then_replay(monkeypatch):
     assert isinstance(table["a"], Captured)
 
 
-def test_a_failed_capture_turns_capture_off_for_good(monkeypatch):
+def test_failed_capture_turns_off(monkeypatch):
     """The failing step runs eagerly; graphs captured before keep replaying; new shapes run
     on the static path with no further capture attempt."""
     attempts = []
@@ -148,7 +149,7 @@ def test_a_failed_capture_turns_capture_off_for_good(monkeypatch):
     assert graphs.num_shapes == 3 and graphs.num_captured == 1
 
 
-def test_a_verify_replays_the_layout_of_its_own_width(static_graph_pair, ops):
+def test_verify_replays_own_width(static_graph_pair, ops):
     """Verify widths 3 and 4 get a graph and a LoRA layout each; a layout refuses a replay
     of another width loudly, as it does under CUDA graphs."""
     eager, graphed = static_graph_pair(("attn-r8",), max_bs=4)

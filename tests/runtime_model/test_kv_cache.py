@@ -33,7 +33,8 @@ def _table(cache, rid):
     return cache.req_to_token[req.row, : req.length]
 
 
-def test_allocate_maps_every_token_to_a_distinct_slot():
+def test_allocate_distinct_slots():
+    """Allocate maps every token to a distinct slot."""
     cache = _cache()
     a = cache.allocate(["x", "y"], [5, 3])
     assert a.prefix_lens == [0, 0] and a.new_lens == [5, 3] and a.created == [True, True]
@@ -98,7 +99,8 @@ def test_rollback_restores_the_previous_state():
     assert "new" not in cache and cache.num_free_rows == 3
 
 
-def test_allocating_rolls_back_when_the_body_raises_and_keeps_the_entries_otherwise():
+def test_allocating_rolls_back_on_raise():
+    """Allocating rolls back when the body raises and keeps the entries otherwise."""
     cache = _cache()
     cache.allocate(["old"], [4])
     before = (cache.num_free_tokens, cache.token_slots("old").tolist())
@@ -151,7 +153,8 @@ def test_runner_budget_follows_scheduler_config(assets, make_config):
     assert runner.kv.max_requests == 2 * config.scheduler.max_running_requests
 
 
-def test_keep_moves_a_tree_path_to_the_front_and_frees_the_rest():
+def test_keep_moves_tree_path():
+    """Keep moves a tree path to the front and frees the rest."""
     cache = _cache()
     cache.allocate(["x", "y", "z"], [4, 2, 3])
     cache.allocate(["x", "y", "z"], [6, 5, 4])  # a verify block of each

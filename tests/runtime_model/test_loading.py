@@ -42,7 +42,8 @@ def test_pickle_only_model_is_refused(assets, make_config, tmp_path):
         ModelRunner(make_config(d))
 
 
-def test_incomplete_or_mismatched_weights_are_refused(assets, make_config, tmp_path):
+def test_bad_weights_refused(assets, make_config, tmp_path):
+    """Incomplete or mismatched weights are refused."""
     d = _clone(assets.models["llama-gqa"], tmp_path / "missing")
     tensors = load_file(str(d / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]

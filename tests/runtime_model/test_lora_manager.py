@@ -106,9 +106,10 @@ def _bad_adapters(assets, foreign_adapter, tmp):
     return cases
 
 
-def test_every_bad_adapter_is_refused_and_the_manager_keeps_serving(
+def test_bad_adapters_refused(
     assets, foreign_adapter, make_runner, ops, tmp_path
 ):
+    """Every bad adapter is refused and the manager keeps serving."""
     runner = make_runner(
         assets.models["llama-gqa"],
         max_rank=8,
@@ -127,7 +128,8 @@ def test_every_bad_adapter_is_refused_and_the_manager_keeps_serving(
     torch.testing.assert_close(_probe(runner, ops, "good", "p1"), before, atol=0, rtol=0)
 
 
-def test_full_embedding_copies_accepted_only_when_equal_to_base(assets, make_runner, tmp_path):
+def test_embedding_copies_must_equal_base(assets, make_runner, tmp_path):
+    """Full embedding copies accepted only when equal to base."""
     runner = make_runner(assets.models["llama-gqa"])
     p = _copy(assets.adapters["emb-head"], tmp_path / "with-copy")
     base = runner.embed_tokens.weight.detach().clone()
@@ -157,7 +159,8 @@ def test_load_is_idempotent_and_names_are_unique(assets, make_runner):
     assert [i.name for i in lora.list()] == ["a", "rs"]
 
 
-def test_lru_eviction_keeps_the_current_batch_and_reloads_correctly(assets, make_runner, ops):
+def test_lru_eviction_keeps_batch(assets, make_runner, ops):
+    """Lru eviction keeps the current batch and reloads correctly."""
     runner = make_runner(assets.models["llama-gqa"], max_loras_per_batch=2)
     lora = runner.lora
     for name in ("attn-r8", "all-r16", "mlp-r4-rs"):
@@ -266,7 +269,8 @@ def test_startup_adapters_and_pins_from_config(assets, make_config):
     assert infos["b"].state is AdapterState.ACTIVE
 
 
-def test_loads_and_unloads_from_another_thread_do_not_disturb_serving(assets, make_runner, ops):
+def test_threaded_loads_keep_serving(assets, make_runner, ops):
+    """Loads and unloads from another thread do not disturb serving."""
     import threading
 
     runner = make_runner(assets.models["llama-gqa"], max_loras_per_batch=3)

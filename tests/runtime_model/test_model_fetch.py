@@ -402,7 +402,7 @@ async def test_path_traversal_is_refused(models, tmp_path, tls, where):
 # --- s3 ----------------------------------------------------------------------------------------
 
 
-async def test_s3_prefix_is_listed_in_pages_signed_and_fetched_once(models, tmp_path, make_runner):
+async def test_s3_prefix_fetched_once(models, tmp_path, make_runner):
     """A local aiohttp server stands in for S3 (no object store is reachable from these
     machines): it answers ListObjectsV2 in pages with continuation tokens and checks the
     SigV4 signature of every request against the bytes it received."""
@@ -471,7 +471,7 @@ async def test_s3_archive_and_the_command_line(models, tmp_path):
     assert files.gets() == [f"/{BUCKET}/archives/llama.tar.gz"]
 
 
-async def test_private_ca_from_ssl_cert_file_in_the_environment(models, tmp_path, tls):
+async def test_private_ca_from_ssl_cert_file(models, tmp_path, tls):
     """The operator passes only SOURCE and DEST: a private CA set as SSL_CERT_FILE in
     spec.runtime.env is trusted by the fetch process without --ca-file."""
     server_ctx, ca_file = tls
@@ -577,7 +577,8 @@ def test_a_foreign_destination_is_not_overwritten(tmp_path, capsys):
     assert (dest / "config.json").read_text() == "{}"
 
 
-async def test_stale_partials_of_killed_fetches_are_removed(models, tmp_path, tls):
+async def test_stale_partials_removed(models, tmp_path, tls):
+    """Stale partials of killed fetches are removed."""
     server_ctx, ca_file = tls
     dest = tmp_path / "llama"
     stale, fresh = tmp_path / "llama.partial-dead", tmp_path / "llama.partial-busy"

@@ -261,9 +261,10 @@ def _perturb(src: Path, dest: Path, tensor: str, delta: float = 1e-3) -> Path:
         ("attn-true", "base_model.model.model.embed_tokens.weight"),
     ],
 )
-def test_a_retrained_embedding_copy_is_refused_naming_tensor_and_fix(
+def test_retrained_embedding_refused(
     layout, tensor, layouts, make_runner, tmp_path
 ):
+    """A retrained embedding copy is refused naming tensor and fix."""
     model_dir, adapter_dir = layouts[layout]
     bad = _perturb(adapter_dir, tmp_path / "retrained", tensor)
     runner = make_runner(model_dir)
@@ -276,7 +277,8 @@ def test_a_retrained_embedding_copy_is_refused_naming_tensor_and_fix(
     assert runner.lora.load("fine", adapter_dir).state is AdapterState.LOADED
 
 
-def test_a_resized_vocabulary_is_refused_naming_tensor_and_fix(assets, make_runner, tmp_path):
+def test_resized_vocab_refused(assets, make_runner, tmp_path):
+    """A resized vocabulary is refused naming tensor and fix."""
     model_dir = assets.models["llama-gqa"]
     resized = save_peft_adapter(tmp_path / "resized", model_dir, resize_vocab_to=520, seed=50)
     assert _tensors(resized)[EMBED_COPY].shape[0] == 520
@@ -288,9 +290,10 @@ def test_a_resized_vocabulary_is_refused_naming_tensor_and_fix(assets, make_runn
 
 @pytest.mark.parametrize("save_embedding_layers", ["auto", True, False])
 @pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
-def test_modules_to_save_is_refused_naming_the_module(
+def test_modules_to_save_refused(
     module, save_embedding_layers, assets, make_runner, tmp_path
 ):
+    """Modules to save is refused naming the module."""
     model_dir = assets.models["llama-gqa"]
     path = save_peft_adapter(
         tmp_path / "mts",
@@ -306,7 +309,7 @@ def test_modules_to_save_is_refused_naming_the_module(
     assert "target_modules" in str(err) and "merge" in str(err)
 
 
-def test_copies_cannot_be_checked_without_the_served_weight(layouts, assets, make_config):
+def test_copies_need_served_weight(layouts, assets, make_config):
     """A runner that has no whole weight to compare with refuses rather than assumes."""
     from loraserve.runtime.lora.adapter import load_adapter
     from loraserve.runtime.model.arch import load_arch_config
@@ -335,7 +338,8 @@ def test_copies_cannot_be_checked_without_the_served_weight(layouts, assets, mak
         ("init_lora_weights", "olora"),
     ],
 )
-def test_options_that_change_the_computation_are_refused(key, value, layouts, make_runner, tmp_path):
+def test_computation_options_refused(key, value, layouts, make_runner, tmp_path):
+    """Options that change the computation are refused."""
     import shutil
 
     model_dir, adapter_dir = layouts["attn-auto"]
@@ -347,7 +351,7 @@ def test_options_that_change_the_computation_are_refused(key, value, layouts, ma
     assert err.field == key and key in str(err)
 
 
-def test_a_named_peft_adapter_folder_points_at_its_subfolder(assets, make_runner, tmp_path):
+def test_named_adapter_folder(assets, make_runner, tmp_path):
     """peft saves an adapter not named "default" under <dir>/<name>/: the error says so."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

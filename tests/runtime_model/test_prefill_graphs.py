@@ -153,7 +153,7 @@ def test_prefill_graph_routing(assets, make_config, ops):
     assert runner.graphs.num_graphs == 1
 
 
-def test_prefill_and_verify_of_one_width_keep_separate_buffers(static_graph_pair, ops):
+def test_prefill_verify_separate_buffers(static_graph_pair, ops):
     """A prefill padded to 16 and a verify of 16 tokens per request share a width but
     neither their static inputs nor their LoRA layouts."""
     eager, graphed = static_graph_pair(("attn-r8",), max_bs=4, max_prefill_tokens=32)

@@ -17,7 +17,8 @@ def test_qwen3_config_is_read(assets):
     assert not load_arch_config(assets.models["qwen2-bias"]).qk_norm
 
 
-def test_qwen3_adapter_on_every_linear_module_matches_peft(assets, make_runner, hf_model, ops, tmp_path):
+def test_qwen3_all_linear_matches_peft(assets, make_runner, hf_model, ops, tmp_path):
+    """Qwen3 adapter on every linear module matches PEFT."""
     model_dir = assets.models["qwen3-qknorm"]
     adapter = build_adapter(
         tmp_path / "all", model_dir, rank=8, alpha=16, target_modules=ALL_LINEAR_MODULES, seed=21

@@ -85,7 +85,8 @@ def test_each_node_sees_exactly_its_path(runners, path):
     assert after.shape == (2, want.logits.shape[1])
 
 
-def test_a_malformed_tree_is_refused_naming_the_field(runners):
+def test_malformed_tree_refused(runners):
+    """A malformed tree is refused naming the field."""
     eager, _ = runners
     tokens, _, depths, ancestors = _tree(2)
     with pytest.raises(ForwardBatchError, match="tree_depths must be"):
