@@ -69,7 +69,8 @@ async def test_load_is_idempotent_and_conflicts_are_409(server, assets):
     assert "idem" not in await _model_ids(server)
 
 
-async def test_bad_adapters_are_refused_with_the_field_and_nothing_changes(server, assets, tmp_path):
+async def test_bad_adapters_refused(server, assets, tmp_path):
+    """Bad adapters are refused with the field and nothing changes."""
     before = await _model_ids(server)
     good = assets.extra_adapters["extra-0"]
     high_rank = tmp_path / "high-rank"
@@ -129,7 +130,8 @@ async def _stream_tokens(server, body: dict) -> tuple[str, str | None, int]:
     return text, reason, usage
 
 
-async def test_unload_while_requests_run_loses_none_and_refuses_new_ones(server, assets):
+async def test_unload_under_traffic(server, assets):
+    """Unload while requests run loses none and refuses new ones."""
     path = str(assets.extra_adapters["extra-2"])
     assert (await _load(server, {"lora_name": "churn", "lora_path": path}))[0] == 200
     body = {
@@ -160,7 +162,8 @@ async def test_unload_while_requests_run_loses_none_and_refuses_new_ones(server,
     await _unload(server, "churn")
 
 
-async def test_loads_while_requests_run_change_nothing_for_them(server, assets):
+async def test_loads_under_traffic(server, assets):
+    """Loads while requests run change nothing for them."""
     body = {
         "model": "sql-r8",
         "prompt": "import sys\n",
@@ -207,7 +210,8 @@ async def test_pool_capacity_is_a_clear_503(server, assets, tmp_path):
     await _unload(server, "one-too-many")
 
 
-async def test_pinned_adapters_keep_slots_and_unpinned_ones_take_turns(server, assets, tmp_path):
+async def test_pinned_adapters_keep_slots(server, assets, tmp_path):
+    """Pinned adapters keep slots and unpinned ones take turns."""
     slots = server.config.lora.max_loras_per_batch
     names = []
     for i in range(slots - 1):
@@ -266,7 +270,7 @@ async def test_reload_while_the_old_one_drains(server, assets):
     await _unload(server, "redo")
 
 
-async def test_a_catalog_change_while_requests_run_serves_both_versions(assets, tmp_path):
+async def test_catalog_change_under_traffic(assets, tmp_path):
     """The operator pushes a new source for ``x`` while requests still run on the old one: a
     new request for ``x`` meanwhile is served by the new version (before: 503
     ``adapter_draining``); the old requests run to their end on the old one."""
@@ -302,7 +306,7 @@ async def test_a_catalog_change_while_requests_run_serves_both_versions(assets, 
         assert all(r[1] == "length" and r[2] == 600 for r in results)
 
 
-async def test_an_hf_load_without_a_pinned_commit_answers_with_a_warning(assets, tmp_path):
+async def test_unpinned_hf_load_warns(assets, tmp_path):
     """``hf://org/repo`` without ``@<commit>`` follows main: loaded, with a warning naming
     lora_path and the fix in the response (the operator copies load warnings into the
     Adapter's status); a pinned commit loads without one."""

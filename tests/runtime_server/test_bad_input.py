@@ -185,7 +185,8 @@ async def _stream_text(server, body: dict) -> str:
     return text
 
 
-async def test_every_bad_input_is_named_while_good_requests_are_undisturbed(server):
+async def test_bad_inputs_named(server):
+    """Every bad input is named while good requests are undisturbed."""
     good = [
         {
             "model": m,
@@ -213,7 +214,8 @@ async def test_every_bad_input_is_named_while_good_requests_are_undisturbed(serv
             _check_error(got_body, got_status, status, param, words)
 
 
-async def test_oversized_body_is_413_and_server_keeps_serving(server):
+async def test_oversized_body_is_413(server):
+    """Oversized body is 413 and server keeps serving."""
     big = {"prompt": "x" * (server.config.server.max_body_bytes + 10)}
     status, body = await _raw_post(server, "/v1/completions", big)
     assert status == 413
@@ -231,7 +233,8 @@ async def test_unknown_route_and_method_are_json_errors(server):
         assert "not allowed" in (await resp.json())["error"]["message"]
 
 
-async def test_streaming_error_before_headers_is_a_status(server):
+async def test_stream_error_before_headers(server):
+    """Streaming error before headers is a status."""
     status, body = await _raw_post(
         server, "/v1/completions", {"prompt": "x", "stream": True, "model": "nope"}
     )
@@ -316,7 +319,8 @@ async def test_deep_nesting_names_the_limit(server):
     assert status == 200, body
 
 
-async def test_non_ascii_authorization_header_is_401_naming_the_header(server):
+async def test_non_ascii_auth_is_401(server):
+    """Non ascii authorization header is 401 naming the header."""
     path = server.url + "/v1/unload_lora_adapter"
     for raw, words in (
         (b"Bearer \xff\xfe\x80", [b"Authorization header is not valid UTF-8"]),
@@ -344,7 +348,8 @@ async def test_non_ascii_authorization_header_is_401_naming_the_header(server):
         assert resp.status == 200
 
 
-async def test_overlong_lora_path_is_400_naming_the_maximum(server):
+async def test_overlong_lora_path_is_400(server):
+    """Overlong LoRA path is 400 naming the maximum."""
     from loraserve.runtime.server.schemas import MAX_LORA_PATH_CHARS
 
     for path, words in (
@@ -364,7 +369,7 @@ async def test_overlong_lora_path_is_400_naming_the_maximum(server):
             assert word in body["error"]["message"], body
 
 
-async def test_huge_content_length_without_a_body_is_413_at_once(server):
+async def test_huge_content_length_is_413(server):
     """The limit is judged from the header: no body is awaited (before: the connection was
     held until the client gave up)."""
     limit = server.config.server.max_body_bytes
@@ -392,7 +397,7 @@ async def test_huge_content_length_without_a_body_is_413_at_once(server):
     assert status == 200
 
 
-async def test_a_catalog_push_with_a_lone_surrogate_is_400_naming_the_entry(server):
+async def test_lone_surrogate_push_is_400(server):
     """Before: accepted (200), leaving a source no path or URL can hold for a later load."""
     async with server.session.put(
         server.url + "/v1/lora_catalog",
@@ -405,7 +410,7 @@ async def test_a_catalog_push_with_a_lone_surrogate_is_400_naming_the_entry(serv
     assert status == 200 and all(a["name"] != "a" for a in catalog["adapters"])
 
 
-async def test_a_withheld_body_is_408_after_the_read_timeout(server, monkeypatch):
+async def test_withheld_body_is_408(server, monkeypatch):
     """Headers announce 100 bytes, 10 arrive: before, the handler waited as long as the client
     held the connection (and a drain waited for it); now 408 once the read timeout passes."""
     monkeypatch.setattr(server.config.server, "body_timeout_s", 0.5)
@@ -431,7 +436,7 @@ async def test_a_withheld_body_is_408_after_the_read_timeout(server, monkeypatch
     assert status == 200
 
 
-async def test_unparsable_requests_log_one_info_line_not_an_error_traceback(server, caplog):
+async def test_unparsable_logs_one_info_line(server, caplog):
     """A request line past 8190 bytes is aiohttp's own 400; it used to log an ERROR with a
     traceback each time (anyone could flood the log). Now one INFO line."""
     import logging
@@ -454,7 +459,7 @@ async def test_unparsable_requests_log_one_info_line_not_an_error_traceback(serv
     assert any("HTTP 400" in r.getMessage() for r in records)
 
 
-async def test_a_chat_template_that_refuses_the_messages_is_400(assets, tmp_path):
+async def test_chat_template_refusal_is_400(assets, tmp_path):
     """Templates like Mistral's raise on roles that do not alternate; that was a 500."""
     import shutil
 

@@ -24,7 +24,8 @@ def _runtime(assets, port: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_port_in_use_is_one_clear_line_and_a_non_zero_exit(assets):
+def test_port_in_use_exits_clearly(assets):
+    """A port in use is one clear line and a non zero exit."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -46,7 +47,8 @@ def test_a_port_in_use_is_one_clear_line_and_a_non_zero_exit(assets):
     assert "runner:" not in output and "serving" not in output
 
 
-def test_listening_on_is_logged_once_the_port_is_bound(assets, tmp_path):
+def test_listening_logged_after_bind(assets, tmp_path):
+    """Listening on is logged once the port is bound."""
     port = free_port()
     log = tmp_path / "log"
     proc = subprocess.Popen(

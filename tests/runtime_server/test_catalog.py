@@ -68,7 +68,8 @@ def reference(assets, tmp_path_factory):
     return asyncio.run(run())
 
 
-async def test_catalogued_adapters_load_on_their_first_request(assets, tmp_path, reference):
+async def test_catalogued_load_on_first_request(assets, tmp_path, reference):
+    """Catalogued adapters load on their first request."""
     entries = [CatalogEntry(name, str(path)) for name, path in assets.demo.adapters.items()]
     config = make_config(assets, adapters={})
     config.lora.catalog = str(write_catalog(tmp_path / "catalog.json", entries))
@@ -100,7 +101,8 @@ async def test_catalogued_adapters_load_on_their_first_request(assets, tmp_path,
         assert {a["name"]: a["state"] for a in cat["adapters"]} == {"chat-r16": "loaded", "sql-r8": "loaded"}
 
 
-async def test_idle_on_demand_adapters_are_evicted_warm_ones_never(assets, tmp_path):
+async def test_idle_on_demand_evicted(assets, tmp_path):
+    """Idle on demand adapters are evicted warm ones never."""
     extra = assets.extra_adapters
     entries = [CatalogEntry(name, str(path)) for name, path in extra.items()]
     config = make_config(assets, adapters={"sql-r8": str(assets.demo.adapters["sql-r8"])}, max_loaded_loras=2)
@@ -136,7 +138,8 @@ async def test_idle_on_demand_adapters_are_evicted_warm_ones_never(assets, tmp_p
         assert status == 200, body
 
 
-async def test_bad_catalogued_adapter_fails_like_the_admin_api_and_is_remembered(assets, tmp_path):
+async def test_bad_catalogued_adapter_remembered(assets, tmp_path):
+    """Bad catalogued adapter fails like the admin API and is remembered."""
     broken = tmp_path / "broken"
     shutil.copytree(assets.extra_adapters["extra-0"], broken)
     config_file = broken / "adapter_config.json"
@@ -190,7 +193,8 @@ async def _put(srv, body) -> tuple[int, dict]:
         return resp.status, await resp.json(content_type=None)
 
 
-async def test_catalog_pushes_replace_unload_and_refuse_bad_bodies(assets, tmp_path, reference):
+async def test_catalog_pushes(assets, tmp_path, reference):
+    """Catalog pushes replace unload and refuse bad bodies."""
     a, b = assets.demo.adapters["sql-r8"], assets.demo.adapters["chat-r16"]
     config = make_config(assets, adapters={})
     config.lora.catalog = str(write_catalog(tmp_path / "catalog.json", [CatalogEntry("x", str(a))]))
@@ -243,7 +247,8 @@ class SlowFiles:
         return web.Response(body=body) if body is not None else web.Response(status=404)
 
 
-async def test_a_load_past_the_bound_answers_503_then_serves(assets, tmp_path, reference):
+async def test_load_past_bound_503_then_serves(assets, tmp_path, reference):
+    """A load past the bound answers 503 then serves."""
     slow = SlowFiles(assets.demo.adapters["sql-r8"])
     app = web.Application()
     app.router.add_get("/{tail:.*}", slow.handle)

@@ -45,7 +45,8 @@ def _load_tasks(name: str) -> list[asyncio.Task]:
     ]
 
 
-async def test_an_entry_changed_mid_load_never_serves_the_old_weights(assets, tmp_path):
+async def test_mid_load_change_never_serves_old(assets, tmp_path):
+    """An entry changed mid load never serves the old weights."""
     a, b = str(assets.demo.adapters["sql-r8"]), str(assets.demo.adapters["chat-r16"])
     async with SlowFiles(assets.demo.adapters["sql-r8"]) as slow:
         entries = [CatalogEntry("x", slow.source), CatalogEntry("ref-a", a), CatalogEntry("ref-b", b)]
@@ -93,7 +94,8 @@ async def test_an_entry_removed_mid_load_is_discarded(assets, tmp_path):
             assert "x" not in {m["id"] for m in models["data"]}
 
 
-async def test_a_load_past_the_bound_says_what_it_waits_on(assets, tmp_path):
+async def test_load_past_bound_names_wait(assets, tmp_path):
+    """A load past the bound says what it waits on."""
     async with SlowFiles(assets.demo.adapters["sql-r8"]) as slow:
         config = _slow_config(assets, tmp_path, [CatalogEntry("slow", slow.source)], timeout_s=0.3)
         async with running_server(config, tmp_path / "srv", env={"LORASERVE_ALLOW_HTTP_SOURCES": "1"}) as srv:
@@ -108,7 +110,8 @@ async def _admin_load(srv, body: dict) -> tuple[int, dict]:
     return await srv.post("/v1/load_lora_adapter", body, headers=srv.admin_headers())
 
 
-async def test_admin_loads_of_a_catalogued_name_must_match_the_catalog(server, assets):
+async def test_admin_load_must_match_catalog(server, assets):
+    """Admin loads of a catalogued name must match the catalog."""
     a, b = assets.demo.adapters["sql-r8"], assets.extra_adapters["extra-0"]
     digest = adapter_digest(a)
     assert (await put_catalog(server, [{"name": "cat", "source": str(a), "sha256": digest}]))[0] == 200
@@ -135,7 +138,8 @@ async def test_admin_loads_of_a_catalogued_name_must_match_the_catalog(server, a
         await server.post("/v1/unload_lora_adapter", {"lora_name": "cat"}, headers=server.admin_headers())
 
 
-async def test_a_miss_rereads_the_catalog_file_until_a_push(assets, tmp_path):
+async def test_miss_rereads_catalog_file(assets, tmp_path):
+    """A miss rereads the catalog file until a push."""
     a, b = str(assets.demo.adapters["sql-r8"]), str(assets.demo.adapters["chat-r16"])
     config = make_config(assets, adapters={})
     path = tmp_path / "catalog.json"
@@ -175,7 +179,8 @@ async def _unready_server(config, tmp_path):
         await server.close()
 
 
-async def test_catalog_confirm_holds_readiness_until_the_first_push(assets, tmp_path):
+async def test_confirm_holds_readiness(assets, tmp_path):
+    """Catalog confirm holds readiness until the first push."""
     a = str(assets.demo.adapters["sql-r8"])
     config = make_config(assets, adapters={})
     path = tmp_path / "catalog.json"
@@ -199,7 +204,7 @@ async def test_catalog_confirm_holds_readiness_until_the_first_push(assets, tmp_
         assert (await catalog_listing(srv))["confirmed"] is True
 
 
-async def test_a_push_while_the_model_loads_confirms_the_pod(assets, tmp_path):
+async def test_push_during_model_load_confirms(assets, tmp_path):
     """The operator pushes to a pod still loading its model: taken at once (before: 503
     ``model_loading``), so the pod turns Ready as soon as the model serves."""
     a = str(assets.demo.adapters["sql-r8"])
@@ -230,7 +235,8 @@ async def test_a_push_while_the_model_loads_confirms_the_pod(assets, tmp_path):
         await server.close()
 
 
-async def test_the_catalog_refuses_control_characters_newlines_and_the_base_name(server, assets):
+async def test_catalog_refuses_bad_names(server, assets):
+    """The catalog refuses control characters newlines and the base name."""
     a = str(assets.demo.adapters["sql-r8"])
     for entry, field in (
         ({"name": "n", "source": a + "\x00/x"}, "adapters[0].source"),
@@ -261,7 +267,7 @@ async def test_the_catalog_refuses_control_characters_newlines_and_the_base_name
         assert (await put_catalog(server, []))[0] == 200
 
 
-async def test_the_longest_catalogued_name_loads_under_its_version_key(server, assets):
+async def test_longest_name_loads(server, assets):
     """A 253-character name (the catalog's limit) plus ``@version`` is still an engine key."""
     name = "n" * 253
     status, _ = await put_catalog(server, [{"name": name, "source": str(assets.demo.adapters["sql-r8"])}])
@@ -274,7 +280,7 @@ async def test_the_longest_catalogued_name_loads_under_its_version_key(server, a
         assert (await put_catalog(server, []))[0] == 200
 
 
-async def test_a_changed_entry_that_was_loaded_loads_its_new_version_at_once(server, assets):
+async def test_changed_loaded_entry_reloads(server, assets):
     """No request needs to come first: the pod that served the old version fetches the new."""
     a, b = str(assets.demo.adapters["sql-r8"]), str(assets.extra_adapters["extra-1"])
     assert (await put_catalog(server, [{"name": "pf", "source": a}]))[0] == 200
@@ -298,7 +304,7 @@ async def test_a_changed_entry_that_was_loaded_loads_its_new_version_at_once(ser
         assert (await put_catalog(server, []))[0] == 200
 
 
-async def test_a_name_the_catalog_takes_over_serves_the_entrys_version(server, assets):
+async def test_taken_over_name_serves_entry(server, assets):
     """An admin-loaded name that the catalog then lists: the same identity is kept as is
     (still loaded and warm); another identity (here: a sha256 the entry does not give) is
     replaced by the entry's version, so the listing never shows a version it does not serve."""

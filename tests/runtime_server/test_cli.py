@@ -113,7 +113,8 @@ def _run_cli(args: list[str], timeout: float = 60) -> subprocess.CompletedProces
     )
 
 
-def test_start_up_refuses_a_bad_configuration_listing_every_reason(assets, tmp_path):
+def test_start_up_lists_every_reason(assets, tmp_path):
+    """Start up refuses a bad configuration listing every reason."""
     args = [
         "--model",
         str(assets.model_dir),
@@ -141,7 +142,8 @@ def test_start_up_refuses_a_bad_configuration_listing_every_reason(assets, tmp_p
     assert f"{len(report.violations) + 1} problem(s)" in proc.stderr
 
 
-def test_warnings_are_printed_and_check_config_shows_the_effective_configuration(assets):
+def test_warnings_and_check_config(assets):
+    """Warnings are printed and check config shows the effective configuration."""
     proc = _run_cli(
         ["--model", str(assets.model_dir), "--max-lora-rank", "512", "--device", "cpu", "--check-config"]
     )
@@ -154,7 +156,8 @@ def test_warnings_are_printed_and_check_config_shows_the_effective_configuration
 
 
 @pytest.mark.slow
-async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tmp_path):
+async def test_sigterm_finishes_in_flight(assets, tmp_path):
+    """Sigterm finishes in flight requests then exits cleanly."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log"
@@ -214,7 +217,8 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_cleanly(assets, tm
 
 
 @pytest.mark.slow
-def test_a_model_that_fails_to_load_stops_the_process(assets, tmp_path):
+def test_model_load_failure_stops(assets, tmp_path):
+    """A model that fails to load stops the process."""
     broken = tmp_path / "broken-model"
     broken.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

@@ -69,7 +69,8 @@ async def _refused(source: str, settings: SourceSettings, *words: str) -> Source
     return info.value
 
 
-async def test_local_sources_resolve_inside_the_allowed_roots_only(layout, tmp_path, monkeypatch):
+async def test_local_sources_inside_roots(layout, tmp_path, monkeypatch):
+    """Local sources resolve inside the allowed roots only."""
     allowed, outside = layout
     settings = _settings(tmp_path, allowed_roots=(str(allowed),))
     assert await resolve_source(str(allowed / "sql"), settings) == allowed / "sql"
@@ -92,7 +93,7 @@ async def test_local_sources_resolve_inside_the_allowed_roots_only(layout, tmp_p
     await _refused("sql", settings, "relative path", str(allowed))
 
 
-async def test_without_roots_local_paths_are_not_confined(layout, tmp_path, monkeypatch):
+async def test_no_roots_no_confinement(layout, tmp_path, monkeypatch):
     """Settings without roots (a library caller; the command line always sets them), but a
     relative path is refused all the same."""
     allowed, outside = layout
@@ -116,7 +117,7 @@ def _hub_snapshot(adapter_dir: Path, root: Path) -> Path:
     return snapshot
 
 
-async def test_by_hand_local_paths_default_to_the_flags_directories(assets, layout, adapter_dir, tmp_path):
+async def test_by_hand_paths_default_to_flags(assets, layout, adapter_dir, tmp_path):
     """Without --allowed-local-roots, local paths are confined to the model's directory, the
     --lora adapters' directories and the adapter cache; the flag still overrides."""
     allowed, outside = layout
@@ -142,7 +143,8 @@ async def test_by_hand_local_paths_default_to_the_flags_directories(assets, layo
     assert given.server.allowed_local_roots == (str(allowed),)
 
 
-async def test_pvc_sources_stay_in_their_claim_links_included(adapter_dir, tmp_path):
+async def test_pvc_sources_stay_in_claim(adapter_dir, tmp_path):
+    """PVC sources stay in their claim links included."""
     claim = tmp_path / "pvc" / "adapters"
     shutil.copytree(adapter_dir, claim / "sql")
     (claim / "linked").mkdir()
@@ -160,7 +162,8 @@ def _argv(model: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--device", "cpu", *extra]
 
 
-def test_start_up_refuses_a_model_or_adapter_outside_the_roots(assets, layout, adapter_dir):
+def test_start_up_refuses_outside_roots(assets, layout, adapter_dir):
+    """Start up refuses a model or adapter outside the roots."""
     allowed, outside = layout
     parser = cli.build_parser()
     # The model's directory is outside the roots, and so are two of three adapters.
@@ -195,7 +198,7 @@ def test_start_up_refuses_a_model_or_adapter_outside_the_roots(assets, layout, a
 
 
 @pytest.mark.slow
-async def test_a_runtime_started_by_hand_loads_only_from_its_flags_directories(assets, layout, tmp_path):
+async def test_by_hand_runtime_loads_from_flags(assets, layout, tmp_path):
     """The real process, no --allowed-local-roots: an admin load from the --lora adapter's
     directory works, one from elsewhere is a 400 naming the flag, a relative one too."""
     allowed, outside = layout
@@ -226,7 +229,8 @@ async def test_a_runtime_started_by_hand_loads_only_from_its_flags_directories(a
     assert "--allowed-local-roots not given: local adapter paths must lie in" in log.read_text()
 
 
-async def test_admin_api_and_catalog_refuse_paths_outside_the_roots(assets, layout, tmp_path):
+async def test_admin_refuses_outside_roots(assets, layout, tmp_path):
+    """Admin API and catalog refuse paths outside the roots."""
     allowed, outside = layout
     config = make_config(assets, adapters={})
     config.server.allowed_local_roots = (str(allowed),)
@@ -308,7 +312,8 @@ class _Files:
         return web.Response(body=body) if body is not None else web.Response(status=404)
 
 
-async def test_remote_sources_reach_only_the_allowed_hosts_redirects_included(adapter_dir, tmp_path, tls):
+async def test_remote_sources_allowed_hosts(adapter_dir, tmp_path, tls):
+    """Remote sources reach only the allowed hosts redirects included."""
     server_ctx, ca_file = tls
     files = _Files(adapter_dir)
     app = web.Application()
@@ -349,7 +354,8 @@ async def test_remote_sources_reach_only_the_allowed_hosts_redirects_included(ad
         await server.close()
 
 
-async def test_admin_api_refuses_a_remote_host_outside_the_list(assets, tmp_path):
+async def test_admin_refuses_unlisted_host(assets, tmp_path):
+    """Admin API refuses a remote host outside the list."""
     config = make_config(assets, adapters={})
     config.server.remote_source_hosts = ("adapters.example.com", "*.hf.example.com")
     async with running_server(config, tmp_path) as srv:
@@ -368,7 +374,8 @@ async def test_admin_api_refuses_a_remote_host_outside_the_list(assets, tmp_path
 # --------------------------------------------------------------------------- GET /v1/models root
 
 
-def test_models_root_never_shows_the_pods_file_layout():
+def test_models_root_hides_layout():
+    """Models root never shows the pods file layout."""
     from loraserve.runtime.server.adapter_supply import public_root
 
     assert public_root("sql", "/adapters/team/sql") == "sql"
@@ -381,7 +388,7 @@ def test_models_root_never_shows_the_pods_file_layout():
     assert shown == "https://h.example:8443/a/b.tar.gz"
 
 
-async def test_check_source_judges_what_it_can_without_fetching(layout, tmp_path):
+async def test_check_source_without_fetching(layout, tmp_path):
     """What a catalog PUT can refuse at once: the same messages a load would give."""
     from loraserve.runtime.lora.sources import check_source
 

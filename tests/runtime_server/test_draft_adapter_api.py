@@ -23,7 +23,8 @@ def _spec_config(assets, tmp_path):
     return draft_pool_config(assets, SpecAlgorithm.STANDALONE, draft)
 
 
-async def test_an_adapter_with_its_draft_adapter_loads_serves_and_unloads(assets, tmp_path):
+async def test_draft_adapter_lifecycle(assets, tmp_path):
+    """An adapter with its draft adapter loads serves and unloads."""
     name, path = next(iter(assets.demo.adapters.items()))
     async with running_server(make_config(assets, adapters={name: str(path)}), tmp_path / "plain") as plain:
         expected = (await greedy_completion(plain, name, PROMPT, 24))["choices"][0]["text"]
@@ -57,7 +58,8 @@ async def test_an_adapter_with_its_draft_adapter_loads_serves_and_unloads(assets
         assert server.engine.list_draft_adapters() == []
 
 
-async def test_a_bad_draft_adapter_refuses_the_whole_load(assets, tmp_path):
+async def test_bad_draft_refuses_load(assets, tmp_path):
+    """A bad draft adapter refuses the whole load."""
     name, path = next(iter(assets.demo.adapters.items()))
     async with running_server(_spec_config(assets, tmp_path), tmp_path / "spec") as server:
         status, body = await server.post(
@@ -76,7 +78,8 @@ async def test_a_bad_draft_adapter_refuses_the_whole_load(assets, tmp_path):
         assert status == 400 and body["error"]["param"] == "draft"
 
 
-async def test_a_catalogued_draft_adapter_loads_on_the_first_request(assets, tmp_path):
+async def test_catalogued_draft_loads_on_request(assets, tmp_path):
+    """A catalogued draft adapter loads on the first request."""
     name, path = next(iter(assets.demo.adapters.items()))
     async with running_server(_spec_config(assets, tmp_path), tmp_path / "spec") as server:
         catalog = {"adapters": [{"name": name, "source": str(path), "draft_source": str(path)}]}

@@ -19,7 +19,8 @@ from .conftest import draft_pool_config, greedy_completion, make_config, running
 PROMPT = "def total(items):\n    return sum(item.price for item in"
 
 
-async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp_path):
+async def test_eagle_draft_adapter_lifecycle(assets, tmp_path):
+    """An EAGLE heads draft adapter loads serves and unloads."""
     name, path = next(iter(assets.demo.adapters.items()))
     head = build_eagle_draft(tmp_path / "head", assets.model_dir, version=1, seed=3, init_std=0.1)
     draft = build_eagle_draft_adapter(tmp_path / "head-adapter", head, rank=8, seed=4)
@@ -47,7 +48,8 @@ async def test_an_eagle_heads_draft_adapter_loads_serves_and_unloads(assets, tmp
         assert server.engine.list_draft_adapters() == []
 
 
-async def test_a_head_adapter_on_the_shared_lm_head_refuses_the_whole_load(assets, tmp_path):
+async def test_shared_lm_head_adapter_refused(assets, tmp_path):
+    """A head adapter on the shared lm head refuses the whole load."""
     name, path = next(iter(assets.demo.adapters.items()))
     head = build_eagle_draft(tmp_path / "head", assets.model_dir, version=1, seed=3)
     bad = build_eagle_draft_adapter(tmp_path / "bad", head, rank=4, target_modules=("q_proj",))

@@ -62,7 +62,8 @@ async def _enter(engine: RefusingEngine) -> ApiError:
     return info.value
 
 
-async def test_a_refusal_at_submission_aborts_the_choices_already_submitted():
+async def test_refusal_aborts_submitted():
+    """A refusal at submission aborts the choices already submitted."""
     engine = RefusingEngine(refuse_at=3)
     err = await _enter(engine)
     assert (err.status, err.param) == (400, "response_format")
@@ -76,7 +77,8 @@ async def test_a_refusal_at_preparation_submits_nothing():
     assert engine.submitted == [] and engine.aborted == []
 
 
-async def test_the_middleware_answers_a_stray_sampling_params_error_as_a_400():
+async def test_stray_params_error_is_400():
+    """The middleware answers a stray sampling params error as a 400."""
     async def handler(request: web.Request) -> web.Response:
         raise SamplingParamsError("top_logprobs", "top_logprobs must be an integer in [0, 20]")
 

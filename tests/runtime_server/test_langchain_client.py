@@ -33,7 +33,8 @@ def _chat(server, **kwargs):
     )
 
 
-async def test_invoke_and_stream_agree_with_the_raw_api_and_send_nothing_ignored(server, caplog):
+async def test_invoke_and_stream_agree(server, caplog):
+    """Invoke and stream agree with the raw API and send nothing ignored."""
     chat = _chat(server, max_tokens=12, extra_body={"ignore_eos": True})
     with caplog.at_level(logging.WARNING, logger="loraserve.server"):
         message = await chat.ainvoke(QUESTION)

@@ -63,7 +63,8 @@ async def test_ready_only_once_the_model_serves(assets, tmp_path):
     assert not app[STATE].engine.running, "cleanup stops the engine thread"
 
 
-async def test_a_failed_load_is_reported_by_ready_and_requests(assets, tmp_path):
+async def test_failed_load_reported(assets, tmp_path):
+    """A failed load is reported by ready and requests."""
     cfg = make_config(assets)
 
     def failing_factory(metrics):
@@ -90,7 +91,7 @@ async def test_a_failed_load_is_reported_by_ready_and_requests(assets, tmp_path)
         await server.close()
 
 
-async def test_a_failed_tensor_parallel_rank_turns_ready_and_requests_to_503(assets, tmp_path):
+async def test_failed_tp_rank_gives_503(assets, tmp_path):
     """The pod's readiness follows its tensor-parallel group: once a rank is reported failed
     (the process exits a moment later), /ready and new requests answer 503 with the reason."""
     from loraserve.runtime.distributed import health
@@ -137,7 +138,7 @@ def _runtime(
 
 
 @pytest.mark.slow
-async def test_sigterm_keeps_listening_while_in_flight_requests_drain(assets, tmp_path):
+async def test_sigterm_listens_while_draining(assets, tmp_path):
     """A real ``loraserve-runtime`` process: after SIGTERM the socket still answers (before:
     connection refused) — ``/ready`` 503 ``shutting_down``, a new completion 503 with
     ``Retry-After`` — while the long stream already running finishes; then exit 0."""

@@ -108,7 +108,8 @@ async def test_counters_and_histograms_move(server):
     assert "loraserve:cuda_graph_capture_failures_total" in after
 
 
-async def test_lora_requests_info_and_queue_gauges_follow_running_adapters(server):
+async def test_lora_gauges_follow_adapters(server):
+    """LoRA requests info and queue gauges follow running adapters."""
     idle = await _scrape(server)
     info = idle["vllm:lora_requests_info"]
     assert len(info) == 1

@@ -96,7 +96,8 @@ async def _greedy_reference(server, prompt_ids: list[int], adapter: str | None, 
 
 
 @pytest.mark.parametrize("model", ["tiny-base", "sql-r8", "chat-r16"])
-async def test_completion_matches_direct_runner_and_stream(server, model):
+async def test_completion_matches_runner(server, model):
+    """Completion matches direct runner and stream."""
     prompt = "def parse(text):\n    return"
     body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     status, full = await server.post("/v1/completions", body)
@@ -171,7 +172,8 @@ async def test_chat_stream_equals_non_stream_and_usage(server):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_seeded_sampling_is_reproducible_and_seeds_differ(server):
+async def test_seeded_sampling_reproducible(server):
+    """Seeded sampling is reproducible and seeds differ."""
     body = {
         "model": "sql-r8",
         "prompt": "class Parser:",
@@ -227,7 +229,8 @@ async def test_n_choices_and_prompt_batches(server):
     assert body2["choices"][0]["text"] == body3["choices"][0]["text"]
 
 
-async def test_stop_strings_cut_where_the_text_shows_them(server):
+async def test_stop_strings_cut_text(server):
+    """Stop strings cut where the text shows them."""
     base = {
         "model": "tiny-base",
         "prompt": "for i in range(10):",
@@ -315,7 +318,8 @@ async def _aborted(server) -> float:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_client_that_disconnects_aborts_its_request(server, stream):
+async def test_disconnect_aborts_request(server, stream):
+    """A client that disconnects aborts its request."""
     aborted_before = await _aborted(server)
     body = {
         "prompt": "def long():",
@@ -383,7 +387,7 @@ async def test_streamed_choices_echo_and_chat_logprobs(server):
     assert all(item["logprob"] <= 0 and isinstance(item["token"], str) for item in content)
 
 
-async def test_concurrent_requests_get_exactly_what_they_get_alone(server):
+async def test_concurrent_matches_alone(server):
     """Continuous batching over HTTP: mixed adapters, prompt lengths and lengths, joined mid-flight."""
     models = ["tiny-base", "sql-r8", "chat-r16"]
     bodies = [

@@ -30,7 +30,8 @@ async def test_client_lists_the_base_and_its_adapters(server):
     assert all(m.object == "model" for m in page.data)
 
 
-async def test_client_completions_equal_the_raw_api_and_adapters_differ(server):
+async def test_client_completions_equal_raw(server):
+    """Client completions equal the raw API and adapters differ."""
     texts = {}
     async with _client(server) as client:
         for model in (BASE, ADAPTER):
@@ -68,7 +69,8 @@ async def test_client_chat_and_streamed_chat_agree(server):
             assert finish == "length"
 
 
-async def test_client_streamed_completion_equals_the_whole_one(server):
+async def test_client_stream_equals_whole(server):
+    """Client streamed completion equals the whole one."""
     async with _client(server) as client:
         whole = await client.completions.create(model=ADAPTER, prompt=PROMPT, **GREEDY)
         stream = await client.completions.create(model=ADAPTER, prompt=PROMPT, stream=True, **GREEDY)
@@ -76,7 +78,8 @@ async def test_client_streamed_completion_equals_the_whole_one(server):
     assert text == whole.choices[0].text
 
 
-async def test_client_sees_an_unknown_model_as_not_found(server):
+async def test_client_unknown_model_not_found(server):
+    """Client sees an unknown model as not found."""
     async with _client(server) as client:
         with pytest.raises(NotFoundError):
             await client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=4)

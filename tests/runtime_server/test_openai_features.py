@@ -111,7 +111,8 @@ def _text_of(server, token_id: int) -> str:
 
 
 # ----------------------------------------------------------------------------- models
-async def test_client_retrieves_each_model_as_listed_and_404s_unknown_ones(server):
+async def test_client_retrieves_models(server):
+    """Client retrieves each model as listed and 404s unknown ones."""
     status, listing = await server.get("/v1/models")
     assert status == 200
     by_id = {m["id"]: m for m in listing["data"]}
@@ -130,7 +131,8 @@ async def test_client_retrieves_each_model_as_listed_and_404s_unknown_ones(serve
     assert "no-such-model" in raw["error"]["message"] and info.value.status_code == 404
 
 
-async def test_an_adapter_named_with_a_slash_is_retrieved(server, assets):
+async def test_slash_named_adapter_retrieved(server, assets):
+    """An adapter named with a slash is retrieved."""
     name = "org/extra-q"
     status, body = await server.post(
         "/v1/load_lora_adapter",
@@ -148,7 +150,8 @@ async def test_an_adapter_named_with_a_slash_is_retrieved(server, assets):
         await server.post("/v1/unload_lora_adapter", {"lora_name": name}, headers=server.admin_headers())
 
 
-async def test_a_catalogued_adapter_not_yet_loaded_is_retrieved_as_listed(assets, tmp_path):
+async def test_unloaded_catalogued_retrieved(assets, tmp_path):
+    """A catalogued adapter not yet loaded is retrieved as listed."""
     from loraserve.runtime.contract.catalog import CatalogEntry, encode_catalog
 
     from .conftest import make_config, running_server
@@ -188,7 +191,8 @@ def _check_completion_logprobs_shape(lp: dict, n_tokens: int, alternatives: int)
         assert lp["text_offset"][i] == lp["text_offset"][i - 1] + len(lp["tokens"][i - 1])
 
 
-async def test_completion_logprobs_report_the_top_alternatives_of_the_raw_distribution(server):
+async def test_completion_top_logprobs(server):
+    """Completion logprobs report the top alternatives of the raw distribution."""
     n, k = 6, 3
     body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": n, "logprobs": k, **GREEDY}
     out = await _complete(server, body)
@@ -204,14 +208,16 @@ async def test_completion_logprobs_report_the_top_alternatives_of_the_raw_distri
         assert lp["top_logprobs"][i] == pytest.approx(expected, abs=1e-4)
 
 
-async def test_logprobs_zero_reports_the_chosen_token_only(server):
+async def test_logprobs_zero_chosen_only(server):
+    """Logprobs zero reports the chosen token only."""
     out = await _complete(server, {"prompt": PROMPT, "max_tokens": 4, "logprobs": 0, **GREEDY})
     lp = out["choices"][0]["logprobs"]
     _check_completion_logprobs_shape(lp, 4, 0)
     assert [list(t) for t in lp["top_logprobs"]] == [[tok] for tok in lp["tokens"]]
 
 
-async def test_streamed_completion_logprobs_equal_the_whole_ones_with_offsets_per_choice(server):
+async def test_streamed_logprobs_equal_whole(server):
+    """Streamed completion logprobs equal the whole ones with offsets per choice."""
     body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": 10, "logprobs": 2, **GREEDY}
     whole = (await _complete(server, body))["choices"][0]["logprobs"]
     events = await _sse(server, "/v1/completions", body)
@@ -234,7 +240,8 @@ async def test_streamed_completion_logprobs_equal_the_whole_ones_with_offsets_pe
         assert got == pytest.approx(expected, abs=1e-4)
 
 
-async def test_echo_with_logprobs_reports_the_prompt_tokens_first(server):
+async def test_echo_logprobs_prompt_first(server):
+    """Echo with logprobs reports the prompt tokens first."""
     tok = server.state.tokenizer
     prompt_ids = tok.encode(PROMPT)
     k = 2
@@ -290,7 +297,8 @@ def _assert_same_chat_logprobs(got: list[dict], expected: list[dict]) -> None:
     assert got_values == pytest.approx(values, abs=1e-4)
 
 
-async def test_chat_top_logprobs_in_openai_shape_streamed_and_not(server):
+async def test_chat_top_logprobs_shape(server):
+    """Chat top logprobs in OpenAI shape streamed and not."""
     k = 4
     body = {
         "model": ADAPTER,
@@ -346,9 +354,10 @@ async def test_client_reads_completion_top_logprobs(server):
 
 
 # ----------------------------------------------------------------------------- unknown fields, model
-async def test_unknown_fields_are_ignored_and_logged_once_and_a_request_without_model_uses_the_base(
+async def test_unknown_fields_ignored(
     server, caplog
 ):
+    """Unknown fields are ignored and logged once and a request without model uses the base."""
     body = {"prompt": PROMPT, "max_tokens": 5, **GREEDY}
     with caplog.at_level(logging.WARNING, logger="loraserve.server"):
         out = await _complete(server, {**body, "frobnicate": 1, "zzz_extra": [1], "user": "alice"})
@@ -362,7 +371,8 @@ async def test_unknown_fields_are_ignored_and_logged_once_and_a_request_without_
 
 
 # ----------------------------------------------------------------------------- logit processing
-async def test_logit_bias_steers_greedy_decoding_and_leaves_batch_neighbours_alone(server):
+async def test_logit_bias_steers_greedy(server):
+    """Logit bias steers greedy decoding and leaves batch neighbours alone."""
     tok = server.state.tokenizer
     prompt_ids = tok.encode(PROMPT)
     plain_ids, _ = await _reference(server, prompt_ids, None, 6)
@@ -395,7 +405,8 @@ async def test_logit_bias_steers_greedy_decoding_and_leaves_batch_neighbours_alo
         {"presence_penalty": -0.5, "frequency_penalty": 0.7, "logit_bias": {"40": 3.5}},
     ],
 )
-async def test_penalties_equal_their_definition_on_the_raw_model(server, processing):
+async def test_penalties_match_definition(server, processing):
+    """Penalties equal their definition on the raw model."""
     tok = server.state.tokenizer
     prompt_ids = tok.encode("x = x + 1\ny = y + 1\nx = x + 1\n")
     n = 24
@@ -416,7 +427,8 @@ async def test_penalties_equal_their_definition_on_the_raw_model(server, process
 
 
 # ----------------------------------------------------------------------------- structured output
-async def test_guided_choice_and_regex_constrain_the_output(server):
+async def test_guided_choice_and_regex(server):
+    """Guided choice and regex constrain the output."""
     choices = ["yes", "no", "maybe (not sure)"]
     for model in (BASE, ADAPTER):
         out = await _complete(
@@ -448,7 +460,8 @@ SCHEMA = {
 }
 
 
-async def test_json_schema_output_parses_and_matches_the_schema(server):
+async def test_json_schema_output_matches(server):
+    """JSON schema output parses and matches the schema."""
     response_format = {
         "type": "json_schema",
         "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True},
@@ -481,7 +494,8 @@ async def test_json_schema_output_parses_and_matches_the_schema(server):
     assert text == out["choices"][0]["message"]["content"]
 
 
-async def test_client_parses_structured_output_into_a_pydantic_model(server):
+async def test_client_parses_into_pydantic(server):
+    """Client parses structured output into a pydantic model."""
     from typing import Literal
 
     from pydantic import BaseModel
@@ -515,7 +529,8 @@ async def test_json_object_output_is_a_json_object(server):
         assert isinstance(json.loads(text), dict)
 
 
-async def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(server):
+async def test_uncompilable_schema_is_400(server):
+    """A schema that does not compile is a 400 naming response format."""
     status, out = await server.post(
         "/v1/chat/completions",
         {
@@ -580,11 +595,13 @@ def _assert_same_answers(
                 assert top == ref_top if ref_top is None else top == pytest.approx(ref_top, abs=1e-4)
 
 
-async def test_processed_requests_in_one_mixed_batch_answer_as_they_do_alone(server):
+async def test_mixed_batch_matches_alone(server):
+    """Processed requests in one mixed batch answer as they do alone."""
     _assert_same_answers(await _processed_answers(server), await _processed_answers(server, together=False))
 
 
-async def test_speculative_decoding_stays_lossless_with_logit_processing(server, assets, tmp_path):
+async def test_speculation_lossless_processed(server, assets, tmp_path):
+    """Speculative decoding stays lossless with logit processing."""
     from loraserve.runtime.contract.capabilities import CAPABILITIES
     from loraserve.runtime.contract.config import SpecAlgorithm
 

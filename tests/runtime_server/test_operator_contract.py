@@ -32,7 +32,8 @@ def _pod(server) -> PodView:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_catalog_sync_listing_demotion_and_deletion(assets, tmp_path):
+async def test_catalog_sync_lifecycle(assets, tmp_path):
+    """Catalog sync listing demotion and deletion."""
     sql, chat = str(assets.demo.adapters["sql-r8"]), str(assets.demo.adapters["chat-r16"])
     config = make_config(assets, adapters={"chat": chat})
     config.lora.catalog = str(tmp_path / "catalog.json")
@@ -78,7 +79,8 @@ async def test_catalog_sync_listing_demotion_and_deletion(assets, tmp_path):
         await ctx.close()
 
 
-def test_accept_length_is_read_per_adapter_from_the_runtimes_metrics():
+def test_accept_length_per_adapter():
+    """Accept length is read per adapter from the runtimes metrics."""
     metrics = Metrics("tiny-base")
     for model, accepted in (("sql", [3, 2, 4]), ("chat", [1]), ("tiny-base", [0, 0])):
         for value in accepted:

@@ -78,7 +78,8 @@ async def _completion(srv, model: str) -> str:
     return body["choices"][0]["text"]
 
 
-async def test_peft_default_layout_loads_at_start_up_and_through_the_admin_api(assets, files, tmp_path):
+async def test_peft_default_layout_loads(assets, files, tmp_path):
+    """PEFT default layout loads at start up and through the admin API."""
     config = make_config(assets, adapters={"emb-auto": str(files["emb-auto"])})
     config.lora.target_modules = LORA_MODULES
     async with running_server(config, tmp_path) as srv:

@@ -15,7 +15,8 @@ def _metric(text: str, name: str, labels: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-async def test_hits_show_in_metrics_and_reset_empties_the_cache(server):
+async def test_hits_in_metrics_and_reset(server):
+    """Hits show in metrics and reset empties the cache."""
     prompt = list(range(40, 100))
     body = {"model": "sql-r8", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     status, first = await server.post("/v1/completions", {**body, "prompt": [*prompt, 1]})

@@ -108,7 +108,8 @@ def _settings(cache: Path, endpoint: str, **kw) -> SourceSettings:
     return SourceSettings(cache_dir=cache, env={"HF_ENDPOINT": endpoint}, allow_private=True, **kw)
 
 
-async def test_processes_fetching_one_adapter_at_once_all_succeed(adapter_dir, tmp_path):
+async def test_concurrent_fetchers_succeed(adapter_dir, tmp_path):
+    """Processes fetching one adapter at once all succeed."""
     hub = Hub(adapter_dir, ROUNDS)
     cache, barrier = tmp_path / "shared-cache", tmp_path / "barrier"
     barrier.mkdir()
@@ -139,7 +140,7 @@ async def test_processes_fetching_one_adapter_at_once_all_succeed(adapter_dir, t
     assert len(entries) == len(ROUNDS) and all((p / COMPLETE).is_file() for p in entries), entries
 
 
-async def test_a_rival_that_publishes_first_is_used_not_removed(adapter_dir, tmp_path):
+async def test_rival_publish_is_used(adapter_dir, tmp_path):
     """A writer outside the lock (another pod on a filesystem without locks) publishes the
     entry while this one downloads: the rename loses, the rival's result is used as is."""
     hub = Hub(adapter_dir, ("main",))
@@ -159,7 +160,8 @@ async def test_a_rival_that_publishes_first_is_used_not_removed(adapter_dir, tmp
     assert [p.name for p in cache.iterdir() if p.name.startswith(".download-")] == []
 
 
-async def test_a_silent_lock_holder_is_waited_for_within_a_bound(adapter_dir, tmp_path):
+async def test_silent_lock_holder_bounded(adapter_dir, tmp_path):
+    """A silent lock holder is waited for within a bound."""
     hub = Hub(adapter_dir, ("main",))
     cache = tmp_path / "cache"
     lock = cache / LOCKS / cache_key("hf://org/adapters", None)
@@ -210,7 +212,7 @@ async def test_a_damaged_cached_copy_is_fetched_again(adapter_dir, tmp_path):
     assert hub.hits[f"/org/adapters/resolve/main/{ADAPTER_FILES[1]}"] == 2
 
 
-async def test_fetchers_sharing_a_models_volume_download_once(tmp_path):
+async def test_shared_volume_downloads_once(tmp_path):
     """``loraserve-fetch`` init containers of several pods, one models volume, one model:
     the same lock protocol; one downloads, the others find the model there."""
     model = tmp_path / "src"

@@ -68,7 +68,8 @@ def _settings(tmp_path: Path, **kw) -> SourceSettings:
 # --------------------------------------------------------------------------- SSRF
 
 
-def test_internal_addresses_are_named_public_ones_pass():
+def test_internal_addresses_named():
+    """Internal addresses are named public ones pass."""
     for address, kind in (
         ("127.0.0.1", "loopback"),
         ("::1", "loopback"),
@@ -92,7 +93,8 @@ def test_internal_addresses_are_named_public_ones_pass():
         assert address_kind(address) is None, address
 
 
-async def test_without_a_host_list_internal_hosts_are_refused(adapter_dir, tmp_path):
+async def test_no_host_list_refuses_internal(adapter_dir, tmp_path):
+    """Without a host list internal hosts are refused."""
     async with files_server(adapter_dir) as (port, hits):
         for source, env, words in (
             (f"http://user:{SECRET}@127.0.0.1:{port}/dir?{TOKEN}", {}, "host '127.0.0.1' is a loopback address"),
@@ -133,7 +135,7 @@ class _Resolver(AbstractResolver):
         pass
 
 
-async def test_the_address_checked_is_the_address_connected_redirects_included(adapter_dir, tmp_path):
+async def test_checked_address_is_connected(adapter_dir, tmp_path):
     """A public-looking name that resolves to loopback is refused (the check sees the
     resolved address, not the name); a host the guard exempts (an operator's proxy) that
     redirects to an internal one is refused at the redirect."""
@@ -172,7 +174,8 @@ async def test_the_address_checked_is_the_address_connected_redirects_included(a
         assert hits == [f"/hop/{ADAPTER_FILES[0]}"] and resolver.asked == ["adapters.example.com", "cdn.example.com"]
 
 
-async def test_the_admin_api_refuses_an_internal_host_by_default(assets, tmp_path):
+async def test_admin_refuses_internal_host(assets, tmp_path):
+    """The admin API refuses an internal host by default."""
     config = make_config(assets, adapters={})
     assert config.server.allow_private_sources is False  # the default
     async with running_server(config, tmp_path) as srv:
@@ -208,7 +211,8 @@ async def silent_server():
         server.close()
 
 
-async def test_a_host_that_never_answers_fails_within_the_stall_bound(tmp_path):
+async def test_silent_host_fails_in_bound(tmp_path):
+    """A host that never answers fails within the stall bound."""
     async with silent_server() as port:
         for source, waited in (
             (f"http://user:{SECRET}@127.0.0.1:{port}/dir?{TOKEN}", "sent no byte for 0.3 s"),
@@ -231,7 +235,8 @@ async def test_a_host_that_never_answers_fails_within_the_stall_bound(tmp_path):
             assert SECRET not in progress.target and "topsecret" not in progress.target
 
 
-async def test_a_body_that_stalls_midway_fails_within_the_bound(adapter_dir, tmp_path):
+async def test_stalled_body_fails_in_bound(adapter_dir, tmp_path):
+    """A body that stalls midway fails within the bound."""
     body = (adapter_dir / ADAPTER_FILES[1]).read_bytes()
 
     async def handle(request: web.Request) -> web.StreamResponse:

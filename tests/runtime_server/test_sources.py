@@ -48,7 +48,8 @@ def _cache_entries(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in cache.iterdir() if p.name != ".locks") if cache.exists() else []
 
 
-def test_digest_is_sha256sum_of_the_sha256sum_listing(adapter_dir):
+def test_digest_of_sha256sum_listing(adapter_dir):
+    """Digest is sha256sum of the sha256sum listing."""
     listing = "".join(
         f"{hashlib.sha256((adapter_dir / n).read_bytes()).hexdigest()}  {n}\n" for n in ADAPTER_FILES
     )
@@ -237,7 +238,8 @@ async def test_unsafe_or_broken_archives_are_refused(adapter_dir, tmp_path, tls,
     assert _cache_entries(tmp_path) == [], "nothing half-downloaded stays in the cache"
 
 
-async def test_s3_source_fetches_signed_objects_from_the_configured_endpoint(adapter_dir, tmp_path):
+async def test_s3_source_fetches_signed(adapter_dir, tmp_path):
+    """S3 source fetches signed objects from the configured endpoint."""
     files = {f"/models-bucket/team/sql/{n}": (adapter_dir / n).read_bytes() for n in ADAPTER_FILES}
     fs, server = await _serve(files, require={"Authorization": "AWS4-HMAC-SHA256 Credential=AKIDTEST/"})
     env = {
@@ -302,7 +304,8 @@ def test_sigv4_matches_the_aws_documented_example():
     )
 
 
-async def test_hf_source_uses_endpoint_revision_and_token(adapter_dir, tmp_path):
+async def test_hf_source_settings(adapter_dir, tmp_path):
+    """HF source uses endpoint revision and token."""
     files = {f"/org/adapters/resolve/abc123/sql/{n}": (adapter_dir / n).read_bytes() for n in ADAPTER_FILES}
     _fs, server = await _serve(files, require={"Authorization": "Bearer hf_secret"})
     env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.port}", "HF_TOKEN": "hf_secret"}
@@ -315,7 +318,8 @@ async def test_hf_source_uses_endpoint_revision_and_token(adapter_dir, tmp_path)
         await server.close()
 
 
-def test_environment_is_read_from_the_process_by_default():
+def test_environment_from_process():
+    """Environment is read from the process by default."""
     assert SourceSettings().env.get("PATH") == os.environ.get("PATH")
 
 
@@ -378,7 +382,8 @@ async def test_errors_show_no_secret_or_server_path(adapter_dir, tmp_path, tls):
     assert "volume 'elsewhere' is not mounted" in messages[-2] and "--pvc-root" in messages[-2]
 
 
-async def test_hung_source_settings_come_from_the_server_config():
+async def test_hung_source_settings_from_config():
+    """Hung source settings come from the server config."""
     from loraserve.runtime.contract.config import ServerConfig
 
     server = ServerConfig(allow_private_sources=True, source_stall_timeout_s=7.5)
@@ -392,7 +397,8 @@ async def test_hung_source_settings_come_from_the_server_config():
     assert not listed.refuse_private, "a host list is its own guard"
 
 
-def test_a_library_message_quoting_the_url_is_redacted():
+def test_library_url_message_redacted():
+    """A library message quoting the URL is redacted."""
     from loraserve.runtime.remote import public_url, redact
 
     url = "https://svc:hunter2%21@h.example:8443/a/b.tar.gz?X-Amz-Signature=topsecret#frag"

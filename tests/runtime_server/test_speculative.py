@@ -35,7 +35,8 @@ async def _answers(server) -> list[tuple[str, str, dict]]:
     return out
 
 
-async def test_ngram_speculation_is_lossless_per_adapter_and_reported(assets, tmp_path):
+async def test_ngram_lossless_and_reported(assets, tmp_path):
+    """N-gram speculation is lossless per adapter and reported."""
     plain_cfg = make_config(assets)
     async with running_server(plain_cfg, tmp_path / "plain") as plain:
         reference = await _answers(plain)

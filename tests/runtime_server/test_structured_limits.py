@@ -89,7 +89,8 @@ async def test_oversized_constraints_are_a_400(server, fields, param, words):
     assert server.engine.constraint_compiler().compiles == compiles  # refused before compiling
 
 
-async def test_slow_schema_times_out_while_another_completes(server):
+async def test_slow_schema_times_out(server):
+    """Slow schema times out while another completes."""
     finished: dict[str, float] = {}
 
     async def post(name: str, body: dict) -> tuple[int, dict]:
@@ -210,7 +211,7 @@ async def test_fields_named_as_sent(server, path, body, param, words):
         assert word in out["error"]["message"], out
 
 
-async def test_an_embedding_draft_adapter_is_refused_with_a_fix_that_works(assets, tmp_path):
+async def test_embedding_draft_refused_with_fix(assets, tmp_path):
     """An adapter of the target's embed_tokens / lm_head offered as its own draft adapter:
     the draft pool never wraps those modules, so the fix is another draft adapter, never a
     change to lora.target_modules."""

@@ -81,7 +81,7 @@ async def test_version_change_under_streaming_load(assets, tmp_path):
         )
 
 
-async def test_a_version_change_in_a_full_cache_waits_for_room(assets, tmp_path):
+async def test_full_cache_change_waits(assets, tmp_path):
     """With room for one adapter, the new version waits for the old one's last request
     (before: 503 ``adapter_capacity``), then serves; the old requests run to their end."""
     a, b = str(assets.demo.adapters["sql-r8"]), str(assets.demo.adapters["chat-r16"])
