@@ -83,7 +83,8 @@ def test_plain_decoding_matches_one_device(group, baseline):
 
 
 @pytest.mark.parametrize(("algorithm", "draft"), [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE", "eagle")])
-def test_greedy_speculation_is_lossless_on_two_ranks(group, baseline, tp_assets, algorithm, draft):
+def test_greedy_spec_lossless_two_ranks(group, baseline, tp_assets, algorithm, draft):
+    """Greedy speculation is lossless on two ranks."""
     config, runner, handle = group
     requests, expected = baseline
     spec_config = _speculative(config, algorithm, getattr(tp_assets, draft) if draft else None)

@@ -34,7 +34,7 @@ def _run_modes(runner, names, seed=0):
     return torch.cat(rows)
 
 
-def test_replicated_kv_heads_padded_vocab_tied_embeddings(tp_assets):
+def test_replicated_kv_padded_vocab_tied(tp_assets):
     """1 KV head on 2 ranks (each holds it), vocab 509 (rank 1's shard has a padding row),
     tied embedding / lm_head, Qwen2 q/k/v biases, an adapter on every module."""
     adapters = {"rep-all": tp_assets.replicated_adapter}

@@ -14,7 +14,7 @@ from loraserve.runtime.runner.model_runner import ModelRunner
 from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
 
 
-def test_the_paged_attention_kernel_on_two_ranks_matches_sdpa_on_one(tp_assets):
+def test_paged_two_ranks_match_sdpa(tp_assets):
     """``auto`` takes the paged kernel on CUDA, tensor-parallel groups included: each rank's
     kernel reads its own KV head (1 of 2 here, with its 2 query heads) from its own cache. Two
     ranks on the kernel (under the Triton interpreter) against one device on SDPA, through

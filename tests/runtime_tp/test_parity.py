@@ -33,7 +33,8 @@ def pair(tp_assets):
         yield Pair(tp=runner, ref=ModelRunner(tp_config(tp_assets.gqa, 1, adapters, max_loras_per_batch=3)), handle=handle)
 
 
-def test_every_mode_with_mixed_adapters_matches_one_device(pair, tp_assets):
+def test_mixed_adapters_match_one_device(pair, tp_assets):
+    """Every mode with mixed adapters matches one device."""
     gen = torch.Generator().manual_seed(0)
     rids = ["m0", "m1", "m2", "m3"]
     names = ["emb-head", None, "all-r16", "attn-r8"]  # 3 adapters + base: fills every slot
@@ -55,7 +56,7 @@ def test_every_mode_with_mixed_adapters_matches_one_device(pair, tp_assets):
     assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
 
 
-def test_adapters_really_change_the_tensor_parallel_output(pair):
+def test_adapters_change_tp_output(pair):
     """Guards the oracle: every adapter's logits differ from the base model's on two ranks."""
     prompt = torch.arange(5, 17)
     base = extend(pair.tp, ["b"], [prompt]).logits
@@ -81,7 +82,7 @@ def test_greedy_generation_matches_one_device(pair, adapter):
     assert tokens["tp"] == tokens["ref"]
 
 
-def test_adapter_load_unload_and_slot_churn_are_mirrored(pair, tp_assets):
+def test_adapter_churn_mirrored(pair, tp_assets):
     """Rank 0 loads, evicts, re-places and unloads adapters; rank 1 replays every change."""
     for runner in (pair.tp, pair.ref):
         runner.lora.load("late-r4", tp_assets.adapters["late-r4"])
@@ -112,7 +113,7 @@ def test_adapter_load_unload_and_slot_churn_are_mirrored(pair, tp_assets):
         pair.ref.kv.free(rid)
 
 
-def test_adapter_changes_from_another_thread_never_diverge(pair, tp_assets):
+def test_threaded_adapter_changes_agree(pair, tp_assets):
     """The server loads (pinned: placed at once), and unloads, adapters on its own thread
     while forwards run: each step's expected slot state is exactly what rank 1 replays."""
     stop, loads = threading.Event(), [0]
@@ -149,7 +150,7 @@ def test_adapter_changes_from_another_thread_never_diverge(pair, tp_assets):
 
 
 
-def test_ranks_hold_shards_and_one_device_runs_the_plain_path(pair):
+def test_ranks_hold_shards(pair):
     """TP=2 holds half of every sharded tensor; TP=1 has no parallel layer, group or journal."""
     tp, ref = pair.tp, pair.ref
     attn, mlp = tp.model.model.layers[0].self_attn, tp.model.model.layers[0].mlp
@@ -173,7 +174,8 @@ def test_ranks_hold_shards_and_one_device_runs_the_plain_path(pair):
     assert ref.model.model.embed_tokens.weight.shape[0] == 512
 
 
-def test_whole_vocabulary_weights_are_gathered_for_drafts(pair):
+def test_vocab_weights_gathered_for_drafts(pair):
+    """Whole vocabulary weights are gathered for drafts."""
     embed, head = pair.tp.full_vocab_weights()
     torch.testing.assert_close(embed, pair.ref.model.embed_tokens.weight, atol=0, rtol=0)
     torch.testing.assert_close(head, pair.ref.model.lm_head.weight, atol=0, rtol=0)

@@ -57,7 +57,7 @@ def _perturbed(src: Path, dest: Path, tensor: str) -> Path:
 
 
 @pytest.mark.parametrize("model", ["gqa", "replicated"])
-def test_peft_default_layout_on_two_ranks_matches_one_device(model, tp_assets, tmp_path):
+def test_peft_layout_two_ranks_match(model, tp_assets, tmp_path):
     """gqa: untied, vocab 512. replicated: tied embeddings, vocab 509 (a padded shard)."""
     base = getattr(tp_assets, model)
     path = _save_peft_adapter(

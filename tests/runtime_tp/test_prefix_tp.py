@@ -79,7 +79,8 @@ def _run_wave(engine, wave, out: dict[str, list[int]]) -> None:
     assert not errors, errors
 
 
-def test_two_ranks_with_the_prefix_cache_answer_like_one_device_without(tp_assets):
+def test_prefix_two_ranks_match_one(tp_assets):
+    """Two ranks with the prefix cache answer like one device without."""
     adapters = {n: tp_assets.adapters[n] for n in ADAPTERS if n is not None}
     waves = _waves()
     one = tp_config(tp_assets.gqa, 1, adapters, max_total_tokens=4096)

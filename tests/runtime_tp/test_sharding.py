@@ -76,7 +76,7 @@ def test_rank_slices_rebuild_every_tensor(size):
         torch.testing.assert_close(torch.cat(kv_parts), kv)
 
 
-def test_row_parallel_lora_partial_sums_apply_the_scaling_once():
+def test_row_parallel_scales_once():
     """Σ_ranks s·(x_r A_rᵀ) Bᵀ is the whole delta s·(x Aᵀ) Bᵀ: each rank's partial joins the
     base output's all-reduce; the whole delta on every rank would count it ``size`` times."""
     arch = _arch()
@@ -96,7 +96,8 @@ def test_row_parallel_lora_partial_sums_apply_the_scaling_once():
         assert not torch.allclose(size * whole, whole)
 
 
-def test_column_parallel_lora_keeps_a_and_cuts_b_by_output():
+def test_column_parallel_cuts_b():
+    """Column parallel LoRA keeps a and cuts b by output."""
     arch = _arch()
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 64, generator=gen, dtype=torch.float64)
@@ -124,13 +125,15 @@ def test_column_parallel_lora_keeps_a_and_cuts_b_by_output():
         ({"intermediate_size": 100}, 8, "intermediate_size 100"),
     ],
 )
-def test_sizes_the_model_cannot_split_name_the_field(change, size, words):
+def test_unsplittable_sizes_name_field(change, size, words):
+    """Sizes the model cannot split name the field."""
     with pytest.raises(TensorParallelConfigError) as exc:
         check_tensor_parallel(_arch(**change), size)
     assert "parallel.tensor_parallel_size" in str(exc.value) and words in str(exc.value)
 
 
-def test_launcher_refuses_before_starting_anything(tp_assets):
+def test_launcher_refuses_early(tp_assets):
+    """Launcher refuses before starting anything."""
     config = tp_config(tp_assets.gqa, 3)  # 4 heads do not split over 3 ranks
     with pytest.raises(TensorParallelConfigError, match="does not divide the model's 4 attention heads"):
         start_tensor_parallel(config)
@@ -141,7 +144,8 @@ def test_launcher_refuses_before_starting_anything(tp_assets):
             start_tensor_parallel(config)
 
 
-def test_runner_without_a_group_says_how_to_start_one(tp_assets):
+def test_runner_without_group_explains(tp_assets):
+    """Runner without a group says how to start one."""
     with pytest.raises(TensorParallelConfigError, match="start_tensor_parallel"):
         ModelRunner(tp_config(tp_assets.gqa, 2))
     # A draft never shards, whatever the size.
