@@ -92,7 +92,7 @@ async def test_serve_comes_up_with_its_catalog_mounted(scn) -> None:
     assert len(warm) == 1, f"{PLACED} (placement 1) is kept warm on {warm}"
 
 
-async def test_a_pod_without_the_adapter_loads_it_on_first_request(scn) -> None:
+async def test_adapter_loaded_on_first_request(scn) -> None:
     """The placement-1 adapter, asked straight from a pod that does not hold it: 200, then loaded there."""
     pods = scn.pods()
     catalogs = {pod.name: await scn.catalog(pod) for pod in pods}
@@ -106,7 +106,8 @@ async def test_a_pod_without_the_adapter_loads_it_on_first_request(scn) -> None:
     scn.on_demand_pod = cold[0]
 
 
-async def test_requests_never_fail_while_pods_come_and_go(scn) -> None:
+async def test_no_failures_while_pods_churn(scn) -> None:
+    """Requests never fail while pods come and go."""
     base = await scn.base_model()
     models = [base, *(p.name for p in PLANS)]
     reference = await scn.reference(scn.on_demand_pod, models, traffic_mod.PROMPTS, max_tokens=MAX_TOKENS)

@@ -78,7 +78,8 @@ async def complete(pod, model: str) -> dict:
         return await resp.json()
 
 
-async def test_an_adapter_and_its_draft_adapter_load_serve_and_leave_together(cluster) -> None:
+async def test_adapter_and_draft_adapter_together(cluster) -> None:
+    """An adapter and its draft adapter load serve and leave together."""
     await cluster.start_operator(operator_config())
     try:
         claims = cluster.claims

@@ -135,7 +135,8 @@ async def alpha_loaded(cluster, count: int) -> bool:
 # --------------------------------------------------------------------------- scenarios
 
 
-async def test_https_model_is_fetched_before_the_runtime_and_served(cluster, model_server) -> None:
+async def test_https_model_fetched_and_served(cluster, model_server) -> None:
+    """HTTPS model is fetched before the runtime and served."""
     await cluster.start_operator(operator_config(), None)
     await cluster.create(SERVES, fetch_manifest(FETCHED, cluster, model_server, ARCHIVE, replicas=2))
     await cluster.create(
@@ -196,7 +197,7 @@ async def test_a_restarted_runtime_does_not_fetch_again(cluster, model_server) -
     assert (await complete(victim, "alpha"))[0] == 200
 
 
-async def test_a_missing_draft_keeps_its_pod_initializing_and_others_serve(cluster, model_server) -> None:
+async def test_missing_draft_keeps_pod_initializing(cluster, model_server) -> None:
     """Two init containers in order: model-fetch completes (the model is already there), then
     draft-fetch gets a 404 and is retried alone; the runtime never starts."""
     fetched = model_server.requests[ARCHIVE]

@@ -112,9 +112,10 @@ def loads(cluster, adapter_name: str) -> dict[str, int]:
 # --------------------------------------------------------------------------- scenarios
 
 
-async def test_serve_with_two_replicas_and_three_adapters(
+async def test_two_replicas_three_adapters(
     cluster, tmp_path_factory, unused_tcp_port_factory
 ) -> None:
+    """Serve with two replicas and three adapters."""
     port = unused_tcp_port_factory()
     webhook = WebhookServerConfig(
         addr="127.0.0.1", port=port, cert_dir=str(tmp_path_factory.mktemp("webhook-tls"))
@@ -195,7 +196,7 @@ async def test_serve_with_two_replicas_and_three_adapters(
     assert {("LoRAServe", "Created"), ("Adapter", "Loaded")} <= reasons
 
 
-async def test_one_process_also_serves_the_admission_webhook(cluster) -> None:
+async def test_one_process_serves_webhook(cluster) -> None:
     """The operator process serves the admission webhook next to the reconcile loops."""
     review = {
         "apiVersion": "admission.k8s.io/v1",
@@ -232,7 +233,8 @@ async def test_a_converged_cluster_gets_no_writes(cluster) -> None:
     assert operator_writes(cluster, since) == []
 
 
-async def test_killed_runtime_and_replaced_pod_get_all_adapters_again(cluster) -> None:
+async def test_killed_runtime_gets_adapters_again(cluster) -> None:
+    """Killed runtime and replaced pod get all adapters again."""
     victim = pods(cluster)[0]
     await cluster_mod.kill_and_wait_for_reload(cluster.kubelet, victim, BASE_ADAPTERS, timeout=TIMEOUT)
     await wait_for(
@@ -257,7 +259,8 @@ async def test_killed_runtime_and_replaced_pod_get_all_adapters_again(cluster) -
         assert set(BASE_ADAPTERS) <= set(await models(pod))
 
 
-async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(cluster) -> None:
+async def test_faulty_adapters_fail_with_reason(cluster) -> None:
+    """Faulty adapters fail with the reason and others keep serving."""
     wrong_digest = "0" * 64
     bad = {
         "wide": (assets.adapter_manifest("wide", SERVE, "pvc://adapters/wide"), "rank"),
@@ -315,7 +318,8 @@ async def test_faulty_adapters_fail_with_the_reason_and_others_keep_serving(clus
         assert "badsum" not in await models(pod)
 
 
-async def test_placement_loads_on_the_requested_number_of_replicas(cluster) -> None:
+async def test_placement_replica_count(cluster) -> None:
+    """Placement loads on the requested number of replicas."""
     await cluster.create(
         ADAPTERS,
         assets.adapter_manifest(
@@ -351,7 +355,8 @@ async def _gone(cluster, name: str) -> bool:
     return await adapter(cluster, name) is None
 
 
-async def test_deleting_an_adapter_unloads_it_before_it_disappears(cluster) -> None:
+async def test_delete_adapter_unloads_first(cluster) -> None:
+    """Deleting an adapter unloads it before it disappears."""
     body = await adapter(cluster, "gamma")
     assert "loraserve.io/finalizer" in body["metadata"]["finalizers"]
     assert await cluster.delete(f"{ADAPTERS}/gamma") == 200
@@ -362,7 +367,8 @@ async def test_deleting_an_adapter_unloads_it_before_it_disappears(cluster) -> N
     assert await loaded_everywhere(cluster, ("alpha", "beta"))
 
 
-async def test_spec_change_rolls_the_pods_and_adapters_follow(cluster) -> None:
+async def test_spec_change_rolls_pods(cluster) -> None:
+    """Spec change rolls the pods and adapters follow."""
     deployment = await cluster.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{SERVE}")
     old_hash = deployment["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
     old_pods = {p.name for p in pods(cluster)}
@@ -408,7 +414,8 @@ async def _service_port(cluster, port: int) -> bool:
     return bool(service) and service["spec"]["ports"][0]["port"] == port
 
 
-async def test_incompatible_change_is_reported_and_nothing_running_is_lost(cluster) -> None:
+async def test_incompatible_change_loses_nothing(cluster) -> None:
+    """Incompatible change is reported and nothing running is lost."""
     deployment = await cluster.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{SERVE}")
     before = deployment["metadata"]["resourceVersion"], {p.name for p in pods(cluster)}
     await cluster.patch(f"{SERVES}/{SERVE}", {"spec": {"lora": {"maxLorasPerBatch": 16}}})
@@ -437,7 +444,8 @@ async def test_incompatible_change_is_reported_and_nothing_running_is_lost(clust
     await wait_for(recovered, timeout=TIMEOUT, what="Running again")
 
 
-async def test_operator_restart_converges_without_duplicate_loads(cluster) -> None:
+async def test_restart_no_duplicate_loads(cluster) -> None:
+    """Operator restart converges without duplicate loads."""
     created = {pod.name: {n: e["created"] for n, e in (await models(pod)).items()} for pod in pods(cluster)}
     await cluster.stop_operator()
     # While no operator runs: a new Adapter appears.
@@ -455,7 +463,8 @@ async def test_operator_restart_converges_without_duplicate_loads(cluster) -> No
             assert held[name]["created"] == created[pod.name][name], f"{name} was reloaded on {pod.name}"
 
 
-async def test_deleting_the_serve_leaves_its_adapters_pending(cluster) -> None:
+async def test_delete_serve_leaves_pending(cluster) -> None:
+    """Deleting the serve leaves its adapters pending."""
     assert await cluster.delete(f"{SERVES}/{SERVE}") == 200
 
     async def pending() -> bool:
