@@ -36,7 +36,7 @@ def test_a_recipe_parses_every_field():
     assert parse_recipe("") == Recipe()
 
 
-def test_the_trainers_knobs_default_to_the_trainers_own_defaults():
+def test_knobs_default_to_trainer_defaults():
     """The knobs ``DFlashTraining`` has defaults for take them (one place for each)."""
     r = Recipe()
     assert (r.wd, r.blocks, r.decay, r.init) == (
@@ -68,7 +68,7 @@ def test_the_trainers_knobs_default_to_the_trainers_own_defaults():
         ("seq=4", "seq must be at least 8"),
     ],
 )
-def test_a_wrong_recipe_is_refused_naming_what_is_wrong(text, named):
+def test_wrong_recipe_refused(text, named):
     """Every kind of bad recipe raises ValueError whose message quotes the recipe and names
     the offending key and what it takes (so the command line's error says what to fix)."""
     with pytest.raises(ValueError) as err:
@@ -76,7 +76,7 @@ def test_a_wrong_recipe_is_refused_naming_what_is_wrong(text, named):
     assert named in str(err.value) and repr(text) in str(err.value)
 
 
-def test_a_recipes_label_lists_only_what_differs_from_the_defaults():
+def test_label_lists_only_differences():
     """The label (the report's row name) names the non-default fields in field order, and
     parses back to the same recipe; all defaults read ``defaults``."""
     assert Recipe().label() == "defaults"
@@ -87,7 +87,8 @@ def test_a_recipes_label_lists_only_what_differs_from_the_defaults():
     assert Recipe(layers=2, lr=0.003).label() == "layers=2,lr=0.003"
 
 
-def test_a_recipes_teacher_takes_the_first_windows():
+def test_teacher_takes_first_windows():
+    """A recipes teacher takes the first windows."""
     windows = torch.arange(20).view(10, 2)
     assert torch.equal(Recipe(teacher=3).teacher_windows(windows), windows[:3])
     assert Recipe().teacher_windows(windows) is windows
@@ -97,7 +98,7 @@ def test_every_field_has_one_rule():
     assert list(RULES) == [f.name for f in fields(Recipe)]
 
 
-def test_the_check_names_the_field_as_the_caller_spells_it():
+def test_check_names_caller_field():
     """``check_recipe`` passes a good recipe and names a bad field by the caller's spelling."""
     check_recipe(Recipe(wd=0.0, teacher=1))
     with pytest.raises(ValueError, match=r"^--dflash-lr must be positive .*got 0\.0$"):
@@ -106,7 +107,7 @@ def test_the_check_names_the_field_as_the_caller_spells_it():
         check_recipe(Recipe(wd=-1.0))
 
 
-def test_a_heldout_judgement_refuses_a_draft_of_other_layers_or_block(target):
+def test_heldout_refuses_mismatched_draft(target):
     """Held-out data is built for one draft's target layers and block; judging another draft
     on it would compare it with features it does not read, so it is refused by name."""
 
@@ -137,7 +138,7 @@ def test_a_heldout_judgement_refuses_a_draft_of_other_layers_or_block(target):
             dflash_heldout(bad, held)
 
 
-def test_the_walk_by_context_counts_each_step_in_its_bucket():
+def test_walk_counts_steps_per_bucket():
     """Each walk step's accepted drafts land in the runtime bucket of the tokens before its block."""
 
     walk = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float)
@@ -162,7 +163,7 @@ def test_layer_ids_of_an_eight_layer_target():
 
 
 @pytest.mark.parametrize("num_target", [4, 5, 8, 12, 36])
-def test_layer_ids_are_as_many_distinct_sorted_layers_as_the_draft_has(num_target):
+def test_layer_ids_distinct_sorted(num_target):
     """Where the range holds enough layers, each draft layer reads its own target layer, in
     order, inside the target; ``top`` always reads layer ``L-2`` (and layer 1 with more than
     one draft layer), the reference never reads past ``L-3``; neither names a layer whose
@@ -190,7 +191,7 @@ def _draft_params(target, seconds: float, weight_decay: float, lr: float) -> dic
     return {name: p.detach().clone() for name, p in draft.named_parameters()}
 
 
-def test_weight_decay_shrinks_the_matrices_and_not_the_norm_weights(target):
+def test_weight_decay_skips_norms(target):
     """One AdamW step from the same (seeded) initial draft, so the same gradient, with and
     without weight decay: every matrix differs by exactly the decoupled decay ``lr * wd *
     initial weight``; every norm weight (1-D) is identical, though the step moved it."""

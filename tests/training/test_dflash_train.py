@@ -25,7 +25,7 @@ from loraserve.runtime.tools.distill.eagle_head import LayerDims
 from .conftest import tiny_llama
 
 
-def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
+def test_label_counts_after_greedy_tokens():
     """Block position ``j`` of anchor ``a`` is judged by serving only when tokens ``a + 1 ..
     a + j - 1`` were the target's greedy choices: labels after any other token are masked."""
     length, vocab, block = 12, 7, 5
@@ -52,7 +52,8 @@ def test_a_label_counts_only_after_the_targets_own_greedy_tokens():
     ]
 
 
-def test_anchors_are_distinct_and_leave_room_for_the_labels():
+def test_anchors_distinct_with_room():
+    """Anchors are distinct and leave room for the labels."""
     gen = torch.Generator().manual_seed(0)
     anchors = sample_anchors(64, 20, 4, 10, gen, first=3)
     assert anchors.min() >= 3 and anchors.max() <= 20 - 4 + 1  # the last label row is the window's last token
@@ -73,7 +74,7 @@ def test_anchors_start_where_each_window_says():
         sample_anchors(5, 20, 4, 6, gen, first=first)
 
 
-def test_teacher_blocks_go_after_the_prompt_only_when_asked():
+def test_teacher_blocks_after_prompt():
     """``anchor_from="continuation"``: the batch's teacher windows (its last rows) start their
     blocks at the prompt's last token, where the first draft follows the prompt; corpus windows
     and ``"window"`` keep every anchor."""
@@ -86,7 +87,7 @@ def test_teacher_blocks_go_after_the_prompt_only_when_asked():
         first_anchors(4, 2, replace(opts, anchor_from="middle"))
 
 
-def test_the_loss_places_the_teacher_windows_blocks_after_their_prompt(target):
+def test_loss_places_teacher_blocks(target):
     """``dflash_loss`` with ``teacher_rows``: the draft is asked for blocks of the teacher
     windows only at or after the prompt's last token (seen at the draft's own input)."""
     from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
@@ -106,7 +107,7 @@ def test_the_loss_places_the_teacher_windows_blocks_after_their_prompt(target):
     assert (anchors[:, 0] < 9).any()  # the corpus row: anywhere
 
 
-def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits():
+def test_cached_outputs_match_target():
     """The cache keeps the layer outputs in bfloat16 and the target's greedy tokens; for KL
     labels also the final normed hidden state, from which the logits come back through the LM
     head as the uncached step computes them."""
@@ -127,7 +128,7 @@ def test_cached_outputs_give_the_targets_layer_outputs_greedy_tokens_and_logits(
 
 
 @pytest.mark.parametrize("labels", ["greedy", "distribution"])
-def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
+def test_cached_step_equals_uncached(target, labels):
     """The same windows and anchors give the same loss from the cache as from the target (to
     the cache's bfloat16 rounding), with greedy and KL labels alike."""
     from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
@@ -146,7 +147,8 @@ def test_a_cached_step_computes_the_uncached_steps_loss(target, labels):
     assert torch.allclose(plain, cached, rtol=0.02), (plain, cached)
 
 
-def test_training_on_cached_outputs_reports_the_cache(target):
+def test_cached_training_reports_cache(target):
+    """Training on cached outputs reports the cache."""
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(5))
     opts = DFlashTraining(seconds=600, seq=16, batch=4, lr=3e-3, block=4, layer_ids=[0], num_layers=2,
@@ -158,7 +160,7 @@ def test_training_on_cached_outputs_reports_the_cache(target):
                         torch.device("cpu")) == 0.0  # fmt: skip
 
 
-def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_windows(target, monkeypatch):
+def test_streamed_teacher_windows_trained(target, monkeypatch):
     """``teacher_outputs="stream"``: the cache holds corpus windows only, and each step's
     teacher windows (its last rows) come from every teacher window with the target's outputs
     computed then, equal to what the cache would hold; with ``"cache"``, the teacher windows
@@ -194,7 +196,7 @@ def test_streamed_teacher_windows_are_all_trained_on_beside_cached_corpus_window
         train_dflash(target, data, teacher, torch.device("cpu"), replace(opts, teacher_outputs="disk"))
 
 
-def test_a_compiled_training_forward_trains_the_eager_draft(target, monkeypatch):
+def test_compiled_forward_trains_eager_draft(target, monkeypatch):
     """``compile``: every step runs the draft's forward compiled, after one compiling step
     outside the clock that leaves the draft and the batches as they were, so the trained
     draft is the eager one's up to the compiler's rounding (streamed teacher windows: the
@@ -221,7 +223,7 @@ def test_a_compiled_training_forward_trains_the_eager_draft(target, monkeypatch)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_forward_that_does_not_compile_trains_eagerly_and_says_why(target, monkeypatch):
+def test_compile_failure_trains_eagerly(target, monkeypatch):
     """A compiler failure costs the run its speed-up, not the run: the draft trains eagerly,
     as without ``compile``, and the record names the error."""
     data = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(4))
@@ -243,7 +245,7 @@ def test_a_forward_that_does_not_compile_trains_eagerly_and_says_why(target, mon
         assert torch.equal(a, b)
 
 
-def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):
+def test_probes_judge_periodically(target):
     """``probe_every``: the probe sees the draft after every ``probe_every`` steps, in eval
     mode, as it trains; its own time is not training time: a probe slower than the whole
     budget still leaves the budget's steps to come."""
@@ -278,7 +280,7 @@ def test_probes_judge_the_draft_every_so_many_steps_outside_its_time(target):
     assert info["steps"] > 4  # were the probe's 3.5 s counted, training would stop one step after it (4)
 
 
-def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
+def test_draft_init_from_top_layers(target):
     """``init="target"``: draft layer ``j`` of ``n`` holds target layer ``L - n + j``'s
     weights and the draft's final norm the target's; a draft deeper than the target, or an
     unknown init, is refused by name."""
@@ -309,7 +311,7 @@ def test_a_draft_initialised_from_the_target_starts_as_its_top_layers(target):
         train_dflash(target, data, None, torch.device("cpu"), opts)
 
 
-def test_the_features_a_draft_trains_on_are_the_ones_serving_captures(tmp_path):
+def test_training_features_match_serving(tmp_path):
     """For every target layer either spread picks on an 8-layer target, ``target_outputs``
     (what training reads) equals what the runtime's target forward captures for the draft
     (what serving feeds it); layer ``L-1``, whose Hugging Face output is normed where the

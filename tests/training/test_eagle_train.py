@@ -15,7 +15,8 @@ from loraserve.runtime.tools.distill.eagle_train import (
 )
 
 
-def test_cached_features_are_the_targets_features_of_their_windows(target):
+def test_cached_features_match_target(target):
+    """Cached features are the targets features of their windows."""
     windows = torch.randint(0, 64, (7, 17), generator=torch.Generator().manual_seed(1))
     cache = FeatureCache.build(target, windows, torch.device("cpu"), chunk=3)
     assert cache.features.dtype == torch.bfloat16 and cache.features.shape == (7, 17, 64)
@@ -27,7 +28,8 @@ def test_cached_features_are_the_targets_features_of_their_windows(target):
         assert torch.equal(feat, want[i])  # a sampled window comes with its own features
 
 
-def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
+def test_cached_loss_equals_computed(target):
+    """The loss on cached features equals the loss computing them."""
     head = EagleHead(
         LayerDims.of(target.config),
         target.model.embed_tokens.weight,
@@ -43,7 +45,7 @@ def test_the_loss_on_cached_features_equals_the_loss_computing_them(target):
     assert torch.equal(fresh, cached) and top_fresh == top_cached
 
 
-def test_the_cache_gives_the_teacher_rows_what_the_corpus_leaves():
+def test_cache_fills_teacher_rows():
     """The corpus keeps up to half of the cache; the teacher rows take the rest, so a small
     corpus leaves them more than half, and a large one leaves each half."""
     from loraserve.runtime.tools.distill.eagle_train import cache_windows
@@ -65,7 +67,8 @@ def test_the_cache_gives_the_teacher_rows_what_the_corpus_leaves():
     )
 
 
-def test_training_with_a_cache_reports_it_and_learns(target):
+def test_cached_training_reports_and_learns(target):
+    """Training with a cache reports it and learns."""
     data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(4))
     teacher = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(5))
     opts = EagleTraining(seconds=600, seq=16, batch=8, lr=3e-3, max_steps=30, cache_gib=0.001)
@@ -86,7 +89,7 @@ def test_training_with_a_cache_reports_it_and_learns(target):
 
 
 @pytest.mark.parametrize("steps", [2, 4])
-def test_unrolled_steps_attend_as_the_serving_chain_does(target, steps):
+def test_unrolled_steps_match_serving(target, steps):
     """Step ``s`` at position ``j`` equals one causal forward over the pairs serving's ``s``-th
     chain step sees: target features up to ``j - s + 1``, then the chain's own entries, each
     fed the previous step's output (an entry's K/V depend on its own pair only)."""
@@ -113,7 +116,7 @@ def test_unrolled_steps_attend_as_the_serving_chain_does(target, steps):
                 torch.testing.assert_close(outs[s - 1][:, j], want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_loss_is_the_kl_from_the_target_plus_the_feature_term(target):
+def test_loss_is_kl_plus_feature_term(target):
     """One step: KL(target's next-token distribution ‖ the head's), the distribution read by
     the target's LM head from the target's next feature, plus ``feature_weight`` smooth-L1 to
     that feature; computed here from the head's forward alone."""

@@ -15,7 +15,8 @@ def _kl(draft, target, windows: torch.Tensor) -> float:
         return float(kl_per_position(draft(windows).logits, target(windows).logits, 64).mean())
 
 
-def test_distillation_moves_the_draft_to_the_target(target):
+def test_distillation_moves_draft(target):
+    """Distillation moves the draft to the target."""
     draft_config = llama_config(32, 1, 2, 1, 16, 64, vocab=64)
     data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(1))
     held = torch.randint(0, 64, (8, 24), generator=torch.Generator().manual_seed(2))
