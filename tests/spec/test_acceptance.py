@@ -24,7 +24,8 @@ def _greedy_oracle(drafts: list[int], logits: torch.Tensor) -> list[int]:
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
-def test_greedy_accept_matches_one_token_at_a_time(k):
+def test_greedy_accept_matches_stepwise(k):
+    """Greedy accept matches one token at a time."""
     gen = torch.Generator().manual_seed(k)
     bs, vocab = 33, 11
     logits = torch.randn(bs, k, vocab, generator=gen)
@@ -125,7 +126,7 @@ def _simulate(
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["sampled-draft", "one-hot-draft"])
 @pytest.mark.parametrize("k", [2, 4])
-def test_rejection_sampling_reproduces_the_target_chain(chi_square, one_hot_draft, k):
+def test_rejection_sampling_matches_target(chi_square, one_hot_draft, k):
     """Joint law of the first two generated tokens equals the target chain's, whatever the draft."""
     gen = torch.Generator().manual_seed(100 + k)
     vocab, start, n = 5, 0, 20000
@@ -141,7 +142,7 @@ def test_rejection_sampling_reproduces_the_target_chain(chi_square, one_hot_draf
     assert chi_square(third, (target[start] @ target @ target)) > ALPHA
 
 
-def test_chi_square_check_rejects_a_sampler_that_keeps_every_draft(chi_square):
+def test_chi_square_rejects_keep_all(chi_square):
     """The distribution check has power: always accepting the draft is caught."""
     gen = torch.Generator().manual_seed(104)
     vocab, start, n = 5, 0, 20000
@@ -197,7 +198,7 @@ def test_staging_keeps_what_the_host_reads():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_staged_acceptance_is_read_without_waiting_for_later_work():
+def test_staged_acceptance_read_early():
     """The decoder stages the acceptance before the drafter queues its next proposal: reading
     it must wait for the verify only, so the host works while the proposal runs."""
     drafts, logits = _staging_case("cuda")

@@ -38,7 +38,8 @@ def _check(run, requests, expected):
 
 
 @pytest.mark.parametrize(("algorithm", "draft"), [("NGRAM", None), ("STANDALONE", "same"), ("EAGLE3", "eagle3")])
-def test_processed_requests_under_cuda_graphs_are_lossless(make_spec_config, engine_run, algorithm, draft):
+def test_processed_graphs_lossless(make_spec_config, engine_run, algorithm, draft):
+    """Processed requests under CUDA graphs are lossless."""
     requests = processed_requests(processed=True)
     plain = engine_run(_on_gpu(make_spec_config(max_running_requests=8)), requests)
     expected = {rid: plain.outputs[rid].tokens for rid, *_ in requests}
@@ -69,7 +70,7 @@ def test_draft_adapters_under_cuda_graphs(make_spec_config, engine_run, spec_ass
 # --------------------------------------------------------------------------- DFLASH under graphs
 
 
-def test_dflash_proposals_from_cuda_graphs_equal_eager(spec_assets, drafts):  # noqa: F811
+def test_dflash_graph_proposals_eager(spec_assets, drafts):  # noqa: F811
     """The DFLASH draft's block, append and fused append + block replayed from captured
     graphs (padded batches, two context buckets): the same proposals as eager forwards."""
     graphed, eager = dflash_pair(spec_assets, drafts["two"], "cuda", max_bs=4, use_graphs=True)
@@ -78,7 +79,7 @@ def test_dflash_proposals_from_cuda_graphs_equal_eager(spec_assets, drafts):  # 
 
 
 @pytest.mark.parametrize("which", ["two", "accepting"])
-def test_dflash_greedy_under_cuda_graphs_is_lossless(
+def test_dflash_graphs_greedy_lossless(
     spec_assets, make_spec_config, engine_run, drafts, tmp_path, which  # noqa: F811
 ):
     """Greedy DFLASH with the target's and the draft's graphs on: the tokens of plain
@@ -102,7 +103,7 @@ def test_dflash_greedy_under_cuda_graphs_is_lossless(
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle3"])
-def test_head_draft_adapter_proposals_from_cuda_graphs_equal_eager(spec_assets, head_adapters, head):  # noqa: F811
+def test_head_adapter_graph_proposals(spec_assets, head_adapters, head):  # noqa: F811
     """A head's draft adapter inside captured graphs (chains and trees; 3 requests padded to
     4, one of them without the adapter), on the Triton LoRA kernels: the proposals of eager
     forwards, and the unadapted request's those of the head without a pool."""
@@ -115,7 +116,7 @@ def test_head_draft_adapter_proposals_from_cuda_graphs_equal_eager(spec_assets, 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("head", ["eagle", "eagle3"])
-def test_head_draft_adapters_under_cuda_graphs_are_lossless(
+def test_head_adapter_graphs_lossless(
     make_spec_config,
     engine_run,
     head_adapters,  # noqa: F811

@@ -37,7 +37,7 @@ def _greedy_requests(count, seed, max_tokens=16, adapters=(None,)):
     "graphs", [None, "ahead", "feed-then-propose"], ids=["eager", "static-propose-ahead", "static-feed-then-propose"]
 )
 @pytest.mark.parametrize("version", [1, 3])
-def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, graphs):
+def test_eagle_state_equals_replay(spec_assets, version, graphs):
     """After steps with every accept length, the draft's last output equals that of a
     drafter fed the same committed (feature, token) pairs in one go. With graphs the
     verified positions go in through the padded static path: with the next proposal in
@@ -104,7 +104,7 @@ def test_eagle_state_after_verify_equals_a_fresh_replay(spec_assets, version, gr
     assert "r" not in drafter.runner.kv
 
 
-def test_standalone_draft_state_after_verify_matches_a_fresh_catch_up(make_spec_config):
+def test_standalone_state_equals_catch_up(make_spec_config):
     """After steps with every accept length (all accepted included), the incremental
     draft proposes exactly what a draft that re-reads the committed tokens in one extend
     proposes, and each step costs one draft forward per draft token (none to cache the
@@ -150,7 +150,8 @@ def test_standalone_draft_state_after_verify_matches_a_fresh_catch_up(make_spec_
     assert "s" not in drafter.runner.kv
 
 
-def test_requests_at_the_context_limit_decode_one_token_without_drafting(make_spec_config):
+def test_context_limit_skips_drafting(make_spec_config):
+    """Requests at the context limit decode one token without drafting."""
     config = make_spec_config("STANDALONE", "same", context_length=32)
     runner = ModelRunner(config)
     decoder = build_decoder(config=config, runner=runner, sampler=Sampler(0))
@@ -204,7 +205,7 @@ def test_a_failing_draft_step_loses_nothing(make_spec_config, engine_run, case):
         assert run.outputs[rid].tokens == base.outputs[rid].tokens
 
 
-def test_a_failing_draft_update_after_an_undrafted_step_loses_nothing(make_spec_config, engine_run):
+def test_failed_draft_update_loses_nothing(make_spec_config, engine_run):
     """The drafter fails while taking in a step decoded without drafting (batch at
     disable_batch_size): the target's tokens stand, those drafts start over, outputs stay exact."""
     requests = _greedy_requests(6, seed=7, adapters=(None, "attn-r8", "emb-head"))
@@ -233,7 +234,8 @@ def test_a_failing_draft_update_after_an_undrafted_step_loses_nothing(make_spec_
     assert snap.undrafted_steps > 1 and snap.overall.verify_steps > 0
 
 
-def test_metrics_agree_with_request_stats_and_render(make_spec_config, engine_run):
+def test_metrics_agree_with_stats(make_spec_config, engine_run):
+    """Metrics agree with request stats and render."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     requests = _greedy_requests(8, seed=6, adapters=(None, "attn-r8", "mlp-r4"))
@@ -311,7 +313,7 @@ def test_acceptance_is_counted_by_context_length():
     assert metrics.snapshot().overall.verify_steps == 4  # the refused step counted nothing
 
 
-def test_a_request_growing_past_a_bucket_bound_is_counted_in_both(make_spec_config, engine_run):
+def test_bucket_crossing_counted_in_both(make_spec_config, engine_run):
     """The decoder passes each request's length before the step: a 120-token prompt decoding
     24 tokens verifies in the 0-127 bucket first, then in 128-255, and every step is in one."""
     gen = torch.Generator().manual_seed(8)
@@ -323,7 +325,8 @@ def test_a_request_growing_past_a_bucket_bound_is_counted_in_both(make_spec_conf
     assert sum(c.verify_steps for c in snap.per_context.values()) == snap.overall.verify_steps
 
 
-def test_target_configuration_is_unchanged_by_building_the_draft(make_spec_config):
+def test_draft_build_keeps_target_config(make_spec_config):
+    """Target configuration is unchanged by building the draft."""
     config = make_spec_config("STANDALONE", "small")
     before = config.to_dict()
     runner = ModelRunner(config)
@@ -355,7 +358,8 @@ def test_bad_draft_settings_name_the_field(make_spec_config, algorithm, draft, c
     assert err.value.field == field
 
 
-def test_standalone_draft_with_another_tokenizer_is_refused(spec_assets, make_spec_config, tmp_path):
+def test_standalone_other_tokenizer(spec_assets, make_spec_config, tmp_path):
+    """Standalone draft with another tokenizer is refused."""
     from loraserve.runtime.dev.devmodels import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", vocab_size=600, hidden_size=32, num_layers=1, seed=9)
@@ -379,7 +383,7 @@ def test_dummy_draft_weights_still_lossless(make_spec_config, engine_run, case):
 
 
 @pytest.mark.parametrize("case", [("STANDALONE", "same"), ("NGRAM", None)])
-def test_logprobs_and_stop_tokens_match_plain_decoding(make_spec_config, engine_run, case):
+def test_logprobs_and_stops_match_plain(make_spec_config, engine_run, case):
     """Accepted drafts carry the target's log-probabilities, and a stop token inside an
     accepted run ends the request exactly where plain decoding ends it."""
     probe = _greedy_requests(4, seed=9, max_tokens=20, adapters=(None, "mlp-r4"))

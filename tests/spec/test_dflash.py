@@ -96,7 +96,8 @@ def _target_raw(spec_assets) -> dict:
 # --------------------------------------------------------------------------- format
 
 
-def test_config_fields_of_real_checkpoints_are_read(spec_assets):
+def test_real_checkpoint_config_read(spec_assets):
+    """Config fields of real checkpoints are read."""
     raw = dflash_draft_config(spec_assets.target, num_layers=2, target_layer_ids=[0, 1], block_size=16)
     raw["block_size"] = 8  # the older top-level spelling loses to dflash_config.block_size
     config = dflash_config_from_dict(raw, target_num_layers=3)
@@ -114,7 +115,8 @@ def test_config_fields_of_real_checkpoints_are_read(spec_assets):
     )
 
 
-def test_default_target_layers_follow_the_reference():
+def test_default_target_layers():
+    """Default target layers follow the reference."""
     assert default_target_layer_ids(32, 1) == (16,)  # one draft layer: the middle layer
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # evenly from 1 to L - 3 (Qwen3-8B's)
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
@@ -155,7 +157,8 @@ def test_target_and_block_checks(spec_assets):
         config.check_block(5)
 
 
-def test_a_block_wider_than_the_checkpoint_is_refused_at_start_up(make_spec_config, drafts):
+def test_too_wide_block_refused(make_spec_config, drafts):
+    """A block wider than the checkpoint is refused at start up."""
     from loraserve.runtime.speculative import build_decoder
     from loraserve.runtime.speculative.draft_config import SpeculativeConfigError
 
@@ -289,7 +292,8 @@ def _reference_block(
 
 
 @pytest.mark.parametrize("which", ["one", "two"])
-def test_block_logits_match_the_reference_equations(spec_assets, make_spec_config, drafts, which):
+def test_block_logits_match_reference(spec_assets, make_spec_config, drafts, which):
+    """Block logits match the reference equations."""
     from loraserve.runtime.speculative import build_decoder
 
     width = 4
@@ -366,7 +370,7 @@ def accepting(spec_assets, baseline, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("k,max_running", [(6, 1), (4, 12)])
-def test_greedy_output_is_identical_where_blocks_are_accepted(
+def test_greedy_identical_accepted(
     make_spec_config, engine_run, baseline, accepting, k, max_running
 ):
     """The oracle with drafts the target accepts (whole blocks, several drafts a step): the
@@ -382,7 +386,7 @@ def test_greedy_output_is_identical_where_blocks_are_accepted(
     assert stats.accepted_tokens > 0 and sum(stats.histogram[2:]) > 0, stats  # steps accepting several drafts
 
 
-def test_greedy_output_is_identical_with_chunked_prefill_and_undrafted_steps(
+def test_greedy_identical_chunked(
     make_spec_config, engine_run, baseline, drafts
 ):
     """Prefill in chunks (context appended chunk by chunk) and steps too large to draft
@@ -422,7 +426,7 @@ def _replay_proposals(drafter, log) -> list[torch.Tensor]:
     return out
 
 
-def test_proposals_are_bit_identical_with_and_without_an_embedding_and_head_adapter(
+def test_proposals_ignore_head_adapter(
     make_spec_config, engine_run, drafts
 ):
     """Serving the emb-head adapter (embed_tokens + lm_head + v_proj) among others, with the
@@ -482,7 +486,7 @@ def test_proposals_are_bit_identical_with_and_without_an_embedding_and_head_adap
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_the_target_adapter_context_never_reaches_the_draft(make_spec_config, drafts):
+def test_adapter_context_not_in_draft(make_spec_config, drafts):
     """With the emb-head adapter's LoRA context set on the target (as during its forward),
     the draft's mask-block embedding and logits are unchanged, bit for bit."""
     from loraserve.runtime.speculative import build_decoder
@@ -513,7 +517,7 @@ def test_the_target_adapter_context_never_reaches_the_draft(make_spec_config, dr
 
 
 @pytest.mark.slow
-def test_joint_law_of_sampled_tokens_matches_the_target(make_spec_config, engine_run, chi_square, drafts):
+def test_sampled_joint_law(make_spec_config, engine_run, chi_square, drafts):
     """As tests/spec/test_sampling_oracle.py, with DFLASH drafting (each block position drawn
     from the draft's marginal there) and the emb-head adapter."""
     from .joint_law import reference_law, sampled_counts
@@ -536,7 +540,7 @@ def test_joint_law_of_sampled_tokens_matches_the_target(make_spec_config, engine
 # --------------------------------------------------------------------------- the contract
 
 
-def test_policy_admits_dflash_with_lora_and_refuses_its_trees(make_spec_config, drafts):
+def test_policy_dflash_lora_no_trees(make_spec_config, drafts):
     """This image's capabilities: DFLASH with adapters, a block of any width (num_steps
     unused; the checkpoint's block_size bounds it at start-up), CUDA graphs; trees refused."""
     from loraserve.runtime.contract import policy

@@ -55,7 +55,8 @@ def _serve(**speculative) -> dict:
     }
 
 
-def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets, blocks, tmp_path):
+def test_runtime_takes_checkpoint_block(spec_assets, blocks, tmp_path):
+    """The runtime takes the checkpoints block when none is given."""
     assert _runtime(_dflash_argv(spec_assets, blocks["six"])).speculative.num_draft_tokens == 6
     given = _runtime(_dflash_argv(spec_assets, blocks["six"], "--num-draft-tokens", "3"))
     assert given.speculative.num_draft_tokens == 3  # a smaller block than trained, as the user asked
@@ -71,7 +72,8 @@ def test_the_runtime_takes_the_checkpoints_block_when_none_is_given(spec_assets,
     assert eagle.speculative.num_draft_tokens == 3  # a chain: num_steps + 1
 
 
-def test_a_draft_stating_no_block_verifies_the_references_default_and_says_so(spec_assets, blocks, caplog):
+def test_no_block_uses_default(spec_assets, blocks, caplog):
+    """A draft stating no block verifies the references default and says so."""
     with caplog.at_level(logging.WARNING, logger="loraserve.runtime"):
         config = _runtime(_dflash_argv(spec_assets, blocks["unstated"], "--num-steps", "4"))
     assert config.speculative.num_draft_tokens == UNSTATED_BLOCK == 16  # the reference engine's, not num_steps + 1
@@ -83,7 +85,8 @@ def test_a_draft_stating_no_block_verifies_the_references_default_and_says_so(sp
 
 
 @pytest.mark.parametrize("bad", ["16", 0, -4, True, 2.5])
-def test_a_malformed_block_size_parses_and_the_draft_loader_names_it(spec_assets, blocks, tmp_path, bad):
+def test_malformed_block_size_named(spec_assets, blocks, tmp_path, bad):
+    """A malformed block size parses and the draft loader names it."""
     draft = tmp_path / "bad"
     draft.mkdir()
     raw = json.loads((blocks["six"] / "config.json").read_text())
@@ -94,7 +97,8 @@ def test_a_malformed_block_size_parses_and_the_draft_loader_names_it(spec_assets
         load_dflash_config(draft, target_num_layers=3)
 
 
-def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_assets, blocks):
+def test_operator_leaves_block_to_pod(spec_assets, blocks):
+    """The operator leaves the block to the pod and the pod reads it."""
     spec = parse_loraserve_spec(_serve())
     assert derived_defaults(_serve()) == {"model": {"servedName": "llama"}}  # no numDraftTokens filled in
     config = to_runtime_config(spec)
@@ -114,7 +118,8 @@ def test_the_operator_leaves_the_block_to_the_pod_and_the_pod_reads_it(spec_asse
     assert derived_defaults(_serve(numDraftTokens=5)) == {"model": {"servedName": "llama"}}
 
 
-def test_a_dflash_tree_without_a_block_is_refused_as_a_tree(spec_assets):
+def test_blockless_tree_refused(spec_assets):
+    """A DFlash tree without a block is refused as a tree."""
     config = to_runtime_config(parse_loraserve_spec(_serve(topK=2, numSteps=2)))
     assert config.speculative.num_draft_tokens is None
     report = policy.check_config(config)
@@ -125,7 +130,8 @@ def test_a_dflash_tree_without_a_block_is_refused_as_a_tree(spec_assets):
 
 
 @pytest.mark.slow
-def test_check_config_of_a_real_process_shows_the_checkpoints_block(spec_assets, blocks):
+def test_check_config_shows_block(spec_assets, blocks):
+    """Check config of a real process shows the checkpoints block."""
     proc = subprocess.run(
         [sys.executable, "-m", "loraserve.runtime", *_dflash_argv(spec_assets, blocks["six"]), "--check-config"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"},

@@ -132,7 +132,8 @@ def check_against_eager(
 
 
 @pytest.mark.parametrize("which", ["one", "two"])
-def test_static_path_proposals_are_bit_identical_to_eager(spec_assets, drafts, which):  # noqa: F811
+def test_static_proposals_equal_eager(spec_assets, drafts, which):  # noqa: F811
+    """Static path proposals are bit identical to eager."""
     graphed, eager = dflash_pair(spec_assets, drafts[which], "cpu", max_bs=4, use_graphs=False)
     check_against_eager(graphed, eager, "cpu")
     # What the engine's metrics and the benchmarks read: shapes held on the static path are
@@ -144,7 +145,7 @@ def test_static_path_proposals_are_bit_identical_to_eager(spec_assets, drafts, w
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="the paged kernel needs CUDA or TRITON_INTERPRET=1 (make test sets it)",
 )
-def test_static_path_on_the_paged_kernel_proposes_what_eager_sdpa_does(spec_assets, drafts):  # noqa: F811
+def test_static_paged_equals_eager_sdpa(spec_assets, drafts):  # noqa: F811
     """The block through the paged Triton kernel (the target's backend on a GPU; padded
     requests read table row 0): the proposals of eager SDPA, the rest equal up to the two
     kernels' rounding."""
@@ -155,7 +156,8 @@ def test_static_path_on_the_paged_kernel_proposes_what_eager_sdpa_does(spec_asse
     check_against_eager(graphed, eager, device, tol=1e-4)
 
 
-def test_a_block_of_another_width_is_refused_and_leaves_the_cache(spec_assets, drafts):  # noqa: F811
+def test_other_width_block_refused(spec_assets, drafts):  # noqa: F811
+    """A block of another width is refused and leaves the cache."""
     graphed, _ = dflash_pair(spec_assets, drafts["two"], "cpu", max_bs=4, use_graphs=False)
     graphed.append_context(["a"], torch.randn(5, graphed.feature_size), [5])
     with pytest.raises(ValueError, match="width 4, got 5"):
@@ -175,7 +177,7 @@ def _with_static_graphs(max_bs: int, width: int):
     return hook
 
 
-def test_greedy_output_is_identical_per_adapter_on_the_static_path(
+def test_static_greedy_per_adapter(
     make_spec_config,
     engine_run,
     baseline,  # noqa: F811
@@ -195,7 +197,7 @@ def test_greedy_output_is_identical_per_adapter_on_the_static_path(
     assert graphs._feeds and graphs._blocks  # drafted ahead, and afresh after admissions
 
 
-def test_mixed_sampled_and_greedy_batches_match_the_eager_draft(make_spec_config, engine_run, drafts):  # noqa: F811
+def test_mixed_batches_match_eager(make_spec_config, engine_run, drafts):  # noqa: F811
     """Seeded sampling requests beside greedy ones (no drafting ahead: the block's logits
     come from the graph's hidden rows): the same tokens as with an eager draft."""
     requests = [
@@ -215,7 +217,7 @@ def test_mixed_sampled_and_greedy_batches_match_the_eager_draft(make_spec_config
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static-graphs"])
-def test_proposals_after_verify_steps_equal_proposals_from_scratch(
+def test_proposals_after_verify(
     make_spec_config,
     engine_run,
     drafts,  # noqa: F811

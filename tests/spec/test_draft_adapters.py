@@ -53,9 +53,10 @@ def _accept_rate(run, adapter):
     return stats.accepted_tokens / stats.draft_tokens
 
 
-def test_a_draft_adapter_lifts_its_requests_acceptance_and_changes_no_output(
+def test_draft_adapter_lifts_acceptance(
     make_spec_config, engine_run, spec_assets, expected
 ):
+    """A draft adapter lifts its requests acceptance and changes no output."""
     with_draft = engine_run(_config(make_spec_config, 2), _requests(), decoder_hook=_loading(spec_assets))
     without = engine_run(_config(make_spec_config, 0), _requests())
     for run in (with_draft, without):
@@ -70,7 +71,8 @@ def test_a_draft_adapter_lifts_its_requests_acceptance_and_changes_no_output(
     assert with_draft.engine.decoder.drafter.runner.lora.list()[0].refcount == 0  # leases released
 
 
-def test_the_draft_pool_never_holds_the_target_adapters(make_spec_config, engine_run):
+def test_draft_pool_excludes_targets(make_spec_config, engine_run):
+    """The draft pool never holds the target adapters."""
     run = engine_run(_config(make_spec_config, 2), _requests()[:1])
     pool = run.engine.draft_pool
     assert pool is not None and pool.list() == []  # lora.adapters stays with the target
@@ -78,9 +80,10 @@ def test_the_draft_pool_never_holds_the_target_adapters(make_spec_config, engine
     assert sorted(i.name for i in run.engine.list_adapters()) == sorted(run.engine.config.lora.adapters)
 
 
-def test_draft_adapters_outside_the_draft_pool_are_refused_with_the_field(
+def test_draft_outside_pool_refused(
     make_spec_config, engine_run, spec_assets
 ):
+    """Draft adapters outside the draft pool are refused with the field."""
     run = engine_run(_config(make_spec_config, 2), _requests()[:1])
     with pytest.raises(AdapterError) as err:  # embed_tokens / lm_head: not draft-pool modules
         run.engine.load_draft_adapter("emb-head", spec_assets.adapters["emb-head"])

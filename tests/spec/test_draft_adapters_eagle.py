@@ -109,9 +109,10 @@ def _loading(adapters: dict[str, Path], *, static_path: bool = False):
 @pytest.mark.parametrize("static_path", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("head", list(HEADS))
-def test_head_draft_adapters_are_lossless_in_mixed_batches(
+def test_head_adapters_lossless_mixed(
     make_spec_config, engine_run, head_adapters, expected, head, shape, static_path
 ):
+    """Head draft adapters are lossless in mixed batches."""
     config = _head_config(make_spec_config, head, tree=shape == "tree")
     run = engine_run(config, _requests(), decoder_hook=_loading(head_adapters[head], static_path=static_path))
     for rid, *_ in _requests():
@@ -128,7 +129,7 @@ def test_head_draft_adapters_are_lossless_in_mixed_batches(
         assert graphs._adapted.get(id(fed)), "no adapted feed-and-propose replay ran"
 
 
-def test_more_head_adapters_in_a_batch_than_draft_slots_keep_drafting(
+def test_excess_head_adapters_draft(
     make_spec_config, engine_run, head_adapters, expected, caplog
 ):
     """Two drafted Adapters in one batch, one draft slot: one drafts with its head adapter,
@@ -262,7 +263,8 @@ def _level_one(tree, row: int) -> list[int]:
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters, head):
+def test_head_adapter_own_requests_only(spec_assets, head_adapters, head):
+    """A head adapter changes only its own requests."""
     runners = head_runners(spec_assets, head, head_adapters[head]["attn-r8"])
     check_head_adapter_proposals(*runners, "cpu")
 
@@ -271,7 +273,7 @@ def test_a_head_adapter_changes_only_its_own_requests(spec_assets, head_adapters
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton LoRA kernels need CUDA or TRITON_INTERPRET=1 (make test sets it)",
 )
-def test_the_triton_kernels_give_head_adapters_the_same_proposals(spec_assets, head_adapters):
+def test_triton_head_adapter_proposals(spec_assets, head_adapters):
     """The serving kernels on the head's layouts (ragged prefill, draft steps, tree frontiers;
     on the static path, the fixed graph buffers): the isolation check above, on EAGLE3's
     2H-wide q/k/v and fc. On the interpreter where no CUDA device is present, else on the GPU."""
@@ -399,7 +401,8 @@ def _check_outputs(run, expected) -> None:
         assert run.outputs[rid].error is None and run.outputs[rid].tokens == expected[rid], rid
 
 
-def test_the_targets_own_adapter_as_head_adapter_accepts_every_draft(engine_run, layer_head, layer_runs):
+def test_target_adapter_as_head_accepts(engine_run, layer_head, layer_runs):
+    """The targets own adapter as head adapter accepts every draft."""
     expected, shared = layer_runs
     assert _rate(shared, None) == 1.0  # the head is the base target's layer
     assert _rate(shared, "mlp") < 0.8  # the adapter moved the target away from the shared head
@@ -433,7 +436,7 @@ def _traffic(engine_run, layer_head, count: int = 48) -> torch.Tensor:
     return torch.tensor([prompt + run.outputs[rid].tokens for rid, prompt, *_ in requests])
 
 
-def test_a_distilled_head_adapter_lifts_acceptance_and_ignoring_the_lease_loses_it(
+def test_distilled_head_adapter_lifts(
     engine_run, layer_head, layer_runs, tmp_path, monkeypatch, one_thread
 ):
     """The distillation of ``loraserve-distill-draft`` (its teacher, head student, loop and
@@ -477,9 +480,10 @@ def test_a_distilled_head_adapter_lifts_acceptance_and_ignoring_the_lease_loses_
 
 
 @pytest.mark.parametrize("head", ["layer", "eagle3"])
-def test_the_cli_distils_a_head_adapter_the_runtime_loads(
+def test_cli_distils_head_adapter(
     layer_head, spec_assets, head, tmp_path, capsys, one_thread
 ):
+    """The CLI distils a head adapter the runtime loads."""
     from loraserve.runtime.tools.distill_draft import main
 
     if head == "layer":
@@ -541,7 +545,7 @@ def _sequences(count: int, length: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_one_unrolled_step_trains_exactly_the_first_draft_step(spec_assets, head, one_thread):
+def test_one_unrolled_step_first_only(spec_assets, head, one_thread):
     """``unroll`` 1 is the head student of before: the same logits, the same loss and the same
     trained LoRA, bit for bit, as the plain causal-LM path of the loop."""
     from loraserve.runtime.tools.distill.objective import chain_distillation_loss, distillation_loss
@@ -577,7 +581,7 @@ def test_one_unrolled_step_trains_exactly_the_first_draft_step(spec_assets, head
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_unrolled_steps_are_the_serving_chains_steps(spec_assets, head, tmp_path, one_thread):
+def test_unrolled_steps_match_chain(spec_assets, head, tmp_path, one_thread):
     """The oracle: each chained step of the student over whole sequences (its output feature
     and logits) is what the serving runner computes for that step from the same prefix, with
     the written adapter loaded in its draft adapter pool: the target-fed forward over the
@@ -619,7 +623,7 @@ def test_unrolled_steps_are_the_serving_chains_steps(spec_assets, head, tmp_path
         runner.kv.free(rid)
 
 
-def test_unrolled_training_holds_the_second_draft_steps_agreement(layer_head, one_thread):
+def test_unrolled_keeps_second_step(layer_head, one_thread):
     """On the adapter's traffic, a head adapter trained over 2 chained steps agrees with the
     adapted target at the chain's second step (fed its own first output, as serving does)
     about as well as at its first; one trained on the first step alone loses agreement there."""

@@ -50,7 +50,8 @@ def test_target_is_unchanged_and_never_aliased():
             assert getattr(draft, part.name) is not value
 
 
-def test_draft_takes_its_own_model_and_no_adapters():
+def test_draft_own_model_no_adapters():
+    """Draft takes its own model and no adapters."""
     target = _target()
     draft = build_draft_config(target, context_length=8192)
     assert draft.model.path == target.speculative.draft_model_path
@@ -64,7 +65,8 @@ def test_draft_takes_its_own_model_and_no_adapters():
         assert target.model.load_format != "dummy"
 
 
-def test_context_length_follows_the_target_when_not_given():
+def test_context_length_follows_target():
+    """Context length follows the target when not given."""
     target = _target()
     assert build_draft_config(target).model.context_length == target.model.context_length
 
@@ -82,7 +84,7 @@ def test_nextn_resolves_to_eagle():
 
 
 @pytest.mark.parametrize("requested", [SpecAlgorithm.NEXTN, SpecAlgorithm.EAGLE])
-def test_gemma4_assistant_draft_resolves_as_the_policy_does(requested):
+def test_gemma4_draft_resolves_as_policy(requested):
     """The decoder and the admission policy resolve alike: EAGLE/NEXTN with a Gemma-4
     assistant draft is FROZEN_KV_MTP, which this image does not run, and both say so."""
     target = _target()
@@ -96,7 +98,7 @@ def test_gemma4_assistant_draft_resolves_as_the_policy_does(requested):
     assert "algorithm-unavailable" in check_config(target).rules()
 
 
-def test_runnable_algorithms_come_from_the_capability_table():
+def test_runnable_algorithms_from_table():
     """Flipping an algorithm in the image's capabilities is what lets the decoder run it."""
     target = _target()
     assert check_speculative(target, CAPABILITIES).speculative.algorithm is SpecAlgorithm.EAGLE3

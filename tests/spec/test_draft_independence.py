@@ -28,7 +28,8 @@ def _per_position_accept_rate(histogram: list[int]) -> list[float]:
     return rates
 
 
-def test_draft_equal_to_target_is_accepted_at_every_position(make_spec_config, engine_run):
+def test_target_as_draft_accepts_all(make_spec_config, engine_run):
+    """Draft equal to target is accepted at every position."""
     greedy = [
         (f"g{i}", p, SamplingParams(max_tokens=40, temperature=0.0), None)
         for i, p in enumerate(_prompts(6, 1))
@@ -45,7 +46,7 @@ def test_draft_equal_to_target_is_accepted_at_every_position(make_spec_config, e
         assert min(rates) > 0.9, (requests[0][0], hist, rates)
 
 
-def test_standalone_proposals_are_bit_identical_without_the_adapter(
+def test_standalone_ignores_adapter(
     spec_assets, make_spec_config, engine_run
 ):
     """An embeddings + lm_head adapter on the target never reaches the draft.
@@ -100,7 +101,7 @@ def test_standalone_proposals_are_bit_identical_without_the_adapter(
 @pytest.mark.parametrize(
     "case", [("EAGLE3", "eagle3"), ("EAGLE", "eagle-token-map")], ids=["whole-head", "token-map"]
 )
-def test_eagle_draft_uses_the_base_embeddings_and_head(make_spec_config, case):
+def test_eagle_uses_base_embeddings(make_spec_config, case):
     """With an embeddings + lm_head adapter active in the target, the EAGLE draft's logits
     and embeddings are bit-identical to those with no adapter in play: whether it shares the
     target's head whole or takes rows of it for a token map."""

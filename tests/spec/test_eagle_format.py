@@ -133,7 +133,8 @@ def test_cached_draft_layer_matches_reference(target, tmp_path, version, input_n
         assert runner.kv.seq_len(r) == n
 
 
-def test_draft_shares_the_target_embeddings_and_head(target, tmp_path):
+def test_draft_shares_target_head(target, tmp_path):
+    """Draft shares the target embeddings and head."""
     path, arch, model = target
     draft_dir = build_eagle_draft(tmp_path / "draft", path, version=3, aux_layer_ids=[0, 2, 3])
     runner = _runner(draft_dir, arch, model, max_total_tokens=64, max_requests=2, max_context_len=32)
@@ -212,7 +213,7 @@ def _check_reduced_logits(runner, reference_logits, hidden, rows):
 
 
 @pytest.mark.parametrize("version", [1, 3])
-def test_a_draft_with_its_own_reduced_head_predicts_target_ids(target, tmp_path, version):
+def test_reduced_head_predicts_target_ids(target, tmp_path, version):
     """``draft_vocab_size`` + ``d2t`` (EAGLE3 training's layout): the draft's own LM head
     scores its rows, and row ``i`` stands for target token ``i + d2t[i]``."""
     path, arch, model = target
@@ -228,7 +229,7 @@ def test_a_draft_with_its_own_reduced_head_predicts_target_ids(target, tmp_path,
     _check_reduced_logits(runner, final.double() @ head.double().T, hidden, rows)
 
 
-def test_a_token_map_selects_rows_of_the_target_head(target, tmp_path):
+def test_token_map_selects_head_rows(target, tmp_path):
     """FR-Spec: the draft scores the listed tokens through those rows of the target's base
     head (a copy: the target's weights are untouched); a relative path is a file of the
     draft's directory, and every accepted file format reads the same ids."""
@@ -296,7 +297,8 @@ def test_own_head_checkpoint_mistakes_are_named(target, tmp_path):
             _runner(draft_dir, arch, model)
 
 
-def test_a_safetensors_token_map_beside_the_weights_is_not_read_as_weights(target, tmp_path):
+def test_token_map_file_not_weights(target, tmp_path):
+    """A safetensors token map beside the weights is not read as weights."""
     path, arch, model = target
     draft_dir = build_eagle_draft(tmp_path / "draft", path, version=1)
     rows = _draft_rows(arch, 16, seed=5)

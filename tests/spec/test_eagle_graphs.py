@@ -166,7 +166,8 @@ def _check_feed_chain(graphed: EagleDraftRunner, eager: EagleDraftRunner, device
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_static_feed_chain_equals_eager_feed_then_steps(spec_assets, draft):
+def test_static_feed_chain_equals_eager(spec_assets, draft):
+    """Static feed chain equals eager feed then steps."""
     graphed, eager = _pair(spec_assets, draft, "cpu", max_bs=4, use_graphs=False)
     eager.graphs = None
     _check_feed_chain(graphed, eager, "cpu")
@@ -196,7 +197,7 @@ def test_static_padded_steps_equal_eager(spec_assets, draft):
     [(True, "eagle"), (False, "eagle"), (True, "eagle3-d2t")],
     ids=["propose-ahead", "feed-then-propose", "propose-ahead-d2t"],
 )
-def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_run, spec_assets, ahead, case):
+def test_static_drafting_lossless(make_spec_config, engine_run, spec_assets, ahead, case):
     """EAGLE through the engine with every draft forward on the padded static path: with the
     next proposal queued behind each verify (the greedy default), and with the feed and the
     proposal as separate forwards (what sampled batches and batches near the limits take);
@@ -231,7 +232,7 @@ def test_drafting_through_the_static_path_is_lossless(make_spec_config, engine_r
     reason="the paged kernel needs CUDA or TRITON_INTERPRET=1 (make test sets it)",
 )
 @pytest.mark.parametrize("draft", ("eagle", "eagle3"))
-def test_draft_chains_on_the_paged_kernel_equal_sdpa_steps(spec_assets, draft):
+def test_paged_chains_equal_sdpa(spec_assets, draft):
     """The chain and the feed-chain with the draft's attention on the Triton paged kernel
     give the tokens and cache entries of eager SDPA steps."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,7 +259,8 @@ def test_captured_steps_equal_eager_on_gpu(spec_assets, draft):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_captured_chain_equals_single_steps_on_gpu(spec_assets, draft):
+def test_captured_chain_equals_steps(spec_assets, draft):
+    """Captured chain equals single steps on GPU."""
     graphed, eager = _pair(spec_assets, draft, "cuda", max_bs=4, use_graphs=True)
     eager.graphs = None
     _check_chain(graphed, eager, "cuda")
@@ -310,7 +312,7 @@ def _tree_paths(tree, b: int) -> set[tuple[int, ...]]:
 )  # (top_k, num_steps, num_nodes); 15 nodes keep every candidate, so the deepest are judged too
 @pytest.mark.parametrize("graphs", [True, False], ids=["static-graph-path", "eager"])
 @pytest.mark.parametrize("draft", ("eagle", "eagle3"))
-def test_a_grown_tree_equals_growth_by_single_steps(spec_assets, draft, graphs, shape):
+def test_grown_tree_equals_steps(spec_assets, draft, graphs, shape):
     """Every node of a tree grown in one forward per level sees exactly its own path: the
     tree equals EAGLE-2 growth where each node's output comes from single steps along its
     path. Then feeding an accepted path and growing the next tree in one go equals a feed,

@@ -41,9 +41,10 @@ def _requests():
 
 
 @pytest.mark.parametrize(("algorithm", "draft"), [("NGRAM", None), ("EAGLE3", "eagle3")])
-def test_preempted_requests_keep_their_tokens_under_speculation(
+def test_preempted_keep_tokens(
     make_spec_config, engine_run, algorithm, draft
 ):
+    """Preempted requests keep their tokens under speculation."""
     from loraserve.runtime.engine.engine import Engine
     from loraserve.runtime.engine.request import Request
     from loraserve.runtime.runner.model_runner import ModelRunner

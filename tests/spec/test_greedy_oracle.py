@@ -95,7 +95,7 @@ def test_other_verify_widths(make_spec_config, engine_run, baseline, case, k):
 
 
 @pytest.mark.parametrize("case", ["standalone-small", "eagle", "eagle3"])
-def test_chunked_prefill_feeds_the_draft_chunk_by_chunk(make_spec_config, engine_run, baseline, case):
+def test_chunked_prefill_feeds_draft(make_spec_config, engine_run, baseline, case):
     """Prompts longer than the chunk size: the draft mirrors the target's prefill chunks."""
     requests, expected = baseline
     algorithm, draft = CASES[case]
@@ -104,7 +104,7 @@ def test_chunked_prefill_feeds_the_draft_chunk_by_chunk(make_spec_config, engine
 
 
 @pytest.mark.parametrize("case", ["standalone-same", "eagle", "ngram"])
-def test_retraction_under_kv_pressure_stays_lossless(make_spec_config, engine_run, case):
+def test_retraction_stays_lossless(make_spec_config, engine_run, case):
     """A KV budget too small for the whole batch forces retractions; outputs do not change."""
     requests = _requests(count=10, seed=3, max_tokens=30)
     base = engine_run(make_spec_config(max_total_tokens=260), requests)
@@ -115,7 +115,7 @@ def test_retraction_under_kv_pressure_stays_lossless(make_spec_config, engine_ru
 
 
 @pytest.mark.parametrize("case", ["ngram", "standalone-same", "standalone-small", "eagle", "eagle3"])
-def test_large_batches_skip_drafting_and_resume_losslessly(make_spec_config, engine_run, baseline, case):
+def test_large_batches_skip_drafting(make_spec_config, engine_run, baseline, case):
     """``speculative.disable_batch_size`` 4 with 5 running: steps of 4-5 requests decode one
     token each without drafting, later steps (fewer requests left) speculate again. Output
     is unchanged, both kinds of step happen, and the drafter stays in sync across the switch:

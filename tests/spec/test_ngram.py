@@ -43,7 +43,8 @@ def test_repeating_text_is_continued_and_wraps():
     assert proposal == [3, 1, 2, 3, 1]
 
 
-def test_longest_ngram_wins_over_a_later_shorter_one():
+def test_longest_ngram_wins():
+    """Longest n-gram wins over a later shorter one."""
     # "1 2" last occurs at 5 (followed by 9); the full "0 1 2" only at 0 (followed by 4).
     tokens = [0, 1, 2, 4, 5, 1, 2, 9, 0, 1, 2]
     assert propose_ngram(tokens, 1, 1, 3) == ([4], 3)

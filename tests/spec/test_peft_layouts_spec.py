@@ -167,7 +167,7 @@ def test_every_adapter_changes_the_output(peft_targets, engine_run):
             assert run.outputs[f"p-{adapter}"].tokens != base, (which, adapter)
 
 
-def test_eagle_warning_still_applies_to_peft_embedding_adapters(peft_targets):
+def test_eagle_warns_peft_embeddings(peft_targets):
     """The copies are dropped, not the modules: the loaded adapter still declares
     embed_tokens / lm_head, so the admin API's policy check warns under EAGLE3."""
     from loraserve.runtime.contract.policy import AdapterDeclaration, check_adapter

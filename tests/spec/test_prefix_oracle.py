@@ -149,7 +149,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_output_with_the_cache_equals_output_without(make_spec_config, waves, baseline, case):
+def test_cache_keeps_output(make_spec_config, waves, baseline, case):
+    """Output with the cache equals output without."""
     algorithm, draft, sched = CASES[case]
     outputs, hits, engine = run_waves(make_spec_config(algorithm, draft, **sched), waves, prefix_cache=True, chat_turns=3)
     _check(outputs, baseline, hits, waves)
@@ -157,7 +158,7 @@ def test_output_with_the_cache_equals_output_without(make_spec_config, waves, ba
         assert engine.decoder.drafter.runner.kv.num_cached_tokens > 0
 
 
-def test_retraction_under_kv_pressure_with_the_cache(make_spec_config):
+def test_retraction_with_cache(make_spec_config):
     """A pool too small for the running set: requests are retracted (their KV cached) and
     resume from it; cached prefixes are evicted to make room."""
     waves = _waves(3, system=24, question=4, max_tokens=20)
@@ -187,7 +188,7 @@ def test_sampled_requests_get_the_same_tokens(make_spec_config):
     assert all(hits.by_rid[rid] >= 30 for rid, *_ in waves[1])
 
 
-def test_a_prefix_cached_under_one_adapter_is_never_served_to_another(make_spec_config):
+def test_prefix_isolated_per_adapter(make_spec_config):
     """The same prompt under every adapter and the base, one after another: nothing hits
     (each key's tree is its own), and each output equals what it is without the cache.
     Fails if the key ignored the adapter: the later requests would reuse the first's KV."""
@@ -207,7 +208,7 @@ def test_a_prefix_cached_under_one_adapter_is_never_served_to_another(make_spec_
     assert all(hits2.by_rid[f"y{i}"] == 48 for i in range(len(ADAPTERS)))
 
 
-def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec_assets):
+def test_reloaded_adapter_drops_old_kv(make_spec_config, spec_assets):
     """``tenant`` is loaded from one adapter, serves a prompt (cached; a repeated load of
     the same adapter keeps it), is unloaded and loaded again from other weights under the
     same name: the next request misses and gets what the new weights give without any
@@ -245,7 +246,7 @@ def test_a_reloaded_adapter_never_sees_its_old_weights_kv(make_spec_config, spec
     assert again["new-again"] == expected["ref2"]
 
 
-def test_prompt_logprobs_requests_prefill_their_whole_prompt(make_spec_config):
+def test_prompt_logprobs_full_prefill(make_spec_config):
     """A request asking for prompt logprobs gets them for every position, as without the
     cache: it reuses nothing (its KV is still cached for the next request)."""
     gen = torch.Generator().manual_seed(17)
@@ -264,7 +265,7 @@ def test_prompt_logprobs_requests_prefill_their_whole_prompt(make_spec_config):
     assert hits.by_rid["after"] == 31
 
 
-def test_metrics_report_hits_per_adapter_and_the_caches_share_of_the_pool(make_spec_config):
+def test_metrics_report_hits(make_spec_config):
     """``/metrics``: vLLM's prefix_cache_queries / prefix_cache_hits, per-model hit and query
     tokens, and the cache's place in the pool."""
     from loraserve.runtime.server.metrics import Metrics
@@ -325,7 +326,7 @@ def _submit_together(config, wave, *, prefix_cache: bool):
     return outputs, hits
 
 
-def test_requests_arriving_together_compute_their_shared_uncached_prefix_once(make_spec_config):
+def test_shared_prefix_computed_once(make_spec_config):
     """Three users per adapter send its (uncached) system prompt at the same instant: one
     computes it, the others reuse its KV a step later, never across adapters, and every
     output equals the cache-off output."""

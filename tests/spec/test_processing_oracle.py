@@ -81,7 +81,8 @@ def test_processed_greedy_output_is_identical(make_spec_config, engine_run, base
     assert snap.overall.verify_steps > 0
 
 
-def test_tree_verify_falls_back_to_chains_for_processed_requests(make_spec_config, engine_run, baseline):
+def test_processed_requests_use_chains(make_spec_config, engine_run, baseline):
+    """Tree verify falls back to chains for processed requests."""
     requests, expected = baseline
     config = make_spec_config("EAGLE", "eagle", max_running_requests=8)
     config.speculative.top_k = 2
@@ -115,9 +116,10 @@ def _sampled(seed: int) -> SamplingParams:
 # residual resampling run (an n-gram draft repeats tokens the penalties push away: rarely
 # accepted, so it would test the residual path alone).
 @pytest.mark.parametrize("algorithm,draft,adapter", [("STANDALONE", "same", "attn-r8")])
-def test_joint_law_of_processed_sampled_tokens_matches_the_target(
+def test_processed_joint_law(
     make_spec_config, engine_run, chi_square, algorithm, draft, adapter
 ):
+    """Joint law of processed sampled tokens matches the target."""
     config = make_spec_config(algorithm, draft, max_running_requests=64)
     requests = [(f"s{i}", PROMPT, _sampled(2000 + i), adapter) for i in range(NUM_REQUESTS)]
     run = engine_run(config, requests, timeout_s=600)
@@ -190,9 +192,10 @@ def structured_baseline(make_spec_config, engine_run, tokenizer):
 
 
 @pytest.mark.parametrize("case", ["ngram", "standalone-same", "eagle3"])
-def test_structured_output_is_identical_under_speculation(
+def test_structured_output_identical(
     make_spec_config, engine_run, tokenizer, structured_baseline, case
 ):
+    """Structured output is identical under speculation."""
     requests, expected = structured_baseline
     algorithm, draft = CASES[case]
     results = _run_structured(engine_run, make_spec_config(algorithm, draft), requests, tokenizer)

@@ -177,7 +177,7 @@ def test_published_eagle3_is_lossless(assets, tmp_path, engine_run, family):
     _lossless(engine_run, a["target"], a["adapter"], "EAGLE3", published)
 
 
-def test_pickle_head_is_refused_with_the_conversion(assets, tmp_path):
+def test_pickle_head_refused(assets, tmp_path):
     """yuhuili's heads are pytorch_model.bin: refused by name, and the fix the message gives works."""
     from loraserve.runtime.speculative.eagle.format import load_eagle_tensors
 
@@ -219,7 +219,7 @@ def _multi_layer_head(dest: Path, canonical: Path) -> Path:
     return dest
 
 
-def test_multi_layer_eagle_is_refused_before_loading(assets, tmp_path):
+def test_multi_layer_eagle_refused(assets, tmp_path):
     """At start-up (the CLI's checks, before any weight loads) and by the loader, with the reason."""
     from loraserve.runtime import cli
 
@@ -236,7 +236,8 @@ def test_multi_layer_eagle_is_refused_before_loading(assets, tmp_path):
     assert not any("num_hidden_layers" in r for r in reasons), reasons
 
 
-def test_dspark_checkpoint_under_dflash_is_refused(assets, tmp_path):
+def test_dspark_under_dflash_refused(assets, tmp_path):
+    """DSpark checkpoint under DFlash is refused."""
     from loraserve.runtime import cli
     from loraserve.runtime.speculative.dflash.format import dflash_config_from_dict
 

@@ -39,9 +39,10 @@ def _params(seed: int) -> SamplingParams:
         ("EAGLE3", "eagle3-d2t", "emb-head"),  # q is zero outside the draft's vocabulary
     ],
 )
-def test_joint_law_of_sampled_tokens_matches_the_target(
+def test_sampled_joint_law(
     make_spec_config, engine_run, chi_square, algorithm, draft, adapter
 ):
+    """Joint law of sampled tokens matches the target."""
     config = make_spec_config(algorithm, draft, max_running_requests=64)
     requests = [(f"s{i}", PROMPT, _params(1000 + i), adapter) for i in range(NUM_REQUESTS)]
     run = engine_run(config, requests, timeout_s=600)

@@ -6,7 +6,8 @@ from loraserve.runtime.contract.catalog import KEY_SEPARATOR
 from loraserve.runtime.speculative.metrics import SpecMetrics
 
 
-def test_per_adapter_stats_use_public_names_and_count_shapes():
+def test_per_adapter_stats_names():
+    """Per adapter stats use public names and count shapes."""
     metrics = SpecMetrics("EAGLE", 4)
     key = f"sql{KEY_SEPARATOR}0123456789ab"
     metrics.record_step([key, None], [2, 1], 3, contexts=[10, 20], verify_seconds=0.01, step_seconds=0.02, shape="tree")

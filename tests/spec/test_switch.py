@@ -28,7 +28,8 @@ def test_buckets_are_powers_of_two():
         batch_bucket(0)
 
 
-def test_measures_both_kinds_then_keeps_the_faster_and_keeps_exploring():
+def test_keeps_faster_and_explores():
+    """Measures both kinds then keeps the faster and keeps exploring."""
     switch = SpeculationSwitch(explore_every=10)
     # drafting first (2 steps: the first after a change is not measured), then plain
     chosen = _drive(switch, 4, 4, {CHAIN: 100.0, PLAIN: 300.0})
@@ -57,7 +58,7 @@ def test_buckets_decide_independently():
     assert switch.verdict(8, [CHAIN, PLAIN]) is None  # never measured
 
 
-def test_three_shapes_each_bucket_takes_its_fastest():
+def test_each_bucket_takes_fastest():
     """Tree at small batches, chain at middle ones, plain at large ones, as measured."""
     switch = SpeculationSwitch(explore_every=10)
     shapes = (TREE, CHAIN, PLAIN)
@@ -73,7 +74,8 @@ def test_three_shapes_each_bucket_takes_its_fastest():
     assert later.count(PLAIN) >= 0.7 * len(later) and TREE in later and CHAIN in later
 
 
-def test_a_batch_that_cannot_take_a_tree_chooses_among_the_rest():
+def test_treeless_batch_chooses_rest():
+    """A batch that cannot take a tree chooses among the rest."""
     switch = SpeculationSwitch(explore_every=10)
     _drive(switch, 2, 30, {TREE: 900.0, CHAIN: 300.0, PLAIN: 100.0}, (TREE, CHAIN, PLAIN))
     assert switch.verdict(2, [TREE, CHAIN, PLAIN]) is TREE
@@ -91,7 +93,7 @@ def test_bad_settings_are_named():
 
 
 @pytest.mark.parametrize("case", ["standalone-small", "eagle"])
-def test_auto_disable_through_the_engine_is_lossless(make_spec_config, engine_run, case):
+def test_auto_disable_lossless(make_spec_config, engine_run, case):
     """With the switch on, steps of both kinds happen (each bucket measures both) and the
     output is the plain decoder's, token for token."""
     requests = _requests(count=12, seed=9, max_tokens=24)
@@ -108,7 +110,7 @@ def test_auto_disable_through_the_engine_is_lossless(make_spec_config, engine_ru
     assert snap.undrafted_steps > 0 and snap.overall.verify_steps > 0
 
 
-def test_each_bucket_chooses_among_tree_chain_and_plain_losslessly(make_spec_config, engine_run):
+def test_bucket_choice_lossless(make_spec_config, engine_run):
     """An EAGLE tree with the switch on: every bucket measures all three shapes, each of them
     runs, and the output is the plain decoder's, token for token; the metrics say which shape
     served at which batch size."""

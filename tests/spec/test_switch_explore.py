@@ -54,7 +54,7 @@ def test_close_shapes_keep_the_base_interval():
     assert chosen.count(PLAIN) <= 2 * 6  # plain backs off: 20, 40, 80, 160, 320
 
 
-def test_a_faster_shape_is_found_within_the_longest_back_off():
+def test_faster_shape_found():
     """After a long stretch of one verdict, a shape that becomes the fastest takes over
     within ``max_explore_every`` plus one exploration round."""
     switch = SpeculationSwitch(explore_every=10, max_explore_every=80)

@@ -13,7 +13,8 @@ from loraserve.runtime.tokenizer import Tokenizer
 from loraserve.runtime.tools.token_map import choose_token_map, count_tokens, coverage, main
 
 
-def test_choice_keeps_specials_then_the_most_frequent_with_ties_by_id():
+def test_choice_keeps_specials_first():
+    """Choice keeps specials then the most frequent with ties by ID."""
     counts = Counter({7: 5, 3: 9, 11: 5, 2: 1, 99: 50})
     assert choose_token_map(counts, 4, vocab_size=20, keep=[2, 0]) == [2, 0, 3, 7]
     assert choose_token_map(counts, 10, vocab_size=20) == [3, 7, 11, 2]  # 99 is past the vocabulary
@@ -25,7 +26,8 @@ def test_choice_keeps_specials_then_the_most_frequent_with_ties_by_id():
     )
 
 
-def test_the_command_writes_a_map_the_runtime_reads(spec_assets, tmp_path, capsys):
+def test_command_writes_readable_map(spec_assets, tmp_path, capsys):
+    """The command writes a map the runtime reads."""
     tokenizer = Tokenizer.load(spec_assets.target)
     corpus = tmp_path / "corpus"
     corpus.mkdir()

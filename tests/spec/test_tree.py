@@ -35,7 +35,8 @@ def _depths(parents: torch.Tensor) -> torch.Tensor:
     return depths
 
 
-def test_ancestor_closure_matches_walking_up_the_parents():
+def test_ancestor_closure():
+    """Ancestor closure matches walking up the parents."""
     gen = torch.Generator().manual_seed(0)
     parents = _random_parents(gen, 4, 17)
     anc = ancestor_closure(parents, int(_depths(parents).max()))
@@ -71,7 +72,7 @@ def _tree_from_paths(paths_per_request, max_depth):
     return DraftTree(tokens, parents, depths, ancestor_closure(parents, max_depth), max_depth), nodes
 
 
-def test_greedy_tree_acceptance_equals_decoding_one_token_at_a_time():
+def test_greedy_tree_accept_stepwise():
     """With target logits that pick ``_next_token`` of each node's path, the accepted tokens,
     their count and the path are exactly what one-at-a-time greedy decoding produces."""
     gen = torch.Generator().manual_seed(1)
@@ -163,7 +164,8 @@ def _brute_force(draft: _ToyDraft, first_lp, tail, k, steps, num_nodes):
 
 
 @pytest.mark.parametrize(("k", "steps", "num_nodes"), [(2, 3, 6), (3, 4, 12), (4, 2, 9), (2, 5, 10)])
-def test_tree_growth_and_selection_match_a_brute_force_reference(k, steps, num_nodes):
+def test_tree_growth_brute_force(k, steps, num_nodes):
+    """Tree growth and selection match a brute force reference."""
     gen = torch.Generator().manual_seed(k * 10 + steps)
     bs, hidden, vocab = 3, 8, 23
     draft = _ToyDraft(gen, hidden, vocab, k, steps)
@@ -187,7 +189,8 @@ def test_select_tree_refuses_an_impossible_size():
         select_tree(t, torch.zeros(1, 3), t - 1, t + 1, num_nodes=5, max_depth=1)
 
 
-def test_tree_attention_mask_sees_the_prefix_and_the_marked_tail_only():
+def test_tree_attention_mask():
+    """Tree attention mask sees the prefix and the marked tail only."""
     prefix = torch.tensor([3, 0])
     visible = torch.tensor([[[1, 0, 0], [1, 1, 0]], [[0, 1, 0], [0, 0, 1]]], dtype=torch.bool)
     mask = tree_attention_mask(prefix, visible, max_ctx=8, groups=2)

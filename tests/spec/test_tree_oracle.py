@@ -48,7 +48,7 @@ def test_tree_drafts_are_lossless(make_spec_config, engine_run, baseline, case, 
 
 
 @pytest.mark.parametrize("case", ["eagle", "eagle3"])
-def test_tree_drafts_on_the_static_graph_paths_are_lossless(make_spec_config, engine_run, baseline, case):
+def test_static_tree_drafts_lossless(make_spec_config, engine_run, baseline, case):
     """The target's tree verifies and the draft's tree / feed-tree growth all on the padded
     static paths the CUDA graphs capture: lossless, and the growth ran ahead of the host."""
     requests, expected = baseline
@@ -69,7 +69,7 @@ def test_tree_drafts_on_the_static_graph_paths_are_lossless(make_spec_config, en
     assert 0 in widths and TREE["num_steps"] + 1 in widths  # grown from tails, and fed-then-grown
 
 
-def test_a_batch_with_a_sampled_request_verifies_a_chain(make_spec_config, engine_run, baseline):
+def test_sampled_batch_verifies_chain(make_spec_config, engine_run, baseline):
     """Greedy requests stay exact when a sampled one shares their batch (the step verifies a
     chain, which rejection sampling needs); the sampled request finishes normally."""
     requests, expected = baseline
@@ -106,7 +106,7 @@ def _steer(tree, requests, expected, step: int) -> int:
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-graph-paths"])
 @pytest.mark.parametrize("case", ["eagle", "eagle3-d2t"])
-def test_long_accepted_paths_off_the_node_order_are_lossless(make_spec_config, engine_run, baseline, case, graphs):
+def test_long_off_order_paths_lossless(make_spec_config, engine_run, baseline, case, graphs):
     """The test drafts rarely agree with the target, so each tree is steered to hold the
     target's own continuation on a branch that is not the node order's first: verify accepts
     long paths through later nodes, whose cache entries must be moved into place and whose
@@ -170,7 +170,7 @@ def test_long_accepted_paths_off_the_node_order_are_lossless(make_spec_config, e
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("case", ["eagle", "eagle3"])
-def test_tree_drafts_under_cuda_graphs_are_lossless(make_spec_config, engine_run, case, attention):
+def test_tree_drafts_graphs_lossless(make_spec_config, engine_run, case, attention):
     """On a GPU with captured graphs (target tree verifies, the head's tree growth and
     feed-tree replays) and Triton LoRA kernels, on either attention backend: the same
     tokens as plain decoding on the same device."""
@@ -197,7 +197,7 @@ def test_tree_drafts_under_cuda_graphs_are_lossless(make_spec_config, engine_run
     assert decoder.drafter.runner.graphs._trees, "the head grew no tree from a graph"
 
 
-def test_batches_above_the_tree_batch_size_verify_chains(make_spec_config, engine_run, baseline):
+def test_large_batches_verify_chains(make_spec_config, engine_run, baseline):
     """speculative.tree_max_batch_size 2: steps of one or two requests verify trees, larger
     ones chains of num_steps drafts; requests move between the two as the batch drains, with
     the drafter's state carried across, and output stays exact."""
