@@ -141,7 +141,7 @@ def moe_adapters(moe_models, tmp_path_factory):
     }
 
 
-def test_peft_writes_fused_expert_lora_at_double_rank(moe_adapters):
+def test_peft_fused_experts_double_rank(moe_adapters):
     """What the installed peft saves, which the runtime reads."""
     from safetensors import safe_open
 
@@ -314,7 +314,8 @@ def _rules(config) -> set[str]:
     return {v.rule for v in check_config(config).violations}
 
 
-def test_policy_refuses_what_moe_targets_do_not_serve(make_config, moe_models):
+def test_policy_refuses_unserved_moe(make_config, moe_models):
+    """The policy refuses the MoE features this image does not serve, naming each."""
     from loraserve.runtime.contract.config import SpecAlgorithm
 
     config = make_config(moe_models["mixtral"])
@@ -333,7 +334,7 @@ def test_policy_refuses_what_moe_targets_do_not_serve(make_config, moe_models):
     assert "model-architecture" in _rules(config)
 
 
-def test_expert_adapter_missing_experts_read_as_zero(moe_models, moe_adapters, tmp_path):
+def test_missing_experts_read_as_zero(moe_models, moe_adapters, tmp_path):
     """A per-expert adapter that adapts only some experts: the others contribute nothing."""
     from safetensors.torch import load_file, save_file
 

@@ -75,7 +75,7 @@ def test_fused_moe_verify_matches_torch(assets, make_runner, ops, path):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
-def test_verify_graph_path_routes_in_token_sized_buffers(assets, make_runner, ops, path):
+def test_verify_graph_token_sized_buffers(assets, make_runner, ops, path):
     """A verify of ``max_bs`` requests x 3 draft tokens through the CUDA-graph runner's static
     path (everything but the capture) on the fused MoE path equals the eager torch path; its
     MoE buffers are sized in token rows (a buffer sized in requests would refuse the batch)."""
