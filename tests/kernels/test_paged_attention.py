@@ -248,7 +248,9 @@ def test_paged_tree_verify_matches_sdpa(gen, dtype, prefixes, width, heads, kv_h
     chain, _, _ = _run(
         "triton", case, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_ctx=256
     )
-    assert ((chain.double() - ref).norm() / ref.norm()).item() > 10 * TOL[dtype]
+    differs = (ancestors != causal).any(-1).reshape(-1).to(ref.device)  # the rows a tree changes
+    off = ((chain.double() - ref)[differs].norm() / ref[differs].norm()).item()
+    assert off > 10 * TOL[dtype]
 
 
 def test_wide_uniform_batches_take_the_sdpa_path(gen):
