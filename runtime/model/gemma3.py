@@ -168,15 +168,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.embed_lora is not None:
             self.embed_lora.apply(input_ids, h)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        wanted = {layer: pos for pos, layer in enumerate(aux_layers)}
-        aux: list[torch.Tensor | None] = [None] * len(aux_layers)
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                aux[wanted[i]] = h
-            h = layer(h, meta, k_caches[i], v_caches[i])
-        if len(self.model.layers) in wanted:
-            aux[wanted[len(self.model.layers)]] = h
-        return self.model.norm(h), aux  # type: ignore[return-value]
+        return self.run_layers(h, meta, k_caches, v_caches, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

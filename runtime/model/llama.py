@@ -336,6 +336,18 @@ class LlamaForCausalLM(nn.Module):
             self.embed_lora.apply(input_ids, h)
         if self.group is not None:
             h = self.group.all_reduce(h)  # partial embeddings (and their adapter deltas) summed
+        return self.run_layers(h, meta, k_caches, v_caches, aux_layers)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        aux_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers over the embedded rows ``h``, then the final norm; returns
+        ``(final normed hidden, aux hiddens)`` as :meth:`forward` does."""
         wanted = {layer: pos for pos, layer in enumerate(aux_layers)}
         aux: list[torch.Tensor | None] = [None] * len(aux_layers)
         for i, layer in enumerate(self.model.layers):
