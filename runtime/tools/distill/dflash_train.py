@@ -36,7 +36,7 @@ from .corpus import sample_windows, teacher_sequences
 from .dflash_draft import DFlashDraft
 from .eagle_head import LayerDims, rope_theta
 from .eagle_train import FeatureCache, cache_windows, sample_cached
-from .train import log, lr_scale, progress
+from .train import apply_update, log, lr_scale, progress, set_lr
 
 
 @dataclass
@@ -413,13 +413,9 @@ def train_dflash(
     while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
         if probe is not None and opts.probe_every > 0 and step > 0 and step % opts.probe_every == 0:
             start += _probe(draft, probe, probes, time.monotonic() - start, step)
-        for group in optim.param_groups:
-            group["lr"] = opts.lr * lr_scale(step, frac)
+        set_lr(optim, opts.lr * lr_scale(step, frac))
         loss, top1 = step_loss(gen, forward)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+        apply_update(optim, loss, params)
         step += 1
     draft.eval()
     return draft, {

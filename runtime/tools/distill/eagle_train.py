@@ -11,7 +11,7 @@ import torch
 from .corpus import sample_windows
 from .eagle_head import EagleHead, LayerDims, rope_theta
 from .objective import distillation_loss
-from .train import log, lr_scale, progress
+from .train import apply_update, log, lr_scale, progress, set_lr
 
 
 @dataclass
@@ -181,15 +181,11 @@ def train_eagle_head(
     caches = _feature_caches(target, data, teacher_data, device, opts)
     start, step, loss, top1 = time.monotonic(), 0, torch.zeros(()), [0.0]
     while (frac := progress(time.monotonic() - start, opts.seconds, step, opts.max_steps)) < 1.0:
-        for group in optim.param_groups:
-            group["lr"] = opts.lr * lr_scale(step, frac)
+        set_lr(optim, opts.lr * lr_scale(step, frac))
         n_teacher = 0 if teacher_data is None else max(1, round(opts.batch * opts.teacher_fraction))
         window, feats = _batch(data, teacher_data, caches, gen, opts, n_teacher)
         loss, top1 = eagle_loss(head, target, window, opts, feats)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+        apply_update(optim, loss, params)
         step += 1
     head.eval()
     return head, {

@@ -10,7 +10,7 @@ import torch
 
 from .corpus import sample_windows
 from .objective import distillation_loss
-from .train import lr_scale, progress
+from .train import apply_update, lr_scale, progress, set_lr
 
 
 def train_lm(
@@ -47,15 +47,11 @@ def train_lm(
     start, step, losses = time.monotonic(), 0, []
     loss = torch.zeros(())
     while (frac := progress(time.monotonic() - start, seconds, step, max_steps)) < 1.0:
-        for group in opt.param_groups:
-            group["lr"] = lr * lr_scale(step, frac)
+        set_lr(opt, lr * lr_scale(step, frac))
         n_teacher = 0 if teacher_data is None else max(1, round(batch * teacher_fraction))
         window = sample_windows(data, teacher_data, gen, count=batch, n_teacher=n_teacher, seq=seq)
         loss = _loss(model, teacher, window, vocab)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        apply_update(opt, loss, model.parameters())
         step += 1
         if step % 50 == 0:
             losses.append(loss.item())

@@ -70,6 +70,20 @@ def lr_scale(step: int, frac: float, warmup: int = 50) -> float:
     return min(1.0, (step + 1) / warmup) * cosine_decay(frac)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group of ``optimizer`` at learning rate ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def apply_update(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params) -> None:
+    """One step on ``loss``: gradients of ``params`` clipped to ``CLIP_NORM`` (every trainer's update)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
+    optimizer.step()
+
+
 def log(msg: str) -> None:
     """Print ``msg`` with the time of day, flushed (the trainers' progress lines)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -144,10 +158,7 @@ def train(
             temperature=settings.temperature,
             top_k=settings.top_k,
         )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
-        optimizer.step()
+        apply_update(optimizer, loss, params)
         scheduler.step()
         if step == 0 or (step + 1) % log_every == 0 or step + 1 == settings.steps:
             last = float(loss.detach())  # a host sync: only on logged steps
