@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..harness import median_ms
+
 
 def time_replays(fns: list, device: torch.device, reps: int) -> float:
     """Median milliseconds per callable, all of ``fns`` replayed back to back from a graph."""
@@ -18,17 +20,7 @@ def time_replays(fns: list, device: torch.device, reps: int) -> float:
             fn()
         return (time.perf_counter() - t0) * 1e3 / len(fns)
     replay = captured(lambda: [fn() for fn in fns], device)
-    replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fns))
-    return statistics.median(times)
+    return median_ms(replay, device, warmup=1, repeats=reps) / len(fns)
 
 
 def captured(step, device):
