@@ -158,17 +158,6 @@ def test_every_rendered_object_is_valid(render, name: str) -> None:
                 kubernetes_validate.validate(obj, version, strict=True)
 
 
-def test_chart_crds_are_the_repository_crds() -> None:
-    sources = sorted((REPO / "crds").glob("*.yaml"))
-    assert sources, "crds/ holds the API"
-    for source in sources:
-        copy = CHART / "crds" / source.name
-        assert copy.exists(), f"charts/loraserve/crds/{source.name} is missing: copy crds/{source.name} there"
-        assert copy.read_bytes() == source.read_bytes(), (
-            f"charts/loraserve/crds/{source.name} differs from crds/"
-        )
-
-
 def test_webhook_configs_call_handlers(render) -> None:
     """Webhook configurations call the registered handlers."""
     objects = render()
