@@ -13,6 +13,14 @@
 Module names are the Llama layers' (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``), so adapters attach as on any Llama-family model. The KV cache keeps every
 position of a sliding layer; the window is a mask (SDPA) or the paged kernel's window.
+
+Tensor parallelism (``shard`` and ``group`` given) cuts Gemma as the Llama layers are cut
+(see ``loraserve.runtime.distributed.sharding``): heads and KV heads split, o/down
+row-parallel, embedding and lm_head vocab-parallel. What Gemma adds is held whole on every
+rank: the q/k head norms act per head (each rank norms its own heads), the four layer norms
+act on the complete residual stream, and ``query_pre_attn_scalar`` is a scalar. The
+embedding is scaled after its all-reduce and the logits capped after their all-gather, so
+each happens once, on complete values.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +37,11 @@ from torch import nn
 from .arch import ModelArchConfig, RopeSpec
 from .gemma3_config import GemmaSpec
 from .layers import AttentionMetadata, RMSNorm, RotaryEmbedding
+from .layers.parallel import Collectives
 from .llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+if TYPE_CHECKING:
+    from ..distributed.sharding import ShardPlan
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -79,10 +92,22 @@ def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
 
 
 class GemmaAttention(LlamaAttention):
-    """Llama attention with Gemma's head norms, score scale and (sliding layers) window."""
+    """Llama attention with Gemma's head norms, score scale and (sliding layers) window.
 
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, window: int | None, dtype, device):
-        super().__init__(arch, rotary, dtype=dtype, device=device)
+    Sharded, this rank's heads only; the head norms (``head_dim`` wide) are whole."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        *,
+        window: int | None,
+        dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
+        super().__init__(arch, rotary, dtype=dtype, device=device, shard=shard, group=group)
         assert arch.gemma is not None
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
@@ -92,20 +117,35 @@ class GemmaAttention(LlamaAttention):
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        return super().forward(x, meta if self.window is None else windowed(meta, self.window), k_cache, v_cache)
+        return super().forward(
+            x, meta if self.window is None else windowed(meta, self.window), k_cache, v_cache
+        )
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """Normed attention and normed MLP, each normed again before its residual add."""
+    """Normed attention and normed MLP, each normed again before its residual add (the norms
+    see the complete stream: the row-parallel o/down have reduced before them)."""
 
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, *, window: int | None, dtype, device):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        *,
+        window: int | None,
+        dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
-        self.self_attn = GemmaAttention(arch, rotary, window=window, dtype=dtype, device=device)
+        self.self_attn = GemmaAttention(
+            arch, rotary, window=window, dtype=dtype, device=device, shard=shard, group=group
+        )
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
-        self.mlp = GemmaMLP(arch, dtype=dtype, device=device)
+        self.mlp = GemmaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
 
     def forward(
@@ -119,11 +159,25 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder in the Llama model's frame: the same embedding, head, adapter hooks
     and weight loading; Gemma's layers, final norm, embedding scale and logit cap."""
 
-    def __init__(self, arch: ModelArchConfig, *, max_positions: int, dtype: torch.dtype, device, shard=None, group=None):
-        if shard is not None or group is not None:
-            raise ValueError("Gemma 3 is not split over tensor-parallel ranks")
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         # The Llama frame without its layers (Gemma's are built below), then the real arch.
-        super().__init__(dataclasses.replace(arch, num_layers=0), max_positions=max_positions, dtype=dtype, device=device)
+        super().__init__(
+            dataclasses.replace(arch, num_layers=0),
+            max_positions=max_positions,
+            dtype=dtype,
+            device=device,
+            shard=shard,
+            group=group,
+        )
         self.arch = arch
         gemma: GemmaSpec | None = arch.gemma
         if gemma is None:
@@ -145,6 +199,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                     window=gemma.sliding_window if sliding else None,
                     dtype=dtype,
                     device=device,
+                    shard=shard,
+                    group=group,
                 )
                 for sliding in gemma.sliding_layers
             ]
@@ -162,15 +218,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         aux_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """As :meth:`LlamaForCausalLM.forward`, the embedding scaled first (in its dtype, as
-        transformers scales it; an embedding adapter's delta is scaled with it, as peft does)."""
+        transformers scales it; an embedding adapter's delta is scaled with it, as peft does).
+        Sharded, the scale applies to the complete embedding, after the all-reduce."""
         meta._gemma_window = None  # type: ignore[attr-defined]  # windows are built inside each forward (graphs too)
         h = self.model.embed_tokens(input_ids)
         if self.embed_lora is not None:
             self.embed_lora.apply(input_ids, h)
+        if self.group is not None:
+            h = self.group.all_reduce(h)  # partial embeddings (and their adapter deltas) summed
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         return self.run_layers(h, meta, k_caches, v_caches, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As :meth:`LlamaForCausalLM.compute_logits` (whose logits are gathered over every
+        rank's vocabulary columns), then soft-capped: the cap sees complete float32 logits."""
         logits = super().compute_logits(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -27,9 +27,6 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
 }
 """config.json ``architectures[0]`` -> the family the runtime's layers implement."""
 
-UNSHARDED_FAMILIES: tuple[str, ...] = ("gemma3",)
-"""Dense families whose layers are not split over tensor-parallel ranks (Gemma 3's own layers)."""
-
 MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 """Families whose MLP is (in some layers) a sparse mixture of experts."""
 
@@ -75,17 +72,6 @@ def model_family(config: RuntimeConfig) -> list[Violation]:
         )
         return [*out, unknown]
     out += _family_modules(config, architecture)
-    if ARCHITECTURE_FAMILIES[architecture] in UNSHARDED_FAMILIES and config.parallel.tensor_parallel_size > 1:
-        out.append(
-            Violation(
-                "family-tensor-parallel",
-                "parallel.tensor_parallel_size",
-                f"the layers of {architecture} are not split over tensor-parallel ranks",
-                "set {parallel.tensor_parallel_size} to 1 and give the pod a GPU that holds the whole model",
-                kind=Kind.UNAVAILABLE,
-                related=("model.architecture",),
-            )
-        )
     if not is_moe(architecture):
         return out
     if config.cuda_graph.enabled:
