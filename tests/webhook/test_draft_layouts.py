@@ -27,6 +27,7 @@ def _serve(algorithm: str, draft: str, architecture: str | None, **speculative) 
     [
         ("EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "LlamaForCausalLMEagle3"),
         ("EAGLE3", "AngelSlim/Qwen3-8B_eagle3", None),
+        ("EAGLE3", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", "Eagle3Speculator"),
         ("DFLASH", "z-lab/Qwen3-8B-DFlash-b16", "DFlashDraftModel"),
     ],
 )
@@ -40,7 +41,6 @@ def test_published_layouts_are_admitted(algorithm, draft, architecture):
     "algorithm,architecture,words",
     [
         ("NEXTN", "DeepSeekMTPModel", ["multi-token-prediction", "single-layer"]),
-        ("EAGLE3", "Eagle3Speculator", ["speculators format", "LlamaForCausalLMEagle3"]),
         ("DFLASH", "DSparkDraftModel", ["Markov head", "confidence head"]),
         ("DFLASH", "DFlash2DraftModel", ["DFlash2"]),
         ("EAGLE3", "DFlashDraftModel", ["loaded by DFLASH, not by EAGLE3"]),

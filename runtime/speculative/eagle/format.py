@@ -56,6 +56,30 @@ distribution of ``x[i+2]``. EAGLE3: ``feature[i] = fc(concat of the aux layers' 
 the layer attends over ``[input_layernorm(embed(x[i+1])), hidden_norm(feature[i])]``
 (hence q/k/v take ``2H``) with ``feature[i]`` as residual; logits are
 ``lm_head(norm(output))``. On later draft steps the draft's own output is the feature.
+``norm_before_residual: true`` (EAGLE3 only; default false) makes the residual
+``hidden_norm(feature[i])`` instead, as vLLM's ``llama_eagle3.py`` and speculators'
+EAGLE3 layer do.
+
+The vLLM speculators format (vllm-project/speculators ``src/speculators/models/eagle3``,
+read by vLLM's ``transformers_utils/configs/speculators``) is read too and becomes the
+layout above (:func:`flatten_speculators`):
+
+- ``architectures``: ``["Eagle3Speculator"]`` (or ``["Eagle3DraftModel"]``, the class
+  newer speculators releases save), ``speculators_model_type: "eagle3"``;
+- ``transformer_layer_config``: the decoder layer's Llama config (``num_hidden_layers``
+  1, ``vocab_size`` the target's), flattened into the head's config;
+- top level: ``draft_vocab_size``, ``norm_before_residual`` (speculators' default false),
+  ``target_hidden_size`` (null: the layer's ``hidden_size``),
+  ``eagle_aux_hidden_state_layer_ids`` (absent or null: the default streams, as
+  speculators' own ``resolve_target_layer_ids`` picks them), and ``speculators_config``
+  (verifier, proposal methods: read by neither the head nor its drafter here);
+- tensors already carry this format's names (``layers.0.*``, ``fc.weight``,
+  ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, a copy of ``embed_tokens``:
+  the last two ignored, as above).
+
+What speculators can express beyond this head (another ``speculators_model_type``, a
+qwen3 layer with q/k norms, ``norm_before_fc``, more layers) is refused by name in
+:mod:`...contract.policy.drafts`.
 """
 
 from __future__ import annotations
@@ -65,7 +89,7 @@ from pathlib import Path
 
 import torch
 
-from ...contract.policy.drafts import draft_config_problems
+from ...contract.policy.drafts import SPECULATORS_ARCHITECTURES, draft_config_problems, is_speculators_format
 from ...model.arch import (
     ModelArchConfig,
     ModelConfigError,
@@ -77,6 +101,13 @@ from ...model.arch import (
 
 INPUT_NORM = "layers.0.input_layernorm.weight"
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": 1, "LlamaForCausalLMEagle3": 3}
+SPECULATORS_TOP_LEVEL = (
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
+)
+"""The speculators format's top-level fields the head reads (the layer's are nested)."""
 LAYER_ALIASES = {"midlayer.": "layers.0."}
 """Prefixes published heads give their one decoder layer -> the name this format uses."""
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model-*.bin", "*.pt")
@@ -92,6 +123,7 @@ class EagleDraftConfig:
     aux_layer_ids: tuple[int, ...]  # EAGLE3: target layers feeding the feature
     fc_bias: bool
     draft_vocab_size: int | None = None  # set: the checkpoint's own lm_head has this many rows
+    norm_before_residual: bool = False  # EAGLE3: the layer's residual is hidden_norm(feature)
 
     @property
     def own_lm_head(self) -> bool:
@@ -192,6 +224,11 @@ def eagle_config_from_dict(
     the fields EAGLE's formats add. ``target_num_layers``: for the default EAGLE3 streams of
     a head that names none."""
     architecture = declared_architecture(raw, architecture_override)
+    if architecture in SPECULATORS_ARCHITECTURES or is_speculators_format(raw):
+        problems = draft_config_problems("EAGLE3", dict(raw, architectures=[architecture]))
+        if problems:
+            raise ModelConfigError("; ".join(problems))
+        raw, architecture = flatten_speculators(raw), "LlamaForCausalLMEagle3"
     if architecture not in EAGLE_ARCHITECTURES:
         raise ModelConfigError(
             f"draft config.json architecture {architecture!r} is not an EAGLE draft: use one of "
@@ -228,7 +265,25 @@ def eagle_config_from_dict(
         aux_layer_ids=aux,
         fc_bias=bool(raw.get("bias", False)),
         draft_vocab_size=draft_vocab,
+        norm_before_residual=version == 3 and bool(raw.get("norm_before_residual", False)),
     )
+
+
+def flatten_speculators(raw: dict) -> dict:
+    """A speculators-format config.json (already judged by
+    :func:`~...contract.policy.drafts.speculators_problems`) in this module's EAGLE3 layout:
+    the layer's fields from ``transformer_layer_config``, the head's from the top level
+    (a null ``target_hidden_size`` / ``eagle_aux_hidden_state_layer_ids`` left out, so
+    the defaults apply). Pure: ``raw`` is not changed."""
+    flat = dict(raw["transformer_layer_config"])
+    for key in SPECULATORS_TOP_LEVEL:
+        if raw.get(key) is not None:
+            flat[key] = raw[key]
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    if dtype and not (flat.get("torch_dtype") or flat.get("dtype")):
+        flat["torch_dtype"] = dtype
+    flat["architectures"] = ["LlamaForCausalLMEagle3"]
+    return flat
 
 
 def load_eagle_config(
@@ -279,7 +334,9 @@ def load_eagle_tensors(
         for name, tensor in load_file(str(file)).items():
             canonical = canonical_name(name)
             if canonical in tensors:
-                raise ModelConfigError(f"EAGLE draft {path}: tensors {name!r} and another both name {canonical!r}")
+                raise ModelConfigError(
+                    f"EAGLE draft {path}: tensors {name!r} and another both name {canonical!r}"
+                )
             tensors[canonical] = tensor
     tensors.pop("t2d", None)  # the training-time target-to-draft mask
     if "d2t" in tensors and not config.own_lm_head:

@@ -32,7 +32,8 @@ class EagleDecoderLayer(LlamaDecoderLayer):
     (:meth:`LlamaDecoderLayer.forward`); without ``input_norm`` (the original layout) it
     feeds attention un-normed. EAGLE3 (:meth:`forward_eagle3`): attention reads
     ``[input_layernorm(embedding), hidden_norm(feature)]`` (so q/k/v take ``2H``) over the
-    residual ``feature``. The MLP half is the target's either way.
+    residual ``feature``, or ``hidden_norm(feature)`` where the head sets
+    ``norm_before_residual``. The MLP half is the target's either way.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class EagleDecoderLayer(LlamaDecoderLayer):
     ):
         layer = config.layer
         super().__init__(layer, rotary, dtype=dtype, device=device, attn_in_features=config.attn_in_features)
+        self.norm_before_residual = config.norm_before_residual
         if config.version == 3:
             self.hidden_norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps, dtype=dtype, device=device)
         elif not input_norm:
@@ -59,9 +61,18 @@ class EagleDecoderLayer(LlamaDecoderLayer):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """EAGLE3's layer: attention over the normed embedding and feature side by side."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
-        return self.mlp_block(feature, self.self_attn(x, meta, k_cache, v_cache))
+        """EAGLE3's layer: attention over the normed embedding and feature side by side,
+        added to the residual (:meth:`eagle3_inputs`), then the MLP half."""
+        residual, x = self.eagle3_inputs(embeds, feature)
+        return self.mlp_block(residual, self.self_attn(x, meta, k_cache, v_cache))
+
+    def eagle3_inputs(self, embeds: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE3's ``(residual, attention input)``: ``[input_layernorm(embeds),
+        hidden_norm(feature)]`` over the residual ``feature``, or ``hidden_norm(feature)``
+        with ``norm_before_residual``. Every caller that unrolls the layer takes both from here."""
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        return residual, torch.cat([self.input_layernorm(embeds), normed], dim=-1)
 
 
 class EagleDraftModel(nn.Module):
