@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -526,12 +527,25 @@ def test_cli_distils_head_adapter(
 # --------------------------------------------------------------------------- unrolled training
 
 
+def _head_path(spec_assets, head: str) -> Path:
+    """The draft ``head`` names: ``eagle``, ``eagle3``, or ``eagle3-nbr`` (the EAGLE3 head with
+    ``norm_before_residual``, the speculators format's option: its residual is the normed feature)."""
+    if head != "eagle3-nbr":
+        return Path({"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head])
+    dest = Path(spec_assets.eagle3).parent / "eagle3-nbr"
+    if not dest.exists():
+        shutil.copytree(spec_assets.eagle3, dest)
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, "norm_before_residual": True}))
+    return dest
+
+
 def _head_student(spec_assets, head: str, unroll: int, *, seed: int = 0):
     """The tiny target with adapter ``all-r16`` as teacher and the ``head`` student over it."""
     from loraserve.runtime.tools.distill.eagle import load_head_pair
     from loraserve.runtime.tools.distill.models import LoraSettings, load_teacher
 
-    draft = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
+    draft = _head_path(spec_assets, head)
     adapted = load_teacher(spec_assets.target, spec_assets.adapters["all-r16"], torch.float32, "cpu")
     lora = LoraSettings(rank=8, alpha=16, target_modules=HEAD_LORA_MODULES)
     return load_head_pair(
@@ -580,7 +594,7 @@ def test_one_unrolled_step_first_only(spec_assets, head, one_thread):
         assert torch.equal(param, dict(reference.named_parameters())[name]), name
 
 
-@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("head", [*HEADS, "eagle3-nbr"])
 def test_unrolled_steps_match_chain(spec_assets, head, tmp_path, one_thread):
     """The oracle: each chained step of the student over whole sequences (its output feature
     and logits) is what the serving runner computes for that step from the same prefix, with
@@ -605,8 +619,7 @@ def test_unrolled_steps_match_chain(spec_assets, head, tmp_path, one_thread):
     pool = RuntimeConfig().speculative
     pool.draft_max_loras, pool.draft_max_lora_rank = 1, 16
     arch, target = tiny_target(spec_assets)
-    path = {"eagle": spec_assets.eagle, "eagle3": spec_assets.eagle3}[head]
-    runner = eagle_runner(path, arch, target, draft_lora=pool.draft_lora_pool(RuntimeConfig().lora))
+    runner = eagle_runner(_head_path(spec_assets, head), arch, target, draft_lora=pool.draft_lora_pool(RuntimeConfig().lora))
     runner.lora.load("x", tmp_path / "adapter")
     tol = {"rtol": 1e-4, "atol": 1e-4}
     for p in (0, 4, 9, 15):  # the anchor: the chain runs from the target's pair at p

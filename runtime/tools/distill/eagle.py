@@ -316,7 +316,7 @@ def _layer_inputs(
     layer = head.layers[0]
     if head.version == 3:
         feature = head.fc(features.to(emb.dtype)) if from_target else features.to(emb.dtype)
-        return feature, torch.cat([layer.input_layernorm(emb), layer.hidden_norm(feature)], dim=-1)
+        return layer.eagle3_inputs(emb, feature)
     residual = head.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
     return residual, layer.input_layernorm(residual)
 
