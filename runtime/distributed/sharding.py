@@ -14,10 +14,20 @@ KV heads are split like query heads when there are at least as many as ranks; wi
 fewer (GQA with ``num_kv_heads < size``) each rank holds one KV head, the one its query
 heads read, so a KV head is replicated on ``size / num_kv_heads`` ranks.
 
+Mixture-of-experts layers (the "TP MoE" layout of vLLM / SGLang): every rank holds every
+expert, each cut along its intermediate dimension as a dense MLP is: its block of gate rows
+and of up rows (``gate_up_proj [E, 2I, H]`` holds gate rows then up rows, so each half is
+cut on its own: the rank's gate rows, then its up rows) and the matching block of
+``down_proj`` columns. The router is whole on every rank, so every rank routes each token to
+the same experts; the layer's output, a partial sum like a row-parallel projection's, is
+completed by one all-reduce.
+
 LoRA follows the same cut: a column-parallel module keeps A whole and splits B by output
 rows (per part of a fused module); a row-parallel module splits A by input columns and
 keeps B whole, so each rank's delta is a partial sum that joins the base output's
-all-reduce (the scaling is applied once per partial, hence once in total).
+all-reduce (the scaling is applied once per partial, hence once in total). Expert LoRA is
+cut the same way per expert (gate / up: B by rows; down: A by columns); the router's is
+whole.
 """
 
 from __future__ import annotations
@@ -32,6 +42,14 @@ from .errors import TensorParallelConfigError
 COLUMN_PARTS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 ROW_PARTS = {"o_proj": "q", "down_proj": "mlp"}
 VOCAB_MODULES = ("embed_tokens", "lm_head")
+REPLICATED_LORA = ("gate",)
+"""Adapted modules whole on every rank: an MoE layer's router."""
+
+
+class ExpertShape(Protocol):
+    """The size of one expert (``loraserve.runtime.model.arch.MoESpec`` is one)."""
+
+    intermediate_size: int
 
 
 class ShardableArch(Protocol):
@@ -42,6 +60,7 @@ class ShardableArch(Protocol):
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe: ExpertShape | None
 
 
 def check_tensor_parallel(arch: ShardableArch, size: int) -> None:
@@ -66,6 +85,11 @@ def check_tensor_parallel(arch: ShardableArch, size: int) -> None:
             f"{field}={size} does not divide the model's intermediate_size {arch.intermediate_size}: "
             "use a size that divides it"
         )
+    if arch.moe is not None and arch.moe.intermediate_size % size:
+        raise TensorParallelConfigError(
+            f"{field}={size} does not divide the model's moe_intermediate_size {arch.moe.intermediate_size} "
+            "(every expert is cut along it over the ranks): use a size that divides it"
+        )
 
 
 @dataclass(frozen=True)
@@ -79,6 +103,7 @@ class ShardPlan:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe_intermediate_size: int = 0  # one expert's; 0: the model has no MoE layer
 
     @classmethod
     def for_arch(cls, arch: ShardableArch, rank: int, size: int) -> ShardPlan:
@@ -93,6 +118,7 @@ class ShardPlan:
             head_dim=arch.head_dim,
             intermediate_size=arch.intermediate_size,
             vocab_size=arch.vocab_size,
+            moe_intermediate_size=0 if arch.moe is None else arch.moe.intermediate_size,
         )
 
     # ------------------------------------------------------------------ sizes
@@ -112,6 +138,11 @@ class ShardPlan:
     @property
     def local_intermediate(self) -> int:
         return self.intermediate_size // self.size
+
+    @property
+    def local_moe_intermediate(self) -> int:
+        """One expert's intermediate columns on this rank."""
+        return self.moe_intermediate_size // self.size
 
     @property
     def vocab_shard_rows(self) -> int:
@@ -134,6 +165,9 @@ class ShardPlan:
             return start, start + self.local_kv_heads * self.head_dim
         if part == "mlp":
             n = self.local_intermediate
+            return self.rank * n, (self.rank + 1) * n
+        if part == "expert":
+            n = self.local_moe_intermediate
             return self.rank * n, (self.rank + 1) * n
         raise KeyError(part)
 
@@ -172,6 +206,21 @@ class ShardPlan:
             return self.shard_module_tensor(parts[-2], parts[-1], full)
         return full
 
+    def shard_expert_weight(self, proj: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of expert weights ``[..., out, in]``: one expert's (``[out, in]``)
+        or every expert's stacked (``[E, out, in]``). ``proj``: ``gate_proj`` / ``up_proj``
+        (rows), ``down_proj`` (columns), or ``gate_up_proj`` (gate rows then up rows, each
+        half cut on its own: ``[gate slice ; up slice]``)."""
+        lo, hi = self.part_range("expert")
+        if proj in ("gate_proj", "up_proj"):
+            return full[..., lo:hi, :]
+        if proj == "down_proj":
+            return full[..., lo:hi]
+        if proj == "gate_up_proj":
+            half = self.moe_intermediate_size
+            return torch.cat([full[..., lo:hi, :], full[..., half + lo : half + hi, :]], dim=-2)
+        raise KeyError(proj)
+
     def shard_lora(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(A, B)`` of an adapter's module, as the slot pool stores them.
 
@@ -190,4 +239,22 @@ class ShardPlan:
             return a[start:end], b
         if module == "lm_head":
             return a, b[start:end]
+        if module in REPLICATED_LORA:
+            return a, b
+        raise KeyError(module)
+
+    def shard_expert_lora(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(A [E, r, in], B [E, out, r])`` of an adapter's expert module, cut as
+        the experts are: ``gate_proj`` / ``up_proj`` keep A and take B's rows of this rank's
+        slice of the intermediate dimension; ``down_proj`` takes A's columns of it and keeps
+        B, so its delta is a partial sum that joins the layer's all-reduce (scaled once per
+        partial, hence once in total). peft's fused ``gate_up_proj`` at double rank arrives
+        here already split into its gate and up rows (A shared), each cut alike."""
+        lo, hi = self.part_range("expert")
+        if module in ("gate_proj", "up_proj"):
+            return a, b[:, lo:hi]
+        if module == "down_proj":
+            return a[..., lo:hi], b
         raise KeyError(module)

@@ -14,14 +14,17 @@ if TYPE_CHECKING:
 
 
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
-    """A copy of ``weights`` holding only ``plan``'s slices (see ``ShardPlan.shard_lora``).
+    """A copy of ``weights`` holding only ``plan``'s slices (see ``ShardPlan.shard_lora``;
+    an MoE layer's experts, stacked ``A [E, r, in]`` / ``B [E, out, r]``, by
+    ``ShardPlan.shard_expert_lora``; its router whole).
 
     Slices are cloned, so the full tensors can be freed: a rank keeps about ``1/size`` of
     every adapter's B (column-parallel), A (row-parallel) and vocabulary rows.
     """
     local = {}
     for (module, layer), (a, b) in weights.weights.items():
-        a_local, b_local = plan.shard_lora(module, a, b)
+        expert = a.dim() == 3  # experts are the only stacked (3-D) LoRA weights
+        a_local, b_local = plan.shard_expert_lora(module, a, b) if expert else plan.shard_lora(module, a, b)
         local[(module, layer)] = (_owned(a_local, a), _owned(b_local, b))
     return dataclasses.replace(weights, weights=local)
 

@@ -6,9 +6,10 @@ Checkpoint tensors keep their Hugging Face names and are routed into the fused w
 by :meth:`LlamaForCausalLM.load_weights`.
 
 Tensor parallelism (``shard`` and ``group`` given): q/k/v and gate/up hold this rank's
-output rows, o/down are row-parallel, the embedding and lm_head vocab-parallel (see
-``loraserve.runtime.distributed.sharding``). Without them the model is built exactly as
-for one device: plain layers, no collective anywhere.
+output rows, o/down are row-parallel, the embedding and lm_head vocab-parallel, an MoE
+layer's experts cut along their intermediate dimension (router whole, one all-reduce per
+layer; see ``loraserve.runtime.distributed.sharding``). Without them the model is built
+exactly as for one device: plain layers, no collective anywhere.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .layers import (
     VocabEmbedding,
 )
 from .layers.parallel import Collectives, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from .moe import SparseMoE, moe_checkpoint_names, moe_destination
+from .moe import SparseMoE, moe_checkpoint_names, moe_destination, shard_moe_tensor
 
 if TYPE_CHECKING:
     from ..distributed.sharding import ShardPlan
@@ -198,9 +199,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.mlp: LlamaMLP | SparseMoE
         if arch.is_moe_layer(layer_id):
-            if shard is not None:
-                raise ValueError("mixture-of-experts layers are not sharded over tensor-parallel ranks")
-            self.mlp = SparseMoE(arch, dtype=dtype, device=device)
+            self.mlp = SparseMoE(arch, dtype=dtype, device=device, shard=shard, group=group)
         else:
             self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
 
@@ -385,7 +384,8 @@ class LlamaForCausalLM(nn.Module):
                     f"{self.arch.num_layers} layers: the checkpoint does not match config.json"
                 )
             if self.shard is not None:
-                tensor = self.shard.shard_checkpoint_tensor(name, tensor)
+                experts = shard_moe_tensor(self.shard, name, tensor)
+                tensor = self.shard.shard_checkpoint_tensor(name, tensor) if experts is None else experts
             copy_checkpoint_tensor(dest, name, tensor)
             loaded.update(moe_checkpoint_names(name, self._num_experts) or (name,))
         expected = set(expected_checkpoint_names(self))

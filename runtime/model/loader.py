@@ -12,6 +12,7 @@ import torch
 from .arch import ModelArchConfig, ModelConfigError
 from .layers.parallel import Collectives
 from .llama import _STACKED, LlamaForCausalLM
+from .moe import shard_moe_tensor
 
 if TYPE_CHECKING:
     from ..distributed.sharding import ShardPlan
@@ -122,7 +123,10 @@ def _random_fill_sharded(
         full = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device)
         full.normal_(0.0, std, generator=generator)
         module_name, kind = name.split(".")[-2:]
-        if module_name in parts_of:
+        experts = shard_moe_tensor(shard, name, full)  # fused expert weights
+        if experts is not None:
+            local = experts
+        elif module_name in parts_of:
             pieces = full.split(_whole_sizes(arch, module_name), dim=0)
             local = torch.cat(
                 [

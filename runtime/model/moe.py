@@ -20,6 +20,14 @@ Checkpoints in the per-expert layout (``mlp.experts.N.gate_proj.weight``, Mixtra
 LoRA: the router is a :class:`Linear` and takes the ordinary hook; each expert part
 (``gate_up``, ``down``) takes an :class:`ExpertLoRAHook` that adds, for the rows an
 expert runs on, the delta of each row's own adapter for that expert only.
+
+Tensor parallelism (``shard`` and ``group`` given): every rank holds every expert, cut along
+the intermediate dimension (its gate rows, its up rows, its down columns; see
+``loraserve.runtime.distributed.sharding``), and the router whole. The residual stream is
+the same on every rank, so every rank picks the same experts; each rank's output (expert
+LoRA deltas included, the down delta from this rank's A columns) is a partial sum, completed
+by one all-reduce per layer as a row-parallel projection's. Both paths, torch and fused,
+read the intermediate size from the weights they are given.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +46,10 @@ from loraserve.kernels import moe as moe_kernels
 
 from .arch import ModelArchConfig
 from .layers import Linear
+from .layers.parallel import Collectives
+
+if TYPE_CHECKING:
+    from ..distributed.sharding import ShardPlan
 
 EXPERT_PARTS = ("gate_up", "down")
 """The LoRA-targetable parts of every expert, in the order of the forward."""
@@ -138,22 +150,39 @@ class MoEExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router (``gate``) plus experts: the MLP of an MoE layer."""
+    """Router (``gate``) plus experts: the MLP of an MoE layer.
 
-    def __init__(self, arch: ModelArchConfig, *, dtype: torch.dtype, device):
+    ``shard`` / ``group``: this rank's slice of every expert's intermediate dimension and the
+    group whose all-reduce sums the ranks' partial outputs; without them, the whole layer.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        *,
+        dtype: torch.dtype,
+        device,
+        shard: ShardPlan | None = None,
+        group: Collectives | None = None,
+    ):
         super().__init__()
         spec = arch.moe
         if spec is None:
             raise ValueError(f"{arch.architecture} has no mixture-of-experts block")
+        if (shard is None) != (group is None):
+            raise ValueError("a tensor-parallel MoE layer needs both its shard plan and its group")
         self.top_k, self.renormalize = spec.top_k, spec.norm_topk_prob
         self.gate = Linear(arch.hidden_size, (spec.num_experts,), bias=False, dtype=dtype, device=device)
-        self.experts = MoEExperts(
-            spec.num_experts, arch.hidden_size, spec.intermediate_size, dtype=dtype, device=device
-        )
+        inter = spec.intermediate_size if shard is None else shard.local_moe_intermediate
+        self.experts = MoEExperts(spec.num_experts, arch.hidden_size, inter, dtype=dtype, device=device)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.group is not None:
+            out = self.group.all_reduce(out)  # partial expert outputs (and their LoRA deltas) summed
+        return out
 
 
 def graph_buffers(
@@ -209,6 +238,19 @@ def moe_destination(params: dict[str, nn.Parameter], name: str) -> torch.Tensor 
         return param.data[expert]
     half = param.shape[1] // 2
     return param.data[expert, :half] if proj == "gate_proj" else param.data[expert, half:]
+
+
+def shard_moe_tensor(plan: ShardPlan, name: str, full: torch.Tensor) -> torch.Tensor | None:
+    """This rank's slice of a checkpoint's (or a model's) expert tensor ``name``, in either
+    layout (per expert, Mixtral's w1/w3/w2 included, or fused 3-D); None for any other name
+    (the router among them: it is whole on every rank)."""
+    m = _FUSED.match(name)
+    if m:
+        return plan.shard_expert_weight(m.group(2), full)
+    m = _PER_EXPERT.match(name)
+    if m:
+        return plan.shard_expert_weight(MIXTRAL_NAMES.get(m.group(3), m.group(3)), full)
+    return None
 
 
 def moe_checkpoint_names(name: str, num_experts: int) -> list[str] | None:

@@ -320,12 +320,12 @@ def test_policy_refuses_unserved_moe(make_config, moe_models):
 
     config = make_config(moe_models["mixtral"])
     config.model.architecture = "MixtralForCausalLM"
-    assert not _rules(config) & {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative", "model-architecture"}
+    assert not _rules(config) & {"moe-cuda-graph", "moe-speculative", "model-architecture"}
     config.device, config.cuda_graph.enabled, config.parallel.tensor_parallel_size = "cuda", True, 2
     config.speculative.algorithm = SpecAlgorithm.NEXTN
-    assert {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"} <= _rules(config)
+    assert {"moe-cuda-graph", "moe-speculative"} <= _rules(config)  # tensor parallelism is served
     config.model.architecture = "LlamaForCausalLM"  # the same fields on a dense target
-    assert not _rules(config) & {"moe-cuda-graph", "moe-tensor-parallel", "moe-speculative"}
+    assert not _rules(config) & {"moe-cuda-graph", "moe-speculative"}
     config.speculative.algorithm = SpecAlgorithm.STANDALONE
     config.speculative.draft_model_path = str(moe_models["qwen3-moe"])
     config.speculative.draft_model_architecture = "Qwen3MoeForCausalLM"

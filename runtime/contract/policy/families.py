@@ -5,7 +5,9 @@ The table is the one source for the runtime's model code (``runtime.model.arch``
 it) and for this policy. The MoE layers run on the torch path on the CPU and on the fused
 Triton path on CUDA, whose shapes depend only on the token rows (its routing buffers are
 sized for a graph's tokens); CUDA graphs stay refused on MoE models until their capture
-is proven on a GPU. Experts are not split over tensor-parallel ranks. Speculation on MoE
+is proven on a GPU. Under tensor parallelism every expert is cut along its intermediate
+dimension over the ranks (router whole, one all-reduce per layer), as vLLM and SGLang cut
+them; the start-up refuses a size that does not divide it. Speculation on MoE
 targets is verified lossless (spec-on = spec-off per adapter) for the algorithms in
 :data:`MOE_SPEC_ALGORITHMS`.
 """
@@ -82,18 +84,6 @@ def model_family(config: RuntimeConfig) -> list[Violation]:
                 f"CUDA graphs are not served with the mixture-of-experts layers of {architecture} yet: their "
                 "fused path is built for capture, but capturing it is not enabled",
                 "set {cuda_graph.enabled} to false",
-                kind=Kind.UNAVAILABLE,
-                related=("model.architecture",),
-            )
-        )
-    if config.parallel.tensor_parallel_size > 1:
-        out.append(
-            Violation(
-                "moe-tensor-parallel",
-                "parallel.tensor_parallel_size",
-                f"the experts of {architecture} are not split over tensor-parallel ranks (no tensor or expert "
-                "parallelism for mixture-of-experts layers)",
-                "set {parallel.tensor_parallel_size} to 1 and give the pod a GPU that holds the whole model",
                 kind=Kind.UNAVAILABLE,
                 related=("model.architecture",),
             )
