@@ -367,3 +367,37 @@ class _BuildOnly:
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         raise AssertionError("built only: no forward runs")
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_speculation_on_ranks_is_lossless(pair, algorithm, tmp_path_factory):
+    """Greedy speculation over the two-rank MoE target (the draft whole on rank 0) gives the
+    tokens of plain decoding on one device, adapters and the base model in one batch."""
+    from loraserve.runtime.contract.config import SpecAlgorithm
+    from loraserve.runtime.sampling import SamplingParams
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
+
+    from .conftest import run_engine
+
+    assets = pair.assets
+    gen = torch.Generator().manual_seed(4)
+    requests = []
+    for i, name in enumerate(assets.names * 2):
+        unit = torch.randint(3, 500, (3,), generator=gen)
+        prompt = unit.repeat(5)[: 6 + i].tolist() if i % 2 else torch.randint(3, 500, (6 + i,), generator=gen).tolist()
+        requests.append((f"s{i}", prompt, SamplingParams(max_tokens=10, temperature=0.0), name))
+    expected, _ = run_engine(tp_config(assets.model, 1, assets.adapters), pair.ref, requests)
+    config = tp_config(assets.model, 2, assets.adapters).copy()
+    config.speculative.algorithm = SpecAlgorithm(algorithm)
+    config.speculative.num_steps, config.speculative.num_draft_tokens = 3, 4
+    if algorithm == "EAGLE3":
+        draft = tmp_path_factory.mktemp("moe_tp_eagle3")
+        config.speculative.draft_model_path = str(
+            build_eagle_draft(draft, assets.model, version=3, aux_layer_ids=[0, 1, 2], seed=75, init_std=0.1)
+        )
+    outputs, _ = run_engine(config, pair.tp, requests)
+    for rid, *_ in requests:
+        assert outputs[rid].error is None, (rid, outputs[rid].error)
+        assert outputs[rid].tokens == expected[rid].tokens, rid
+        assert outputs[rid].spec is not None and outputs[rid].spec.verify_steps >= 1, rid
+    assert pair.handle.health.failure is None
