@@ -75,38 +75,40 @@ CASES = [
 ]
 
 
+def _draft(kind: str, here, target, family: Family, seed: int):
+    """Build the draft ``kind`` names for ``target`` under ``here``."""
+    from loraserve.runtime.dev.devmodels import build_draft_model, copy_model
+    from loraserve.runtime.dev.dflash_builder import build_dflash_draft
+    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
+
+    if kind == "small":
+        return build_draft_model(here / kind, target, architecture=family.draft_architecture, seed=seed)
+    if kind == "copy":
+        return copy_model(target, here / kind)
+    if kind == "eagle":
+        return build_eagle_draft(here / kind, target, version=1, seed=seed, init_std=0.1)
+    if kind == "eagle3":
+        return build_eagle_draft(here / kind, target, version=3, aux_layer_ids=[1, 2, 3], seed=seed, init_std=0.1)
+    assert kind == "dflash", kind
+    return build_dflash_draft(here / kind, target, target_layer_ids=[0, 1], block_size=4, seed=seed, init_std=0.1)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Per family: the target, an adapter on its modules, and the drafts its cases name."""
-    from loraserve.runtime.dev.devmodels import build_adapter, build_draft_model, build_tiny_model, copy_model
-    from loraserve.runtime.dev.dflash_builder import build_dflash_draft
-    from loraserve.runtime.speculative.eagle.builder import build_eagle_draft
+    from loraserve.runtime.dev.devmodels import build_adapter, build_tiny_model
 
     root = tmp_path_factory.mktemp("family_spec")
     out = {}
     for i, (name, family) in enumerate(FAMILIES.items()):
         seed, here = 61 + 10 * i, root / name
         target = build_tiny_model(here / "target", **{"num_layers": 3, "seed": seed, **family.model})
-        drafts = {d for f, _, d in CASES if f == name and d}
-        builders = {
-            "small": lambda: build_draft_model(
-                here / "small", target, architecture=family.draft_architecture, seed=seed + 2
-            ),
-            "copy": lambda: copy_model(target, here / "copy"),
-            "eagle": lambda: build_eagle_draft(here / "eagle", target, version=1, seed=seed + 3, init_std=0.1),
-            "eagle3": lambda: build_eagle_draft(
-                here / "eagle3", target, version=3, aux_layer_ids=[1, 2, 3], seed=seed + 4, init_std=0.1
-            ),
-            "dflash": lambda: build_dflash_draft(
-                here / "dflash", target, target_layer_ids=[0, 1], block_size=4, seed=seed + 5, init_std=0.1
-            ),
-        }
+        adapter = build_adapter(here / "all", target, rank=4, alpha=8, target_modules=family.modules, seed=seed + 1)
+        drafts = sorted({d for f, _, d in CASES if f == name and d})
         out[name] = {
             "target": target,
-            "adapter": build_adapter(
-                here / "all", target, rank=4, alpha=8, target_modules=family.modules, seed=seed + 1
-            ),
-            **{d: builders[d]() for d in sorted(drafts)},
+            "adapter": adapter,
+            **{d: _draft(d, here, target, family, seed + 2 + j) for j, d in enumerate(drafts)},
         }
     return out
 
