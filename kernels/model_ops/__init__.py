@@ -72,7 +72,8 @@ def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q [T, H, D]`` and ``k [T, KH, D]`` (views of a fused projection are fine)
-    with the rows ``positions`` of the ``cos`` / ``sin`` tables ``[P, D]``."""
+    with the rows ``positions`` of the ``cos`` / ``sin`` tables ``[P, R]``: the leading ``R <= D``
+    dims of each head rotate (partial rotary), the rest pass through."""
     if _use_triton(q, k, cos, sin):
         from . import triton_ops
 
@@ -93,7 +94,8 @@ def rotary_kv_write(
 ) -> torch.Tensor:
     """RoPE on ``q [T, H, D]`` and ``k [T, KH, D]``, then the rotated keys and ``v`` (``[T, KH,
     D]`` or ``[T, KH * D]``) written to rows ``slots [T]`` of the paged caches ``[S, KH, D]``
-    in the caches' dtype; returns the rotated queries. One kernel on CUDA (static shapes:
+    in the caches' dtype; returns the rotated queries. Tables ``[P, R]`` with ``R < D`` rotate
+    the leading ``R`` dims of each head only, as :func:`rotary`. One kernel on CUDA (static shapes:
     CUDA-graph safe); the cached keys are exactly :func:`rotary`'s."""
     if _use_triton(q, k, v, cos, sin, k_cache, v_cache):
         from . import triton_ops

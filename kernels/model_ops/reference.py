@@ -30,7 +30,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (the half-split layout) on ``[T, heads, D]`` queries and keys from a ``[P, D]`` table."""
+    """RoPE (the half-split layout) on ``[T, heads, D]`` queries and keys from a ``[P, R]`` table:
+    the leading ``R <= D`` dims of each head rotate, the rest pass through unchanged."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
     return _rotate(q, c, s), _rotate(k, c, s)
@@ -57,6 +58,9 @@ def rotary_kv_write(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

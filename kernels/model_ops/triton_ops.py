@@ -133,10 +133,39 @@ def _rope(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, ty: tl.constexpr):
 
 
 @triton.jit
+def _copy_tail(src, dst, START: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr):
+    """``dst[START : START + PASS] = src[...]`` in ``dst``'s dtype: the dims partial rotary
+    leaves unrotated (nothing when ``PASS`` is 0)."""
+    if PASS > 0:
+        cols = tl.arange(0, PASS_BLOCK)
+        mask = cols < PASS
+        x = tl.load(src + START + cols, mask=mask, other=0.0)
+        tl.store(dst + START + cols, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def _pass_dims(dim: int, rotary_dim: int) -> dict:
+    """The kernels' constexprs for the ``dim - rotary_dim`` trailing dims of a head that pass through."""
+    rest = dim - rotary_dim
+    return {"PASS": rest, "PASS_BLOCK": triton.next_power_of_2(max(rest, 1))}
+
+
+def _check_tables(op: str, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """The tables' rotary width: even, at most ``dim``, the same strides for cos and sin."""
+    rot = cos.shape[-1]
+    if dim % 2 or rot % 2 or not 0 < rot <= dim or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(
+            f"{op}: head_dim {dim} and the tables' rotary width {cos.shape[-1]} must be even, the width at "
+            "most head_dim"
+        )
+    return rot
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, src_ptr, dst_ptr, cos_ptr, sin_ptr, src_t, src_h, dst_t, dst_h, table_stride,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """Program (token, head): dims ``[0, 2 * HALF)`` rotate, the ``PASS`` after them are copied."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -154,6 +183,7 @@ def _rotary_kernel(
     dst = dst_ptr + token * dst_t + head * dst_h
     tl.store(dst + cols, out_lo, mask=mask)
     tl.store(dst + HALF + cols, out_hi, mask=mask)
+    _copy_tail(src, dst, 2 * HALF, PASS, PASS_BLOCK)
 
 
 def _rotate(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,10 +192,10 @@ def _rotate(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: to
         x = x.contiguous()
     out = torch.empty((tokens, heads, dim), dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     if tokens and heads:
-        half = dim // 2
+        half = cos.shape[-1] // 2
         _rotary_kernel[(tokens, heads)](
             positions, x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+            HALF=half, BLOCK=triton.next_power_of_2(half), **_pass_dims(dim, 2 * half), num_warps=1,
         )  # fmt: skip
     return out
 
@@ -174,8 +204,7 @@ def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`loraserve.kernels.model_ops.rotary`."""
-    if q.shape[-1] % 2 or cos.shape[-1] != q.shape[-1] or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"rotary: head_dim {q.shape[-1]} must be even and match the tables' {cos.shape[-1]}")
+    _check_tables("rotary", q.shape[-1], cos, sin)
     positions = positions.contiguous()
     return _rotate(positions, q, cos, sin), _rotate(positions, k, cos, sin)
 
@@ -184,10 +213,11 @@ def rotary(
 def _rotary_kv_write_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
     q_t, q_h, k_t, k_h, v_t, v_h, qo_t, qo_h, kc_s, kc_h, vc_s, vc_h, table_stride,
-    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (token, head): heads below ``HEADS`` rotate a query head into ``qo``; the rest
-    rotate key head ``head - HEADS`` into the key cache and copy its value head."""
+    rotate key head ``head - HEADS`` into the key cache and copy its value head. Dims
+    ``[0, 2 * HALF)`` of a head rotate, the ``PASS`` after them are copied as they are."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -208,6 +238,7 @@ def _rotary_kv_write_kernel(
         q_dst = qo_ptr + token * qo_t + head.to(tl.int64) * qo_h
         tl.store(q_dst + cols, q_out_lo, mask=mask)
         tl.store(q_dst + HALF + cols, q_out_hi, mask=mask)
+        _copy_tail(q_src, q_dst, 2 * HALF, PASS, PASS_BLOCK)
     else:
         kv = (head - HEADS).to(tl.int64)
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -218,12 +249,14 @@ def _rotary_kv_write_kernel(
         k_dst = kc_ptr + slot * kc_s + kv * kc_h
         tl.store(k_dst + cols, k_out_lo.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF + cols, k_out_hi.to(kc_ptr.dtype.element_ty), mask=mask)
+        _copy_tail(k_src, k_dst, 2 * HALF, PASS, PASS_BLOCK)
         v_src = v_ptr + token * v_t + kv * v_h
         v_dst = vc_ptr + slot * vc_s + kv * vc_h
         v_lo = tl.load(v_src + cols, mask=mask, other=0.0)
         v_hi = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
         tl.store(v_dst + cols, v_lo.to(vc_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst + HALF + cols, v_hi.to(vc_ptr.dtype.element_ty), mask=mask)
+        _copy_tail(v_src, v_dst, 2 * HALF, PASS, PASS_BLOCK)
 
 
 def rotary_kv_write(
@@ -240,8 +273,7 @@ def rotary_kv_write(
     """See :func:`loraserve.kernels.model_ops.rotary_kv_write`."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if dim % 2 or cos.shape[-1] != dim or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"rotary_kv_write: head_dim {dim} must be even and match the tables' {cos.shape[-1]}")
+    rot = _check_tables("rotary_kv_write", dim, cos, sin)
     if k_cache.shape[1:] != (kv_heads, dim) or v_cache.shape[1:] != (kv_heads, dim):
         raise ValueError(
             f"rotary_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
@@ -253,12 +285,12 @@ def rotary_kv_write(
         raise ValueError("rotary_kv_write: the caches' head_dim must be contiguous")
     out = torch.empty((tokens, heads, dim), dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
     if tokens and heads + kv_heads:
-        half = dim // 2
+        half = rot // 2
         _rotary_kv_write_kernel[(tokens, heads + kv_heads)](
             positions.contiguous(), slots.contiguous(), q, k, v, out, k_cache, v_cache, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-            HEADS=heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+            HEADS=heads, HALF=half, BLOCK=triton.next_power_of_2(half), **_pass_dims(dim, rot), num_warps=1,
         )  # fmt: skip
     return out

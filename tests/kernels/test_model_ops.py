@@ -171,6 +171,64 @@ def test_rotary_kv_write(device, dtype, cache_dtype, head_dim):
     assert _rel(k_cache[slots], _rope64(k, angles, positions)) < tol
 
 
+def _rope64_partial(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Partial RoPE in float64: the leading ``2 * angles.shape[-1]`` dims of each head rotate
+    (half-split within them, transformers' Phi-3 layout), the rest stay as they are."""
+    rot = 2 * angles.shape[-1]
+    return torch.cat((_rope64(x[..., :rot], angles, positions), x[..., rot:].double()), dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 48), (12, 8), (16, 2)])
+def test_rotary_kv_write_partial(device, dtype, cache_dtype, head_dim, rotary_dim):
+    """Partial rotary (Phi-4-mini's 0.75 of a head, and narrower): the tables are ``rotary_dim``
+    wide, the leading dims rotate, the trailing dims of queries and keys reach the output and the
+    key cache unchanged; values whole."""
+    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
+    tokens, heads, kv_heads, table, capacity = 7, 4, 2, 40, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    angles = torch.rand(table, rotary_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device, dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device, dtype)
+    positions = torch.randint(0, table, (tokens,), generator=gen).to(device)
+    slots = (torch.randperm(capacity - 1, generator=gen)[:tokens] + 1).to(device)
+    caches = torch.randn(2, capacity, kv_heads, head_dim, generator=gen).to(device, cache_dtype)
+    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+    k_ref, v_ref = caches[0].clone(), caches[1].clone()
+    q_out = triton_ops.rotary_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+    q_ref = reference.rotary_kv_write(positions, q, k, v, cos, sin, k_ref, v_ref, slots)
+    for out, ref in ((q_out, q_ref), (k_cache, k_ref)):
+        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert (out.float() - ref.float()).abs().max().item() <= 2 * ulp
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[slots], v.reshape(tokens, kv_heads, head_dim).to(cache_dtype), rtol=0, atol=0)
+    # the unrotated dims are copies
+    torch.testing.assert_close(q_out[..., rotary_dim:], q[..., rotary_dim:].to(q_out.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(k_cache[slots][..., rotary_dim:], k[..., rotary_dim:].to(cache_dtype), rtol=0, atol=0)
+    others = torch.ones(capacity, dtype=torch.bool, device=device)
+    others[slots] = False
+    torch.testing.assert_close(k_cache[others], caches[0][others], rtol=0, atol=0)
+    tol = {torch.float32: 1e-6}.get(dtype, 2e-2)
+    assert _rel(q_out, _rope64_partial(q, angles, positions)) < tol
+    assert _rel(k_cache[slots], _rope64_partial(k, angles, positions)) < tol
+    # and the plain rotary op agrees with the fused write
+    q_rot, k_rot = triton_ops.rotary(positions, q, k, cos, sin)
+    torch.testing.assert_close(q_rot, q_out, rtol=0, atol=0)
+    assert _rel(k_rot, _rope64_partial(k, angles, positions)) < tol
+
+
+def test_rotary_tables_wider_than_a_head_are_refused(device):
+    q, k = torch.randn(2, 4, 8, device=device), torch.randn(2, 2, 8, device=device)
+    wide = torch.randn(10, 12, device=device)
+    with pytest.raises(ValueError, match="at most head_dim"):
+        triton_ops.rotary(torch.zeros(2, dtype=torch.int64, device=device), q, k, wide, wide)
+
+
 def test_rotary_kv_write_checks_the_caches(device):
     q, k = torch.randn(2, 4, 8, device=device), torch.randn(2, 2, 8, device=device)
     table = torch.randn(10, 8, device=device)
@@ -189,7 +247,7 @@ from triton.compiler import ASTSource
 from loraserve.kernels.model_ops.triton_ops import _rotary_kv_write_kernel as k
 ptrs = dict(pos_ptr="*i64", slot_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qo_ptr="*bf16",
             kc_ptr="*fp32", vc_ptr="*fp32", cos_ptr="*bf16", sin_ptr="*bf16")
-consts = dict(HEADS=8, HALF=64, BLOCK=64)
+consts = dict(HEADS=8, HALF=48, BLOCK=64, PASS=32, PASS_BLOCK=32)  # partial rotary: 96 of 128 dims
 sig = {n: ptrs.get(n, "constexpr" if n in consts else "i64") for n in k.arg_names}
 src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
 triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -198,7 +256,8 @@ triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 def test_rotary_kv_write_compiles_for_hopper():
     """The fused rotary write compiles for an H100 (no GPU needed) with a key cache of another
-    dtype than q: the interpreter runs code the compiler refuses (one name, two types)."""
+    dtype than q, rotating part of each head: the interpreter runs code the compiler refuses
+    (one name, two types)."""
     import os
     import subprocess
     import sys
