@@ -12,7 +12,7 @@ Phases, in one process:
   4. a few alternative launch configurations on key shapes (tuning record).
 
 Correctness against float64 references is ``tests/kernels``' (every path, graph capture,
-overlap, PDL); a GPU run runs it first (``bash bench/gpu/step.sh``).
+overlap, PDL); a GPU run runs it first (``bash bench/gpu/all.sh``).
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT`` or
 ``.cache/bench/kernels``) and prints a short table last.
