@@ -3,6 +3,11 @@
 One dataclass for every supported Llama-family layout, so layers never look at raw
 config dicts. Both rope spellings are read: transformers 5's ``rope_parameters`` and the
 older ``rope_theta`` + ``rope_scaling`` pair.
+
+Phi-3 / Phi-3.5 / Phi-4-mini (``phi3``) is the Llama decoder with checkpoint tensors already
+fused (``qkv_proj``, ``gate_up_proj``), no biases, an optional rotary fraction of each head
+(``partial_rotary_factor``) and LongRoPE (``rope_type`` ``longrope``; ``su`` and, as
+transformers' ``Phi3Config`` reads it, ``yarn`` are its older names).
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters (``rope_type``: default, linear, llama3 or yarn)."""
+    """Rotary embedding parameters (``rope_type``: default, linear, llama3, yarn or longrope).
+
+    ``partial_rotary_factor``: the fraction of each head's leading dims that rotate (the rest
+    pass through). ``short_factor`` / ``long_factor``: LongRoPE's per-frequency divisors (one per
+    rotated pair); ``factor`` is then the context extension (``max_position_embeddings /
+    original_max_position_embeddings`` unless config.json gives it)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -47,6 +57,12 @@ class RopeSpec:
     mscale_all_dim: float | None = None
     truncate: bool = True
     partial_rotary_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The leading dims of a ``head_dim`` head that rotate."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,7 @@ class ModelArchConfig:
     """Everything the layers need to know about a model, independent of the tokenizer."""
 
     architecture: str  # e.g. LlamaForCausalLM
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | gemma3 | phi3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -141,7 +157,14 @@ def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch
     return _DTYPES[key]
 
 
-def _rope_spec(raw: dict) -> RopeSpec:
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+"""The rope types the rotary tables implement (:mod:`.layers.rotary`)."""
+
+_PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
+"""Older names Phi-3 configs give LongRoPE (transformers' ``Phi3Config`` reads both so)."""
+
+
+def _rope_spec(raw: dict, family: str = "llama") -> RopeSpec:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form; one type for these models
@@ -149,18 +172,32 @@ def _rope_spec(raw: dict) -> RopeSpec:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+    if family == "phi3":
+        rope_type = _PHI3_ROPE_ALIASES.get(rope_type, rope_type)
+        if rope_type not in ("default", "longrope"):
+            raise ModelConfigError(
+                f"config.json rope type {rope_type!r} is not supported for Phi-3: use default or longrope"
+            )
+    if rope_type not in ROPE_TYPES:
         raise ModelConfigError(
-            f"config.json rope type {rope_type!r} is not supported: use default, linear, llama3 or yarn"
+            f"config.json rope type {rope_type!r} is not supported: use default, linear, llama3, yarn or longrope"
         )
+    # Phi-3 keeps the pretraining length beside rope_scaling; transformers prefers that one.
+    original = raw.get("original_max_position_embeddings") if family == "phi3" else None
+    original = original or params.get("original_max_position_embeddings")
     factor = params.get("factor")
+    short, long = (), ()
+    if rope_type == "longrope":
+        short, long, original = _longrope_factors(raw, params, original)
+        if factor is None:  # the context extension, as transformers and vLLM derive it
+            factor = int(raw.get("max_position_embeddings", 2048)) / original
     return RopeSpec(
         theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_type=rope_type,
         factor=float(factor) if factor is not None else 1.0,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=params.get("attention_factor"),
@@ -168,7 +205,40 @@ def _rope_spec(raw: dict) -> RopeSpec:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
         partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+        short_factor=short,
+        long_factor=long,
     )
+
+
+def _longrope_factors(
+    raw: dict, params: dict, original: int | None
+) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """LongRoPE's ``short_factor`` / ``long_factor`` (one per rotated pair: checked against the
+    head's rotary dims) and its pretraining length; :class:`ModelConfigError` naming the field."""
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelConfigError(
+            "config.json longrope needs original_max_position_embeddings (a positive integer), "
+            f"got {original!r}"
+        )
+    heads = raw.get("num_attention_heads") or 1
+    head_dim = raw.get("head_dim") or int(raw.get("hidden_size", 0)) // heads
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    pairs = int(head_dim * partial) // 2
+    out = []
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values
+        ):
+            raise ModelConfigError(
+                f"config.json longrope {key} must be a list of positive numbers, got {values!r}"
+            )
+        if len(values) != pairs:
+            raise ModelConfigError(
+                f"config.json longrope {key} has {len(values)} entries, the heads rotate {pairs} pairs of dims"
+            )
+        out.append(tuple(float(v) for v in values))
+    return out[0], out[1], original
 
 
 def declared_architecture(raw: dict, override: str | None = None) -> str | None:
@@ -214,9 +284,10 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         sliding = None  # per layer: arch.gemma.sliding_layers
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope = _rope_spec(raw)
-    if rope.partial_rotary_factor != 1.0:
-        raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported for Llama-family models")
+    rope = _rope_spec(raw, family)
+    _check_rotary_dim(rope, head_dim, family)
+    if family == "phi3":
+        _check_phi3(raw)
     return ModelArchConfig(
         architecture=architecture,
         family=family,
@@ -230,9 +301,9 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)) or family == "qwen2",
-        o_bias=bool(raw.get("attention_bias", False)) and family != "qwen2",
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        attention_bias=(bool(raw.get("attention_bias", False)) or family == "qwen2") and family != "phi3",
+        o_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "phi3"),
+        mlp_bias=bool(raw.get("mlp_bias", False)) and family != "phi3",
         rope=rope,
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,
@@ -243,6 +314,35 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def _check_rotary_dim(rope: RopeSpec, head_dim: int, family: str) -> None:
+    """A rotary fraction of each head: an even number of dims, at least two; not on Gemma 3."""
+    if rope.partial_rotary_factor == 1.0:
+        return
+    if family == "gemma3":
+        raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported for Gemma 3")
+    dim = rope.rotary_dim(head_dim)
+    if not 0 < rope.partial_rotary_factor <= 1 or dim < 2 or dim % 2:
+        raise ModelConfigError(
+            f"config.json partial_rotary_factor {rope.partial_rotary_factor} rotates {dim} of the {head_dim} dims of "
+            "a head: served for an even number of dims, at least two"
+        )
+
+
+_PHI3_UNSERVED = {
+    # config.json fields Phi3Config does not have, which a hand-edited config might carry
+    "attention_bias": "Phi-3's projections have no biases",
+    "mlp_bias": "Phi-3's projections have no biases",
+}
+
+
+def _check_phi3(raw: dict) -> None:
+    """Fields of a Phi-3 config.json the layers cannot honour, refused by name. Dropout
+    (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) is training-only."""
+    for key, reason in _PHI3_UNSERVED.items():
+        if raw.get(key):
+            raise ModelConfigError(f"config.json {key}={raw[key]!r} is not served for Phi-3: {reason}")
 
 
 def _positive(raw: dict, *keys: str) -> int:

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over flat
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3) over flat
 batched token rows. An MoE layer's MLP is :class:`~.moe.SparseMoE`.
 
 Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
 Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
-by :meth:`LlamaForCausalLM.load_weights`.
+by :meth:`LlamaForCausalLM.load_weights`. Phi-3's checkpoints hold the fused tensors already:
+each is read as its parts (:func:`split_fused_checkpoint`), so one path loads, shards and
+checks every family.
 
 Tensor parallelism (``shard`` and ``group`` given): q/k/v and gate/up hold this rank's
 output rows, o/down are row-parallel, the embedding and lm_head vocab-parallel, an MoE
@@ -48,8 +50,37 @@ _STACKED = {
 }
 
 
+_FUSED_CHECKPOINT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Phi-3's fused checkpoint tensors -> their parts, in the order their rows are stacked."""
+
+
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the tensor and the fix."""
+
+
+def split_fused_checkpoint(
+    arch: ModelArchConfig, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """A Phi-3 checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` tensor as the parts other
+    families' checkpoints hold (row views, named ``q_proj`` ... ``up_proj``); any other tensor
+    as it is."""
+    parts = name.split(".")
+    if arch.family != "phi3" or len(parts) < 2 or parts[-2] not in _FUSED_CHECKPOINT:
+        return [(name, tensor)]
+    if parts[-2] == "qkv_proj":
+        sizes = (arch.q_size, arch.kv_size, arch.kv_size)
+    else:
+        sizes = (arch.intermediate_size, arch.intermediate_size)
+    if tensor.shape[0] != sum(sizes):
+        raise WeightLoadError(
+            f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, config.json implies {sum(sizes)} "
+            f"({' + '.join(map(str, sizes))}): the checkpoint does not match config.json"
+        )
+    names = _FUSED_CHECKPOINT[parts[-2]]
+    return [
+        (".".join([*parts[:-2], part, parts[-1]]), piece)
+        for part, piece in zip(names, tensor.split(sizes, dim=0), strict=True)
+    ]
 
 
 def _output_linear(
@@ -372,6 +403,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        weights = (part for n, t in weights for part in split_fused_checkpoint(self.arch, n, t))
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
