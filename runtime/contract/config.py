@@ -84,7 +84,11 @@ slots that serve them: ``gate`` is the router (every MoE layer's router always h
 it adds none), ``gate_up_proj`` the experts' fused gate and up parameter (peft
 ``target_parameters``), ``w1`` / ``w3`` / ``w2`` Mixtral's per-expert gate, up and down."""
 
-LORA_MODULES: tuple[str, ...] = (*DENSE_LORA_MODULES, *MOE_LORA_MODULES)
+FUSED_LORA_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+"""A dense model's fused projections as peft configs name them (Phi-3's) -> the pool slots that
+serve them; Phi-3's fused ``gate_up_proj`` is served as the experts' one (:data:`MOE_LORA_MODULES`)."""
+
+LORA_MODULES: tuple[str, ...] = (*DENSE_LORA_MODULES, *MOE_LORA_MODULES, *FUSED_LORA_MODULES)
 """Every name ``lora.target_modules`` and an adapter's declared modules accept (the CRD's enum).
 Which of them a model has depends on its family (``policy.families.FAMILY_LORA_MODULES``);
 :func:`pool_modules` turns a list into the adapter pool's slots."""
@@ -94,11 +98,11 @@ DEFAULT_LORA_MODULES: tuple[str, ...] = DENSE_LORA_MODULES[:7]
 
 def pool_modules(names: Sequence[str]) -> tuple[str, ...]:
     """The adapter pool's slots for the module ``names`` (``lora.target_modules``): dense names as
-    they are, mixture-of-experts names as the slots that serve them, in :data:`DENSE_LORA_MODULES`
-    order."""
+    they are, mixture-of-experts and fused names as the slots that serve them, in
+    :data:`DENSE_LORA_MODULES` order."""
     wanted: set[str] = set()
     for name in names:
-        wanted.update(MOE_LORA_MODULES.get(name, (name,)))
+        wanted.update(MOE_LORA_MODULES.get(name, FUSED_LORA_MODULES.get(name, (name,))))
     return tuple(m for m in DENSE_LORA_MODULES if m in wanted)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -8,7 +8,10 @@ model's weight and dropped when equal, refused when not; options that make the a
 compute something other than ``W + s·B·A`` on the shared base (``modules_to_save``,
 DoRA, layer replication, ...) are refused, naming the option. Every check runs before anything is handed to the
 manager, so a rejected adapter leaves the pool untouched. On a mixture-of-experts base, LoRA on
-the experts and the router is read in every layout peft writes (:mod:`.experts`).
+the experts and the router is read in every layout peft writes (:mod:`.experts`). On Phi-3, whose
+checkpoints fuse q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``), a fused module's LoRA is
+split into the slots of its parts: each part keeps the one ``A [r, in]`` and takes its rows of
+``B`` (``B·A`` row-sliced is the part's delta exactly), at rank r.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 _LAYER_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
     r"\.lora_(A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 _EMBED_RE = re.compile(r"^model\.embed_tokens\.lora_embedding_(A|B)(?:\.[A-Za-z0-9_-]+)?$")
@@ -48,6 +51,8 @@ _FULL_COPIES = {
     "lm_head.weight": "lm_head",
 }
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Phi-3's fused projections -> the slots of their parts, in the order their rows are stacked."""
 _TIED_PAIR = {"embed_tokens", "lm_head"}
 # adapter_config.json options that change what the adapter computes beyond W + s·B·A on
 # the shared base: served as a plain LoRA the output would silently differ from peft's.
@@ -233,7 +238,7 @@ def load_adapter(
                 f"adapters may target {list(LORA_MODULES)}",
                 "target_modules",
             )
-        outside = sorted((set(names) | moe_declared) - set(pool) - {ROUTER})
+        outside = sorted((_slots(names, arch) | moe_declared) - set(pool) - {ROUTER})
         if outside:
             raise _outside(
                 f"target_modules {outside} are not in lora.target_modules {list(pool)}: add them to "
@@ -271,14 +276,16 @@ def load_adapter(
             continue
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
-        if module not in pool:
+        absent = [m for m in _FUSED.get(module, (module,)) if m not in pool]
+        if absent:
             raise _outside(
-                f"tensor {full_name!r} adapts {module}, which is not in lora.target_modules {list(pool)}: "
-                f"add {module} to lora.target_modules or use an adapter without it",
+                f"tensor {full_name!r} adapts {module}, whose {', '.join(absent)} is not in lora.target_modules "
+                f"{list(pool)}: add {', '.join(absent)} to lora.target_modules or use an adapter without it",
                 full_name,
-                [module],
+                absent,
             )
         parts.setdefault(key, {})[which] = tensor
+    _split_fused(parts, arch, rank)
     for module, _ in moe_weights:
         if module != ROUTER and module not in pool:
             raise _outside(
@@ -328,7 +335,9 @@ def load_adapter(
             "r",
         )
     if isinstance(declared, list) or moe_declared:
-        names = {str(m).rsplit(".", 1)[-1] for m in declared} if isinstance(declared, list) else set()
+        names = set()
+        if isinstance(declared, list):
+            names = _slots([str(m).rsplit(".", 1)[-1] for m in declared], arch)
         names |= moe_declared
         if raw.get("ensure_weight_tying") and names & _TIED_PAIR:
             # peft ties the lm_head adapter to the embed_tokens one (or the reverse) on a model
@@ -349,6 +358,46 @@ def load_adapter(
         weights=weights,
         declared_rank=rank if slot_rank > rank else None,
     )
+
+
+def _slots(names: Iterable[str], arch: ModelArchConfig) -> set[str]:
+    """Declared module names as the slots that serve them: on Phi-3 a fused name is its parts."""
+    if arch.family != "phi3":
+        return set(names)
+    return {slot for name in names for slot in _FUSED.get(name, (name,))}
+
+
+def _split_fused(
+    parts: dict[tuple[str, int | None], dict[str, torch.Tensor]], arch: ModelArchConfig, rank: int
+) -> None:
+    """Replace each fused module's ``{A, B}`` in ``parts`` by its parts' (Phi-3): the same A for
+    every part, B cut into the parts' rows. Shapes are checked against the fused module's."""
+    for key in [k for k in parts if k[0] in _FUSED]:
+        fused, layer = key
+        pair = parts.pop(key)
+        where = f"layer {layer} {fused}"
+        for which in ("A", "B"):
+            if which not in pair:
+                raise _fail(
+                    f"{where} has lora_{'BA'[which == 'B']} but no lora_{which}: the file is incomplete",
+                    where,
+                )
+        sizes = [arch.module_dims(part)[1] for part in _FUSED[fused]]
+        want = {"A": (rank, arch.hidden_size), "B": (sum(sizes), rank)}
+        for which in ("A", "B"):
+            if tuple(pair[which].shape) != want[which]:
+                raise _fail(
+                    f"{where} lora_{which} has shape {tuple(pair[which].shape)}, expected {want[which]} for r={rank} "
+                    "on this base model: the adapter was trained for a different base model or rank",
+                    f"{where} lora_{which}",
+                )
+        for part, b in zip(_FUSED[fused], pair["B"].split(sizes, dim=0), strict=True):
+            if (part, layer) in parts:
+                raise _fail(
+                    f"{where} and layer {layer} {part} both carry LoRA: the adapter adapts {part} twice",
+                    where,
+                )
+            parts[(part, layer)] = {"A": pair["A"], "B": b}
 
 
 def adapter_dir(path: Path, what: str) -> Path:
@@ -417,6 +466,13 @@ def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple
                 "a mixture of experts: expert LoRA is read per expert (mlp.experts.N.gate_proj) or fused "
                 "(peft target_parameters mlp.experts.gate_up_proj / down_proj); the adapter was trained for a "
                 "different base model",
+                full_name,
+            )
+        if m.group(2) in _FUSED and arch.family != "phi3":
+            raise _fail(
+                f"tensor {full_name!r} adapts a fused {m.group(2)}, which a {arch.architecture} does not have "
+                "(its checkpoints name the parts: q_proj/k_proj/v_proj, gate_proj/up_proj): the adapter was "
+                "trained for a different base model",
                 full_name,
             )
         return (m.group(2), layer), m.group(3)

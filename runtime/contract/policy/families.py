@@ -26,6 +26,7 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 """config.json ``architectures[0]`` -> the family the runtime's layers implement."""
 
@@ -40,10 +41,13 @@ hidden states, which the MoE layers produce as a dense layer does)."""
 FAMILY_LORA_MODULES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (*DENSE_LORA_MODULES, "gate", "gate_up_proj"),
     "mixtral": (*DENSE_LORA_MODULES, "gate", "gate_up_proj", "w1", "w2", "w3"),
+    "phi3": (*DENSE_LORA_MODULES, "qkv_proj", "gate_up_proj"),
 }
 """The ``lora.target_modules`` names each family has (others: :data:`DENSE_LORA_MODULES`). The
 experts of Qwen3-MoE are named gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2 (or those);
-both have a router (``gate``) and, saved by peft with transformers 5, a fused ``gate_up_proj``."""
+both have a router (``gate``) and, saved by peft with transformers 5, a fused ``gate_up_proj``.
+Phi-3's checkpoints fuse q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``): its adapters name
+those, served by the q/k/v and gate/up slots (the dense names are its slots, so they stay valid)."""
 
 
 def family_modules(architecture: str) -> tuple[str, ...]:
