@@ -64,9 +64,13 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+PHI3_LINEAR_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""Every linear module of a Phi-3 layer, as its checkpoints name them (fused q/k/v and gate/up):
+peft's default ``target_modules`` for Phi-3."""
 
 
 def _corpus() -> list[str]:
@@ -211,6 +215,10 @@ def _model_config(
         return transformers.Qwen3Config(use_sliding_window=False, **kwargs), transformers.Qwen3ForCausalLM
     if architecture == "gemma3":
         return _gemma3_config(kwargs, rope, moe or {})
+    if architecture == "phi3":  # ``moe``: Phi-3's own fields (partial_rotary_factor, sliding_window, ...)
+        config = transformers.Phi3Config(**kwargs, **{"sliding_window": None, **(moe or {})})
+        config.architectures = ["Phi3ForCausalLM"]
+        return config, transformers.Phi3ForCausalLM
     moe = {**MOE_DEFAULTS, **(moe or {})}
     if architecture == "qwen3_moe":
         moe.setdefault("moe_intermediate_size", intermediate_size // 2)
@@ -254,9 +262,11 @@ def build_tiny_model(
 
     ``dest`` receives config.json, model.safetensors, generation_config.json and tokenizer
     files. ``architecture`` picks the layout: ``llama`` (Llama 2/3), ``mistral`` or
-    ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms), or the mixture-of-experts
+    ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms), the mixture-of-experts
     ``qwen3_moe`` / ``mixtral`` (``moe``: expert config fields over :data:`MOE_DEFAULTS`;
-    transformers saves experts per expert, as published checkpoints hold them). ``rope_scaling`` takes a transformers rope dict, e.g.
+    transformers saves experts per expert, as published checkpoints hold them), ``gemma3`` or
+    ``phi3`` (fused qkv_proj / gate_up_proj tensors; ``moe`` passes Gemma's and Phi-3's own
+    config fields, e.g. ``partial_rotary_factor``). ``rope_scaling`` takes a transformers rope dict, e.g.
     ``{"rope_type": "llama3", "factor": 8.0, ...}``. ``tokenizer_from`` copies another
     model directory's tokenizer instead of training one (a draft shares its target's).
     ``initializer_range`` is larger than usual so a random model's logits are spread

@@ -206,10 +206,12 @@ def test_rotary_kv_write_partial(device, dtype, cache_dtype, head_dim, rotary_di
         ulp = torch.finfo(dtype).eps * ref.abs().max().item()
         assert (out.float() - ref.float()).abs().max().item() <= 2 * ulp
     torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
-    torch.testing.assert_close(v_cache[slots], v.reshape(tokens, kv_heads, head_dim).to(cache_dtype), rtol=0, atol=0)
+    v_rows = v.reshape(tokens, kv_heads, head_dim).to(cache_dtype)
+    torch.testing.assert_close(v_cache[slots], v_rows, rtol=0, atol=0)
     # the unrotated dims are copies
     torch.testing.assert_close(q_out[..., rotary_dim:], q[..., rotary_dim:].to(q_out.dtype), rtol=0, atol=0)
-    torch.testing.assert_close(k_cache[slots][..., rotary_dim:], k[..., rotary_dim:].to(cache_dtype), rtol=0, atol=0)
+    k_pass = k[..., rotary_dim:].to(cache_dtype)
+    torch.testing.assert_close(k_cache[slots][..., rotary_dim:], k_pass, rtol=0, atol=0)
     others = torch.ones(capacity, dtype=torch.bool, device=device)
     others[slots] = False
     torch.testing.assert_close(k_cache[others], caches[0][others], rtol=0, atol=0)
