@@ -9,6 +9,11 @@ family has, batched.
   ``llama_eagle3.py`` embeds without Gemma's scale); that choice moves acceptance only.
 - Qwen3-MoE: n-gram, a dense Qwen3 STANDALONE draft and an MoE one (the target itself), EAGLE,
   EAGLE3 and DFLASH (``policy.families.MOE_SPEC_ALGORITHMS``); Mixtral: n-gram and STANDALONE.
+- Phi-4-mini-like Phi-3 (fused checkpoint tensors, three quarters of each head rotating, LongRoPE
+  served with its long factors: the context exceeds the original maximum; an adapter on the
+  fused qkv_proj / gate_up_proj; untied embeddings: a tiny random tied model repeats its input): n-gram, a Phi-3 STANDALONE draft, EAGLE3 and
+  DFLASH. The EAGLE3 / DFLASH heads copy the target's rope (partial, LongRoPE), as their builders
+  copy every target's.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import pytest
 import torch
 
 from loraserve.runtime.contract.config import LORA_MODULES, RuntimeConfig, SpecAlgorithm
-from loraserve.runtime.dev.devmodels import ALL_LINEAR_MODULES
+from loraserve.runtime.dev.devmodels import ALL_LINEAR_MODULES, PHI3_LINEAR_MODULES
 from loraserve.runtime.sampling import SamplingParams
 
 MAX_TOKENS = 14
@@ -43,6 +48,18 @@ GEMMA = {
     "rope_theta": 1e6,
     "moe": {"query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0},
 }
+_FACTORS = torch.Generator().manual_seed(5)
+PHI4 = {
+    "architecture": "phi3",
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": (1 + torch.rand(6, generator=_FACTORS)).tolist(),  # 12 of 16 dims rotate: 6 pairs
+        "long_factor": (1 + 8 * torch.rand(6, generator=_FACTORS)).tolist(),
+    },
+    "moe": {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128},
+}
 FAMILIES = {
     "qwen3": Family({"architecture": "qwen3", "head_dim": 32}, ALL_LINEAR_MODULES, "qwen3"),
     "gemma3": Family(GEMMA, ALL_LINEAR_MODULES, "gemma3"),
@@ -54,6 +71,7 @@ FAMILIES = {
     "mixtral": Family(
         {"architecture": "mixtral", "intermediate_size": 48}, ("q_proj", "v_proj", "w1", "w2", "w3", "gate"), "llama"
     ),
+    "phi3": Family(PHI4, PHI3_LINEAR_MODULES, "phi3"),
 }
 CASES = [
     ("qwen3", "NGRAM", None),
@@ -72,6 +90,10 @@ CASES = [
     ("qwen3_moe", "DFLASH", "dflash"),
     ("mixtral", "NGRAM", None),
     ("mixtral", "STANDALONE", "small"),
+    ("phi3", "NGRAM", None),
+    ("phi3", "STANDALONE", "small"),
+    ("phi3", "EAGLE3", "eagle3"),
+    ("phi3", "DFLASH", "dflash"),
 ]
 
 
