@@ -57,8 +57,8 @@ def phi3(tmp_path_factory):
     return out
 
 
-def _runner(model_dir, adapters=None, context_length: int | None = None) -> ModelRunner:
-    config = runtime_config(model_dir, max_rank=8)
+def _runner(model_dir, adapters=None, context_length: int | None = None, **lora) -> ModelRunner:
+    config = runtime_config(model_dir, max_rank=8, **lora)
     config.model.context_length = context_length
     runner = ModelRunner(config)
     for name, path in (adapters or {}).items():
@@ -89,11 +89,34 @@ def test_base_logits_match_transformers(name, phi3, hf_model, ops):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+def test_paged_attention_matches_transformers(name, phi3, hf_model, ops):
+    """The paged Triton attention kernel (decode and verify rows; interpreted on the CPU) over
+    partially rotated keys, and within Phi-3's sliding window."""
+    config = runtime_config(phi3[name], max_rank=8)
+    config.model.context_length = CONTEXT[name]
+    config.attention_backend = "triton"
+    runner = ModelRunner(config)
+    assert runner.attention_backend == "triton"
+    with torch.no_grad():
+        _check_modes(runner, hf_model(phi3[name]), ops, seed=8)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_adapter_logits_match_peft(name, phi3, hf_model, ops):
     """peft's Phi-3 adapter (fused qkv_proj and gate_up_proj, o_proj, down_proj) split into the
-    q/k/v and gate/up slots at its rank, against peft on the fused modules."""
+    q/k/v and gate/up slots at its rank, against peft on the fused modules; lora.target_modules
+    as a user writes them for Phi-3."""
     adapter = phi3[f"{name}-lora"]
-    runner = _runner(phi3[name], {"a": adapter}, context_length=CONTEXT[name])
+    runner = _runner(phi3[name], {"a": adapter}, CONTEXT[name], target_modules=PHI3_LINEAR_MODULES)
+    assert runner.lora.modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     reference = hf_model(phi3[name], adapter)
     with torch.no_grad():
         _check_modes(runner, reference, ops, names=["a", "a"], seed=6)
