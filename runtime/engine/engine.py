@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..contract.config import RuntimeConfig
@@ -174,6 +175,9 @@ class Engine:
         try:
             params.validate(self.vocab_size)
             request.constraint = self._constraint(params)
+            if params.min_tokens and self.eos_token_ids:
+                # min_tokens masks the model's end-of-sequence ids: they travel in the params.
+                request.params = params = replace(params, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         except SamplingParamsError as exc:
             raise EngineError.invalid(str(exc), param=exc.field) from exc
         n = len(request.prompt_ids)
@@ -662,12 +666,17 @@ class Engine:
                 new_logprobs.append(float(out.logprobs[i]))
             if out.top_logprobs is not None and i < len(out.top_logprobs):
                 new_tops.append(out.top_logprobs[i])
-            is_stop_token = tok in params.stop_token_ids or (
-                not params.ignore_eos and tok in self.eos_token_ids
+            # vLLM's min_tokens rule: a stop token ends a request from the min_tokens-th output
+            # on; a stop string only if it ends in the text of a later token.
+            out_len = len(req.output_ids)
+            is_stop_token = out_len >= params.min_tokens and (
+                tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos_token_ids)
             )
             hit = False
             if req.text_stream is not None:
-                delta, hit = req.text_stream.push(tok, emit_text=not is_stop_token)
+                delta, hit = req.text_stream.push(
+                    tok, emit_text=not is_stop_token, match_stops=out_len > params.min_tokens
+                )
                 text_parts.append(delta)
             if is_stop_token or hit:
                 reason = FinishReason.STOP

@@ -36,21 +36,26 @@ class TextStream:
         self._pending = ""
         self.stopped_on: str | None = None
 
-    def push(self, token_id: int, *, emit_text: bool = True) -> tuple[str, bool]:
+    def push(self, token_id: int, *, emit_text: bool = True, match_stops: bool = True) -> tuple[str, bool]:
         """Add one token; return ``(text to emit now, stop string matched)``.
 
         ``emit_text=False`` consumes the token without showing its text (a stop token).
+        ``match_stops=False`` matches no stop string ending in this token's text (vLLM's
+        ``min_tokens``), but still holds back what a later token may complete into one.
+        A match always ends in the new token's text: one inside the held-back text was
+        refused when it was new.
         """
         new = self._detok.push(token_id)
         if not emit_text:
             return "", False
+        held_before = len(self._pending)
         buf = self._pending + new
         if not self._stops:
             self._pending = ""
             return buf, False
         hit_pos, hit = -1, None
-        for stop in self._stops:
-            pos = buf.find(stop)
+        for stop in self._stops if match_stops and new else ():
+            pos = buf.find(stop, max(held_before - len(stop) + 1, 0))
             if pos != -1 and (hit_pos == -1 or pos < hit_pos):
                 hit_pos, hit = pos, stop
         if hit is not None:

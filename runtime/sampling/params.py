@@ -43,21 +43,30 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """How one request picks its tokens.
 
-    ``temperature == 0`` (or ``top_k == 1``) is greedy. ``top_k <= 0`` and ``top_p == 1``
-    disable those filters. ``seed`` makes a sampled request reproducible: its random draws
-    come from its own generator, so the batch it shares never changes them. ``max_tokens``
-    of ``None`` means "until the context is full". ``logprobs`` asks for the log-probability
-    of each chosen token under the model's (unscaled) distribution.
+    ``temperature == 0`` (or ``top_k == 1``) is greedy. ``top_k <= 0``, ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``seed`` makes a sampled request reproducible: its
+    random draws come from its own generator, so the batch it shares never changes them.
+    ``max_tokens`` of ``None`` means "until the context is full". ``logprobs`` asks for the
+    log-probability of each chosen token under the model's (unscaled) distribution.
     """
 
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # vLLM's min_p: after temperature and before top-k / top-p, tokens whose probability is
+    # below ``min_p`` × the most likely token's are removed.
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's min_tokens: until this many tokens are out, the stop tokens and end-of-sequence
+    # tokens are masked (-inf) and no stop string ends the request.
+    min_tokens: int = 0
+    # The model's end-of-sequence ids, set by the engine at admission (not an API field):
+    # min_tokens masks them beside ``stop_token_ids``, with ``ignore_eos`` too (as vLLM).
+    eos_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     # The alternatives reported beside each generated token's log-probability (0..20).
@@ -79,9 +88,11 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, biases, a constraint)."""
+        """Whether the logits are changed before sampling (penalties, biases, a constraint,
+        a ``min_tokens`` stop mask)."""
         return bool(
-            self.presence_penalty
+            self.min_tokens
+            or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
@@ -106,6 +117,8 @@ class SamplingParams:
             raise SamplingParamsError(
                 "top_k", f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}"
             )
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise SamplingParamsError("seed", f"seed must be an integer, got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -130,9 +143,21 @@ class SamplingParams:
                 raise SamplingParamsError(
                     "stop_token_ids", f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
                 )
+        self._validate_min_tokens()
         self._validate_logprobs()
         self._validate_processing(vocab_size)
         return self
+
+    def _validate_min_tokens(self) -> None:
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
 
     def _validate_logprobs(self) -> None:
         if not _count(self.top_logprobs, MAX_TOP_LOGPROBS):

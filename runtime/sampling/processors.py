@@ -1,11 +1,12 @@
 """Logit processing: what a request asks to change in the model's logits before sampling.
 
 Applied per row, in this order (vLLM's): the structured-output mask (disallowed tokens get
-``-inf``), ``logit_bias`` (added), ``repetition_penalty`` (HF / vLLM: a seen token's
+``-inf``), the ``min_tokens`` mask (while fewer than ``min_tokens`` tokens are out, every
+stop token and end-of-sequence token gets ``-inf``), ``logit_bias`` (added), ``repetition_penalty`` (HF / vLLM: a seen token's
 positive logit is divided by it, a negative one multiplied; "seen" = in the prompt or the
 output), then ``frequency_penalty`` × count and ``presence_penalty`` × [count > 0] over the
 tokens generated so far (OpenAI's definitions; prompt tokens do not count). Temperature,
-top-k and top-p come after, in the sampler.
+min-p, top-k and top-p come after, in the sampler.
 
 A row is one position where a token is chosen: a plain decode step's row sees the
 request's output so far; a speculative verify's row ``j`` sees the output plus the drafts
@@ -58,6 +59,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowState | None]) -> tor
     sub = out.index_select(0, index)
     states = [rows[i] for i in picked]
     sub = _mask(sub, states)
+    sub = _min_tokens(sub, states)
     sub = _bias(sub, states)
     sub = _penalties(sub, states)
     out.index_copy_(0, index, sub)
@@ -77,6 +79,29 @@ def _mask(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
         allowed[i, :n] = mask[:n].to(logits.device)
         allowed[i, n:] = False  # padded vocabulary rows beyond the tokenizer: never text
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _min_tokens(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
+    """Stop and end-of-sequence tokens at ``-inf`` in rows with fewer than ``min_tokens``
+    outputs before them. A row left with no finite logit keeps its stop tokens: only a
+    structured-output constraint that is complete (it allows nothing but stopping) does that,
+    and a row must always have a token to choose."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        p = s.params
+        if p.min_tokens and len(s.output_ids) < p.min_tokens:
+            ids = sorted({t for t in (*p.stop_token_ids, *p.eos_token_ids) if 0 <= t < vocab})
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    masked = logits.index_put(index, torch.tensor(float("-inf"), device=device, dtype=logits.dtype))
+    alive = (masked > float("-inf")).any(dim=1, keepdim=True)
+    return torch.where(alive, masked, logits)
 
 
 def _bias(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Batched sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
 One token per row of a ``[bs, vocab]`` logits tensor, vectorised over the batch. Random
 rows are drawn by inverse-CDF sampling from one uniform number per row; a request with a
@@ -37,33 +37,51 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     return gen
 
 
-def _filter_params(params: Sequence[SamplingParams], device: torch.device):
+@dataclass
+class _Filters:
+    """The per-row filter settings of a batch, as tensors on the logits' device."""
+
+    temps: torch.Tensor  # float32 [bs], > 0
+    top_ps: torch.Tensor  # float32 [bs]
+    top_ks: torch.Tensor  # int64 [bs], 0: off
+    min_ps: torch.Tensor | None  # float32 [bs]; None when no row sets min_p
+    needs_sort: bool  # some row filters (top-k, top-p or min_p)
+
+
+def _filter_params(params: Sequence[SamplingParams], device: torch.device) -> _Filters:
     temps = torch.tensor([max(p.temperature, 1e-6) for p in params], dtype=torch.float32, device=device)
     top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     top_ks = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], dtype=torch.int64, device=device)
-    needs_sort = any(p.top_p < 1.0 or p.top_k > 0 for p in params)
-    return temps, top_ps, top_ks, needs_sort
+    min_ps = None
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    needs_sort = min_ps is not None or any(p.top_p < 1.0 or p.top_k > 0 for p in params)
+    return _Filters(temps, top_ps, top_ks, min_ps, needs_sort)
 
 
-def _sorted_filtered_probs(
-    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities in descending-logit order after temperature, top-k and top-p.
+def _sorted_filtered_probs(logits: torch.Tensor, f: _Filters) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities in descending-logit order after temperature, min-p, top-k and top-p
+    (vLLM's order).
 
     Returns ``(probs_sorted, order)``; ``order[i, j]`` is the vocabulary id at sorted
     position ``j``. Filtered entries are exactly zero; rows are not renormalised (the
     inverse-CDF draw scales by the row total).
     """
-    scaled = logits.float() / temps[:, None]
+    scaled = logits.float() / f.temps[:, None]
     values, order = torch.sort(scaled, dim=-1, descending=True)
+    if f.min_ps is not None:
+        # min_p against the top token's probability (position 0) over the whole vocabulary;
+        # a token exactly at the threshold stays. min_p 0 removes nothing.
+        full = torch.softmax(values, dim=-1)
+        values = values.masked_fill(full < f.min_ps[:, None] * full[:, :1], float("-inf"))
     vocab = values.shape[-1]
     positions = torch.arange(vocab, device=values.device)[None, :]
-    k = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, vocab))
+    k = torch.where(f.top_ks > 0, f.top_ks, torch.full_like(f.top_ks, vocab))
     values = values.masked_fill(positions >= k[:, None], float("-inf"))
     probs = torch.softmax(values, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     exclusive = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(exclusive >= top_ps[:, None], 0.0)
+    probs = probs.masked_fill(exclusive >= f.top_ps[:, None], 0.0)
     return probs, order
 
 
@@ -75,8 +93,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [{len(params)}, vocab], got {tuple(logits.shape)}")
-    temps, top_ps, top_ks, _ = _filter_params(params, logits.device)
-    probs_sorted, order = _sorted_filtered_probs(logits, temps, top_ps, top_ks)
+    probs_sorted, order = _sorted_filtered_probs(logits, _filter_params(params, logits.device))
     probs = torch.zeros_like(probs_sorted).scatter_(1, order, probs_sorted)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -140,11 +157,11 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-        temps, top_ps, top_ks, needs_sort = _filter_params(params, logits.device)
-        if needs_sort:
-            probs, order = _sorted_filtered_probs(logits, temps, top_ps, top_ks)
+        f = _filter_params(params, logits.device)
+        if f.needs_sort:
+            probs, order = _sorted_filtered_probs(logits, f)
         else:
-            probs, order = torch.softmax(logits / temps[:, None], dim=-1), None
+            probs, order = torch.softmax(logits / f.temps[:, None], dim=-1), None
         cdf = torch.cumsum(probs, dim=-1)
         total = cdf[:, -1]
         # u < 1, but u * total can round up to total; stay strictly below it.

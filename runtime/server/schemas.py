@@ -1,7 +1,7 @@
 """OpenAI request bodies, parsed and validated into typed requests.
 
 Every rejection names the field (``param``) and says what would be accepted. Known fields
-this server does not implement (tools, ``suffix``, ``min_p``...) are refused when set to a
+this server does not implement (tools, ``suffix``, beam search...) are refused when set to a
 value that would change the result; purely informational ones (``user``) are accepted.
 Fields it does not know are ignored and logged at warning level, once per request, as vLLM
 does (its ``OpenAIBaseModel`` allows extra fields); README.md's "OpenAI API: what is
@@ -275,8 +275,6 @@ REFUSED_COMMON: dict[str, Refusal] = {
     "function_call": Refusal(
         _one_of("none", "auto"), "function calling is not supported by this server: omit function_call"
     ),
-    "min_p": Refusal(_one_of(0, 0.0), "min_p is not implemented by this server: omit it or send 0"),
-    "min_tokens": Refusal(_one_of(0), "min_tokens is not implemented by this server: omit it or send 0"),
     "use_beam_search": Refusal(
         _one_of(False), "beam search is not implemented by this server: omit use_beam_search"
     ),
@@ -346,6 +344,8 @@ COMMON_FIELDS = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
+        "min_tokens",
         "seed",
         "stop",
         "stop_token_ids",
@@ -656,6 +656,14 @@ def _common(
     if not 0 < top_p <= 1:
         raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p", code="invalid_value")
     top_k = get_int(body, "top_k", 0, minimum=-1)
+    min_p = get_float(body, "min_p", 0.0, minimum=0.0, maximum=1.0)
+    min_tokens = get_int(body, "min_tokens", 0, minimum=0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid(
+            f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}",
+            param="min_tokens",
+            code="invalid_value",
+        )
     seed = get_int(body, "seed")
     structured = get_structured(body)
     params = SamplingParams(
@@ -663,10 +671,12 @@ def _common(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k or 0,
+        min_p=min_p,
         seed=seed,
         stop=_get_stop(body),
         stop_token_ids=_get_token_ids(body, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos"),
+        min_tokens=min_tokens,
         logprobs=logprobs,
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         top_logprobs=top_logprobs,

@@ -42,7 +42,7 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias", ["object"]),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias", ["vocabulary"]),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", ["not supported"]),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p", ["not implemented"]),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", ["<= 1"]),
     (
         "/v1/completions",
         {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
