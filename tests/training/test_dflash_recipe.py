@@ -21,7 +21,7 @@ from loraserve.runtime.tools.distill.dflash_train import (
     train_dflash,
     walk_by_context,
 )
-from loraserve.runtime.tools.distill.eagle_head import LayerDims
+from loraserve.runtime.tools.distill.eagle_head import LayerDims, RopeFrequencies
 from loraserve.runtime.tools.distill.train import lr_scale
 
 
@@ -127,7 +127,7 @@ def test_heldout_refuses_mismatched_draft(target):
 
     def draft(ids: list[int], block: int) -> DFlashDraft:
         return DFlashDraft(LayerDims.of(target.config), embed, head, layer_ids=ids, num_layers=1, block=block, mask_id=0,
-                           eps=1e-5, theta=1e4)  # fmt: skip
+                           eps=1e-5, rope=RopeFrequencies.of(target.config))  # fmt: skip
 
     ok = draft([0], 4)
     assert 0 <= dflash_heldout(ok, held)["heldout_walk_mean"] <= 3

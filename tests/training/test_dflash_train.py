@@ -20,7 +20,7 @@ from loraserve.runtime.tools.distill.dflash_train import (
     target_outputs,
     train_dflash,
 )
-from loraserve.runtime.tools.distill.eagle_head import LayerDims
+from loraserve.runtime.tools.distill.eagle_head import LayerDims, RopeFrequencies
 
 from .conftest import tiny_llama
 
@@ -93,7 +93,7 @@ def test_loss_places_teacher_blocks(target):
     from loraserve.runtime.tools.distill.dflash_draft import DFlashDraft
 
     draft = DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
-                        num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+                        num_layers=1, block=4, mask_id=0, eps=1e-5, rope=RopeFrequencies.of(target.config))  # fmt: skip
     seen = []
     real = draft.block_logits
     draft.block_logits = lambda w, f, a: seen.append(a.clone()) or real(w, f, a)
@@ -136,7 +136,7 @@ def test_cached_step_equals_uncached(target, labels):
 
     torch.manual_seed(0)
     draft = DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
-                        num_layers=1, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+                        num_layers=1, block=4, mask_id=0, eps=1e-5, rope=RopeFrequencies.of(target.config))  # fmt: skip
     with torch.no_grad():
         draft.norm.mul_(30.0)  # peaked logits: the loss then depends on which token is the label
     opts = DFlashTraining(seconds=0, seq=16, batch=3, lr=0, block=4, layer_ids=[0], blocks=5, labels=labels)
@@ -289,7 +289,7 @@ def test_draft_init_from_top_layers(target):
 
     def draft(layers: int) -> DFlashDraft:
         return DFlashDraft(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=[0],
-                           num_layers=layers, block=4, mask_id=0, eps=1e-5, theta=10000.0)  # fmt: skip
+                           num_layers=layers, block=4, mask_id=0, eps=1e-5, rope=RopeFrequencies.of(target.config))  # fmt: skip
 
     one = draft(1)
     init_from_target(one, target)

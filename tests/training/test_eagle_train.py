@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.runtime.tools.distill.eagle_head import EagleHead, LayerDims
+from loraserve.runtime.tools.distill.eagle_head import EagleHead, LayerDims, RopeFrequencies
 from loraserve.runtime.tools.distill.eagle_train import (
     EagleTraining,
     FeatureCache,
@@ -35,7 +35,7 @@ def test_cached_loss_equals_computed(target):
         target.model.embed_tokens.weight,
         target.lm_head.weight,
         eps=1e-5,
-        theta=500000.0,
+        rope=RopeFrequencies.of(target.config),
     )
     windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
     opts = EagleTraining(seconds=0, seq=16, batch=4, lr=0)
@@ -99,7 +99,7 @@ def test_unrolled_steps_match_serving(target, steps):
         target.model.embed_tokens.weight,
         target.lm_head.weight,
         eps=1e-5,
-        theta=500000.0,
+        rope=RopeFrequencies.of(target.config),
     )
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(8))
     feats = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(9))
@@ -121,7 +121,7 @@ def test_loss_is_kl_plus_feature_term(target):
     the target's LM head from the target's next feature, plus ``feature_weight`` smooth-L1 to
     that feature; computed here from the head's forward alone."""
     head = EagleHead(LayerDims.of(target.config), target.model.embed_tokens.weight, target.lm_head.weight,
-                     eps=1e-5, theta=500000.0)  # fmt: skip
+                     eps=1e-5, rope=RopeFrequencies.of(target.config))  # fmt: skip
     windows = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(9))
     opts = EagleTraining(seconds=0, seq=12, batch=3, lr=0, unroll=1, feature_weight=0.3)
     got, _ = eagle_loss(head, target, windows, opts)
@@ -132,3 +132,47 @@ def test_loss_is_kl_plus_feature_term(target):
     kl = (p.exp() * (p - q)).sum(-1).mean()
     want = kl + 0.3 * torch.nn.functional.smooth_l1_loss(out, feats[:, 1:])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["phi3", "llama3-rope"])
+def test_trained_head_rotates_as_served(tmp_path, family):
+    """A head built by the trainer, saved, and loaded by the runtime computes the same output
+    features: its rotation (partial rotary and LongRoPE's factor set for a Phi-4-mini-like
+    target, llama3 scaling for a Llama 3.1-like one) is the served head's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.runtime.dev.devmodels import build_tiny_model
+    from loraserve.runtime.model import build_model, load_arch_config
+    from loraserve.runtime.tools.distill.eagle_head import eagle_config, save_eagle_head
+    from tests.runtime_model.test_phi3 import MODELS
+    from tests.spec.conftest import eagle_runner
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}  # fmt: skip
+    kwargs = {
+        "phi3": {"architecture": "phi3", **MODELS["phi4"]},
+        "llama3-rope": {"architecture": "llama", "max_position_embeddings": 256, "rope_scaling": llama3},
+    }[family]
+    target_dir = build_tiny_model(tmp_path / "target", num_layers=2, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    dims = LayerDims.of(hf.config)
+    torch.manual_seed(3)
+    head = EagleHead(dims, hf.model.embed_tokens.weight, hf.lm_head.weight, eps=hf.config.rms_norm_eps,
+                     rope=RopeFrequencies.of(hf.config))  # fmt: skip
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.1)
+    raw = json.loads((target_dir / "config.json").read_text())
+    path = save_eagle_head(head.checkpoint(), eagle_config(raw, dims.intermediate), tmp_path / "head")
+    arch = load_arch_config(target_dir)
+    model = build_model(arch, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, model_dir=target_dir)
+    runner = eagle_runner(path, arch, model)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(4))
+    feats = torch.randn(40, dims.hidden, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = head(ids[None], feats[None])[0]
+        got = runner.forward(["r"], ids, feats, [40])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

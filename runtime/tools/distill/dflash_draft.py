@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle_head import EAGLE_COPIED_KEYS, LayerDims
+from .eagle_head import EAGLE_COPIED_KEYS, LayerDims, RopeFrequencies
 
 
 def dflash_names(num_layers: int) -> list[str]:
@@ -60,7 +60,7 @@ class DFlashDraft(torch.nn.Module):
 
     def __init__(
         self, dims: LayerDims, embed: torch.Tensor, lm_head: torch.Tensor, *, layer_ids: list[int], num_layers: int,
-        block: int, mask_id: int, eps: float, theta: float,
+        block: int, mask_id: int, eps: float, rope: RopeFrequencies,
     ):  # fmt: skip
         super().__init__()
         hidden, heads, kv, head_dim, inter = (
@@ -81,8 +81,7 @@ class DFlashDraft(torch.nn.Module):
         )
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope = rope
 
     def checkpoint(self) -> dict[str, torch.Tensor]:
         """The draft's weights under their ``speculative.dflash.format`` names (float32, CPU)."""
@@ -108,11 +107,7 @@ class DFlashDraft(torch.nn.Module):
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, T, heads, d]`` rotated to ``positions`` ``[B, T]``."""
-        ang = positions.float()[..., None] * self.inv_freq
-        cos = torch.cat([ang, ang], -1).cos()[:, :, None].to(x.dtype)
-        sin = torch.cat([ang, ang], -1).sin()[:, :, None].to(x.dtype)
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+        return self.rope.rotate(x, positions[:, :, None])
 
     def block_logits(self, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, n, block - 1, V]`` of ``n`` blocks per window: block ``j`` of window

@@ -34,7 +34,7 @@ from ...speculative.dflash.format import check_target_layer_ids
 from ...speculative.metrics import context_bucket
 from .corpus import sample_windows, teacher_sequences
 from .dflash_draft import DFlashDraft
-from .eagle_head import LayerDims, rope_theta
+from .eagle_head import LayerDims, RopeFrequencies
 from .eagle_train import FeatureCache, cache_windows, sample_cached
 from .train import apply_update, log, lr_scale, progress, set_lr
 
@@ -372,7 +372,7 @@ def train_dflash(
     draft = DFlashDraft(
         LayerDims.of(cfg), target.model.embed_tokens.weight, target.lm_head.weight, layer_ids=opts.layer_ids,
         num_layers=opts.num_layers, block=opts.block, mask_id=opts.mask_id, eps=cfg.rms_norm_eps,
-        theta=rope_theta(cfg),
+        rope=RopeFrequencies.of(cfg),
     ).to(device)  # fmt: skip
     torch.manual_seed(opts.seed)
     for p in draft.parameters():  # norms start at 1; the rest as a Llama initialises

@@ -30,9 +30,47 @@ class LayerDims:
         )  # fmt: skip
 
 
-def rope_theta(config) -> float:
-    """The target's RoPE base (older configs name it at the top level)."""
-    return float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
+@dataclass(frozen=True)
+class RopeFrequencies:
+    """The rotation a draft's layer applies, as the runtime serves it: ``inv_freq``
+    ``[rotary_dim / 2]`` (narrower than the head under a partial rotary factor: the leading
+    ``rotary_dim`` dims rotate, half-split, the rest pass through) and cos/sin ``scaling``."""
+
+    inv_freq: torch.Tensor
+    scaling: float = 1.0
+
+    @classmethod
+    def plain(cls, theta: float, head_dim: int) -> RopeFrequencies:
+        """Unscaled RoPE over the whole head with base ``theta``."""
+        return cls(1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+    @classmethod
+    def of(cls, config, context_length: int | None = None) -> RopeFrequencies:
+        """The rotation of the target whose Hugging Face ``config`` is given (its rope type and
+        scaling, partial rotary factor), from the runtime's own rope code, so a draft trains
+        with the rotation its served copy applies. ``context_length``: the context it will be
+        served at (default: the model's ``max_position_embeddings``, the runtime's default),
+        which picks LongRoPE's factor set as serving picks it."""
+        from ...model.arch import arch_from_dict
+        from ...model.layers.rotary import inverse_frequencies
+
+        arch = arch_from_dict(config.to_dict())
+        served = context_length or arch.max_position_embeddings
+        inv_freq, scaling = inverse_frequencies(
+            arch.rope, arch.head_dim, arch.max_position_embeddings, max_positions=served
+        )
+        return cls(inv_freq, scaling)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., d]`` rotated to ``positions`` (broadcast against ``x[..., 0]``)."""
+        ang = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
+        dim = emb.shape[-1]
+        head, rest = x[..., :dim], x[..., dim:]
+        half = dim // 2
+        rotated = head * cos + torch.cat([-head[..., half:], head[..., :half]], -1) * sin
+        return torch.cat([rotated, rest], -1) if rest.shape[-1] else rotated
 
 
 # Checkpoint names (``loraserve.runtime.speculative.eagle.format``) of the head's parameters.
@@ -61,7 +99,7 @@ class EagleHead(torch.nn.Module):
     """
 
     def __init__(
-        self, dims: LayerDims, embed: torch.Tensor, lm_head: torch.Tensor, *, eps: float, theta: float
+        self, dims: LayerDims, embed: torch.Tensor, lm_head: torch.Tensor, *, eps: float, rope: RopeFrequencies
     ):
         super().__init__()
         hidden, heads, kv, head_dim, inter = (
@@ -89,11 +127,7 @@ class EagleHead(torch.nn.Module):
         self.post_norm = torch.nn.Parameter(torch.ones(hidden))
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)
-        self.register_buffer(
-            "inv_freq",
-            1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim),
-            persistent=False,
-        )
+        self.rope = rope
 
     def checkpoint(self) -> dict[str, torch.Tensor]:
         """The head's weights under their ``speculative.eagle.format`` names (float32, CPU)."""
@@ -121,10 +155,8 @@ class EagleHead(torch.nn.Module):
         return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ang = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+        """``x`` ``[B, heads, T, d]`` rotated to ``positions`` ``[T]``."""
+        return self.rope.rotate(x, positions)
 
     def _qkv(self, ids: torch.Tensor, feats: torch.Tensor):
         """Residual, rotated q / k and v of input pairs ``(ids, feats)`` ``[B, T]`` at positions 0..T-1."""

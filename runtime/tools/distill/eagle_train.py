@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .corpus import sample_windows
-from .eagle_head import EagleHead, LayerDims, rope_theta
+from .eagle_head import EagleHead, LayerDims, RopeFrequencies
 from .objective import distillation_loss
 from .train import apply_update, log, lr_scale, progress, set_lr
 
@@ -208,7 +208,7 @@ def _new_head(target, device: torch.device, seed: int) -> EagleHead:
     cfg = target.config
     head = EagleHead(
         LayerDims.of(cfg), target.model.embed_tokens.weight, target.lm_head.weight, eps=cfg.rms_norm_eps,
-        theta=rope_theta(cfg),
+        rope=RopeFrequencies.of(cfg),
     ).to(device)  # fmt: skip
     torch.manual_seed(seed)
     for p in head.parameters():  # norms start at 1; the rest as a Llama initialises
