@@ -666,16 +666,17 @@ class Engine:
                 new_logprobs.append(float(out.logprobs[i]))
             if out.top_logprobs is not None and i < len(out.top_logprobs):
                 new_tops.append(out.top_logprobs[i])
-            # vLLM's min_tokens rule: a stop token ends a request from the min_tokens-th output
-            # on; a stop string only if it ends in the text of a later token.
-            out_len = len(req.output_ids)
-            is_stop_token = out_len >= params.min_tokens and (
-                tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos_token_ids)
+            is_stop_token = tok in params.stop_token_ids or (
+                not params.ignore_eos and tok in self.eos_token_ids
             )
+            # min_tokens (vLLM's rule): a stop string ends the request only if it ends in the
+            # text of a token after the min_tokens-th. Stop tokens need no check: min_tokens
+            # masks them, so one comes earlier only when a complete structured-output
+            # constraint allows nothing else, and then the constraint wins.
             hit = False
             if req.text_stream is not None:
                 delta, hit = req.text_stream.push(
-                    tok, emit_text=not is_stop_token, match_stops=out_len > params.min_tokens
+                    tok, emit_text=not is_stop_token, match_stops=len(req.output_ids) > params.min_tokens
                 )
                 text_parts.append(delta)
             if is_stop_token or hit:

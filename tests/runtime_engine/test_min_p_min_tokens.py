@@ -10,6 +10,7 @@ only if it ends in a later token's text); the real aiohttp app for the API.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 from loraserve.runtime.contract.config import RuntimeConfig, SpecAlgorithm
 from loraserve.runtime.runner.model_runner import ModelRunner
 from loraserve.runtime.sampling import Sampler, SamplingParams, SamplingParamsError, processed_probs
+from loraserve.runtime.sampling.params import StructuredOutput
 from loraserve.runtime.sampling.processors import RowState, process_logits
 from tests.runtime_server.conftest import Assets, make_config, running_server
 from tests.spec.conftest import chi_square_pvalue, run_engine
@@ -249,6 +251,21 @@ def test_stop_strings_wait_for_min_tokens(engine_assets, tokenizer):
     assert expected(0) == expected(1) == 2 < expected(2)
 
 
+def test_a_complete_constraint_ends_before_min_tokens(engine_assets, tokenizer):
+    """min_tokens never pushes a structured output past its grammar: once the constraint
+    allows nothing but stopping, the stop token stays and ends the request (the JSON stays
+    whole), with speculation or without."""
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    structured = StructuredOutput("json_schema", schema)
+    params = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=30, structured=structured)
+    requests = [("json", [8, 9], params, None)]
+    out = run_engine(engine_config(engine_assets), requests, tokenizer=tokenizer).outputs["json"]
+    assert out.error is None and out.reason.value == "stop" and out.tokens[-1] == EOS, out
+    assert len(out.tokens) < 30 and isinstance(json.loads(tokenizer.decode(out.tokens))["ok"], bool)
+    spec = _spec(engine_config(engine_assets), "NGRAM", engine_assets.demo.draft_dir)
+    assert run_engine(spec, requests, tokenizer=tokenizer).outputs["json"].tokens == out.tokens
+
+
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_sampled_law_under_speculation(engine_assets, tokenizer, algorithm):
     """Three sampled tokens with min_p and min_tokens = 2 (EOS biased to be likely, masked at
@@ -265,7 +282,7 @@ def test_sampled_law_under_speculation(engine_assets, tokenizer, algorithm):
     n = 500
     requests = [(f"s{i}", PROMPT, replace(params, seed=500 + i), None) for i in range(n)]
     spec = _spec(
-        engine_config(engine_assets, max_running_requests=64), algorithm, engine_assets.demo.model_dir
+        engine_config(engine_assets, max_running_requests=128), algorithm, engine_assets.demo.model_dir
     )
     run = run_engine(spec, requests, tokenizer=tokenizer, timeout_s=300)
     counts = sampled_counts(run, requests)
