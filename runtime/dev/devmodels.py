@@ -64,7 +64,7 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3", "phi3")
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -226,6 +226,14 @@ def _model_config(
             transformers.Qwen3MoeConfig(use_sliding_window=False, **kwargs, **moe),
             transformers.Qwen3MoeForCausalLM,
         )
+    if architecture == "qwen2_moe":  # a gated shared expert beside the routed ones; q/k/v biases
+        kwargs.pop("head_dim", None)  # Qwen2 derives head_dim from hidden/heads
+        moe.setdefault("moe_intermediate_size", intermediate_size // 2)
+        moe.setdefault("shared_expert_intermediate_size", intermediate_size)
+        return (
+            transformers.Qwen2MoeConfig(use_sliding_window=False, **kwargs, **moe),
+            transformers.Qwen2MoeForCausalLM,
+        )
     if architecture == "mixtral":
         moe["num_local_experts"] = moe.pop("num_experts")
         return transformers.MixtralConfig(sliding_window=None, **kwargs, **moe), transformers.MixtralForCausalLM
@@ -263,7 +271,8 @@ def build_tiny_model(
     ``dest`` receives config.json, model.safetensors, generation_config.json and tokenizer
     files. ``architecture`` picks the layout: ``llama`` (Llama 2/3), ``mistral`` or
     ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms), the mixture-of-experts
-    ``qwen3_moe`` / ``mixtral`` (``moe``: expert config fields over :data:`MOE_DEFAULTS`;
+    ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` (``moe``: expert config fields over :data:`MOE_DEFAULTS`,
+    Qwen2-MoE's ``shared_expert_intermediate_size`` defaulting to ``intermediate_size``;
     transformers saves experts per expert, as published checkpoints hold them), ``gemma3`` or
     ``phi3`` (fused qkv_proj / gate_up_proj tensors; ``moe`` passes Gemma's and Phi-3's own
     config fields, e.g. ``partial_rotary_factor``). ``rope_scaling`` takes a transformers rope dict, e.g.

@@ -70,13 +70,20 @@ class MoESpec:
     """A sparse mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` gated
     SiLU experts per token (softmax over all experts, then the top k, renormalised to sum
     to one when ``norm_topk_prob``). ``sparse_layers``: the layers whose MLP is the MoE
-    block; the others keep a dense MLP of the model's ``intermediate_size``."""
+    block; the others keep a dense MLP of the model's ``intermediate_size``.
+
+    ``shared_intermediate_size``: Qwen2-MoE's shared expert, a dense gated SiLU MLP of that
+    size that every token runs beside its routed experts (0: none); ``shared_gated``: its
+    output is scaled by ``sigmoid(shared_expert_gate(x))`` (a Linear H -> 1) before it is
+    added to the routed experts' sum."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+    shared_gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ class ModelArchConfig:
     """Everything the layers need to know about a model, independent of the tokenizer."""
 
     architecture: str  # e.g. LlamaForCausalLM
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | gemma3 | phi3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | qwen2_moe | mixtral | gemma3 | phi3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -126,6 +133,15 @@ class ModelArchConfig:
             raise KeyError(module)
         h, i = self.hidden_size, self.moe.intermediate_size
         dims = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return dims[module]
+
+    def shared_expert_dims(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of the shared expert's ``gate_proj``/``up_proj``/
+        ``down_proj`` and of its gate ``shared_expert_gate`` (Qwen2-MoE)."""
+        if self.moe is None or not self.moe.shared_intermediate_size:
+            raise KeyError(module)
+        h, i = self.hidden_size, self.moe.shared_intermediate_size
+        dims = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "shared_expert_gate": (h, 1)}
         return dims[module]
 
     def module_dims(self, module: str) -> tuple[int, int]:
@@ -278,7 +294,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     elif act not in ("silu", "swish"):
         raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
     sliding = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
         sliding = None
     if family == "gemma3":
         sliding = None  # per layer: arch.gemma.sliding_layers
@@ -288,6 +304,8 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
     _check_rotary_dim(rope, head_dim, family)
     if family == "phi3":
         _check_phi3(raw)
+    if family == "qwen2_moe":
+        _check_qwen2_moe(raw)
     return ModelArchConfig(
         architecture=architecture,
         family=family,
@@ -301,9 +319,9 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=(bool(raw.get("attention_bias", False)) or family == "qwen2") and family != "phi3",
-        o_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "phi3"),
-        mlp_bias=bool(raw.get("mlp_bias", False)) and family != "phi3",
+        attention_bias=_qkv_bias(raw, family),
+        o_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "qwen2_moe", "phi3"),
+        mlp_bias=bool(raw.get("mlp_bias", False)) and family not in ("phi3", "qwen2_moe"),
         rope=rope,
         sliding_window=int(sliding) if sliding else None,
         hidden_act=act,
@@ -314,6 +332,14 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def _qkv_bias(raw: dict, family: str) -> bool:
+    """Whether q/k/v carry biases: always on Qwen2, ``qkv_bias`` (default true) on Qwen2-MoE,
+    never on Phi-3, ``attention_bias`` elsewhere."""
+    if family == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return (bool(raw.get("attention_bias", False)) or family == "qwen2") and family != "phi3"
 
 
 def _check_rotary_dim(rope: RopeSpec, head_dim: int, family: str) -> None:
@@ -345,6 +371,21 @@ def _check_phi3(raw: dict) -> None:
             raise ModelConfigError(f"config.json {key}={raw[key]!r} is not served for Phi-3: {reason}")
 
 
+_QWEN2_MOE_UNSERVED = {
+    # config.json fields of Qwen2MoeConfig whose behaviour the layers do not implement
+    "use_sliding_window": "its sliding window covers only some layers (max_window_layers)",
+    "attention_bias": "its o_proj has no bias (q/k/v biases are qkv_bias)",
+    "mlp_bias": "its MLPs and experts have no biases",
+}
+
+
+def _check_qwen2_moe(raw: dict) -> None:
+    """Fields of a Qwen2-MoE config.json the layers cannot honour, refused by name."""
+    for key, reason in _QWEN2_MOE_UNSERVED.items():
+        if raw.get(key):
+            raise ModelConfigError(f"config.json {key}={raw[key]!r} is not served for Qwen2-MoE: {reason}")
+
+
 def _positive(raw: dict, *keys: str) -> int:
     """The first of ``keys`` that config.json holds, as a positive integer (hub and
     transformers spellings of one field); :class:`ModelConfigError` naming them otherwise."""
@@ -359,12 +400,15 @@ def _positive(raw: dict, *keys: str) -> int:
 
 
 def moe_spec(raw: dict, family: str) -> MoESpec | None:
-    """The MoE block of a ``qwen3_moe`` / ``mixtral`` config.json (None for dense families).
+    """The MoE block of a ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` config.json (None for
+    dense families).
 
     Expert counts are read under both spellings: ``num_experts`` (Qwen3-MoE as published
     on the hub) and ``num_local_experts`` (what transformers 5 writes, and Mixtral's).
     Qwen3-MoE's sparse layers follow transformers: not in ``mlp_only_layers`` and
-    ``(layer + 1) % decoder_sparse_step == 0``; Mixtral's are all layers, renormalised."""
+    ``(layer + 1) % decoder_sparse_step == 0``, as are Qwen2-MoE's, whose sparse layers add a
+    gated shared expert of ``shared_expert_intermediate_size`` (0 or absent: none); Mixtral's
+    are all layers, renormalised."""
     if family not in MOE_FAMILIES:
         return None
     layers = raw["num_hidden_layers"]
@@ -379,8 +423,21 @@ def moe_spec(raw: dict, family: str) -> MoESpec | None:
     step = raw.get("decoder_sparse_step", 1) or 1
     dense = set(raw.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    shared = 0
+    if family == "qwen2_moe":
+        shared = raw.get("shared_expert_intermediate_size") or 0
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ModelConfigError(
+                f"config.json field 'shared_expert_intermediate_size' must be a non-negative integer, got {shared!r}"
+            )
     return MoESpec(
-        experts, top_k, _positive(raw, "moe_intermediate_size"), bool(raw.get("norm_topk_prob", False)), sparse
+        experts,
+        top_k,
+        _positive(raw, "moe_intermediate_size"),
+        bool(raw.get("norm_topk_prob", False)),
+        sparse,
+        shared_intermediate_size=shared,
+        shared_gated=shared > 0,
     )
 
 

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3) over flat
-batched token rows. An MoE layer's MLP is :class:`~.moe.SparseMoE`.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3)
+over flat batched token rows. An MoE layer's MLP is :class:`~.moe.SparseMoE` (Qwen2-MoE's
+shared expert inside it is a :class:`LlamaMLP` of its own size).
 
 Fused projections: ``qkv_proj`` holds q, k and v; ``gate_up_proj`` holds gate and up.
 Checkpoint tensors keep their Hugging Face names and are routed into the fused weights
@@ -176,7 +177,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """The gated SiLU MLP with fused gate/up."""
+    """The gated SiLU MLP with fused gate/up.
+
+    ``intermediate_size``: the whole MLP's (default the model's; an MoE layer's shared expert
+    has its own), cut over the ranks when ``shard`` is given. ``partial``: under tensor
+    parallelism the down projection returns this rank's partial sum unreduced (the shared
+    expert's joins its MoE layer's one all-reduce; Qwen2-MoE's MLPs have no bias).
+    """
 
     def __init__(
         self,
@@ -186,13 +193,19 @@ class LlamaMLP(nn.Module):
         device,
         shard: ShardPlan | None = None,
         group: Collectives | None = None,
+        intermediate_size: int | None = None,
+        partial: bool = False,
     ):
         super().__init__()
-        i = arch.intermediate_size if shard is None else shard.local_intermediate
+        whole = arch.intermediate_size if intermediate_size is None else intermediate_size
+        i = whole if shard is None else whole // shard.size
         self.gate_up_proj = Linear(arch.hidden_size, (i, i), bias=arch.mlp_bias, dtype=dtype, device=device)
-        self.down_proj = _output_linear(
-            i, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype, device=device, shard=shard, group=group
-        )
+        if partial:
+            self.down_proj = Linear(i, (arch.hidden_size,), bias=False, dtype=dtype, device=device)
+        else:
+            self.down_proj = _output_linear(
+                i, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype, device=device, shard=shard, group=group
+            )
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +243,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.mlp: LlamaMLP | SparseMoE
         if arch.is_moe_layer(layer_id):
-            self.mlp = SparseMoE(arch, dtype=dtype, device=device, shard=shard, group=group)
+            assert arch.moe is not None
+            shared = arch.moe.shared_intermediate_size
+            shared_expert = None
+            if shared:
+                shared_expert = LlamaMLP(
+                    arch, dtype=dtype, device=device, shard=shard, intermediate_size=shared, partial=True
+                )
+            self.mlp = SparseMoE(
+                arch, dtype=dtype, device=device, shard=shard, group=group, shared_expert=shared_expert
+            )
         else:
             self.mlp = LlamaMLP(arch, dtype=dtype, device=device, shard=shard, group=group)
 

@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): the torch path.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): the torch path.
 
 Per token the router's float32 softmax over all experts picks the ``top_k`` largest
 (renormalised to sum to one where the config says); each picked expert is a gated SiLU
@@ -17,6 +17,12 @@ Checkpoints in the per-expert layout (``mlp.experts.N.gate_proj.weight``, Mixtra
 ``block_sparse_moe.experts.N.w1/w3/w2.weight``) are routed into slices of them by
 :func:`moe_destination`.
 
+Qwen2-MoE adds a shared expert: a dense gated SiLU MLP (``shared_expert``, built by the
+decoder as its dense MLP is, so its Linear layers take ordinary LoRA hooks) that every token
+runs, its output scaled by ``sigmoid(shared_expert_gate(x))`` (a :class:`Linear` H -> 1) and
+added to the routed experts' sum, on both paths (the shared expert is dense: it runs outside
+the fused kernels).
+
 LoRA: the router is a :class:`Linear` and takes the ordinary hook; each expert part
 (``gate_up``, ``down``) takes an :class:`ExpertLoRAHook` that adds, for the rows an
 expert runs on, the delta of each row's own adapter for that expert only.
@@ -26,8 +32,11 @@ the intermediate dimension (its gate rows, its up rows, its down columns; see
 ``loraserve.runtime.distributed.sharding``), and the router whole. The residual stream is
 the same on every rank, so every rank picks the same experts; each rank's output (expert
 LoRA deltas included, the down delta from this rank's A columns) is a partial sum, completed
-by one all-reduce per layer as a row-parallel projection's. Both paths, torch and fused,
-read the intermediate size from the weights they are given.
+by one all-reduce per layer as a row-parallel projection's. The shared expert is cut as a
+dense MLP (its gate and up rows, its down columns; no all-reduce of its own) and its gate is
+whole: the gate's scalar scales each rank's partial output alike, so the shared expert's
+partials join the same all-reduce. Both paths, torch and fused, read the intermediate size
+from the weights they are given.
 """
 
 from __future__ import annotations
@@ -154,6 +163,9 @@ class SparseMoE(nn.Module):
 
     ``shard`` / ``group``: this rank's slice of every expert's intermediate dimension and the
     group whose all-reduce sums the ranks' partial outputs; without them, the whole layer.
+    ``shared_expert``: the dense MLP every token runs beside its routed experts (Qwen2-MoE;
+    required exactly when the config has one), whose output is this rank's partial sum
+    under tensor parallelism (its down projection does not reduce).
     """
 
     def __init__(
@@ -164,6 +176,7 @@ class SparseMoE(nn.Module):
         device,
         shard: ShardPlan | None = None,
         group: Collectives | None = None,
+        shared_expert: nn.Module | None = None,
     ):
         super().__init__()
         spec = arch.moe
@@ -175,11 +188,25 @@ class SparseMoE(nn.Module):
         self.gate = Linear(arch.hidden_size, (spec.num_experts,), bias=False, dtype=dtype, device=device)
         inter = spec.intermediate_size if shard is None else shard.local_moe_intermediate
         self.experts = MoEExperts(spec.num_experts, arch.hidden_size, inter, dtype=dtype, device=device)
+        if (shared_expert is None) != (spec.shared_intermediate_size == 0):
+            raise ValueError(
+                f"{arch.architecture}: a shared expert is built exactly when the config has one "
+                f"(shared_intermediate_size={spec.shared_intermediate_size})"
+            )
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if spec.shared_gated:
+            self.shared_expert_gate = Linear(arch.hidden_size, (1,), bias=False, dtype=dtype, device=device)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         if self.group is not None:
             out = self.group.all_reduce(out)  # partial expert outputs (and their LoRA deltas) summed
         return out

@@ -24,13 +24,14 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
 }
 """config.json ``architectures[0]`` -> the family the runtime's layers implement."""
 
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
 """Families whose MLP is (in some layers) a sparse mixture of experts."""
 
 MOE_SPEC_ALGORITHMS: tuple[SpecAlgorithm, ...] = tuple(a for a, t in ALGORITHMS.items() if t.moe_target)
