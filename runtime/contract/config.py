@@ -78,11 +78,14 @@ MOE_LORA_MODULES: dict[str, tuple[str, ...]] = {
     "w1": ("gate_proj",),
     "w3": ("up_proj",),
     "w2": ("down_proj",),
+    "shared_expert_gate": (),
 }
 """A mixture-of-experts model's router and expert names, as peft configs write them -> the pool
 slots that serve them: ``gate`` is the router (every MoE layer's router always has its slot, so
 it adds none), ``gate_up_proj`` the experts' fused gate and up parameter (peft
-``target_parameters``), ``w1`` / ``w3`` / ``w2`` Mixtral's per-expert gate, up and down."""
+``target_parameters``), ``w1`` / ``w3`` / ``w2`` Mixtral's per-expert gate, up and down,
+``shared_expert_gate`` Qwen2-MoE's gate of its shared expert (always slotted, as the router is;
+the shared expert's own gate_proj / up_proj / down_proj are served by those slots)."""
 
 FUSED_LORA_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 """A dense model's fused projections as peft configs name them (Phi-3's) -> the pool slots that

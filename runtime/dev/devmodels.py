@@ -373,6 +373,7 @@ def build_adapter(
     use_rslora: bool = False,
     seed: int = 0,
     init_std: float = 0.05,
+    target_parameters: Sequence[str] | None = None,
 ) -> Path:
     """Write a PEFT LoRA adapter for ``base_dir`` with random A and B matrices.
 
@@ -380,6 +381,8 @@ def build_adapter(
     files are exactly what real training produces. ``embed_tokens`` / ``lm_head`` targets
     are supported; the base embedding weights are not copied into the adapter
     (``save_embedding_layers=False``), since the adapter does not change them.
+    ``target_parameters``: peft's LoRA on parameters (an MoE model's fused routed experts,
+    e.g. ``("gate_up_proj", "down_proj")``, where ``target_modules`` reach only Linear layers).
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -392,6 +395,7 @@ def build_adapter(
         lora_alpha=alpha,
         target_modules=list(target_modules),
         use_rslora=use_rslora,
+        target_parameters=list(target_parameters) if target_parameters else None,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",

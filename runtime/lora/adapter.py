@@ -11,7 +11,10 @@ manager, so a rejected adapter leaves the pool untouched. On a mixture-of-expert
 the experts and the router is read in every layout peft writes (:mod:`.experts`). On Phi-3, whose
 checkpoints fuse q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``), a fused module's LoRA is
 split into the slots of its parts: each part keeps the one ``A [r, in]`` and takes its rows of
-``B`` (``B·A`` row-sliced is the part's delta exactly), at rank r.
+``B`` (``B·A`` row-sliced is the part's delta exactly), at rank r. Qwen2-MoE's shared expert
+(``mlp.shared_expert.gate_proj`` ...) is held under ``("shared_expert.gate_proj", layer)`` and
+served by the gate_proj / up_proj / down_proj slots; its gate ``mlp.shared_expert_gate``
+under ``("shared_expert_gate", layer)``, always slotted as the router is.
 """
 
 from __future__ import annotations
@@ -31,12 +34,22 @@ from ..model.moe import MIXTRAL_NAMES
 from .errors import AdapterError
 from .experts import ROUTER, check_patterns, declared_modules, is_moe_tensor, take_moe_weights
 
+SHARED = "shared_expert."
+"""The prefix of a Qwen2-MoE shared expert's modules among an adapter's weights."""
+SHARED_GATE = "shared_expert_gate"
+"""Qwen2-MoE's shared expert gate (a Linear H -> 1), slotted in every layer that has one."""
+ALWAYS_SLOTTED = (ROUTER, SHARED_GATE)
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 _LAYER_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
+    r"\.lora_(A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$"
+)
+_SHARED_RE = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.(shared_expert\.(?:gate_proj|up_proj|down_proj)|shared_expert_gate)"
     r"\.lora_(A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 _EMBED_RE = re.compile(r"^model\.embed_tokens\.lora_embedding_(A|B)(?:\.[A-Za-z0-9_-]+)?$")
@@ -238,7 +251,7 @@ def load_adapter(
                 f"adapters may target {list(LORA_MODULES)}",
                 "target_modules",
             )
-        outside = sorted((_slots(names, arch) | moe_declared) - set(pool) - {ROUTER})
+        outside = sorted((_slots(names, arch) | moe_declared) - set(pool) - set(ALWAYS_SLOTTED))
         if outside:
             raise _outside(
                 f"target_modules {outside} are not in lora.target_modules {list(pool)}: add them to "
@@ -276,7 +289,8 @@ def load_adapter(
             continue
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
-        absent = [m for m in _FUSED.get(module, (module,)) if m not in pool]
+        slot = slot_module(module)
+        absent = [m for m in _FUSED.get(slot, (slot,)) if m not in pool and m not in ALWAYS_SLOTTED]
         if absent:
             raise _outside(
                 f"tensor {full_name!r} adapts {module}, whose {', '.join(absent)} is not in lora.target_modules "
@@ -309,7 +323,10 @@ def load_adapter(
                     where,
                 )
         a, b = pair["A"], pair["B"]
-        in_dim, out_dim = arch.module_dims(module)
+        if module.startswith(SHARED) or module == SHARED_GATE:
+            in_dim, out_dim = arch.shared_expert_dims(module.removeprefix(SHARED))
+        else:
+            in_dim, out_dim = arch.module_dims(module)
         if module == "embed_tokens":
             want_a, want_b = (rank, arch.vocab_size), (arch.hidden_size, rank)
         else:
@@ -326,7 +343,7 @@ def load_adapter(
         weights[key] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     weights.update(moe_weights)
     order = (*LORA_MODULES, ROUTER)
-    modules = tuple(sorted({m for m, _ in weights}, key=order.index))
+    modules = tuple(sorted({slot_module(m) for m, _ in weights}, key=order.index))
     slot_rank = max(b.shape[-1] for _, b in weights.values())
     if slot_rank > max_rank:
         raise _fail(
@@ -358,6 +375,12 @@ def load_adapter(
         weights=weights,
         declared_rank=rank if slot_rank > rank else None,
     )
+
+
+def slot_module(module: str) -> str:
+    """The module name whose slot serves an adapter weight's ``module``: a Qwen2-MoE shared
+    expert's ``shared_expert.gate_proj`` is served by the ``gate_proj`` slot."""
+    return module.removeprefix(SHARED)
 
 
 def _slots(names: Iterable[str], arch: ModelArchConfig) -> set[str]:
@@ -451,6 +474,16 @@ def read_adapter_tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
 
 
 def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple[str, int | None], str]:
+    m = _SHARED_RE.match(name)
+    if m:
+        layer = int(m.group(1))
+        if not (arch.is_moe_layer(layer) and arch.moe is not None and arch.moe.shared_intermediate_size):
+            raise _fail(
+                f"tensor {full_name!r} adapts a shared expert, which layer {layer} of this {arch.architecture} "
+                "does not have: the adapter was trained for a different base model",
+                full_name,
+            )
+        return (m.group(2), layer), m.group(3)
     m = _LAYER_RE.match(name)
     if m:
         layer = int(m.group(1))

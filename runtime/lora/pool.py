@@ -19,7 +19,10 @@ On a mixture-of-experts layer, ``gate_up_proj`` / ``down_proj`` are the experts'
 buffers gain an expert dimension (``A [slots, experts, slices * max_rank, in]``, ``B
 [slots, experts, out, max_rank]``, rank-major) and an :class:`ExpertLoRAHook` adds each
 routed row's delta for that expert only. The router (``gate``) of every MoE layer always
-has a small buffer of its own: peft's ``all-linear`` adapts it on MoE models.
+has a small buffer of its own: peft's ``all-linear`` adapts it on MoE models. Qwen2-MoE's
+shared expert is a dense MLP inside the MoE layer: its gate-up and down Linear layers take
+ordinary hooks under ``("shared_expert.gate_up_proj", layer)`` / ``("shared_expert.down_proj",
+layer)`` when gate/up and down are pooled, and its gate, like the router, always has a buffer.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from loraserve.kernels.overlap import OverlapMode, OverlapPolicy, linear_with_lo
 from ..model.layers.parallel import VocabParallelEmbedding
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import SparseMoE
-from .adapter import AdapterWeights
+from .adapter import SHARED, SHARED_GATE, AdapterWeights
 
 # module -> (fused group, part index); the group names the model's attribute
 GROUP_OF = {
@@ -295,6 +298,22 @@ class SlotPool:
             )
             setattr(experts, attr, expert_hook)
             self.hooks[(group, layer_id)] = expert_hook
+        shared = mlp.shared_expert
+        linears = {SHARED_GATE: mlp.shared_expert_gate}
+        if shared is not None:
+            parts = [g for g in groups if g in ("gate_up_proj", "down_proj")]
+            linears.update({SHARED + g: shared.get_submodule(g) for g in parts})
+        for key, linear in linears.items():
+            if linear is None:
+                continue
+            hook = LinearLoRAHook(
+                self.ctx,
+                torch.zeros(slots, len(linear.out_sizes) * R, linear.in_features, dtype=dtype, device=device),
+                rank_major_b(slots, linear.out_features, R, dtype, device),
+                linear.slice_offsets,
+            )
+            linear.lora = hook
+            self.hooks[(key, layer_id)] = hook
 
     @property
     def num_bytes(self) -> int:
@@ -310,9 +329,10 @@ class SlotPool:
         R = self.max_rank
         for (module, layer), (a, b) in adapter.weights.items():
             r = b.shape[-1]  # this module's rank (at most the slot's, adapter.rank)
-            if module in GROUP_OF:
-                group, part = GROUP_OF[module]
-                hook = self.hooks[(group, layer)]
+            prefix = SHARED if module.startswith(SHARED) else ""  # a shared expert's part
+            if module.removeprefix(prefix) in GROUP_OF:
+                group, part = GROUP_OF[module.removeprefix(prefix)]
+                hook = self.hooks[(prefix + group, layer)]
                 lo, hi = hook.slice_offsets[part], hook.slice_offsets[part + 1]
                 if isinstance(hook, ExpertLoRAHook):  # a: [experts, r, in], b: [experts, out, r]
                     hook.A[slot, :, part * R : part * R + r].copy_(a, non_blocking=True)
@@ -321,8 +341,8 @@ class SlotPool:
                     continue
                 hook.A[slot, part * R : part * R + r].copy_(a, non_blocking=True)
                 hook.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
-            elif module == ROUTER:
-                hook = self.hooks[(ROUTER, layer)]
+            elif module in (ROUTER, SHARED_GATE):
+                hook = self.hooks[(module, layer)]
                 hook.A[slot, :r].copy_(a, non_blocking=True)
                 hook.B[slot, :, :r].copy_(b, non_blocking=True)
             else:

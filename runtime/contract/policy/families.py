@@ -41,12 +41,16 @@ hidden states, which the MoE layers produce as a dense layer does)."""
 
 FAMILY_LORA_MODULES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (*DENSE_LORA_MODULES, "gate", "gate_up_proj"),
+    "qwen2_moe": (*DENSE_LORA_MODULES, "gate", "gate_up_proj", "shared_expert_gate"),
     "mixtral": (*DENSE_LORA_MODULES, "gate", "gate_up_proj", "w1", "w2", "w3"),
     "phi3": (*DENSE_LORA_MODULES, "qkv_proj", "gate_up_proj"),
 }
 """The ``lora.target_modules`` names each family has (others: :data:`DENSE_LORA_MODULES`). The
 experts of Qwen3-MoE are named gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2 (or those);
 both have a router (``gate``) and, saved by peft with transformers 5, a fused ``gate_up_proj``.
+Qwen2-MoE's are Qwen3-MoE's plus a shared expert (gate_proj / up_proj / down_proj: peft's
+``target_modules`` reach these, ``target_parameters`` the routed experts) and its
+``shared_expert_gate``.
 Phi-3's checkpoints fuse q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``): its adapters name
 those, served by the q/k/v and gate/up slots (the dense names are its slots, so they stay valid)."""
 
