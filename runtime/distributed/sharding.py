@@ -20,14 +20,17 @@ and of up rows (``gate_up_proj [E, 2I, H]`` holds gate rows then up rows, so eac
 cut on its own: the rank's gate rows, then its up rows) and the matching block of
 ``down_proj`` columns. The router is whole on every rank, so every rank routes each token to
 the same experts; the layer's output, a partial sum like a row-parallel projection's, is
-completed by one all-reduce.
+completed by one all-reduce. Qwen2-MoE's shared expert (``mlp.shared_expert.*``) is cut as a
+dense MLP of its own intermediate size (gate / up rows, down columns) and adds its partial sum
+to the same all-reduce; its gate ``mlp.shared_expert_gate`` (H -> 1) is whole on every rank.
 
 LoRA follows the same cut: a column-parallel module keeps A whole and splits B by output
 rows (per part of a fused module); a row-parallel module splits A by input columns and
 keeps B whole, so each rank's delta is a partial sum that joins the base output's
 all-reduce (the scaling is applied once per partial, hence once in total). Expert LoRA is
 cut the same way per expert (gate / up: B by rows; down: A by columns); the router's is
-whole.
+whole. The shared expert's LoRA (``shared_expert.gate_proj`` ...) is cut as a dense MLP's, its
+gate's is whole.
 """
 
 from __future__ import annotations
@@ -42,14 +45,18 @@ from .errors import TensorParallelConfigError
 COLUMN_PARTS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 ROW_PARTS = {"o_proj": "q", "down_proj": "mlp"}
 VOCAB_MODULES = ("embed_tokens", "lm_head")
-REPLICATED_LORA = ("gate",)
-"""Adapted modules whole on every rank: an MoE layer's router."""
+REPLICATED_LORA = ("gate", "shared_expert_gate")
+"""Adapted modules whole on every rank: an MoE layer's router and its shared expert's gate."""
+SHARED_EXPERT = "shared_expert"
+"""Qwen2-MoE's shared expert: its checkpoint tensors ``mlp.shared_expert.*`` and LoRA modules
+``shared_expert.gate_proj`` ... are cut as a dense MLP of its own size (part ``shared``)."""
 
 
 class ExpertShape(Protocol):
     """The size of one expert (``loraserve.runtime.model.arch.MoESpec`` is one)."""
 
     intermediate_size: int
+    shared_intermediate_size: int  # the shared expert's (0: none)
 
 
 class ShardableArch(Protocol):
@@ -90,6 +97,12 @@ def check_tensor_parallel(arch: ShardableArch, size: int) -> None:
             f"{field}={size} does not divide the model's moe_intermediate_size {arch.moe.intermediate_size} "
             "(every expert is cut along it over the ranks): use a size that divides it"
         )
+    if arch.moe is not None and arch.moe.shared_intermediate_size % size:
+        raise TensorParallelConfigError(
+            f"{field}={size} does not divide the model's shared_expert_intermediate_size "
+            f"{arch.moe.shared_intermediate_size} (the shared expert is cut along it over the ranks): "
+            "use a size that divides it"
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class ShardPlan:
     intermediate_size: int
     vocab_size: int
     moe_intermediate_size: int = 0  # one expert's; 0: the model has no MoE layer
+    shared_intermediate_size: int = 0  # the shared expert's; 0: none
 
     @classmethod
     def for_arch(cls, arch: ShardableArch, rank: int, size: int) -> ShardPlan:
@@ -119,6 +133,7 @@ class ShardPlan:
             intermediate_size=arch.intermediate_size,
             vocab_size=arch.vocab_size,
             moe_intermediate_size=0 if arch.moe is None else arch.moe.intermediate_size,
+            shared_intermediate_size=0 if arch.moe is None else arch.moe.shared_intermediate_size,
         )
 
     # ------------------------------------------------------------------ sizes
@@ -169,6 +184,9 @@ class ShardPlan:
         if part == "expert":
             n = self.local_moe_intermediate
             return self.rank * n, (self.rank + 1) * n
+        if part == "shared":
+            n = self.shared_intermediate_size // self.size
+            return self.rank * n, (self.rank + 1) * n
         raise KeyError(part)
 
     # ------------------------------------------------------------------ slicing
@@ -181,19 +199,22 @@ class ShardPlan:
             rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
         return rows
 
-    def shard_module_tensor(self, module: str, kind: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a base tensor of ``module`` (``kind``: weight or bias).
+    def shard_module_tensor(
+        self, module: str, kind: str, full: torch.Tensor, *, shared: bool = False
+    ) -> torch.Tensor:
+        """This rank's slice of a base tensor of ``module`` (``kind``: weight or bias);
+        ``shared``: a Qwen2-MoE shared expert's gate / up / down (cut by its own size).
 
         Modules that are not sharded (norms) come back unchanged, as does a row-parallel
         bias: it is added once, by rank 0, before the all-reduce.
         """
         if module in COLUMN_PARTS:
-            lo, hi = self.part_range(COLUMN_PARTS[module])
+            lo, hi = self.part_range("shared" if shared else COLUMN_PARTS[module])
             return full[lo:hi]
         if module in ROW_PARTS:
             if kind == "bias":
                 return full
-            lo, hi = self.part_range(ROW_PARTS[module])
+            lo, hi = self.part_range("shared" if shared else ROW_PARTS[module])
             return full[:, lo:hi]
         if module in VOCAB_MODULES:
             return self.vocab_rows(full)
@@ -203,7 +224,8 @@ class ShardPlan:
         """This rank's slice of a Hugging Face-named checkpoint tensor."""
         parts = name.split(".")
         if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
-            return self.shard_module_tensor(parts[-2], parts[-1], full)
+            shared = len(parts) >= 3 and parts[-3] == SHARED_EXPERT
+            return self.shard_module_tensor(parts[-2], parts[-1], full, shared=shared)
         return full
 
     def shard_expert_weight(self, proj: str, full: torch.Tensor) -> torch.Tensor:
@@ -226,8 +248,17 @@ class ShardPlan:
 
         ``a``/``b`` are the adapter's host layout: ``A [r, in]``, ``B [out, r]`` for linear
         modules; ``A [vocab, r]``, ``B [hidden, r]`` for ``embed_tokens``. Vocab-sharded
-        tensors are NOT padded: the pool's padding rows stay zero.
+        tensors are NOT padded: the pool's padding rows stay zero. A shared expert's module
+        (``shared_expert.gate_proj`` ...) is cut as the dense one, by the shared expert's size.
         """
+        if module.startswith(SHARED_EXPERT + "."):
+            inner = module.removeprefix(SHARED_EXPERT + ".")
+            lo, hi = self.part_range("shared")
+            if inner in ("gate_proj", "up_proj"):
+                return a, b[lo:hi]
+            if inner == "down_proj":
+                return a[:, lo:hi], b
+            raise KeyError(module)
         if module in COLUMN_PARTS:
             lo, hi = self.part_range(COLUMN_PARTS[module])
             return a, b[lo:hi]
