@@ -14,6 +14,10 @@ family has, batched.
   fused qkv_proj / gate_up_proj; untied embeddings: a tiny random tied model repeats its input): n-gram, a Phi-3 STANDALONE draft, EAGLE3 and
   DFLASH. The EAGLE3 / DFLASH heads copy the target's rope (partial, LongRoPE), as their builders
   copy every target's.
+- Qwen2-MoE (a gated shared expert beside the routed ones, q/k/v biases, a dense layer between
+  sparse ones; the adapter on attention, the shared expert and its gate through peft's
+  ``target_modules``, the routed experts and the router through ``target_parameters``): n-gram
+  and EAGLE3.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Family:
     model: dict
     modules: tuple[str, ...]
     draft_architecture: str
+    parameters: tuple[str, ...] = ()  # peft target_parameters (an MoE model's fused experts)
 
 
 GEMMA = {
@@ -72,6 +77,12 @@ FAMILIES = {
         {"architecture": "mixtral", "intermediate_size": 48}, ("q_proj", "v_proj", "w1", "w2", "w3", "gate"), "llama"
     ),
     "phi3": Family(PHI4, PHI3_LINEAR_MODULES, "phi3"),
+    "qwen2_moe": Family(
+        {"architecture": "qwen2_moe", "moe": {"mlp_only_layers": [1]}},
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"),
+        "qwen2",
+        ("gate_up_proj", "down_proj", "gate.weight"),
+    ),
 }
 CASES = [
     ("qwen3", "NGRAM", None),
@@ -94,6 +105,8 @@ CASES = [
     ("phi3", "STANDALONE", "small"),
     ("phi3", "EAGLE3", "eagle3"),
     ("phi3", "DFLASH", "dflash"),
+    ("qwen2_moe", "NGRAM", None),
+    ("qwen2_moe", "EAGLE3", "eagle3"),
 ]
 
 
@@ -125,7 +138,15 @@ def assets(tmp_path_factory):
     for i, (name, family) in enumerate(FAMILIES.items()):
         seed, here = 61 + 10 * i, root / name
         target = build_tiny_model(here / "target", **{"num_layers": 3, "seed": seed, **family.model})
-        adapter = build_adapter(here / "all", target, rank=4, alpha=8, target_modules=family.modules, seed=seed + 1)
+        adapter = build_adapter(
+            here / "all",
+            target,
+            rank=4,
+            alpha=8,
+            target_modules=family.modules,
+            target_parameters=family.parameters,
+            seed=seed + 1,
+        )
         drafts = sorted({d for f, _, d in CASES if f == name and d})
         out[name] = {
             "target": target,
