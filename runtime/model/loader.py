@@ -123,26 +123,28 @@ def _random_fill_sharded(
         full = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device)
         full.normal_(0.0, std, generator=generator)
         module_name, kind = name.split(".")[-2:]
+        shared = ".shared_expert." in name  # Qwen2-MoE's shared expert: cut by its own size
         experts = shard_moe_tensor(shard, name, full)  # fused expert weights
         if experts is not None:
             local = experts
         elif module_name in parts_of:
-            pieces = full.split(_whole_sizes(arch, module_name), dim=0)
+            pieces = full.split(_whole_sizes(arch, module_name, shared=shared), dim=0)
             local = torch.cat(
                 [
-                    shard.shard_module_tensor(part, kind, piece)
+                    shard.shard_module_tensor(part, kind, piece, shared=shared)
                     for part, piece in zip(parts_of[module_name], pieces, strict=True)
                 ]
             )
         else:
-            local = shard.shard_module_tensor(module_name, kind, full)
+            local = shard.shard_module_tensor(module_name, kind, full, shared=shared)
         param.data.copy_(local)
 
 
-def _whole_sizes(arch: ModelArchConfig, fused: str) -> tuple[int, ...]:
-    """The unsharded part sizes of a fused projection."""
+def _whole_sizes(arch: ModelArchConfig, fused: str, *, shared: bool = False) -> tuple[int, ...]:
+    """The unsharded part sizes of a fused projection (``shared``: of Qwen2-MoE's shared expert)."""
     if fused == "qkv_proj":
         return (arch.q_size, arch.kv_size, arch.kv_size)
     if fused == "gate_up_proj":
-        return (arch.intermediate_size, arch.intermediate_size)
+        size = arch.moe.shared_intermediate_size if shared and arch.moe is not None else arch.intermediate_size
+        return (size, size)
     raise KeyError(fused)

@@ -5,6 +5,8 @@ shared expert (and its gate) and the routed experts, as peft writes them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -107,3 +109,89 @@ def test_qwen2_moe_adapter_matches_peft(adapter, qwen2_moe, qwen2_moe_adapters, 
         torch.testing.assert_close(out.logits[:11], with_adapter, atol=2e-4, rtol=0)
         torch.testing.assert_close(out.logits[11:], base, atol=2e-4, rtol=0)
         assert (with_adapter - hf_model(qwen2_moe)(prompts[0][None]).logits[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("use_sliding_window", True, "use_sliding_window=True is not served for Qwen2-MoE"),
+        ("mlp_bias", True, "mlp_bias=True is not served for Qwen2-MoE"),
+        (
+            "shared_expert_intermediate_size",
+            -8,
+            "'shared_expert_intermediate_size' must be a non-negative integer",
+        ),
+    ],
+)
+def test_unserved_config_is_refused_by_name(qwen2_moe, tmp_path, field, value, match):
+    from loraserve.runtime.contract.errors import ModelConfigError
+
+    raw = json.loads((qwen2_moe / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(ModelConfigError, match=match):
+        load_arch_config(tmp_path)
+
+
+def test_without_a_shared_expert(qwen2_moe, tmp_path):
+    """``shared_expert_intermediate_size`` 0: no shared expert and no gate (the MoE of Qwen3)."""
+    raw = json.loads((qwen2_moe / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "shared_expert_intermediate_size": 0}))
+    spec = load_arch_config(tmp_path).moe
+    assert (spec.shared_intermediate_size, spec.shared_gated) == (0, False)
+
+
+def test_shared_expert_adapters_refused_where_unserved(
+    qwen2_moe, qwen2_moe_adapters, moe_models_qwen3, tmp_path
+):
+    """A shared expert's LoRA needs its gate/up/down slots, a layer with a shared expert, and a
+    model that has one; each refusal names the tensor or the slots."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loraserve.runtime.lora.errors import AdapterError
+
+    src = qwen2_moe_adapters["shared"]
+    with pytest.raises(
+        AdapterError, match=r"\['down_proj', 'gate_proj', 'up_proj'\] are not in lora\.target_modules"
+    ):
+        _load(qwen2_moe, src, pool=ATTN)
+    assert ("shared_expert_gate", 0) in _load(
+        qwen2_moe, src, pool=(*ATTN, "gate_proj", "up_proj", "down_proj")
+    ).weights
+    shutil.copytree(src, tmp_path / "dense")
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.mlp.shared_expert.up_proj.lora_A.weight"
+    save_file({**tensors, key: torch.zeros(4, 64)}, str(tmp_path / "dense" / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"layers\.1\.mlp\.shared_expert\.up_proj.*adapts a shared expert"):
+        _load(qwen2_moe, tmp_path / "dense")
+    qwen3 = {k: v for k, v in tensors.items() if ".layers.1." not in k}  # layer 1 is sparse in Qwen3-MoE
+    shutil.copytree(src, tmp_path / "qwen3")
+    save_file(qwen3, str(tmp_path / "qwen3" / "adapter_model.safetensors"))
+    with pytest.raises(
+        AdapterError, match="adapts a shared expert, which layer 0 of this Qwen3MoeForCausalLM"
+    ):
+        _load(moe_models_qwen3, tmp_path / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_models_qwen3(tmp_path_factory):
+    from .test_moe import MOE_MODELS
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("qwen3_moe") / "m", **{**SMALL, **MOE_MODELS["qwen3-moe"]}
+    )
+
+
+def test_qwen2_moe_adapter_on_triton_backend(qwen2_moe, qwen2_moe_adapters, make_runner, hf_model, ops):
+    """With the Triton LoRA backend (attention, the shared expert, its one-wide gate and the
+    router through its kernels) the output still equals peft's."""
+    runner = make_runner(qwen2_moe, adapters={"a": qwen2_moe_adapters["all"]}, backend="triton")
+    prompts = [torch.arange(3, 12), torch.arange(30, 35)]
+    with torch.no_grad():
+        out = ops.extend(runner, ["a", "b"], prompts, names=["a", None], all_logits=True)
+        want = hf_model(qwen2_moe, qwen2_moe_adapters["all"])(prompts[0][None]).logits[0]
+        torch.testing.assert_close(out.logits[:9], want, atol=2e-4, rtol=0)
+        torch.testing.assert_close(
+            out.logits[9:], hf_model(qwen2_moe)(prompts[1][None]).logits[0], atol=2e-4, rtol=0
+        )

@@ -163,3 +163,32 @@ def test_indivisible_shared_expert_size_is_refused(assets, tmp_path):
     check_tensor_parallel(odd, 2)  # 90 splits over 2
     with pytest.raises(TensorParallelConfigError, match="shared_expert_intermediate_size 90"):
         ShardPlan.for_arch(odd, 0, 4)
+
+
+def test_random_weights_are_cut_from_one_device_model(assets):
+    """Random weights (benchmarks) are drawn whole and cut: each rank's shared expert is its
+    slice of the one a device draws from the same seed, its gate whole."""
+    from loraserve.runtime.model.loader import build_model
+
+    from .test_moe_tp import _BuildOnly
+
+    arch = load_arch_config(assets[0])
+    build = dict(
+        dtype=torch.float32, device=torch.device("cpu"), max_positions=32, random_init_std=0.02, seed=7
+    )
+    whole = build_model(arch, **build)
+    for r in range(2):
+        plan = ShardPlan.for_arch(arch, r, 2)
+        local = build_model(arch, shard=plan, group=_BuildOnly(r, 2), **build)
+        lo, hi = plan.part_range("shared")
+        for i in (0, 2):
+            got, want = local.model.layers[i].mlp, whole.model.layers[i].mlp
+            gate_up = want.shared_expert.gate_up_proj.weight
+            assert torch.equal(
+                got.shared_expert.gate_up_proj.weight,
+                torch.cat([gate_up[lo:hi], gate_up[SHARED_INTER + lo : SHARED_INTER + hi]]),
+            )
+            assert torch.equal(
+                got.shared_expert.down_proj.weight, want.shared_expert.down_proj.weight[:, lo:hi]
+            )
+            assert torch.equal(got.shared_expert_gate.weight, want.shared_expert_gate.weight)
