@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
     """A copy of ``weights`` holding only ``plan``'s slices (see ``ShardPlan.shard_lora``;
     an MoE layer's experts, stacked ``A [E, r, in]`` / ``B [E, out, r]``, by
-    ``ShardPlan.shard_expert_lora``; its router whole).
+    ``ShardPlan.shard_expert_lora``; its router whole; Qwen2-MoE's shared expert, 2-D, as a
+    dense MLP of its own size, its gate whole).
 
     Slices are cloned, so the full tensors can be freed: a rank keeps about ``1/size`` of
     every adapter's B (column-parallel), A (row-parallel) and vocabulary rows.
