@@ -145,6 +145,8 @@ def _whole_sizes(arch: ModelArchConfig, fused: str, *, shared: bool = False) -> 
     if fused == "qkv_proj":
         return (arch.q_size, arch.kv_size, arch.kv_size)
     if fused == "gate_up_proj":
-        size = arch.moe.shared_intermediate_size if shared and arch.moe is not None else arch.intermediate_size
+        size = arch.intermediate_size
+        if shared and arch.moe is not None:
+            size = arch.moe.shared_intermediate_size
         return (size, size)
     raise KeyError(fused)
