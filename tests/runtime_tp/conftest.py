@@ -50,7 +50,12 @@ TEST_OPTIONS = TPOptions(
 )
 
 GQA_ADAPTERS = {
-    "attn-r8": {"rank": 8, "alpha": 16, "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj"), "seed": 41},
+    "attn-r8": {
+        "rank": 8,
+        "alpha": 16,
+        "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "seed": 41,
+    },
     "all-r16": {"rank": 16, "alpha": 32, "target_modules": ALL_LINEAR_MODULES, "seed": 42},
     "mlp-r4-rs": {
         "rank": 4,
@@ -129,9 +134,13 @@ def tp_config(model: Path, tp: int, adapters: dict[str, Path] | None = None, **k
 
 
 @contextlib.contextmanager
-def tp_group(config: RuntimeConfig, *, random_weights: bool = False) -> Iterator[tuple[TPHandle, ModelRunner]]:
+def tp_group(
+    config: RuntimeConfig, *, random_weights: bool = False
+) -> Iterator[tuple[TPHandle, ModelRunner]]:
     """Start a real group for ``config`` (this process is rank 0); yields (handle, rank 0's runner)."""
-    handle = start_tensor_parallel(config, options=TEST_OPTIONS, exit_on_failure=False, random_weights=random_weights)
+    handle = start_tensor_parallel(
+        config, options=TEST_OPTIONS, exit_on_failure=False, random_weights=random_weights
+    )
     assert handle is not None
     try:
         runner = ModelRunner(config, random_weights=random_weights)
@@ -154,6 +163,12 @@ class Pair:
     ref: ModelRunner
     handle: TPHandle
 
+    def free(self, rids) -> None:
+        """Free ``rids`` on both runners."""
+        for rid in rids:
+            self.tp.kv.free(rid)
+            self.ref.kv.free(rid)
+
 
 def both(pair, op, *args, **kw):
     """Run ``op`` on both runners; assert equal logits (and hidden states when returned)."""
@@ -169,7 +184,9 @@ def both(pair, op, *args, **kw):
 
 def extend(runner, rids, seqs, names=None, **kw):
     ids = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in seqs])
-    batch = ForwardBatch(ForwardMode.EXTEND, list(rids), ids, extend_lens=[len(s) for s in seqs], lora_names=names, **kw)
+    batch = ForwardBatch(
+        ForwardMode.EXTEND, list(rids), ids, extend_lens=[len(s) for s in seqs], lora_names=names, **kw
+    )
     return runner.forward(batch)
 
 
@@ -186,6 +203,24 @@ def verify(runner, rids, blocks, names=None, **kw):
     return runner.forward(batch)
 
 
+def greedy(runner, rid: str, prompt, adapter: str | None = None, n: int = 16) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` under ``adapter`` (the request freed after)."""
+    seq = [int(extend(runner, [rid], [prompt], [adapter]).logits[0].argmax())]
+    while len(seq) < n:
+        seq.append(int(decode(runner, [rid], [seq[-1]], [adapter]).logits[0].argmax()))
+    runner.kv.free(rid)
+    return seq
+
+
+def adapter_delta(runner, prompt, adapter: str) -> float:
+    """The largest change ``adapter`` makes to ``prompt``'s extend logits."""
+    base = extend(runner, ["delta-base"], [prompt]).logits
+    runner.kv.free("delta-base")
+    adapted = extend(runner, ["delta-lora"], [prompt], [adapter]).logits
+    runner.kv.free("delta-lora")
+    return float((adapted - base).abs().max())
+
+
 @dataclass
 class Finished:
     tokens: list[int]
@@ -193,7 +228,9 @@ class Finished:
     error: object | None
 
 
-def run_engine(config: RuntimeConfig, runner, requests, *, timeout_s: float = 300.0) -> tuple[dict[str, Finished], object]:
+def run_engine(
+    config: RuntimeConfig, runner, requests, *, timeout_s: float = 300.0
+) -> tuple[dict[str, Finished], object]:
     """Serve ``requests`` (``(rid, prompt_ids, SamplingParams, adapter)``) through a real engine
     over ``runner``; returns every request's output and the engine (stopped)."""
     import threading
@@ -223,7 +260,9 @@ def run_engine(config: RuntimeConfig, runner, requests, *, timeout_s: float = 30
     engine.start()
     try:
         for rid, prompt, params, adapter in requests:
-            engine.submit(Request(rid=rid, prompt_ids=list(prompt), params=params, adapter=adapter, sink=sink_for(rid)))
+            engine.submit(
+                Request(rid=rid, prompt_ids=list(prompt), params=params, adapter=adapter, sink=sink_for(rid))
+            )
         assert done.wait(timeout_s), f"requests still pending: {sorted(pending)}"
     finally:
         engine.shutdown(drain_timeout_s=1.0)

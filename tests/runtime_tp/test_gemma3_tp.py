@@ -22,7 +22,7 @@ from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelL
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_gemma3 import SMALL
-from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
 
 VOCAB = 509
 HEAD_DIM = 24  # q/k/v are 96 / 48 / 48 wide over a 64-wide residual stream
@@ -57,12 +57,6 @@ def pair(request, gemma_tp):
         yield Pair(tp=runner, ref=ref, handle=handle)
 
 
-def _free(pair: Pair, rids) -> None:
-    for rid in rids:
-        pair.tp.kv.free(rid)
-        pair.ref.kv.free(rid)
-
-
 def test_every_mode_matches_one_device(pair):
     """Extend (every position; the embedding stream and a sliding and a global layer's
     outputs), two decodes, a verify, a rejected-draft truncation and a decode after it, with
@@ -82,7 +76,7 @@ def test_every_mode_matches_one_device(pair):
         pair.tp.kv.truncate(rid, rejected)
         pair.ref.kv.truncate(rid, rejected)
     both(pair, decode, rids, torch.randint(3, VOCAB, (3,), generator=gen), names)
-    _free(pair, rids)
+    pair.free(rids)
     assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
 
 
@@ -90,14 +84,10 @@ def test_every_mode_matches_one_device(pair):
 def test_greedy_generation_matches_one_device(pair, adapter):
     """Greedy tokens on two ranks equal one device's, well past the sliding window."""
     prompt = torch.tensor([2, 306, 395, 347, 486, 10, 308, 334])
-    tokens = {}
-    for key, runner in (("tp", pair.tp), ("ref", pair.ref)):
-        rid = f"greedy-{adapter}"
-        seq = [int(extend(runner, [rid], [prompt], [adapter]).logits[0].argmax())]
-        while len(seq) < 16:
-            seq.append(int(decode(runner, [rid], [seq[-1]], [adapter]).logits[0].argmax()))
-        runner.kv.free(rid)
-        tokens[key] = seq
+    tokens = {
+        key: greedy(runner, f"greedy-{adapter}", prompt, adapter, n=16)
+        for key, runner in (("tp", pair.tp), ("ref", pair.ref))
+    }
     assert tokens["tp"] == tokens["ref"]
     assert len(set(tokens["tp"])) > 1  # not a degenerate repeat that any model would match
 
@@ -105,11 +95,7 @@ def test_greedy_generation_matches_one_device(pair, adapter):
 def test_adapter_changes_tp_output(pair):
     """Guards the oracle: the adapter moves the logits on two ranks."""
     prompt = torch.arange(5, 17)
-    base = extend(pair.tp, ["b"], [prompt]).logits
-    pair.tp.kv.free("b")
-    adapted = extend(pair.tp, ["a"], [prompt], ["all"]).logits
-    pair.tp.kv.free("a")
-    assert (adapted - base).abs().max() > 1e-2
+    assert adapter_delta(pair.tp, prompt, "all") > 1e-2
 
 
 def test_ranks_hold_shards(pair):

@@ -31,7 +31,7 @@ from loraserve.runtime.model.moe import SparseMoE
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_moe import SMALL, _fuse_experts, _per_expert_adapter
-from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERTS, HIDDEN = 4, 64
@@ -87,12 +87,6 @@ def pair(request, moe_assets):
         yield pair
 
 
-def _free(pair: Pair, rids) -> None:
-    for rid in rids:
-        pair.tp.kv.free(rid)
-        pair.ref.kv.free(rid)
-
-
 def test_every_mode_matches_one_device(pair):
     """Extend (every position, the hidden states of every layer), two decodes, a verify, a
     rejected-draft truncation and a decode after it; adapters and the base model in one batch."""
@@ -119,20 +113,16 @@ def test_every_mode_matches_one_device(pair):
         pair.tp.kv.truncate(rid, rejected)
         pair.ref.kv.truncate(rid, rejected)
     both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), names)
-    _free(pair, rids)
+    pair.free(rids)
 
 
 @pytest.mark.parametrize("adapter", [None, "all"])
 def test_greedy_generation_matches_one_device(pair, adapter):
     prompt = torch.randint(3, 512, (8,), generator=torch.Generator().manual_seed(2))
-    tokens = {}
-    for key, runner in (("tp", pair.tp), ("ref", pair.ref)):
-        rid = f"g-{adapter}"
-        seq = [int(extend(runner, [rid], [prompt], [adapter]).logits[0].argmax())]
-        while len(seq) < 16:
-            seq.append(int(decode(runner, [rid], [seq[-1]], [adapter]).logits[0].argmax()))
-        runner.kv.free(rid)
-        tokens[key] = seq
+    tokens = {
+        key: greedy(runner, f"g-{adapter}", prompt, adapter, n=16)
+        for key, runner in (("tp", pair.tp), ("ref", pair.ref))
+    }
     assert tokens["tp"] == tokens["ref"]
     assert len(set(tokens["tp"])) > 1  # not a degenerate repeat any model would match
 
@@ -140,12 +130,8 @@ def test_greedy_generation_matches_one_device(pair, adapter):
 def test_adapters_change_tp_output(pair):
     """Guards the oracle: each adapter moves the logits on two ranks."""
     prompt = torch.arange(5, 17)
-    base = extend(pair.tp, ["b"], [prompt]).logits
-    pair.tp.kv.free("b")
     for name in pair.assets.adapters:
-        adapted = extend(pair.tp, ["a"], [prompt], [name]).logits
-        pair.tp.kv.free("a")
-        assert (adapted - base).abs().max() > 1e-2, name
+        assert adapter_delta(pair.tp, prompt, name) > 1e-2, name
 
 
 def test_rank_holds_its_slice_of_every_expert(pair):
@@ -157,7 +143,7 @@ def test_rank_holds_its_slice_of_every_expert(pair):
     tp_hooks, ref_hooks = pair.tp.lora.pool.hooks, pair.ref.lora.pool.hooks
     names = list(pair.assets.adapters)
     both(pair, extend, names, [torch.arange(3, 7)] * len(names), names)  # every adapter in a slot
-    _free(pair, names)
+    pair.free(names)
     slot_of = dict(zip(names, pair.tp.lora.prepare_batch(names), strict=True))
     ref_slot = dict(zip(names, pair.ref.lora.prepare_batch(names), strict=True))
     sparse = [i for i, layer in enumerate(pair.tp.model.model.layers) if isinstance(layer.mlp, SparseMoE)]
@@ -211,7 +197,7 @@ def test_fused_path_on_rank_zero(pair):
         )
     finally:
         moe_kernels.set_path("auto")
-    _free(pair, rids)
+    pair.free(rids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
@@ -384,7 +370,11 @@ def test_speculation_on_ranks_is_lossless(pair, algorithm, tmp_path_factory):
     requests = []
     for i, name in enumerate(assets.names * 2):
         unit = torch.randint(3, 500, (3,), generator=gen)
-        prompt = unit.repeat(5)[: 6 + i].tolist() if i % 2 else torch.randint(3, 500, (6 + i,), generator=gen).tolist()
+        prompt = (
+            unit.repeat(5)[: 6 + i].tolist()
+            if i % 2
+            else torch.randint(3, 500, (6 + i,), generator=gen).tolist()
+        )
         requests.append((f"s{i}", prompt, SamplingParams(max_tokens=10, temperature=0.0), name))
     expected, _ = run_engine(tp_config(assets.model, 1, assets.adapters), pair.ref, requests)
     config = tp_config(assets.model, 2, assets.adapters).copy()

@@ -20,7 +20,7 @@ from loraserve.runtime.model.layers import Linear
 from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from loraserve.runtime.runner.model_runner import ModelRunner
 
-from .conftest import Pair, both, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
 
 START_ADAPTERS = ("attn-r8", "all-r16", "mlp-r4-rs", "emb-head")
 
@@ -30,7 +30,11 @@ def pair(tp_assets):
     adapters = {n: tp_assets.adapters[n] for n in START_ADAPTERS}
     # 3 slots for 4 (later 5) adapters: batches force evictions and re-placements.
     with tp_group(tp_config(tp_assets.gqa, 2, adapters, max_loras_per_batch=3)) as (handle, runner):
-        yield Pair(tp=runner, ref=ModelRunner(tp_config(tp_assets.gqa, 1, adapters, max_loras_per_batch=3)), handle=handle)
+        yield Pair(
+            tp=runner,
+            ref=ModelRunner(tp_config(tp_assets.gqa, 1, adapters, max_loras_per_batch=3)),
+            handle=handle,
+        )
 
 
 def test_mixed_adapters_match_one_device(pair, tp_assets):
@@ -39,7 +43,16 @@ def test_mixed_adapters_match_one_device(pair, tp_assets):
     rids = ["m0", "m1", "m2", "m3"]
     names = ["emb-head", None, "all-r16", "attn-r8"]  # 3 adapters + base: fills every slot
     prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 13, 6)]
-    out = both(pair, extend, rids, prompts, names, return_all_logits=True, return_hidden=True, hidden_layers=(0, 2, 3))
+    out = both(
+        pair,
+        extend,
+        rids,
+        prompts,
+        names,
+        return_all_logits=True,
+        return_hidden=True,
+        hidden_layers=(0, 2, 3),
+    )
     assert out.logits.shape == (32, 512)
     for _ in range(2):
         both(pair, decode, rids, torch.randint(3, 512, (4,), generator=gen), names)
@@ -50,35 +63,24 @@ def test_mixed_adapters_match_one_device(pair, tp_assets):
         pair.tp.kv.truncate(rid, rejected)
         pair.ref.kv.truncate(rid, rejected)
     both(pair, decode, rids, torch.randint(3, 512, (4,), generator=gen), names)
-    for rid in rids:
-        pair.tp.kv.free(rid)
-        pair.ref.kv.free(rid)
+    pair.free(rids)
     assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
 
 
 def test_adapters_change_tp_output(pair):
     """Guards the oracle: every adapter's logits differ from the base model's on two ranks."""
     prompt = torch.arange(5, 17)
-    base = extend(pair.tp, ["b"], [prompt]).logits
-    pair.tp.kv.free("b")
     for name in START_ADAPTERS:
-        adapted = extend(pair.tp, ["a"], [prompt], [name]).logits
-        pair.tp.kv.free("a")
-        assert (adapted - base).abs().max() > 1e-2, name
+        assert adapter_delta(pair.tp, prompt, name) > 1e-2, name
 
 
 @pytest.mark.parametrize("adapter", [None, "all-r16", "emb-head"])
 def test_greedy_generation_matches_one_device(pair, adapter):
     prompt = torch.tensor([1, 306, 395, 347, 486, 10, 308, 334])
-    tokens = {}
-    for key, runner in (("tp", pair.tp), ("ref", pair.ref)):
-        rid = f"g-{adapter}"
-        out = extend(runner, [rid], [prompt], [adapter])
-        seq = [int(out.logits[0].argmax())]
-        while len(seq) < 20:
-            seq.append(int(decode(runner, [rid], [seq[-1]], [adapter]).logits[0].argmax()))
-        runner.kv.free(rid)
-        tokens[key] = seq
+    tokens = {
+        key: greedy(runner, f"g-{adapter}", prompt, adapter, n=20)
+        for key, runner in (("tp", pair.tp), ("ref", pair.ref))
+    }
     assert tokens["tp"] == tokens["ref"]
 
 
@@ -147,7 +149,6 @@ def test_threaded_adapter_changes_agree(pair, tp_assets):
     for rid in ("z0", "z1", "z2"):
         pair.tp.kv.free(rid)
         pair.ref.kv.free(rid)
-
 
 
 def test_ranks_hold_shards(pair):
