@@ -90,9 +90,17 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (penalties, biases, a constraint,
         a ``min_tokens`` stop mask)."""
+        return bool(self.min_tokens) or self._processes_every_position
+
+    def processes_logits_after(self, num_output: int) -> bool:
+        """Whether the logits of any position after ``num_output`` generated tokens are
+        changed: the ``min_tokens`` mask no longer applies once that many are out."""
+        return num_output < self.min_tokens or self._processes_every_position
+
+    @property
+    def _processes_every_position(self) -> bool:
         return bool(
-            self.min_tokens
-            or self.presence_penalty
+            self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias

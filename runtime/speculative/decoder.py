@@ -274,10 +274,11 @@ class SpeculativeDecoder:
     def _tree_fits(self, requests: Sequence[Request]) -> bool:
         """Whether this step verifies a tree: an all-greedy batch (rejection sampling runs
         over chains) no larger than ``speculative.tree_max_batch_size`` (when set), where no
-        request processes its logits (a node's processing depends on its path: chains only)."""
+        request processes its logits (a node's processing depends on its path: chains only;
+        a ``min_tokens`` mask stops mattering once that many tokens are out)."""
         limit = self.tree_max_batch_size
         return (limit == 0 or len(requests) <= limit) and all(
-            r.params.greedy and not r.params.processes_logits for r in requests
+            r.params.greedy and not r.params.processes_logits_after(len(r.output_ids)) for r in requests
         )
 
     def _speculate_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[StepOutput]:

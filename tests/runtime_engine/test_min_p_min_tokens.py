@@ -165,6 +165,26 @@ def test_validation_names_the_field():
     assert SamplingParams(min_tokens=1).processes_logits and not SamplingParams(min_p=0.5).processes_logits
 
 
+def test_trees_return_once_min_tokens_are_out():
+    """A greedy request verifies chains while its min_tokens mask can still apply (a tree
+    node's processing would depend on its path), and trees again once min_tokens are out;
+    any other processing keeps it on chains for good."""
+    from types import SimpleNamespace
+
+    from loraserve.runtime.engine.request import Request
+    from loraserve.runtime.speculative.decoder import SpeculativeDecoder
+
+    def fits(params: SamplingParams, out: int) -> bool:
+        request = Request("r", [5, 6], params, output_ids=[7] * out)
+        return SpeculativeDecoder._tree_fits(SimpleNamespace(tree_max_batch_size=0), [request])
+
+    masked = SamplingParams(temperature=0.0, min_tokens=3)
+    assert [fits(masked, n) for n in (0, 2, 3, 9)] == [False, False, True, True]
+    biased = replace(masked, logit_bias=((4, 1.0),))
+    assert not fits(biased, 9)
+    assert fits(SamplingParams(temperature=0.0), 0)
+
+
 # --------------------------------------------------------------------------- the engine
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: n-gram drafts match
