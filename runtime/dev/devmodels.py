@@ -64,7 +64,18 @@ _CORPUS_MODULES = (
     "calendar.py",
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3", "phi3")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+)
 
 ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -144,6 +155,25 @@ def copy_tokenizer(src_dir: str | Path, dest: str | Path) -> None:
         raise FileNotFoundError(f"{src_dir} has no tokenizer.json to share")
 
 
+def _gemma2_config(kwargs: dict, extra: dict):
+    """A tiny Gemma 2 config: one rope (as given) for every layer, a window of 4, alternating
+    sliding / global layers and transformers' caps (attention 50, logits 30) unless ``extra``
+    (the ``moe`` argument, reused for Gemma's fields) says otherwise."""
+    import transformers
+
+    layers = kwargs["num_hidden_layers"]
+    head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    fields = {
+        "sliding_window": 4,
+        "query_pre_attn_scalar": head_dim,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        **extra,
+    }
+    config = transformers.Gemma2Config(**kwargs, **fields)
+    config.architectures = ["Gemma2ForCausalLM"]
+    return config, transformers.Gemma2ForCausalLM
+
+
 def _gemma3_config(kwargs: dict, rope: dict, extra: dict):
     """A tiny Gemma 3 (text) config: global rope as given, local rope at Gemma's 10000, a
     window of 4 and alternating sliding / global layers unless ``extra`` (the ``moe`` argument,
@@ -213,6 +243,8 @@ def _model_config(
         return transformers.Qwen2Config(use_sliding_window=False, **kwargs), transformers.Qwen2ForCausalLM
     if architecture == "qwen3":
         return transformers.Qwen3Config(use_sliding_window=False, **kwargs), transformers.Qwen3ForCausalLM
+    if architecture == "gemma2":
+        return _gemma2_config(kwargs, moe or {})
     if architecture == "gemma3":
         return _gemma3_config(kwargs, rope, moe or {})
     if architecture == "phi3":  # ``moe``: Phi-3's own fields (partial_rotary_factor, sliding_window, ...)
@@ -273,7 +305,7 @@ def build_tiny_model(
     ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k norms), the mixture-of-experts
     ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` (``moe``: expert config fields over :data:`MOE_DEFAULTS`,
     Qwen2-MoE's ``shared_expert_intermediate_size`` defaulting to ``intermediate_size``;
-    transformers saves experts per expert, as published checkpoints hold them), ``gemma3`` or
+    transformers saves experts per expert, as published checkpoints hold them), ``gemma2``, ``gemma3`` or
     ``phi3`` (fused qkv_proj / gate_up_proj tensors; ``moe`` passes Gemma's and Phi-3's own
     config fields, e.g. ``partial_rotary_factor``). ``rope_scaling`` takes a transformers rope dict, e.g.
     ``{"rope_type": "llama3", "factor": 8.0, ...}``. ``tokenizer_from`` copies another
@@ -311,7 +343,7 @@ def build_tiny_model(
             # Zero-initialised biases and unit norm weights would leave those paths untested.
             if architecture == "qwen2" and name.endswith("bias"):
                 torch.nn.init.normal_(param, std=initializer_range)
-            elif architecture == "gemma3" and name.endswith("norm.weight"):  # Gemma scales by 1 + w
+            elif architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # scaled by 1 + w
                 torch.nn.init.normal_(param, std=4 * initializer_range)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 torch.nn.init.normal_(param, mean=1.0, std=4 * initializer_range)

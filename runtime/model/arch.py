@@ -21,7 +21,7 @@ import torch
 
 from ..contract.errors import ModelConfigError
 from ..contract.policy.families import ARCHITECTURE_FAMILIES, MOE_FAMILIES
-from .gemma3_config import GemmaSpec, gemma_spec
+from .gemma3_config import GEMMA_FAMILIES, GemmaSpec, gemma_spec
 
 # The families served are the policy's table (the start-up check and admission judge it too).
 SUPPORTED_ARCHITECTURES = ARCHITECTURE_FAMILIES
@@ -91,7 +91,7 @@ class ModelArchConfig:
     """Everything the layers need to know about a model, independent of the tokenizer."""
 
     architecture: str  # e.g. LlamaForCausalLM
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | qwen2_moe | mixtral | gemma3 | phi3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | qwen2_moe | mixtral | gemma2 | gemma3 | phi3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -110,7 +110,7 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3)
     moe: MoESpec | None = None  # the sparse MLP of MoE families; None: every MLP is dense
-    gemma: GemmaSpec | None = None  # Gemma 3's layer pattern, second rope and scalings
+    gemma: GemmaSpec | None = None  # Gemma 2/3's layer pattern, ropes, caps and scalings
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -287,16 +287,16 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         )
     head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
     act = raw.get("hidden_act", "silu")
-    if family == "gemma3":  # Gemma's GELU (tanh approximation), under its own key
+    if family in GEMMA_FAMILIES:  # Gemma's GELU (tanh approximation), under its own key
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ModelConfigError(f"config.json hidden_activation {act!r} is not served for Gemma 3")
+            raise ModelConfigError(f"config.json hidden_activation {act!r} is not served for Gemma")
     elif act not in ("silu", "swish"):
         raise ModelConfigError(f"config.json hidden_act {act!r} is not supported: Llama-family models use silu")
     sliding = raw.get("sliding_window")
     if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
         sliding = None
-    if family == "gemma3":
+    if family in GEMMA_FAMILIES:
         sliding = None  # per layer: arch.gemma.sliding_layers
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -327,7 +327,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         hidden_act=act,
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         moe=moe_spec(raw, family),
-        gemma=gemma_spec(raw, raw["num_hidden_layers"]) if family == "gemma3" else None,
+        gemma=gemma_spec(raw, raw["num_hidden_layers"], family) if family in GEMMA_FAMILIES else None,
         torch_dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype"), torch.float32),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -343,11 +343,11 @@ def _qkv_bias(raw: dict, family: str) -> bool:
 
 
 def _check_rotary_dim(rope: RopeSpec, head_dim: int, family: str) -> None:
-    """A rotary fraction of each head: an even number of dims, at least two; not on Gemma 3."""
+    """A rotary fraction of each head: an even number of dims, at least two; not on Gemma."""
     if rope.partial_rotary_factor == 1.0:
         return
-    if family == "gemma3":
-        raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported for Gemma 3")
+    if family in GEMMA_FAMILIES:
+        raise ModelConfigError("config.json partial_rotary_factor != 1 is not supported for Gemma")
     dim = rope.rotary_dim(head_dim)
     if not 0 < rope.partial_rotary_factor <= 1 or dim < 2 or dim % 2:
         raise ModelConfigError(

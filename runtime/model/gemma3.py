@@ -10,6 +10,10 @@
   base; global layers see the whole context with the config's rope;
 - logits are soft-capped when ``final_logit_softcapping`` is set.
 
+Gemma 2 (``Gemma2ForCausalLM``, ``arch.family == "gemma2"``) is built from the same classes:
+no q/k head norms, one rope base for every layer, and attention scores soft-capped
+(``attn_logit_softcapping``) before the mask, in the SDPA and the paged paths alike.
+
 Module names are the Llama layers' (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``), so adapters attach as on any Llama-family model. The KV cache keeps every
 position of a sliding layer; the window is a mask (SDPA) or the paged kernel's window.
@@ -92,7 +96,8 @@ def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
 
 
 class GemmaAttention(LlamaAttention):
-    """Llama attention with Gemma's head norms, score scale and (sliding layers) window.
+    """Llama attention with Gemma's head norms (Gemma 3), score scale, score cap (Gemma 2)
+    and (sliding layers) window.
 
     Sharded, this rank's heads only; the head norms (``head_dim`` wide) are whole."""
 
@@ -109,9 +114,11 @@ class GemmaAttention(LlamaAttention):
     ):
         super().__init__(arch, rotary, dtype=dtype, device=device, shard=shard, group=group)
         assert arch.gemma is not None
-        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+        if arch.gemma.head_norms:  # applied by LlamaAttention where arch.qk_norm (Gemma 3)
+            self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype, device=device)
         self.attn.scale = arch.gemma.query_pre_attn_scalar**-0.5
+        self.attn.softcap = arch.gemma.attn_softcap
         self.window = window
 
     def forward(
@@ -156,8 +163,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's decoder in the Llama model's frame: the same embedding, head, adapter hooks
-    and weight loading; Gemma's layers, final norm, embedding scale and logit cap."""
+    """Gemma 3's (or Gemma 2's) decoder in the Llama model's frame: the same embedding, head,
+    adapter hooks and weight loading; Gemma's layers, final norm, embedding scale and logit cap."""
 
     def __init__(
         self,
@@ -181,16 +188,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.arch = arch
         gemma: GemmaSpec | None = arch.gemma
         if gemma is None:
-            raise ValueError(f"{arch.architecture} has no Gemma 3 config")
-        local = RotaryEmbedding(
-            RopeSpec(theta=gemma.local_rope_theta),
-            arch.head_dim,
-            max_positions,
-            arch.max_position_embeddings,
-            dtype=dtype,
-            device=device,
-        )
-        self.model.local_rotary = local
+            raise ValueError(f"{arch.architecture} has no Gemma config")
+        if gemma.local_rope_theta is None:  # Gemma 2: one rope for every layer
+            local = self.model.rotary
+        else:
+            local = RotaryEmbedding(
+                RopeSpec(theta=gemma.local_rope_theta),
+                arch.head_dim,
+                max_positions,
+                arch.max_position_embeddings,
+                dtype=dtype,
+                device=device,
+            )
+            self.model.local_rotary = local
         self.model.layers = nn.ModuleList(
             [
                 Gemma3DecoderLayer(

@@ -1,4 +1,5 @@
-"""The Triton paged attention (decode and target-verify) against the SDPA path.
+"""The Triton paged attention (decode and target-verify) against the SDPA path, and both
+against a float64 reference with soft-capped scores (Gemma 2).
 
 Both paths run through the same :class:`Attention` layer on copies of one random paged
 cache: the SDPA path gathers each request's context and masks it, the kernel reads the
@@ -300,3 +301,86 @@ def test_auto_takes_the_paged_kernel_on_cuda_only(monkeypatch):
     monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
     assert attention.resolve_attention_backend("auto", torch.device("cuda", 0)) == "sdpa"
     check_attention_backend("auto", torch.device("cpu"))
+
+
+def _capped_reference(case, *, width, heads, kv_heads, head_dim, scale, softcap, window=None, ancestors=None):
+    """Soft-capped attention in float64, one request at a time: scores ``c * tanh(s / c)``,
+    then the causal (or tree) mask and the window, softmax, values. ``[bs * width, heads * hd]``."""
+    k_cache, v_cache, table, rows, prefixes, out_loc, q, k, v = case
+    k_cache, v_cache = k_cache.double().clone(), v_cache.double().clone()
+    k_cache[out_loc] = k.double().view(-1, kv_heads, head_dim)
+    v_cache[out_loc] = v.double().view(-1, kv_heads, head_dim)
+    g = heads // kv_heads
+    outs = []
+    for b, p in enumerate(prefixes.tolist()):
+        slots = table[int(rows[b]), : p + width]
+        keys = k_cache[slots].repeat_interleave(g, dim=1)  # [n, heads, hd]
+        values = v_cache[slots].repeat_interleave(g, dim=1)
+        qb = q.double().view(-1, width, heads, head_dim)[b]  # [width, heads, hd]
+        s = torch.einsum("qhd,khd->hqk", qb, keys) * scale
+        s = torch.tanh(s / softcap) * softcap
+        key = torch.arange(p + width)
+        if ancestors is None:
+            q_pos = p + torch.arange(width)
+            allowed = key[None, :] <= q_pos[:, None]
+        else:
+            node = (key - p).clamp(min=0)
+            q_pos = p + torch.arange(width)  # unused by trees (no window there)
+            allowed = (key[None, :] < p) | ancestors[b][:, node]
+        if window is not None:
+            allowed &= key[None, :] > q_pos[:, None] - window
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), values)
+        outs.append(out.reshape(width, heads * head_dim))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize(
+    ("prefixes", "width", "window"),
+    [
+        pytest.param([5, 130], 1, None, id="decode"),
+        pytest.param([0, 70], 6, None, id="verify6-and-extend-from-0"),
+        pytest.param([150, 20], 3, 40, id="verify3-window"),
+    ],
+)
+def test_softcap_matches_float64_reference(gen, backend, prefixes, width, window):
+    """Scores capped at ``c * tanh(s / c)`` before the mask, in the SDPA path and the paged
+    kernel alike; a cap this small bends them: the uncapped outputs are far off."""
+    shape = dict(width=width, heads=4, kv_heads=2, head_dim=16)
+    case = _case(gen, prefixes=prefixes, dtype=torch.float32, context_cap=256, **shape)
+    ref = _capped_reference(case, scale=0.25, softcap=1.0, window=window, **shape)
+    k_cache, v_cache, table, rows, prefix_lens, out_loc, q, k, v = (t.to(DEVICE) for t in case)
+    meta = build_attention_metadata(
+        req_to_token=table, rows=rows, prefix_lens=prefix_lens, out_cache_loc=out_loc, max_q=width,
+        max_ctx=256, groups=2, sliding_window=window, backend=backend,
+    )  # fmt: skip
+    assert (meta.paged is not None) == (backend == "triton")
+    attn = Attention(4, 2, 16)
+    attn.scale, attn.softcap = 0.25, 1.0
+    got = attn(q, k, v, k_cache.clone(), v_cache.clone(), meta).double().cpu()
+    assert ((got - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+    attn.softcap = None
+    plain = attn(q, k, v, k_cache.clone(), v_cache.clone(), meta).double().cpu()
+    assert ((plain - ref).norm() / ref.norm()).item() > 100 * TOL[torch.float32]
+
+
+def test_softcap_tree_verify_matches_float64_reference(gen):
+    """A draft tree's verify through the paged kernel, scores capped before the tree mask."""
+    prefixes, width, heads, kv_heads, head_dim = [4, 90], 7, 4, 2, 16
+    case = _case(gen, prefixes=prefixes, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                 dtype=torch.float32, context_cap=256)  # fmt: skip
+    depths, ancestors = _random_tree(gen, len(prefixes), width)
+    ref = _capped_reference(case, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            scale=0.25, softcap=1.0, ancestors=ancestors)  # fmt: skip
+    k_cache, v_cache, table, rows, prefix_lens, out_loc, q, k, v = (t.to(DEVICE) for t in case)
+    meta = build_attention_metadata(
+        req_to_token=table, rows=rows, prefix_lens=prefix_lens, out_cache_loc=out_loc, max_q=width,
+        max_ctx=256, groups=heads // kv_heads, backend="triton",
+        tree_depths=depths.to(DEVICE), tree_ancestors=ancestors.to(DEVICE),
+    )  # fmt: skip
+    assert meta.paged is not None
+    attn = Attention(heads, kv_heads, head_dim)
+    attn.scale, attn.softcap = 0.25, 1.0
+    got = attn(q, k, v, k_cache.clone(), v_cache.clone(), meta).double().cpu()
+    assert ((got - ref).norm() / ref.norm()).item() < TOL[torch.float32]

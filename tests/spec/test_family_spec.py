@@ -7,6 +7,8 @@ family has, batched.
   cap): n-gram, a Gemma 3 STANDALONE draft, EAGLE, EAGLE3 and DFLASH. The EAGLE/DFLASH drafts
   read the target's unscaled token embedding, as published EAGLE3 heads for Gemma do (vLLM's
   ``llama_eagle3.py`` embeds without Gemma's scale); that choice moves acceptance only.
+- Gemma 2 (no head norms, one rope base, attention scores soft-capped at 2.0 so the cap bends
+  them, sliding and global layers, a final logit cap): n-gram and EAGLE3.
 - Qwen3-MoE: n-gram, a dense Qwen3 STANDALONE draft and an MoE one (the target itself), EAGLE,
   EAGLE3 and DFLASH (``policy.families.MOE_SPEC_ALGORITHMS``); Mixtral: n-gram and STANDALONE.
 - Phi-4-mini-like Phi-3 (fused checkpoint tensors, three quarters of each head rotating, LongRoPE
@@ -53,6 +55,15 @@ GEMMA = {
     "rope_theta": 1e6,
     "moe": {"query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0},
 }
+GEMMA2 = {
+    "architecture": "gemma2",
+    "num_layers": 4,  # sliding, global, sliding, global; one rope base
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.1,  # scores large enough for the cap to bend them
+    "moe": {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0},
+}
 _FACTORS = torch.Generator().manual_seed(5)
 PHI4 = {
     "architecture": "phi3",
@@ -68,6 +79,7 @@ PHI4 = {
 FAMILIES = {
     "qwen3": Family({"architecture": "qwen3", "head_dim": 32}, ALL_LINEAR_MODULES, "qwen3"),
     "gemma3": Family(GEMMA, ALL_LINEAR_MODULES, "gemma3"),
+    "gemma2": Family(GEMMA2, ALL_LINEAR_MODULES, "gemma2"),
     "qwen3_moe": Family(
         {"architecture": "qwen3_moe", "head_dim": 16, "moe": {"norm_topk_prob": True}},
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"),
@@ -93,6 +105,8 @@ CASES = [
     ("gemma3", "EAGLE", "eagle"),
     ("gemma3", "EAGLE3", "eagle3"),
     ("gemma3", "DFLASH", "dflash"),
+    ("gemma2", "NGRAM", None),
+    ("gemma2", "EAGLE3", "eagle3"),
     ("qwen3_moe", "NGRAM", None),
     ("qwen3_moe", "STANDALONE", "small"),
     ("qwen3_moe", "STANDALONE", "copy"),  # an MoE draft: the target itself, accepted where unadapted

@@ -220,6 +220,8 @@ class Attention(nn.Module):
         self.groups = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Set: scaled scores are soft-capped, ``c * tanh(s / c)``, before the mask (Gemma 2).
+        self.softcap: float | None = None
 
     def forward(
         self,
@@ -242,8 +244,9 @@ class Attention(nn.Module):
         if meta.paged is not None:
             from .paged_attention import paged_attention
 
+            q_heads = q.view(tokens, kvh * g, hd)
             return paged_attention(
-                q.view(tokens, kvh * g, hd), k_cache, v_cache, meta.paged, scale=self.scale
+                q_heads, k_cache, v_cache, meta.paged, scale=self.scale, softcap=self.softcap
             )
         assert meta.kv_indices is not None and meta.mask is not None
         keys = k_cache[meta.kv_indices].to(q.dtype).transpose(1, 2)  # [bs, kvh, ctx, hd]
@@ -254,7 +257,9 @@ class Attention(nn.Module):
             padded.index_copy_(0, meta.q_dest, qh)
             qh = padded
         qh = qh.view(bs, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, kvh, g * max_q, hd)
-        if qh.is_cuda:
+        if self.softcap is not None:
+            out = capped_attention(qh, keys, values, meta.mask, scale=self.scale, softcap=self.softcap)
+        elif qh.is_cuda:
             # Never cuDNN attention: its per-call host planning dwarfs its device time in
             # eager steps, and a backend chosen only inside capture would build its plan
             # there, after warm-ups that ran another backend; that capture fails. One set of
@@ -267,6 +272,20 @@ class Attention(nn.Module):
         if meta.q_dest is not None:
             out = out.index_select(0, meta.q_dest)
         return out
+
+
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float, softcap: float
+) -> torch.Tensor:
+    """SDPA's attention with soft-capped scores, which SDPA has no option for: scores
+    ``c * tanh(scale * q·k / c)``, then the mask, softmax in float32, and the values.
+    ``q`` ``[bs, kvh, rows, hd]``, ``k``/``v`` ``[bs, kvh, ctx, hd]``, ``mask`` ``[bs, 1, rows,
+    ctx]``; a row with no visible key gets zeros (SDPA's rows there are dropped anyway)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def tree_attention_mask(

@@ -10,7 +10,8 @@ Flash-decoding: the context of a (request, KV head) pair is cut into ``splits`` 
 one program each, so a batch of one still fills the GPU. A program holds every query row
 that shares its KV head (``groups`` heads × ``width`` verify positions), runs an online
 softmax over its range and writes a normalised partial output and its log-sum-exp; a
-second kernel weighs the partials by their sums. Masking is causal by position (query
+second kernel weighs the partials by their sums. Scores may be soft-capped first
+(``softcap * tanh(s / softcap)``, Gemma 2). Masking is causal by position (query
 ``j`` of a request sits at ``prefix + j``), with an optional sliding window; for a draft
 tree's verify (``tree_ancestors``), query ``j`` sees the whole prefix and, of the block's
 own keys, its ancestors and itself.
@@ -95,6 +96,7 @@ def _split_kernel(
     part_lse_ptr,
     anc_ptr,
     scale,
+    softcap,
     window,
     table_width,
     head_dim,
@@ -109,6 +111,7 @@ def _split_kernel(
     GROUPS: tl.constexpr,
     SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     TREE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -168,6 +171,11 @@ def _split_kernel(
         else:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if HAS_SOFTCAP:
+            # c * tanh(s / c), before the mask, from exp(-2|s| / c) <= 1: no overflow.
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            th = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0, -th, th)
         if TREE:
             # The block's keys sit at prefix + node; a node sees its ancestors among them.
             node = offs_n - prefix
@@ -255,10 +263,12 @@ def paged_attention(
     inputs: PagedAttentionInputs,
     *,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[bs * width, heads, head_dim]``) over each request's cached
     keys, its new ones included (already written to the cache). Returns ``[bs * width,
-    heads * head_dim]`` in ``q``'s dtype."""
+    heads * head_dim]`` in ``q``'s dtype. ``softcap`` (None or 0: off): the scaled scores
+    become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2)."""
     tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_dim = k_cache.shape
     width = inputs.width
@@ -305,6 +315,7 @@ def paged_attention(
         part_lse,
         part_lse if ancestors is None else ancestors,  # any pointer when TREE is off
         float(scale),
+        float(softcap or 0.0),
         int(window or 0),
         table.shape[1],
         head_dim,
@@ -319,6 +330,7 @@ def paged_attention(
         GROUPS=groups,
         SPLITS=splits,
         HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=bool(softcap),
         TREE=ancestors is not None,
         # The interpreter's dot reads bf16 as raw integers, and fp32 caches want exact dots.
         UPCAST=interpreted or q.dtype == torch.float32,
