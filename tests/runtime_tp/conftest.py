@@ -203,6 +203,40 @@ def verify(runner, rids, blocks, names=None, **kw):
     return runner.forward(batch)
 
 
+def every_mode(
+    pair: Pair,
+    names: list[str | None],
+    lengths: tuple[int, ...],
+    rejected: tuple[int, ...],
+    *,
+    vocab: int = 512,
+    hidden_layers: tuple[int, ...] | None = None,
+):
+    """The sequence every two-rank oracle runs, each step held to one device by :func:`both`:
+    an extend of one prompt of each of ``lengths`` (every position's logits, and the hidden
+    states of ``hidden_layers`` when given), two decodes, a verify of 4 tokens per request,
+    ``rejected`` tokens dropped per request (as the speculative decoder drops rejected
+    drafts, so both caches must stay in step) and a decode after it; request ``i`` runs
+    under ``names[i]`` (None: the base model). Tokens are drawn below ``vocab``. Both
+    caches are freed and left with the same free tokens; returns the extend's output."""
+    gen = torch.Generator().manual_seed(0)
+    rids = [f"m{i}" for i in range(len(lengths))]
+    hidden = {} if hidden_layers is None else {"return_hidden": True, "hidden_layers": hidden_layers}
+    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+    out = both(pair, extend, rids, prompts, names, return_all_logits=True, **hidden)
+    for _ in range(2):
+        both(pair, decode, rids, torch.randint(3, vocab, (len(rids),), generator=gen), names)
+    blocks = [torch.randint(3, vocab, (4,), generator=gen) for _ in rids]
+    both(pair, verify, rids, blocks, names, return_hidden=hidden_layers is not None)
+    for rid, dropped in zip(rids, rejected, strict=True):
+        pair.tp.kv.truncate(rid, dropped)
+        pair.ref.kv.truncate(rid, dropped)
+    both(pair, decode, rids, torch.randint(3, vocab, (len(rids),), generator=gen), names)
+    pair.free(rids)
+    assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
+    return out
+
+
 def greedy(runner, rid: str, prompt, adapter: str | None = None, n: int = 16) -> list[int]:
     """``n`` greedy tokens after ``prompt`` under ``adapter`` (the request freed after)."""
     seq = [int(extend(runner, [rid], [prompt], [adapter]).logits[0].argmax())]

@@ -22,7 +22,7 @@ from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelL
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_gemma3 import SMALL
-from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, every_mode, greedy, tp_config, tp_group
 
 VOCAB = 509
 HEAD_DIM = 24  # q/k/v are 96 / 48 / 48 wide over a 64-wide residual stream
@@ -61,23 +61,9 @@ def test_every_mode_matches_one_device(pair):
     """Extend (every position; the embedding stream and a sliding and a global layer's
     outputs), two decodes, a verify, a rejected-draft truncation and a decode after it, with
     the adapter and the base model in one batch."""
-    gen = torch.Generator().manual_seed(0)
-    rids, names = ["g0", "g1", "g2"], ["all", None, "all"]
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (9, 3, 13)]
-    hidden = {"return_hidden": True, "hidden_layers": (0, 1, 2)}
-    out = both(pair, extend, rids, prompts, names, return_all_logits=True, **hidden)
+    out = every_mode(pair, ["all", None, "all"], (9, 3, 13), (2, 0, 3), vocab=VOCAB, hidden_layers=(0, 1, 2))
     assert out.logits.shape == (25, VOCAB)
     assert out.logits.abs().max() <= SOFTCAP  # capped once, after the gather
-    for _ in range(2):
-        both(pair, decode, rids, torch.randint(3, VOCAB, (3,), generator=gen), names)
-    blocks = [torch.randint(3, VOCAB, (4,), generator=gen) for _ in rids]
-    both(pair, verify, rids, blocks, names, return_hidden=True)
-    for rid, rejected in zip(rids, (2, 0, 3), strict=True):
-        pair.tp.kv.truncate(rid, rejected)
-        pair.ref.kv.truncate(rid, rejected)
-    both(pair, decode, rids, torch.randint(3, VOCAB, (3,), generator=gen), names)
-    pair.free(rids)
-    assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
 
 
 @pytest.mark.parametrize("adapter", [None, "all"])

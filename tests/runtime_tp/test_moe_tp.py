@@ -31,7 +31,7 @@ from loraserve.runtime.model.moe import SparseMoE
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_moe import SMALL, _fuse_experts, _per_expert_adapter
-from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, decode, every_mode, extend, greedy, tp_config, tp_group
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERTS, HIDDEN = 4, 64
@@ -90,30 +90,8 @@ def pair(request, moe_assets):
 def test_every_mode_matches_one_device(pair):
     """Extend (every position, the hidden states of every layer), two decodes, a verify, a
     rejected-draft truncation and a decode after it; adapters and the base model in one batch."""
-    names = pair.assets.names
-    gen = torch.Generator().manual_seed(0)
-    rids = ["m0", "m1", "m2"]
-    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 13)]
-    out = both(
-        pair,
-        extend,
-        rids,
-        prompts,
-        names,
-        return_all_logits=True,
-        return_hidden=True,
-        hidden_layers=(1, 2, 3),
-    )
+    out = every_mode(pair, pair.assets.names, (9, 4, 13), (2, 0, 3), hidden_layers=(1, 2, 3))
     assert out.logits.shape == (26, 512)
-    for _ in range(2):
-        both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), names)
-    blocks = [torch.randint(3, 512, (4,), generator=gen) for _ in rids]
-    both(pair, verify, rids, blocks, names, return_hidden=True)
-    for rid, rejected in zip(rids, (2, 0, 3), strict=True):
-        pair.tp.kv.truncate(rid, rejected)
-        pair.ref.kv.truncate(rid, rejected)
-    both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), names)
-    pair.free(rids)
 
 
 @pytest.mark.parametrize("adapter", [None, "all"])

@@ -20,7 +20,7 @@ from loraserve.runtime.model.layers import Linear
 from loraserve.runtime.model.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from loraserve.runtime.runner.model_runner import ModelRunner
 
-from .conftest import Pair, adapter_delta, both, decode, extend, greedy, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, decode, every_mode, extend, greedy, tp_config, tp_group
 
 START_ADAPTERS = ("attn-r8", "all-r16", "mlp-r4-rs", "emb-head")
 
@@ -39,32 +39,10 @@ def pair(tp_assets):
 
 def test_mixed_adapters_match_one_device(pair, tp_assets):
     """Every mode with mixed adapters matches one device."""
-    gen = torch.Generator().manual_seed(0)
-    rids = ["m0", "m1", "m2", "m3"]
-    names = ["emb-head", None, "all-r16", "attn-r8"]  # 3 adapters + base: fills every slot
-    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 13, 6)]
-    out = both(
-        pair,
-        extend,
-        rids,
-        prompts,
-        names,
-        return_all_logits=True,
-        return_hidden=True,
-        hidden_layers=(0, 2, 3),
-    )
+    # 3 adapters + base: fills every slot
+    names = ["emb-head", None, "all-r16", "attn-r8"]
+    out = every_mode(pair, names, (9, 4, 13, 6), (3, 0, 1, 2), hidden_layers=(0, 2, 3))
     assert out.logits.shape == (32, 512)
-    for _ in range(2):
-        both(pair, decode, rids, torch.randint(3, 512, (4,), generator=gen), names)
-    blocks = [torch.randint(3, 512, (4,), generator=gen) for _ in rids]
-    both(pair, verify, rids, blocks, names, return_hidden=True)
-    # The speculative decoder drops rejected tokens: both caches must stay in step.
-    for rid, rejected in zip(rids, (3, 0, 1, 2), strict=True):
-        pair.tp.kv.truncate(rid, rejected)
-        pair.ref.kv.truncate(rid, rejected)
-    both(pair, decode, rids, torch.randint(3, 512, (4,), generator=gen), names)
-    pair.free(rids)
-    assert pair.tp.kv.num_free_tokens == pair.ref.kv.num_free_tokens
 
 
 def test_adapters_change_tp_output(pair):

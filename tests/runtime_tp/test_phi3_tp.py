@@ -17,7 +17,7 @@ from loraserve.runtime.dev.devmodels import PHI3_LINEAR_MODULES, build_adapter, 
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_phi3 import MODELS, ORIGINAL
-from .conftest import Pair, adapter_delta, both, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, every_mode, tp_config, tp_group
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +37,8 @@ def pair(tmp_path_factory):
 def test_every_mode_matches_one_device(pair):
     """Extend (every position), two decodes, a verify, a rejected-draft truncation and a decode
     after it, the adapter and the base model in one batch."""
-    gen = torch.Generator().manual_seed(0)
-    rids, names = ["p0", "p1", "p2"], ["all", None, "all"]
-    prompts = [torch.randint(3, 500, (n,), generator=gen) for n in (9, 3, 13)]
-    out = both(
-        pair, extend, rids, prompts, names, return_all_logits=True, return_hidden=True, hidden_layers=(0, 1)
-    )
+    out = every_mode(pair, ["all", None, "all"], (9, 3, 13), (2, 0, 3), vocab=500, hidden_layers=(0, 1))
     assert out.logits.shape[0] == 25
-    for _ in range(2):
-        both(pair, decode, rids, torch.randint(3, 500, (3,), generator=gen), names)
-    both(pair, verify, rids, [torch.randint(3, 500, (4,), generator=gen) for _ in rids], names)
-    for rid, rejected in zip(rids, (2, 0, 3), strict=True):
-        pair.tp.kv.truncate(rid, rejected)
-        pair.ref.kv.truncate(rid, rejected)
-    both(pair, decode, rids, torch.randint(3, 500, (3,), generator=gen), names)
-    pair.free(rids)
 
 
 def test_adapter_changes_tp_output(pair):

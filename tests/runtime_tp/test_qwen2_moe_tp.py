@@ -24,7 +24,7 @@ from loraserve.runtime.model.arch import load_arch_config
 from loraserve.runtime.runner.model_runner import ModelRunner
 
 from ..runtime_model.test_moe import SMALL
-from .conftest import Pair, adapter_delta, both, decode, extend, tp_config, tp_group, verify
+from .conftest import Pair, adapter_delta, both, every_mode, extend, tp_config, tp_group
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 SHARED_INTER, HIDDEN = 80, 64
@@ -58,34 +58,7 @@ def pair(assets):
 def test_every_mode_matches_one_device(pair):
     """Extend (every position, hidden states), two decodes, a verify, a rejected-draft
     truncation and a decode after it; the adapter and the base model in one batch."""
-    gen = torch.Generator().manual_seed(0)
-    rids = ["m0", "m1", "m2"]
-    prompts = [torch.randint(3, 512, (n,), generator=gen) for n in (9, 4, 13)]
-    both(
-        pair,
-        extend,
-        rids,
-        prompts,
-        NAMES,
-        return_all_logits=True,
-        return_hidden=True,
-        hidden_layers=(1, 2, 3),
-    )
-    for _ in range(2):
-        both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), NAMES)
-    both(
-        pair,
-        verify,
-        rids,
-        [torch.randint(3, 512, (4,), generator=gen) for _ in rids],
-        NAMES,
-        return_hidden=True,
-    )
-    for rid, rejected in zip(rids, (2, 0, 3), strict=True):
-        pair.tp.kv.truncate(rid, rejected)
-        pair.ref.kv.truncate(rid, rejected)
-    both(pair, decode, rids, torch.randint(3, 512, (3,), generator=gen), NAMES)
-    pair.free(rids)
+    every_mode(pair, NAMES, (9, 4, 13), (2, 0, 3), hidden_layers=(1, 2, 3))
 
 
 def test_adapter_changes_tp_output(pair):
