@@ -136,44 +136,9 @@ def _rope64(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor) -> t
     return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
 
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-)
-@pytest.mark.parametrize("head_dim", [64, 12])
-def test_rotary_kv_write(device, dtype, cache_dtype, head_dim):
-    """Rotated queries returned, rotated keys and values written at the slots (views of one
-    fused projection, slots in any order), every other cache row untouched."""
-    gen = torch.Generator().manual_seed(head_dim + 7)
-    tokens, heads, kv_heads, table, capacity = 9, 4, 2, 50, 20
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
-    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-    q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
-    angles = torch.rand(table, head_dim // 2, generator=gen) * 6
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device, dtype)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device, dtype)
-    positions = torch.randint(0, table, (tokens,), generator=gen).to(device)
-    slots = (torch.randperm(capacity - 1, generator=gen)[:tokens] + 1).to(device)
-    caches = torch.randn(2, capacity, kv_heads, head_dim, generator=gen).to(device, cache_dtype)
-    k_cache, v_cache = caches[0].clone(), caches[1].clone()
-    k_ref, v_ref = caches[0].clone(), caches[1].clone()
-    q_out = triton_ops.rotary_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
-    q_ref = reference.rotary_kv_write(positions, q, k, v, cos, sin, k_ref, v_ref, slots)
-    for out, ref in ((q_out, q_ref), (k_cache, k_ref)):
-        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
-        assert (out.float() - ref.float()).abs().max().item() <= 2 * ulp
-    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
-    others = torch.ones(capacity, dtype=torch.bool, device=device)
-    others[slots] = False
-    torch.testing.assert_close(k_cache[others], caches[0][others], rtol=0, atol=0)
-    tol = {torch.float32: 1e-6}.get(dtype, 2e-2)
-    assert _rel(q_out, _rope64(q, angles, positions)) < tol
-    assert _rel(k_cache[slots], _rope64(k, angles, positions)) < tol
-
-
 def _rope64_partial(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Partial RoPE in float64: the leading ``2 * angles.shape[-1]`` dims of each head rotate
-    (half-split within them, transformers' Phi-3 layout), the rest stay as they are."""
+    """RoPE in float64 on the leading ``2 * angles.shape[-1]`` dims of each head (half-split
+    within them, transformers' Phi-3 layout for a partial rotary); the rest stay as they are."""
     rot = 2 * angles.shape[-1]
     return torch.cat((_rope64(x[..., :rot], angles, positions), x[..., rot:].double()), dim=-1)
 
@@ -182,13 +147,15 @@ def _rope64_partial(x: torch.Tensor, angles: torch.Tensor, positions: torch.Tens
     ("dtype", "cache_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
 )
-@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 48), (12, 8), (16, 2)])
-def test_rotary_kv_write_partial(device, dtype, cache_dtype, head_dim, rotary_dim):
-    """Partial rotary (Phi-4-mini's 0.75 of a head, and narrower): the tables are ``rotary_dim``
-    wide, the leading dims rotate, the trailing dims of queries and keys reach the output and the
-    key cache unchanged; values whole."""
-    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
-    tokens, heads, kv_heads, table, capacity = 7, 4, 2, 40, 16
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (12, 12), (64, 48), (12, 8), (16, 2)])
+def test_rotary_kv_write(device, dtype, cache_dtype, head_dim, rotary_dim):
+    """Rotated queries returned, rotated keys and values written at the slots (views of one
+    fused projection, slots in any order), every other cache row untouched. A partial rotary
+    (Phi-4-mini's 0.75 of a head, and narrower): the tables are ``rotary_dim`` wide, the
+    leading dims rotate, the trailing dims of queries and keys reach the output and the key
+    cache unchanged; and the plain rotary op agrees with the fused write."""
+    gen = torch.Generator().manual_seed(head_dim + 7 if rotary_dim == head_dim else head_dim + rotary_dim)
+    tokens, heads, kv_heads, table, capacity = 9, 4, 2, 50, 20
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
     q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
     q, k = q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
@@ -218,7 +185,6 @@ def test_rotary_kv_write_partial(device, dtype, cache_dtype, head_dim, rotary_di
     tol = {torch.float32: 1e-6}.get(dtype, 2e-2)
     assert _rel(q_out, _rope64_partial(q, angles, positions)) < tol
     assert _rel(k_cache[slots], _rope64_partial(k, angles, positions)) < tol
-    # and the plain rotary op agrees with the fused write
     q_rot, k_rot = triton_ops.rotary(positions, q, k, cos, sin)
     torch.testing.assert_close(q_rot, q_out, rtol=0, atol=0)
     assert _rel(k_rot, _rope64_partial(k, angles, positions)) < tol
