@@ -34,7 +34,7 @@ def rotary(
     the leading ``R <= D`` dims of each head rotate, the rest pass through unchanged."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
-    return _rotate(q, c, s), _rotate(k, c, s)
+    return rotate(q, c, s), rotate(k, c, s)
 
 
 def rotary_kv_write(
@@ -57,10 +57,12 @@ def rotary_kv_write(
     return q_rot
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's half-split rotation of ``x`` ``[..., D]`` by ``cos`` / ``sin`` ``[..., R]``
+    (broadcast against ``x``; ``R <= D``): the leading ``R`` dims rotate, the rest pass through."""
     dim = cos.shape[-1]
     if dim < x.shape[-1]:
-        return torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+        return torch.cat((rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

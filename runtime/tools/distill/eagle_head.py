@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from loraserve.kernels.model_ops import reference as model_ops_reference
+
 
 @dataclass(frozen=True)
 class LayerDims:
@@ -40,11 +42,6 @@ class RopeFrequencies:
     scaling: float = 1.0
 
     @classmethod
-    def plain(cls, theta: float, head_dim: int) -> RopeFrequencies:
-        """Unscaled RoPE over the whole head with base ``theta``."""
-        return cls(1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-    @classmethod
     def of(cls, config, context_length: int | None = None) -> RopeFrequencies:
         """The rotation of the target whose Hugging Face ``config`` is given (its rope type and
         scaling, partial rotary factor), from the runtime's own rope code, so a draft trains
@@ -65,12 +62,9 @@ class RopeFrequencies:
         """``x`` ``[..., d]`` rotated to ``positions`` (broadcast against ``x[..., 0]``)."""
         ang = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([ang, ang], -1)
-        cos, sin = (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
-        dim = emb.shape[-1]
-        head, rest = x[..., :dim], x[..., dim:]
-        half = dim // 2
-        rotated = head * cos + torch.cat([-head[..., half:], head[..., :half]], -1) * sin
-        return torch.cat([rotated, rest], -1) if rest.shape[-1] else rotated
+        return model_ops_reference.rotate(
+            x, (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
+        )
 
 
 # Checkpoint names (``loraserve.runtime.speculative.eagle.format``) of the head's parameters.
