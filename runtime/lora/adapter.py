@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..contract.config import LORA_MODULES
+from ..contract.config import FUSED_LORA_MODULES, LORA_MODULES, MOE_LORA_MODULES
 from ..model.arch import ModelArchConfig
 from ..model.moe import MIXTRAL_NAMES
 from .errors import AdapterError
@@ -64,8 +64,9 @@ _FULL_COPIES = {
     "lm_head.weight": "lm_head",
 }
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-"""Phi-3's fused projections -> the slots of their parts, in the order their rows are stacked."""
+_FUSED = {**FUSED_LORA_MODULES, "gate_up_proj": MOE_LORA_MODULES["gate_up_proj"]}
+"""Phi-3's fused projections -> the slots of their parts, in the order their rows are stacked
+(the contract's names: its fused gate_up_proj is served as the experts' one is)."""
 _TIED_PAIR = {"embed_tokens", "lm_head"}
 # adapter_config.json options that change what the adapter computes beyond W + s·B·A on
 # the shared base: served as a plain LoRA the output would silently differ from peft's.
