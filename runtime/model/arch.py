@@ -180,7 +180,7 @@ _PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 """Older names Phi-3 configs give LongRoPE (transformers' ``Phi3Config`` reads both so)."""
 
 
-def _rope_spec(raw: dict, family: str = "llama") -> RopeSpec:
+def _rope_spec(raw: dict, family: str, head_dim: int) -> RopeSpec:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form; one type for these models
@@ -202,9 +202,10 @@ def _rope_spec(raw: dict, family: str = "llama") -> RopeSpec:
     original = raw.get("original_max_position_embeddings") if family == "phi3" else None
     original = original or params.get("original_max_position_embeddings")
     factor = params.get("factor")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     short, long = (), ()
     if rope_type == "longrope":
-        short, long, original = _longrope_factors(raw, params, original)
+        short, long, original = _longrope_factors(params, original, pairs=int(head_dim * partial) // 2)
         if factor is None:  # the context extension, as transformers and vLLM derive it
             factor = int(raw.get("max_position_embeddings", 2048)) / original
     return RopeSpec(
@@ -220,26 +221,22 @@ def _rope_spec(raw: dict, family: str = "llama") -> RopeSpec:
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
-        partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+        partial_rotary_factor=partial,
         short_factor=short,
         long_factor=long,
     )
 
 
 def _longrope_factors(
-    raw: dict, params: dict, original: int | None
+    params: dict, original: int | None, *, pairs: int
 ) -> tuple[tuple[float, ...], tuple[float, ...], int]:
-    """LongRoPE's ``short_factor`` / ``long_factor`` (one per rotated pair: checked against the
-    head's rotary dims) and its pretraining length; :class:`ModelConfigError` naming the field."""
+    """LongRoPE's ``short_factor`` / ``long_factor`` (one per rotated pair: ``pairs`` of them)
+    and its pretraining length; :class:`ModelConfigError` naming the field."""
     if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
         raise ModelConfigError(
             "config.json longrope needs original_max_position_embeddings (a positive integer), "
             f"got {original!r}"
         )
-    heads = raw.get("num_attention_heads") or 1
-    head_dim = raw.get("head_dim") or int(raw.get("hidden_size", 0)) // heads
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    pairs = int(head_dim * partial) // 2
     out = []
     for key in ("short_factor", "long_factor"):
         values = params.get(key)
@@ -300,7 +297,7 @@ def arch_from_dict(raw: dict, *, architecture_override: str | None = None) -> Mo
         sliding = None  # per layer: arch.gemma.sliding_layers
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope = _rope_spec(raw, family)
+    rope = _rope_spec(raw, family, head_dim)
     _check_rotary_dim(rope, head_dim, family)
     if family == "phi3":
         _check_phi3(raw)
