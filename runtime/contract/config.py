@@ -91,6 +91,10 @@ FUSED_LORA_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj
 """A dense model's fused projections as peft configs name them (Phi-3's) -> the pool slots that
 serve them; Phi-3's fused ``gate_up_proj`` is served as the experts' one (:data:`MOE_LORA_MODULES`)."""
 
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {**FUSED_LORA_MODULES, "gate_up_proj": MOE_LORA_MODULES["gate_up_proj"]}
+"""A fused projection (Phi-3's checkpoint tensors and its adapters' modules) -> its parts, in
+the order their rows are stacked."""
+
 LORA_MODULES: tuple[str, ...] = (*DENSE_LORA_MODULES, *MOE_LORA_MODULES, *FUSED_LORA_MODULES)
 """Every name ``lora.target_modules`` and an adapter's declared modules accept (the CRD's enum).
 Which of them a model has depends on its family (``policy.families.FAMILY_LORA_MODULES``);

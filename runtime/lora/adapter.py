@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..contract.config import FUSED_LORA_MODULES, LORA_MODULES, MOE_LORA_MODULES
+from ..contract.config import FUSED_PROJECTIONS, LORA_MODULES
 from ..model.arch import ModelArchConfig
 from ..model.moe import MIXTRAL_NAMES
 from .errors import AdapterError
@@ -64,9 +64,6 @@ _FULL_COPIES = {
     "lm_head.weight": "lm_head",
 }
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_FUSED = {**FUSED_LORA_MODULES, "gate_up_proj": MOE_LORA_MODULES["gate_up_proj"]}
-"""Phi-3's fused projections -> the slots of their parts, in the order their rows are stacked
-(the contract's names: its fused gate_up_proj is served as the experts' one is)."""
 _TIED_PAIR = {"embed_tokens", "lm_head"}
 # adapter_config.json options that change what the adapter computes beyond W + s·B·A on
 # the shared base: served as a plain LoRA the output would silently differ from peft's.
@@ -291,7 +288,7 @@ def load_adapter(
         key, which = _parse_name(full_name, name, arch)
         module = key[0]
         slot = slot_module(module)
-        absent = [m for m in _FUSED.get(slot, (slot,)) if m not in pool and m not in ALWAYS_SLOTTED]
+        absent = [m for m in FUSED_PROJECTIONS.get(slot, (slot,)) if m not in pool and m not in ALWAYS_SLOTTED]
         if absent:
             raise _outside(
                 f"tensor {full_name!r} adapts {module}, whose {', '.join(absent)} is not in lora.target_modules "
@@ -388,7 +385,7 @@ def _slots(names: Iterable[str], arch: ModelArchConfig) -> set[str]:
     """Declared module names as the slots that serve them: on Phi-3 a fused name is its parts."""
     if arch.family != "phi3":
         return set(names)
-    return {slot for name in names for slot in _FUSED.get(name, (name,))}
+    return {slot for name in names for slot in FUSED_PROJECTIONS.get(name, (name,))}
 
 
 def _split_fused(
@@ -396,7 +393,7 @@ def _split_fused(
 ) -> None:
     """Replace each fused module's ``{A, B}`` in ``parts`` by its parts' (Phi-3): the same A for
     every part, B cut into the parts' rows. Shapes are checked against the fused module's."""
-    for key in [k for k in parts if k[0] in _FUSED]:
+    for key in [k for k in parts if k[0] in FUSED_PROJECTIONS]:
         fused, layer = key
         pair = parts.pop(key)
         where = f"layer {layer} {fused}"
@@ -406,7 +403,7 @@ def _split_fused(
                     f"{where} has lora_{'BA'[which == 'B']} but no lora_{which}: the file is incomplete",
                     where,
                 )
-        sizes = [arch.module_dims(part)[1] for part in _FUSED[fused]]
+        sizes = [arch.module_dims(part)[1] for part in FUSED_PROJECTIONS[fused]]
         want = {"A": (rank, arch.hidden_size), "B": (sum(sizes), rank)}
         for which in ("A", "B"):
             if tuple(pair[which].shape) != want[which]:
@@ -415,7 +412,7 @@ def _split_fused(
                     "on this base model: the adapter was trained for a different base model or rank",
                     f"{where} lora_{which}",
                 )
-        for part, b in zip(_FUSED[fused], pair["B"].split(sizes, dim=0), strict=True):
+        for part, b in zip(FUSED_PROJECTIONS[fused], pair["B"].split(sizes, dim=0), strict=True):
             if (part, layer) in parts:
                 raise _fail(
                     f"{where} and layer {layer} {part} both carry LoRA: the adapter adapts {part} twice",
@@ -502,7 +499,7 @@ def _parse_name(full_name: str, name: str, arch: ModelArchConfig) -> tuple[tuple
                 "different base model",
                 full_name,
             )
-        if m.group(2) in _FUSED and arch.family != "phi3":
+        if m.group(2) in FUSED_PROJECTIONS and arch.family != "phi3":
             raise _fail(
                 f"tensor {full_name!r} adapts a fused {m.group(2)}, which a {arch.architecture} does not have "
                 "(its checkpoints name the parts: q_proj/k_proj/v_proj, gate_proj/up_proj): the adapter was "

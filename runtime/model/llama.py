@@ -25,6 +25,7 @@ from torch import nn
 
 from loraserve.kernels import model_ops
 
+from ..contract.config import FUSED_PROJECTIONS
 from .arch import ModelArchConfig
 from .layers import (
     Attention,
@@ -51,10 +52,6 @@ _STACKED = {
 }
 
 
-_FUSED_CHECKPOINT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-"""Phi-3's fused checkpoint tensors -> their parts, in the order their rows are stacked."""
-
-
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the tensor and the fix."""
 
@@ -66,7 +63,7 @@ def split_fused_checkpoint(
     families' checkpoints hold (row views, named ``q_proj`` ... ``up_proj``); any other tensor
     as it is."""
     parts = name.split(".")
-    if arch.family != "phi3" or len(parts) < 2 or parts[-2] not in _FUSED_CHECKPOINT:
+    if arch.family != "phi3" or len(parts) < 2 or parts[-2] not in FUSED_PROJECTIONS:
         return [(name, tensor)]
     if parts[-2] == "qkv_proj":
         sizes = (arch.q_size, arch.kv_size, arch.kv_size)
@@ -77,7 +74,7 @@ def split_fused_checkpoint(
             f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, config.json implies {sum(sizes)} "
             f"({' + '.join(map(str, sizes))}): the checkpoint does not match config.json"
         )
-    names = _FUSED_CHECKPOINT[parts[-2]]
+    names = FUSED_PROJECTIONS[parts[-2]]
     return [
         (".".join([*parts[:-2], part, parts[-1]]), piece)
         for part, piece in zip(names, tensor.split(sizes, dim=0), strict=True)
