@@ -95,7 +95,12 @@ class SamplingParams:
     def processes_logits_after(self, num_output: int) -> bool:
         """Whether the logits of any position after ``num_output`` generated tokens are
         changed: the ``min_tokens`` mask no longer applies once that many are out."""
-        return num_output < self.min_tokens or self._processes_every_position
+        return self.stops_masked(num_output) or self._processes_every_position
+
+    def stops_masked(self, num_output: int) -> bool:
+        """Whether the ``min_tokens`` mask holds the stop and end-of-sequence tokens back at
+        the position after ``num_output`` generated tokens."""
+        return num_output < self.min_tokens
 
     @property
     def _processes_every_position(self) -> bool:

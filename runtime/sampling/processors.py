@@ -91,7 +91,7 @@ def _min_tokens(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tenso
     cols: list[int] = []
     for i, s in enumerate(states):
         p = s.params
-        if p.min_tokens and len(s.output_ids) < p.min_tokens:
+        if p.stops_masked(len(s.output_ids)):
             ids = sorted({t for t in (*p.stop_token_ids, *p.eos_token_ids) if 0 <= t < vocab})
             rows.extend([i] * len(ids))
             cols.extend(ids)
